@@ -1,0 +1,90 @@
+"""Cannon's algorithm for C = A B on a q x q grid (d = 1).
+
+Blocks use the ``"2d"`` layout. An initial skew shifts A_ij left by i along the row
+and B_ij up by j along the column, so rank (i, j) starts with A_{i,i+j} and
+B_{i+j,j}; then q multiply steps, each followed (except the last) by a cyclic shift
+of A one step left and B one step up. The shifts of step l+1 are posted before the
+multiply of step l, into a second workspace (double buffering).
+
+What every rank sends (rank (i, j), per call)
+---------------------------------------------
+skew: 1 sendrecv on ``grid.row`` of an (m/q)(k/q) A block if i % q != 0, and 1 on
+``grid.col`` of a (k/q)(n/q) B block if j % q != 0;
+then q-1 sendrecvs on ``grid.row`` of the A block and q-1 on ``grid.col`` of the
+B block: the skew plus 2(q-1) shifts.
+
+References
+----------
+L. E. Cannon, "A cellular computer to implement the Kalman filter algorithm",
+PhD thesis, Montana State University, 1969.
+"""
+
+from __future__ import annotations
+
+from ._common import check_grid, check_inner, check_operands, contiguous
+
+
+def cannon_ab(a, b, grid, out=None):
+    """C = A B with Cannon's algorithm on a q x q grid.
+
+    Parameters
+    ----------
+    a : array, shape (m/q, k/q)
+        Block ``A[M_i, K_j]`` of A [m, k].
+    b : array, shape (k/q, n/q)
+        Block ``B[K_i, N_j]`` of B [k, n].
+    grid : summasim.grid.Grid
+        A grid with ``d == 1``.
+
+    Returns
+    -------
+    array, shape (m/q, n/q)
+        Block ``C[M_i, N_j]``.
+
+    Raises
+    ------
+    ValueError
+        If ``grid.d != 1`` (Cannon needs p = q*q) or the blocks do not conform.
+
+    Notes
+    -----
+    Per rank: the skew (at most one sendrecv of each block) plus q-1 shifts of the A
+    block on ``grid.row`` and q-1 of the B block on ``grid.col``.
+    """
+    be = check_operands(a, b, "cannon_ab")
+    check_grid(grid, "cannon_ab")
+    if grid.d != 1:
+        raise ValueError(f"cannon_ab needs a q x q grid (p = q*q), got [q, q, d] = "
+                         f"[{grid.q}, {grid.q}, {grid.d}] with p = {grid.p}")
+    check_inner("cannon_ab", "a.shape[1] (k/q) vs b.shape[0] (k/q)", a.shape[1], b.shape[0])
+    a, b = contiguous(a), contiguous(b)
+    xp, q = be.xp, grid.q
+    c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    if q == 1:
+        return be.gemm(a, b, c)
+    abuf = (xp.empty_like(a), xp.empty_like(a))                               # 2 x (m/q, k/q)
+    bbuf = (xp.empty_like(b), xp.empty_like(b))                               # 2 x (k/q, n/q)
+
+    # skew: row i rotates A left by i, column j rotates B up by j
+    reqs = []
+    acur, bcur = a, b
+    if grid.i % q:
+        reqs.append(grid.row.ishift(a, abuf[0], -grid.i))
+        acur = abuf[0]
+    if grid.j % q:
+        reqs.append(grid.col.ishift(b, bbuf[0], -grid.j))
+        bcur = bbuf[0]
+    for r in reqs:
+        r.wait()
+
+    slot = 1
+    for l in range(q):
+        reqs = []
+        if l + 1 < q:  # shift the next operands while multiplying the current ones
+            reqs = [grid.row.ishift(acur, abuf[slot], -1), grid.col.ishift(bcur, bbuf[slot], -1)]
+        be.gemm(acur, bcur, c, accumulate=l > 0)
+        for r in reqs:
+            r.wait()
+        if reqs:
+            acur, bcur, slot = abuf[slot], bbuf[slot], 1 - slot
+    return c

@@ -1,0 +1,75 @@
+"""Array backends: NumPy on the CPU, CuPy on the GPU.
+
+The backend is chosen once, at the edge (``summasim.run``, test fixtures), with
+:func:`get_backend`. Everything inside summasim takes the array module from its
+inputs with :func:`array_module` and never imports NumPy or CuPy by name.
+
+A backend object has:
+
+``name``            "numpy", "cupy" or "staged-host"
+``xp``              the array module
+``comm_mode``       how :class:`summasim.comm.Comm` hands its arrays to MPI:
+                    "host" (they are host memory), "direct" (device pointers to a
+                    CUDA-aware MPI) or "staged" (copied through pinned host buffers)
+``asarray(x, dtype=None)``, ``to_numpy(x)``, ``empty(shape, dtype)``,
+``zeros(shape, dtype)``, ``synchronize()``, ``peak_memory()``,
+``reset_peak_memory()``, ``gemm(a, b, c, ...)``
+and, for staged backends, ``pinned_empty(nbytes)``, ``copy_to_host(src, dst)``,
+``copy_from_host(src, dst)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .numpy_backend import NumpyBackend
+from .staged import StagedHostBackend
+
+_NAMES = ("numpy", "cupy", "staged-host")
+_cache: dict = {}
+
+
+def get_backend(name: str = "numpy"):
+    """Return the backend called ``name`` ("numpy", "cupy" or "staged-host").
+
+    The instance is created once per process and reused, so its pinned buffers and
+    its memory statistics persist across calls.
+    """
+    if not isinstance(name, str) or name not in _NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_NAMES)}")
+    if name not in _cache:
+        if name == "numpy":
+            _cache[name] = NumpyBackend()
+        elif name == "staged-host":
+            _cache[name] = StagedHostBackend()
+        else:
+            from .cupy_backend import CupyBackend  # imports cupy: only on request
+
+            _cache[name] = CupyBackend()
+    return _cache[name]
+
+
+def is_device_array(x) -> bool:
+    """True for a CuPy array (without importing CuPy when it was never loaded)."""
+    cp = sys.modules.get("cupy")
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def backend_of(x):
+    """The default backend for an array: "cupy" for device arrays, else "numpy"."""
+    return get_backend("cupy" if is_device_array(x) else "numpy")
+
+
+def array_module(*arrays):
+    """The array module (``numpy`` or ``cupy``) of the given arrays.
+
+    Raises ``TypeError`` when host and device arrays are mixed.
+    """
+    kinds = {is_device_array(a) for a in arrays}
+    if len(kinds) > 1:
+        raise TypeError("mixed host (NumPy) and device (CuPy) arrays in one call")
+    return backend_of(arrays[0]).xp if arrays else get_backend("numpy").xp
+
+
+__all__ = ["get_backend", "backend_of", "array_module", "is_device_array",
+           "NumpyBackend", "StagedHostBackend"]
