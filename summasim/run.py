@@ -99,8 +99,9 @@ def stored_shapes(op: str, m: int, k: int, n: int) -> tuple[tuple[int, int], tup
     return {"ab": ((m, k), (k, n)), "abt": ((m, k), (n, k)), "atb": ((k, m), (k, n))}[op]
 
 
-def _divisors(op, la, lb, lc, q, d):
-    """Required divisor of each of m, k, n for the given layouts."""
+def required_divisors(algorithm: str, q: int, d: int) -> dict[str, int]:
+    """Required divisor of each of m, k, n for an algorithm on a [q, q, d] grid."""
+    _, op, la, lb, lc = ALGORITHMS[algorithm]
     from .layout import block_counts
 
     need = {"m": 1, "k": 1, "n": 1}
@@ -118,8 +119,7 @@ def fit_sizes(algorithm: str, sizes, q: int, d: int, exact: bool):
 
     Returns ``(sizes, reason)``; ``reason`` is non-empty when user sizes do not divide.
     """
-    _, op, la, lb, lc = ALGORITHMS[algorithm]
-    need = _divisors(op, la, lb, lc, q, d)
+    need = required_divisors(algorithm, q, d)
     out, bad = [], []
     for name, size in zip("mkn", sizes):
         div = need[name]
@@ -388,8 +388,10 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
     dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
     runs = plan(p, args.algorithm_list, args.sizes, args.ring_size)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"summasim.run: p = {p} ranks, backend {backend.name} (MPI path: {backend.comm_mode}), "
-        f"wait policy {default_wait_policy()}, {MPI.Get_library_version().splitlines()[0]}")
+    why = getattr(backend, "comm_mode_reason", "")
+    say(f"summasim.run: p = {p} ranks, backend {backend.name} (MPI path: {backend.comm_mode}"
+        f"{': ' + why if why else ''}), wait policy {default_wait_policy()}, "
+        f"{' '.join(MPI.Get_library_version().splitlines()[0].split())}")
     say(f"error = max |C - C_ref| / (|A||B|) per entry; bound = 8 sqrt(k) (u + u_64) "
         f"(summasim.validate)\n")
     say(format_header(), flush=True)

@@ -1,0 +1,53 @@
+"""Helpers for MPI tests: collective verdicts, grids that fit, reference data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+class CollectiveFailure(AssertionError):
+    """An assertion every rank agreed on (raised on all ranks alike)."""
+
+
+def parallel_assert(ok: bool, msg: str = "", comm=WORLD) -> None:
+    """Fail on every rank if ``ok`` is false on any rank, naming the failing ranks."""
+    flags = comm.allgather((bool(ok), str(msg) if not ok else ""))
+    bad = [(r, m) for r, (f, m) in enumerate(flags) if not f]
+    if bad:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in bad[:4])
+        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
+        raise CollectiveFailure(f"failed on ranks {[r for r, _ in bad]}: {detail}{more}")
+
+
+def grid_shapes(p: int) -> list[tuple[int, int]]:
+    """Every ``(q, d)`` with d*q*q == p."""
+    return [(q, p // (q * q)) for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
+
+
+def collective_raises(exc_type, fn, *args, **kwargs) -> str:
+    """Call ``fn``; every rank must raise ``exc_type``. Returns this rank's message."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:  # noqa: PERF203
+        parallel_assert(True)
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        parallel_assert(False, f"raised {type(e).__name__}: {e}, not {exc_type.__name__}")
+    parallel_assert(False, f"did not raise {exc_type.__name__}")
+    return ""
+
+
+def random_matrix(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    return rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
+
+
+def skip_unless(cond: bool, reason: str):
+    """Skip on every rank alike (the condition must be the same everywhere)."""
+    if not cond:
+        pytest.skip(reason)

@@ -1,0 +1,89 @@
+"""Comm records what it does; grids map ranks to coordinates; layouts round-trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _util import WORLD, grid_shapes, parallel_assert
+from summasim import layout
+from summasim.comm import Comm
+from summasim.grid import Grid, Grid1D
+
+P = WORLD.Get_size()
+
+
+@pytest.mark.parametrize("q,d", grid_shapes(P))
+def test_grid_coordinates_and_groups(q, d):
+    with Grid(WORLD, q, d) as g:
+        # every rank learns every rank's coordinates; sub-communicator ranks equal coordinates
+        coords = WORLD.allgather((g.k, g.i, g.j))
+        row_members = g.row.mpi.allgather((g.k, g.i, g.j))
+        col_members = g.col.mpi.allgather((g.k, g.i, g.j))
+        depth_members = g.depth.mpi.allgather((g.k, g.i, g.j))
+        ok = (sorted(coords) == [(k, i, j) for k in range(d) for i in range(q) for j in range(q)]
+              and row_members == [(g.k, g.i, j) for j in range(q)]
+              and col_members == [(g.k, i, g.j) for i in range(q)]
+              and depth_members == [(k, g.i, g.j) for k in range(d)]
+              and g.layer.rank == g.i * q + g.j and g.p == P)
+        parallel_assert(ok, f"coords {g.coords}")
+
+
+@pytest.mark.parametrize("q,d", grid_shapes(P))
+def test_bcast_reduce_shift_are_traced(q, d):
+    with Grid(WORLD, q, d) as g:
+        buf = np.full(6, float(g.j))
+        with g.trace.phase("demo"):
+            g.row.bcast(buf, root=q - 1)
+            part = np.full(3, float(g.i + 1))
+            out = np.empty(3) if g.col.rank == 0 else None
+            g.col.reduce(part, out, root=0)
+            recv = np.empty(1)
+            g.row.sendrecv(np.array([float(g.j)]), g.row.shift_ranks(-1)[1], recv,
+                           g.row.shift_ranks(-1)[0])
+        ok = np.all(buf == q - 1) and recv[0] == (g.j + 1) % q
+        if g.i == 0:
+            ok = ok and np.all(out == q * (q + 1) / 2)
+        ev = g.trace.events
+        ok = ok and [(e.op, e.group, e.group_size, e.root, e.nbytes, e.phase) for e in ev] == [
+            ("bcast", "row", q, q - 1, 48, "demo"), ("reduce", "col", q, 0, 24, "demo"),
+            ("sendrecv", "row", q, -1, 8, "demo")]
+        tot = g.trace.by_op()
+        ok = ok and tot["bcast"].nbytes == 48 and g.trace.by_phase()["demo"].count == 3
+        ok = ok and all(e.seconds >= 0 for e in ev)
+        parallel_assert(ok, f"trace {ev}")
+
+
+@pytest.mark.parametrize("q,d", grid_shapes(P))
+@pytest.mark.parametrize("name", ["2d", "2.5d", "row", "col", "replicated"])
+def test_split_join_round_trip(q, d, name):
+    rng = np.random.default_rng(11)
+    M = rng.standard_normal((2 * q * d * P, 3 * q * P))
+    with Grid(WORLD, q, d) as g:
+        blk = layout.split(M, g, name)
+        want_shape = layout.local_shape(M.shape, name, q, d, P)
+        back = layout.join(blk, g, name)
+        parallel_assert(blk.shape == want_shape and blk.flags.c_contiguous
+                        and np.array_equal(back, M), f"{name} on [{q},{q},{d}]")
+
+
+@pytest.mark.parametrize("name", ["row", "col", "replicated"])
+def test_grid1d_layouts(name):
+    with Grid1D(WORLD) as g:
+        V = np.arange(4 * P * 3 * P, dtype=np.float64).reshape(4 * P, 3 * P)
+        back = layout.join(layout.split(V, g, name), g, name)
+        vec = np.arange(2 * P, dtype=np.float32)
+        vback = layout.join(layout.split(vec, g, name), g, name)
+        parallel_assert(np.array_equal(back, V) and np.array_equal(vback, vec), name)
+
+
+def test_plain_communicator_is_wrapped():
+    from summasim.algorithms import ring_allreduce
+
+    dup = WORLD.Dup()
+    try:
+        y = ring_allreduce(np.ones(5), dup)          # a raw mpi4py communicator
+        c = Comm(dup, name="x")
+        parallel_assert(np.all(y == P) and c.size == P and c.name == "x", "wrap")
+    finally:
+        dup.Free()

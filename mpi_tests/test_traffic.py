@@ -1,0 +1,102 @@
+"""Trace totals per rank equal the closed forms of what each algorithm sends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _util import WORLD, grid_shapes, parallel_assert
+from summasim import algorithms as algs
+from summasim import layout
+from summasim.comm import Comm
+from summasim.grid import Grid
+from summasim.run import ALGORITHMS, required_divisors, stored_shapes
+
+P = WORLD.Get_size()
+ITEM = 8
+
+
+def ring_items(N: int, p: int, r: int) -> list[int]:
+    """Items sent in each of the 2(p-1) sendrecvs of a ring all-reduce at rank r."""
+    size = [N // p + (1 if c < N % p else 0) for c in range(p)]
+    return [size[(r - s) % p] for s in range(p - 1)] + \
+           [size[(r + 1 - s) % p] for s in range(p - 1)]
+
+
+def expected(name, m, k, n, grid) -> dict:
+    """{(op, group): (count, bytes)} per rank, from the module docstrings' closed forms."""
+    q, d, i, j = grid.q, grid.d, grid.i, grid.j
+    out: dict = {}
+
+    def add(op, group, count, items):
+        if count:
+            c0, b0 = out.get((op, group), (0, 0))
+            out[(op, group)] = (c0 + count, b0 + count * items * ITEM)
+
+    md = m // (d * q)  # rows of a 2.5d block
+    kd = k // (d * q)
+    if q > 1:
+        if name == "summa_ab":
+            add("bcast", "row", q, (m // q) * (k // q))
+            add("bcast", "col", q, (k // q) * (n // q))
+        elif name == "summa_abt":
+            add("bcast", "col", q, (n // q) * (k // q))
+            add("reduce", "row", q, (m // q) * (n // q))
+        elif name == "summa_atb":
+            add("bcast", "row", q, (k // q) * (m // q))
+            add("reduce", "col", q, (m // q) * (n // q))
+        elif name == "summa25_ab":
+            add("bcast", "row", q, md * (k // q))
+            add("bcast", "col", q, (k // q) * (n // q))
+        elif name == "summa25_abt":
+            add("bcast", "col", q, (n // q) * (k // q))
+            add("reduce", "row", q, md * (n // q))
+        elif name == "summa25_atb":
+            add("bcast", "row", q, kd * (m // q))
+            add("reduce", "col", q, (m // q) * (n // q))
+        elif name == "cannon_ab":
+            add("sendrecv", "row", (1 if i % q else 0) + q - 1, (m // q) * (k // q))
+            add("sendrecv", "col", (1 if j % q else 0) + q - 1, (k // q) * (n // q))
+    if name == "summa25_atb" and d > 1:
+        for items in ring_items((m // q) * (n // q), d, grid.k):
+            add("sendrecv", "depth", 1, items)
+    return out
+
+
+CASES = [(name, q, d) for name, spec in ALGORITHMS.items() if spec[0] != "ring"
+         for q, d in grid_shapes(P) if not (name == "cannon_ab" and d > 1)]
+
+
+@pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])
+def test_trace_matches_closed_form(name, q, d):
+    _, op, la, lb, lc = ALGORITHMS[name]
+    need = required_divisors(name, q, d)
+    m, k, n = 5 * need["m"], 3 * need["k"], 2 * need["n"]   # non-square, odd ring lengths
+    sa, sb = stored_shapes(op, m, k, n)
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal(sa), rng.standard_normal(sb)
+    with Grid(WORLD, q, d) as grid:
+        a, b = layout.split(A, grid, la), layout.split(B, grid, lb)
+        with grid.trace.phase("algo"):
+            getattr(algs, name)(a, b, grid)
+        got = {key: (t.count, t.nbytes) for key, t in grid.trace.by_op_group().items()}
+        want = expected(name, m, k, n, grid)
+        sizes_ok = all(e.group_size == {"row": q, "col": q, "depth": d}[e.group]
+                       and e.phase == "algo" for e in grid.trace.events)
+        roots_ok = all(e.root in range(q) for e in grid.trace.events if e.op in ("bcast", "reduce"))
+        parallel_assert(got == want and sizes_ok and roots_ok,
+                        f"rank {grid.coords}: traced {got} != closed form {want}")
+
+
+@pytest.mark.parametrize("N", [0, 1, P - 1, 10 * P + 3, 4096])
+def test_ring_traffic(N):
+    comm = Comm(WORLD.Dup(), name="ring")
+    try:
+        algs.ring_allreduce(np.ones(N), comm)
+        sent = [e.nbytes // ITEM for e in comm.trace.events]
+        want = ring_items(N, P, comm.rank) if P > 1 else []
+        ops = {e.op for e in comm.trace.events}
+        parallel_assert(sent == want and ops <= {"sendrecv"} and len(sent) == 2 * (P - 1),
+                        f"ring N={N}: sent {sent}, closed form {want}")
+    finally:
+        comm.mpi.Free()

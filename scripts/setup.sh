@@ -1,0 +1,32 @@
+# Sourced by scripts/run and scripts/test: create .venv and install summasim into it.
+#
+#   SUMMASIM_MPI=wheel   (default) MPI from the `mpich` wheel on PyPI: no system package needed
+#   SUMMASIM_MPI=system  use the MPI on PATH (mpicc/mpiexec): mpi4py is built against it
+#   SUMMASIM_PYTHON      the interpreter to create the venv with (default python3)
+#   SUMMASIM_VENV        where the venv lives (default .venv in the repository)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SUMMASIM_VENV:-$ROOT/.venv}"
+MPI_KIND="${SUMMASIM_MPI:-wheel}"
+case "$MPI_KIND" in
+  wheel) EXTRAS="mpich,test,plot" ;;
+  system) EXTRAS="test,plot" ;;
+  *) echo "SUMMASIM_MPI must be 'wheel' or 'system', got '$MPI_KIND'" >&2; exit 2 ;;
+esac
+if [ ! -x "$VENV/bin/python" ]; then
+  "${SUMMASIM_PYTHON:-python3}" -m venv "$VENV"
+fi
+# reinstall only when the package metadata or the MPI choice changed
+STAMP="$VENV/.summasim-installed"
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | cksum | cut -d' ' -f1)-$MPI_KIND"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  if [ "$MPI_KIND" = system ]; then
+    "$VENV/bin/python" -m pip install --quiet --no-binary=mpi4py mpi4py
+  fi
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+cd "$ROOT"

@@ -1,0 +1,42 @@
+"""Shared fixtures for the serial tests and the MPI launchers."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec_command() -> list[str]:
+    """The launcher: $SUMMASIM_MPIEXEC, else mpiexec beside this Python, else on PATH.
+
+    Extra flags (e.g. ``--oversubscribe`` for Open MPI) come from
+    $SUMMASIM_MPIEXEC_FLAGS.
+    """
+    exe = os.environ.get("SUMMASIM_MPIEXEC")
+    if not exe:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        exe = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if not exe:
+        pytest.fail("no mpiexec found: install the mpich wheel (pip install mpich) or set "
+                    "SUMMASIM_MPIEXEC")
+    return shlex.split(exe) + shlex.split(os.environ.get("SUMMASIM_MPIEXEC_FLAGS", ""))
+
+
+@pytest.fixture(scope="session")
+def mpiexec():
+    return mpiexec_command()
+
+
+def mpi_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env

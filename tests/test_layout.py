@@ -1,0 +1,73 @@
+"""Pure block math of summasim.layout: no MPI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from summasim import layout
+from summasim.layout import GridNumbers
+
+
+def all_ranks(name, q, d, p):
+    if name in ("row", "col"):
+        return [GridNumbers(q=q, d=d, p=p, r=r) for r in range(p)]
+    return [GridNumbers(q=q, d=d, p=p, i=i, j=j, k=k)
+            for k in range(d) for i in range(q) for j in range(q)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(q=st.integers(1, 4), d=st.integers(1, 3), mult=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       name=st.sampled_from(["2d", "2.5d", "row", "col"]))
+def test_blocks_tile_the_array(q, d, mult, name):
+    """Each entry is covered by the expected number of ranks: once per layer for
+    "2d" (replicated over depth), exactly once for the others."""
+    p = d * q * q
+    nr, nc = layout.block_counts(name, q, d, p)
+    shape = (nr * mult[0], nc * mult[1])
+    cover = np.zeros(shape, dtype=int)
+    for g in all_ranks(name, q, d, p):
+        sl = layout.block_slices(shape, name, g)
+        assert cover[sl].shape == layout.local_shape(shape, name, q, d, p)
+        cover[sl] += 1
+    assert np.all(cover == (d if name == "2d" else 1))
+
+
+def test_block_index_conventions():
+    g = GridNumbers(q=3, d=2, p=18, i=2, j=1, k=1, r=5)
+    assert layout.block_index("2d", g) == (2, 1)
+    assert layout.block_index("2.5d", g) == (1 * 3 + 2, 1)
+    assert layout.block_index("row", g) == (5, 0)
+    assert layout.block_index("col", g) == (0, 5)
+    assert layout.block_counts("2.5d", 3, 2) == (6, 3)
+    assert layout.block_slices((12, 9), "2.5d", g) == (slice(10, 12), slice(3, 6))
+
+
+def test_vectors_and_higher_rank():
+    assert layout.local_shape((12,), "col", p=4) == (3,)
+    assert layout.local_shape((8, 5, 6), "row", p=4) == (2, 5, 6)
+    assert layout.local_shape((8, 5, 6), "col", p=3) == (8, 5, 2)
+    assert layout.local_shape((7, 5), "replicated", q=3) == (7, 5)
+    g = GridNumbers(p=4, r=2)
+    assert layout.block_slices((12,), "col", g) == (slice(6, 9),)
+
+
+@pytest.mark.parametrize("shape,name,q,d,p,needle", [
+    ((10, 8), "2d", 4, 1, 16, "rows = 10 is not divisible by 4"),
+    ((8, 6), "2d", 4, 1, 16, "columns = 6 is not divisible by 4"),
+    ((12, 8), "2.5d", 2, 4, 16, "rows = 12 is not divisible by 8"),
+    ((9, 4), "row", 1, 1, 4, "rows = 9 is not divisible by 4"),
+    ((4, 9), "col", 1, 1, 4, "columns = 9 is not divisible by 4"),
+])
+def test_non_dividing_dimension_is_named(shape, name, q, d, p, needle):
+    with pytest.raises(ValueError, match=needle):
+        layout.local_shape(shape, name, q, d, p)
+
+
+def test_bad_layout_names_and_ranks():
+    with pytest.raises(ValueError, match="unknown layout"):
+        layout.local_shape((4, 4), "3d", 2)
+    with pytest.raises(ValueError, match="needs a 2-D array"):
+        layout.local_shape((4, 4, 4), "2d", 2)

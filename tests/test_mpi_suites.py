@@ -1,0 +1,81 @@
+"""Launch the MPI suites and the main job under mpiexec, each under a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpi_env
+
+SUITE_TIMEOUT = int(os.environ.get("SUMMASIM_MPI_TIMEOUT", "900"))
+
+
+def launch(mpiexec, n, args, timeout):
+    cmd = ["timeout", "-k", "10", str(timeout)] + mpiexec + ["-n", str(n), sys.executable] + args
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("n,backend", [(1, "numpy"), (4, "numpy"), (8, "numpy"), (9, "numpy"),
+                                       (16, "numpy"), (4, "staged-host")])
+def test_mpi_suite(mpiexec, n, backend):
+    """mpi_tests under mpiexec -n N; staged-host runs the suite through the GPU staging path."""
+    proc, _ = launch(mpiexec, n, ["-m", "mpi4py", "-m", "pytest", "mpi_tests", "-q",
+                                  "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
+                                  "--backend", backend], SUITE_TIMEOUT)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode != 124, f"mpi_tests at n={n} timed out:\n{tail}"
+    assert proc.returncode == 0, f"mpi_tests at n={n} failed:\n{tail}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
+
+
+def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
+    path = tmp_path / "run.json"
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--sizes", "96", "64", "80",
+                                  "--ring-size", "1001", "--repeats", "2", "--dtype", "both",
+                                  "--json", str(path)], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    assert report["world_size"] == 4 and report["ok"] is True
+    names = {(r["algorithm"], r["dtype"]) for r in report["rows"]}
+    assert ("summa_abt", "float32") in names and ("ring_allreduce", "float64") in names
+    assert ("summa25_atb", "float64") in names  # on [1, 1, 4]
+    for r in report["rows"]:
+        assert r["ok"] and r["error"] <= r["bound"] and r["seconds"] > 0
+    assert proc.stdout.count(" OK ") == len(report["rows"])
+
+
+def test_main_job_at_a_world_size_without_square_grid(mpiexec):
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--sizes", "32", "16", "24",
+                                  "--repeats", "1", "--algorithms", "summa_ab,summa25_ab"], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summa_ab: needs a square number of ranks" in proc.stdout
+    assert "[1,1,2]" in proc.stdout
+
+
+def test_one_failing_rank_aborts_the_whole_job(mpiexec):
+    proc, seconds = launch(mpiexec, 16, ["-m", "summasim.run", "--algorithms", "summa_ab",
+                                         "--sizes", "64", "64", "64", "--fail-on-rank", "3"], 180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), out[-3000:]
+    assert "[rank 3/16] unhandled exception" in out and "deliberate failure on rank 3" in out
+    assert "Traceback" in out
+    print(f"abort of a 16-rank job took {seconds:.1f} s")
+
+
+def test_failed_validation_exits_nonzero(mpiexec):
+    """A run whose result is wrong must FAIL and exit 1 (the bound is not a formality)."""
+    code = ("import sys, summasim.algorithms as a, summasim.run as r;"
+            "orig = a.summa_ab;"
+            "a.summa_ab = lambda x, y, g, out=None: orig(x, y, g) * (1 + 1e-9);"
+            "sys.exit(r.main(['--algorithms', 'summa_ab', '--sizes', '32', '32', '32',"
+            " '--repeats', '1']))")
+    proc, _ = launch(mpiexec, 4, ["-c", code], 120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert " FAIL " in proc.stdout and "1 failed" in proc.stdout
