@@ -1,0 +1,513 @@
+"""Fit a Machine from microbenchmarks: ping-pong, ring, collectives, GEMM.
+
+Run it under MPI::
+
+    mpiexec -n 2 python -m summasim.costmodel fit --out machine.json
+    mpiexec -n 2 python -m summasim.costmodel fit --quick --out /tmp/m.json
+
+Rank 0 prints progress and the fit quality, and writes the JSON (atomically).
+
+What is measured
+----------------
+ping-pong   ranks 0 and 1, log-spaced sizes 8 B .. ``max_bytes``: half the round
+            trip of ``Send``/``Recv`` (the rest of the ranks wait in a barrier)
+ring        every rank ``Sendrecv`` to its right neighbour (Cannon's shift)
+collectives ``Bcast``, ``Reduce`` and ``Allreduce`` (sum) on groups of the given
+            sizes (``comm.Split``), slowest rank of each call
+GEMM        ``numpy.matmul`` of n x n blocks per dtype with one BLAS thread,
+            all ranks at once (as SPMD code runs): seconds per flop
+reduction   ``numpy.add(x, y, out=x)``: seconds per byte; the machine's gamma_reduce
+            is the larger of this and what the measured MPI_Reduce/MPI_Allreduce
+            imply (:func:`gamma_reduce_from_collectives`): MPI's own reductions
+            (temporary buffers, MPI_SUM loops) were 16x slower per byte here
+
+Each point is the fastest of several short repetitions (9 of about 0.5 ms with
+``--quick``, else 21 of about 2 ms, each averaging enough iterations to last that
+long): on a shared machine other work only ever adds time, so the minimum over
+short repetitions estimates the machine itself. The fit warns when the load
+average exceeds the core count.
+
+alpha and beta are fitted per regime (small / large messages, split at the eager
+threshold: given, or chosen as the split that fits best) by robust least squares
+on relative residuals, ``scipy.optimize.least_squares(loss="soft_l1")`` on
+``(alpha + beta m) / t - 1``, so that 8-byte and 64-MiB points weigh alike and
+outliers (a descheduled rank) do not drag the line. The fit quality printed per
+regime is the median relative error. The collectives are then predicted with
+the fitted machine and the MPICH-selected algorithm, and their median relative
+error is printed too: a check of the whole model, not part of the fit.
+
+Oversubscription: MPICH's waiting ranks spin (``MPIR_CVAR_POLLS_BEFORE_YIELD`` =
+1000 polls before a yield), so any rank idle in a barrier or a receive burns a
+core. Run the fit with no more ranks than cores (here: 2); with more, every number
+includes time-sharing and the model would apply the slowdown twice.
+
+Only :func:`run_fit` and :func:`main` import mpi4py (lazily); the fitting functions
+are pure and testable without MPI.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .collectives import collective_time
+from .machine import Link, Machine
+
+MiB = 1 << 20
+
+
+@dataclass
+class LinearFit:
+    """``t = alpha + beta * m`` over some points (seconds, seconds/byte)."""
+
+    alpha: float
+    beta: float
+    median_rel_err: float
+    n: int
+
+    def predict(self, sizes):
+        return self.alpha + self.beta * np.asarray(sizes, float)
+
+
+@dataclass
+class RegimeFit:
+    """Two regimes split at ``threshold`` bytes (small: m < threshold)."""
+
+    small: LinearFit
+    large: LinearFit
+    threshold: int
+
+    def link(self) -> Link:
+        return Link(self.small.alpha, self.small.beta, self.large.alpha, self.large.beta,
+                    int(self.threshold))
+
+
+def _soft_l1(r, scale):
+    z = (r / scale) ** 2
+    return float(np.sum(2.0 * (np.sqrt(1.0 + z) - 1.0)))
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *,
+                   f_scale: float = 0.05) -> LinearFit:
+    """Robust fit of ``t = alpha + beta m`` with relative residuals.
+
+    Parameters
+    ----------
+    sizes : sequence of float
+        Message sizes m, bytes.
+    times : sequence of float
+        Measured seconds (> 0).
+    f_scale : float
+        Relative error beyond which a point counts as an outlier (soft L1).
+
+    Returns
+    -------
+    LinearFit
+        alpha (seconds) and beta (seconds/byte), both >= 0, and the median
+        relative error of the fit.
+    """
+    from scipy.optimize import least_squares
+
+    m = np.asarray(sizes, float)
+    t = np.asarray(times, float)
+    if m.shape != t.shape or m.size < 2:
+        raise ValueError(f"need >= 2 (size, time) pairs of equal length, got {m.size}, {t.size}")
+    if np.any(t <= 0) or np.any(m < 0):
+        raise ValueError("times must be > 0 and sizes >= 0")
+    # scale to microseconds and nanoseconds per byte so both unknowns are O(1)
+    a_s, b_s = 1e-6, 1e-9
+    w = 1.0 / t
+    A = np.column_stack([w * a_s, w * m * b_s])
+    x0, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    x0 = np.maximum(x0, 1e-6)
+
+    def resid(x):
+        return (x[0] * a_s + x[1] * b_s * m) / t - 1.0
+
+    res = least_squares(resid, x0, bounds=(0.0, np.inf), loss="soft_l1", f_scale=f_scale,
+                        x_scale="jac")
+    alpha, beta = float(res.x[0] * a_s), float(res.x[1] * b_s)
+    rel = np.abs((alpha + beta * m) / t - 1.0)
+    return LinearFit(alpha, beta, float(np.median(rel)), int(m.size))
+
+
+def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int | None = None,
+                *, min_points: int = 3, f_scale: float = 0.05) -> RegimeFit:
+    """Fit small- and large-message regimes.
+
+    ``threshold`` (bytes) splits them (small: m < threshold); None tries every
+    split leaving ``min_points`` on each side and keeps the one with the smallest
+    total soft-L1 relative loss. With too few points both regimes get one fit.
+    """
+    m = np.asarray(sizes, float)
+    t = np.asarray(times, float)
+    order = np.argsort(m)
+    m, t = m[order], t[order]
+    if threshold is None:
+        cands = [c for c in np.unique(m)
+                 if (m < c).sum() >= min_points and (m >= c).sum() >= min_points]
+        if not cands:
+            one = fit_alpha_beta(m, t, f_scale=f_scale)
+            return RegimeFit(one, one, int(m.max()) + 1)
+        best = None
+        for c in cands:
+            lo, hi = m < c, m >= c
+            fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale)
+            fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale)
+            loss = (_soft_l1(fs.predict(m[lo]) / t[lo] - 1, f_scale)
+                    + _soft_l1(fl.predict(m[hi]) / t[hi] - 1, f_scale))
+            if best is None or loss < best[0]:
+                best = (loss, RegimeFit(fs, fl, int(c)))
+        return best[1]
+    lo, hi = m < threshold, m >= threshold
+    if lo.sum() < 2 or hi.sum() < 2:
+        one = fit_alpha_beta(m, t, f_scale=f_scale)
+        fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale) if lo.sum() >= 2 else one
+        fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale) if hi.sum() >= 2 else one
+        return RegimeFit(fs, fl, int(threshold))
+    return RegimeFit(fit_alpha_beta(m[lo], t[lo], f_scale=f_scale),
+                     fit_alpha_beta(m[hi], t[hi], f_scale=f_scale), int(threshold))
+
+
+def median_rel_err(predicted, measured) -> float:
+    """``median |predicted / measured - 1|``."""
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    return float(np.median(np.abs(p / m - 1.0)))
+
+
+def log_sizes(min_bytes: int = 8, max_bytes: int = 64 * MiB, factor: int = 2) -> list[int]:
+    """``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (inclusive)."""
+    out, s = [], int(min_bytes)
+    while s <= max_bytes:
+        out.append(s)
+        s *= factor
+    return out
+
+
+# -- MPI microbenchmarks ------------------------------------------------------------------
+class _Bench:
+    """Timing helpers on an mpi4py communicator (rank 0 reports)."""
+
+    def __init__(self, comm, target_s, reps, say):
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.target_s, self.reps, self.say = target_s, reps, say
+
+    def _iters(self, once_s):
+        """Iterations per repetition so that one repetition lasts about target_s."""
+        return int(max(1, min(10000, self.target_s / max(once_s, 1e-7))))
+
+    def _agree(self, x):
+        return self.comm.allreduce(x, op=self.MPI.MAX)
+
+    def pingpong(self, nbytes):
+        """Fastest half round trip (seconds) between ranks 0 and 1 over the repetitions."""
+        comm, MPI = self.comm, self.MPI
+        buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+        samples = []
+        iters = None
+        for rep in range(self.reps + 1):
+            comm.Barrier()
+            n = 1 if iters is None else iters
+            t0 = MPI.Wtime()
+            if self.rank == 0:
+                for _ in range(n):
+                    comm.Send([buf, MPI.BYTE], dest=1, tag=7)
+                    comm.Recv([buf, MPI.BYTE], source=1, tag=7)
+            elif self.rank == 1:
+                for _ in range(n):
+                    comm.Recv([buf, MPI.BYTE], source=0, tag=7)
+                    comm.Send([buf, MPI.BYTE], dest=0, tag=7)
+            dt = (MPI.Wtime() - t0) / (2 * n)
+            if iters is None:  # the first round only sizes the loop
+                iters = self._iters(self._agree(dt) * 2)
+                iters = comm.bcast(iters, root=0)
+                continue
+            samples.append(dt)
+        return comm.bcast(float(np.min(samples)) if self.rank == 0 else None, root=0)
+
+    def _timed(self, fn, comm):
+        """Fastest repetition of the slowest rank's time per call of ``fn``."""
+        MPI = self.MPI
+        samples = []
+        iters = None
+        for rep in range(self.reps + 1):
+            comm.Barrier()
+            n = 1 if iters is None else iters
+            t0 = MPI.Wtime()
+            for _ in range(n):
+                fn()
+            dt = comm.allreduce((MPI.Wtime() - t0) / n, op=MPI.MAX)
+            if iters is None:
+                iters = self._iters(dt)
+                continue
+            samples.append(dt)
+        return float(np.min(samples))
+
+    def ring(self, nbytes):
+        comm, MPI = self.comm, self.MPI
+        send = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+        recv = np.empty_like(send)
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return self._timed(lambda: comm.Sendrecv([send, MPI.BYTE], right, 3,
+                                                 [recv, MPI.BYTE], left, 3), comm)
+
+    def collective(self, op, sub, nbytes):
+        MPI = self.MPI
+        count = max(1, nbytes // 8)
+        x = np.ones(count, np.float64)
+        y = np.empty_like(x)
+        if op == "bcast":
+            fn = lambda: sub.Bcast([x, MPI.DOUBLE], root=0)  # noqa: E731
+        elif op == "reduce":
+            fn = lambda: sub.Reduce([x, MPI.DOUBLE], [y, MPI.DOUBLE],  # noqa: E731
+                                    op=MPI.SUM, root=0)
+        else:
+            fn = lambda: sub.Allreduce([x, MPI.DOUBLE], [y, MPI.DOUBLE], op=MPI.SUM)  # noqa: E731
+        return self._timed(fn, sub)
+
+
+def _gemm_seconds(n, dtype, reps):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype)
+    np.matmul(a, b, out=c)
+    t0 = time.perf_counter()
+    np.matmul(a, b, out=c)
+    once = time.perf_counter() - t0
+    iters = int(max(1, min(1000, 0.002 / max(once, 1e-7))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            np.matmul(a, b, out=c)
+        samples.append((time.perf_counter() - t0) / iters)
+    return float(np.min(samples))
+
+
+def _reduce_seconds_per_byte(nbytes, reps):
+    x = np.ones(nbytes // 8)
+    y = np.ones_like(x)
+    np.add(x, y, out=x)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.add(x, y, out=x)
+        samples.append(time.perf_counter() - t0)
+    return float(np.min(samples)) / x.nbytes
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+def _phys_mem() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        return 0.0
+
+
+def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
+            group_sizes: Sequence[int] | None = None, gemm_sizes: Sequence[int] | None = None,
+            dtypes: Sequence[str] = ("float64", "float32"), threshold: int | None = None,
+            name: str | None = None, command: str | None = None,
+            say: Callable[[str], None] | None = None) -> Machine | None:
+    """Run the microbenchmarks on ``comm`` (COMM_WORLD) and fit a Machine.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator, optional
+        At least 2 ranks.
+    quick : bool
+        Fewer sizes (factor 4 apart, up to 4 MiB unless ``max_bytes``), fewer
+        repetitions, fewer GEMM sizes: about a minute on 2 cores.
+    max_bytes : int, optional
+        Largest message (default 64 MiB, quick 4 MiB).
+    group_sizes : sequence of int, optional
+        Collective group sizes (default: powers of two up to the world size, and it).
+    gemm_sizes : sequence of int, optional
+        GEMM block sizes n.
+    dtypes : sequence of str
+        GEMM dtypes.
+    threshold : int, optional
+        Eager/rendezvous split in bytes; None chooses the best split.
+    name : str, optional
+        Machine name.
+    command : str, optional
+        Recorded in the notes (default: the command line).
+    say : callable, optional
+        Progress printer (rank 0 only); default prints with flush.
+
+    Returns
+    -------
+    Machine on rank 0, None on the other ranks.
+    """
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_limits
+
+    comm = comm or MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 2:
+        raise ValueError("the fit needs at least 2 MPI ranks (mpiexec -n 2 ...)")
+    if say is None:
+        say = (lambda msg: print(f"[fit] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    cores = _cores()
+    if size > cores:
+        say(f"WARNING: {size} ranks on {cores} cores: waiting ranks spin and share the cores; "
+            f"the measured numbers include time-sharing")
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover
+        load = 0.0
+    if load > cores:
+        say(f"WARNING: load average {load:.1f} on {cores} cores: other work is running, "
+            f"expect noisy numbers (each point keeps the fastest repetition)")
+    max_bytes = max_bytes or (4 * MiB if quick else 64 * MiB)
+    sizes = log_sizes(8, max_bytes, 4 if quick else 2)
+    reps = 9 if quick else 21
+    bench = _Bench(comm, 0.0005 if quick else 0.002, reps, say)
+    t_start = time.time()
+
+    say(f"{size} ranks, {cores} cores, {MPI.Get_library_version().splitlines()[0].strip()}")
+    say(f"ping-pong between ranks 0 and 1, {len(sizes)} sizes {sizes[0]} B .. {sizes[-1]} B")
+    pp = []
+    for s in sizes:
+        t = bench.pingpong(s)
+        pp.append(t)
+        say(f"  ping-pong {s:>10d} B  {t * 1e6:10.2f} us  {s / t / 1e9 if t else 0:7.2f} GB/s")
+    say("ring sendrecv (every rank to its right neighbour)")
+    ring = []
+    ring_sizes = sizes[::2] if not quick else sizes
+    for s in ring_sizes:
+        t = bench.ring(s)
+        ring.append(t)
+        say(f"  ring      {s:>10d} B  {t * 1e6:10.2f} us")
+
+    if group_sizes is None:
+        group_sizes = sorted({g for g in (2 ** i for i in range(1, size.bit_length()))
+                              if g <= size} | {size})
+    coll_sizes = [s for s in sizes if s >= 64][:: (2 if quick else 3)]
+    colls = []
+    for g in group_sizes:
+        if not 2 <= g <= size:
+            continue
+        color = rank // g if rank < (size // g) * g else MPI.UNDEFINED
+        sub = comm.Split(color, rank)
+        for op in ("bcast", "reduce", "allreduce"):
+            for s in coll_sizes:
+                t = bench.collective(op, sub, s) if sub != MPI.COMM_NULL else None
+                t = comm.bcast(t, root=0)
+                colls.append((op, g, s, t))
+                say(f"  {op:<9s} g={g:<3d} {s:>10d} B  {t * 1e6:10.2f} us")
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+        comm.Barrier()
+
+    if gemm_sizes is None:
+        gemm_sizes = (64, 256, 1024) if quick else (32, 64, 128, 256, 512, 1024, 2048)
+    gamma_gemm = {}
+    with threadpool_limits(limits=1):
+        for dt in dtypes:
+            pts = []
+            for n in gemm_sizes:
+                comm.Barrier()
+                t = _gemm_seconds(int(n), dt, 5 if quick else 9)
+                t = float(np.median(comm.allgather(t)))
+                g = t / (2.0 * n ** 3)
+                pts.append((float(n), g))
+                say(f"  gemm {dt:<8s} n={n:<5d} {t * 1e3:9.3f} ms  {1 / g / 1e9:7.2f} GFLOP/s/rank")
+            gamma_gemm[dt] = pts
+        comm.Barrier()
+        gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
+        gr = float(np.median(comm.allgather(gr)))
+        say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
+
+    if rank != 0:
+        comm.Barrier()
+        return None
+    rf = fit_regimes(sizes, pp, threshold)
+    say(f"fit: eager threshold {rf.threshold} B "
+        f"({'given' if threshold is not None else 'best split'}; MPICH ch4 shm cell = 8192 B)")
+    for tag, f in (("small", rf.small), ("large", rf.large)):
+        bw = f"{1 / f.beta / 1e9:7.2f} GB/s" if f.beta > 1e-15 else "    inf GB/s"
+        say(f"  {tag:<5s} alpha = {f.alpha * 1e6:8.3f} us  beta = {f.beta * 1e9:8.4f} ns/B "
+            f"({bw})  "
+            f"median rel err {f.median_rel_err:.1%} over {f.n} points")
+    host = platform.node() or "host"
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = Machine(
+        name=name or f"fit-{host}",
+        source=(f"summasim.costmodel fit on {host}, {date}, {size} ranks, "
+                f"{MPI.Get_library_version().splitlines()[0].strip()}"),
+        cores=cores, intra=rf.link(), gamma_gemm=gamma_gemm, gamma_reduce=gr,
+        memory_bytes=_phys_mem() / max(cores, 1), shared_comm=True,
+        notes={"date": date, "command": command or " ".join([sys.executable] + sys.argv),
+               "ranks": size, "cores": cores, "quick": quick,
+               "fit": {"threshold": rf.threshold,
+                       "small": [rf.small.alpha, rf.small.beta, rf.small.median_rel_err],
+                       "large": [rf.large.alpha, rf.large.beta, rf.large.median_rel_err]},
+               "pingpong": [[s, t] for s, t in zip(sizes, pp)],
+               "ring": [[s, t] for s, t in zip(ring_sizes, ring)],
+               "collectives": [list(c) for c in colls],
+               "seconds": round(time.time() - t_start, 1)})
+    # MPI's own reductions (temporary buffers, MPI_SUM loops) can be much slower per
+    # byte than numpy's a += b; estimate gamma_reduce as seen inside MPI_Reduce /
+    # MPI_Allreduce from their large-message points and keep the larger of the two
+    g_mpi = gamma_reduce_from_collectives(machine, colls)
+    if g_mpi is not None:
+        say(f"gamma_reduce: numpy a += b {gr * 1e9:.3f} ns/B, inside MPI reduce/allreduce "
+            f"{g_mpi * 1e9:.3f} ns/B; using {max(gr, g_mpi) * 1e9:.3f} ns/B")
+        machine = machine.replace(gamma_reduce=max(gr, g_mpi),
+                                  notes={**machine.notes, "gamma_reduce_numpy": gr,
+                                         "gamma_reduce_mpi": g_mpi})
+    # check the whole model on what was not fitted
+    pred = [machine.link().time(s) for s in ring_sizes]
+    say(f"check: ring sendrecv predicted vs measured, median rel err "
+        f"{median_rel_err(pred, ring):.1%}")
+    checks = {}
+    for op in ("bcast", "reduce", "allreduce"):
+        rows = [(g, s, t) for o, g, s, t in colls if o == op and t]
+        if rows:
+            pr = [collective_time(op, s, g, machine) for g, s, _ in rows]
+            algs = sorted({c.algorithm for c in pr})
+            err = median_rel_err([c.seconds for c in pr], [t for *_, t in rows])
+            checks[op] = err
+            say(f"check: {op:<9s} median rel err {err:.1%} (model: {', '.join(algs)}"
+                f"{'; gamma_reduce fitted on its large points' if op != 'bcast' else ''})")
+    machine = machine.replace(notes={**machine.notes, "check_median_rel_err": checks})
+    comm.Barrier()
+    return machine
+
+
+def gamma_reduce_from_collectives(machine: Machine, colls, min_bytes: int = 65536):
+    """Median seconds/byte of reduction implied by measured reduces and all-reduces.
+
+    For each ``(op, group size, nbytes, seconds)`` with ``nbytes >= min_bytes``, the
+    model time is ``t0 + g c`` (``t0`` with gamma_reduce = 0, ``c`` the reduced bytes
+    of the algorithm MPICH picks); solve for g. None when there is no such point.
+    """
+    est = []
+    zero = machine.replace(gamma_reduce=0.0)
+    one = machine.replace(gamma_reduce=1.0)
+    for op, g, s, t in colls:
+        if op not in ("reduce", "allreduce") or not t or s < min_bytes:
+            continue
+        t0 = collective_time(op, s, g, zero).seconds
+        c = collective_time(op, s, g, one).seconds - t0
+        if c > 0:
+            est.append(max(0.0, (t - t0) / c))
+    return float(np.median(est)) if est else None

@@ -1,0 +1,433 @@
+"""Machine: the alpha-beta-gamma parameters of one machine, with JSON presets.
+
+Symbols and units (the papers' symbols; every time is in seconds)
+------------------------------------------------------------------
+``alpha``         latency of one message, seconds/message
+``beta``          inverse bandwidth, seconds/byte (the Optimus paper's beta is per
+                  scalar: multiply ours by the item size in bytes to compare)
+``gamma``         local GEMM time, seconds/flop (one multiply-add = 2 flops)
+``gamma_reduce``  local reduction (``a += b``) time, seconds/byte of one operand
+
+Messages are in two regimes, split at ``eager_threshold`` bytes: small messages
+(``nbytes < eager_threshold``) go eagerly through preallocated cells, large ones
+through a rendezvous / single-copy protocol with different alpha and beta. With
+MPICH's ch4 shared-memory transport the split is the iqueue cell size
+``MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE`` (8192 bytes in the ``mpich`` 5.0.2
+wheel, see ``mpivars``), where the CMA single-copy path also starts
+(``MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD`` = 8192).
+
+A :class:`Link` holds one pair of regimes. A :class:`Machine` has an ``intra``
+link (inside a node) and optionally an ``inter`` link (between nodes; ``None``
+means the same as ``intra``).
+
+GEMM efficiency depends on the block size, so ``gamma`` is a small table per dtype
+of ``(n, seconds_per_flop)`` points, interpolated linearly in log(n)-log(gamma)
+and clamped at the ends; a GEMM of shape (m, k, n) uses the size
+``(m k n) ** (1/3)``.
+
+Shared cores
+------------
+With more ranks on a node than compute units (``cores``: CPU cores, or GPUs), the
+ranks time-share them. The model scales every local time by
+``slowdown = max(1, ranks_per_node / cores)``: compute always, and communication
+too when ``shared_comm`` is true (shared-memory MPI moves bytes with CPU copies,
+and a rank waiting in MPI spins on a core that another rank needs; MPICH polls
+``MPIR_CVAR_POLLS_BEFORE_YIELD`` = 1000 times before it yields). This is the
+simplest model that conserves core-seconds; it does not capture who waits for whom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+FORMAT = "summasim.machine/1"
+
+#: Bytes per item of the dtype names the cost model knows.
+DTYPE_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+               "complex128": 16, "complex64": 8}
+
+
+def itemsize_of(dtype) -> int:
+    """Bytes per item of ``dtype`` (a name such as "float32" or a NumPy dtype)."""
+    name = getattr(dtype, "name", dtype)
+    name = str(name)
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_SIZES)}")
+    return DTYPE_SIZES[name]
+
+
+def _dtype_name(dtype) -> str:
+    return str(getattr(dtype, "name", dtype))
+
+
+def _number(path: str, value, *, integer: bool = False, positive: bool = False) -> float:
+    """Validate one numeric field; raise ValueError naming ``path``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"machine field {path!r} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"machine field {path!r} must be finite, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"machine field {path!r} must be {bound}, got {value!r}")
+    if integer:
+        if int(value) != value:
+            raise ValueError(f"machine field {path!r} must be an integer, got {value!r}")
+        return int(value)
+    return value
+
+
+def _require(d: Mapping, key: str, prefix: str = ""):
+    if not isinstance(d, Mapping):
+        raise ValueError(f"machine field {prefix.rstrip('.') or 'machine'!r} must be an "
+                         f"object, got {type(d).__name__}")
+    if key not in d:
+        raise ValueError(f"machine field {prefix + key!r} is missing")
+    return d[key]
+
+
+def _no_extra(d: Mapping, allowed, prefix: str = ""):
+    extra = sorted(set(d) - set(allowed))
+    if extra:
+        raise ValueError(f"unknown machine field(s) {', '.join(repr(prefix + e) for e in extra)}"
+                         f"; allowed: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One network link with a small-message and a large-message regime.
+
+    Parameters
+    ----------
+    alpha_small, alpha_large : float
+        Latency per message, seconds, for ``nbytes < eager_threshold`` and above.
+    beta_small, beta_large : float
+        Inverse bandwidth, seconds/byte, in the same two regimes.
+    eager_threshold : int
+        Bytes at which the large-message regime starts.
+    """
+
+    alpha_small: float
+    beta_small: float
+    alpha_large: float
+    beta_large: float
+    eager_threshold: int
+
+    _FIELDS = ("alpha_small", "beta_small", "alpha_large", "beta_large", "eager_threshold")
+
+    def __post_init__(self):
+        for f in self._FIELDS:
+            _number(f, getattr(self, f), integer=(f == "eager_threshold"))
+
+    def alpha(self, nbytes: float) -> float:
+        """Latency (seconds) of one message of ``nbytes`` bytes."""
+        return self.alpha_small if nbytes < self.eager_threshold else self.alpha_large
+
+    def beta(self, nbytes: float) -> float:
+        """Inverse bandwidth (seconds/byte) for a message of ``nbytes`` bytes."""
+        return self.beta_small if nbytes < self.eager_threshold else self.beta_large
+
+    def time(self, nbytes: float) -> float:
+        """Point-to-point time ``alpha + beta * nbytes`` (seconds) of one message."""
+        return self.alpha(nbytes) + self.beta(nbytes) * nbytes
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self._FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping, prefix: str = "intra.") -> "Link":
+        """Build from a dict; ValueError names a missing, extra or negative field."""
+        vals = {}
+        for f in cls._FIELDS:
+            vals[f] = _number(prefix + f, _require(d, f, prefix),
+                              integer=(f == "eager_threshold"))
+        _no_extra(d, cls._FIELDS, prefix)
+        return cls(**vals)
+
+
+def _gamma_table(table: Mapping, path: str = "gamma_gemm") -> dict:
+    """Validate ``{dtype: [[n, seconds_per_flop], ...]}``; return it with tuples."""
+    if not isinstance(table, Mapping) or not table:
+        raise ValueError(f"machine field {path!r} must be a non-empty object "
+                         f"{{dtype: [[n, seconds_per_flop], ...]}}")
+    out = {}
+    for dt, pts in table.items():
+        if dt not in DTYPE_SIZES:
+            raise ValueError(f"machine field {path + '.' + str(dt)!r}: unknown dtype; "
+                             f"known: {', '.join(DTYPE_SIZES)}")
+        if not isinstance(pts, (list, tuple)) or not pts:
+            raise ValueError(f"machine field {path + '.' + dt!r} must be a non-empty list "
+                             f"of [n, seconds_per_flop] pairs")
+        clean = []
+        for idx, pt in enumerate(pts):
+            if not isinstance(pt, (list, tuple)) or len(pt) != 2:
+                raise ValueError(f"machine field {path}.{dt}[{idx}] must be a pair "
+                                 f"[n, seconds_per_flop], got {pt!r}")
+            n = _number(f"{path}.{dt}[{idx}].n", pt[0], positive=True)
+            g = _number(f"{path}.{dt}[{idx}].gamma", pt[1], positive=True)
+            clean.append((n, g))
+        sizes = [n for n, _ in clean]
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"machine field {path + '.' + dt!r}: block sizes must be "
+                             f"strictly increasing, got {sizes}")
+        out[dt] = tuple(clean)
+    return out
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Alpha-beta-gamma parameters of a machine (all times in seconds).
+
+    Parameters
+    ----------
+    name : str
+        Short name ("local-2core-mpich", "h100-dgx-ndr", ...).
+    source : str
+        Where the numbers come from: a datasheet, a fit command and date.
+    cores : int
+        Compute units per node that ranks share: CPU cores, or GPUs.
+    intra : Link
+        Alpha/beta regimes inside a node.
+    gamma_gemm : dict
+        ``{dtype: ((n, seconds_per_flop), ...)}``, increasing n.
+    gamma_reduce : float
+        Seconds per byte of one operand of a local ``a += b`` (reductions).
+    inter : Link or None
+        Alpha/beta between nodes; ``None`` means the same as ``intra``.
+    node_size : int or None
+        Ranks placed per node; ``None``: every rank on one node (as on this VM).
+    memory_bytes : float
+        Memory per rank (device memory per GPU, or node memory / ranks), bytes;
+        0 when unknown. The default budget of the largest-batch solver.
+    shared_comm : bool
+        Whether communication also needs the cores (CPU shared-memory MPI), so it
+        slows down under oversubscription like compute does.
+    notes : dict
+        Free-form provenance: date, command, measured points, caveats.
+    """
+
+    name: str
+    source: str
+    cores: int
+    intra: Link
+    gamma_gemm: dict
+    gamma_reduce: float
+    inter: Link | None = None
+    node_size: int | None = None
+    memory_bytes: float = 0.0
+    shared_comm: bool = True
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("machine field 'name' must be a non-empty string")
+        if not isinstance(self.source, str):
+            raise ValueError("machine field 'source' must be a string")
+        _number("cores", self.cores, integer=True, positive=True)
+        _number("gamma_reduce", self.gamma_reduce)
+        _number("memory_bytes", self.memory_bytes)
+        if self.node_size is not None:
+            _number("node_size", self.node_size, integer=True, positive=True)
+        if not isinstance(self.intra, Link):
+            raise ValueError("machine field 'intra' must be a Link")
+        if self.inter is not None and not isinstance(self.inter, Link):
+            raise ValueError("machine field 'inter' must be a Link or None")
+        if not isinstance(self.shared_comm, bool):
+            raise ValueError("machine field 'shared_comm' must be true or false")
+        if not isinstance(self.notes, dict):
+            raise ValueError("machine field 'notes' must be an object")
+        object.__setattr__(self, "gamma_gemm", _gamma_table(self.gamma_gemm))
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def simple(cls, alpha: float = 0.0, beta: float = 1e-9, gamma: float = 1e-11, *,
+               gamma_reduce: float = 0.0, cores: int = 1 << 30, name: str = "simple",
+               source: str = "synthetic", dtypes=("float64", "float32", "bfloat16",
+                                                  "float16")) -> "Machine":
+        """A machine with one regime, one link and a size-independent gamma.
+
+        Useful for the papers' assumptions (e.g. ``alpha=0``) and for tests;
+        ``cores`` defaults to "never oversubscribed".
+        """
+        link = Link(alpha, beta, alpha, beta, 0)
+        table = {dt: ((1.0, gamma),) for dt in dtypes}
+        return cls(name=name, source=source, cores=cores, intra=link, gamma_gemm=table,
+                   gamma_reduce=gamma_reduce)
+
+    def replace(self, **changes) -> "Machine":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- model -----------------------------------------------------------------
+    def link(self, inter: bool = False) -> Link:
+        """The inter-node link when ``inter`` and one exists, else the intra-node link."""
+        return self.inter if (inter and self.inter is not None) else self.intra
+
+    def ranks_per_node(self, p: int) -> int:
+        """Ranks sharing one node when ``p`` ranks run (``node_size`` caps it)."""
+        return p if self.node_size is None else min(p, self.node_size)
+
+    def slowdown(self, ranks_per_node: int) -> float:
+        """``max(1, ranks_per_node / cores)``: the time-sharing factor (see module doc)."""
+        return max(1.0, ranks_per_node / self.cores)
+
+    def gamma(self, n: float, dtype="float64") -> float:
+        """Seconds per flop of a local GEMM of block size ``n`` in ``dtype``.
+
+        Log-log interpolation in the ``gamma_gemm`` table, clamped at its ends.
+        A dtype missing from the table raises ValueError naming the known ones.
+        """
+        name = _dtype_name(dtype)
+        if name not in self.gamma_gemm:
+            raise ValueError(f"machine {self.name!r} has no gamma for dtype {name!r}; "
+                             f"it has {', '.join(self.gamma_gemm)}")
+        pts = self.gamma_gemm[name]
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        if n >= pts[-1][0]:
+            return pts[-1][1]
+        for (n0, g0), (n1, g1) in zip(pts, pts[1:]):
+            if n0 <= n <= n1:
+                t = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+                return math.exp(math.log(g0) + t * (math.log(g1) - math.log(g0)))
+        return pts[-1][1]  # pragma: no cover - unreachable for increasing sizes
+
+    def gemm_time(self, m: float, k: float, n: float, dtype="float64") -> float:
+        """Seconds of one local GEMM ``[m, k] @ [k, n]``: ``2 m k n gamma((m k n)^(1/3))``.
+
+        No oversubscription factor (apply :meth:`slowdown` on top).
+        """
+        if m <= 0 or k <= 0 or n <= 0:
+            return 0.0
+        size = (m * k * n) ** (1.0 / 3.0)
+        return 2.0 * m * k * n * self.gamma(size, dtype)
+
+    def peak_flops(self, dtype="float64") -> float:
+        """Best flop/s in the gamma table for ``dtype``."""
+        return 1.0 / min(g for _, g in self.gamma_gemm[_dtype_name(dtype)])
+
+    # -- JSON ------------------------------------------------------------------
+    _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
+            "intra", "inter", "gamma_gemm", "gamma_reduce", "notes")
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine."""
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "source": self.source,
+            "cores": self.cores,
+            "node_size": self.node_size,
+            "memory_bytes": self.memory_bytes,
+            "shared_comm": self.shared_comm,
+            "intra": self.intra.to_dict(),
+            "inter": None if self.inter is None else self.inter.to_dict(),
+            "gamma_gemm": {dt: [list(pt) for pt in pts] for dt, pts in self.gamma_gemm.items()},
+            "gamma_reduce": self.gamma_reduce,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Machine":
+        """Validate and build. Raises ValueError naming any missing, unknown,
+        non-numeric or negative field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a machine must be a JSON object, got {type(d).__name__}")
+        fmt = d.get("format", FORMAT)
+        if fmt != FORMAT:
+            raise ValueError(f"machine field 'format' is {fmt!r}; expected {FORMAT!r}")
+        _no_extra(d, cls._TOP)
+        name = _require(d, "name")
+        source = _require(d, "source")
+        cores = _number("cores", _require(d, "cores"), integer=True, positive=True)
+        intra = Link.from_dict(_require(d, "intra"), "intra.")
+        inter_d = d.get("inter")
+        inter = None if inter_d is None else Link.from_dict(inter_d, "inter.")
+        gamma_gemm = _gamma_table(_require(d, "gamma_gemm"))
+        gamma_reduce = _number("gamma_reduce", _require(d, "gamma_reduce"))
+        node_size = d.get("node_size")
+        if node_size is not None:
+            node_size = _number("node_size", node_size, integer=True, positive=True)
+        memory = _number("memory_bytes", d.get("memory_bytes", 0.0))
+        return cls(name=name, source=source, cores=cores, intra=intra, inter=inter,
+                   gamma_gemm=gamma_gemm, gamma_reduce=gamma_reduce, node_size=node_size,
+                   memory_bytes=memory, shared_comm=d.get("shared_comm", True),
+                   notes=dict(d.get("notes") or {}))
+
+    def save(self, path) -> None:
+        """Write JSON atomically (temp file in the same folder, then ``os.replace``)."""
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path) -> "Machine":
+        """Read a machine JSON file (see :meth:`from_dict` for validation)."""
+        with open(path, encoding="utf-8") as fh:
+            try:
+                d = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(d)
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
+    so a reader never sees a half-written file (mode as ``open()`` would give)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path, obj) -> None:
+    """``json.dump(obj)`` to ``path`` atomically (see :func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _preset_dir():
+    return resources.files("summasim.costmodel").joinpath("presets")
+
+
+def list_presets() -> list[str]:
+    """Names of the machine presets shipped with summasim."""
+    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> Machine:
+    """The shipped preset called ``name``; ValueError lists the known names."""
+    names = list_presets()
+    if name not in names:
+        raise ValueError(f"unknown machine preset {name!r}; known presets: {', '.join(names)}")
+    d = json.loads(_preset_dir().joinpath(name + ".json").read_text(encoding="utf-8"))
+    return Machine.from_dict(d)
+
+
+def get_machine(machine: Any = None, preset: str | None = None) -> Machine:
+    """Resolve a Machine from an instance, a JSON path, or a preset name."""
+    if isinstance(machine, Machine):
+        return machine
+    if machine is not None and preset is not None:
+        raise ValueError("give a machine file or a preset name, not both")
+    if machine is not None:
+        return Machine.load(machine)
+    return load_preset(preset or DEFAULT_PRESET)
+
+
+#: The preset used when none is named: this project's CPU VM.
+DEFAULT_PRESET = "local-2core-mpich"

@@ -1,0 +1,589 @@
+"""Cost of one transformer layer under Megatron (1D), Optimus (2D) and SUMMA2.5-LM.
+
+Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
+N layers, p ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on
+[q, q, d] (p = d q^2). One layer is attention (QKV [h, 3h], scores, projection
+[h, h]) and an MLP ([h, 4h], [4h, h]); activations are [b s, h].
+
+What each scheme does per layer (what :func:`layer_ops` lists)
+--------------------------------------------------------------
+Megatron (p)        local GEMMs on column/row slices of the weights; 2 all-reduces
+                    of b s h items on the whole group per forward (after attention,
+                    after the MLP) and 2 in backward (the f operator's conjugate).
+Optimus (q x q)     each linear C = X W is ``summa_ab(bs, in, out)``; backward is
+                    ``summa_abt(dC, W)`` for dX and ``summa_atb(X, dC)`` for dW
+                    (Optimus eqs. 1-3); attention is local to (b/q) sequences and
+                    n/q heads. Per rank that is (7bsh + 12h^2)/q items of broadcast
+                    and reduce payload forward and twice that backward.
+SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split into
+                    d q row blocks, weights 2D and replicated over depth; dW is
+                    all-reduced over the depth (ring, 2(d-1) sendrecvs).
+
+With activation checkpointing the backward pass first recomputes the forward
+(its communication included), so backward = 3x forward for Optimus and 2x for
+Megatron (Optimus section 4). ``include_minor=True`` adds the non-SUMMA traffic
+(LayerNorm statistics all-reduced along rows: 2 per LayerNorm in forward and in
+backward, of 2 b s/(dq) items; biases broadcast down columns in forward and reduced
+in backward) that the paper calls negligible. Elementwise work (GELU, softmax,
+LayerNorm) is not in the compute time.
+
+Table 1 of the Optimus paper
+----------------------------
+:func:`table1` prices these ops with the paper's formulas (broadcast = reduce =
+log2(q) beta B, all-reduce = 2 beta (p-1) B / p, alpha = 0, beta = 1 per scalar,
+checkpointing on) and counts multiplications; with integer b, s, h and q a power of
+two it returns exact Fractions equal to
+
+=======================  ======================  =================================
+item                     Megatron                Optimus
+=======================  ======================  =================================
+forward communication    4 (p-1)/p b s h         log(p)/(2 sqrt p) (7bsh + 12h^2)
+backward communication   8 (p-1)/p b s h         log(p)/(2 sqrt p) (21bsh + 36h^2)
+forward computation      (12bsh^2 + 2bs^2h)/p    (12bsh^2 + 2bs^2h)/p
+backward computation     (36bsh^2 + 6bs^2h)/p    (36bsh^2 + 6bs^2h)/p
+=======================  ======================  =================================
+
+Memory per rank (bytes = items x item size)
+-------------------------------------------
+Following Optimus section 3.1.1. Parameters per layer are 12h^2 + 13h (weights and
+biases of QKV, projection and MLP, two LayerNorms). Megatron splits the weights
+and the QKV/fc biases over p and replicates the rest (6h); Optimus splits weights
+over p and keeps vectors on grid row 0 (13h/q on those ranks); SUMMA2.5-LM stores
+weights over q^2 (replicated over depth) and vectors over q. Gradients equal the
+parameters; the optimizer adds ``optimizer_states`` x parameters (Adam: 2).
+
+Activations kept for backward, per layer, in items of the unsplit model:
+``16 b s h + b n s^2 + 4 b s`` (LN1 input and output, QKV 3bsh, attention
+probabilities b n s^2, attention output, residual, LN2 output, fc1 and GELU
+outputs 4bsh each, LayerNorm mean and rstd). Megatron keeps the LayerNorm inputs
+and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; Optimus
+and SUMMA2.5-LM split everything over p (statistics over q or dq). Without
+checkpointing all N layers' activations are kept; with it, each layer's input
+(b s h / p, distributed checkpoints as in the paper) plus one layer's activations
+while it is recomputed. Add two activation-gradient buffers of the layer input
+size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums:
+(16 b s h + 8 h^2)/p for Optimus), and with a vocabulary the embedding table and
+the logits with their gradient (2 b s v / p).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Mapping
+
+from . import traffic as _traffic
+from .collectives import MPICH, Thresholds
+from .machine import Machine, itemsize_of
+from .predict import make_pricer, price_messages
+
+SCHEMES = ("megatron", "optimus", "summa25")
+_ALIASES = {"megatron": "megatron", "1d": "megatron", "optimus": "optimus", "2d": "optimus",
+            "summa25": "summa25", "2.5d": "summa25", "summa2.5": "summa25",
+            "summa25-lm": "summa25"}
+_LINEARS = (("qkv", 1, 3), ("proj", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))  # in, out in units of h
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Problem size of a transformer (all sizes in items).
+
+    Parameters
+    ----------
+    b, s, h, n : int or float
+        Batch, sequence length, hidden size, attention heads.
+    N : int
+        Number of layers.
+    v : int
+        Vocabulary (0: leave out embedding and head).
+    dtype : str
+        Dtype of parameters, activations and messages.
+    checkpoint : bool
+        Activation checkpointing (recompute each layer's forward in backward).
+    optimizer_states : float
+        Optimizer state per parameter, in parameters (Adam: 2).
+    """
+
+    b: float = 8
+    s: float = 512
+    h: float = 1024
+    n: float = 16
+    N: int = 24
+    v: float = 0
+    dtype: str = "float32"
+    checkpoint: bool = True
+    optimizer_states: float = 2.0
+
+    def replace(self, **kw) -> "TransformerConfig":
+        return replace(self, **kw)
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize_of(self.dtype)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A parallel scheme and its grid: ``megatron`` over p, ``optimus`` on q x q,
+    ``summa25`` on [q, q, d]."""
+
+    name: str
+    p: int
+    q: int = 1
+    d: int = 1
+
+    @classmethod
+    def make(cls, name: str, p: int | None = None, q: int | None = None,
+             d: int = 1) -> "Scheme":
+        """Build and check a scheme; ``optimus`` and ``summa25`` take q (and d) or p."""
+        key = _ALIASES.get(str(name).lower())
+        if key is None:
+            raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
+        if key == "megatron":
+            if p is None or p < 1:
+                raise ValueError(f"megatron needs p >= 1, got {p!r}")
+            return cls(key, int(p), 1, 1)
+        if key == "optimus":
+            d = 1
+        if q is None:
+            if p is None:
+                raise ValueError(f"{key} needs q (or p)")
+            q = math.isqrt(int(p) // d)
+        if q < 1 or d < 1 or (p is not None and p != d * q * q):
+            raise ValueError(f"{key} needs p = d*q*q, got p={p}, q={q}, d={d}")
+        return cls(key, d * q * q, int(q), int(d))
+
+    @property
+    def label(self) -> str:
+        if self.name == "megatron":
+            return f"Megatron p={self.p}"
+        if self.name == "optimus":
+            return f"Optimus [{self.q},{self.q}]"
+        return f"SUMMA2.5 [{self.q},{self.q},{self.d}]"
+
+
+def grid_shapes(p: int, name: str) -> list[Scheme]:
+    """Every grid of ``p`` ranks for scheme ``name`` (SUMMA2.5: 1 <= d <= q)."""
+    key = _ALIASES.get(str(name).lower())
+    if key == "megatron":
+        return [Scheme("megatron", p)]
+    out = []
+    for d in ([1] if key == "optimus" else range(1, p + 1)):
+        if p % d:
+            continue
+        q = math.isqrt(p // d)
+        if q * q * d == p and d <= q:
+            out.append(Scheme(key, p, q, d))
+        if key == "summa25" and d * d * d > p:
+            break
+    return out
+
+
+# -- the ops of one layer -----------------------------------------------------------------
+# ("mm", algorithm, m, k, n)           distributed matmul priced by traffic + collectives
+# ("gemm", m, k, n, count)             local GEMMs
+# ("coll", op, group, size, items, count)  a collective priced directly
+def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = False,
+              checkpoint: bool | None = None) -> dict[str, list]:
+    """``{"forward": [...], "backward": [...]}`` ops of one layer (see module doc).
+
+    The backward list includes the recomputed forward when checkpointing.
+    """
+    ck = cfg.checkpoint if checkpoint is None else checkpoint
+    b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
+    M, hd = b * s, _split(h, n)
+    p, q, d = scheme.p, scheme.q, scheme.d
+    fwd, bwd = [], []
+    if scheme.name == "megatron":
+        for name, i, o in _LINEARS:
+            # qkv and fc1 are split by columns, proj and fc2 by rows (Megatron's f and g)
+            fin, fout = ((i * h, _split(o * h, p)) if _LINEARS_COL[name]
+                         else (_split(i * h, p), o * h))
+            fwd.append(("gemm", M, fin, fout, 1))
+            bwd += [("gemm", M, fout, fin, 1), ("gemm", fin, M, fout, 1)]
+        seqs = _split(b * n, p)
+        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
+        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        fwd.append(("coll", "allreduce", "world", p, M * h, 2))
+        bwd.append(("coll", "allreduce", "world", p, M * h, 2))
+    else:
+        ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
+                        else ("summa25_ab", "summa25_abt", "summa25_atb"))
+        rows = d * q
+        for _, i, o in _LINEARS:
+            fin, fout = i * h, o * h
+            fwd.append(("mm", ab, M, fin, fout))
+            bwd += [("mm", abt, M, fout, fin), ("mm", atb, fin, M, fout)]
+        seqs = _split(b, rows) * _split(n, q)
+        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
+        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        if include_minor and q > 1:
+            stats = 2 * _split(M, rows)
+            fwd.append(("coll", "allreduce", "row", q, stats, 2))
+            bwd.append(("coll", "allreduce", "row", q, stats, 2))
+            for _, i, o in _LINEARS:
+                fwd.append(("coll", "bcast", "col", q, _split(o * h, q), 1))
+                bwd.append(("coll", "reduce", "col", q, _split(o * h, q), 1))
+            for _ in range(2):  # LayerNorm gain and bias
+                fwd.append(("coll", "bcast", "col", q, 2 * _split(h, q), 1))
+                bwd.append(("coll", "reduce", "col", q, 2 * _split(h, q), 1))
+    if ck:
+        bwd = list(fwd) + bwd
+    return {"forward": fwd, "backward": bwd}
+
+
+_LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
+
+
+def _split(x, by):
+    """x / by, exact for integers that divide, else real."""
+    if isinstance(x, int) and isinstance(by, int) and x % by == 0:
+        return x // by
+    return x / by
+
+
+# -- pricing ------------------------------------------------------------------------------
+@dataclass
+class PassCost:
+    """One pass (forward or backward) of one layer on one rank.
+
+    ``payload`` is in items (the summed ``nbytes / itemsize`` of the trace events),
+    ``mults`` in scalar multiplications, times in seconds (slowdown included).
+    """
+
+    comm_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    payload: float = 0.0
+    mults: float = 0.0
+    by_op: dict = field(default_factory=dict)
+    algorithms: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.comm_seconds + self.compute_seconds
+
+
+@dataclass
+class Memory:
+    """Bytes per rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    workspace: float
+    embedding: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations + self.workspace
+                + self.embedding)
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace,
+                "embedding": self.embedding, "total": self.total}
+
+
+@dataclass
+class SchemeCost:
+    """Per-rank cost of a scheme: one layer's passes, the N-layer step, memory."""
+
+    scheme: Scheme
+    config: TransformerConfig
+    forward: PassCost
+    backward: PassCost
+    memory: Memory
+    slowdown: float
+    mode: str
+
+    @property
+    def layer_seconds(self) -> float:
+        """Forward + backward of one layer, seconds."""
+        return self.forward.seconds + self.backward.seconds
+
+    @property
+    def step_seconds(self) -> float:
+        """Forward + backward of all N layers (one training step), seconds."""
+        return self.config.N * self.layer_seconds
+
+    @property
+    def step_comm_seconds(self) -> float:
+        """Communication of all N layers, forward + backward, seconds."""
+        return self.config.N * (self.forward.comm_seconds + self.backward.comm_seconds)
+
+    @property
+    def step_compute_seconds(self) -> float:
+        """Compute of all N layers, forward + backward, seconds."""
+        return self.config.N * (self.forward.compute_seconds + self.backward.compute_seconds)
+
+    @property
+    def step_payload(self) -> float:
+        """Items this rank passes to collectives over all N layers, forward + backward."""
+        return self.config.N * (self.forward.payload + self.backward.payload)
+
+    @property
+    def comm_fraction(self) -> float:
+        c = self.forward.comm_seconds + self.backward.comm_seconds
+        return c / self.layer_seconds if self.layer_seconds else 0.0
+
+    def algorithms(self) -> str:
+        algs: dict = {}
+        for ps in (self.forward, self.backward):
+            for key, names in ps.algorithms.items():
+                algs.setdefault(key, set()).update(names)
+        return "; ".join(f"{op}/{g}: {'+'.join(sorted(a))}" for (op, g), a in sorted(algs.items()))
+
+    def to_dict(self) -> dict:
+        s = self.scheme
+        return {"scheme": s.name, "label": s.label, "p": s.p, "q": s.q, "d": s.d,
+                "mode": self.mode, "slowdown": self.slowdown,
+                "forward_seconds": self.forward.seconds, "backward_seconds": self.backward.seconds,
+                "forward_comm_seconds": self.forward.comm_seconds,
+                "backward_comm_seconds": self.backward.comm_seconds,
+                "forward_payload_items": self.forward.payload,
+                "backward_payload_items": self.backward.payload,
+                "layer_seconds": self.layer_seconds, "step_seconds": self.step_seconds,
+                "step_comm_seconds": self.step_comm_seconds,
+                "step_compute_seconds": self.step_compute_seconds,
+                "step_payload_items": self.step_payload,
+                "comm_fraction": self.comm_fraction, "memory": self.memory.to_dict(),
+                "algorithms": self.algorithms()}
+
+
+def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
+    it = cfg.itemsize
+    out = PassCost()
+    by_op: dict = {}
+    algs: dict = {}
+    q, d = scheme.q, scheme.d
+    for op in ops:
+        if op[0] == "gemm":
+            if compute:
+                _, m_, k_, n_, cnt = op
+                out.compute_seconds += cnt * machine.gemm_time(m_, k_, n_, cfg.dtype)
+                out.mults += cnt * m_ * k_ * n_
+            continue
+        if op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            msgs = _traffic.algorithm_messages(alg, m_, k_, n_, q, d, it, None, strict=strict)
+            if compute:
+                work = _traffic.algorithm_compute(alg, m_, k_, n_, q, d, it, None, strict=strict)
+                for a, b_, c, cnt in work.gemms:
+                    out.compute_seconds += cnt * machine.gemm_time(a, b_, c, cfg.dtype)
+                    out.mults += cnt * a * b_ * c
+                out.compute_seconds += machine.gamma_reduce * work.reduce_bytes
+        else:
+            _, cop, grp, size, items, cnt = op
+            msgs = [_traffic.MessageClass(cop, grp, size, items * it, cnt)] if size > 1 else []
+        secs, by, al = price_messages(msgs, machine, pricer=pricer)
+        out.comm_seconds += secs
+        out.payload += sum(mc.count * mc.nbytes for mc in msgs) / it
+        for key, v in by.items():
+            by_op[key] = by_op.get(key, 0.0) + v
+        for key, v in al.items():
+            algs.setdefault(key, set()).update(v)
+    out.by_op = by_op
+    out.algorithms = {k: tuple(sorted(v)) for k, v in algs.items()}
+    return out
+
+
+def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+                mode: str = "mpich", algorithms: Mapping[str, str] | None = None,
+                thresholds: Thresholds | None = None, include_minor: bool = False,
+                checkpoint: bool | None = None, ranks_per_node: int | None = None,
+                strict: bool = False, compute: bool = True) -> SchemeCost:
+    """Per-rank communication, compute and memory of ``scheme`` on ``cfg``.
+
+    Parameters
+    ----------
+    scheme : Scheme
+    cfg : TransformerConfig
+    machine : Machine
+    mode : {"mpich", "paper"}
+        Collective formulas (see :mod:`~summasim.costmodel.collectives`).
+    algorithms : dict, optional
+        Force collective algorithms per op.
+    thresholds : Thresholds, optional
+    include_minor : bool
+        Add the LayerNorm and bias traffic (see module doc).
+    checkpoint : bool, optional
+        Overrides ``cfg.checkpoint``.
+    ranks_per_node : int, optional
+        Overrides ``machine.ranks_per_node(p)`` for the shared-core slowdown.
+    strict : bool
+        Require every dimension to divide (False: real-valued blocks).
+    compute : bool
+        False skips the compute model (zero compute times; faster).
+
+    Returns
+    -------
+    SchemeCost
+        Times in seconds, payloads in items, memory in bytes per rank.
+    """
+    ck = cfg.checkpoint if checkpoint is None else checkpoint
+    cfg = cfg.replace(checkpoint=ck)
+    ops = layer_ops(scheme, cfg, include_minor=include_minor)
+    rpn = ranks_per_node if ranks_per_node is not None else machine.ranks_per_node(scheme.p)
+    slow = machine.slowdown(rpn)
+    comm_slow = slow if machine.shared_comm else 1.0
+    pricer = make_pricer(machine, mode=mode, algorithms=algorithms,
+                         thresholds=thresholds or MPICH, itemsize=cfg.itemsize, q=scheme.q,
+                         d=scheme.d, p=scheme.p)
+    passes = []
+    for key in ("forward", "backward"):
+        pc = _price_ops(ops[key], scheme, cfg, machine, pricer, strict, compute)
+        pc.comm_seconds *= comm_slow
+        pc.compute_seconds *= slow
+        pc.by_op = {k: v * comm_slow for k, v in pc.by_op.items()}
+        passes.append(pc)
+    return SchemeCost(scheme, cfg, passes[0], passes[1], memory(scheme, cfg), slow, mode)
+
+
+# -- Table 1 ------------------------------------------------------------------------------
+def _log2_exact(x: int):
+    return x.bit_length() - 1 if x > 0 and x & (x - 1) == 0 else math.log2(x)
+
+
+def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None = None,
+           checkpoint: bool = True) -> dict[str, Fraction | float]:
+    """The Optimus paper's Table 1 entries computed from :func:`layer_ops`.
+
+    Communication is priced with the paper's formulas (alpha = 0, beta = 1 per
+    scalar), computation is counted in scalar multiplications. With integer
+    arguments that divide and q a power of two the values are exact Fractions.
+
+    Returns
+    -------
+    dict
+        Keys "forward communication", "backward communication", "forward
+        computation", "backward computation".
+    """
+    sch = scheme if isinstance(scheme, Scheme) else Scheme.make(scheme, p=p)
+    n = n if n is not None else math.gcd(h, sch.p * sch.q) or 1
+    cfg = TransformerConfig(b=b, s=s, h=h, n=n, N=1, dtype="float64", checkpoint=checkpoint)
+    ops = layer_ops(sch, cfg)
+    out = {}
+    for key in ("forward", "backward"):
+        comm, mults = Fraction(0), Fraction(0)
+        for op in ops[key]:
+            if op[0] == "gemm":
+                mults += Fraction(op[4]) * Fraction(op[1]) * Fraction(op[2]) * Fraction(op[3])
+                continue
+            if op[0] == "mm":
+                msgs = _traffic.algorithm_messages(op[1], op[2], op[3], op[4], sch.q, sch.d, 1)
+                work = _traffic.algorithm_compute(op[1], op[2], op[3], op[4], sch.q, sch.d, 1)
+                mults += sum(Fraction(a * b_ * c * cnt) for a, b_, c, cnt in work.gemms)
+            else:
+                _, cop, grp, size, items, cnt = op
+                msgs = [_traffic.MessageClass(cop, grp, size, items, cnt)]
+            for mc in msgs:
+                B, P = Fraction(mc.nbytes) * mc.count, mc.group_size
+                if P <= 1:
+                    continue
+                if mc.op in ("bcast", "reduce"):
+                    comm += B * _log2_exact(P)
+                elif mc.op == "allreduce":
+                    comm += 2 * B * Fraction(P - 1, P)
+                else:
+                    comm += B
+        out[f"{key} communication"] = comm
+        out[f"{key} computation"] = mults
+    return out
+
+
+def table1_paper(scheme: str, b, s, h, p) -> dict:
+    """Table 1 exactly as printed (log = log2; Fractions for integer input when
+    sqrt(p) is an integer power of two)."""
+    key = _ALIASES[str(scheme).lower()]
+    comp_f = Fraction(12 * b * s * h * h + 2 * b * s * s * h, p)
+    comp_b = Fraction(36 * b * s * h * h + 6 * b * s * s * h, p)
+    if key == "megatron":
+        return {"forward communication": Fraction(4 * (p - 1), p) * b * s * h,
+                "backward communication": Fraction(8 * (p - 1), p) * b * s * h,
+                "forward computation": comp_f, "backward computation": comp_b}
+    sq = math.isqrt(p)
+    factor = Fraction(_log2_exact(p), 2 * sq) if sq * sq == p and isinstance(
+        _log2_exact(p), int) else math.log2(p) / (2 * math.sqrt(p))
+    return {"forward communication": factor * (7 * b * s * h + 12 * h * h),
+            "backward communication": factor * (21 * b * s * h + 36 * h * h),
+            "forward computation": comp_f, "backward computation": comp_b}
+
+
+# -- memory ---------------------------------------------------------------------------------
+def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
+    """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring)."""
+    b, s, h, n, v, N = cfg.b, cfg.s, cfg.h, cfg.n, cfg.v, cfg.N
+    it = cfg.itemsize
+    p, q, d = scheme.p, scheme.q, scheme.d
+    bsh = b * s * h
+    scores = b * n * s * s
+    if scheme.name == "megatron":
+        layer_params = 12 * h * h / p + 7 * h / p + 6 * h
+        layer_act = 4 * bsh + 4 * b * s + (12 * bsh + scores) / p
+        emb = v * h / p + s * h + 2 * h
+        grad_bufs = 2 * bsh
+        work = 0.0
+    else:
+        layer_params = (12 * h * h / p + 13 * h / q if scheme.name == "optimus"
+                        else 12 * h * h / (q * q) + 13 * h / q)
+        layer_act = (16 * bsh + scores) / p + 4 * b * s / (d * q)
+        emb = (v * h + s * h) / (p if scheme.name == "optimus" else q * q) + 2 * h / q
+        grad_bufs = 2 * bsh / p
+        w_blk = 4 * h * h / (q * q)
+        work = 2 * (4 * bsh / p + w_blk) + 2 * 4 * bsh / p if q > 1 else 0.0
+    if cfg.checkpoint:
+        acts = N * bsh / p + layer_act
+    else:
+        acts = N * layer_act
+    if v:
+        acts += 2 * b * s * v / p
+    else:
+        emb = 0.0
+    params = (N * layer_params) * it
+    emb_b = emb * it
+    model = params + emb_b
+    return Memory(params=params, grads=model, optimizer=cfg.optimizer_states * model,
+                  activations=(acts + grad_bufs) * it, workspace=work * it, embedding=emb_b)
+
+
+def batch_step(scheme: Scheme) -> int:
+    """The batch must be a multiple of this (q for Optimus, d q for SUMMA2.5)."""
+    return 1 if scheme.name == "megatron" else scheme.q * scheme.d
+
+
+def largest_batch(scheme: Scheme, cfg: TransformerConfig, budget_bytes: float,
+                  b_max: int = 1 << 40) -> int:
+    """Largest batch b (a multiple of :func:`batch_step`) whose memory per rank fits
+    ``budget_bytes``; 0 when even the smallest does not fit. Memory grows with b,
+    so this is an exponential then binary search."""
+    if budget_bytes <= 0:
+        return 0
+    step = batch_step(scheme)
+
+    def fits(mult):
+        return memory(scheme, cfg.replace(b=mult * step)).total <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= b_max and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, b_max // step + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+def best_grid(p: int, cfg: TransformerConfig, machine: Machine, *,
+              schemes=SCHEMES, **kw) -> tuple[SchemeCost | None, list[SchemeCost]]:
+    """The fastest scheme and grid for ``p`` ranks, and every candidate's cost."""
+    costs = [scheme_cost(sch, cfg, machine, **kw) for name in schemes
+             for sch in grid_shapes(p, name)]
+    best = min(costs, key=lambda c: c.step_seconds) if costs else None
+    return best, costs
