@@ -9,6 +9,7 @@ from _util import WORLD, grid_shapes, parallel_assert
 from summasim import algorithms as algs
 from summasim import layout
 from summasim.comm import Comm
+from summasim.costmodel.traffic import algorithm_traffic, summarize_events
 from summasim.grid import Grid
 from summasim.run import ALGORITHMS, required_divisors, stored_shapes
 
@@ -86,6 +87,10 @@ def test_trace_matches_closed_form(name, q, d):
         roots_ok = all(e.root in range(q) for e in grid.trace.events if e.op in ("bcast", "reduce"))
         parallel_assert(got == want and sizes_ok and roots_ok,
                         f"rank {grid.coords}: traced {got} != closed form {want}")
+        # the cost model's closed forms (what it prices) equal the trace too
+        model = algorithm_traffic(name, m, k, n, q, d, itemsize=ITEM, coords=grid.coords)
+        parallel_assert(summarize_events(grid.trace.events) == model,
+                        f"rank {grid.coords}: costmodel.traffic {model} != trace {got}")
 
 
 @pytest.mark.parametrize("N", [0, 1, P - 1, 10 * P + 3, 4096])
@@ -98,5 +103,8 @@ def test_ring_traffic(N):
         ops = {e.op for e in comm.trace.events}
         parallel_assert(sent == want and ops <= {"sendrecv"} and len(sent) == 2 * (P - 1),
                         f"ring N={N}: sent {sent}, closed form {want}")
+        model = algorithm_traffic("ring_allreduce", count=N, p=P, coords=comm.rank,
+                                  itemsize=ITEM)
+        parallel_assert(summarize_events(comm.trace.events) == model, f"ring N={N}: {model}")
     finally:
         comm.mpi.Free()
