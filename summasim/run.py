@@ -43,6 +43,7 @@ ALGORITHMS = {
 }
 DEFAULT_SIZES = (1536, 1024, 1280)
 DEFAULT_RING = 2**20 + 3  # deliberately not divisible by common p
+DEFAULT_MACHINE_FILE = os.path.join("results", "machine.json")
 
 
 @dataclass
@@ -80,6 +81,14 @@ class Row:
     bytes_per_rank: int
     messages_per_rank: int
     times: list = field(default_factory=list)
+    predicted: float | None = None    # cost-model seconds (slowest rank)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured, or None without a prediction."""
+        if self.predicted is None or self.seconds <= 0:
+            return None
+        return (self.predicted - self.seconds) / self.seconds
 
 
 # --------------------------------------------------------------------------- planning
@@ -187,7 +196,8 @@ def _timed(fn, repeats: int, world) -> list[float]:
     return times
 
 
-def run_product(pl: Planned, dtype, backend, world, repeats: int, seed: int) -> Row:
+def run_product(pl: Planned, dtype, backend, world, repeats: int, seed: int,
+                machine=None) -> Row:
     """Validate and time one distributed product."""
     from mpi4py import MPI
 
@@ -208,6 +218,7 @@ def run_product(pl: Planned, dtype, backend, world, repeats: int, seed: int) -> 
         c = fn(a, b, grid)                                     # the validated (and traced) call
         backend.synchronize()
         ev = list(grid.trace.events)
+        coords = grid.coords
         # reference for this rank's C block, in float64 from the same rounded inputs
         opa = A.astype(dtype).astype(np.float64)
         opb = B.astype(dtype).astype(np.float64)
@@ -230,11 +241,22 @@ def run_product(pl: Planned, dtype, backend, world, repeats: int, seed: int) -> 
     t = statistics.median(times)
     nbytes = world.allreduce(sum(e.nbytes for e in ev), op=MPI.MAX)
     msgs = world.allreduce(len(ev), op=MPI.MAX)
+    pred = None
+    if machine is not None:
+        from .costmodel.predict import predict_trace
+        from .costmodel.traffic import algorithm_compute
+
+        work = algorithm_compute(pl.algorithm, m, k, n, pl.q, pl.d, np.dtype(dtype).itemsize,
+                                 coords=coords)
+        mine = predict_trace(ev, machine, p=world.Get_size(), q=pl.q, d=pl.d,
+                             gemms=work.gemms, reduce_bytes=work.reduce_bytes, dtype=dtype)
+        pred = world.allreduce(mine.seconds, op=MPI.MAX)
     return Row(pl.algorithm, pl.grid_label, f"{m}x{k}x{n}", np.dtype(dtype).name, err, bound,
-               bool(err <= bound), t, 2.0 * m * k * n / t / 1e9, None, nbytes, msgs, times)
+               bool(err <= bound), t, 2.0 * m * k * n / t / 1e9, None, nbytes, msgs, times, pred)
 
 
-def run_ring(pl: Planned, dtype, backend, world, repeats: int, seed: int) -> Row:
+def run_ring(pl: Planned, dtype, backend, world, repeats: int, seed: int,
+             machine=None) -> Row:
     """Validate and time ``ring_allreduce`` over all ranks."""
     from mpi4py import MPI
 
@@ -270,24 +292,35 @@ def run_ring(pl: Planned, dtype, backend, world, repeats: int, seed: int) -> Row
     t = statistics.median(times)
     nbytes = world.allreduce(sum(e.nbytes for e in ev), op=MPI.MAX)
     msgs = world.allreduce(len(ev), op=MPI.MAX)
+    pred = None
+    if machine is not None:
+        from .costmodel.predict import predict_trace
+        from .costmodel.traffic import algorithm_compute
+
+        work = algorithm_compute("ring_allreduce", count=N, p=p, coords=r,
+                                 itemsize=np.dtype(dtype).itemsize)
+        mine = predict_trace(ev, machine, p=p, reduce_bytes=work.reduce_bytes, dtype=dtype)
+        pred = world.allreduce(mine.seconds, op=MPI.MAX)
     return Row(pl.algorithm, pl.grid_label, f"N={N}", np.dtype(dtype).name, err, bound,
                bool(err <= bound), t, None, N * np.dtype(dtype).itemsize / t / 1e9, nbytes,
-               msgs, times)
+               msgs, times, pred)
 
 
 # --------------------------------------------------------------------------- report
 HEADER = ("algorithm", "grid", "shapes", "dtype", "max rel err", "bound", "result",
-          "median s", "GFLOP/s", "MB/rank", "msgs")
+          "median s", "GFLOP/s", "MB/rank", "msgs", "predicted s", "pred err")
 
 
 def format_row(row: Row) -> tuple[str, ...]:
     rate = f"{row.gflops:.2f}" if row.gflops is not None else f"{row.gbytes_per_s:.2f} GB/s"
     return (row.algorithm, row.grid, row.shapes, row.dtype, f"{row.error:.2e}",
             f"{row.bound:.2e}", "OK" if row.ok else "FAIL", f"{row.seconds:.4f}", rate,
-            f"{row.bytes_per_rank / 2**20:.2f}", str(row.messages_per_rank))
+            f"{row.bytes_per_rank / 2**20:.2f}", str(row.messages_per_rank),
+            "-" if row.predicted is None else f"{row.predicted:.4f}",
+            "-" if row.prediction_error is None else f"{100 * row.prediction_error:+.0f}%")
 
 
-WIDTHS = (14, 11, 16, 7, 11, 9, 6, 9, 14, 8, 4)
+WIDTHS = (14, 11, 16, 7, 11, 9, 6, 9, 14, 8, 4, 11, 8)
 
 
 def _line(cells) -> str:
@@ -305,6 +338,16 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join([format_header()] + [_line(format_row(r)) for r in rows])
 
 
+def prediction_summary(rows: list[Row]) -> dict | None:
+    """Mean absolute percentage error and worst case of the predictions, or None."""
+    errs = [(abs(r.prediction_error), r) for r in rows if r.prediction_error is not None]
+    if not errs:
+        return None
+    worst, wrow = max(errs, key=lambda e: e[0])
+    return {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
+            "worst_run": f"{wrow.algorithm} {wrow.grid} {wrow.dtype}", "count": len(errs)}
+
+
 def write_json_atomic(path: str, obj) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (temp file in the same folder + rename)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -319,6 +362,50 @@ def write_json_atomic(path: str, obj) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+# --------------------------------------------------------------------------- cost model
+def resolve_machine(spec: str | None, world, say):
+    """The cost-model Machine on every rank: a file, a preset, the saved default, or a
+    quick fit on two ranks (the others wait without spinning), saved for next time."""
+    from .costmodel.machine import Machine, get_machine, list_presets
+
+    if spec is not None:
+        if os.path.exists(spec):
+            machine = get_machine(spec)
+        elif spec in list_presets():
+            machine = get_machine(preset=spec)
+        else:
+            raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
+                             f"({', '.join(list_presets())})")
+        say(f"cost model: machine {machine.name!r} from {spec}")
+        return machine
+    if os.path.exists(DEFAULT_MACHINE_FILE):
+        say(f"cost model: machine fitted earlier, {DEFAULT_MACHINE_FILE} (delete it to re-fit)")
+        return Machine.load(DEFAULT_MACHINE_FILE)
+    if world.Get_size() < 2:
+        say("cost model: one rank cannot fit a machine; using the preset local-2core-mpich")
+        return get_machine(preset="local-2core-mpich")
+    from .costmodel.fit import run_fit
+
+    say(f"cost model: no machine given and no {DEFAULT_MACHINE_FILE}; fitting a quick one "
+        f"on 2 ranks first")
+    rank = world.Get_rank()
+    sub = world.Split(0 if rank < 2 else 1, rank)
+    fitted = None
+    if rank < 2:
+        fitted = run_fit(sub, quick=True, gemm_sizes=(128, 256, 512, 1024),
+                         say=lambda m: say(f"  {m}"))
+    sub.Free()
+    data = fitted.to_dict() if fitted is not None else None
+    req = world.Ibarrier()  # idle ranks sleep instead of spinning against the fit
+    while not req.Test():
+        time.sleep(1e-3)
+    machine = Machine.from_dict(world.bcast(data, root=0))
+    if rank == 0:
+        machine.save(DEFAULT_MACHINE_FILE)
+        say(f"cost model: saved the fit to {DEFAULT_MACHINE_FILE}")
+    return machine
 
 
 # --------------------------------------------------------------------------- CLI
@@ -348,6 +435,13 @@ def parse_args(argv=None):
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH "
                     "(atomically), e.g. results/run.json")
+    ap.add_argument("--machine", metavar="FILE|PRESET",
+                    help="cost-model machine for the predicted times: a JSON file from "
+                         "`python -m summasim.costmodel fit` or a preset name. Default: "
+                         f"{DEFAULT_MACHINE_FILE} if it exists, else a quick fit (a few "
+                         "seconds, on 2 ranks) saved there")
+    ap.add_argument("--no-predict", action="store_true",
+                    help="skip the cost-model predictions")
     ap.add_argument("--fail-on-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names = list(ALGORITHMS) if args.algorithms == "all" else \
@@ -396,6 +490,7 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         f"(summasim.validate)\n")
     say(format_header(), flush=True)
 
+    machine = None if args.no_predict else resolve_machine(args.machine, world, say)
     rows: list[Row] = []
     for dtype in dtypes:
         for pl in runs:
@@ -404,7 +499,8 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
             if args.fail_on_rank is not None and rank == args.fail_on_rank:
                 raise RuntimeError(f"deliberate failure on rank {rank} (--fail-on-rank)")
             runner = run_ring if ALGORITHMS[pl.algorithm][0] == "ring" else run_product
-            rows.append(runner(pl, np.dtype(dtype), backend, world, args.repeats, args.seed))
+            rows.append(runner(pl, np.dtype(dtype), backend, world, args.repeats, args.seed,
+                               machine))
             say(_line(format_row(rows[-1])), flush=True)
     skipped = [pl for pl in runs if pl.skip]
     if skipped:
@@ -412,6 +508,11 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         for pl in skipped:
             say(f"  {pl.algorithm}: {pl.skip}")
     ok = all(r.ok for r in rows)
+    summary = prediction_summary(rows)
+    if summary:
+        say(f"\ncost model ({machine.name}): MAPE {100 * summary['mape']:.1f}% over "
+            f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "
+            f"({summary['worst_run']})")
     elapsed = time.perf_counter() - t_start
     say(f"\n{sum(r.ok for r in rows)} passed, {sum(not r.ok for r in rows)} failed, "
         f"{len(skipped)} skipped in {elapsed:.1f} s")
@@ -419,7 +520,8 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         write_json_atomic(args.json, {
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
             "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
-            "rows": [asdict(r) for r in rows],
+            "machine": machine.name if machine else None, "prediction": summary,
+            "rows": [dict(asdict(r), prediction_error=r.prediction_error) for r in rows],
             "skipped": [{"algorithm": s.algorithm, "reason": s.skip} for s in skipped]})
         say(f"report written to {args.json}")
     return 0 if ok else 1

@@ -39,7 +39,7 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
     path = tmp_path / "run.json"
     proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--sizes", "96", "64", "80",
                                   "--ring-size", "1001", "--repeats", "2", "--dtype", "both",
-                                  "--json", str(path)], 300)
+                                  "--machine", "local-2core-mpich", "--json", str(path)], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
     assert report["world_size"] == 4 and report["ok"] is True
@@ -48,12 +48,18 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
     assert ("summa25_atb", "float64") in names  # on [1, 1, 4]
     for r in report["rows"]:
         assert r["ok"] and r["error"] <= r["bound"] and r["seconds"] > 0
+        assert r["predicted"] > 0 and r["prediction_error"] == pytest.approx(
+            (r["predicted"] - r["seconds"]) / r["seconds"])
     assert proc.stdout.count(" OK ") == len(report["rows"])
+    assert report["machine"] == "local-2core-mpich" and "MAPE" in proc.stdout
+    mape = sum(abs(r["prediction_error"]) for r in report["rows"]) / len(report["rows"])
+    assert report["prediction"]["mape"] == pytest.approx(mape)
 
 
 def test_main_job_at_a_world_size_without_square_grid(mpiexec):
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--sizes", "32", "16", "24",
-                                  "--repeats", "1", "--algorithms", "summa_ab,summa25_ab"], 300)
+                                  "--repeats", "1", "--algorithms", "summa_ab,summa25_ab",
+                                  "--no-predict"], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "summa_ab: needs a square number of ranks" in proc.stdout
     assert "[1,1,2]" in proc.stdout
@@ -61,7 +67,8 @@ def test_main_job_at_a_world_size_without_square_grid(mpiexec):
 
 def test_one_failing_rank_aborts_the_whole_job(mpiexec):
     proc, seconds = launch(mpiexec, 16, ["-m", "summasim.run", "--algorithms", "summa_ab",
-                                         "--sizes", "64", "64", "64", "--fail-on-rank", "3"], 180)
+                                         "--sizes", "64", "64", "64", "--fail-on-rank", "3",
+                                         "--no-predict"], 180)
     out = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 124), out[-3000:]
     assert "[rank 3/16] unhandled exception" in out and "deliberate failure on rank 3" in out
@@ -75,7 +82,7 @@ def test_failed_validation_exits_nonzero(mpiexec):
             "orig = a.summa_ab;"
             "a.summa_ab = lambda x, y, g, out=None: orig(x, y, g) * (1 + 1e-9);"
             "sys.exit(r.main(['--algorithms', 'summa_ab', '--sizes', '32', '32', '32',"
-            " '--repeats', '1']))")
+            " '--repeats', '1', '--no-predict']))")
     proc, _ = launch(mpiexec, 4, ["-c", code], 120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert " FAIL " in proc.stdout and "1 failed" in proc.stdout

@@ -81,6 +81,18 @@ def test_report_format():
     assert lines[2].index("OK") == lines[3].index("FAIL") == lines[0].index("result")
 
 
+def test_prediction_columns_and_summary():
+    rows = [_row(), _row()]
+    rows[0].predicted, rows[1].predicted = 0.0123 * 1.1, 0.0123 * 0.7
+    assert rows[0].prediction_error == pytest.approx(0.1)
+    line = run.format_table(rows).splitlines()[2]
+    assert line.split()[-2:] == ["0.0135", "+10%"]
+    s = run.prediction_summary(rows)
+    assert s["mape"] == pytest.approx(0.2) and s["worst"] == pytest.approx(0.3)
+    assert run.prediction_summary([_row()]) is None
+    assert run.format_table([_row()]).splitlines()[2].split()[-2:] == ["-", "-"]
+
+
 def test_json_written_atomically(tmp_path):
     path = tmp_path / "sub" / "report.json"
     run.write_json_atomic(str(path), {"rows": [1, 2]})
