@@ -1,0 +1,302 @@
+"""The serial GPT-2 style reference model, built from :mod:`summasim.transformer.ops`.
+
+Every parallel scheme (Megatron 1D, Optimus 2D, SUMMA2.5-LM) is checked against
+this model: loss, logits and every gradient.
+
+Parameters are a flat dict with serial shapes, weights stored ``[in, out]``::
+
+    wte [v, h], wpe [s, h],
+    h{l}.ln1.g [h], h{l}.ln1.b [h], h{l}.attn.qkv.w [h, 3h], h{l}.attn.qkv.b [3h],
+    h{l}.attn.proj.w [h, h], h{l}.attn.proj.b [h], h{l}.ln2.g [h], h{l}.ln2.b [h],
+    h{l}.mlp.fc.w [h, f*h], h{l}.mlp.fc.b [f*h], h{l}.mlp.proj.w [f*h, h], h{l}.mlp.proj.b [h],
+    lnf.g [h], lnf.b [h]            (and cls.w [h, k], cls.b [k] when n_classes = k > 0)
+
+``forward(params, tokens, targets, config)`` returns the mean cross-entropy over
+the ``b*s`` tokens (LM head tied to ``wte``), or, with ``n_classes > 0``, the mean
+cross-entropy over the ``b`` sequences of a classifier reading the last token.
+``backward(cache)`` is the forward read in reverse, seeded with ``1/(b*s)``
+(``1/b`` for classification).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from summasim.backends import array_module
+
+from . import ops
+from .ops import BLOCK_KEYS
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model shape. Validates itself; errors name the offending field.
+
+    vocab, seq (the longest sequence, rows of ``wpe``), hidden, heads, layers,
+    ffn_mult (MLP width = ffn_mult * hidden), dtype (float32 or float64),
+    n_classes (0: language model; k > 0: classify each sequence from its last
+    token into k classes with ``cls.w``/``cls.b``).
+    """
+
+    vocab: int
+    seq: int
+    hidden: int
+    heads: int
+    layers: int
+    ffn_mult: int = 4
+    dtype: Any = np.float64
+    n_classes: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab", "seq", "hidden", "heads", "layers", "ffn_mult"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"Config.{name} must be a positive integer, got {val!r}")
+        nc = self.n_classes
+        if isinstance(nc, bool) or not isinstance(nc, (int, np.integer)) or nc < 0:
+            raise ValueError(f"Config.n_classes must be a non-negative integer, got {nc!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"Config.hidden={self.hidden} is not divisible by "
+                             f"Config.heads={self.heads}")
+        try:
+            dt = np.dtype(self.dtype)
+        except TypeError:
+            dt = None
+        if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"Config.dtype must be float32 or float64, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dt)
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_mult * self.hidden
+
+
+def param_shapes(config: Config) -> dict:
+    """Ordered ``{name: shape}`` of every parameter, serial shapes."""
+    h, f = config.hidden, config.ffn
+    shapes = {"wte": (config.vocab, h), "wpe": (config.seq, h)}
+    layer = {"ln1.g": (h,), "ln1.b": (h,), "attn.qkv.w": (h, 3 * h), "attn.qkv.b": (3 * h,),
+             "attn.proj.w": (h, h), "attn.proj.b": (h,), "ln2.g": (h,), "ln2.b": (h,),
+             "mlp.fc.w": (h, f), "mlp.fc.b": (f,), "mlp.proj.w": (f, h), "mlp.proj.b": (h,)}
+    for l in range(config.layers):
+        for key in BLOCK_KEYS:
+            shapes[f"h{l}.{key}"] = layer[key]
+    shapes["lnf.g"] = (h,)
+    shapes["lnf.b"] = (h,)
+    if config.n_classes:
+        shapes["cls.w"] = (h, config.n_classes)
+        shapes["cls.b"] = (config.n_classes,)
+    return shapes
+
+
+def init_params(config: Config, seed: int = 0) -> dict:
+    """GPT-2 initialisation: weights N(0, 0.02), the two residual projections
+    (``attn.proj.w``, ``mlp.proj.w``) scaled by ``1/sqrt(2*layers)``, LayerNorm
+    ``g = 1, b = 0``, biases 0. Values are drawn in float64 and then cast, so a
+    float32 model holds the rounded float64 parameters of the same seed.
+    """
+    rng = np.random.default_rng(seed)
+    proj_std = INIT_STD / math.sqrt(2 * config.layers)
+    params = {}
+    for name, shape in param_shapes(config).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith((".ln1.g", ".ln2.g")) or name == "lnf.g":
+            val = np.ones(shape)
+        elif leaf == "b":
+            val = np.zeros(shape)
+        elif name.endswith(("attn.proj.w", "mlp.proj.w")):
+            val = rng.normal(0.0, proj_std, shape)
+        else:   # wte, wpe, qkv.w, fc.w, cls.w
+            val = rng.normal(0.0, INIT_STD, shape)
+        params[name] = val.astype(config.dtype)
+    return params
+
+
+def layer_params(params: dict, layer: int) -> dict:
+    """Layer ``layer``'s parameters under the block's local keys (``"ln1.g"``, ...)."""
+    prefix = f"h{layer}."
+    return {key: params[prefix + key] for key in BLOCK_KEYS}
+
+
+# --------------------------------------------------------------------------- #
+# validation                                                                  #
+# --------------------------------------------------------------------------- #
+def _is_integer_array(a) -> bool:
+    return hasattr(a, "dtype") and hasattr(a, "shape") and a.dtype.kind in "iu"
+
+
+def check_params(params: dict, config: Config) -> None:
+    """Raise ValueError unless ``params`` has exactly the config's names, shapes and dtype."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
+    shapes = param_shapes(config)
+    missing = [k for k in shapes if k not in params]
+    extra = [k for k in params if k not in shapes]
+    if missing or extra:
+        raise ValueError(f"params do not match the config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                         f"{'...' if len(extra) > 5 else ''}")
+    for name, shape in shapes.items():
+        arr = params[name]
+        if tuple(getattr(arr, "shape", ())) != shape:
+            raise ValueError(f"params[{name!r}] has shape {tuple(getattr(arr, 'shape', ()))}, "
+                             f"expected {shape}")
+        if getattr(arr, "dtype", None) != config.dtype:
+            raise ValueError(f"params[{name!r}] has dtype {getattr(arr, 'dtype', None)} but "
+                             f"Config.dtype is {config.dtype}")
+
+
+def check_tokens(tokens, config: Config, name: str = "tokens") -> None:
+    """Raise ValueError unless ``tokens`` is an integer [b, s] array, 1 <= s <= seq,
+    with ids in [0, vocab)."""
+    if not _is_integer_array(tokens):
+        raise ValueError(f"{name} must be an integer array of shape [b, s], got "
+                         f"{type(tokens).__name__} with dtype {getattr(tokens, 'dtype', None)}")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or not 1 <= tokens.shape[1] <= config.seq:
+        raise ValueError(f"{name} must have shape [b, s] with b >= 1 and 1 <= s <= "
+                         f"Config.seq={config.seq}, got {tuple(tokens.shape)}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= config.vocab:
+        raise ValueError(f"{name} hold ids outside [0, Config.vocab={config.vocab}): "
+                         f"min {lo}, max {hi}")
+
+
+def check_targets(targets, tokens, config: Config) -> None:
+    """LM: targets like tokens; classification: integer [b] in [0, n_classes)."""
+    if not config.n_classes:
+        if getattr(targets, "shape", None) != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens {tuple(tokens.shape)}, "
+                             f"got {getattr(targets, 'shape', None)}")
+        check_tokens(targets, config, name="targets")
+        return
+    b = tokens.shape[0]
+    if not _is_integer_array(targets) or targets.shape != (b,):
+        raise ValueError(f"targets for classification must be an integer array of shape "
+                         f"({b},), got {getattr(targets, 'shape', None)} "
+                         f"{getattr(targets, 'dtype', None)}")
+    lo, hi = int(targets.min()), int(targets.max())
+    if lo < 0 or hi >= config.n_classes:
+        raise ValueError(f"targets hold classes outside [0, Config.n_classes="
+                         f"{config.n_classes}): min {lo}, max {hi}")
+
+
+# --------------------------------------------------------------------------- #
+# forward / backward                                                          #
+# --------------------------------------------------------------------------- #
+class ModelCache(NamedTuple):
+    config: Config
+    params: dict                 # read again when checkpointed layers are recomputed
+    checkpoint: bool
+    emb: ops.EmbeddingCache
+    blocks: list                 # per layer: BlockCache, or its input (B, T, h) if checkpointed
+    lnf: ops.LayerNormCache
+    head: Any                    # LMHeadCache, or ClassifierCache when n_classes > 0
+    ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
+    logits: Any                  # (B, T, v), or (B, n_classes)
+    loss: Optional[float]
+    n_items: int                 # tokens (LM) or sequences (classification) in the mean
+
+
+def forward(params: dict, tokens, targets, config: Config, checkpoint: bool = False):
+    """Loss and cache of the model on ``tokens`` [b, s].
+
+    ``targets``: [b, s] next-token ids (LM), [b] classes (``n_classes > 0``), or
+    None (only the logits; :func:`backward` then refuses). With ``checkpoint``
+    each layer keeps only its input and is recomputed during the backward.
+    Returns ``(loss, cache)``; ``loss`` is a Python float (None without targets)
+    and ``cache.logits`` holds the logits.
+    """
+    check_params(params, config)
+    check_tokens(tokens, config)
+    if targets is not None:
+        check_targets(targets, tokens, config)
+    x, emb = ops.embedding_forward(tokens, params["wte"], params["wpe"])   # (B, T, h)
+    blocks = []
+    for l in range(config.layers):
+        p = layer_params(params, l)
+        if checkpoint:
+            blocks.append(x)                           # keep the input only
+            x, _ = ops.block_forward(x, p, config.heads)
+        else:
+            x, cache = ops.block_forward(x, p, config.heads)   # (B, T, h)
+            blocks.append(cache)
+    x, lnf = ops.layernorm_forward(x, params["lnf.g"], params["lnf.b"])  # (B, T, h)
+    if config.n_classes:
+        logits, head = ops.classifier_forward(x, params["cls.w"], params["cls.b"])  # (B, k)
+    else:
+        logits, head = ops.lm_head_forward(x, params["wte"])                       # (B, T, v)
+    n_items = math.prod(logits.shape[:-1])
+    loss, ce = None, None
+    if targets is not None:
+        losses, ce = ops.cross_entropy_forward(logits, targets)   # (B, T) or (B,)
+        loss = float(losses.sum()) / n_items
+    return loss, ModelCache(config=config, params=params, checkpoint=checkpoint, emb=emb,
+                            blocks=blocks, lnf=lnf, head=head, ce=ce, logits=logits,
+                            loss=loss, n_items=n_items)
+
+
+def backward(cache: ModelCache, parts: Optional[dict] = None) -> dict:
+    """Gradients of the mean loss, same keys (and order) as the params.
+
+    The forward read in reverse. ``parts``, if a dict, receives the two
+    contributions to the tied ``wte`` gradient, ``"wte.embed"`` and ``"wte.head"``
+    (LM only), for checks.
+    """
+    if cache.ce is None:
+        raise ValueError("backward needs a forward with targets")
+    config, params = cache.config, cache.params
+    xp = array_module(cache.logits)
+    grads = {}
+    dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
+                      dtype=cache.logits.dtype)       # dloss = 1/(b*s) per token
+    dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)    # like the logits
+    if config.n_classes:
+        dx, g = ops.classifier_backward(dlogits, cache.head)    # (B, T, h)
+        grads["cls.w"], grads["cls.b"] = g["w"], g["b"]
+        dwte_head = None
+    else:
+        dx, g = ops.lm_head_backward(dlogits, cache.head)       # (B, T, h)
+        dwte_head = g["wte"]
+    dx, g = ops.layernorm_backward(dx, cache.lnf)               # (B, T, h)
+    grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
+    for l in reversed(range(config.layers)):
+        if cache.checkpoint:     # recompute the layer's forward from its saved input
+            _, block = ops.block_forward(cache.blocks[l], layer_params(params, l), config.heads)
+        else:
+            block = cache.blocks[l]
+        dx, g = ops.block_backward(dx, block)                   # (B, T, h)
+        del block
+        for key, val in g.items():
+            grads[f"h{l}.{key}"] = val
+    _, g = ops.embedding_backward(dx, cache.emb)
+    grads["wpe"] = g["wpe"]
+    if dwte_head is None:
+        grads["wte"] = g["wte"]
+    else:
+        grads["wte"] = g["wte"] + dwte_head                     # tied: embedding + LM head
+    if parts is not None:
+        parts["wte.embed"] = g["wte"]
+        if dwte_head is not None:
+            parts["wte.head"] = dwte_head
+    return {key: grads[key] for key in params}
+
+
+def logits(params: dict, tokens, config: Config):
+    """The logits, (b, s, vocab) for the LM or (b, n_classes) for classification."""
+    return forward(params, tokens, None, config)[1].logits
+
+
+def loss_and_grads(params: dict, tokens, targets, config: Config, checkpoint: bool = False):
+    """``(loss, grads)``: forward then backward."""
+    loss, cache = forward(params, tokens, targets, config, checkpoint=checkpoint)
+    return loss, backward(cache)

@@ -1,0 +1,669 @@
+"""Serial transformer ops: forward/backward pairs with hand-written gradients.
+
+Every op is a pair ``x_forward(...) -> (out, cache)`` and
+``x_backward(dout, cache) -> (dinput, grads)``. The cache is a NamedTuple that
+names exactly what the backward needs; ``grads`` is a dict keyed like the
+parameter dict the op reads (``"w"``, ``"b"``, ``"g"``, ...). Shapes use
+``B`` batch, ``T`` sequence, ``C`` hidden (or the local slice of it),
+``nh`` heads, ``hd = C / nh`` head size, ``V`` vocabulary, ``N = B*T`` rows.
+
+Conventions (GPT-2, see DESIGN.md): weights are stored ``[in, out]``
+(``y = x @ w + b``), LayerNorm eps 1e-5, GELU tanh approximation, causal
+attention scaled by ``1/sqrt(hd)``, QKV columns ordered ``[Q | K | V]`` with the
+heads contiguous inside each, LM head tied to ``wte``.
+
+Reduction hooks. Ops that reduce over an axis a parallel scheme may shard take
+that reduction as an argument, so Megatron (1D), Optimus (2D) and SUMMA2.5-LM
+call *these* functions on their local slices:
+
+* ``layernorm_forward(x, g, b, sum_hidden=..., hidden=h)`` -- statistics over
+  the hidden axis; ``sum_hidden(a)`` returns the sum over the last axis of the
+  *global* hidden dimension (keepdims).
+* ``cross_entropy_forward(logits, targets, vocab_start=..., max_vocab=...,
+  sum_vocab=...)`` -- log-sum-exp and target pick over the vocabulary axis.
+* ``softmax_forward(x, max_last=..., sum_last=...)`` -- the same for a plain
+  softmax.
+* ``embedding_forward(tokens, wte, wpe, vocab_start=..., combine_vocab=...)``
+  -- a vocab-parallel lookup.
+
+The defaults are the local reductions, so serial callers pass nothing. The
+hooks are stored in the cache, so the backward uses the same reduction as the
+forward (a parallel scheme tags the trace phase around the call, not inside the
+hook). Each hook runs on this process's arrays and returns an array of the
+shape stated in the op's docstring; in a parallel scheme it is the local
+reduction followed by an all-reduce over the group that shares the axis.
+
+Arrays may be NumPy or CuPy: the array module comes from the inputs
+(:func:`summasim.backends.array_module`), and every scalar is a Python float so
+float32 stays float32 (NEP 50).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+from summasim.backends import array_module
+
+LN_EPS = 1e-5
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_C = 0.044715
+# exp(-2z) is clamped at exp(80) so it never overflows in float32 (max ~exp(88));
+# x * sigmoid(2z) is then about 1e-35 * x instead of 0: far below any tolerance.
+_GELU_EXP_CLAMP = 80.0
+
+Array = Any
+Reduction = Callable[[Array], Array]
+
+
+# --------------------------------------------------------------------------- #
+# default (serial) reductions                                                 #
+# --------------------------------------------------------------------------- #
+def local_sum(a):
+    """Sum over the last axis, keepdims: the serial ``sum_hidden``/``sum_vocab``."""
+    return a.sum(axis=-1, keepdims=True)
+
+
+def local_max(a):
+    """Max over the last axis, keepdims: the serial ``max_vocab``."""
+    return a.max(axis=-1, keepdims=True)
+
+
+# --------------------------------------------------------------------------- #
+# linear                                                                      #
+# --------------------------------------------------------------------------- #
+class LinearCache(NamedTuple):
+    x: Array          # input as rows, (N, C)
+    w: Array          # weight, (C, OC)
+    has_bias: bool    # whether a bias was added (its gradient is returned)
+
+
+def linear_forward(x, w, b=None):
+    """``y = x @ w + b`` over the last axis of ``x`` (..., C) -> (..., OC).
+
+    ``b`` may be None: a row-parallel (Megatron) caller adds the bias once,
+    after the all-reduce of the partial products.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])                     # (N, C)
+    y = x2 @ w                                          # (N, OC)
+    if b is not None:
+        y += b
+    y = y.reshape(lead + (w.shape[1],))                 # (..., OC)
+    return y, LinearCache(x=x2, w=w, has_bias=b is not None)
+
+
+def linear_backward(dy, cache):
+    """Returns ``dx`` (..., C) and ``{"w": x^T dy, "b": sum(dy)}``."""
+    x, w = cache.x, cache.w
+    dy2 = dy.reshape(-1, dy.shape[-1])                  # (N, OC)
+    dx = (dy2 @ w.T).reshape(dy.shape[:-1] + (w.shape[0],))  # (..., C)
+    grads = {"w": x.T @ dy2}                            # (C, OC)
+    if cache.has_bias:
+        grads["b"] = dy2.sum(axis=0)                    # (OC,)
+    return dx, grads
+
+
+# --------------------------------------------------------------------------- #
+# layernorm                                                                   #
+# --------------------------------------------------------------------------- #
+class LayerNormCache(NamedTuple):
+    xhat: Array             # normalized input, (..., C)
+    rstd: Array             # 1 / sqrt(var + eps), (..., 1)
+    g: Array                # gain, (C,)
+    hidden: int             # size of the full (global) hidden axis
+    sum_hidden: Reduction   # the reduction used in forward, reused in backward
+
+
+def layernorm_forward(x, g, b, *, eps=LN_EPS, sum_hidden: Optional[Reduction] = None,
+                      hidden: Optional[int] = None):
+    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * g + b``.
+
+    Parameters
+    ----------
+    x : (..., C) array; C may be this rank's slice of the hidden axis.
+    g, b : (C,) the matching slices of gain and bias.
+    sum_hidden : callable ``a (..., C) -> (..., 1)``, the sum over the *whole*
+        hidden axis. Default: ``a.sum(-1, keepdims=True)``. A hidden-parallel
+        scheme (Optimus: h split over a grid row) passes
+        ``lambda a: row.allreduce(a.sum(-1, keepdims=True))``. It is called
+        twice in forward (mean, then the centred second moment: two-pass
+        variance, stable in float32) and twice in backward.
+    hidden : int, the size of the whole hidden axis (default ``C``).
+
+    Every rank then gets exactly its slice of the serial output; ``dg``/``db``
+    from the backward are sums over this rank's rows only, so a scheme that
+    also splits the rows (batch) all-reduces them over that group.
+    """
+    sum_hidden = local_sum if sum_hidden is None else sum_hidden
+    hidden = x.shape[-1] if hidden is None else hidden
+    inv_h = 1.0 / hidden
+    xp = array_module(x)
+    mean = sum_hidden(x) * inv_h                        # (..., 1)
+    xhat = x - mean                                     # (..., C)
+    var = sum_hidden(xhat * xhat) * inv_h               # (..., 1)
+    rstd = 1.0 / xp.sqrt(var + eps)                     # (..., 1)
+    xhat *= rstd
+    out = xhat * g                                      # (..., C)
+    out += b
+    return out, LayerNormCache(xhat=xhat, rstd=rstd, g=g, hidden=hidden,
+                               sum_hidden=sum_hidden)
+
+
+def layernorm_backward(dout, cache):
+    """``dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``, ``dxhat = dout * g``.
+
+    The two means are over the whole hidden axis through ``cache.sum_hidden``.
+    Returns ``dx`` (..., C) and ``{"g": (C,), "b": (C,)}`` summed over local rows.
+    """
+    xhat, rstd, g = cache.xhat, cache.rstd, cache.g
+    c = xhat.shape[-1]
+    inv_h = 1.0 / cache.hidden
+    grads = {"g": (dout * xhat).reshape(-1, c).sum(axis=0),   # (C,)
+             "b": dout.reshape(-1, c).sum(axis=0)}            # (C,)
+    dxhat = dout * g                                           # (..., C)
+    mean_d = cache.sum_hidden(dxhat) * inv_h                   # (..., 1)
+    mean_dx = cache.sum_hidden(dxhat * xhat) * inv_h           # (..., 1)
+    dx = dxhat
+    dx -= mean_d
+    dx -= xhat * mean_dx
+    dx *= rstd
+    return dx, grads
+
+
+# --------------------------------------------------------------------------- #
+# gelu                                                                        #
+# --------------------------------------------------------------------------- #
+class GeluCache(NamedTuple):
+    x: Array   # input, (...); the sigmoid is recomputed in backward (memory as torch)
+
+
+def _gelu_exp(x):
+    """``e = exp(-2z)``, ``z = K (x + C x^3)`` (clamped so it cannot overflow)."""
+    xp = array_module(x)
+    e = x * x                                           # (...)
+    e *= -2.0 * GELU_K * GELU_C
+    e += -2.0 * GELU_K
+    e *= x                                              # -2z, using u*u*u not u**3
+    xp.minimum(e, _GELU_EXP_CLAMP, out=e)
+    xp.exp(e, out=e)
+    return e
+
+
+def gelu_forward(x):
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(K (x + 0.044715 x^3)))``.
+
+    Computed as ``x * sigmoid(2z) = x / (1 + exp(-2z))`` (the same function:
+    ``1 + tanh z = 2 sigmoid(2z)``); NumPy's exp is far faster than its tanh.
+    Elementwise, so any sharding of ``x`` is fine.
+    """
+    xp = array_module(x)
+    out = _gelu_exp(x)                                  # (...)
+    out += 1.0
+    xp.reciprocal(out, out=out)                         # sigmoid(2z)
+    out *= x
+    return out, GeluCache(x=x)
+
+
+def gelu_backward(dout, cache):
+    """``d/dx = s + 2 x s (1-s) K (1 + 3 C x^2)`` with ``s = (1 + tanh z)/2``, ``1-s = e s``."""
+    xp = array_module(dout)
+    x = cache.x
+    e = _gelu_exp(x)                                    # (...)
+    s = e + 1.0                                         # (...)
+    xp.reciprocal(s, out=s)                             # s = sigmoid(2z), recomputed
+    e *= s                                              # 1 - s
+    e *= s                                              # s (1 - s)
+    u = x * x                                           # (...)
+    u *= 6.0 * GELU_K * GELU_C
+    u += 2.0 * GELU_K
+    u *= x                                              # 2 K x (1 + 3 C x^2)
+    u *= e
+    u += s
+    u *= dout
+    return u, {}
+
+
+# --------------------------------------------------------------------------- #
+# softmax                                                                     #
+# --------------------------------------------------------------------------- #
+class SoftmaxCache(NamedTuple):
+    y: Array               # softmax output, (..., V)
+    sum_last: Reduction    # the sum over the (global) last axis
+
+
+def softmax_forward(x, *, max_last: Optional[Reduction] = None,
+                    sum_last: Optional[Reduction] = None):
+    """Softmax over the last axis (..., V) -> (..., V).
+
+    ``max_last`` / ``sum_last`` map (..., V) to (..., 1) over the whole (global)
+    last axis; a vocab-parallel caller passes the local max/sum followed by an
+    all-reduce (MAX / SUM) over its group. The max only stabilizes the
+    exponentials but must be the same on every rank.
+    """
+    max_last = local_max if max_last is None else max_last
+    sum_last = local_sum if sum_last is None else sum_last
+    xp = array_module(x)
+    y = x - max_last(x)                                 # (..., V)
+    xp.exp(y, out=y)
+    y *= 1.0 / sum_last(y)
+    return y, SoftmaxCache(y=y, sum_last=sum_last)
+
+
+def softmax_backward(dy, cache):
+    """``dx = y * (dy - sum(dy * y))``."""
+    y = cache.y
+    dx = dy - cache.sum_last(dy * y)                    # (..., V)
+    dx *= y
+    return dx, {}
+
+
+# --------------------------------------------------------------------------- #
+# attention                                                                   #
+# --------------------------------------------------------------------------- #
+def split_heads(qkv, heads):
+    """Views q, k, v (B, nh, T, hd) of a packed ``[Q | K | V]`` tensor (B, T, 3C)."""
+    b, t, c3 = qkv.shape
+    c = c3 // 3
+    packed = qkv.reshape(b, t, 3, heads, c // heads)    # (B, T, 3, nh, hd)
+    packed = packed.transpose(2, 0, 3, 1, 4)            # (3, B, nh, T, hd) view
+    return packed[0], packed[1], packed[2]
+
+
+def merge_heads(y):
+    """(B, nh, T, hd) -> (B, T, nh*hd) (a copy unless already laid out that way)."""
+    b, nh, t, hd = y.shape
+    return y.transpose(0, 2, 1, 3).reshape(b, t, nh * hd)   # (B, T, C)
+
+
+def causal_mask(xp, t, dtype):
+    """Additive mask (T, T): 0 on and below the diagonal, -inf above."""
+    return xp.triu(xp.full((t, t), -math.inf, dtype=dtype), k=1)
+
+
+class AttentionCoreCache(NamedTuple):
+    qs: Array      # q * scale, (B, nh, T, hd)
+    k: Array       # (B, nh, T, hd)
+    v: Array       # (B, nh, T, hd)
+    att: Array     # softmax probabilities, (B, nh, T, T); 0 above the diagonal
+    y: Array       # output att @ v, (B, nh, T, hd) (read by the backward's row sums)
+    scale: float   # 1 / sqrt(hd)
+
+
+def attention_core_forward(q, k, v, *, out=None):
+    """Causal attention of already-projected heads: ``softmax(q k^T / sqrt(hd) + mask) v``.
+
+    Parameters
+    ----------
+    q, k, v : (B, nh, T, hd) arrays (strided views are fine). Heads are
+        independent, so a scheme holding a subset of the heads (Megatron: nh/p
+        heads; Optimus: nh/q heads of b/q sequences) calls this on its subset.
+    out : optional writable (B, nh, T, hd) array (e.g. a head view of a
+        (B, T, C) buffer, so merging heads costs no copy).
+
+    Returns ``y`` (B, nh, T, hd) and the cache.
+    """
+    xp = array_module(q, k, v)
+    t, hd = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(hd)
+    qs = q * scale                                      # (B, nh, T, hd)
+    att = qs @ k.swapaxes(-1, -2)                       # (B, nh, T, T)
+    att += causal_mask(xp, t, att.dtype)
+    att -= att.max(axis=-1, keepdims=True)
+    xp.exp(att, out=att)
+    att *= 1.0 / att.sum(axis=-1, keepdims=True)
+    if out is None:
+        y = att @ v                                     # (B, nh, T, hd)
+    else:
+        y = xp.matmul(att, v, out=out)                  # (B, nh, T, hd)
+    return y, AttentionCoreCache(qs=qs, k=k, v=v, att=att, y=y, scale=scale)
+
+
+def attention_core_backward(dy, cache, *, out=None):
+    """Gradients ``(dq, dk, dv)`` of the core attention for ``dy`` (B, nh, T, hd).
+
+    The softmax backward's row sums ``sum_j att_ij datt_ij`` equal
+    ``sum_d dy_id y_id`` (FlashAttention's D_i), a (B, nh, T, hd) product instead
+    of a (B, nh, T, T) one. ``out`` optionally gives three writable
+    (B, nh, T, hd) arrays to receive dq, dk, dv. Returns ``((dq, dk, dv), {})``.
+    """
+    xp = array_module(dy)
+    qs, k, v, att, y = cache.qs, cache.k, cache.v, cache.att, cache.y
+    dq, dk, dv = (None, None, None) if out is None else out
+    dv = xp.matmul(att.swapaxes(-1, -2), dy, out=dv)   # (B, nh, T, hd)
+    ds = dy @ v.swapaxes(-1, -2)                        # (B, nh, T, T) d(att)
+    ds -= (dy * y).sum(axis=-1, keepdims=True)          # minus row sums (B, nh, T, 1)
+    ds *= att                                           # d(scores); 0 above the diagonal
+    dk = xp.matmul(ds.swapaxes(-1, -2), qs, out=dk)     # (B, nh, T, hd)
+    dq = xp.matmul(ds, k, out=dq)                       # (B, nh, T, hd)
+    dq *= cache.scale
+    return (dq, dk, dv), {}
+
+
+class AttentionCache(NamedTuple):
+    qkv: LinearCache          # the QKV projection
+    core: AttentionCoreCache  # the heads
+    proj: LinearCache         # the output projection
+    heads: int                # heads held by this call
+
+
+def attention_forward(x, qkv_w, qkv_b, proj_w, proj_b, heads):
+    """Causal multi-head self-attention: x (B, T, C) -> (B, T, C_out).
+
+    ``qkv_w`` (C, 3C') packs ``[Q | K | V]`` with ``heads`` heads of size
+    ``C'/heads`` contiguous inside each; ``proj_w`` is (C', C_out). Serially
+    ``C' = C_out = C``. A Megatron rank passes its column slice of qkv (the
+    Q, K and V columns of its heads, still ordered [Q | K | V]), its row slice
+    of proj, ``proj_b=None`` and ``heads = nh / p``; the output is then its
+    partial sum, to be all-reduced before the bias is added.
+    Gradients are keyed ``"qkv.w", "qkv.b", "proj.w", "proj.b"``.
+    """
+    xp = array_module(x)
+    b, t, _ = x.shape
+    qkv, qkv_cache = linear_forward(x, qkv_w, qkv_b)   # (B, T, 3C')
+    q, k, v = split_heads(qkv, heads)                   # 3 x (B, nh, T, hd) views
+    c = qkv.shape[-1] // 3
+    y = xp.empty((b, t, c), dtype=qkv.dtype)            # (B, T, C') merged heads
+    y_heads = y.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3)  # (B, nh, T, hd) view
+    _, core_cache = attention_core_forward(q, k, v, out=y_heads)
+    out, proj_cache = linear_forward(y, proj_w, proj_b)  # (B, T, C_out)
+    return out, AttentionCache(qkv=qkv_cache, core=core_cache, proj=proj_cache, heads=heads)
+
+
+def attention_backward(dout, cache):
+    """Returns ``dx`` (B, T, C) and grads ``qkv.w, qkv.b, proj.w, proj.b``."""
+    xp = array_module(dout)
+    b, t, _ = dout.shape
+    nh = cache.heads
+    dy, g_proj = linear_backward(dout, cache.proj)      # (B, T, C')
+    c = dy.shape[-1]
+    dy_heads = dy.reshape(b, t, nh, c // nh).transpose(0, 2, 1, 3)  # (B, nh, T, hd) view
+    dqkv = xp.empty((b, t, 3, nh, c // nh), dtype=dy.dtype)        # (B, T, 3, nh, hd)
+    views = dqkv.transpose(2, 0, 3, 1, 4)                          # (3, B, nh, T, hd) view
+    attention_core_backward(dy_heads, cache.core, out=(views[0], views[1], views[2]))
+    dx, g_qkv = linear_backward(dqkv.reshape(b, t, 3 * c), cache.qkv)  # (B, T, C)
+    grads = {"qkv.w": g_qkv["w"], "proj.w": g_proj["w"]}
+    if "b" in g_qkv:
+        grads["qkv.b"] = g_qkv["b"]
+    if "b" in g_proj:
+        grads["proj.b"] = g_proj["b"]
+    return dx, grads
+
+
+# --------------------------------------------------------------------------- #
+# embedding                                                                   #
+# --------------------------------------------------------------------------- #
+class EmbeddingCache(NamedTuple):
+    rows: Array            # local table row of each token, (B, T) (0 where masked)
+    mask: Optional[Array]  # token lives in this vocab shard, (B, T) bool; None: all do
+    wte_shape: tuple       # (V_local, C)
+    wpe_shape: Optional[tuple]  # (S, C), or None when no position table was given
+
+
+def _scatter_add_rows(xp, index, rows, nrows):
+    """``out[index[i]] += rows[i]`` into zeros (nrows, C), deterministic order.
+
+    NumPy: stable sort + ``add.reduceat`` (``np.add.at`` is slow on older NumPy);
+    other array modules: their ``add.at`` (atomic adds on CuPy).
+    """
+    out = xp.zeros((nrows, rows.shape[-1]), dtype=rows.dtype)   # (V, C)
+    if index.size == 0:
+        return out
+    if getattr(xp, "__name__", "") == "numpy":
+        order = xp.argsort(index, kind="stable")       # (N,)
+        sidx = index[order]                             # (N,)
+        first = xp.empty(sidx.shape, dtype=bool)        # (N,) start of each run
+        first[0] = True
+        xp.not_equal(sidx[1:], sidx[:-1], out=first[1:])
+        starts = xp.flatnonzero(first)                  # (U,)
+        out[sidx[starts]] = xp.add.reduceat(rows[order], starts, axis=0)  # (U, C)
+    else:
+        xp.add.at(out, index, rows)
+    return out
+
+
+def embedding_forward(tokens, wte, wpe=None, *, vocab_start=0,
+                      combine_vocab: Optional[Reduction] = None):
+    """Token plus position embedding: ``wte[tokens] + wpe[:T]``, (B, T) -> (B, T, C).
+
+    Parameters
+    ----------
+    tokens : (B, T) integer array of global token ids.
+    wte : (V_local, C) rows ``vocab_start .. vocab_start + V_local`` of the table.
+    wpe : (S, C) position table (S >= T) or None (the caller adds positions).
+    vocab_start : first global id held in ``wte``. Tokens outside this shard
+        contribute zeros.
+    combine_vocab : callable ``(B, T, C) -> (B, T, C)`` applied to the token
+        part before positions are added; a vocab-parallel scheme passes an
+        all-reduce over its vocab group (its backward is the identity, so the
+        backward needs no hook). Default: identity.
+
+    A hidden-parallel caller passes its column slices of ``wte``/``wpe``.
+    """
+    xp = array_module(wte)
+    v_local = wte.shape[0]
+    if vocab_start == 0 and combine_vocab is None:
+        rows, mask = tokens, None
+        x = wte[tokens]                                 # (B, T, C)
+    else:
+        local = tokens - vocab_start                    # (B, T)
+        mask = (local >= 0) & (local < v_local)         # (B, T)
+        rows = xp.where(mask, local, 0)                 # (B, T)
+        x = wte[rows]                                   # (B, T, C)
+        x *= mask[..., None]
+        if combine_vocab is not None:
+            x = combine_vocab(x)
+    if wpe is not None:
+        x += wpe[: tokens.shape[1]]
+    return x, EmbeddingCache(rows=rows, mask=mask, wte_shape=wte.shape,
+                             wpe_shape=None if wpe is None else wpe.shape)
+
+
+def embedding_backward(dout, cache):
+    """Scatter-add ``dout`` (B, T, C) into ``wte`` rows; sum it over the batch for ``wpe``.
+
+    Returns ``(None, {"wte": (V_local, C), "wpe": (S, C)})`` (no input gradient:
+    tokens are integers). ``dwpe`` rows past T are zero.
+    """
+    xp = array_module(dout)
+    c = dout.shape[-1]
+    d2 = dout.reshape(-1, c)                            # (N, C)
+    rows = cache.rows.reshape(-1)                       # (N,)
+    if cache.mask is not None:
+        keep = cache.mask.reshape(-1)                   # (N,)
+        d2, rows = d2[keep], rows[keep]                 # (N_local, C), (N_local,)
+    grads = {"wte": _scatter_add_rows(xp, rows, d2, cache.wte_shape[0])}  # (V_local, C)
+    if cache.wpe_shape is not None:
+        dwpe = xp.zeros(cache.wpe_shape, dtype=dout.dtype)    # (S, C)
+        dwpe[: dout.shape[1]] = dout.sum(axis=0)              # (T, C)
+        grads["wpe"] = dwpe
+    return None, grads
+
+
+# --------------------------------------------------------------------------- #
+# LM head (tied) and cross-entropy                                            #
+# --------------------------------------------------------------------------- #
+class LMHeadCache(NamedTuple):
+    x: Array     # final hidden states as rows, (N, C)
+    wte: Array   # (V_local, C) the tied embedding table
+
+
+def lm_head_forward(x, wte):
+    """Tied LM head: ``logits = x @ wte^T``, (..., C) -> (..., V_local).
+
+    A vocab-parallel rank passes its rows of ``wte`` and gets its vocab slice of
+    the logits, ready for :func:`cross_entropy_forward` with ``vocab_start``.
+    """
+    x2 = x.reshape(-1, x.shape[-1])                     # (N, C)
+    logits = x2 @ wte.T                                 # (N, V)
+    return logits.reshape(x.shape[:-1] + (wte.shape[0],)), LMHeadCache(x=x2, wte=wte)
+
+
+def lm_head_backward(dlogits, cache):
+    """Returns ``dx = dlogits @ wte`` (..., C) and ``{"wte": dlogits^T @ x}`` (V, C)."""
+    d2 = dlogits.reshape(-1, dlogits.shape[-1])         # (N, V)
+    dx = (d2 @ cache.wte).reshape(dlogits.shape[:-1] + (cache.wte.shape[1],))  # (..., C)
+    return dx, {"wte": d2.T @ cache.x}                  # (V, C)
+
+
+class CrossEntropyCache(NamedTuple):
+    probs: Array           # softmax over the (global) vocab, this rank's columns, (N, V_local)
+    target: Array          # local column of each target, (N,) (0 where masked)
+    mask: Optional[Array]  # target lives in this shard, (N,) bool; None: always
+    shape: tuple           # leading shape of the logits, e.g. (B, T)
+
+
+def cross_entropy_forward(logits, targets, *, vocab_start=0,
+                          max_vocab: Optional[Reduction] = None,
+                          sum_vocab: Optional[Reduction] = None):
+    """Per-token cross-entropy ``logsumexp(logits) - logits[target]``.
+
+    Parameters
+    ----------
+    logits : (..., V_local) this rank's columns ``vocab_start .. vocab_start +
+        V_local`` of the logits (all of them serially).
+    targets : (...) integer array of *global* target ids (same array module as
+        ``logits``).
+    vocab_start : the first global id of this shard.
+    max_vocab : callable ``(N, V_local) -> (N, 1)``, the max over the whole
+        vocabulary (a parallel caller: local max, then all-reduce MAX). Only a
+        stabilizer, but it must be identical on every rank.
+    sum_vocab : callable ``(N, k) -> (N, 1)``, the sum over the whole vocabulary
+        (a parallel caller: local sum over the last axis, then all-reduce SUM).
+        It is called twice: on the exponentials (N, V_local), and on the picked
+        target logit (N, 1), which is 0 on ranks that do not hold the target,
+        so the sum delivers it to every rank.
+
+    Returns the per-token losses (...) -- the caller takes the mean and seeds
+    the backward with ``dlosses = 1 / n_tokens`` -- and the cache. Every rank of
+    a vocab group gets the same losses and its own columns of ``dlogits``.
+    """
+    xp = array_module(logits)
+    max_vocab = local_max if max_vocab is None else max_vocab
+    sum_vocab = local_sum if sum_vocab is None else sum_vocab
+    lead = logits.shape[:-1]
+    v_local = logits.shape[-1]
+    z = logits.reshape(-1, v_local)                     # (N, V)
+    n = z.shape[0]
+    m = max_vocab(z)                                    # (N, 1)
+    probs = z - m                                       # (N, V)
+    xp.exp(probs, out=probs)
+    total = sum_vocab(probs)                            # (N, 1)
+    tgt = targets.reshape(-1) - vocab_start             # (N,)
+    mask = (tgt >= 0) & (tgt < v_local)                 # (N,)
+    full = bool(mask.all()) if n else True
+    if full:
+        mask = None
+    else:
+        tgt = xp.where(mask, tgt, 0)                    # (N,)
+    picked = z[xp.arange(n), tgt][:, None]              # (N, 1)
+    if mask is not None:
+        picked = picked * mask[:, None]                 # (N, 1) 0 off-shard
+    picked = sum_vocab(picked)                          # (N, 1)
+    losses = (xp.log(total) + m - picked)[:, 0]         # (N,)
+    probs *= 1.0 / total
+    return losses.reshape(lead), CrossEntropyCache(probs=probs, target=tgt, mask=mask, shape=lead)
+
+
+def cross_entropy_backward(dlosses, cache):
+    """``dlogits = dlosses * (softmax - onehot(target))`` on this rank's columns.
+
+    ``dlosses`` has the leading shape of the logits (``1/n_tokens`` everywhere
+    for a mean loss). Returns ``dlogits`` (..., V_local) and ``{}``.
+    """
+    xp = array_module(cache.probs)
+    n, v_local = cache.probs.shape
+    d = dlosses.reshape(-1)                             # (N,)
+    dz = cache.probs * d[:, None]                       # (N, V)
+    rows = xp.arange(n)                                 # (N,)
+    if cache.mask is None:
+        dz[rows, cache.target] -= d
+    else:
+        dz[rows[cache.mask], cache.target[cache.mask]] -= d[cache.mask]
+    return dz.reshape(cache.shape + (v_local,)), {}
+
+
+# --------------------------------------------------------------------------- #
+# classification head on the last token                                       #
+# --------------------------------------------------------------------------- #
+class ClassifierCache(NamedTuple):
+    x_last: Array   # hidden state of the last token, (B, C)
+    w: Array        # (C, K)
+    shape: tuple    # (B, T, C) of the input
+
+
+def classifier_forward(x, w, b):
+    """Logits ``x[:, -1] @ w + b`` from the last token: (B, T, C) -> (B, K).
+
+    Gradients are keyed ``"w"``, ``"b"`` (the model stores them as ``cls.w``, ``cls.b``).
+    """
+    x_last = x[:, -1, :]                                # (B, C)
+    logits = x_last @ w                                 # (B, K)
+    logits += b
+    return logits, ClassifierCache(x_last=x_last, w=w, shape=x.shape)
+
+
+def classifier_backward(dlogits, cache):
+    """``dx`` (B, T, C), zero except at the last position; ``{"w", "b"}``."""
+    xp = array_module(dlogits)
+    dx = xp.zeros(cache.shape, dtype=dlogits.dtype)     # (B, T, C)
+    dx[:, -1, :] = dlogits @ cache.w.T                  # (B, C)
+    return dx, {"w": cache.x_last.T @ dlogits,          # (C, K)
+                "b": dlogits.sum(axis=0)}               # (K,)
+
+
+# --------------------------------------------------------------------------- #
+# one transformer layer                                                       #
+# --------------------------------------------------------------------------- #
+BLOCK_KEYS = ("ln1.g", "ln1.b", "attn.qkv.w", "attn.qkv.b", "attn.proj.w", "attn.proj.b",
+              "ln2.g", "ln2.b", "mlp.fc.w", "mlp.fc.b", "mlp.proj.w", "mlp.proj.b")
+
+
+class BlockCache(NamedTuple):
+    ln1: LayerNormCache
+    attn: AttentionCache
+    ln2: LayerNormCache
+    fc: LinearCache
+    gelu: GeluCache
+    proj: LinearCache
+
+
+def block_forward(x, p, heads, *, sum_hidden: Optional[Reduction] = None,
+                  hidden: Optional[int] = None):
+    """One pre-LayerNorm GPT-2 layer, (B, T, C) -> (B, T, C).
+
+    ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``. ``p`` holds the layer's
+    parameters under the local keys of :data:`BLOCK_KEYS` (``"ln1.g"``, ...,
+    ``"mlp.proj.b"``); ``sum_hidden``/``hidden`` go to both LayerNorms. The
+    input ``x`` is not modified and not saved (a checkpointing caller keeps it).
+    """
+    a, ln1 = layernorm_forward(x, p["ln1.g"], p["ln1.b"], sum_hidden=sum_hidden, hidden=hidden)
+    a, attn = attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
+                                p["attn.proj.w"], p["attn.proj.b"], heads)   # (B, T, C)
+    a += x                                              # residual 1 (x1 = x + attn)
+    m, ln2 = layernorm_forward(a, p["ln2.g"], p["ln2.b"], sum_hidden=sum_hidden, hidden=hidden)
+    m, fc = linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (B, T, 4C)
+    m, gelu = gelu_forward(m)                                   # (B, T, 4C)
+    m, proj = linear_forward(m, p["mlp.proj.w"], p["mlp.proj.b"])  # (B, T, C)
+    m += a                                              # residual 2
+    return m, BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+
+
+def block_backward(dout, cache):
+    """The forward read in reverse; returns ``dx`` (B, T, C) and grads under :data:`BLOCK_KEYS`."""
+    grads = {}
+    dm, g = linear_backward(dout, cache.proj)           # (B, T, 4C)
+    grads["mlp.proj.w"], grads["mlp.proj.b"] = g["w"], g["b"]
+    dm, _ = gelu_backward(dm, cache.gelu)               # (B, T, 4C)
+    dm, g = linear_backward(dm, cache.fc)               # (B, T, C)
+    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]
+    dx1, g = layernorm_backward(dm, cache.ln2)          # (B, T, C)
+    grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]
+    dx1 += dout                                         # residual 2
+    da, g = attention_backward(dx1, cache.attn)         # (B, T, C)
+    for key, val in g.items():
+        grads["attn." + key] = val
+    dx, g = layernorm_backward(da, cache.ln1)           # (B, T, C)
+    grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
+    dx += dx1                                           # residual 1
+    return dx, {key: grads[key] for key in BLOCK_KEYS}

@@ -1,0 +1,189 @@
+"""Optimizers, the training loop, and a small synthetic task.
+
+The optimizers update any dict of arrays in place and keep their state per key,
+so a parallel scheme runs them unchanged on its local shards (after it has
+reduced the gradients it must reduce).
+
+    python -m summasim.transformer.train            # 2-layer model on the copy task
+
+The copy task: each sequence is a random pattern of ``period`` tokens repeated
+to fill it; the model predicts the next token. Only the first ``period - 1``
+targets cannot be predicted, so the loss can fall from ln(vocab) at
+initialisation to ``(period - 1) / seq * ln(vocab)`` (the "floor").
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Callable, Optional
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from summasim.backends import array_module
+
+from . import model
+
+
+class SGD:
+    """``p -= lr * g``, or with momentum ``buf = momentum * buf + g; p -= lr * buf``.
+
+    ``weight_decay`` adds ``weight_decay * p`` to the gradient (L2). State:
+    ``self.state[key] = {"momentum_buffer": array}``.
+    """
+
+    def __init__(self, lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0):
+        if lr <= 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD needs lr > 0, momentum >= 0, weight_decay >= 0; got "
+                             f"lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        self.state: dict = {}
+
+    def step(self, params: dict, grads: dict) -> None:
+        """Update ``params[key]`` in place for every key of ``grads``."""
+        for key, g in grads.items():
+            p = params[key]
+            if self.weight_decay:
+                g = g + self.weight_decay * p
+            if self.momentum:
+                st = self.state.get(key)
+                if st is None:
+                    st = self.state[key] = {"momentum_buffer": g.copy()}
+                else:
+                    buf = st["momentum_buffer"]
+                    buf *= self.momentum
+                    buf += g
+                g = st["momentum_buffer"]
+            p -= self.lr * g
+
+
+class Adam:
+    """Adam with bias correction (Kingma & Ba 2015) and decoupled weight decay (AdamW).
+
+    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
+    ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``, then
+    ``p -= lr * weight_decay * p`` for keys where ``decay(key, p)`` is true
+    (default: matrices only, GPT-2 style: no decay on biases and LayerNorm).
+    State per key: ``{"step": t, "m": array, "v": array}``.
+    """
+
+    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0,
+                 decay: Optional[Callable] = None):
+        b1, b2 = betas
+        if lr <= 0 or not (0 <= b1 < 1 and 0 <= b2 < 1) or eps <= 0 or weight_decay < 0:
+            raise ValueError(f"Adam needs lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0; "
+                             f"got lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.lr, self.b1, self.b2 = float(lr), float(b1), float(b2)
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        self.decay = decay if decay is not None else (lambda key, p: p.ndim >= 2)
+        self.state: dict = {}
+
+    def step(self, params: dict, grads: dict) -> None:
+        """Update ``params[key]`` in place for every key of ``grads``."""
+        for key, g in grads.items():
+            p = params[key]
+            xp = array_module(p)
+            st = self.state.get(key)
+            if st is None:
+                st = self.state[key] = {"step": 0, "m": xp.zeros_like(p), "v": xp.zeros_like(p)}
+            st["step"] += 1
+            t, m, v = st["step"], st["m"], st["v"]
+            m *= self.b1
+            m += (1.0 - self.b1) * g
+            v *= self.b2
+            v += (1.0 - self.b2) * (g * g)
+            denom = xp.sqrt(v * (1.0 / (1.0 - self.b2 ** t)))    # sqrt(v_hat)
+            denom += self.eps
+            if self.weight_decay and self.decay(key, p):
+                p *= 1.0 - self.lr * self.weight_decay
+            p -= (self.lr / (1.0 - self.b1 ** t)) * m / denom
+
+
+def copy_task_batch(rng, batch: int, seq: int, vocab: int, period: int):
+    """``(tokens, targets)`` [batch, seq]: a random ``period``-token pattern repeated."""
+    if not 1 <= period <= seq:
+        raise ValueError(f"period must be in [1, seq={seq}], got {period}")
+    pattern = rng.integers(0, vocab, (batch, period))
+    reps = -(-(seq + 1) // period)
+    stream = np.tile(pattern, (1, reps))[:, : seq + 1]      # (batch, seq + 1)
+    return stream[:, :-1], stream[:, 1:]
+
+
+def copy_task_floor(seq: int, vocab: int, period: int) -> float:
+    """The lowest expected loss on the copy task: ``(period - 1) / seq * ln(vocab)``."""
+    return (min(period, seq + 1) - 1) / seq * math.log(vocab)
+
+
+def train(params: dict, config: model.Config, batches: Callable, optimizer, steps: int,
+          callback: Optional[Callable] = None, checkpoint: bool = False) -> list:
+    """Run ``steps`` optimizer steps; returns the loss of every step.
+
+    ``batches(step) -> (tokens, targets)``; ``callback(step, loss)`` is called
+    after every step (e.g. to print). ``params`` are updated in place.
+    """
+    losses = []
+    for step in range(steps):
+        tokens, targets = batches(step)
+        loss, cache = model.forward(params, tokens, targets, config, checkpoint=checkpoint)
+        grads = model.backward(cache)
+        del cache
+        optimizer.step(params, grads)
+        losses.append(loss)
+        if callback is not None:
+            callback(step, loss)
+    return losses
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(prog="python -m summasim.transformer.train",
+                                 description="Train the serial reference on the copy task.")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--period", type=int, default=4, help="length of the repeated pattern")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    ap.add_argument("--lr", type=float, default=None, help="default 3e-3 (adam), 0.3 (sgd)")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (small model: 1)")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    config = model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads,
+                          layers=args.layers, dtype=args.dtype)
+    params = model.init_params(config, args.seed)
+    if args.optimizer == "adam":
+        opt = Adam(lr=args.lr or 3e-3, weight_decay=args.weight_decay)
+    else:
+        opt = SGD(lr=args.lr or 0.3, momentum=args.momentum, weight_decay=args.weight_decay)
+    rng = np.random.default_rng(args.seed + 1)
+    floor = copy_task_floor(args.seq, args.vocab, args.period)
+    print(f"copy task: vocab {args.vocab}, seq {args.seq}, period {args.period}; "
+          f"ln(vocab) = {math.log(args.vocab):.3f}, floor = {floor:.3f}; "
+          f"{args.layers} layers, hidden {args.hidden}, {args.optimizer}, {args.dtype}")
+    t0 = time.perf_counter()
+
+    def log(step, loss):
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            print(f"step {step + 1:5d}  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+
+    with threadpool_limits(args.threads):
+        return train(params, config,
+                     lambda step: copy_task_batch(rng, args.batch, args.seq, args.vocab,
+                                                  args.period),
+                     opt, args.steps, callback=log, checkpoint=args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()
