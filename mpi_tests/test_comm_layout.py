@@ -87,3 +87,15 @@ def test_plain_communicator_is_wrapped():
         parallel_assert(np.all(y == P) and c.size == P and c.name == "x", "wrap")
     finally:
         dup.Free()
+
+
+def test_allreduce_ops():
+    c = Comm(WORLD, name="world")
+    x = np.array([float(c.rank), -float(c.rank)])
+    mx = c.allreduce(x.copy(), op="max")
+    mn = c.allreduce(x.copy(), op="min")
+    sm = c.allreduce(x, out=np.empty(2))
+    ok = (mx.tolist() == [P - 1, 0.0] and mn.tolist() == [0.0, -(P - 1)]
+          and sm.tolist() == [P * (P - 1) / 2, -P * (P - 1) / 2]
+          and [e.op for e in c.trace.events] == ["allreduce"] * 3)
+    parallel_assert(ok, f"{mx} {mn} {sm}")

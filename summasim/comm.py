@@ -263,18 +263,24 @@ class Comm:
         self.ireduce(sendbuf, recvbuf, root).wait()
         return recvbuf
 
-    def allreduce(self, buf, out=None):
-        """MPI's own sum all-reduce (in place on ``buf`` unless ``out`` is given)."""
+    _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+    def allreduce(self, buf, out=None, op: str = "sum"):
+        """MPI's own all-reduce (``op`` "sum", "max" or "min"), in place on ``buf``
+        unless ``out`` is given; returns the result array."""
         self._check(buf, "allreduce")
+        if op not in self._OPS:
+            raise ValueError(f"allreduce: op must be one of {', '.join(self._OPS)}, got {op!r}")
+        mop = self._OPS[op]
         cleanup: list = []
         if out is None:
             view = self._incoming(buf, cleanup, send_view=self._outgoing(buf, cleanup))
-            post = lambda: [self.mpi.Iallreduce(MPI.IN_PLACE, view, op=MPI.SUM)]  # noqa: E731
+            post = lambda: [self.mpi.Iallreduce(MPI.IN_PLACE, view, op=mop)]  # noqa: E731
             result = buf
         else:
             sview = self._outgoing(buf, cleanup)
             rview = self._incoming(out, cleanup)
-            post = lambda: [self.mpi.Iallreduce(sview, rview, op=MPI.SUM)]  # noqa: E731
+            post = lambda: [self.mpi.Iallreduce(sview, rview, op=mop)]  # noqa: E731
             result = out
         self._start("allreduce", -1, buf.nbytes, post, cleanup).wait()
         return result
