@@ -89,8 +89,9 @@ def test_plain_communicator_is_wrapped():
         dup.Free()
 
 
-def test_allreduce_ops():
-    c = Comm(WORLD, name="world")
+@pytest.mark.parametrize("wait", ["spin", "sleep", "yield"])
+def test_allreduce_ops(wait):
+    c = Comm(WORLD, name="world", wait=wait)
     x = np.array([float(c.rank), -float(c.rank)])
     mx = c.allreduce(x.copy(), op="max")
     mn = c.allreduce(x.copy(), op="min")
@@ -99,3 +100,10 @@ def test_allreduce_ops():
           and sm.tolist() == [P * (P - 1) / 2, -P * (P - 1) / 2]
           and [e.op for e in c.trace.events] == ["allreduce"] * 3)
     parallel_assert(ok, f"{mx} {mn} {sm}")
+
+
+def test_bad_wait_policy():
+    from _util import collective_raises
+
+    msg = collective_raises(ValueError, Comm, WORLD, wait="busy")
+    parallel_assert("spin, sleep, yield" in msg, msg)

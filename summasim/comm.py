@@ -24,7 +24,8 @@ MPI steals the core from a rank that computes. ``Comm`` therefore completes its
 requests with a wait policy: ``"spin"`` (``MPI_Wait``), or ``"sleep"`` (``MPI_Test``
 then a short sleep, which gives the core away). The default is ``"spin"`` when the
 node has at least as many cores as ranks and ``"sleep"`` otherwise; the environment
-variable ``SUMMASIM_WAIT=spin|sleep`` overrides it.
+variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Test`` then
+``sched_yield``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .backends import backend_of
 from .trace import Trace
 
 _SLEEP_S = 20e-6
+WAIT_POLICIES = ("spin", "sleep", "yield")
 
 
 def local_ranks() -> int:
@@ -62,8 +64,8 @@ def default_wait_policy() -> str:
     """``SUMMASIM_WAIT`` if set, else "sleep" when oversubscribed, else "spin"."""
     env = os.environ.get("SUMMASIM_WAIT", "").strip().lower()
     if env:
-        if env not in ("spin", "sleep"):
-            raise ValueError(f"SUMMASIM_WAIT={env!r}: expected 'spin' or 'sleep'")
+        if env not in WAIT_POLICIES:
+            raise ValueError(f"SUMMASIM_WAIT={env!r}: expected 'spin', 'sleep' or 'yield'")
         return env
     return "sleep" if local_ranks() > cores() else "spin"
 
@@ -153,6 +155,9 @@ class Comm:
         self.trace = trace if trace is not None else Trace()
         self.backend = backend
         self.wait_policy = wait or default_wait_policy()
+        if self.wait_policy not in WAIT_POLICIES:
+            raise ValueError(f"wait policy must be one of {', '.join(WAIT_POLICIES)}, "
+                             f"got {self.wait_policy!r}")
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
@@ -213,6 +218,10 @@ class Comm:
     def _waitall(self, reqs):
         if self.wait_policy == "spin":
             MPI.Request.Waitall(reqs)
+            return
+        if self.wait_policy == "yield":
+            while not MPI.Request.Testall(reqs):
+                os.sched_yield()
             return
         while not MPI.Request.Testall(reqs):
             time.sleep(_SLEEP_S)
