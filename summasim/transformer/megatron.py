@@ -1,0 +1,493 @@
+"""Megatron-LM 1D tensor parallelism over a group of ``p`` ranks (Shoeybi et al. 2019).
+
+Every rank of a :class:`~summasim.grid.Grid1D` holds the whole activation
+``X [b*s, h]`` of every layer (replicated) and ``1/p`` of each weight matrix. The
+ops of :mod:`summasim.transformer.ops` run unchanged on the local slices; this
+module only chooses the slices and places the collectives.
+
+The partition (rank ``r`` of ``p``)
+-----------------------------------
+Column-parallel linear (attention QKV, MLP fc): ``Y = XA + b``, ``A = [A_1, ..., A_p]``
+split along its second dimension, ``b = [b_1, ..., b_p]``. Rank ``r`` computes
+``Y_r = X A_r + b_r`` with no communication. For QKV, ``A_r`` is the Q, K and V
+columns of heads ``[r n/p, (r+1) n/p)`` (a permutation of the serial ``[Q | K | V]``
+columns, still ordered ``[Q_r | K_r | V_r]``), so attention runs on whole local
+heads; for fc, ``A_r`` is columns ``[r f/p, (r+1) f/p)`` and GELU is elementwise.
+
+Row-parallel linear (attention proj, MLP proj): ``Z = YB + c``, ``B = [B_1; ...; B_p]``
+split along its first dimension to match ``Y = [Y_1, ..., Y_p]``, so
+``Z = sum_r Y_r B_r + c``. Rank ``r`` computes the partial product ``Y_r B_r``,
+ONE all-reduce (``g``) of the ``[b*s, h]`` partials gives ``Z - c`` on every rank,
+and the bias ``c`` (replicated) is added once, after it.
+
+The conjugate operators of Megatron's ``mappings.py``:
+
+* ``f`` (before a column-parallel linear): identity in forward; in backward
+  ``dX = sum_r dY_r A_r^T`` is a partial sum on each rank: all-reduce.
+* ``g`` (after a row-parallel linear): all-reduce in forward; identity in backward
+  (``dZ`` is replicated, ``dY_r = dZ B_r^T`` is local).
+
+Parameter gradients need no communication: ``dA_r = X^T dY_r``, ``db_r = sum dY_r``,
+``dB_r = Y_r^T dZ`` are this rank's blocks; ``dc = sum dZ`` and the LayerNorm
+gradients are computed from replicated arrays, identically on every rank.
+
+Vocabulary parallelism. ``wte = [E_1; ...; E_p]`` is split by rows (vocabulary ids
+``[r v/p, (r+1) v/p)``, layout ``"row"``). The embedding is a masked lookup (ids
+outside the shard give 0) followed by an all-reduce; ``wpe`` is replicated. The
+tied LM head gives each rank its logit columns ``Z_r = x E_r^T [b*s, v/p]``; the
+cross-entropy reduces over the vocabulary with three all-reduces of ``[b*s, 1]``
+(max, sum of exponentials, target logit -- which is 0 on ranks without the
+target). ``dZ_r`` is local, ``dx = sum_r dZ_r E_r`` is a partial sum: all-reduce.
+LayerNorms (ln1, ln2, lnf) are replicated and computed identically everywhere.
+
+Traffic per layer (Optimus Table 1, ``4 (p-1)/p bsh`` forward and ``8 (p-1)/p bsh``
+backward with checkpointing, counting ``2 (p-1)/p`` items per all-reduced item):
+forward 2 all-reduces of ``b*s*h`` items (the two ``g``); backward 2 (the two
+``f`` conjugates), plus the 2 ``g`` of the recomputed forward when checkpointing.
+Outside Table 1 ("aux"): 1 all-reduce of ``b*s*h`` in the embedding, 3 of ``b*s``
+in the loss, 1 of ``b*s*h`` for the LM head's input gradient. As in Megatron's
+``_reduce``, every all-reduce is skipped on a group of one, so ``p == 1`` runs the
+same code and communicates nothing.
+
+Trace phases
+------------
+``embed.fwd/aux.vocab``                      embedding all-reduce
+``h{l}.fwd/tp.attn.proj``, ``h{l}.fwd/tp.mlp.proj``      the two ``g`` of layer l
+``loss.fwd/aux.max``, ``loss.fwd/aux.sum`` (x2)          vocab-parallel cross-entropy
+``loss.bwd/aux.lm_head``                     LM head input gradient (its ``f`` conjugate)
+``h{l}.bwd/tp.mlp.fc``, ``h{l}.bwd/tp.attn.qkv``         the two ``f`` conjugates
+``h{l}.bwd/tp.recompute.attn.proj``, ``h{l}.bwd/tp.recompute.mlp.proj``
+                                             the ``g`` of the recomputed forward
+                                             (``checkpoint=True`` only)
+``logits/aux.gather``, ``unshard/aux.gather``  checks only (not in a training step)
+
+so ``[e for e in trace.events if e.phase.startswith("h0.fwd/tp.")]`` is Table 1's
+forward traffic of layer 0. ``lnf`` runs inside ``loss.fwd``/``loss.bwd``.
+
+Local parameters
+----------------
+The serial names, with local shapes (``f = ffn_mult * h``):
+``wte [v/p, h]`` (rows), ``wpe [s, h]`` (replicated), per layer ``attn.qkv.w [h, 3h/p]``,
+``attn.qkv.b [3h/p]`` (heads), ``attn.proj.w [h/p, h]`` (rows), ``mlp.fc.w [h, f/p]``,
+``mlp.fc.b [f/p]`` (columns), ``mlp.proj.w [f/p, h]`` (rows); ``ln*.g/b``,
+``attn.proj.b``, ``mlp.proj.b``, ``lnf.g/b`` and ``cls.w/b`` replicated.
+:func:`param_layout` and :func:`local_param_shapes` list them.
+
+References
+----------
+Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro (2019), "Megatron-LM: Training
+Multi-Billion Parameter Language Models Using Model Parallelism", arXiv:1909.08053,
+section 3 (f and g, Figures 3-4). Xu, Li, Gong, You (2021), "An Efficient 2D Method
+for Training Super-Large Deep Learning Models" (Optimus), Table 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+from summasim import layout
+from summasim.backends import array_module
+
+from . import model, ops
+from .model import Config
+from .ops import BLOCK_KEYS
+
+# How each parameter is split over the group: "row" (axis 0), "col" (last axis),
+# "qkv" (the Q, K and V columns of this rank's heads) or "replicated".
+_LAYER_LAYOUT = {"ln1.g": "replicated", "ln1.b": "replicated",
+                 "attn.qkv.w": "qkv", "attn.qkv.b": "qkv",
+                 "attn.proj.w": "row", "attn.proj.b": "replicated",
+                 "ln2.g": "replicated", "ln2.b": "replicated",
+                 "mlp.fc.w": "col", "mlp.fc.b": "col",
+                 "mlp.proj.w": "row", "mlp.proj.b": "replicated"}
+
+
+# --------------------------------------------------------------------------- #
+# layouts and checks (no communication)                                       #
+# --------------------------------------------------------------------------- #
+def param_layout(config: Config) -> dict:
+    """``{name: "row" | "col" | "qkv" | "replicated"}`` in the order of ``model.param_shapes``."""
+    out = {}
+    for name in model.param_shapes(config):
+        if name == "wte":
+            out[name] = "row"
+        elif name.startswith("h") and "." in name and name.split(".", 1)[1] in _LAYER_LAYOUT:
+            out[name] = _LAYER_LAYOUT[name.split(".", 1)[1]]
+        else:   # wpe, lnf.g, lnf.b, cls.w, cls.b
+            out[name] = "replicated"
+    return out
+
+
+def _local_shape(shape: tuple, kind: str, p: int) -> tuple:
+    if kind == "replicated":
+        return tuple(shape)
+    if kind == "row":
+        return (shape[0] // p,) + tuple(shape[1:])
+    return tuple(shape[:-1]) + (shape[-1] // p,)          # "col" and "qkv"
+
+
+def local_param_shapes(config: Config, p: int) -> dict:
+    """``{name: local shape}`` on each of ``p`` ranks (see the module docstring)."""
+    kinds = param_layout(config)
+    return {name: _local_shape(shape, kinds[name], p)
+            for name, shape in model.param_shapes(config).items()}
+
+
+def _check_grid(grid) -> None:
+    if not (hasattr(grid, "comm") and hasattr(grid, "p") and hasattr(grid, "rank")
+            and hasattr(grid, "trace")):
+        raise TypeError(f"megatron needs a Grid1D (summasim.grid.Grid1D(comm)), got "
+                        f"{type(grid).__name__}")
+
+
+def check(config: Config, grid) -> None:
+    """Raise ``ValueError`` (on every rank, without communicating) unless ``config``
+    can be split over ``grid.p`` ranks: heads, vocab and the MLP width divisible by p.
+
+    (``ffn = ffn_mult * h`` divides whenever heads does, since ``h = heads * head_size``;
+    it is checked anyway.)
+    """
+    _check_grid(grid)
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a summasim.transformer.model.Config, got "
+                        f"{type(config).__name__}")
+    p = grid.p
+    why = {"heads": "every rank holds whole attention heads",
+           "vocab": "wte rows and the logits are split over the vocabulary",
+           "ffn": "the MLP's fc columns and proj rows are split"}
+    sizes = {"heads": config.heads, "vocab": config.vocab, "ffn": config.ffn}
+    bad = [f"Config.{dim} = {size} is not divisible by p = {p} ({why[dim]})"
+           for dim, size in sizes.items() if size % p]
+    if bad:
+        raise ValueError("Megatron 1D: " + "; ".join(bad))
+
+
+def _check_arrays(arrays, shapes: dict, dtype, what: str) -> None:
+    if not isinstance(arrays, dict):
+        raise TypeError(f"{what} must be a dict of arrays, got {type(arrays).__name__}")
+    missing = [k for k in shapes if k not in arrays]
+    extra = [k for k in arrays if k not in shapes]
+    if missing or extra:
+        raise ValueError(f"{what} do not match the config: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        arr = arrays[name]
+        if tuple(getattr(arr, "shape", ())) != shape or getattr(arr, "dtype", None) != dtype:
+            raise ValueError(f"{what}[{name!r}] is {tuple(getattr(arr, 'shape', ()))} "
+                             f"{getattr(arr, 'dtype', None)}, expected {shape} {dtype}")
+
+
+def check_local_params(local_params: dict, config: Config, grid) -> None:
+    """Raise ``ValueError`` unless ``local_params`` has this scheme's names, local shapes, dtype."""
+    _check_arrays(local_params, local_param_shapes(config, grid.p), config.dtype,
+                  f"local params (p = {grid.p})")
+
+
+# --------------------------------------------------------------------------- #
+# the collectives                                                             #
+# --------------------------------------------------------------------------- #
+def _reduce(buf, grid, op: str = "sum"):
+    """All-reduce ``buf`` in place over ``grid.comm``; skipped on a group of one
+    (Megatron's ``_reduce``: ``if group.size() == 1: return input_``)."""
+    if grid.p == 1:
+        return buf
+    return grid.comm.allreduce(buf, op=op)
+
+
+def _vocab_hooks(grid):
+    """``(combine_vocab, max_vocab, sum_vocab)`` for the ops: local reduction, then an
+    all-reduce over the group, each tagged with its "aux." sub-phase."""
+    trace = grid.trace
+
+    def combine_vocab(x):          # (B, T, h) masked lookup -> full lookup
+        with trace.phase("aux.vocab"):
+            return _reduce(x, grid)
+
+    def max_vocab(a):              # (N, v/p) -> (N, 1)
+        m = ops.local_max(a)
+        with trace.phase("aux.max"):
+            return _reduce(m, grid, "max")
+
+    def sum_vocab(a):              # (N, k) -> (N, 1)
+        s = ops.local_sum(a)
+        with trace.phase("aux.sum"):
+            return _reduce(s, grid)
+
+    return combine_vocab, max_vocab, sum_vocab
+
+
+# --------------------------------------------------------------------------- #
+# shard / unshard                                                             #
+# --------------------------------------------------------------------------- #
+def _split(a, kind: str, grid):
+    """This rank's block (a C-contiguous copy) of the serial array ``a``."""
+    xp = array_module(a)
+    if kind == "replicated":
+        return a.copy()
+    if kind in ("row", "col"):
+        return layout.split(a, grid, kind)
+    # qkv: [..., 3h] = [..., 3, p, h/p] -> [..., 3, h/p] of this rank's heads
+    lead, c = a.shape[:-1], a.shape[-1] // (3 * grid.p)
+    blocks = a.reshape(lead + (3, grid.p, c))               # (..., 3, p, h/p) view
+    return xp.ascontiguousarray(blocks[..., grid.rank, :]).reshape(lead + (3 * c,))  # (..., 3h/p)
+
+
+def _assemble(parts, kind: str):
+    """The serial array from every rank's block, ``parts`` (p, *local shape)."""
+    xp = array_module(parts)
+    p = parts.shape[0]
+    if kind == "row":
+        return xp.ascontiguousarray(parts).reshape((-1,) + parts.shape[2:])   # (p*rows, ...)
+    if kind == "col":
+        return xp.ascontiguousarray(xp.moveaxis(parts, 0, -2)).reshape(
+            parts.shape[1:-1] + (-1,))                                        # (..., p*cols)
+    lead, c = parts.shape[1:-1], parts.shape[-1] // 3                         # qkv
+    heads = xp.moveaxis(parts.reshape((p,) + lead + (3, c)), 0, -2)           # (..., 3, p, h/p)
+    return xp.ascontiguousarray(heads).reshape(lead + (3 * p * c,))           # (..., 3h)
+
+
+def shard(params: dict, config: Config, grid) -> dict:
+    """This rank's local parameters from the serial ``params`` (same on every rank).
+
+    Parameters
+    ----------
+    params : dict
+        ``model.init_params(config)``-style serial parameters.
+    config : Config
+    grid : Grid1D
+        The tensor-parallel group.
+
+    Returns
+    -------
+    dict
+        Same keys, local shapes (:func:`local_param_shapes`), C-contiguous copies.
+        No communication; raises ``ValueError`` on every rank when the config does not
+        divide (:func:`check`) or ``params`` do not match it.
+    """
+    check(config, grid)
+    model.check_params(params, config)
+    return {name: _split(params[name], kind, grid)
+            for name, kind in param_layout(config).items()}
+
+
+def unshard(local_grads: dict, config: Config, grid) -> dict:
+    """Serial-layout gradients (keys and shapes of ``model.init_params``) on every rank.
+
+    One all-gather (phase ``unshard/aux.gather``) of all sharded blocks packed into
+    one buffer; replicated gradients are this rank's copy (identical everywhere).
+    Nothing is sent when ``p == 1``.
+    """
+    check(config, grid)
+    kinds = param_layout(config)
+    shapes = local_param_shapes(config, grid.p)
+    _check_arrays(local_grads, shapes, config.dtype, f"local grads (p = {grid.p})")
+    sharded = [name for name, kind in kinds.items() if kind != "replicated"]
+    xp = array_module(local_grads[sharded[0]])
+    sizes = [math.prod(shapes[name]) for name in sharded]
+    send = xp.empty(sum(sizes), dtype=config.dtype)          # (total,) packed blocks
+    off = 0
+    for name, n in zip(sharded, sizes):
+        send[off:off + n] = local_grads[name].reshape(-1)
+        off += n
+    if grid.p == 1:
+        parts = send[None]                                    # (1, total)
+    else:
+        parts = xp.empty((grid.p, send.size), dtype=config.dtype)   # (p, total)
+        with grid.trace.phase("unshard"), grid.trace.phase("aux.gather"):
+            grid.comm.allgather(send, parts)
+    out, off = {}, 0
+    blocks = dict(zip(sharded, sizes))
+    for name, kind in kinds.items():
+        if kind == "replicated":
+            out[name] = local_grads[name].copy()
+            continue
+        n = blocks[name]
+        out[name] = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind)
+        off += n
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# one layer                                                                   #
+# --------------------------------------------------------------------------- #
+def _block_forward(x, p, config: Config, grid, recompute: bool = False):
+    """One pre-LayerNorm layer on local weights, (B, T, h) -> (B, T, h), replicated in
+    and out. ``recompute`` only renames the phases (checkpointed backward)."""
+    trace = grid.trace
+    tag = "tp.recompute." if recompute else "tp."
+    heads = config.heads // grid.p
+    a, ln1 = ops.layernorm_forward(x, p["ln1.g"], p["ln1.b"])            # (B, T, h) replicated
+    # f: identity in forward (backward: all-reduce over grid.comm of the input gradient)
+    a, attn = ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
+                                    p["attn.proj.w"], None, heads)       # (B, T, h) partial sum
+    with trace.phase(tag + "attn.proj"):
+        _reduce(a, grid)           # g: all-reduce over grid.comm (f: identity in forward)
+    a += p["attn.proj.b"]                               # bias once, after the reduction
+    a += x                                              # residual 1
+    m, ln2 = ops.layernorm_forward(a, p["ln2.g"], p["ln2.b"])            # (B, T, h) replicated
+    # f: identity in forward (backward: all-reduce over grid.comm of the input gradient)
+    m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])         # (B, T, f/p)
+    m, gelu = ops.gelu_forward(m)                                        # (B, T, f/p)
+    m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (B, T, h) partial sum
+    with trace.phase(tag + "mlp.proj"):
+        _reduce(m, grid)           # g: all-reduce over grid.comm (f: identity in forward)
+    m += p["mlp.proj.b"]                                # bias once, after the reduction
+    m += a                                              # residual 2
+    return m, ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+
+
+def _block_backward(dout, cache: ops.BlockCache, grid):
+    """The layer read in reverse: ``dx`` (B, T, h) replicated and local grads (BLOCK_KEYS)."""
+    trace = grid.trace
+    h = dout.shape[-1]
+    grads = {}
+    # g's backward is the identity: dout (replicated) feeds every rank's row block as is
+    grads["mlp.proj.b"] = dout.reshape(-1, h).sum(axis=0)               # (h,) replicated
+    dm, g = ops.linear_backward(dout, cache.proj)                        # (B, T, f/p)
+    grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
+    dm, _ = ops.gelu_backward(dm, cache.gelu)                            # (B, T, f/p)
+    dm, g = ops.linear_backward(dm, cache.fc)                            # (B, T, h) partial sum
+    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
+    with trace.phase("tp.mlp.fc"):
+        _reduce(dm, grid)          # f (backward): all-reduce over grid.comm (g: identity)
+    dx1, g = ops.layernorm_backward(dm, cache.ln2)                       # (B, T, h)
+    grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]
+    dx1 += dout                                         # residual 2
+    grads["attn.proj.b"] = dx1.reshape(-1, h).sum(axis=0)               # (h,) replicated
+    da, g = ops.attention_backward(dx1, cache.attn)                      # (B, T, h) partial sum
+    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, 3h/p), (3h/p,)
+    grads["attn.proj.w"] = g["proj.w"]                                   # (h/p, h)
+    with trace.phase("tp.attn.qkv"):
+        _reduce(da, grid)          # f (backward): all-reduce over grid.comm (g: identity)
+    dx, g = ops.layernorm_backward(da, cache.ln1)                        # (B, T, h)
+    grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
+    dx += dx1                                           # residual 1
+    return dx, {key: grads[key] for key in BLOCK_KEYS}
+
+
+# --------------------------------------------------------------------------- #
+# the model                                                                   #
+# --------------------------------------------------------------------------- #
+class MegatronCache(NamedTuple):
+    config: Config
+    grid: Any
+    params: dict                 # local params, read again when layers are recomputed
+    checkpoint: bool
+    emb: ops.EmbeddingCache
+    blocks: list                 # per layer: BlockCache, or its input (B, T, h) if checkpointed
+    lnf: ops.LayerNormCache
+    head: Any                    # LMHeadCache (local wte rows) or ClassifierCache
+    ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
+    logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
+    loss: Optional[float]
+    n_items: int                 # tokens (LM) or sequences (classification) in the mean
+
+
+def forward(local_params: dict, tokens, targets, config: Config, grid,
+            checkpoint: bool = False):
+    """Loss (a Python float, the same on every rank) and cache on global ``tokens`` [b, s].
+
+    ``targets`` are the global [b, s] next-token ids ([b] classes when
+    ``config.n_classes > 0``) or None. With ``checkpoint`` each layer keeps only its
+    input and is recomputed in :func:`backward`. All checks (:func:`check`, local
+    parameter shapes, tokens, targets) run before any communication.
+    """
+    check(config, grid)
+    check_local_params(local_params, config, grid)
+    model.check_tokens(tokens, config)
+    if targets is not None:
+        model.check_targets(targets, tokens, config)
+    trace = grid.trace
+    combine_vocab, max_vocab, sum_vocab = _vocab_hooks(grid)
+    vocab_start = grid.rank * (config.vocab // grid.p)
+    with trace.phase("embed.fwd"):
+        x, emb = ops.embedding_forward(tokens, local_params["wte"], local_params["wpe"],
+                                       vocab_start=vocab_start,
+                                       combine_vocab=combine_vocab)        # (B, T, h)
+    blocks = []
+    for l in range(config.layers):
+        p = model.layer_params(local_params, l)
+        with trace.phase(f"h{l}.fwd"):
+            if checkpoint:
+                blocks.append(x)                       # keep the input only
+                x, _ = _block_forward(x, p, config, grid)
+            else:
+                x, cache = _block_forward(x, p, config, grid)   # (B, T, h)
+                blocks.append(cache)
+    with trace.phase("loss.fwd"):
+        x, lnf = ops.layernorm_forward(x, local_params["lnf.g"], local_params["lnf.b"])
+        if config.n_classes:   # the classifier is replicated: no communication
+            logits, head = ops.classifier_forward(x, local_params["cls.w"],
+                                                  local_params["cls.b"])          # (B, k)
+            reductions = {}
+        else:
+            logits, head = ops.lm_head_forward(x, local_params["wte"])        # (B, T, v/p)
+            reductions = dict(vocab_start=vocab_start, max_vocab=max_vocab,
+                              sum_vocab=sum_vocab)
+        n_items = math.prod(logits.shape[:-1])
+        loss, ce = None, None
+        if targets is not None:
+            losses, ce = ops.cross_entropy_forward(logits, targets, **reductions)  # (B, T)
+            loss = float(losses.sum()) / n_items
+    return loss, MegatronCache(config=config, grid=grid, params=local_params,
+                               checkpoint=checkpoint, emb=emb, blocks=blocks, lnf=lnf,
+                               head=head, ce=ce, logits=logits, loss=loss, n_items=n_items)
+
+
+def backward(cache: MegatronCache) -> dict:
+    """Local gradients of the mean loss, same keys and local shapes as the local params.
+
+    Replicated parameters get identical gradients on every rank (no communication);
+    :func:`unshard` assembles the serial-layout gradients.
+    """
+    if cache.ce is None:
+        raise ValueError("backward needs a forward with targets")
+    config, grid, params = cache.config, cache.grid, cache.params
+    trace = grid.trace
+    xp = array_module(cache.logits)
+    grads = {}
+    with trace.phase("loss.bwd"):
+        dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
+                          dtype=cache.logits.dtype)     # dloss = 1/(b*s) per token
+        dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)     # this rank's columns
+        if config.n_classes:
+            dx, g = ops.classifier_backward(dlogits, cache.head)      # (B, T, h) replicated
+            grads["cls.w"], grads["cls.b"] = g["w"], g["b"]
+            dwte_head = None
+        else:
+            dx, g = ops.lm_head_backward(dlogits, cache.head)         # (B, T, h) partial sum
+            dwte_head = g["wte"]                                      # (v/p, h)
+            with trace.phase("aux.lm_head"):
+                _reduce(dx, grid)  # f (backward) of the vocab-parallel head: all-reduce
+        dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T, h)
+        grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
+    for l in reversed(range(config.layers)):
+        with trace.phase(f"h{l}.bwd"):
+            if cache.checkpoint:   # recompute the layer's forward (its g's included)
+                _, block = _block_forward(cache.blocks[l], model.layer_params(params, l),
+                                          config, grid, recompute=True)
+            else:
+                block = cache.blocks[l]
+            dx, g = _block_backward(dx, block, grid)                  # (B, T, h)
+            del block
+        for key, val in g.items():
+            grads[f"h{l}.{key}"] = val
+    with trace.phase("embed.bwd"):
+        _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
+    grads["wpe"] = g["wpe"]                            # (s, h) replicated
+    grads["wte"] = g["wte"]                            # (v/p, h)
+    if dwte_head is not None:
+        grads["wte"] += dwte_head                      # tied: embedding + LM head
+    return {key: grads[key] for key in params}
+
+
+def logits(cache: MegatronCache, config: Config, grid):
+    """The global logits on every rank: (b, s, v) for the LM (an all-gather of the
+    vocab columns, phase ``logits/aux.gather``; none when p == 1), (b, k) replicated
+    for classification."""
+    local = cache.logits
+    if config.n_classes or grid.p == 1:
+        return local.copy()
+    with grid.trace.phase("logits"), grid.trace.phase("aux.gather"):
+        return layout.join(local, grid, "col")                      # (B, T, v)
