@@ -44,6 +44,7 @@ ALGORITHMS = {
 DEFAULT_SIZES = (1536, 1024, 1280)
 DEFAULT_RING = 2**20 + 3  # deliberately not divisible by common p
 DEFAULT_MACHINE_FILE = os.path.join("results", "machine.json")
+DEFAULT_TF = (8, 16, 64, 16, 64, 2, 4)  # b, s, h, n, v, layers, ffn_mult
 
 
 @dataclass
@@ -364,6 +365,80 @@ def write_json_atomic(path: str, obj) -> None:
         raise
 
 
+# --------------------------------------------------------------------------- transformer
+TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "bound",
+             "result", "fwd s", "bwd s", "L0 fwd items", "Table 1", "L0 bwd+ckpt", "Table 1")
+TF_WIDTHS = (9, 9, 7, 9, 10, 9, 7, 6, 8, 8, 12, 9, 12, 9)
+MEM_HEADER = ("scheme", "grid", "params MiB", "grads MiB", "Adam MiB", "activ. MiB",
+              "formula: params", "grads", "Adam", "activ.", "peak fwd+bwd MiB")
+MEM_WIDTHS = (9, 9, 10, 9, 8, 10, 15, 8, 8, 8, 16)
+
+
+def _cells(cells, widths) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def format_transformer(reports) -> str:
+    """The transformer validation/traffic table and the memory table."""
+    lines = [_cells(TF_HEADER, TF_WIDTHS), "  ".join("-" * w for w in TF_WIDTHS)]
+    for r in reports:
+        lines.append(_cells((r.scheme, r.grid, r.dtype, f"{r.loss_err:.1e}",
+                             f"{r.logits_err:.1e}", f"{r.grad_err:.1e}", f"{r.bound:.0e}",
+                             "OK" if r.ok else "FAIL", f"{r.fwd_s:.4f}", f"{r.bwd_s:.4f}",
+                             str(r.tp_fwd), str(r.table1.get("fwd", "-")),
+                             str(r.tp_bwd_checkpoint), str(r.table1.get("bwd_checkpoint", "-"))),
+                            TF_WIDTHS))
+    mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
+    lines += ["", _cells(MEM_HEADER, MEM_WIDTHS), "  ".join("-" * w for w in MEM_WIDTHS)]
+    for r in reports:
+        m, f = r.memory, r.memory_formula
+        if not m:
+            continue
+        lines.append(_cells((r.scheme, r.grid, mib(m["params"]), mib(m["grads"]),
+                             mib(m["optimizer"]), mib(m["activations"]), mib(f["params"]),
+                             mib(f["grads"]), mib(f["optimizer"]), mib(f["activations"]),
+                             mib(m["peak_fwd_bwd"])), MEM_WIDTHS))
+    return "\n".join(lines)
+
+
+def run_transformer_section(args, world, backend, say):
+    """Validate each tensor-parallel scheme against the serial model (collective)."""
+    from .transformer import model
+    from .transformer.compare import compare_scheme, grid_label, grid_shapes, preconditions
+
+    b, s_, h, n, v, layers, ffn = args.tf_config
+    dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
+    p = world.Get_size()
+    reports, skipped = [], []
+    say(f"\ntransformer: b={b} s={s_} h={h} heads={n} vocab={v} layers={layers} "
+        f"ffn={ffn}h, vs the serial model; errors are max|par - ser| / max|ser| over loss, "
+        f"logits and every gradient (plain and checkpointed); traffic is layer 0's Table 1 "
+        f"payload per rank in scalars\n")
+    for name in args.scheme_list:
+        shapes = grid_shapes(name, p)
+        if not shapes:
+            why = ("needs p = q*q" if name == "optimus" else "needs p = d*q*q with q >= 2, d >= 2")
+            skipped.append({"scheme": name, "reason": f"{why}; p = {p} does not fit"})
+            continue
+        for q, d in shapes:
+            for dtype in dtypes:
+                config = model.Config(vocab=v, seq=s_, hidden=h, heads=n, layers=layers,
+                                      ffn_mult=ffn, dtype=np.dtype(dtype).type)
+                why = preconditions(name, config, b, p, q, d)
+                if why:
+                    skipped.append({"scheme": f"{name} {grid_label(name, p, q, d)}",
+                                    "reason": why})
+                    continue
+                bound = 1e-10 if dtype == "float64" else 1e-4
+                reports.append(compare_scheme(name, world, q, d, config, b, seed=args.seed,
+                                              repeats=args.repeats, backend=None, bound=bound))
+    if reports:
+        say(format_transformer(reports))
+    for sk in skipped:
+        say(f"  skipped {sk['scheme']}: {sk['reason']}")
+    return reports, skipped
+
+
 # --------------------------------------------------------------------------- cost model
 def resolve_machine(spec: str | None, world, say):
     """The cost-model Machine on every rank: a file, a preset, the saved default, or a
@@ -442,6 +517,14 @@ def parse_args(argv=None):
                          "seconds, on 2 ranks) saved there")
     ap.add_argument("--no-predict", action="store_true",
                     help="skip the cost-model predictions")
+    ap.add_argument("--schemes", default="all",
+                    help="tensor-parallel transformer schemes to validate: comma-separated "
+                         "subset of megatron, optimus, summa25, or 'none' (default all)")
+    ap.add_argument("--tf-config", nargs=7, type=int, default=list(DEFAULT_TF),
+                    metavar=("B", "S", "H", "N", "V", "L", "F"),
+                    help="transformer section: batch, sequence, hidden, heads, vocab, layers, "
+                         "ffn multiplier (default " + " ".join(map(str, DEFAULT_TF)) + ", which "
+                         "every scheme can shard at p = 16)")
     ap.add_argument("--fail-on-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names = list(ALGORITHMS) if args.algorithms == "all" else \
@@ -451,6 +534,16 @@ def parse_args(argv=None):
         ap.error(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}; choose from "
                  + ", ".join(ALGORITHMS))
     args.algorithm_list = names
+    from .transformer.compare import SCHEME_NAMES
+
+    schemes = [] if args.schemes == "none" else list(SCHEME_NAMES) if args.schemes == "all" \
+        else [x.strip() for x in args.schemes.split(",") if x.strip()]
+    bad = [x for x in schemes if x not in SCHEME_NAMES]
+    if bad:
+        ap.error(f"unknown scheme(s) {', '.join(bad)}; choose from {', '.join(SCHEME_NAMES)}")
+    args.scheme_list = schemes
+    if min(args.tf_config) < 1:
+        ap.error("--tf-config values must be positive")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     if args.sizes and min(args.sizes) < 1:
@@ -507,22 +600,28 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         say("\nskipped:")
         for pl in skipped:
             say(f"  {pl.algorithm}: {pl.skip}")
-    ok = all(r.ok for r in rows)
+    tf_reports, tf_skipped = run_transformer_section(args, world, backend, say) \
+        if args.scheme_list else ([], [])
+    ok = all(r.ok for r in rows) and all(r.ok for r in tf_reports)
     summary = prediction_summary(rows)
     if summary:
         say(f"\ncost model ({machine.name}): MAPE {100 * summary['mape']:.1f}% over "
             f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "
             f"({summary['worst_run']})")
     elapsed = time.perf_counter() - t_start
-    say(f"\n{sum(r.ok for r in rows)} passed, {sum(not r.ok for r in rows)} failed, "
-        f"{len(skipped)} skipped in {elapsed:.1f} s")
+    passed = sum(r.ok for r in rows) + sum(r.ok for r in tf_reports)
+    failed = len(rows) + len(tf_reports) - passed
+    say(f"\n{passed} passed, {failed} failed, {len(skipped) + len(tf_skipped)} skipped in "
+        f"{elapsed:.1f} s")
     if args.json and rank == 0:
         write_json_atomic(args.json, {
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
             "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
             "machine": machine.name if machine else None, "prediction": summary,
             "rows": [dict(asdict(r), prediction_error=r.prediction_error) for r in rows],
-            "skipped": [{"algorithm": s.algorithm, "reason": s.skip} for s in skipped]})
+            "skipped": [{"algorithm": s.algorithm, "reason": s.skip} for s in skipped],
+            "transformer": [asdict(r) for r in tf_reports],
+            "transformer_skipped": tf_skipped})
         say(f"report written to {args.json}")
     return 0 if ok else 1
 

@@ -50,7 +50,17 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
         assert r["ok"] and r["error"] <= r["bound"] and r["seconds"] > 0
         assert r["predicted"] > 0 and r["prediction_error"] == pytest.approx(
             (r["predicted"] - r["seconds"]) / r["seconds"])
-    assert proc.stdout.count(" OK ") == len(report["rows"])
+    tf = report["transformer"]
+    assert {(r["scheme"], r["dtype"]) for r in tf} == {
+        ("megatron", "float64"), ("megatron", "float32"), ("optimus", "float64"),
+        ("optimus", "float32")}
+    for r in tf:
+        assert r["ok"] and max(r["loss_err"], r["logits_err"], r["grad_err"]) <= r["bound"]
+        assert r["tp_fwd"] == r["table1"]["fwd"] > 0
+        assert r["tp_bwd_checkpoint"] == r["table1"]["bwd_checkpoint"]
+        assert r["memory"]["params"] > 0 and r["memory_formula"]["params"] > 0
+    assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25"]
+    assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf)
     assert report["machine"] == "local-2core-mpich" and "MAPE" in proc.stdout
     mape = sum(abs(r["prediction_error"]) for r in report["rows"]) / len(report["rows"])
     assert report["prediction"]["mape"] == pytest.approx(mape)

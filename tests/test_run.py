@@ -129,3 +129,31 @@ def test_uniform_streams_can_start_anywhere():
     assert np.array_equal(run._uniform(3, 7, 20, 30), whole[20:])
     assert whole.min() >= -1 and whole.max() < 1
     assert not np.array_equal(run._uniform(3, 8, 0, 50), whole)
+
+
+def test_transformer_report_format():
+    from summasim.transformer.compare import SchemeReport
+
+    r = SchemeReport("optimus", "4x4", 16, 4, 1, "float64", loss_err=1e-16, logits_err=2e-16,
+                     grad_err=3e-16, ok=True, fwd_s=0.1, bwd_s=0.2, tp_fwd=26624,
+                     tp_bwd_checkpoint=79872, table1={"fwd": 26624, "bwd_checkpoint": 79872},
+                     memory={"params": 2**20, "grads": 2**20, "optimizer": 2**21,
+                             "activations": 3 * 2**20, "peak_fwd_bwd": 5 * 2**20},
+                     memory_formula={"params": 2**20, "grads": 2**20, "optimizer": 2**21,
+                                     "activations": 2**21})
+    lines = run.format_transformer([r]).splitlines()
+    cells = lines[2].split()
+    assert cells[:3] == ["optimus", "4x4", "float64"] and cells[7] == "OK"
+    assert cells[-4:] == ["26624", "26624", "79872", "79872"]
+    mem = lines[6].split()
+    assert mem[:6] == ["optimus", "4x4", "1.000", "1.000", "2.000", "3.000"]
+    assert mem[-1] == "5.000"
+
+
+def test_scheme_arguments(capsys):
+    args = run.parse_args(["--schemes", "megatron,summa25"])
+    assert args.scheme_list == ["megatron", "summa25"]
+    assert run.parse_args(["--schemes", "none"]).scheme_list == []
+    with pytest.raises(SystemExit):
+        run.parse_args(["--schemes", "tesseract"])
+    assert "unknown scheme(s) tesseract" in capsys.readouterr().err
