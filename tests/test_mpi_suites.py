@@ -92,7 +92,7 @@ def test_failed_validation_exits_nonzero(mpiexec):
             "orig = a.summa_ab;"
             "a.summa_ab = lambda x, y, g, out=None: orig(x, y, g) * (1 + 1e-9);"
             "sys.exit(r.main(['--algorithms', 'summa_ab', '--sizes', '32', '32', '32',"
-            " '--repeats', '1', '--no-predict']))")
+            " '--repeats', '1', '--no-predict', '--schemes', 'none']))")
     proc, _ = launch(mpiexec, 4, ["-c", code], 120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert " FAIL " in proc.stdout and "1 failed" in proc.stdout
