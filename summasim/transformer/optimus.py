@@ -1,0 +1,740 @@
+"""Optimus (2D) and SUMMA2.5-LM (2.5D) tensor parallelism of the GPT-2 model.
+
+One module, two grids. On a q x q grid (``Grid(comm, q)``, d = 1) this is Optimus
+(Xu et al. 2021, section 3.2); on a ``[q, q, d]`` grid with d > 1 it is SUMMA2.5-LM
+(Wang et al. 2021, section 3). With d == 1 the module calls ``summa_ab``,
+``summa_abt`` and ``summa_atb`` themselves and sends nothing over the depth: the
+Optimus path exactly.
+
+Every linear layer ``Y = X W + b`` is a distributed product and its backward is
+the closed set of Optimus eqs. (1)-(3)::
+
+    forward    Y  = ab(X, W)          (+ b, broadcast down the columns from row 0)
+    backward   dX = abt(dY, W)        dW = atb(X, dY)   (d > 1: atb all-reduces dW over depth)
+               db = column sums of dY, reduced to row 0 (d > 1: then all-reduced over depth)
+
+with ``(ab, abt, atb)`` = ``(summa_ab, summa_abt, summa_atb)`` for d = 1 and
+``(summa25_ab, summa25_abt, summa25_atb)`` for d > 1.
+
+Partition (rank ``(i, j, k)``, ``bl = b/(dq)`` sequences, ``N = bl*s`` rows)
+-------------------------------------------------------------------------
+================================  ===================================================
+activations ``[b*s, h]``          "2.5d" ("2d" if d = 1), rows cut by WHOLE sequences:
+                                  ``X[M_{kq+i}, H_j]``, local ``[N, h/q]``
+weights ``W [in, out]``           "2d": ``W[In_i, Out_j]``, replicated over k
+``wte [v, h]``                    "2d": ``wte[V_i, H_j]`` (embedding and tied LM head)
+biases, LayerNorm ``g``/``b``,    hosted on row 0: rank ``(0, j, k)`` holds column block
+``wpe [s, h]``                    j (``[n/q]`` or ``[s, h/q]``); ranks with ``i > 0`` hold
+                                  zero-size arrays (``[0]``, ``[0, h/q]``) under the same
+                                  keys, so params and grads have the same keys on every rank
+``attn.qkv.w [h, 3h]``, ``.b``    columns permuted so column block j is ``[Q_j | K_j | V_j]``,
+                                  the n/q heads of group j; the attention output block
+                                  ``(i, j)`` is then column block j of ``[b*s, h]``
+================================  ===================================================
+
+Attention is local: a rank holds whole sequences (``bl`` of them) and ``n/q`` whole
+heads, so :func:`ops.attention_core_forward` runs on its block as it is. LayerNorm
+statistics over h are the local sums all-reduced along ``grid.row``; the
+cross-entropy's max, sum-exp and target pick over v are all-reduced along
+``grid.row`` too (the logits block ``[N, v/q]`` holds vocab block j). The mean over
+the ``b*s`` tokens is all-reduced over ``grid.col`` and ``grid.depth``.
+
+Embedding (Optimus 3.2.1, "SUMMA with a one-hot matrix"): for l = 0..q-1, block
+``wte[V_l, H_j]`` travels down column j from row l and every rank adds the lookup
+of its tokens that fall in vocab block l. The backward is the transpose: for each l
+a partial ``dwte[V_l, H_j]`` (scatter-add) is reduced down the column to row l;
+with d > 1 it is then all-reduced over depth. The tied LM head is
+``logits = abt(x, wte)`` (``[N, v/q]``, vocab block j), with ``dx = ab(dlogits, wte)``
+and ``dwte += atb(dlogits, x)``.
+
+Row-0 hosted vectors of one layer (LayerNorm ``g``/``b`` and the four biases) travel
+as ONE packed buffer: one ``grid.col`` broadcast per layer forward, one ``grid.col``
+reduce of the packed gradients per layer backward, then (d > 1) one ring all-reduce
+over ``grid.depth`` among the row-0 ranks. Groups of one rank (q = 1 or d = 1)
+communicate nothing.
+
+Trace phases (each event's phase is ``"<top>/<sub>"``; sub starts with "tp." or "aux.")
+--------------------------------------------------------------------------------
+``h{l}.fwd``   ``aux.params.bcast``, ``aux.ln1``, ``tp.attn.qkv``, ``tp.attn.proj``,
+               ``aux.ln2``, ``tp.mlp.fc``, ``tp.mlp.proj``
+``h{l}.bwd``   (checkpoint=True: the forward's phases first, for the recompute) then
+               ``tp.mlp.proj.dX``, ``tp.mlp.proj.dW``, ``tp.mlp.fc.dX``, ``tp.mlp.fc.dW``,
+               ``aux.ln2``, ``tp.attn.proj.dX``, ``tp.attn.proj.dW``, ``tp.attn.qkv.dX``,
+               ``tp.attn.qkv.dW``, ``aux.ln1``, ``aux.grads.reduce``, ``aux.grads.depth``
+               (the ``*.dW`` phases include summa25_atb's depth ring all-reduce)
+``embed.fwd``  ``aux.wte.bcast``, ``aux.wpe.bcast``
+``embed.bwd``  ``aux.wte.reduce``, ``aux.wte.depth``, ``aux.wpe.reduce``, ``aux.wpe.depth``
+``lnf.fwd``    ``aux.params.bcast``, ``aux.ln``;  ``lnf.bwd``: ``aux.ln``,
+               ``aux.grads.reduce``, ``aux.grads.depth``
+``lmhead.fwd`` ``aux.logits``;  ``lmhead.bwd``: ``aux.logits.dX``, ``aux.logits.dW``
+``loss``       ``aux.ce`` (row max / sums), ``aux.mean`` (col and depth sums of the loss)
+
+Per rank, one layer's ``tp.*`` broadcast and reduce payload is exactly
+``(7 b s h / d + 12 h^2) / q`` items forward (Optimus Table 1 with ``ffn_mult = 4``;
+in general ``((3 + f) b s h / d + (4 + 2f) h^2) / q``), twice that backward, three
+times with checkpointing; nothing when q = 1.
+
+References
+----------
+Q. Xu, S. Li, C. Gong, Y. You, "An Efficient 2D Method for Training Super-Large Deep
+Learning Models" (Optimus), 2021, section 3.2 and Table 1.
+B. Wang, Q. Xu, Z. Bian, Y. You, "2.5-dimensional distributed model training"
+(SUMMA2.5-LM), 2021, section 3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from summasim import layout
+from summasim.algorithms import (ring_allreduce, summa25_ab, summa25_abt, summa25_atb,
+                                 summa_ab, summa_abt, summa_atb)
+from summasim.backends import array_module
+
+from . import model, ops
+from .model import Config
+from .ops import BLOCK_KEYS
+
+Array = Any
+
+# row-0 hosted vectors of one layer, packed in this order into one broadcast buffer
+VEC_KEYS = ("ln1.g", "ln1.b", "attn.qkv.b", "attn.proj.b", "ln2.g", "ln2.b", "mlp.fc.b",
+            "mlp.proj.b")
+MAT_KEYS = ("attn.qkv.w", "attn.proj.w", "mlp.fc.w", "mlp.proj.w")
+
+
+def _identity(x):
+    return x
+
+
+# --------------------------------------------------------------------------- #
+# checks and local shapes (pure: no communication)                            #
+# --------------------------------------------------------------------------- #
+def _grid_label(grid) -> str:
+    return f"[q, q, d] = [{grid.q}, {grid.q}, {grid.d}]"
+
+
+def check(config: Config, grid, batch: Optional[int] = None) -> None:
+    """Raise unless ``config`` (and a batch of ``batch`` sequences) fits ``grid``.
+
+    Needs ``b % (d q) == 0`` (whole sequences per rank), ``h % q``, ``n % q``
+    (whole heads per column), ``v % q`` and ``ffn % q``. Pure: no communication,
+    so every rank raises the same ``ValueError`` (naming the dimension, its size
+    and the divisor) before anything is sent. ``TypeError`` for a non-Grid.
+    """
+    if not isinstance(config, Config):
+        raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
+    if not all(hasattr(grid, f) for f in ("q", "d", "row", "col", "depth", "layer")):
+        raise TypeError(f"optimus: grid must be a summasim.grid.Grid, got "
+                        f"{type(grid).__name__}")
+    if config.n_classes:
+        raise ValueError(f"optimus: Config.n_classes = {config.n_classes}: the classification "
+                         f"head is not implemented (language model only)")
+    q, d = grid.q, grid.d
+    where = f"optimus on a {_grid_label(grid)} grid"
+    dims = [("hidden h = Config.hidden", config.hidden, q, "q", "hidden columns split over q"),
+            ("heads n = Config.heads", config.heads, q, "q", "each column holds n/q whole heads"),
+            ("vocab v = Config.vocab", config.vocab, q, "q", "wte is split into q x q blocks"),
+            ("ffn = Config.ffn_mult * hidden", config.ffn, q, "q", "MLP columns split over q")]
+    if batch is not None:
+        dims.insert(0, ("batch b", int(batch), d * q, "d*q",
+                        "each rank holds b/(d*q) whole sequences"))
+    for what, size, div, sym, why in dims:
+        if size % div:
+            raise ValueError(f"{where}: {what} = {size} is not divisible by {sym} = {div} "
+                             f"({why})")
+
+
+def _vec_sizes(config: Config, q: int) -> dict:
+    h, f = config.hidden, config.ffn
+    full = {"ln1.g": h, "ln1.b": h, "attn.qkv.b": 3 * h, "attn.proj.b": h, "ln2.g": h,
+            "ln2.b": h, "mlp.fc.b": f, "mlp.proj.b": h}
+    return {key: full[key] // q for key in VEC_KEYS}
+
+
+def _is_row0_key(name: str) -> bool:
+    """Vectors (biases, LayerNorm) and wpe are hosted on row 0; wte and weights are 2d."""
+    return name == "wpe" or name.rsplit(".", 1)[-1] in ("b", "g")
+
+
+def local_shapes(config: Config, grid) -> dict:
+    """``{name: local shape}`` on this rank, in the order of ``model.param_shapes``.
+
+    2d blocks ``(rows/q, cols/q)`` for ``wte`` and the weights; on row 0 the column
+    block of each row-0 hosted array (``(n/q,)``, ``wpe``: ``(s, h/q)``), elsewhere a
+    zero-size array (``(0,)``, ``wpe``: ``(0, h/q)``).
+    """
+    check(config, grid)
+    q = grid.q
+    out = {}
+    for name, shape in model.param_shapes(config).items():
+        if _is_row0_key(name):      # column block j on row 0; leading extent 0 elsewhere
+            block = shape[:-1] + (shape[-1] // q,)
+            out[name] = block if grid.i == 0 else (0,) + block[1:]
+        else:
+            out[name] = (shape[0] // q, shape[1] // q)
+    return out
+
+
+def _check_local(local_params: dict, config: Config, grid, what: str) -> None:
+    if not isinstance(local_params, dict):
+        raise TypeError(f"optimus: {what} must be a dict of arrays, got "
+                        f"{type(local_params).__name__}")
+    want = local_shapes(config, grid)
+    missing = [k for k in want if k not in local_params]
+    extra = [k for k in local_params if k not in want]
+    if missing or extra:
+        raise ValueError(f"optimus: {what} do not match the config: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    for name, shape in want.items():
+        arr = local_params[name]
+        if tuple(getattr(arr, "shape", ())) != shape:
+            raise ValueError(f"optimus: {what}[{name!r}] has shape "
+                             f"{tuple(getattr(arr, 'shape', ()))}, expected {shape} on rank "
+                             f"(i, j, k) = {grid.coords} of a {_grid_label(grid)} grid")
+        if getattr(arr, "dtype", None) != config.dtype:
+            raise ValueError(f"optimus: {what}[{name!r}] has dtype "
+                             f"{getattr(arr, 'dtype', None)}, Config.dtype is {config.dtype}")
+
+
+def qkv_permutation(hidden: int, q: int) -> np.ndarray:
+    """Column order of ``attn.qkv`` such that column block j is ``[Q_j | K_j | V_j]``.
+
+    ``Q_j`` are the serial Q columns ``j h/q .. (j+1) h/q`` (the heads ``j n/q ..
+    (j+1) n/q``), likewise K and V. ``w_local = w[:, perm]``; ``g[:, perm] = g_perm``
+    undoes it.
+    """
+    hq = hidden // q
+    return np.concatenate([part * hidden + np.arange(j * hq, (j + 1) * hq)
+                           for j in range(q) for part in range(3)])      # (3h,)
+
+
+# --------------------------------------------------------------------------- #
+# small traced helpers (skip groups of one, as the algorithms do)             #
+# --------------------------------------------------------------------------- #
+def _products(grid):
+    """``(ab, abt, atb)``: the SUMMA products for d == 1, the SUMMA2.5 ones for d > 1."""
+    if grid.d == 1:
+        return summa_ab, summa_abt, summa_atb
+    return summa25_ab, summa25_abt, summa25_atb
+
+
+def _allreduce(comm, a, op="sum"):
+    """All-reduce over ``comm`` (nothing on a group of one); returns the result."""
+    if comm.size == 1:
+        return a
+    return comm.allreduce(a, op=op)
+
+
+def _row_hooks(grid):
+    """Reductions over the hidden / vocab axis, split along ``grid.row``."""
+    row = grid.row
+
+    def sum_row(a):         # (N, C) -> (N, 1), summed over the whole row
+        return _allreduce(row, ops.local_sum(a))
+
+    def max_row(a):         # (N, C) -> (N, 1), max over the whole row
+        return _allreduce(row, ops.local_max(a), op="max")
+
+    return sum_row, max_row
+
+
+def _bcast_from_row0(grid, local, size, xp, dtype, out=None):
+    """Column broadcast from row 0 of a packed 1-D buffer (``local`` on row 0)."""
+    buf = out if out is not None else xp.empty(size, dtype=dtype)        # (size,)
+    if grid.i == 0:
+        buf[...] = local
+    if grid.col.size > 1:
+        grid.col.bcast(buf, root=0)
+    return buf
+
+
+def _reduce_to_row0(grid, partial, xp, what: str):
+    """Sum ``partial`` over the column onto row 0 (phase ``aux.<what>.reduce``) and,
+    d > 1, over the depth among the row-0 ranks (phase ``aux.<what>.depth``).
+
+    Returns the sum on row 0, None on the other rows.
+    """
+    if grid.col.size > 1:
+        total = xp.empty_like(partial) if grid.i == 0 else None
+        with grid.trace.phase(f"aux.{what}.reduce"):
+            grid.col.reduce(partial, total, root=0)
+    else:
+        total = partial
+    if grid.i == 0 and grid.depth.size > 1:
+        with grid.trace.phase(f"aux.{what}.depth"):
+            ring_allreduce(total, grid.depth, out=total)
+    return total
+
+
+# --------------------------------------------------------------------------- #
+# shard / unshard                                                             #
+# --------------------------------------------------------------------------- #
+def shard(params: dict, config: Config, grid) -> dict:
+    """This rank's local parameters from the serial ``params`` (no communication).
+
+    Keys are those of ``model.param_shapes(config)``; shapes are :func:`local_shapes`.
+    ``attn.qkv.w``/``.b`` columns are permuted by :func:`qkv_permutation` first.
+    Returns C-contiguous copies.
+    """
+    shapes = local_shapes(config, grid)            # checks config and grid
+    model.check_params(params, config)
+    xp = array_module(params["wte"])
+    q, i, j = grid.q, grid.i, grid.j
+    perm = xp.asarray(qkv_permutation(config.hidden, q))
+    local = {}
+    for name, arr in params.items():
+        if name.endswith(("attn.qkv.w", "attn.qkv.b")):
+            arr = arr[..., perm]                   # column block j = [Q_j | K_j | V_j]
+        nc = shapes[name][-1]
+        if not _is_row0_key(name):                 # 2d block (i, j)
+            nr = shapes[name][0]
+            blk = arr[i * nr:(i + 1) * nr, j * nc:(j + 1) * nc]
+        elif i == 0:                               # row 0 hosts column block j
+            blk = arr[..., j * nc:(j + 1) * nc]
+        else:                                      # other rows: zero-size, same key
+            blk = xp.empty(shapes[name], dtype=arr.dtype)
+        local[name] = xp.ascontiguousarray(blk)
+    return local
+
+
+def unshard(local_grads: dict, config: Config, grid) -> dict:
+    """Serial-layout arrays (keys and shapes of ``model.init_params``) on every rank.
+
+    Works for local params as well as local grads: 2d blocks come from every rank of
+    the layer, row-0 hosted arrays from row 0; the qkv permutation is undone. One
+    all-gather over ``grid.layer`` (phase ``"unshard/aux.gather"``) of a packed buffer.
+    """
+    check(config, grid)
+    _check_local(local_grads, config, grid, "local_grads")
+    xp = array_module(local_grads["wte"])
+    q = grid.q
+    shapes = model.param_shapes(config)
+    # every rank packs the same layout: 2d blocks, then row-0 blocks (zeros off row 0)
+    sizes = {}
+    for name, shape in shapes.items():
+        if _is_row0_key(name):
+            sizes[name] = math.prod(shape) // q
+        else:
+            sizes[name] = math.prod(shape) // (q * q)
+    total = sum(sizes.values())
+    buf = xp.zeros(total, dtype=config.dtype)                              # (S,)
+    off = {}
+    o = 0
+    for name in shapes:
+        off[name] = o
+        arr = local_grads[name]
+        if arr.size:
+            buf[o:o + sizes[name]] = arr.reshape(-1)
+        o += sizes[name]
+    if grid.layer.size > 1:
+        parts = xp.empty((grid.layer.size, total), dtype=config.dtype)    # (q*q, S)
+        with grid.trace.phase("unshard"), grid.trace.phase("aux.gather"):
+            grid.layer.allgather(buf, parts)
+    else:
+        parts = buf[None]                                                   # (1, S)
+    perm = qkv_permutation(config.hidden, q)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size)
+    out = {}
+    for name, shape in shapes.items():
+        seg = parts[:, off[name]:off[name] + sizes[name]]                  # (q*q, size)
+        if _is_row0_key(name):
+            lead = shape[:-1]
+            nc = shape[-1] // q
+            blocks = [seg[jj].reshape(lead + (nc,)) for jj in range(q)]    # row 0: ranks 0..q-1
+            full = xp.concatenate(blocks, axis=-1)                          # shape
+        else:
+            nr, nc = shape[0] // q, shape[1] // q
+            full = seg.reshape(q, q, nr, nc).transpose(0, 2, 1, 3).reshape(shape)
+        if name.endswith("attn.qkv.w") or name.endswith("attn.qkv.b"):
+            full = full[..., xp.asarray(inv)]
+        out[name] = xp.ascontiguousarray(full)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# one layer                                                                   #
+# --------------------------------------------------------------------------- #
+class LayerCache(NamedTuple):
+    vec: dict                     # broadcast row-0 vectors (views of one packed buffer)
+    ln1: ops.LayerNormCache
+    a: Array                      # ln1 output = qkv input, (N, h/q)
+    core: ops.AttentionCoreCache  # the n/q local heads of bl sequences
+    y: Array                      # merged attention output = proj input, (N, h/q)
+    ln2: ops.LayerNormCache
+    m: Array                      # ln2 output = fc input, (N, h/q)
+    gelu: ops.GeluCache           # fc output (pre-activation), (N, f/q)
+    g: Array                      # gelu output = proj input, (N, f/q)
+
+
+def _broadcast_vectors(p: dict, config: Config, grid, xp):
+    """The layer's row-0 vectors as views of one buffer broadcast down the column."""
+    sizes = _vec_sizes(config, grid.q)
+    total = sum(sizes.values())
+    local = xp.concatenate([p[key] for key in VEC_KEYS]) if grid.i == 0 else None  # (total,)
+    with grid.trace.phase("aux.params.bcast"):
+        buf = _bcast_from_row0(grid, local, total, xp, config.dtype)      # (total,)
+    vec, o = {}, 0
+    for key in VEC_KEYS:
+        vec[key] = buf[o:o + sizes[key]]
+        o += sizes[key]
+    return vec
+
+
+def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
+    """One pre-LN layer on the local block x (N, h/q) -> (N, h/q) and its cache."""
+    xp = array_module(x)
+    ab, _, _ = _products(grid)
+    q, h = grid.q, config.hidden
+    nh = config.heads // q                                                 # local heads
+    hq = h // q
+    sum_row, _ = _row_hooks(grid)
+    tr = grid.trace
+    vec = _broadcast_vectors(p, config, grid, xp)
+    with tr.phase("aux.ln1"):
+        a, ln1 = ops.layernorm_forward(x, vec["ln1.g"], vec["ln1.b"], sum_hidden=sum_row,
+                                       hidden=h)                           # (N, h/q)
+    with tr.phase("tp.attn.qkv"):
+        qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, 3h/q)
+    qkv += vec["attn.qkv.b"]
+    qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, 3 * hq), nh)           # 3 x (bl, nh, t, hd)
+    y = xp.empty((bl, t, hq), dtype=x.dtype)                               # (bl, t, h/q)
+    y_heads = y.reshape(bl, t, nh, hq // nh).transpose(0, 2, 1, 3)         # (bl, nh, t, hd) view
+    _, core = ops.attention_core_forward(qh, kh, vh, out=y_heads)
+    y = y.reshape(bl * t, hq)                                              # (N, h/q)
+    with tr.phase("tp.attn.proj"):
+        x1 = ab(y, p["attn.proj.w"], grid)                                 # (N, h/q)
+    x1 += vec["attn.proj.b"]
+    x1 += x                                                                # residual 1
+    with tr.phase("aux.ln2"):
+        m, ln2 = ops.layernorm_forward(x1, vec["ln2.g"], vec["ln2.b"], sum_hidden=sum_row,
+                                       hidden=h)                           # (N, h/q)
+    with tr.phase("tp.mlp.fc"):
+        f = ab(m, p["mlp.fc.w"], grid)                                     # (N, f/q)
+    f += vec["mlp.fc.b"]
+    g, gelu = ops.gelu_forward(f)                                          # (N, f/q)
+    with tr.phase("tp.mlp.proj"):
+        out = ab(g, p["mlp.proj.w"], grid)                                 # (N, h/q)
+    out += vec["mlp.proj.b"]
+    out += x1                                                              # residual 2
+    return out, LayerCache(vec=vec, ln1=ln1, a=a, core=core, y=y, ln2=ln2, m=m, gelu=gelu, g=g)
+
+
+def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int, t: int):
+    """The layer forward read in reverse: dx (N, h/q) and the layer's local grads."""
+    xp = array_module(dout)
+    _, abt, atb = _products(grid)
+    q, hq = grid.q, config.hidden // grid.q
+    nh = config.heads // q
+    tr = grid.trace
+    sizes = _vec_sizes(config, q)
+    offs, o = {}, 0
+    for key in VEC_KEYS:
+        offs[key] = o
+        o += sizes[key]
+    vgrad = xp.empty(o, dtype=dout.dtype)                                  # packed local sums
+    view = {key: vgrad[offs[key]:offs[key] + sizes[key]] for key in VEC_KEYS}
+    grads = {}
+
+    dout.sum(axis=0, out=view["mlp.proj.b"])                               # (h/q,)
+    with tr.phase("tp.mlp.proj.dX"):
+        dg = abt(dout, p["mlp.proj.w"], grid)                              # (N, f/q)
+    with tr.phase("tp.mlp.proj.dW"):
+        grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (f/q, h/q)
+    df, _ = ops.gelu_backward(dg, c.gelu)                                  # (N, f/q)
+    df.sum(axis=0, out=view["mlp.fc.b"])                                   # (f/q,)
+    with tr.phase("tp.mlp.fc.dX"):
+        dm = abt(df, p["mlp.fc.w"], grid)                                  # (N, h/q)
+    with tr.phase("tp.mlp.fc.dW"):
+        grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, f/q)
+    with tr.phase("aux.ln2"):
+        dx1, gl = ops.layernorm_backward(dm, c.ln2)                        # (N, h/q)
+    view["ln2.g"][...] = gl["g"]
+    view["ln2.b"][...] = gl["b"]
+    dx1 += dout                                                            # residual 2
+    dx1.sum(axis=0, out=view["attn.proj.b"])                               # (h/q,)
+    with tr.phase("tp.attn.proj.dX"):
+        dy = abt(dx1, p["attn.proj.w"], grid)                              # (N, h/q)
+    with tr.phase("tp.attn.proj.dW"):
+        grads["attn.proj.w"] = atb(c.y, dx1, grid)                         # (h/q, h/q)
+    hd = hq // nh
+    dy_heads = dy.reshape(bl, t, nh, hd).transpose(0, 2, 1, 3)             # (bl, nh, t, hd) view
+    dqkv = xp.empty((bl, t, 3, nh, hd), dtype=dout.dtype)                  # (bl, t, 3, nh, hd)
+    views = dqkv.transpose(2, 0, 3, 1, 4)                                  # (3, bl, nh, t, hd)
+    ops.attention_core_backward(dy_heads, c.core, out=(views[0], views[1], views[2]))
+    dqkv = dqkv.reshape(bl * t, 3 * hq)                                    # (N, 3h/q) [dQ|dK|dV]
+    dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (3h/q,)
+    with tr.phase("tp.attn.qkv.dX"):
+        da = abt(dqkv, p["attn.qkv.w"], grid)                              # (N, h/q)
+    with tr.phase("tp.attn.qkv.dW"):
+        grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, 3h/q)
+    with tr.phase("aux.ln1"):
+        dx, gl = ops.layernorm_backward(da, c.ln1)                         # (N, h/q)
+    view["ln1.g"][...] = gl["g"]
+    view["ln1.b"][...] = gl["b"]
+    dx += dx1                                                              # residual 1
+    # the vectors' gradients: column sums of every rank, onto row 0 (and over depth)
+    total = _reduce_to_row0(grid, vgrad, xp, "grads")
+    for key in VEC_KEYS:
+        grads[key] = (total[offs[key]:offs[key] + sizes[key]] if grid.i == 0
+                      else xp.empty((0,), dtype=dout.dtype))
+    return dx, grads
+
+
+# --------------------------------------------------------------------------- #
+# embedding, final LayerNorm, LM head                                         #
+# --------------------------------------------------------------------------- #
+def _embed_forward(params: dict, tok, config: Config, grid):
+    """x (N, h/q) = onehot(tokens) wte[:, H_j] + wpe[:t, H_j], SUMMA over the vocab blocks."""
+    xp = array_module(params["wte"])
+    tr = grid.trace
+    q, col = grid.q, grid.col
+    bl, t = tok.shape
+    wte = params["wte"]                                                    # (v/q, h/q)
+    vq, hq = wte.shape
+    x = xp.zeros((bl, t, hq), dtype=wte.dtype)                             # (bl, t, h/q)
+    caches = []
+    bufs = (xp.empty_like(wte), xp.empty_like(wte)) if q > 1 else ()      # 2 x (v/q, h/q)
+
+    def post(l):
+        # step l: block wte[V_l, H_j] travels down column j from row l
+        blk = wte if grid.i == l else bufs[l % 2]
+        if q == 1:
+            return blk, None
+        with tr.phase("aux.wte.bcast"):
+            return blk, col.ibcast(blk, root=l)
+
+    nxt = post(0)
+    for l in range(q):
+        blk, req = nxt
+        if req is not None:
+            req.wait()
+        if l + 1 < q:  # overlap the next broadcast with this lookup
+            nxt = post(l + 1)
+        xl, cache = ops.embedding_forward(tok, blk, None, vocab_start=l * vq,
+                                          combine_vocab=_identity)         # (bl, t, h/q)
+        x += xl
+        caches.append(cache)
+    wpe_local = params["wpe"][:t].reshape(-1) if grid.i == 0 else None
+    with tr.phase("aux.wpe.bcast"):
+        wpe = _bcast_from_row0(grid, wpe_local, t * hq, xp, wte.dtype)     # (t*h/q,)
+    x += wpe.reshape(t, hq)
+    return x.reshape(bl * t, hq), caches                                   # (N, h/q)
+
+
+def _embed_backward(dx, caches, params: dict, config: Config, grid, bl: int, t: int):
+    """``dwte`` block (v/q, h/q) of the embedding and ``dwpe`` (row 0: (s, h/q))."""
+    xp = array_module(dx)
+    tr = grid.trace
+    q, col = grid.q, grid.col
+    vq, hq = params["wte"].shape
+    dx3 = dx.reshape(bl, t, hq)                                            # (bl, t, h/q)
+    dwte = xp.empty((vq, hq), dtype=dx.dtype) if q > 1 else None
+    reqs, parts = [], []
+    for l in range(q):
+        # partial dwte[V_l, H_j] of this rank's tokens, summed down column j onto row l
+        _, g = ops.embedding_backward(dx3, caches[l])                      # (v/q, h/q)
+        if q == 1:
+            dwte = g["wte"]
+            continue
+        parts.append(g["wte"])  # alive until its reduce completes
+        with tr.phase("aux.wte.reduce"):
+            reqs.append(col.ireduce(g["wte"], dwte if grid.i == l else None, root=l))
+    for r in reqs:
+        r.wait()
+    if grid.depth.size > 1:
+        with tr.phase("aux.wte.depth"):
+            ring_allreduce(dwte, grid.depth, out=dwte)
+    dwpe_t = dx3.sum(axis=0).reshape(-1)                                   # (t*h/q,)
+    total = _reduce_to_row0(grid, dwpe_t, xp, "wpe")
+    if grid.i == 0:
+        dwpe = xp.zeros(params["wpe"].shape, dtype=dx.dtype)               # (s, h/q)
+        dwpe[:t] = total.reshape(t, hq)
+    else:
+        dwpe = xp.empty(params["wpe"].shape, dtype=dx.dtype)               # (0, h/q)
+    return dwte, dwpe
+
+
+def _lnf_forward(x, params: dict, config: Config, grid):
+    xp = array_module(x)
+    hq = config.hidden // grid.q
+    local = xp.concatenate([params["lnf.g"], params["lnf.b"]]) if grid.i == 0 else None
+    with grid.trace.phase("aux.params.bcast"):
+        buf = _bcast_from_row0(grid, local, 2 * hq, xp, x.dtype)           # (2h/q,)
+    sum_row, _ = _row_hooks(grid)
+    with grid.trace.phase("aux.ln"):
+        return ops.layernorm_forward(x, buf[:hq], buf[hq:], sum_hidden=sum_row,
+                                     hidden=config.hidden)                  # (N, h/q)
+
+
+def _lnf_backward(dx, cache, config: Config, grid):
+    xp = array_module(dx)
+    hq = config.hidden // grid.q
+    with grid.trace.phase("aux.ln"):
+        dx, g = ops.layernorm_backward(dx, cache)                          # (N, h/q)
+    total = _reduce_to_row0(grid, xp.concatenate([g["g"], g["b"]]), xp,
+                            "grads")                                       # row 0: (2h/q,)
+    if grid.i == 0:
+        return dx, {"lnf.g": total[:hq], "lnf.b": total[hq:]}
+    empty = xp.empty((0,), dtype=dx.dtype)
+    return dx, {"lnf.g": empty, "lnf.b": empty.copy()}
+
+
+# --------------------------------------------------------------------------- #
+# model                                                                       #
+# --------------------------------------------------------------------------- #
+class OptimusCache(NamedTuple):
+    config: Config
+    grid: Any
+    params: dict                 # local params (read again when layers are recomputed)
+    checkpoint: bool
+    shape: tuple                 # (bl, t): local sequences and their length
+    batch: int                   # global b
+    emb: list                    # q EmbeddingCaches, one per vocab block
+    blocks: list                 # per layer: LayerCache, or its input (N, h/q) if checkpointed
+    lnf: ops.LayerNormCache
+    xf: Array                    # final hidden states (lnf output), (N, h/q)
+    logits: Array                # local logits block, (N, v/q): vocab block j
+    ce: Optional[ops.CrossEntropyCache]
+    loss: Optional[float]
+    n_tokens: int                # b * t (global)
+
+
+def _local_rows(tokens, grid, xp):
+    """This rank's sequences: row block k q + i of the batch, (b/(dq), t)."""
+    bl = tokens.shape[0] // (grid.d * grid.q)
+    r = grid.k * grid.q + grid.i
+    return xp.asarray(tokens[r * bl:(r + 1) * bl])
+
+
+def forward(local_params: dict, tokens, targets, config: Config, grid,
+            checkpoint: bool = False):
+    """Mean cross-entropy over the ``b*s`` tokens and the cache, on every rank.
+
+    Parameters
+    ----------
+    local_params : dict
+        This rank's parameters from :func:`shard` (keys of ``model.param_shapes``).
+    tokens, targets : integer arrays [b, s]
+        The GLOBAL batch on every rank; each rank takes its b/(dq) sequences.
+        ``targets`` may be None (logits only; :func:`backward` then refuses).
+    config : model.Config
+    grid : summasim.grid.Grid
+        ``[q, q, d]``; d == 1 is Optimus, d > 1 SUMMA2.5-LM.
+    checkpoint : bool
+        Keep only each layer's input block and recompute the layer in backward.
+
+    Returns
+    -------
+    loss : float or None
+        The same on every rank.
+    cache : OptimusCache
+        ``cache.logits`` is the local block ``[N, v/q]``; see :func:`logits`.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank alike, before any communication (:func:`check`, shapes, ids).
+    """
+    check(config, grid)
+    model.check_tokens(tokens, config)
+    check(config, grid, batch=tokens.shape[0])
+    if targets is not None:
+        model.check_targets(targets, tokens, config)
+    _check_local(local_params, config, grid, "local_params")
+    p = local_params
+    xp = array_module(p["wte"])
+    tr = grid.trace
+    b, t = tokens.shape
+    tok = _local_rows(tokens, grid, xp)                                    # (bl, t)
+    bl = tok.shape[0]
+    with tr.phase("embed.fwd"):
+        x, emb = _embed_forward(p, tok, config, grid)                      # (N, h/q)
+    blocks = []
+    for l in range(config.layers):
+        pl = model.layer_params(p, l)
+        with tr.phase(f"h{l}.fwd"):
+            if checkpoint:
+                blocks.append(x)                                           # keep the input only
+                x, _ = _layer_forward(x, pl, config, grid, bl, t)
+            else:
+                x, cache = _layer_forward(x, pl, config, grid, bl, t)     # (N, h/q)
+                blocks.append(cache)
+    with tr.phase("lnf.fwd"):
+        xf, lnf = _lnf_forward(x, p, config, grid)                         # (N, h/q)
+    _, abt, _ = _products(grid)
+    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
+        lg = abt(xf, p["wte"], grid)                                       # (N, v/q)
+    loss, ce = None, None
+    if targets is not None:
+        tgt = _local_rows(targets, grid, xp).reshape(-1)                   # (N,)
+        sum_row, max_row = _row_hooks(grid)
+        with tr.phase("loss"):
+            with tr.phase("aux.ce"):
+                losses, ce = ops.cross_entropy_forward(
+                    lg, tgt, vocab_start=grid.j * (config.vocab // grid.q),
+                    max_vocab=max_row, sum_vocab=sum_row)                  # (N,)
+            total = losses.sum().reshape(1)                                # (1,) this row block
+            with tr.phase("aux.mean"):
+                total = _allreduce(grid.col, total)
+                total = _allreduce(grid.depth, total)
+        loss = float(total[0]) / (b * t)
+    return loss, OptimusCache(config=config, grid=grid, params=p, checkpoint=checkpoint,
+                              shape=(bl, t), batch=b, emb=emb, blocks=blocks, lnf=lnf,
+                              xf=xf, logits=lg, ce=ce, loss=loss, n_tokens=b * t)
+
+
+def backward(cache: OptimusCache) -> dict:
+    """Local gradients of the mean loss: same keys, order and shapes as the local params.
+
+    Row-0 hosted gradients hold the column-sum over the grid (and the depth) on row 0
+    and are zero-size elsewhere; 2d gradients are identical on every layer k.
+    """
+    if cache.ce is None:
+        raise ValueError("optimus.backward needs a forward with targets")
+    config, grid, p = cache.config, cache.grid, cache.params
+    xp = array_module(cache.logits)
+    tr = grid.trace
+    bl, t = cache.shape
+    ab, _, atb = _products(grid)
+    grads = {}
+    dlosses = xp.full(cache.logits.shape[0], 1.0 / cache.n_tokens,
+                      dtype=cache.logits.dtype)                            # (N,) 1/(b s)
+    dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
+    with tr.phase("lmhead.bwd"):
+        with tr.phase("aux.logits.dX"):
+            dx = ab(dlogits, p["wte"], grid)                               # (N, h/q)
+        with tr.phase("aux.logits.dW"):
+            dwte_head = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
+    with tr.phase("lnf.bwd"):
+        dx, g = _lnf_backward(dx, cache.lnf, config, grid)                 # (N, h/q)
+    grads.update(g)
+    for l in reversed(range(config.layers)):
+        pl = model.layer_params(p, l)
+        with tr.phase(f"h{l}.bwd"):
+            if cache.checkpoint:     # recompute the layer's forward from its saved input
+                _, block = _layer_forward(cache.blocks[l], pl, config, grid, bl, t)
+            else:
+                block = cache.blocks[l]
+            dx, g = _layer_backward(dx, block, pl, config, grid, bl, t)   # (N, h/q)
+            del block
+        for key, val in g.items():
+            grads[f"h{l}.{key}"] = val
+    with tr.phase("embed.bwd"):
+        dwte, dwpe = _embed_backward(dx, cache.emb, p, config, grid, bl, t)
+    dwte += dwte_head                                                      # tied: embed + head
+    grads["wte"], grads["wpe"] = dwte, dwpe
+    return {key: grads[key] for key in p}
+
+
+def logits(cache: OptimusCache, config: Config, grid):
+    """The global logits [b, s, v] on every rank (an all-gather; for checks)."""
+    lay = "2d" if grid.d == 1 else "2.5d"
+    t = cache.shape[1]
+    with grid.trace.phase("logits"), grid.trace.phase("aux.join"):
+        full = layout.join(cache.logits, grid, lay)                        # (b*t, v)
+    return full.reshape(cache.batch, t, config.vocab)
