@@ -8,6 +8,10 @@
                that adjacent value, because the machine's speed drifts (it is shared).
 ``allreduce``  bandwidth of ``ring_allreduce`` next to MPI's own ``Allreduce`` on the
                same buffers, over message sizes.
+``transformer`` forward + backward time of each tensor-parallel scheme that fits p, on a
+               one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to
+               the serial model on the same cores (rank 0 alone, all cores, the others
+               asleep): the same total work, so the ratio is the parallel overhead.
 
 Speed goals live here, not in timed tests. Results go to the terminal and, with
 ``--json``, to a file (written atomically).
@@ -146,16 +150,96 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
     return rows
 
 
+def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) -> list[dict]:
+    """Forward+backward seconds of each scheme vs the serial model (collective)."""
+    from threadpoolctl import threadpool_limits
+
+    from .comm import cores
+    from .transformer import model
+    from .transformer.compare import (SCHEME_NAMES, grid_label, grid_shapes, make_grid,
+                                      preconditions, scheme_module)
+
+    b, s, h, n, v, layers = shape
+    p, rank = world.Get_size(), world.Get_rank()
+    config = model.Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers,
+                          dtype=np.dtype(dtype).type)
+    params = model.init_params(config, seed=0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, v, size=(b, s))
+    targets = rng.integers(0, v, size=(b, s))
+
+    def serial_step():
+        loss, cache = model.forward(params, tokens, targets, config, checkpoint=checkpoint)
+        model.backward(cache)
+
+    t_serial = None
+    if rank == 0:
+        with threadpool_limits(limits=cores()):
+            serial_step()
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                serial_step()
+                ts.append(time.perf_counter() - t0)
+        t_serial = statistics.median(ts)
+    _sleep_barrier(world)
+    t_serial = world.bcast(t_serial, root=0)
+    say(f"transformer: b={b} s={s} h={h} heads={n} vocab={v} layers={layers} "
+        f"{np.dtype(dtype).name}, checkpoint={checkpoint}; serial forward+backward on "
+        f"{cores()} cores: {t_serial:.4f} s")
+    say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}")
+    rows = []
+    for name in SCHEME_NAMES:
+        shapes = grid_shapes(name, p)
+        if not shapes:
+            say(f"{name:<9} skipped: no grid of this scheme has p = {p} ranks")
+        for q, d in shapes:
+            why = preconditions(name, config, b, p, q, d)
+            if why:
+                say(f"{name:<9} {grid_label(name, p, q, d):<9} skipped: {why}")
+                continue
+            module = scheme_module(name)
+            grid = make_grid(name, world, q, d)
+            try:
+                grid.trace.enabled = False
+                local = module.shard(params, config, grid)
+
+                def step():
+                    loss, cache = module.forward(local, tokens, targets, config, grid,
+                                                 checkpoint=checkpoint)
+                    module.backward(cache)
+
+                step()
+                times = [_max_time(step, world) for _ in range(repeats)]
+            finally:
+                grid.free()
+            t = statistics.median(times)
+            rows.append({"scheme": name, "grid": grid_label(name, p, q, d), "p": p,
+                         "seconds": t, "times": times, "serial_seconds": t_serial,
+                         "ratio": t / t_serial})
+            say(f"{name:<9} {grid_label(name, p, q, d):<9} {t:>9.4f} {min(times):>8.4f} "
+                f"{t / t_serial:>8.2f}x")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m summasim.bench", description=__doc__.split(
         "\n\n")[0] + " Run under mpirun.")
-    ap.add_argument("what", nargs="?", choices=("gemm", "allreduce", "all"), default="all")
+    ap.add_argument("what", nargs="?", choices=("gemm", "allreduce", "transformer", "all"),
+                    default="all", help="which benchmark (default all)")
     ap.add_argument("--n", type=int, default=4096, help="GEMM size n (default 4096)")
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     ap.add_argument("--algorithms", default=",".join(GEMM_ALGORITHMS),
                     help="comma-separated distributed products to time")
     ap.add_argument("--sizes-mib", default="1,8,32,64",
                     help="all-reduce message sizes in MiB (default 1,8,32,64)")
+    ap.add_argument("--tf-shape", nargs=6, type=int, default=[16, 128, 512, 8, 64, 1],
+                    metavar=("B", "S", "H", "N", "V", "L"),
+                    help="transformer benchmark: batch, sequence, hidden, heads, vocab, layers "
+                         "(default 16 128 512 8 64 1)")
+    ap.add_argument("--tf-dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="transformer benchmark with activation checkpointing")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -183,6 +267,11 @@ def main(argv=None) -> int:
             sizes = [float(s) for s in args.sizes_mib.split(",") if s]
             say("")
             report["allreduce"] = bench_allreduce(world, sizes, dtype, args.repeats, say)
+        if args.what in ("transformer", "all"):
+            say("")
+            report["transformer"] = bench_transformer(world, args.tf_shape,
+                                                      np.dtype(args.tf_dtype), args.repeats,
+                                                      args.checkpoint, say)
         if args.json and rank == 0:
             write_json_atomic(args.json, report)
     return 0

@@ -96,3 +96,26 @@ def test_failed_validation_exits_nonzero(mpiexec):
     proc, _ = launch(mpiexec, 4, ["-c", code], 120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert " FAIL " in proc.stdout and "1 failed" in proc.stdout
+
+
+def test_bench_runs_and_reports(mpiexec, tmp_path):
+    """All three benchmarks at toy sizes: every row is there and self-consistent."""
+    path = tmp_path / "bench.json"
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.bench", "all", "--n", "128", "--repeats", "2",
+                                  "--sizes-mib", "0.25", "--tf-shape", "4", "8", "16", "4",
+                                  "16", "1", "--json", str(path)], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    gemm = {r["algorithm"]: r for r in report["gemm"]}
+    assert set(gemm) == {"cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
+                         "summa25_abt", "summa25_atb"}
+    for r in gemm.values():
+        assert r["gflops"] == pytest.approx(2 * 128**3 / r["seconds"] / 1e9)
+        assert r["fraction"] == pytest.approx(r["gflops"] / r["ceiling_gflops"])
+    (ar,) = report["allreduce"]
+    assert ar["bytes"] == 2**18 and ar["ratio"] == pytest.approx(
+        ar["mpi_seconds"] / ar["ring_seconds"])
+    assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
+    assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
+               for r in report["transformer"])
+    assert "summa25   skipped" in proc.stdout
