@@ -581,9 +581,9 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         f"{' '.join(MPI.Get_library_version().splitlines()[0].split())}")
     say(f"error = max |C - C_ref| / (|A||B|) per entry; bound = 8 sqrt(k) (u + u_64) "
         f"(summasim.validate)\n")
-    say(format_header(), flush=True)
 
     machine = None if args.no_predict else resolve_machine(args.machine, world, say)
+    say(format_header(), flush=True)
     rows: list[Row] = []
     for dtype in dtypes:
         for pl in runs:
