@@ -107,3 +107,16 @@ def test_bad_wait_policy():
 
     msg = collective_raises(ValueError, Comm, WORLD, wait="busy")
     parallel_assert("spin, sleep, yield" in msg, msg)
+
+
+def test_workspaces_are_reused_and_bounded():
+    c = Comm(WORLD, name="world")
+    a = np.ones((3, 4))
+    w1 = c.workspace("x", a)
+    w2 = c.workspace("x", np.zeros((3, 4)))
+    w3 = c.workspace("x", np.zeros((3, 4), np.float32))
+    ok = w1 is w2 and len(w1) == 2 and w1[0] is not w1[1] and w3[0].dtype == np.float32
+    for i in range(10):                      # the 8 most recent keys are kept
+        c.workspace(f"y{i}", a)
+    ok = ok and c.workspace("x", a) is not w1 and len(c._workspaces) == 8
+    parallel_assert(ok, "workspace cache")

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 
 from mpi4py import MPI
 
@@ -252,6 +253,7 @@ class Comm:
                              f"got {self.reduce_algorithm!r}")
         self._reduces = 0          # tree reduces started: all ranks count alike (their tags)
         self._scratch_free: list = []
+        self._workspaces: OrderedDict = OrderedDict()
 
     def __repr__(self):
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size})"
@@ -305,6 +307,25 @@ class Comm:
         # copy back before the staging buffer returns to the pool
         cleanup.insert(0, lambda: be.copy_from_host(host, arr))
         return host
+
+    def workspace(self, tag: str, like, count: int = 2) -> tuple:
+        """``count`` arrays shaped like ``like``, kept on this communicator and reused
+        by later calls with the same tag, shape and dtype (the 8 most recent are kept).
+
+        Large fresh allocations cost page faults on every call (measured: SUMMA at
+        n = 4096 on 4 ranks took 1.6-2.2 s with per-call buffers, 1.55-1.65 s with
+        reused ones). The arrays' contents are undefined; a caller must not hold them
+        across another call that uses the same tag.
+        """
+        key = (tag, tuple(like.shape), like.dtype.str, type(like), count)
+        bufs = self._workspaces.pop(key, None)
+        if bufs is None:
+            xp = self._backend(like).xp
+            bufs = tuple(xp.empty_like(like) for _ in range(count))
+        self._workspaces[key] = bufs
+        while len(self._workspaces) > 8:
+            self._workspaces.popitem(last=False)
+        return bufs
 
     def _scratch(self, like):
         """A reusable array shaped like ``like`` (tree-reduce receive buffers)."""

@@ -60,7 +60,7 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
         return 0
     bounds = chunk_bounds(flat.shape[0], p)
     if work is None:
-        work = array_module(flat).empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype)
+        work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         # pass the growing partial sum of one chunk one step round the ring

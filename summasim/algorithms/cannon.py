@@ -62,8 +62,8 @@ def cannon_ab(a, b, grid, out=None):
     c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     if q == 1:
         return be.gemm(a, b, c)
-    abuf = (xp.empty_like(a), xp.empty_like(a))                               # 2 x (m/q, k/q)
-    bbuf = (xp.empty_like(b), xp.empty_like(b))                               # 2 x (k/q, n/q)
+    abuf = grid.row.workspace("cannon.a", a)                                 # 2 x (m/q, k/q)
+    bbuf = grid.col.workspace("cannon.b", b)                                 # 2 x (k/q, n/q)
 
     # skew: row i rotates A left by i, column j rotates B up by j
     reqs = []

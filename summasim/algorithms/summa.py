@@ -25,9 +25,10 @@ What every rank sends (per call; ``mb x kb`` etc. are block shapes)
               (k/q) x (m/q) A block and q sum-reduces on ``grid.col`` of an
               (m/q) x (n/q) partial C block.
 
-Groups of one rank (q = 1) communicate nothing. Each call preallocates two
-receive workspaces per broadcast operand and, for the reducing forms, two partial
-product buffers, and reuses them for all q steps: the broadcast of step l+1 is
+Groups of one rank (q = 1) communicate nothing. Each call takes two receive
+workspaces per broadcast operand and, for the reducing forms, two partial product
+buffers, from :meth:`~summasim.comm.Comm.workspace` (kept on the communicator, so
+repeated calls of one shape allocate nothing), and reuses them for all q steps: the broadcast of step l+1 is
 posted before the multiply of step l (double buffering), and each reduce is
 posted without waiting so it proceeds under the next multiply.
 
@@ -52,8 +53,8 @@ def _summa_ab(a, b, row, col, be, out=None):
     c = out if out is not None else xp.empty((mb, nb), dtype=a.dtype)        # (m/q, n/q)
     if q == 1:
         return be.gemm(a, b, c)
-    abuf = (xp.empty_like(a), xp.empty_like(a))                               # 2 x (m/q, k/q)
-    bbuf = (xp.empty_like(b), xp.empty_like(b))                               # 2 x (k/q, n/q)
+    abuf = row.workspace("summa.a", a)                                       # 2 x (m/q, k/q)
+    bbuf = col.workspace("summa.b", b)                                       # 2 x (k/q, n/q)
 
     def post(l):
         # step l: A_il travels along the row from column l, B_lj down the column from row l
@@ -81,8 +82,8 @@ def _summa_abt(a, b, row, col, be, out=None):
     c = out if out is not None else xp.empty((mb, nb), dtype=a.dtype)        # (m/q, n/q)
     if q == 1:
         return be.gemm(a, b, c, trans_b=True)
-    bbuf = (xp.empty_like(b), xp.empty_like(b))                               # 2 x (n/q, k/q)
-    part = (xp.empty((mb, nb), a.dtype), xp.empty((mb, nb), a.dtype))         # 2 x (m/q, n/q)
+    bbuf = col.workspace("summa.b", b)                                       # 2 x (n/q, k/q)
+    part = row.workspace("summa.part", c)                                    # 2 x (m/q, n/q)
     return _bcast_multiply_reduce(
         q, lambda l: b if col.rank == l else bbuf[l % 2], col,
         lambda bb, t: be.gemm(a, bb, t, trans_b=True), part, row, c)
@@ -96,8 +97,8 @@ def _summa_atb(a, b, row, col, be, out=None):
     c = out if out is not None else xp.empty((mb, nb), dtype=a.dtype)        # (m/q, n/q)
     if q == 1:
         return be.gemm(a, b, c, trans_a=True)
-    abuf = (xp.empty_like(a), xp.empty_like(a))                               # 2 x (k/q, m/q)
-    part = (xp.empty((mb, nb), a.dtype), xp.empty((mb, nb), a.dtype))         # 2 x (m/q, n/q)
+    abuf = row.workspace("summa.a", a)                                       # 2 x (k/q, m/q)
+    part = col.workspace("summa.part", c)                                    # 2 x (m/q, n/q)
     return _bcast_multiply_reduce(
         q, lambda l: a if row.rank == l else abuf[l % 2], row,
         lambda ab, t: be.gemm(ab, b, t, trans_a=True), part, col, c)
