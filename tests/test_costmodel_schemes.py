@@ -108,9 +108,12 @@ def test_memory_by_hand():
     m25 = memory(Scheme.make("summa25", q=2, d=2), cfg)
     assert m25.params == 2 * (12 * 1024 / 4 + 13 * 32 / 2) * 4
     assert m25.activations == (2 * ((16 * 4096 + 8192) / 8 + 4 * 128 / 4) + 2 * 4096 / 8) * 4
-    # vocabulary adds the table and the logits with their gradient
+    # vocabulary adds the table and the logits with their gradient; wte in q x q blocks,
+    # wpe [s, h/q] and lnf g, b hosted on row 0 (the ranks that hold them)
     v = memory(Scheme.make("optimus", q=2), cfg.replace(v=100))
-    assert v.embedding == ((100 * 32 + 16 * 32) / 4 + 2 * 32 / 2) * 4
+    assert v.embedding == (100 * 32 / 4 + 16 * 32 / 2 + 2 * 32 / 2) * 4
+    v25 = memory(Scheme.make("summa25", q=2, d=2), cfg.replace(v=100))
+    assert v25.embedding == v.embedding
 
 
 def test_largest_batch():

@@ -1,7 +1,8 @@
-"""``python -m summasim.costmodel {explore,fit,presets,table1}``.
+"""``python -m summasim.costmodel {explore,fit,accuracy,presets,table1}``.
 
-``explore`` and ``presets`` and ``table1`` never import MPI; ``fit`` must run under
-``mpiexec`` (it imports mpi4py only then).
+``explore``, ``presets`` and ``table1`` never import MPI; ``fit`` and
+``accuracy-worker`` must run under ``mpiexec`` (they import mpi4py only then);
+``accuracy`` launches ``mpiexec`` itself.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ def main(argv=None) -> int:
     fp.add_argument("--name", default=None, help="machine name")
     pp = sub.add_parser("presets", help="list presets, or print one as JSON")
     pp.add_argument("name", nargs="?")
+    from . import accuracy
+
+    accuracy.build_parser(sub.add_parser(
+        "accuracy", help="predicted vs measured on this machine (launches mpiexec)",
+        description=accuracy.__doc__.splitlines()[0]))
+    wp = sub.add_parser("accuracy-worker", help="(internal) the accuracy benchmark's MPI "
+                        "worker: run under mpiexec")
+    wp.add_argument("spec", help="JSON spec of the cases to time")
+    wp.add_argument("out", help="JSON file rank 0 writes")
     tp = sub.add_parser("table1", help="the Optimus paper's Table 1 from the model")
     for flag, default in (("--b", 8), ("--s", 512), ("--h", 1024), ("--p", 16)):
         tp.add_argument(flag, type=int, default=default)
@@ -89,6 +99,10 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "fit":
         return _fit_main(args)
+    if args.cmd == "accuracy":
+        return accuracy.run(args)
+    if args.cmd == "accuracy-worker":
+        return accuracy.worker_main(args.spec, args.out)
     if args.cmd == "presets":
         if args.name:
             try:

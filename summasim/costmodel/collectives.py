@@ -15,7 +15,7 @@ barrier            0
 
 Each message of ``m`` bytes costs ``alpha(m) + beta(m) * m`` with the regime of its
 own size (eager below the link's ``eager_threshold``, rendezvous above); a reduction
-adds ``gamma_reduce * m``. ``lg p = ceil(log2 p)``; p' is the largest power of two
+adds ``gamma_r * m``. ``lg p = ceil(log2 p)``; p' is the largest power of two
 <= p. The formulas (Thakur, Rabenseifner and Gropp 2005, for p a power of two):
 
 ==========================================  =================================================
@@ -23,6 +23,8 @@ bcast  binomial                             lg p (alpha + B beta)
 bcast  scatter + recursive-doubling         2 lg p alpha + 2 (p-1)/p B beta  (van de Geijn)
        allgather
 bcast  scatter + ring allgather             (lg p + p - 1) alpha + 2 (p-1)/p B beta
+reduce tree (summasim's Comm, the default)  lg p (alpha + B beta) + lg p (lg p + 1)/2 B gamma_add
+                                            (+ B gamma_add for the root's copy)
 reduce binomial                             lg p (alpha + B beta + B gamma_r)
 reduce reduce-scatter + gather              2 lg p alpha + 2 (p-1)/p B beta + (p-1)/p B gamma_r
        (Rabenseifner)
@@ -37,6 +39,25 @@ reduce_scatter pairwise (ring)              (p-1) alpha + (p-1)/p B (beta + gamm
 sendrecv                                    alpha + B beta
 barrier (dissemination)                     lg p alpha
 ==========================================  =================================================
+
+``gamma_add`` is ``machine.gamma_reduce`` (a NumPy ``a += b``), ``gamma_r`` is
+``machine.gamma_reduce_mpi`` (MPI's own reduction loops, slower here).
+
+summasim's reduce
+-----------------
+``Comm.reduce``/``ireduce`` do not call ``MPI_Ireduce`` by default: they run a
+binomial tree of point-to-point messages with the additions done by NumPy
+(``reduce_algorithm="tree"``, environment ``SUMMASIM_REDUCE=tree|mpi``). With
+``rel = (rank - root) mod p`` a rank receives the partial sums of its children
+``rel + 1, rel + 2, rel + 4, ...`` (those below its lowest set bit), waits for all
+of them, adds them one after the other (``acc = child_0; acc += own; acc += child_1
+...``; the root first copies its own buffer into the result) and sends the sum to
+its parent. The receives overlap each other, the additions do not, so a node
+finishes ``max_c (T_c + alpha + B beta) + n_c B gamma_add`` after the start and the
+root of a full tree of ``2^k`` ranks after ``k (alpha + B beta) + k (k+1)/2 B
+gamma_add`` (plus its copy). :func:`reduce_tree` evaluates the recursion for any p
+(``O(log^2 p)``). :func:`collective_time` prices "reduce" with it unless
+``reduce_impl="mpi"`` (then MPICH's selection applies).
 
 When p is not a power of two, Rabenseifner and recursive doubling first fold the
 p - p' extra ranks in (``alpha + B beta + B gamma_r``) and, for the all-reduces,
@@ -101,6 +122,17 @@ from .machine import Machine
 
 OPS = ("bcast", "reduce", "allreduce", "allgather", "reduce_scatter", "sendrecv", "barrier")
 MODES = ("mpich", "paper")
+#: How ``Comm.reduce`` runs: summasim's tree (default) or MPI_Ireduce.
+REDUCE_IMPLS = ("tree", "mpi")
+
+
+def default_reduce_impl(environ=None) -> str:
+    """``$SUMMASIM_REDUCE`` (as ``Comm`` reads it) or "tree"."""
+    env = os.environ if environ is None else environ
+    impl = env.get("SUMMASIM_REDUCE", "tree").strip().lower() or "tree"
+    if impl not in REDUCE_IMPLS:
+        raise ValueError(f"SUMMASIM_REDUCE={impl!r}: expected 'tree' or 'mpi'")
+    return impl
 
 
 def lg(p: int) -> int:
@@ -182,7 +214,41 @@ def reduce_binomial(nbytes: float, p: int, machine: Machine, *, inter: bool = Fa
     if p <= 1:
         return 0.0
     link = machine.link(inter)
-    return lg(p) * (link.time(nbytes) + machine.gamma_reduce * nbytes)
+    return lg(p) * (link.time(nbytes) + machine.gamma_reduce_mpi * nbytes)
+
+
+def _tree_finish(start: int, span: int, p: int, msg: float, add: float, cache: dict) -> float:
+    """Finish time of the tree node ``start`` whose subtree is ``start .. start+span-1``
+    (capped at p): ``max_c (T_c + msg) + n_c add`` over its children ``start + 2^i``."""
+    key = (span, min(span, p - start))
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    worst, children, i = 0.0, 0, 1
+    while i < span and start + i < p:
+        worst = max(worst, _tree_finish(start + i, i, p, msg, add, cache) + msg)
+        children += 1
+        i <<= 1
+    out = worst + children * add
+    cache[key] = out
+    return out
+
+
+def reduce_tree(nbytes: float, p: int, machine: Machine, *, inter: bool = False) -> float:
+    """summasim's binomial-tree reduce (``Comm.reduce``, the default; see the module doc).
+
+    Root finish time ``max_c (T_c + alpha + B beta) + n_c B gamma_add`` recursively,
+    plus the root's copy of its own buffer (``B gamma_add``); for p = 2^k that is
+    ``k (alpha + B beta) + (k (k+1)/2 + 1) B gamma_add``. ``gamma_add`` is the
+    machine's NumPy ``gamma_reduce``, not MPI's.
+    """
+    if p <= 1:
+        return 0.0
+    link = machine.link(inter)
+    add = machine.gamma_reduce * nbytes
+    span = 1 << lg(p)
+    # subtrees that do not reach p are full: their finish depends on (span, size) only
+    return _tree_finish(0, span, int(p), link.time(nbytes), add, {}) + add
 
 
 def reduce_scatter_gather(nbytes: float, p: int, machine: Machine, *,
@@ -194,7 +260,7 @@ def reduce_scatter_gather(nbytes: float, p: int, machine: Machine, *,
     """
     if p <= 1:
         return 0.0
-    link, gr, p2 = machine.link(inter), machine.gamma_reduce, pof2_floor(p)
+    link, gr, p2 = machine.link(inter), machine.gamma_reduce_mpi, pof2_floor(p)
     sizes = _halvings(nbytes, p2)
     return _fold(link, nbytes, p, gr, back=False) + _msgs(link, sizes, gr) + _msgs(link, sizes)
 
@@ -205,7 +271,7 @@ def allreduce_recursive_doubling(nbytes: float, p: int, machine: Machine, *,
     """Recursive-doubling all-reduce: ``lg p' (alpha + B beta + B gamma_r)`` (+ fold)."""
     if p <= 1:
         return 0.0
-    link, gr, p2 = machine.link(inter), machine.gamma_reduce, pof2_floor(p)
+    link, gr, p2 = machine.link(inter), machine.gamma_reduce_mpi, pof2_floor(p)
     return _fold(link, nbytes, p, gr) + lg(p2) * (link.time(nbytes) + gr * nbytes)
 
 
@@ -215,7 +281,7 @@ def allreduce_reduce_scatter_allgather(nbytes: float, p: int, machine: Machine, 
     allgather, ``2 lg p' alpha + 2 (p'-1)/p' B beta + (p'-1)/p' B gamma_r`` (+ fold)."""
     if p <= 1:
         return 0.0
-    link, gr, p2 = machine.link(inter), machine.gamma_reduce, pof2_floor(p)
+    link, gr, p2 = machine.link(inter), machine.gamma_reduce_mpi, pof2_floor(p)
     sizes = _halvings(nbytes, p2)
     return _fold(link, nbytes, p, gr) + _msgs(link, sizes, gr) + _msgs(link, sizes)
 
@@ -260,7 +326,7 @@ def reduce_scatter_recursive_halving(nbytes: float, p: int, machine: Machine, *,
     ``lg p alpha + (p-1)/p B (beta + gamma_r)`` seconds."""
     if p <= 1:
         return 0.0
-    link, gr = machine.link(inter), machine.gamma_reduce
+    link, gr = machine.link(inter), machine.gamma_reduce_mpi
     return (_fold(link, nbytes, p, gr, back=False)
             + _msgs(link, _halvings(nbytes, pof2_floor(p)), gr))
 
@@ -271,7 +337,7 @@ def reduce_scatter_pairwise(nbytes: float, p: int, machine: Machine, *,
     if p <= 1:
         return 0.0
     link, chunk = machine.link(inter), nbytes / p
-    return (p - 1) * (link.time(chunk) + machine.gamma_reduce * chunk)
+    return (p - 1) * (link.time(chunk) + machine.gamma_reduce_mpi * chunk)
 
 
 # -- point to point, barrier ---------------------------------------------------------
@@ -341,7 +407,8 @@ ALGORITHMS: dict[str, dict[str, Callable[..., float]]] = {
               "scatter_recursive_doubling_allgather": bcast_scatter_recursive_doubling_allgather,
               "scatter_ring_allgather": bcast_scatter_ring_allgather,
               "paper": paper_bcast},
-    "reduce": {"binomial": reduce_binomial,
+    "reduce": {"tree": reduce_tree,
+               "binomial": reduce_binomial,
                "reduce_scatter_gather": reduce_scatter_gather,
                "paper": paper_reduce},
     "allreduce": {"recursive_doubling": allreduce_recursive_doubling,
@@ -462,7 +529,7 @@ def select_algorithm(op: str, nbytes: float, p: int, thresholds: Thresholds = MP
 def collective_time(op: str, nbytes: float, p: int, machine: Machine, *,
                     algorithm: str | None = None, mode: str = "mpich",
                     thresholds: Thresholds | None = None, itemsize: int = 8,
-                    inter: bool = False) -> CollectiveCost:
+                    inter: bool = False, reduce_impl: str = "tree") -> CollectiveCost:
     """Seconds of one ``op`` of ``nbytes`` over ``p`` ranks, and the algorithm assumed.
 
     Parameters
@@ -485,12 +552,19 @@ def collective_time(op: str, nbytes: float, p: int, machine: Machine, *,
         Bytes per item (selection rules only).
     inter : bool
         Use the machine's inter-node link.
+    reduce_impl : {"tree", "mpi"}
+        How a "reduce" runs: summasim's tree (:func:`reduce_tree`, what ``Comm``
+        does by default) or ``MPI_Ireduce`` (MPICH's selection). Mode "paper" and a
+        forced ``algorithm`` take precedence.
 
     Returns
     -------
     CollectiveCost
         ``(seconds, algorithm)``; ``(0.0, "none")`` when ``p == 1``.
     """
+    if reduce_impl not in REDUCE_IMPLS:
+        raise ValueError(f"unknown reduce_impl {reduce_impl!r}; choose one of "
+                         f"{', '.join(REDUCE_IMPLS)}")
     if op not in ALGORITHMS:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
     if mode not in MODES:
@@ -500,8 +574,12 @@ def collective_time(op: str, nbytes: float, p: int, machine: Machine, *,
     if p == 1:
         return CollectiveCost(0.0, "none")
     if algorithm is None:
-        algorithm = "paper" if mode == "paper" else select_algorithm(
-            op, nbytes, p, thresholds or MPICH, itemsize=itemsize)
+        if mode == "paper":
+            algorithm = "paper"
+        elif op == "reduce" and reduce_impl == "tree":
+            algorithm = "tree"
+        else:
+            algorithm = select_algorithm(op, nbytes, p, thresholds or MPICH, itemsize=itemsize)
     table = ALGORITHMS[op]
     if algorithm not in table:
         raise ValueError(f"unknown {op} algorithm {algorithm!r}; known: {', '.join(table)}")

@@ -482,7 +482,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
     for op in ("bcast", "reduce", "allreduce"):
         rows = [(g, s, t) for o, g, s, t in colls if o == op and t]
         if rows:
-            pr = [collective_time(op, s, g, machine) for g, s, _ in rows]
+            pr = [collective_time(op, s, g, machine, reduce_impl="mpi") for g, s, _ in rows]
             algs = sorted({c.algorithm for c in pr})
             err = median_rel_err([c.seconds for c in pr], [t for *_, t in rows])
             checks[op] = err
@@ -501,13 +501,13 @@ def gamma_reduce_from_collectives(machine: Machine, colls, min_bytes: int = 6553
     of the algorithm MPICH picks); solve for g. None when there is no such point.
     """
     est = []
-    zero = machine.replace(gamma_reduce=0.0)
-    one = machine.replace(gamma_reduce=1.0)
+    zero = machine.replace(gamma_reduce=0.0, gamma_reduce_mpi=0.0)
+    one = machine.replace(gamma_reduce=1.0, gamma_reduce_mpi=1.0)
     for op, g, s, t in colls:
         if op not in ("reduce", "allreduce") or not t or s < min_bytes:
             continue
-        t0 = collective_time(op, s, g, zero).seconds
-        c = collective_time(op, s, g, one).seconds - t0
+        t0 = collective_time(op, s, g, zero, reduce_impl="mpi").seconds
+        c = collective_time(op, s, g, one, reduce_impl="mpi").seconds - t0
         if c > 0:
             est.append(max(0.0, (t - t0) / c))
     return float(np.median(est)) if est else None

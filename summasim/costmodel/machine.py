@@ -6,7 +6,12 @@ Symbols and units (the papers' symbols; every time is in seconds)
 ``beta``          inverse bandwidth, seconds/byte (the Optimus paper's beta is per
                   scalar: multiply ours by the item size in bytes to compare)
 ``gamma``         local GEMM time, seconds/flop (one multiply-add = 2 flops)
-``gamma_reduce``  local reduction (``a += b``) time, seconds/byte of one operand
+``gamma_reduce``  local reduction (NumPy ``a += b``) time, seconds/byte of one operand:
+                  summasim's own reductions (the tree reduce of ``Comm.reduce``, the
+                  ring all-reduce's ``+=``)
+``gamma_reduce_mpi``  the same inside MPI's reductions (``MPI_Allreduce``, and
+                  ``MPI_Reduce`` when ``SUMMASIM_REDUCE=mpi``); defaults to
+                  ``gamma_reduce`` (MPICH's loops ran 16x slower per byte here)
 
 Messages are in two regimes, split at ``eager_threshold`` bytes: small messages
 (``nbytes < eager_threshold``) go eagerly through preallocated cells, large ones
@@ -197,7 +202,7 @@ class Machine:
     gamma_gemm : dict
         ``{dtype: ((n, seconds_per_flop), ...)}``, increasing n.
     gamma_reduce : float
-        Seconds per byte of one operand of a local ``a += b`` (reductions).
+        Seconds per byte of one operand of a NumPy ``a += b`` (summasim's reductions).
     inter : Link or None
         Alpha/beta between nodes; ``None`` means the same as ``intra``.
     node_size : int or None
@@ -208,6 +213,8 @@ class Machine:
     shared_comm : bool
         Whether communication also needs the cores (CPU shared-memory MPI), so it
         slows down under oversubscription like compute does.
+    gamma_reduce_mpi : float or None
+        Seconds per byte of a reduction inside MPI; None means ``gamma_reduce``.
     notes : dict
         Free-form provenance: date, command, measured points, caveats.
     """
@@ -222,6 +229,7 @@ class Machine:
     node_size: int | None = None
     memory_bytes: float = 0.0
     shared_comm: bool = True
+    gamma_reduce_mpi: float | None = None
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -231,6 +239,9 @@ class Machine:
             raise ValueError("machine field 'source' must be a string")
         _number("cores", self.cores, integer=True, positive=True)
         _number("gamma_reduce", self.gamma_reduce)
+        if self.gamma_reduce_mpi is None:
+            object.__setattr__(self, "gamma_reduce_mpi", self.gamma_reduce)
+        _number("gamma_reduce_mpi", self.gamma_reduce_mpi)
         _number("memory_bytes", self.memory_bytes)
         if self.node_size is not None:
             _number("node_size", self.node_size, integer=True, positive=True)
@@ -247,9 +258,9 @@ class Machine:
     # -- construction ----------------------------------------------------------
     @classmethod
     def simple(cls, alpha: float = 0.0, beta: float = 1e-9, gamma: float = 1e-11, *,
-               gamma_reduce: float = 0.0, cores: int = 1 << 30, name: str = "simple",
-               source: str = "synthetic", dtypes=("float64", "float32", "bfloat16",
-                                                  "float16")) -> "Machine":
+               gamma_reduce: float = 0.0, gamma_reduce_mpi: float | None = None,
+               cores: int = 1 << 30, name: str = "simple", source: str = "synthetic",
+               dtypes=("float64", "float32", "bfloat16", "float16")) -> "Machine":
         """A machine with one regime, one link and a size-independent gamma.
 
         Useful for the papers' assumptions (e.g. ``alpha=0``) and for tests;
@@ -258,7 +269,7 @@ class Machine:
         link = Link(alpha, beta, alpha, beta, 0)
         table = {dt: ((1.0, gamma),) for dt in dtypes}
         return cls(name=name, source=source, cores=cores, intra=link, gamma_gemm=table,
-                   gamma_reduce=gamma_reduce)
+                   gamma_reduce=gamma_reduce, gamma_reduce_mpi=gamma_reduce_mpi)
 
     def replace(self, **changes) -> "Machine":
         """A copy with some fields changed (validated again)."""
@@ -314,7 +325,7 @@ class Machine:
 
     # -- JSON ------------------------------------------------------------------
     _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
-            "intra", "inter", "gamma_gemm", "gamma_reduce", "notes")
+            "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "notes")
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine."""
@@ -330,6 +341,7 @@ class Machine:
             "inter": None if self.inter is None else self.inter.to_dict(),
             "gamma_gemm": {dt: [list(pt) for pt in pts] for dt, pts in self.gamma_gemm.items()},
             "gamma_reduce": self.gamma_reduce,
+            "gamma_reduce_mpi": self.gamma_reduce_mpi,
             "notes": self.notes,
         }
 
@@ -351,12 +363,16 @@ class Machine:
         inter = None if inter_d is None else Link.from_dict(inter_d, "inter.")
         gamma_gemm = _gamma_table(_require(d, "gamma_gemm"))
         gamma_reduce = _number("gamma_reduce", _require(d, "gamma_reduce"))
+        gamma_reduce_mpi = d.get("gamma_reduce_mpi")
+        if gamma_reduce_mpi is not None:
+            gamma_reduce_mpi = _number("gamma_reduce_mpi", gamma_reduce_mpi)
         node_size = d.get("node_size")
         if node_size is not None:
             node_size = _number("node_size", node_size, integer=True, positive=True)
         memory = _number("memory_bytes", d.get("memory_bytes", 0.0))
         return cls(name=name, source=source, cores=cores, intra=intra, inter=inter,
-                   gamma_gemm=gamma_gemm, gamma_reduce=gamma_reduce, node_size=node_size,
+                   gamma_gemm=gamma_gemm, gamma_reduce=gamma_reduce,
+                   gamma_reduce_mpi=gamma_reduce_mpi, node_size=node_size,
                    memory_bytes=memory, shared_comm=d.get("shared_comm", True),
                    notes=dict(d.get("notes") or {}))
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from . import traffic as _traffic
-from .collectives import MPICH, Thresholds, collective_time
+from .collectives import MPICH, Thresholds, collective_time, default_reduce_impl
 from .machine import Machine, itemsize_of
 
 #: (stride, size) of each named group on a [q, q, d] grid in Cartesian rank order.
@@ -122,8 +122,10 @@ class Prediction:
 class _Pricer:
     """Prices (op, group, size, nbytes) with caching and the placement rule."""
 
-    def __init__(self, machine, mode, algorithms, thresholds, itemsize, q, d, p):
+    def __init__(self, machine, mode, algorithms, thresholds, itemsize, q, d, p,
+                 reduce_impl=None):
         self.machine, self.mode = machine, mode
+        self.reduce_impl = reduce_impl or default_reduce_impl()
         self.algorithms = dict(algorithms or {})
         self.thresholds = thresholds or MPICH
         self.itemsize, self.q, self.d, self.p = itemsize, q, d, p
@@ -138,7 +140,7 @@ class _Pricer:
             hit = collective_time(op, nbytes, size, self.machine,
                                   algorithm=self.algorithms.get(op), mode=self.mode,
                                   thresholds=self.thresholds, itemsize=self.itemsize,
-                                  inter=inter)
+                                  inter=inter, reduce_impl=self.reduce_impl)
             self.cache[key] = hit
         return hit
 
@@ -146,9 +148,9 @@ class _Pricer:
 def make_pricer(machine: Machine, *, mode: str = "mpich",
                 algorithms: Mapping[str, str] | None = None,
                 thresholds: Thresholds | None = None, itemsize: int = 8, q: int = 1,
-                d: int = 1, p: int | None = None):
+                d: int = 1, p: int | None = None, reduce_impl: str | None = None):
     """A caching callable ``(op, group, group_size, nbytes) -> CollectiveCost``."""
-    return _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p)
+    return _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl)
 
 
 def _compute_seconds(machine: Machine, gemms, dtype, reduce_bytes) -> float:

@@ -21,11 +21,15 @@ SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split 
 
 With activation checkpointing the backward pass first recomputes the forward
 (its communication included), so backward = 3x forward for Optimus and 2x for
-Megatron (Optimus section 4). ``include_minor=True`` adds the non-SUMMA traffic
-(LayerNorm statistics all-reduced along rows: 2 per LayerNorm in forward and in
-backward, of 2 b s/(dq) items; biases broadcast down columns in forward and reduced
-in backward) that the paper calls negligible. Elementwise work (GELU, softmax,
-LayerNorm) is not in the compute time.
+Megatron (Optimus section 4). Megatron sends nothing at p = 1 (it skips groups of
+one). ``include_minor=True`` adds the non-SUMMA traffic that the paper calls
+negligible, as :mod:`summasim.transformer.optimus` sends it: per layer forward ONE
+packed column broadcast of the eight row-0 vectors (``(9h + 4h)/q`` items) and 4
+row all-reduces of ``b s/(d q)`` LayerNorm statistics (2 per LayerNorm: mean, then
+variance); backward 4 such all-reduces, ONE packed column reduce of the vector
+gradients and, for d > 1, a ring all-reduce of them over the depth among the row-0
+ranks. Elementwise work (GELU, softmax, LayerNorm) is not in :func:`scheme_cost`'s
+compute time; :func:`step_cost` prices a whole training step with it.
 
 Table 1 of the Optimus paper
 ----------------------------
@@ -49,7 +53,9 @@ Following Optimus section 3.1.1. Parameters per layer are 12h^2 + 13h (weights a
 biases of QKV, projection and MLP, two LayerNorms). Megatron splits the weights
 and the QKV/fc biases over p and replicates the rest (6h); Optimus splits weights
 over p and keeps vectors on grid row 0 (13h/q on those ranks); SUMMA2.5-LM stores
-weights over q^2 (replicated over depth) and vectors over q. Gradients equal the
+weights over q^2 (replicated over depth) and vectors over q; both host ``wpe`` on
+row 0 as ``[s, h/q]`` (s h / q items on those ranks) and ``wte`` in q x q blocks.
+Gradients equal the
 parameters; the optimizer adds ``optimizer_states`` x parameters (Adam: 2).
 
 Activations kept for backward, per layer, in items of the unsplit model:
@@ -184,6 +190,7 @@ def grid_shapes(p: int, name: str) -> list[Scheme]:
 # ("mm", algorithm, m, k, n)           distributed matmul priced by traffic + collectives
 # ("gemm", m, k, n, count)             local GEMMs
 # ("coll", op, group, size, items, count)  a collective priced directly
+# ("ring", group, size, items, count)  summasim's ring_allreduce (2(size-1) sendrecvs)
 def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = False,
               checkpoint: bool | None = None) -> dict[str, list]:
     """``{"forward": [...], "backward": [...]}`` ops of one layer (see module doc).
@@ -205,8 +212,9 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
         seqs = _split(b * n, p)
         fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
         bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
-        fwd.append(("coll", "allreduce", "world", p, M * h, 2))
-        bwd.append(("coll", "allreduce", "world", p, M * h, 2))
+        if p > 1:  # Megatron skips the all-reduce on a group of one (its _reduce)
+            fwd.append(("coll", "allreduce", "world", p, M * h, 2))
+            bwd.append(("coll", "allreduce", "world", p, M * h, 2))
     else:
         ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                         else ("summa25_ab", "summa25_abt", "summa25_atb"))
@@ -218,22 +226,40 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
         seqs = _split(b, rows) * _split(n, q)
         fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
         bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
-        if include_minor and q > 1:
-            stats = 2 * _split(M, rows)
-            fwd.append(("coll", "allreduce", "row", q, stats, 2))
-            bwd.append(("coll", "allreduce", "row", q, stats, 2))
-            for _, i, o in _LINEARS:
-                fwd.append(("coll", "bcast", "col", q, _split(o * h, q), 1))
-                bwd.append(("coll", "reduce", "col", q, _split(o * h, q), 1))
-            for _ in range(2):  # LayerNorm gain and bias
-                fwd.append(("coll", "bcast", "col", q, 2 * _split(h, q), 1))
-                bwd.append(("coll", "reduce", "col", q, 2 * _split(h, q), 1))
+        if include_minor:
+            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d)
+            fwd += fwd_aux
+            bwd += bwd_aux
     if ck:
         bwd = list(fwd) + bwd
     return {"forward": fwd, "backward": bwd}
 
 
 _LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
+
+
+def _optimus_layer_aux(h, M, q, d, ffn=4):
+    """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer, as the code sends it.
+
+    Forward: the eight row-0 vectors (LayerNorm g and b, four biases: ``(9h + f)/q``
+    items) as ONE packed column broadcast; LayerNorm statistics as 4 row all-reduces
+    of ``b s/(d q)`` items (2 LayerNorms, each all-reducing the mean and then the
+    variance). Backward: 4 row all-reduces (each LayerNorm backward all-reduces two
+    means), ONE packed column reduce of the vector gradients onto row 0, and for
+    d > 1 a ring all-reduce of that buffer over the depth among the row-0 ranks.
+    Groups of one send nothing.
+    """
+    fwd, bwd = [], []
+    vec = _split(9 * h + ffn * h, q)
+    stats = _split(M, d * q)
+    if q > 1:
+        fwd.append(("coll", "bcast", "col", q, vec, 1))
+        fwd.append(("coll", "allreduce", "row", q, stats, 4))
+        bwd.append(("coll", "allreduce", "row", q, stats, 4))
+        bwd.append(("coll", "reduce", "col", q, vec, 1))
+    if d > 1:
+        bwd.append(("ring", "depth", d, vec, 1))
+    return fwd, bwd
 
 
 def _split(x, by):
@@ -352,6 +378,17 @@ class SchemeCost:
                 "algorithms": self.algorithms()}
 
 
+def _ring_allreduce_messages(items, size, group, itemsize, count, strict):
+    """Sendrecv message classes of ``count`` ring all-reduces of ``items`` (rank 0)."""
+    if size <= 1:
+        return []
+    exact = float(items) == int(items)           # integral: exact chunks; else equal real ones
+    msgs = _traffic.algorithm_messages("ring_allreduce", count=int(items) if exact else items,
+                                       p=size, coords=0, group=group, itemsize=itemsize,
+                                       strict=exact)
+    return [mc._replace(count=mc.count * count) for mc in msgs]
+
+
 def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
     it = cfg.itemsize
     out = PassCost()
@@ -374,6 +411,15 @@ def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
                     out.compute_seconds += cnt * machine.gemm_time(a, b_, c, cfg.dtype)
                     out.mults += cnt * a * b_ * c
                 out.compute_seconds += machine.gamma_reduce * work.reduce_bytes
+        elif op[0] == "ring":
+            _, grp, size, items, cnt = op
+            msgs = _ring_allreduce_messages(items, size, grp, it, cnt, strict)
+            if compute and size > 1:
+                exact = float(items) == int(items)
+                red = _traffic.algorithm_compute("ring_allreduce",
+                                                 count=int(items) if exact else items, p=size,
+                                                 coords=0, itemsize=it, strict=exact)
+                out.compute_seconds += cnt * machine.gamma_reduce * red.reduce_bytes
         else:
             _, cop, grp, size, items, cnt = op
             msgs = [_traffic.MessageClass(cop, grp, size, items * it, cnt)] if size > 1 else []
@@ -529,7 +575,8 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         layer_params = (12 * h * h / p + 13 * h / q if scheme.name == "optimus"
                         else 12 * h * h / (q * q) + 13 * h / q)
         layer_act = (16 * bsh + scores) / p + 4 * b * s / (d * q)
-        emb = (v * h + s * h) / (p if scheme.name == "optimus" else q * q) + 2 * h / q
+        # wte in q x q blocks (replicated over depth); wpe [s, h/q] and lnf g, b on row 0
+        emb = v * h / (q * q) + s * h / q + 2 * h / q
         grad_bufs = 2 * bsh / p
         w_blk = 4 * h * h / (q * q)
         work = 2 * (4 * bsh / p + w_blk) + 2 * 4 * bsh / p if q > 1 else 0.0
