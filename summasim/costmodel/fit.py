@@ -78,15 +78,29 @@ class LinearFit:
 
 @dataclass
 class RegimeFit:
-    """Two regimes split at ``threshold`` bytes (small: m < threshold)."""
+    """Two regimes split at ``threshold`` bytes (small: m < threshold), and an
+    optional third from ``huge_threshold`` on."""
 
     small: LinearFit
     large: LinearFit
     threshold: int
+    huge: LinearFit | None = None
+    huge_threshold: int | None = None
 
     def link(self) -> Link:
+        extra = {}
+        if self.huge is not None:
+            extra = dict(huge_threshold=int(self.huge_threshold), alpha_huge=self.huge.alpha,
+                         beta_huge=self.huge.beta)
         return Link(self.small.alpha, self.small.beta, self.large.alpha, self.large.beta,
-                    int(self.threshold))
+                    int(self.threshold), **extra)
+
+    def regimes(self):
+        """``[(name, LinearFit, from_bytes)]`` of the fitted regimes."""
+        out = [("small", self.small, 0), ("large", self.large, self.threshold)]
+        if self.huge is not None:
+            out.append(("huge", self.huge, self.huge_threshold))
+        return out
 
 
 def _soft_l1(r, scale):
@@ -139,12 +153,14 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *,
 
 
 def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int | None = None,
-                *, min_points: int = 3, f_scale: float = 0.05) -> RegimeFit:
+                *, min_points: int = 3, f_scale: float = 0.05,
+                max_split: float | None = None) -> RegimeFit:
     """Fit small- and large-message regimes.
 
     ``threshold`` (bytes) splits them (small: m < threshold); None tries every
-    split leaving ``min_points`` on each side and keeps the one with the smallest
-    total soft-L1 relative loss. With too few points both regimes get one fit.
+    split leaving ``min_points`` on each side (and at most ``max_split`` bytes)
+    and keeps the one with the smallest total soft-L1 relative loss. With too few
+    points both regimes get one fit.
     """
     m = np.asarray(sizes, float)
     t = np.asarray(times, float)
@@ -152,7 +168,8 @@ def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int |
     m, t = m[order], t[order]
     if threshold is None:
         cands = [c for c in np.unique(m)
-                 if (m < c).sum() >= min_points and (m >= c).sum() >= min_points]
+                 if (m < c).sum() >= min_points and (m >= c).sum() >= min_points
+                 and (max_split is None or c <= max_split)]
         if not cands:
             one = fit_alpha_beta(m, t, f_scale=f_scale)
             return RegimeFit(one, one, int(m.max()) + 1)
@@ -176,6 +193,58 @@ def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int |
                      fit_alpha_beta(m[hi], t[hi], f_scale=f_scale), int(threshold))
 
 
+def library_eager_threshold(version: str) -> tuple[int | None, str]:
+    """The byte size at which the MPI library named by ``version`` (the text of
+    ``MPI.Get_library_version()``) changes protocol within a node, and why; ``(None,
+    "best split")`` for a library whose threshold summasim does not know.
+
+    MPICH ch4 sends messages below 8 KiB through its shared-memory eager cells and
+    larger ones with the CMA single-copy protocol from
+    ``MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD`` (default 8192, read from the environment
+    when set).
+    """
+    if "MPICH" in version:
+        raw = os.environ.get("MPIR_CVAR_CH4_IPC_CMA_P2P_THRESHOLD", "8192")
+        try:
+            return int(raw), "MPICH ch4: shm eager cells below it, CMA single copy from it"
+        except ValueError:
+            pass
+    return None, "best split"
+
+
+def split_huge(rf: RegimeFit, sizes, times, *, min_bytes: int = 1 << 20, min_points: int = 3,
+               f_scale: float = 0.05, min_gain: float = 0.25) -> RegimeFit:
+    """Split ``rf``'s large regime once more where that fits markedly better.
+
+    Tries every split at or above ``min_bytes`` that leaves ``min_points`` on each
+    side; keeps the best one when it lowers the large regime's soft-L1 loss by at
+    least ``min_gain`` (a fraction), else (or when the large regime already fits
+    within 1% median) returns ``rf`` unchanged. (On Linux,
+    NumPy's arrays of 4 MiB and up sit on transparent huge pages and move faster.)
+    """
+    m = np.asarray(sizes, float)
+    t = np.asarray(times, float)
+    big = m >= rf.threshold
+    m, t = m[big], t[big]
+    if rf.large.median_rel_err < 0.01:           # one line already fits
+        return rf
+    base = _soft_l1(rf.large.predict(m) / t - 1, f_scale)
+    best = None
+    for c in np.unique(m):
+        lo, hi = m < c, m >= c
+        if c < min_bytes or lo.sum() < min_points or hi.sum() < min_points:
+            continue
+        fl = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale)
+        fh = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale)
+        loss = (_soft_l1(fl.predict(m[lo]) / t[lo] - 1, f_scale)
+                + _soft_l1(fh.predict(m[hi]) / t[hi] - 1, f_scale))
+        if best is None or loss < best[0]:
+            best = (loss, fl, fh, int(c))
+    if best is None or best[0] > (1.0 - min_gain) * base:
+        return rf
+    return RegimeFit(rf.small, best[1], rf.threshold, best[2], best[3])
+
+
 def median_rel_err(predicted, measured) -> float:
     """``median |predicted / measured - 1|``."""
     p, m = np.asarray(predicted, float), np.asarray(measured, float)
@@ -192,6 +261,15 @@ def log_sizes(min_bytes: int = 8, max_bytes: int = 64 * MiB, factor: int = 2) ->
 
 
 # -- MPI microbenchmarks ------------------------------------------------------------------
+def _touched(nbytes: int) -> np.ndarray:
+    """A byte buffer whose pages are all written: ``np.zeros`` maps the shared zero
+    page lazily, so a message read from it (or received into a fresh one) measures
+    page faults and the zero page, not the copies a real algorithm's buffers see."""
+    buf = np.empty(max(nbytes, 1), np.uint8)
+    buf.fill(1)
+    return buf[:nbytes]
+
+
 class _Bench:
     """Timing helpers on an mpi4py communicator (rank 0 reports)."""
 
@@ -212,7 +290,7 @@ class _Bench:
     def pingpong(self, nbytes):
         """Fastest half round trip (seconds) between ranks 0 and 1 over the repetitions."""
         comm, MPI = self.comm, self.MPI
-        buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+        buf = _touched(nbytes)
         samples = []
         iters = None
         for rep in range(self.reps + 1):
@@ -255,8 +333,7 @@ class _Bench:
 
     def ring(self, nbytes):
         comm, MPI = self.comm, self.MPI
-        send = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
-        recv = np.empty_like(send)
+        send, recv = _touched(nbytes), _touched(nbytes)
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         return self._timed(lambda: comm.Sendrecv([send, MPI.BYTE], right, 3,
                                                  [recv, MPI.BYTE], left, 3), comm)
@@ -265,7 +342,7 @@ class _Bench:
         MPI = self.MPI
         count = max(1, nbytes // 8)
         x = np.ones(count, np.float64)
-        y = np.empty_like(x)
+        y = np.ones_like(x)
         if op == "bcast":
             fn = lambda: sub.Bcast([x, MPI.DOUBLE], root=0)  # noqa: E731
         elif op == "reduce":
@@ -439,10 +516,15 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
     if rank != 0:
         comm.Barrier()
         return None
-    rf = fit_regimes(sizes, pp, threshold)
-    say(f"fit: eager threshold {rf.threshold} B "
-        f"({'given' if threshold is not None else 'best split'}; MPICH ch4 shm cell = 8192 B)")
-    for tag, f in (("small", rf.small), ("large", rf.large)):
+    how = "given"
+    if threshold is None:
+        threshold, how = library_eager_threshold(MPI.Get_library_version())
+    rf = split_huge(fit_regimes(sizes, pp, threshold, max_split=MiB), sizes, pp)
+    say(f"fit: large-message regime from {rf.threshold} B ({how})")
+    if rf.huge is not None:
+        say(f"fit: third regime from {rf.huge_threshold} B (best split at 1 MiB or more; "
+            f"NumPy puts arrays of 4 MiB and up on transparent huge pages)")
+    for tag, f, _ in rf.regimes():
         bw = f"{1 / f.beta / 1e9:7.2f} GB/s" if f.beta > 1e-15 else "    inf GB/s"
         say(f"  {tag:<5s} alpha = {f.alpha * 1e6:8.3f} us  beta = {f.beta * 1e9:8.4f} ns/B "
             f"({bw})  "
@@ -459,7 +541,9 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                "ranks": size, "cores": cores, "quick": quick,
                "fit": {"threshold": rf.threshold,
                        "small": [rf.small.alpha, rf.small.beta, rf.small.median_rel_err],
-                       "large": [rf.large.alpha, rf.large.beta, rf.large.median_rel_err]},
+                       "large": [rf.large.alpha, rf.large.beta, rf.large.median_rel_err],
+                       **({"huge": [rf.huge.alpha, rf.huge.beta, rf.huge.median_rel_err],
+                           "huge_threshold": rf.huge_threshold} if rf.huge else {})},
                "pingpong": [[s, t] for s, t in zip(sizes, pp)],
                "ring": [[s, t] for s, t in zip(ring_sizes, ring)],
                "collectives": [list(c) for c in colls],
@@ -511,3 +595,93 @@ def gamma_reduce_from_collectives(machine: Machine, colls, min_bytes: int = 6553
         if c > 0:
             est.append(max(0.0, (t - t0) / c))
     return float(np.median(est)) if est else None
+
+
+# -- models fitted on timed runs of summasim itself (the accuracy benchmark) -----------------
+def fit_nonneg_linear(X, y, *, f_scale: float = 0.05) -> tuple[np.ndarray, float]:
+    """Robust fit of ``y = X c`` with ``c >= 0`` on relative residuals ``X c / y - 1``.
+
+    Parameters
+    ----------
+    X : array (n, k)
+        Features, one row per measured run (any units; columns are rescaled to
+        O(1) internally so that seconds and bytes can sit side by side).
+    y : array (n,)
+        Measured values (> 0).
+    f_scale : float
+        Relative error beyond which a run counts as an outlier (soft L1).
+
+    Returns
+    -------
+    (coefficients, median relative error)
+    """
+    from scipy.optimize import least_squares
+
+    X = np.asarray(X, float)
+    y = np.asarray(y, float)
+    if X.ndim != 2 or X.shape[0] != y.shape[0]:
+        raise ValueError(f"X must be (n, k) with n = len(y), got {X.shape} and {y.shape}")
+    if X.shape[0] < X.shape[1]:
+        raise ValueError(f"need at least {X.shape[1]} runs to fit {X.shape[1]} coefficients, "
+                         f"got {X.shape[0]}")
+    if np.any(y <= 0) or np.any(X < 0) or not np.all(np.isfinite(X)):
+        raise ValueError("measured values must be > 0 and features finite and >= 0")
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    A = X / scale / y[:, None]
+    x0 = np.maximum(np.linalg.lstsq(A, np.ones_like(y), rcond=None)[0], 1e-3)
+
+    def resid(c):
+        return A @ c - 1.0
+
+    res = least_squares(resid, x0, bounds=(0.0, np.inf), loss="soft_l1", f_scale=f_scale,
+                        x_scale="jac")
+    coef = res.x / scale
+    return coef, float(np.median(np.abs(X @ coef / y - 1.0)))
+
+
+def fit_shared_core(samples) -> tuple["SharedCore", float]:
+    """Fit the oversubscription model of :class:`~summasim.costmodel.machine.SharedCore`.
+
+    ``samples``: ``(R, features, measured_seconds)`` per timed run with R > 1
+    (ranks per core), ``features`` a
+    :class:`~summasim.costmodel.predict.SharedFeatures` (per-rank CPU work, critical-path
+    hops and hop bytes). The model is ``t / R = work_factor W + hop_seconds H +
+    hop_seconds_per_byte B + sync_seconds``, fitted by :func:`fit_nonneg_linear`.
+    Returns the SharedCore and the fit's median relative error.
+    """
+    from .machine import SharedCore
+
+    rows, ys = [], []
+    for R, f, t in samples:
+        if R <= 1:
+            raise ValueError(f"shared-core samples need R > 1 ranks per core, got R = {R}")
+        rows.append([f.work, f.hops, f.hop_bytes, 1.0])
+        ys.append(t / R)
+    if len(rows) < 4:
+        raise ValueError(f"fit_shared_core needs at least 4 runs, got {len(rows)}")
+    c, err = fit_nonneg_linear(rows, ys)
+    return SharedCore(work_factor=float(c[0]), hop_seconds=float(c[1]),
+                      hop_seconds_per_byte=float(c[2]), sync_seconds=float(c[3])), err
+
+
+def fit_elementwise(samples) -> tuple[float, float, float]:
+    """Fit a machine's ``gamma_elementwise`` and ``layer_seconds`` from serial
+    training steps: ``samples`` are ``(gemm_seconds, items, layers, measured)``
+    with the model ``measured = gemm_seconds + gamma_elementwise items +
+    layer_seconds layers`` (the GEMM time from the machine's gamma_gemm).
+
+    Returns ``(gamma_elementwise, layer_seconds, median relative error)``.
+    """
+    samples = list(samples)
+    if len(samples) < 2:
+        raise ValueError(f"fit_elementwise needs at least 2 runs, got {len(samples)}")
+    g = np.array([s[0] for s in samples], float)
+    X = np.array([[s[1], s[2]] for s in samples], float)
+    t = np.array([s[3] for s in samples], float)
+    rest = t - g
+    if np.any(rest <= 0):
+        raise ValueError("a measured step is faster than its GEMMs alone: refit gamma_gemm")
+    c, _ = fit_nonneg_linear(X, rest)
+    err = float(np.median(np.abs((g + X @ c) / t - 1.0)))
+    return float(c[0]), float(c[1]), err

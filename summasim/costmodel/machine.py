@@ -106,7 +106,8 @@ def _no_extra(d: Mapping, allowed, prefix: str = ""):
 
 @dataclass(frozen=True)
 class Link:
-    """One network link with a small-message and a large-message regime.
+    """One network link with a small-message and a large-message regime, and
+    optionally a third regime for very large messages.
 
     Parameters
     ----------
@@ -115,7 +116,14 @@ class Link:
     beta_small, beta_large : float
         Inverse bandwidth, seconds/byte, in the same two regimes.
     eager_threshold : int
-        Bytes at which the large-message regime starts.
+        Bytes at which the large-message regime starts (MPICH ch4 shared memory:
+        8 KiB, its eager cell and the start of the CMA single-copy protocol).
+    huge_threshold : int or None
+        Bytes at which the third regime starts (None: no third regime). On Linux
+        hosts NumPy backs arrays of 4 MiB and more with transparent huge pages,
+        which a single-copy ``process_vm_readv`` moves measurably faster.
+    alpha_huge, beta_huge : float
+        Latency and inverse bandwidth of the third regime.
     """
 
     alpha_small: float
@@ -123,36 +131,114 @@ class Link:
     alpha_large: float
     beta_large: float
     eager_threshold: int
+    huge_threshold: int | None = None
+    alpha_huge: float = 0.0
+    beta_huge: float = 0.0
 
     _FIELDS = ("alpha_small", "beta_small", "alpha_large", "beta_large", "eager_threshold")
+    _HUGE = ("huge_threshold", "alpha_huge", "beta_huge")
 
     def __post_init__(self):
-        for f in self._FIELDS:
+        for f in self._FIELDS + self._HUGE[1:]:
             _number(f, getattr(self, f), integer=(f == "eager_threshold"))
+        if self.huge_threshold is not None:
+            _number("huge_threshold", self.huge_threshold, integer=True)
+            if self.huge_threshold <= self.eager_threshold:
+                raise ValueError(f"huge_threshold ({self.huge_threshold}) must be above "
+                                 f"eager_threshold ({self.eager_threshold})")
+
+    def _huge(self, nbytes: float) -> bool:
+        return self.huge_threshold is not None and nbytes >= self.huge_threshold
 
     def alpha(self, nbytes: float) -> float:
         """Latency (seconds) of one message of ``nbytes`` bytes."""
-        return self.alpha_small if nbytes < self.eager_threshold else self.alpha_large
+        if nbytes < self.eager_threshold:
+            return self.alpha_small
+        return self.alpha_huge if self._huge(nbytes) else self.alpha_large
 
     def beta(self, nbytes: float) -> float:
         """Inverse bandwidth (seconds/byte) for a message of ``nbytes`` bytes."""
-        return self.beta_small if nbytes < self.eager_threshold else self.beta_large
+        if nbytes < self.eager_threshold:
+            return self.beta_small
+        return self.beta_huge if self._huge(nbytes) else self.beta_large
 
     def time(self, nbytes: float) -> float:
         """Point-to-point time ``alpha + beta * nbytes`` (seconds) of one message."""
         return self.alpha(nbytes) + self.beta(nbytes) * nbytes
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self._FIELDS}
+        d = {f: getattr(self, f) for f in self._FIELDS}
+        if self.huge_threshold is not None:
+            d.update({f: getattr(self, f) for f in self._HUGE})
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping, prefix: str = "intra.") -> "Link":
-        """Build from a dict; ValueError names a missing, extra or negative field."""
+        """Build from a dict; ValueError names a missing, extra or negative field.
+        The three ``huge`` fields are optional, but all or none."""
         vals = {}
         for f in cls._FIELDS:
             vals[f] = _number(prefix + f, _require(d, f, prefix),
                               integer=(f == "eager_threshold"))
-        _no_extra(d, cls._FIELDS, prefix)
+        present = [f for f in cls._HUGE if f in d]
+        if present and len(present) != len(cls._HUGE):
+            raise ValueError(f"machine link {prefix.rstrip('.')!r}: give all of "
+                             f"{', '.join(cls._HUGE)} or none, got {', '.join(present)}")
+        for f in present:
+            vals[f] = _number(prefix + f, d[f], integer=(f == "huge_threshold"))
+        _no_extra(d, cls._FIELDS + cls._HUGE, prefix)
+        return cls(**vals)
+
+
+@dataclass(frozen=True)
+class SharedCore:
+    """How ranks behave when more of them share a node than it has cores.
+
+    With ``R = ranks_per_node / cores > 1`` a rank's time is (see
+    :mod:`~summasim.costmodel.predict`)::
+
+        R * (work_factor * W + sum_events (hops * hop_seconds
+                                           + hop_bytes * hop_seconds_per_byte) + sync_seconds)
+
+    where W is the rank's CPU work (GEMMs, additions, the copies its receives need,
+    ``call_seconds`` per communication call). Every term is per unit of R: the p
+    ranks time-share the cores, so the work of all of them is done at ``cores``
+    ranks' speed (``work_factor`` - 1 is what waiting ranks cost: each polls MPI
+    every 20 us and the wakeups take the cores from the ranks that compute), and a
+    message on the critical path waits for its receiver to be scheduled and does its
+    copy at 1/R speed. Fitted on runs at p = 2 cores (R = 2) by ``fit``.
+
+    Parameters
+    ----------
+    work_factor : float
+        Multiplies the CPU work (>= 0; 1 = perfect time sharing).
+    hop_seconds : float
+        Seconds per message on the critical path, per unit of R.
+    hop_seconds_per_byte : float
+        Seconds per byte carried on the critical path, per unit of R.
+    sync_seconds : float
+        Seconds per call (start and end synchronization), per unit of R.
+    """
+
+    work_factor: float = 1.0
+    hop_seconds: float = 0.0
+    hop_seconds_per_byte: float = 0.0
+    sync_seconds: float = 0.0
+
+    _FIELDS = ("work_factor", "hop_seconds", "hop_seconds_per_byte", "sync_seconds")
+
+    def __post_init__(self):
+        for f in self._FIELDS:
+            _number("shared_core." + f, getattr(self, f))
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self._FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SharedCore":
+        vals = {f: _number("shared_core." + f, _require(d, f, "shared_core."))
+                for f in cls._FIELDS}
+        _no_extra(d, cls._FIELDS, "shared_core.")
         return cls(**vals)
 
 
@@ -215,6 +301,18 @@ class Machine:
         slows down under oversubscription like compute does.
     gamma_reduce_mpi : float or None
         Seconds per byte of a reduction inside MPI; None means ``gamma_reduce``.
+    call_seconds : float
+        CPU seconds of one communication call on top of its messages (Python,
+        request bookkeeping, the wait loop); counted in the shared-core model.
+    gamma_elementwise : float
+        Seconds per activation item of one transformer layer's elementwise work
+        (LayerNorm, GELU, softmax, residuals; forward + backward), see
+        :func:`summasim.costmodel.schemes.step_cost`.
+    layer_seconds : float
+        Fixed seconds per transformer layer of a training step (forward + backward:
+        the NumPy and Python call overheads that do not shrink with the arrays).
+    shared_core : SharedCore or None
+        The oversubscription model; None: the plain ``slowdown`` factor.
     notes : dict
         Free-form provenance: date, command, measured points, caveats.
     """
@@ -230,6 +328,10 @@ class Machine:
     memory_bytes: float = 0.0
     shared_comm: bool = True
     gamma_reduce_mpi: float | None = None
+    call_seconds: float = 0.0
+    gamma_elementwise: float = 0.0
+    layer_seconds: float = 0.0
+    shared_core: SharedCore | None = None
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -242,6 +344,11 @@ class Machine:
         if self.gamma_reduce_mpi is None:
             object.__setattr__(self, "gamma_reduce_mpi", self.gamma_reduce)
         _number("gamma_reduce_mpi", self.gamma_reduce_mpi)
+        _number("call_seconds", self.call_seconds)
+        _number("gamma_elementwise", self.gamma_elementwise)
+        _number("layer_seconds", self.layer_seconds)
+        if self.shared_core is not None and not isinstance(self.shared_core, SharedCore):
+            raise ValueError("machine field 'shared_core' must be a SharedCore or None")
         _number("memory_bytes", self.memory_bytes)
         if self.node_size is not None:
             _number("node_size", self.node_size, integer=True, positive=True)
@@ -325,7 +432,8 @@ class Machine:
 
     # -- JSON ------------------------------------------------------------------
     _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
-            "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "notes")
+            "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "call_seconds",
+            "gamma_elementwise", "layer_seconds", "shared_core", "notes")
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine."""
@@ -342,6 +450,10 @@ class Machine:
             "gamma_gemm": {dt: [list(pt) for pt in pts] for dt, pts in self.gamma_gemm.items()},
             "gamma_reduce": self.gamma_reduce,
             "gamma_reduce_mpi": self.gamma_reduce_mpi,
+            "call_seconds": self.call_seconds,
+            "gamma_elementwise": self.gamma_elementwise,
+            "layer_seconds": self.layer_seconds,
+            "shared_core": None if self.shared_core is None else self.shared_core.to_dict(),
             "notes": self.notes,
         }
 
@@ -366,13 +478,21 @@ class Machine:
         gamma_reduce_mpi = d.get("gamma_reduce_mpi")
         if gamma_reduce_mpi is not None:
             gamma_reduce_mpi = _number("gamma_reduce_mpi", gamma_reduce_mpi)
+        call_seconds = _number("call_seconds", d.get("call_seconds", 0.0))
+        gamma_elementwise = _number("gamma_elementwise", d.get("gamma_elementwise", 0.0))
+        layer_seconds = _number("layer_seconds", d.get("layer_seconds", 0.0))
+        sc = d.get("shared_core")
+        shared_core = None if sc is None else SharedCore.from_dict(sc)
         node_size = d.get("node_size")
         if node_size is not None:
             node_size = _number("node_size", node_size, integer=True, positive=True)
         memory = _number("memory_bytes", d.get("memory_bytes", 0.0))
         return cls(name=name, source=source, cores=cores, intra=intra, inter=inter,
                    gamma_gemm=gamma_gemm, gamma_reduce=gamma_reduce,
-                   gamma_reduce_mpi=gamma_reduce_mpi, node_size=node_size,
+                   gamma_reduce_mpi=gamma_reduce_mpi, call_seconds=call_seconds,
+                   gamma_elementwise=gamma_elementwise, layer_seconds=layer_seconds,
+                   shared_core=shared_core,
+                   node_size=node_size,
                    memory_bytes=memory, shared_comm=d.get("shared_comm", True),
                    notes=dict(d.get("notes") or {}))
 
