@@ -35,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from . import traffic as _traffic
-from .collectives import MPICH, Thresholds, collective_time, default_reduce_impl
-from .machine import Machine, itemsize_of
+from .collectives import (MPICH, Thresholds, collective_shape, collective_time,
+                          default_reduce_impl)
+from .machine import Machine, SharedCore, itemsize_of
+
+_UNIT_SHARED = SharedCore()
 
 #: (stride, size) of each named group on a [q, q, d] grid in Cartesian rank order.
 _GROUP_SHAPES = {"row": lambda q, d, p: (1, q), "col": lambda q, d, p: (q, q),
@@ -144,6 +147,29 @@ class _Pricer:
             self.cache[key] = hit
         return hit
 
+    def work(self, op, group, size, nbytes):
+        """``(cpu_seconds, hops, hop_bytes)`` of one member's share of a collective
+        (the shared-core model's inputs; see :func:`shared_core_time`)."""
+        key = ("work", op, group, size, nbytes)
+        hit = self.cache.get(key)
+        if hit is None:
+            cost = self(op, group, size, nbytes)
+            if size <= 1 or cost.algorithm == "none":
+                hit = (0.0, 0.0, 0.0)
+            else:
+                sh = collective_shape(op, cost.algorithm, nbytes, size)
+                inter = group_spans_nodes(group, self.machine, q=self.q, d=self.d, p=self.p,
+                                          group_size=size)
+                link = self.machine.link(inter)
+                per = sh.nbytes / sh.msgs if sh.msgs else 0.0
+                gr = (self.machine.gamma_reduce if sh.reduce_kind == "add"
+                      else self.machine.gamma_reduce_mpi)
+                cpu = sh.msgs * link.alpha(per) + sh.nbytes * link.beta(per) \
+                    + sh.reduce_bytes * gr
+                hit = (cpu, sh.hops, sh.hop_bytes)
+            self.cache[key] = hit
+        return hit
+
 
 def make_pricer(machine: Machine, *, mode: str = "mpich",
                 algorithms: Mapping[str, str] | None = None,
@@ -166,13 +192,95 @@ def _resolve_p(machine, p, q, d, ranks_per_node):
     return p, ranks_per_node
 
 
+def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm_cpu: float,
+                     calls: float, hops: float, hop_bytes: float) -> float | None:
+    """Seconds of one rank under oversubscription (see the module doc), or None when
+    the machine has no shared-core model or the node is not oversubscribed.
+
+    ``compute``: CPU seconds of local work; ``comm_cpu``: the rank's share of the
+    copies and additions of its collectives; ``calls``: its communication calls;
+    ``hops``/``hop_bytes``: messages (and their bytes) on the critical paths of
+    its collectives.
+    """
+    sc = machine.shared_core
+    R = ranks_per_node / machine.cores
+    if sc is None or R <= 1.0:
+        return None
+    work = compute + comm_cpu + calls * machine.call_seconds
+    return R * (sc.work_factor * work + hops * sc.hop_seconds
+                + hop_bytes * sc.hop_seconds_per_byte + sc.sync_seconds)
+
+
+class _Tally:
+    """Accumulates priced events: critical-path seconds and shared-core inputs."""
+
+    def __init__(self, pricer):
+        self.pricer = pricer
+        self.crit: dict = defaultdict(float)      # (op, group) -> seconds (no slowdown)
+        self.shared: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # cpu, calls, hops, B
+        self.by_phase: dict = defaultdict(float)
+        self.algs: dict = defaultdict(set)
+        self.counts: dict = defaultdict(lambda: [0, 0])
+
+    def add(self, op, group, size, nbytes, count=1, phase=""):
+        cost = self.pricer(op, group, size, nbytes)
+        key = (op, group)
+        self.crit[key] += count * cost.seconds
+        self.by_phase[phase] += count * cost.seconds
+        self.algs[key].add(cost.algorithm)
+        self.counts[key][0] += count
+        self.counts[key][1] += count * nbytes
+        if size > 1 and self.pricer.machine.shared_core is not None:
+            cpu, hops, hb = self.pricer.work(op, group, size, nbytes)
+            acc = self.shared[key]
+            acc[0] += count * cpu
+            acc[1] += count
+            acc[2] += count * hops
+            acc[3] += count * hb
+        elif size > 1:
+            self.shared[key][1] += count
+
+    def totals(self):
+        v = list(self.shared.values())
+        return tuple(sum(x[i] for x in v) for i in range(4))
+
+
+def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
+    """Combine a tally and the compute into a Prediction (dedicated or shared-core)."""
+    slow = machine.slowdown(rpn)
+    comm_slow = slow if machine.shared_comm else 1.0
+    cpu, calls, hops, hb = tally.totals()
+    call_t = machine.call_seconds
+    crit = {k: v + tally.shared[k][1] * call_t for k, v in tally.crit.items()}
+    shared = shared_core_time(machine, rpn, compute_base, cpu, calls, hops, hb)
+    algs = {k: tuple(sorted(v)) for k, v in tally.algs.items()}
+    counts = {k: tuple(v) for k, v in tally.counts.items()}
+    if shared is None:
+        comm = sum(crit.values()) * comm_slow
+        compute = compute_base * slow
+        total = comm + compute if dedicated_total is None else dedicated_total
+        return Prediction(total, comm, compute, {k: v * comm_slow for k, v in crit.items()},
+                          {k: v * comm_slow for k, v in tally.by_phase.items()}, algs, counts,
+                          slow, mode, machine.name)
+    sc, R = machine.shared_core, rpn / machine.cores
+    by_op = {k: R * (sc.work_factor * (a[0] + a[1] * call_t) + a[2] * sc.hop_seconds
+                     + a[3] * sc.hop_seconds_per_byte) for k, a in tally.shared.items()}
+    compute = R * sc.work_factor * compute_base
+    dedicated = (sum(crit.values()) + compute_base if dedicated_total is None
+                 else dedicated_total)
+    total = max(shared, dedicated)
+    return Prediction(total, total - compute, compute, by_op, {}, algs, counts, R, mode,
+                      machine.name)
+
+
 def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   q: int | None = None, d: int = 1, ranks_per_node: int | None = None,
                   gemms: Iterable = (), dtype="float64", reduce_bytes: float = 0.0,
                   compute_seconds: float | None = None, mode: str = "mpich",
                   algorithms: Mapping[str, str] | None = None,
                   thresholds: Thresholds | None = None,
-                  itemsize: int | None = None) -> Prediction:
+                  itemsize: int | None = None, reduce_impl: str | None = None,
+                  elementwise_items: float = 0.0, layers: float = 0.0) -> Prediction:
     """Predicted time of one rank's recorded events plus its compute.
 
     Parameters
@@ -182,7 +290,7 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         optional), e.g. ``grid.trace.events``.
     machine : Machine
     p : int, optional
-        Total ranks (for the shared-core slowdown); or give ``q`` and ``d``.
+        Total ranks (for the shared cores); or give ``q`` and ``d``.
     q, d : int, optional
         Grid shape, for placing "row"/"col"/"depth" groups on nodes.
     ranks_per_node : int, optional
@@ -194,7 +302,7 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     reduce_bytes : float
         Bytes added locally outside MPI (ring reduce-scatter).
     compute_seconds : float, optional
-        Use this compute time (before slowdown) instead of the GEMM model.
+        Use this compute time (CPU seconds of one rank) instead of the GEMM model.
     mode : {"mpich", "paper"}
     algorithms : dict, optional
         Force an algorithm per op, e.g. ``{"bcast": "binomial"}``.
@@ -202,36 +310,112 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         MPICH selection thresholds.
     itemsize : int, optional
         Bytes per item for the selection rules (default: that of ``dtype``).
+    reduce_impl : {"tree", "mpi"}, optional
+        How "reduce" events ran (default as ``Comm``: ``$SUMMASIM_REDUCE`` or "tree").
+    elementwise_items : float
+        Activation items of transformer elementwise work (priced with the machine's
+        ``gamma_elementwise``; see :func:`~summasim.costmodel.schemes.step_work`).
+    layers : float
+        Transformer layers in the run (each costs the machine's ``layer_seconds``).
 
     Returns
     -------
     Prediction
+        ``slowdown`` is the time-sharing factor R = ranks per node / cores.
     """
     events = getattr(events, "events", events)
     p, rpn = _resolve_p(machine, p, q, d, ranks_per_node)
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
-    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p)
-    slow = machine.slowdown(rpn)
-    comm_slow = slow if machine.shared_comm else 1.0
-    by_op: dict = defaultdict(float)
-    by_phase: dict = defaultdict(float)
-    algs: dict = defaultdict(set)
-    counts: dict = defaultdict(lambda: [0, 0])
+    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p, reduce_impl)
+    tally = _Tally(pricer)
     for e in events:
-        cost = pricer(e.op, e.group, int(e.group_size), int(e.nbytes))
-        key = (e.op, e.group)
-        by_op[key] += cost.seconds * comm_slow
-        by_phase[getattr(e, "phase", "")] += cost.seconds * comm_slow
-        algs[key].add(cost.algorithm)
-        counts[key][0] += 1
-        counts[key][1] += int(e.nbytes)
-    comm = sum(by_op.values())
+        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), 1, getattr(e, "phase", ""))
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
-    compute = base * slow
-    return Prediction(comm + compute, comm, compute, dict(by_op), dict(by_phase),
-                      {k: tuple(sorted(v)) for k, v in algs.items()},
-                      {k: tuple(v) for k, v in counts.items()}, slow, mode, machine.name)
+    base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
+    return _finish(machine, tally, rpn, base, mode)
+
+
+def predict_messages(messages, machine: Machine, *, p: int | None = None, q: int | None = None,
+                     d: int = 1, ranks_per_node: int | None = None, gemms: Iterable = (),
+                     dtype="float64", reduce_bytes: float = 0.0,
+                     elementwise_items: float = 0.0, layers: float = 0.0,
+                     reduce_impl: str | None = None, mode: str = "mpich") -> Prediction:
+    """:func:`predict_trace` for :class:`~summasim.costmodel.traffic.MessageClass`
+    entries (``count`` identical events each) instead of recorded events."""
+    p, rpn = _resolve_p(machine, p, q, d, ranks_per_node)
+    pricer = _Pricer(machine, mode, None, None, itemsize_of(dtype), q or 1, d, p, reduce_impl)
+    tally = _Tally(pricer)
+    for mc in messages:
+        tally.add(mc.op, mc.group, mc.group_size, mc.nbytes, mc.count)
+    base = _compute_seconds(machine, gemms, dtype, reduce_bytes)
+    base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
+    return _finish(machine, tally, rpn, base, mode)
+
+
+@dataclass
+class SharedFeatures:
+    """The inputs of the shared-core model for one rank (all per rank, no R):
+    CPU ``work`` seconds (compute, the rank's share of copies and additions, and
+    ``call_seconds`` per call), ``hops`` and ``hop_bytes`` on critical paths, and the
+    ``dedicated`` prediction (one rank per core)."""
+
+    work: float
+    hops: float
+    hop_bytes: float
+    dedicated: float
+    calls: float = 0.0
+
+
+def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
+                   q: int | None = None, d: int = 1, gemms: Iterable = (), dtype="float64",
+                   reduce_bytes: float = 0.0, compute_seconds: float | None = None,
+                   itemsize: int | None = None, reduce_impl: str | None = None,
+                   elementwise_items: float = 0.0, layers: float = 0.0) -> SharedFeatures:
+    """:class:`SharedFeatures` of one rank's events and compute (arguments as in
+    :func:`predict_trace`); what :func:`~summasim.costmodel.fit.fit_shared_core` fits."""
+    events = getattr(events, "events", events)
+    p, _ = _resolve_p(machine, p, q, d, None)
+    itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
+    probe = machine if machine.shared_core is not None else machine.replace(
+        shared_core=_UNIT_SHARED)
+    pricer = _Pricer(probe, "mpich", None, None, itemsize, q or 1, d, p, reduce_impl)
+    tally = _Tally(pricer)
+    for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
+        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), getattr(e, "count", 1))
+    base = (compute_seconds if compute_seconds is not None
+            else _compute_seconds(machine, gemms, dtype, reduce_bytes))
+    base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
+    cpu, calls, hops, hb = tally.totals()
+    dedicated = sum(tally.crit.values()) + calls * machine.call_seconds + base
+    return SharedFeatures(base + cpu + calls * machine.call_seconds, hops, hb, dedicated, calls)
+
+
+def predict_features(features: Iterable[SharedFeatures], machine: Machine,
+                     ranks_per_node: int) -> float:
+    """Predicted seconds of a run (the slowest rank) from every rank's
+    :class:`SharedFeatures`: with the shared-core model on an oversubscribed node,
+    ``R (work_factor max W + hop_seconds max H + hop_seconds_per_byte max B +
+    sync_seconds)`` (maxima over ranks, R = ranks per node / cores), never less
+    than the dedicated prediction; otherwise the largest dedicated prediction
+    (times the machine's plain ``slowdown`` when it has no shared-core model).
+    This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
+    """
+    feats = list(features)
+    if not feats:
+        raise ValueError("predict_features needs the features of at least one rank")
+    dedicated = max(f.dedicated for f in feats)
+    R = ranks_per_node / machine.cores
+    sc = machine.shared_core
+    if R <= 1.0:
+        return dedicated
+    if sc is None:
+        return dedicated * machine.slowdown(ranks_per_node)
+    shared = R * (sc.work_factor * max(f.work for f in feats)
+                  + sc.hop_seconds * max(f.hops for f in feats)
+                  + sc.hop_seconds_per_byte * max(f.hop_bytes for f in feats)
+                  + sc.sync_seconds)
+    return max(shared, dedicated)
 
 
 def _worst_coords(name, q, d, m, k, n, count, p):
@@ -250,11 +434,12 @@ def _worst_coords(name, q, d, m, k, n, count, p):
 def price_messages(messages, machine: Machine, *, mode: str = "mpich",
                    algorithms: Mapping[str, str] | None = None,
                    thresholds: Thresholds | None = None, itemsize: int = 8,
-                   q: int = 1, d: int = 1, p: int | None = None, pricer=None):
+                   q: int = 1, d: int = 1, p: int | None = None, pricer=None,
+                   reduce_impl: str | None = None):
     """``(seconds, by_op, algorithms)`` of :class:`~summasim.costmodel.traffic.MessageClass`
     entries (no slowdown). ``pricer`` (from :func:`make_pricer`) reuses a cache."""
     if pricer is None:
-        pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p)
+        pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl)
     by_op: dict = defaultdict(float)
     algs: dict = defaultdict(set)
     for mc in messages:
@@ -271,7 +456,7 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
                       ranks_per_node: int | None = None, mode: str = "mpich",
                       algorithms: Mapping[str, str] | None = None,
                       thresholds: Thresholds | None = None, overlap: bool = False,
-                      strict: bool = True) -> Prediction:
+                      strict: bool = True, reduce_impl: str | None = None) -> Prediction:
     """Closed-form predicted time of one call of algorithm ``name`` on one rank.
 
     Parameters
@@ -298,6 +483,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
         Model the double-buffered overlap of communication and GEMMs.
     strict : bool
         Require even division (False: real-valued blocks, for scaling studies).
+    reduce_impl : {"tree", "mpi"}, optional
+        How "reduce" runs (default as ``Comm``).
 
     Returns
     -------
@@ -314,28 +501,31 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
     cands = _worst_coords(name, q, d, m, k, n, count, p) if coords == "worst" else [coords]
+    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q_, d_, ranks, reduce_impl)
     best = None
     for c in cands:
         msgs = _traffic.algorithm_messages(name, m, k, n, q, d, itemsize, c, count=count, p=p,
                                            group=group, strict=strict)
-        comm, by_op, algs = price_messages(msgs, machine, mode=mode, algorithms=algorithms,
-                                           thresholds=thresholds, itemsize=itemsize,
-                                           q=q_, d=d_, p=ranks)
+        tally = _Tally(pricer)
+        for mc in msgs:
+            tally.add(mc.op, mc.group, mc.group_size, mc.nbytes, mc.count)
         work = _traffic.algorithm_compute(name, m, k, n, q, d, itemsize, c, count=count, p=p,
                                           group=group, strict=strict)
         compute = _compute_seconds(machine, work.gemms, dtype, work.reduce_bytes)
-        total = (comm * comm_slow) + compute * slow
+        dedicated = None
         if overlap and not (machine.shared_comm and slow > 1) and name in _traffic.MATMUL_NAMES \
                 and q > 1:
             steps = q
+            by_op = {kk: v + tally.shared[kk][1] * machine.call_seconds
+                     for kk, v in tally.crit.items()}
+            comm = sum(by_op.values())
             tail = sum(v for (op, grp), v in by_op.items() if grp == "depth")
             c_step = (comm - tail) / steps
             g_step = (compute - machine.gamma_reduce * work.reduce_bytes) / steps
-            total = (c_step + (steps - 1) * max(c_step, g_step) + g_step) * slow \
+            dedicated = (c_step + (steps - 1) * max(c_step, g_step) + g_step) * slow \
                 + (tail * comm_slow + machine.gamma_reduce * work.reduce_bytes * slow)
-        pred = Prediction(total, comm * comm_slow, compute * slow,
-                          {kk: v * comm_slow for kk, v in by_op.items()}, {}, algs,
-                          _traffic.summarize_events(msgs), slow, mode, machine.name)
+        pred = _finish(machine, tally, rpn, compute, mode, dedicated)
+        pred.counts = _traffic.summarize_events(msgs)
         if best is None or pred.seconds > best.seconds:
             best = pred
     return best

@@ -192,10 +192,11 @@ def grid_shapes(p: int, name: str) -> list[Scheme]:
 # ("coll", op, group, size, items, count)  a collective priced directly
 # ("ring", group, size, items, count)  summasim's ring_allreduce (2(size-1) sendrecvs)
 def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = False,
-              checkpoint: bool | None = None) -> dict[str, list]:
+              checkpoint: bool | None = None, row0: bool = True) -> dict[str, list]:
     """``{"forward": [...], "backward": [...]}`` ops of one layer (see module doc).
 
-    The backward list includes the recomputed forward when checkpointing.
+    The backward list includes the recomputed forward when checkpointing. ``row0``:
+    the rank is on grid row 0 (only those run the depth ring of the vector gradients).
     """
     ck = cfg.checkpoint if checkpoint is None else checkpoint
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
@@ -227,7 +228,7 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
         fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
         bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
         if include_minor:
-            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d)
+            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, row0=row0)
             fwd += fwd_aux
             bwd += bwd_aux
     if ck:
@@ -238,7 +239,7 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
 _LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
 
 
-def _optimus_layer_aux(h, M, q, d, ffn=4):
+def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
     """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer, as the code sends it.
 
     Forward: the eight row-0 vectors (LayerNorm g and b, four biases: ``(9h + f)/q``
@@ -257,7 +258,7 @@ def _optimus_layer_aux(h, M, q, d, ffn=4):
         fwd.append(("coll", "allreduce", "row", q, stats, 4))
         bwd.append(("coll", "allreduce", "row", q, stats, 4))
         bwd.append(("coll", "reduce", "col", q, vec, 1))
-    if d > 1:
+    if d > 1 and row0:
         bwd.append(("ring", "depth", d, vec, 1))
     return fwd, bwd
 
@@ -634,3 +635,161 @@ def best_grid(p: int, cfg: TransformerConfig, machine: Machine, *,
              for sch in grid_shapes(p, name)]
     best = min(costs, key=lambda c: c.step_seconds) if costs else None
     return best, costs
+
+
+# -- a whole training step ------------------------------------------------------------------
+def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> dict[str, list]:
+    """``{"forward": [...], "backward": [...]}`` ops of one training step of the whole
+    language model (embedding, N layers, final LayerNorm, tied LM head, loss), every
+    collective included, as :mod:`summasim.transformer.megatron` and
+    :mod:`summasim.transformer.optimus` send them (no checkpointing).
+
+    Megatron: the embedding all-reduce of ``b s h`` items, the layers, the LM head's
+    local GEMM, 3 all-reduces of ``b s`` items in the loss (max, sum of exponentials,
+    target logit); backward the LM head's input-gradient all-reduce of ``b s h``.
+    Optimus / SUMMA2.5-LM: the embedding as q column broadcasts of the ``wte`` blocks
+    and one column broadcast of ``wpe[:s, H_j]``; the final LayerNorm's packed
+    column broadcast (2h/q) and 2 row all-reduces; the head ``abt(x, wte)``; the loss's
+    3 row all-reduces of ``b s/(d q)`` items and the column (and depth) all-reduce of
+    one item. Backward: ``ab`` and ``atb`` of the head, the final LayerNorm's 2 row
+    all-reduces, packed column reduce and (d > 1, ``row0``) depth ring, the layers,
+    q column reduces of the ``dwte`` blocks and their depth ring, and the ``dwpe``
+    column reduce and (``row0``) depth ring. ``row0=False`` leaves out the depth
+    rings only row 0 runs.
+    """
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    M = b * s
+    p, q, d = scheme.p, scheme.q, scheme.d
+    layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False, row0=row0)
+    fwd, bwd = [], []
+    if scheme.name == "megatron":
+        if p > 1:
+            fwd.append(("coll", "allreduce", "world", p, M * h, 1))
+        fwd += N * layer["forward"]
+        if v:
+            fwd.append(("gemm", M, h, _split(v, p), 1))
+            bwd += [("gemm", M, _split(v, p), h, 1), ("gemm", _split(v, p), M, h, 1)]
+        if p > 1:
+            fwd.append(("coll", "allreduce", "world", p, M, 3))
+            bwd.append(("coll", "allreduce", "world", p, M * h, 1))
+        bwd += N * layer["backward"]
+        return {"forward": fwd, "backward": bwd}
+    ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
+                    else ("summa25_ab", "summa25_abt", "summa25_atb"))
+    rows = _split(M, d * q)
+    if q > 1:
+        fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
+        fwd.append(("coll", "bcast", "col", q, _split(s * h, q), 1))
+    fwd += N * layer["forward"]
+    if q > 1:
+        fwd.append(("coll", "bcast", "col", q, _split(2 * h, q), 1))
+        fwd.append(("coll", "allreduce", "row", q, rows, 2))
+    fwd.append(("mm", abt, M, h, v))
+    if q > 1:
+        fwd.append(("coll", "allreduce", "row", q, rows, 3))
+        fwd.append(("coll", "allreduce", "col", q, 1, 1))
+    if d > 1:
+        fwd.append(("coll", "allreduce", "depth", d, 1, 1))
+    bwd += [("mm", ab, M, v, h), ("mm", atb, v, M, h)]
+    if q > 1:
+        bwd.append(("coll", "allreduce", "row", q, rows, 2))
+        bwd.append(("coll", "reduce", "col", q, _split(2 * h, q), 1))
+    if d > 1 and row0:
+        bwd.append(("ring", "depth", d, _split(2 * h, q), 1))
+    bwd += N * layer["backward"]
+    if q > 1:
+        bwd.append(("coll", "reduce", "col", q, _split(v * h, q * q), q))
+        bwd.append(("coll", "reduce", "col", q, _split(s * h, q), 1))
+    if d > 1:
+        bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
+        if row0:
+            bwd.append(("ring", "depth", d, _split(s * h, q), 1))
+    return {"forward": fwd, "backward": bwd}
+
+
+@dataclass
+class StepWork:
+    """One rank's local work in a training step: GEMMs ``(m, k, n, count)``, bytes
+    added by summasim's ring all-reduces, elementwise activation items, and
+    ``layers`` (N + 1: the layers and the embedding/head, each with the machine's
+    fixed ``layer_seconds`` of call overhead)."""
+
+    gemms: list
+    reduce_bytes: float
+    elementwise_items: float
+    layers: float
+
+
+def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
+    """Activation items whose elementwise work (LayerNorm, GELU, softmax, residuals,
+    embedding lookup, cross-entropy) one rank does in a training step: per layer the
+    activation items of :func:`memory` (Megatron keeps the LayerNorms whole), plus the
+    local logits ``b s v / p`` and the embedding output."""
+    b, s, h, n, v, N = cfg.b, cfg.s, cfg.h, cfg.n, cfg.v, cfg.N
+    p, q, d = scheme.p, scheme.q, scheme.d
+    bsh, scores = b * s * h, b * n * s * s
+    if scheme.name == "megatron":
+        layer = 4 * bsh + 4 * b * s + (12 * bsh + scores) / p
+        emb = bsh
+    else:
+        layer = (16 * bsh + scores) / p + 4 * b * s / (d * q)
+        emb = bsh / p
+    return N * layer + b * s * v / p + emb
+
+
+def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
+    """:class:`StepWork` of one training step (forward + backward, no checkpointing) on
+    the busiest rank (row 0) of ``scheme``."""
+    ops = model_ops(scheme, cfg)
+    gemms, red = [], 0.0
+    it = cfg.itemsize
+    for op in ops["forward"] + ops["backward"]:
+        if op[0] == "gemm":
+            gemms.append(tuple(op[1:5]))
+        elif op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
+                                              strict=False)
+            gemms += list(work.gemms)
+            red += work.reduce_bytes
+        elif op[0] == "ring" and op[2] > 1:
+            _, grp, size, items, cnt = op
+            red += cnt * (size - 1) / size * items * it
+    return StepWork(gemms, red, elementwise_items(scheme, cfg), cfg.N + 1)
+
+
+def model_messages(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> list:
+    """The :class:`~summasim.costmodel.traffic.MessageClass` entries of one training
+    step on one rank (what its trace records; origin of the grid, or ``row0=False``)."""
+    ops = model_ops(scheme, cfg, row0=row0)
+    it = cfg.itemsize
+    out = []
+    for op in ops["forward"] + ops["backward"]:
+        if op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            out += _traffic.algorithm_messages(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
+                                               strict=False)
+        elif op[0] == "ring":
+            _, grp, size, items, cnt = op
+            out += _ring_allreduce_messages(items, size, grp, it, cnt, False)
+        elif op[0] == "coll" and op[3] > 1:
+            _, cop, grp, size, items, cnt = op
+            out.append(_traffic.MessageClass(cop, grp, size, items * it, cnt))
+    return out
+
+
+def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+              reduce_impl: str | None = None, ranks_per_node: int | None = None):
+    """Predicted seconds of one training step (forward + backward, no checkpointing) of
+    the whole model on ``machine``, as a :class:`~summasim.costmodel.predict.Prediction`:
+    :func:`model_messages` priced like a trace, plus :func:`step_work` (GEMMs, the ring
+    additions, and ``gamma_elementwise`` per elementwise item). The shared-core model
+    applies when the node is oversubscribed."""
+    from .predict import predict_messages
+
+    work = step_work(scheme, cfg)
+    return predict_messages(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
+                            d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
+                            elementwise_items=work.elementwise_items, layers=work.layers,
+                            dtype=cfg.dtype,
+                            reduce_impl=reduce_impl, ranks_per_node=ranks_per_node)
