@@ -1,43 +1,48 @@
 """Accuracy benchmark of the cost model: predicted against measured, on this machine.
 
-    python -m summasim.costmodel accuracy                  # fit at p = 2, predict p = 8, 9, 16
-    python -m summasim.costmodel accuracy --machine results/machine.json
-    python -m summasim.costmodel accuracy --from results/accuracy.json   # re-predict only
+    python -m summasim.costmodel accuracy                  # fit, calibrate, predict, report
+    python -m summasim.costmodel accuracy --machine results/machine.json   # skip the fit
+    python -m summasim.costmodel accuracy --from           # re-analyse results/accuracy/
 
 What it does
 ------------
-1. **Calibration.** Fits a machine with ``mpiexec -n 2 python -m summasim.costmodel fit``
-   (or takes ``--machine``) and reports the fit's median relative error per message
-   regime: the latency regime (below the eager threshold) and messages of 64 KiB and
-   up, over the ping-pong and the concurrent-ring points of the fit.
-2. **Held-out accuracy.** Runs the distributed products and the ring all-reduce at
-   process counts the fit never saw (p = 8, 9, 16; sizes not used by the fit) and
-   compares the measured time with the model's: the mean absolute percentage error
-   (MAPE) and the worst case, listing every run.
-3. **Ranking.** For a sweep of configurations (n x n products at several n on
-   p = 4 and 16; transformer schemes on p = 4 and 16) it asks whether the
-   predicted fastest algorithm / grid / scheme is the measured fastest; a
-   configuration whose predicted winner is within the measurement noise of the
-   measured winner is reported separately ("tied").
+1. **Link fit.** ``mpiexec -n 2 python -m summasim.costmodel fit`` (or ``--machine``):
+   alpha, beta per regime, gamma. Reported: the median relative error per regime
+   on the fitted ping-pong points (latency regime, eager threshold to 64 KiB, 64 KiB
+   and up) and, as a check that was not fitted, on the concurrent-ring points.
+2. **Run-level calibration, p <= 4.** Serial training steps (p = 1) fit the
+   machine's ``gamma_elementwise`` and ``layer_seconds`` (LayerNorm, GELU, softmax
+   and Python overheads); products, ring all-reduces and training steps at p = 3
+   and 4 (1.5 and 2 ranks per core) fit the shared-core model
+   (:class:`~summasim.costmodel.machine.SharedCore`, :func:`~summasim.costmodel.fit.fit_shared_core`).
+3. **Held-out accuracy.** The same kinds of run at p = 8, 9 and 16 and at sizes
+   the calibration never saw, predicted from their traces: MAPE, median and worst
+   case, every run listed.
+4. **Ranking.** Every group of runs that solve the same problem on the same p
+   (Cannon / SUMMA / SUMMA2.5 grids for one product; Megatron / Optimus /
+   SUMMA2.5-LM for one training step): is the predicted fastest the measured
+   fastest? A wrong pick whose measured time is within 10% of the winner is
+   reported as "tied".
 
 Measurements come from a worker run under ``mpiexec`` (``python -m
 summasim.costmodel accuracy-worker SPEC OUT``), always under ``timeout``. Each
 case is set up once, called once with the trace on (its events are what the
-model prices, exactly as ``summasim.run`` does), then timed ``repeats`` times.
-A timed call starts after a barrier that waits without spinning, and its time is
-the *span* ``max_r t1_r - min_r t0_r`` on the node's common monotonic clock: the
-wall time from the first rank's start to the last rank's end. (``summasim.run``
-reports the maximum over ranks of each rank's own elapsed time, which under
-oversubscription can be far less than the span: a rank that was descheduled
-before it read its start time does not count the wait. Both are recorded.)
+model prices, exactly as ``summasim.run`` does), then timed ``repeats`` times
+(short calls more, up to 5x, about half a second in all). A timed call starts
+after a barrier that waits without spinning, and its time is the *span* ``max_r
+t1_r - min_r t0_r`` on the node's common monotonic clock: the wall time from the
+first rank's start to the last rank's end.
 
-Statistic: the **median** of the repeats (the minimum is recorded too). On this
-2-core machine shared with other work, repeat-to-repeat variation of 20-30% is
-normal for communicating algorithms under oversubscription.
+Statistic: the **median** of the repeats (``--statistic min`` for the fastest); the
+report also summarizes the analysis with the other one. On this 2-core machine,
+repeat-to-repeat spread of 20-60% is normal for short communicating calls under
+oversubscription; the table shows each run's spread (slowest over fastest repeat).
 
-Output: a table on the terminal and JSON written atomically under ``results/``.
-Only the worker and the launcher touch MPI (the worker imports mpi4py lazily);
-everything else here is pure and tested without MPI.
+Output: a table on the terminal, and ``measured.json``, ``report.json``,
+``machine-fit.json`` and ``machine-calibrated.json`` (the fitted machine with the
+run-level models, usable as ``summasim.run --machine``) under ``--out``
+(``results/accuracy``). Only the worker and the fit touch MPI (they import mpi4py
+lazily); the analysis is pure and tested without MPI.
 """
 
 from __future__ import annotations
@@ -189,9 +194,17 @@ def _reduce_max(world, values):
     return recv
 
 
-def _time_calls(fn, world, repeats: int) -> dict:
+def _time_calls(fn, world, repeats: int, budget: float = 0.5) -> dict:
     """Per-call spans (after a non-spinning barrier), per-rank maxima, and the
-    back-to-back time per call of ``repeats`` calls in a row (seconds)."""
+    back-to-back time per call of ``repeats`` calls in a row (seconds).
+
+    Short calls are repeated more (up to 5 ``repeats``, about ``budget`` seconds in
+    all): under oversubscription their spread is the largest."""
+    _sleep_barrier(world)
+    t0 = time.perf_counter()
+    fn()
+    one = float(_reduce_max(world, [time.perf_counter() - t0])[0])
+    repeats = max(repeats, min(5 * repeats, int(budget / max(one, 1e-6))))
     spans, rank_max = [], []
     for _ in range(repeats):
         _sleep_barrier(world)
@@ -346,14 +359,409 @@ def worker_main(spec_path: str, out_path: str) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- model side (pure)
+def _messages(rank_events):
+    from .traffic import MessageClass
+
+    return [MessageClass(op, grp, int(size), int(nb), int(cnt))
+            for op, grp, size, nb, cnt in rank_events]
+
+
+def _tf_scheme_config(res):
+    from .schemes import Scheme, TransformerConfig
+
+    q, d = res["q"], res["d"]
+    sch = (Scheme.make("megatron", p=res["p"]) if res["scheme"] == "megatron"
+           else Scheme.make(res["scheme"], q=q, d=d))
+    cfg = TransformerConfig(b=res["b"], s=res["s"], h=res["h"], n=res["heads"], N=res["layers"],
+                            v=res["v"], dtype=res["dtype"], checkpoint=False)
+    return sch, cfg
+
+
+def rank_features(res: dict, machine) -> list:
+    """:class:`~summasim.costmodel.predict.SharedFeatures` of every rank of one measured
+    case (``res``: a worker result with ``p``): its traced events priced with
+    ``machine``, plus its compute (GEMMs and additions from the closed forms at its
+    grid coordinates; for a training step the row-0 work of
+    :func:`~summasim.costmodel.schemes.step_work`)."""
+    from .machine import itemsize_of
+    from .predict import trace_features
+    from .traffic import algorithm_compute
+
+    p, kind, dtype = res["p"], res["kind"], res["dtype"]
+    it = itemsize_of(dtype)
+    out = []
+    if kind == "transformer":
+        from .schemes import step_work
+
+        sch, cfg = _tf_scheme_config(res)
+        work = step_work(sch, cfg)
+    for r, (events, coords) in enumerate(zip(res["events"], res["coords"])):
+        extra = {}
+        if kind == "matmul":
+            w = algorithm_compute(res["algorithm"], res["m"], res["k"], res["n"], res["q"],
+                                  res["d"], it, tuple(coords))
+            extra = dict(gemms=w.gemms, reduce_bytes=w.reduce_bytes, q=res["q"], d=res["d"])
+        elif kind == "ring":
+            w = algorithm_compute("ring_allreduce", count=res["N"], p=p, coords=r, itemsize=it)
+            extra = dict(reduce_bytes=w.reduce_bytes)
+        else:
+            extra = dict(gemms=work.gemms, reduce_bytes=work.reduce_bytes,
+                         elementwise_items=work.elementwise_items, layers=work.layers,
+                         q=res["q"], d=res["d"])
+        out.append(trace_features(_messages(events), machine, p=p, dtype=dtype, **extra))
+    return out
+
+
+def predict_result(res: dict, machine) -> float:
+    """Predicted seconds of one measured case (the slowest rank; see
+    :func:`~summasim.costmodel.predict.predict_features`)."""
+    from .predict import predict_features
+
+    return predict_features(rank_features(res, machine), machine,
+                            machine.ranks_per_node(res["p"]))
+
+
+STATISTICS = ("median", "min")
+
+
+def measured_seconds(res: dict, statistic: str = "median") -> float:
+    """The measured time compared with the model: the median span of the repeats
+    (``statistic="min"``: the fastest, what a quiet machine would give)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    return statistics.median(res["spans"]) if statistic == "median" else min(res["spans"])
+
+
+def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
+              statistic: str = "median"):
+    """The machine with ``gamma_elementwise``/``layer_seconds`` fitted on serial
+    training steps (``serial``: worker results at p = 1) and the shared-core model
+    fitted on oversubscribed runs (``shared``: results with p > cores). Returns
+    ``(machine, {"elementwise": err, "shared_core": err})`` (median relative errors)."""
+    from .fit import fit_elementwise, fit_shared_core
+    from .schemes import step_work
+
+    errs = {}
+    if serial:
+        base = machine.replace(gamma_elementwise=0.0, layer_seconds=0.0)
+        samples = []
+        for res in serial:
+            sch, cfg = _tf_scheme_config(res)
+            w = step_work(sch, cfg)
+            g = sum(c * base.gemm_time(a, b, k, cfg.dtype) for a, b, k, c in w.gemms) \
+                + base.gamma_reduce * w.reduce_bytes
+            samples.append((g, w.elementwise_items, w.layers, measured_seconds(res, statistic)))
+        ge, ls, errs["elementwise"] = fit_elementwise(samples)
+        machine = machine.replace(gamma_elementwise=ge, layer_seconds=ls)
+    if shared:
+        probe = machine.replace(shared_core=None)
+        samples = []
+        for res in shared:
+            feats = rank_features(res, probe)
+            R = machine.ranks_per_node(res["p"]) / machine.cores
+            merged = type(feats[0])(max(f.work for f in feats), max(f.hops for f in feats),
+                                    max(f.hop_bytes for f in feats),
+                                    max(f.dedicated for f in feats))
+            samples.append((R, merged, measured_seconds(res, statistic)))
+        sc, errs["shared_core"] = fit_shared_core(samples)
+        machine = machine.replace(shared_core=sc)
+    return machine, errs
+
+
+def compare(results: Sequence[dict], machine, statistic: str = "median") -> list[dict]:
+    """``[{"label", "p", "predicted", "measured", "error", "spread"}, ...]`` per case."""
+    rows = []
+    for res in results:
+        pred = predict_result(res, machine)
+        meas = measured_seconds(res, statistic)
+        spans = sorted(res["spans"])
+        rows.append({"label": case_label(res, res["p"]), "p": res["p"], "predicted": pred,
+                     "measured": meas, "error": rel_error(pred, meas),
+                     "spread": spans[-1] / spans[0] - 1.0, "key": ranking_key(res)})
+    return rows
+
+
+def ranking_key(res: dict):
+    """Cases with the same key solve the same problem on the same p (candidates)."""
+    if res["kind"] == "matmul":
+        op = res["algorithm"].rsplit("_", 1)[1]
+        return f"p={res['p']} C=op(A)op(B) {op} {res['m']}x{res['k']}x{res['n']} {res['dtype']}"
+    if res["kind"] == "transformer":
+        return (f"p={res['p']} step b{res['b']} s{res['s']} h{res['h']} n{res['heads']} "
+                f"v{res['v']} L{res['layers']} {res['dtype']}")
+    return None
+
+
+def ranking(rows: Sequence[dict], noise: float = 0.10) -> list[dict]:
+    """:func:`ranking_outcome` of every key with at least two candidates."""
+    groups: dict = {}
+    for r in rows:
+        if r["key"] is not None:
+            groups.setdefault(r["key"], []).append(r)
+    out = []
+    for key, cands in groups.items():
+        if len(cands) >= 2:
+            out.append(dict(ranking_outcome(cands, noise=noise), key=key))
+    return out
+
+
+def calibration_report(machine) -> dict:
+    """Median and worst relative error of the fitted link per regime: ``latency``
+    (below the eager threshold), ``mid`` (from there to 64 KiB) and ``large`` (64 KiB
+    and up), on the fit's own ping-pong points (``pingpong``: what was fitted) and on
+    its concurrent-ring points (``ring``: a check, every rank sending at once). None
+    where the machine file has no points in a regime."""
+    notes = machine.notes or {}
+    link = machine.link()
+    out = {}
+    for source in ("pingpong", "ring"):
+        reg = {"latency": [], "mid": [], "large": []}
+        for s, t in notes.get(source, []):
+            if not t:
+                continue
+            key = ("latency" if s < link.eager_threshold
+                   else ("large" if s >= 65536 else "mid"))
+            reg[key].append(abs(link.time(s) / t - 1.0))
+        out[source] = {k: ({"points": len(v), "median": statistics.median(v), "worst": max(v)}
+                           if v else None) for k, v in reg.items()}
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+def default_plan(quick: bool = False) -> dict:
+    """The runs: ``calibrate`` (p = 1 serial steps, p = 3 and 4 runs, fitted on) and
+    ``heldout`` (p = 8, 9, 16: process counts and sizes the fit never saw), each
+    ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
+    problem on the same p (p = 4 and 16)."""
+    tf = transformer_case
+    mm = matmul_case
+    f = 2 if quick else 1
+    cal = {
+        1: [tf("megatron", 1, 1, 4, 64, 256, 8, 512, 2), tf("megatron", 1, 1, 8, 128, 256, 8, 512, 1),
+            tf("megatron", 1, 1, 4, 64, 512, 8, 1024, 1)],
+        3: [mm("summa25_ab", 1, 3, 768, 768, 768), mm("summa25_ab", 1, 3, 1536 // f, 1536 // f, 1536 // f),
+            ring_case(1 << 12), ring_case(1 << 17), ring_case(1 << 21),
+            tf("summa25", 1, 3, 6, 64, 256, 8, 512, 2)],
+        4: [mm("cannon_ab", 2, 1, 512, 512, 512), mm("summa_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
+            mm("cannon_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
+            mm("summa25_ab", 1, 4, 1536 // f, 1536 // f, 1536 // f),
+            mm("summa_abt", 2, 1, 1024, 1024, 1024), mm("summa_atb", 2, 1, 1024, 1024, 1024),
+            ring_case(1 << 12), ring_case(1 << 17), ring_case(1 << 21),
+            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("optimus", 2, 1, 8, 64, 256, 8, 512, 2),
+            tf("summa25", 1, 4, 8, 64, 256, 8, 512, 2)],
+    }
+    held = {
+        8: [mm("summa25_ab", 2, 2, 1024, 1024, 1024), mm("summa25_abt", 2, 2, 2048 // f, 2048 // f, 2048 // f),
+            ring_case(1 << 15), ring_case(1 << 20),
+            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("summa25", 2, 2, 8, 64, 256, 8, 512, 2)],
+        9: [mm("cannon_ab", 3, 1, 1152, 1152, 1152), mm("summa_ab", 3, 1, 2304 // f, 2304 // f, 2304 // f),
+            mm("summa_atb", 3, 1, 1152, 1152, 1152), ring_case(3 << 18),
+            tf("optimus", 3, 1, 6, 48, 288, 6, 576, 2)],
+        16: [mm(a, *g, n, n, n) for n in ((1024, 2048) if quick else (1024, 2048, 3072))
+             for a, g in (("cannon_ab", (4, 1)), ("summa_ab", (4, 1)), ("summa25_ab", (2, 4)))]
+            + [mm("summa_abt", 4, 1, 2048, 2048, 2048), mm("summa_atb", 4, 1, 2048, 2048, 2048),
+               ring_case(1 << 16), ring_case(1 << 20), ring_case(1 << 22)]
+            + [tf(s, q, d, 16, 64, 256, 16, 512, 2) for s, q, d in
+               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))]
+            + [tf(s, q, d, 16, 128, 512, 16, 1024, 1) for s, q, d in
+               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))],
+    }
+    return {"calibrate": cal, "heldout": held}
+
+
+# --------------------------------------------------------------------------- launcher
+def _mpiexec() -> list[str]:
+    exe = os.environ.get("SUMMASIM_MPIEXEC")
+    if not exe:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        exe = beside if os.path.exists(beside) else "mpiexec"
+    return exe.split() + os.environ.get("SUMMASIM_MPIEXEC_FLAGS", "").split()
+
+
+def launch(p: int, cases: Sequence[dict], repeats: int, workdir: str, *, timeout: float,
+           seed: int = 0, say=print) -> list[dict]:
+    """Run ``cases`` under ``mpiexec -n p`` (with ``timeout``); return the results,
+    each with ``p`` added."""
+    spec = os.path.join(workdir, f"spec-p{p}.json")
+    out = os.path.join(workdir, f"measured-p{p}.json")
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump({"repeats": repeats, "seed": seed, "cases": list(cases)}, fh)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = ["timeout", "-k", "10", str(int(timeout))] + _mpiexec() + [
+        "-n", str(p), sys.executable, "-m", "summasim.costmodel", "accuracy-worker", spec, out]
+    say(f"$ {' '.join(cmd[4:])}")
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the accuracy worker at p={p} failed (exit {proc.returncode}"
+                           f"{', timed out' if proc.returncode in (124, 137) else ''})")
+    with open(out, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return [dict(r, p=data["p"]) for r in data["results"]]
+
+
+def _fit_machine(path: str, timeout: float, say) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = ["timeout", "-k", "10", str(int(timeout))] + _mpiexec() + [
+        "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit", "--out", path]
+    say(f"$ {' '.join(cmd[4:])}")
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise RuntimeError("the machine fit failed")
+
+
+def _pct(x):
+    return "-" if x is None else f"{x:.1%}"
+
+
+def report_text(rep: dict) -> str:
+    """The terminal report of :func:`analyse`'s dict."""
+    lines = []
+    lines.append("Calibration (the fitted link against the fit's points, |error|):")
+    for source, title in (("pingpong", "ping-pong (fitted)"),
+                          ("ring", "concurrent ring (check, not fitted)")):
+        for k, what in (("latency", "latency regime (< eager threshold)"),
+                        ("mid", "eager threshold .. 64 KiB"), ("large", ">= 64 KiB")):
+            v = rep["calibration"][source][k]
+            lines.append(f"  {title:<36s} {what:<36s} " + (
+                "no points" if v is None else f"{v['median']:.1%} median, {v['worst']:.1%} "
+                                              f"worst over {v['points']} points"))
+    for k, v in rep["calibration_runs"].items():
+        lines.append(f"  {k:<36s} {v:.1%} median on the runs it was fitted on")
+    for part, title in (("calibrate", "Fitted-on runs (p = 1, 3 and 4)"),
+                        ("heldout", "Held-out runs (p = 8, 9, 16; never fitted on)")):
+        lines.append("")
+        lines.append(f"{title}:")
+        lines.append(f"  {'case':<52s} {'p':>3s} {'measured':>11s} {'predicted':>11s} "
+                     f"{'error':>8s} {'spread':>7s}")
+        for r in rep[part]["rows"]:
+            lines.append(f"  {r['label']:<52s} {r['p']:>3d} {r['measured'] * 1e3:9.2f}ms "
+                         f"{r['predicted'] * 1e3:9.2f}ms {r['error']:+8.1%} {r['spread']:7.0%}")
+        s = rep[part]["summary"]
+        if s:
+            lines.append(f"  MAPE {s['mape']:.1%}, median {s['median']:.1%}, worst {s['worst']:.1%} "
+                         f"({s['worst_case']}), bias {s['bias']:+.1%}; within 10%: "
+                         f"{s['within_10']:.0%}, within 20%: {s['within_20']:.0%}")
+    lines.append("")
+    lines.append("Ranking (is the predicted fastest candidate the measured fastest?):")
+    for o in rep["ranking"]["outcomes"]:
+        verdict = "right" if o["correct"] else ("tied" if o["tied"] else "WRONG")
+        lines.append(f"  {o['key']:<50s} predicted {o['predicted_best']:<26s} measured "
+                     f"{o['measured_best']:<26s} {verdict} (regret {o['regret']:.1%}, "
+                     f"margin {o['margin']:.1%})")
+    s = rep["ranking"]["summary"]
+    if s:
+        lines.append(f"  {s['correct']}/{s['configurations']} right ({s['fraction']:.0%}); "
+                     f"{s['fraction_with_ties']:.0%} counting ties within 10%; "
+                     f"mean regret {s['mean_regret']:.1%}, worst {s['worst_regret']:.1%}")
+    o = rep.get("other_statistic")
+    if o:
+        lines.append("")
+        lines.append(f"The same, fitted and compared on the {o['statistic']} of the repeats "
+                     f"instead of the {rep['statistic']}:")
+        for part in ("calibrate", "heldout"):
+            v = o[part]
+            if v:
+                lines.append(f"  {part:<10s} MAPE {v['mape']:.1%}, median {v['median']:.1%}, "
+                             f"worst {v['worst']:.1%} ({v['worst_case']})")
+        if o["ranking"]:
+            lines.append(f"  ranking    {o['ranking']['correct']}/{o['ranking']['configurations']}"
+                         f" right, {o['ranking']['fraction_with_ties']:.0%} counting ties")
+    return "\n".join(lines)
+
+
+def analyse(measured: dict, machine, statistic: str = "median") -> tuple[dict, object]:
+    """Calibrate ``machine`` on ``measured["calibrate"]`` and compare every run with the
+    model. ``measured``: ``{"calibrate": [results], "heldout": [results]}``. Returns
+    the report dict and the calibrated machine. ``rep["other_statistic"]`` holds the
+    summaries of the same analysis with the other statistic of the repeats (fitted
+    and compared on the fastest repeat instead of the median, or the reverse)."""
+    rep, calibrated = _analyse(measured, machine, statistic)
+    other = [s for s in STATISTICS if s != statistic][0]
+    rep2, _ = _analyse(measured, machine, other)
+    rep["statistic"] = statistic
+    rep["other_statistic"] = {"statistic": other, "calibrate": rep2["calibrate"]["summary"],
+                              "heldout": rep2["heldout"]["summary"],
+                              "ranking": rep2["ranking"]["summary"]}
+    return rep, calibrated
+
+
+def _analyse(measured, machine, statistic):
+    cal = measured["calibrate"]
+    serial = [r for r in cal if r["p"] == 1]
+    shared = [r for r in cal if machine.ranks_per_node(r["p"]) > machine.cores]
+    calibrated, errs = calibrate(machine, serial, shared, statistic)
+    rep = {"machine": calibrated.name, "calibration": calibration_report(calibrated),
+           "calibration_runs": {f"{k} model": v for k, v in errs.items()}}
+    for part in ("calibrate", "heldout"):
+        rows = compare(measured[part], calibrated, statistic)
+        rep[part] = {"rows": rows, "summary": error_summary(
+            [(r["predicted"], r["measured"]) for r in rows], [r["label"] for r in rows])}
+    outcomes = ranking(rep["calibrate"]["rows"] + rep["heldout"]["rows"])
+    rep["ranking"] = {"outcomes": outcomes, "summary": ranking_summary(outcomes)}
+    return rep, calibrated
+
+
 def build_parser(ap):
     """Arguments of ``python -m summasim.costmodel accuracy``."""
-    ap.add_argument("--machine", default=None)
+    ap.add_argument("--machine", default=None,
+                    help="a fitted machine JSON (default: fit one at p=2 first)")
+    ap.add_argument("--out", default=os.path.join("results", "accuracy"),
+                    help="folder for the measurements, machines and report (default %(default)s)")
+    ap.add_argument("--from", dest="reuse", action="store_true",
+                    help="re-analyse the measurements already in --out (no MPI)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed calls per case")
+    ap.add_argument("--quick", action="store_true", help="smaller problems (a few minutes less)")
+    ap.add_argument("--statistic", choices=STATISTICS, default="median",
+                    help="which repeat statistic is the measured time (default %(default)s; "
+                         "the report also summarizes the other)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec")
     return ap
 
 
 def run(args) -> int:
-    raise NotImplementedError
+    """The accuracy benchmark (see the module doc)."""
+    from .machine import Machine, write_json_atomic
+
+    def say(msg):
+        print(msg, flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    mfile = os.path.join(args.out, "machine-fit.json")
+    mpath = os.path.join(args.out, "measured.json")
+    t0 = time.time()
+    if args.reuse:
+        with open(mpath, encoding="utf-8") as fh:
+            measured = json.load(fh)
+        machine = Machine.load(args.machine or mfile)
+    else:
+        if args.machine:
+            machine = Machine.load(args.machine)
+            machine.save(mfile)
+        else:
+            say("[accuracy] 1/3 fitting the machine at p=2 (no oversubscription)")
+            _fit_machine(mfile, args.timeout, say)
+            machine = Machine.load(mfile)
+        plan = default_plan(args.quick)
+        measured = {"calibrate": [], "heldout": []}
+        with tempfile.TemporaryDirectory(dir=args.out) as work:
+            for part, step in (("calibrate", "2/3 calibration runs"), ("heldout", "3/3 held-out runs")):
+                for p, cases in plan[part].items():
+                    wait_for_quiet(say=say)
+                    say(f"[accuracy] {step}: p={p}, {len(cases)} cases")
+                    measured[part] += launch(p, cases, args.repeats, work, timeout=args.timeout,
+                                             say=say)
+        write_json_atomic(mpath, measured)
+    rep, calibrated = analyse(measured, machine, args.statistic)
+    calibrated.replace(notes={**calibrated.notes, "accuracy": {
+        k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(
+        os.path.join(args.out, "machine-calibrated.json"))
+    rep["seconds"] = round(time.time() - t0, 1)
+    write_json_atomic(os.path.join(args.out, "report.json"), rep)
+    say("")
+    say(report_text(rep))
+    say(f"\n[accuracy] wrote {args.out}/report.json, measured.json, machine-calibrated.json "
+        f"({rep['seconds']:.0f} s)")
+    return 0
 
 
 # --------------------------------------------------------------------------- machine load
