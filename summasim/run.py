@@ -44,6 +44,7 @@ ALGORITHMS = {
 DEFAULT_SIZES = (1536, 1024, 1280)
 DEFAULT_RING = 2**20 + 3  # deliberately not divisible by common p
 DEFAULT_MACHINE_FILE = os.path.join("results", "machine.json")
+CALIBRATED_MACHINE_FILE = os.path.join("results", "accuracy", "machine-calibrated.json")
 DEFAULT_TF = (8, 16, 64, 16, 64, 2, 4)  # b, s, h, n, v, layers, ffn_mult
 
 
@@ -339,14 +340,18 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join([format_header()] + [_line(format_row(r)) for r in rows])
 
 
-def prediction_summary(rows: list[Row]) -> dict | None:
-    """Mean absolute percentage error and worst case of the predictions, or None."""
-    errs = [(abs(r.prediction_error), r) for r in rows if r.prediction_error is not None]
+def prediction_summary(rows: list[Row], tf_reports=()) -> dict | None:
+    """Mean absolute percentage error and worst case of the predictions (algorithm
+    rows and transformer fwd + bwd steps), or None."""
+    errs = [(abs(r.prediction_error), f"{r.algorithm} {r.grid} {r.dtype}") for r in rows
+            if r.prediction_error is not None]
+    errs += [(abs(r.prediction_error), f"{r.scheme} {r.grid} {r.dtype} fwd+bwd")
+             for r in tf_reports if r.prediction_error is not None]
     if not errs:
         return None
-    worst, wrow = max(errs, key=lambda e: e[0])
+    worst, wlabel = max(errs, key=lambda e: e[0])
     return {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
-            "worst_run": f"{wrow.algorithm} {wrow.grid} {wrow.dtype}", "count": len(errs)}
+            "worst_run": wlabel, "count": len(errs)}
 
 
 def write_json_atomic(path: str, obj) -> None:
@@ -367,8 +372,9 @@ def write_json_atomic(path: str, obj) -> None:
 
 # --------------------------------------------------------------------------- transformer
 TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "bound",
-             "result", "fwd s", "bwd s", "L0 fwd items", "Table 1", "L0 bwd+ckpt", "Table 1")
-TF_WIDTHS = (9, 9, 7, 9, 10, 9, 7, 6, 8, 8, 12, 9, 12, 9)
+             "result", "fwd s", "bwd s", "pred s", "pred err", "L0 fwd items", "Table 1",
+             "L0 bwd+ckpt", "Table 1")
+TF_WIDTHS = (9, 9, 7, 9, 10, 9, 7, 6, 8, 8, 8, 8, 12, 9, 12, 9)
 MEM_HEADER = ("scheme", "grid", "params MiB", "grads MiB", "Adam MiB", "activ. MiB",
               "formula: params", "grads", "Adam", "activ.", "peak fwd+bwd MiB")
 MEM_WIDTHS = (9, 9, 10, 9, 8, 10, 15, 8, 8, 8, 16)
@@ -385,6 +391,9 @@ def format_transformer(reports) -> str:
         lines.append(_cells((r.scheme, r.grid, r.dtype, f"{r.loss_err:.1e}",
                              f"{r.logits_err:.1e}", f"{r.grad_err:.1e}", f"{r.bound:.0e}",
                              "OK" if r.ok else "FAIL", f"{r.fwd_s:.4f}", f"{r.bwd_s:.4f}",
+                             "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
+                             "-" if r.prediction_error is None
+                             else f"{100 * r.prediction_error:+.1f}%",
                              str(r.tp_fwd), str(r.table1.get("fwd", "-")),
                              str(r.tp_bwd_checkpoint), str(r.table1.get("bwd_checkpoint", "-"))),
                             TF_WIDTHS))
@@ -401,7 +410,7 @@ def format_transformer(reports) -> str:
     return "\n".join(lines)
 
 
-def run_transformer_section(args, world, backend, say):
+def run_transformer_section(args, world, backend, say, machine=None):
     """Validate each tensor-parallel scheme against the serial model (collective)."""
     from .transformer import model
     from .transformer.compare import compare_scheme, grid_label, grid_shapes, preconditions
@@ -431,7 +440,8 @@ def run_transformer_section(args, world, backend, say):
                     continue
                 bound = 1e-10 if dtype == "float64" else 1e-4
                 reports.append(compare_scheme(name, world, q, d, config, b, seed=args.seed,
-                                              repeats=args.repeats, backend=None, bound=bound))
+                                              repeats=args.repeats, backend=None, bound=bound,
+                                              machine=machine))
     if reports:
         say(format_transformer(reports))
     for sk in skipped:
@@ -455,6 +465,10 @@ def resolve_machine(spec: str | None, world, say):
                              f"({', '.join(list_presets())})")
         say(f"cost model: machine {machine.name!r} from {spec}")
         return machine
+    if os.path.exists(CALIBRATED_MACHINE_FILE):
+        say(f"cost model: machine calibrated by the accuracy benchmark, "
+            f"{CALIBRATED_MACHINE_FILE}")
+        return Machine.load(CALIBRATED_MACHINE_FILE)
     if os.path.exists(DEFAULT_MACHINE_FILE):
         say(f"cost model: machine fitted earlier, {DEFAULT_MACHINE_FILE} (delete it to re-fit)")
         return Machine.load(DEFAULT_MACHINE_FILE)
@@ -477,10 +491,28 @@ def resolve_machine(spec: str | None, world, say):
     while not req.Test():
         time.sleep(1e-3)
     machine = Machine.from_dict(world.bcast(data, root=0))
+    machine = borrow_run_models(machine, say)
     if rank == 0:
         machine.save(DEFAULT_MACHINE_FILE)
         say(f"cost model: saved the fit to {DEFAULT_MACHINE_FILE}")
     return machine
+
+
+def borrow_run_models(machine, say, preset: str = "local-2core-mpich"):
+    """A quick fit measures links and GEMMs only: take the run-level models (the
+    shared-core model of oversubscribed runs, elementwise and per-layer seconds of
+    training steps) from ``preset`` when it was calibrated on a machine with the same
+    core count, and say so."""
+    from .costmodel.machine import load_preset
+
+    ref = load_preset(preset)
+    if machine.shared_core is not None or ref.shared_core is None or ref.cores != machine.cores:
+        return machine
+    say(f"cost model: oversubscription and elementwise models from the preset {preset} "
+        f"(calibrated on {ref.cores} cores; `python -m summasim.costmodel accuracy` "
+        f"calibrates this machine's own)")
+    return machine.replace(shared_core=ref.shared_core, gamma_elementwise=ref.gamma_elementwise,
+                           layer_seconds=ref.layer_seconds)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -600,10 +632,10 @@ def _main(args, world, limit_blas_threads, MPI) -> int:
         say("\nskipped:")
         for pl in skipped:
             say(f"  {pl.algorithm}: {pl.skip}")
-    tf_reports, tf_skipped = run_transformer_section(args, world, backend, say) \
+    tf_reports, tf_skipped = run_transformer_section(args, world, backend, say, machine) \
         if args.scheme_list else ([], [])
     ok = all(r.ok for r in rows) and all(r.ok for r in tf_reports)
-    summary = prediction_summary(rows)
+    summary = prediction_summary(rows, tf_reports)
     if summary:
         say(f"\ncost model ({machine.name}): MAPE {100 * summary['mape']:.1f}% over "
             f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "

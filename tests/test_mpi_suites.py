@@ -62,8 +62,13 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
     assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25"]
     assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf)
     assert report["machine"] == "local-2core-mpich" and "MAPE" in proc.stdout
-    mape = sum(abs(r["prediction_error"]) for r in report["rows"]) / len(report["rows"])
-    assert report["prediction"]["mape"] == pytest.approx(mape)
+    errs = [abs(r["prediction_error"]) for r in report["rows"]]
+    for r in tf:        # every timed training step has a prediction too
+        step = r["fwd_s"] + r["bwd_s"]
+        assert r["predicted_s"] > 0
+        errs.append(abs(r["predicted_s"] - step) / step)
+    assert report["prediction"]["count"] == len(report["rows"]) + len(tf)
+    assert report["prediction"]["mape"] == pytest.approx(sum(errs) / len(errs))
 
 
 def test_main_job_at_a_world_size_without_square_grid(mpiexec):

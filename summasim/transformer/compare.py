@@ -155,6 +155,15 @@ class SchemeReport:
     aux_bytes: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     memory_formula: dict = field(default_factory=dict)
+    predicted_s: float | None = None    # cost model: one fwd + bwd step (slowest rank)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured of fwd + bwd, or None without a prediction."""
+        step = self.fwd_s + self.bwd_s
+        if self.predicted_s is None or step <= 0:
+            return None
+        return (self.predicted_s - step) / step
 
 
 def _max_time(fn, world) -> float:
@@ -204,10 +213,28 @@ def memory_formula(name: str, config: model.Config, batch: int, p: int, q: int, 
             "optimizer": mem.optimizer, "activations": mem.activations}
 
 
+def _predict_step(name, world, grid, q, d, config, batch, events, machine) -> float:
+    """The cost model's fwd + bwd seconds of this run (collective; same on every rank)."""
+    from ..costmodel.accuracy import _event_summary, predict_result, transformer_case
+
+    summary = world.gather(_event_summary(events), root=0)
+    coords = world.gather(list(getattr(grid, "coords", (world.Get_rank(),))), root=0)
+    pred = None
+    if world.Get_rank() == 0:
+        case = transformer_case(name, q, d, batch, config.seq, config.hidden, config.heads,
+                                config.vocab, config.layers, config.ffn_mult,
+                                np.dtype(config.dtype).name)
+        pred = predict_result(dict(case, p=world.Get_size(), events=summary, coords=coords),
+                              machine)
+    return world.bcast(pred, root=0)
+
+
 def compare_scheme(name: str, world, q: int, d: int, config: model.Config, batch: int,
                    seed: int = 0, repeats: int = 3, backend=None, bound: float = 1e-10,
-                   with_memory: bool = True) -> SchemeReport:
-    """Validate scheme ``name`` against the serial model and measure it (collective)."""
+                   with_memory: bool = True, machine=None) -> SchemeReport:
+    """Validate scheme ``name`` against the serial model and measure it (collective).
+    With a cost-model ``machine``, also predict the fwd + bwd step from the traced
+    events of every rank (:func:`summasim.costmodel.accuracy.predict_result`)."""
     from mpi4py import MPI
 
     module = scheme_module(name)
@@ -254,6 +281,7 @@ def compare_scheme(name: str, world, q: int, d: int, config: model.Config, batch
             else:
                 rep.tp_fwd = world.allreduce(layer_tp_items(events, 0, "fwd", itemsize),
                                              op=MPI.MAX)
+                plain_events = events
         worst = max(errs, key=lambda e: max(e[:3]))
         rep.loss_err = world.allreduce(max(e[0] for e in errs), op=MPI.MAX)
         rep.logits_err = world.allreduce(max(e[1] for e in errs), op=MPI.MAX)
@@ -280,6 +308,9 @@ def compare_scheme(name: str, world, q: int, d: int, config: model.Config, batch
             tb.append(_max_time(bwd, world))
         rep.fwd_s, rep.bwd_s = float(np.median(tf)), float(np.median(tb))
         holder.clear()
+        if machine is not None:
+            rep.predicted_s = _predict_step(name, world, grid, q, d, config, batch,
+                                            plain_events, machine)
         if with_memory:
             mem = measure_memory(module, local, tokens, targets, config, grid, False)
             rep.memory = {k: world.allreduce(v, op=MPI.MAX) for k, v in mem.items()}
