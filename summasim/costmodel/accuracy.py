@@ -440,6 +440,7 @@ def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
     fitted on oversubscribed runs (``shared``: results with p > cores). Returns
     ``(machine, {"elementwise": err, "shared_core": err})`` (median relative errors)."""
     from .fit import fit_elementwise, fit_shared_core
+    from .predict import merge_features
     from .schemes import step_work
 
     errs = {}
@@ -460,10 +461,7 @@ def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
         for res in shared:
             feats = rank_features(res, probe)
             R = machine.ranks_per_node(res["p"]) / machine.cores
-            merged = type(feats[0])(max(f.work for f in feats), max(f.hops for f in feats),
-                                    max(f.hop_bytes for f in feats),
-                                    max(f.dedicated for f in feats))
-            samples.append((R, merged, measured_seconds(res, statistic)))
+            samples.append((R, merge_features(feats), measured_seconds(res, statistic)))
         sc, errs["shared_core"] = fit_shared_core(samples)
         machine = machine.replace(shared_core=sc)
     return machine, errs

@@ -273,6 +273,12 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
                       machine.name)
 
 
+def _count(e) -> int:
+    """Events one entry stands for: a MessageClass's ``count``, else 1 (an Event is a
+    NamedTuple too, whose ``count`` is tuple's method)."""
+    return e.count if isinstance(e, _traffic.MessageClass) else 1
+
+
 def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   q: int | None = None, d: int = 1, ranks_per_node: int | None = None,
                   gemms: Iterable = (), dtype="float64", reduce_bytes: float = 0.0,
@@ -286,8 +292,9 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     Parameters
     ----------
     events : iterable of Event, or a Trace
-        Anything with ``op``, ``group``, ``group_size``, ``nbytes`` (``phase``
-        optional), e.g. ``grid.trace.events``.
+        Anything with ``op``, ``group``, ``group_size``, ``nbytes`` (``phase`` and
+        ``count`` optional), e.g. ``grid.trace.events`` or
+        :class:`~summasim.costmodel.traffic.MessageClass` entries.
     machine : Machine
     p : int, optional
         Total ranks (for the shared cores); or give ``q`` and ``d``.
@@ -328,27 +335,11 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
     pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p, reduce_impl)
     tally = _Tally(pricer)
-    for e in events:
-        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), 1, getattr(e, "phase", ""))
+    for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
+        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
+                  getattr(e, "phase", ""))
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
-    base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
-    return _finish(machine, tally, rpn, base, mode)
-
-
-def predict_messages(messages, machine: Machine, *, p: int | None = None, q: int | None = None,
-                     d: int = 1, ranks_per_node: int | None = None, gemms: Iterable = (),
-                     dtype="float64", reduce_bytes: float = 0.0,
-                     elementwise_items: float = 0.0, layers: float = 0.0,
-                     reduce_impl: str | None = None, mode: str = "mpich") -> Prediction:
-    """:func:`predict_trace` for :class:`~summasim.costmodel.traffic.MessageClass`
-    entries (``count`` identical events each) instead of recorded events."""
-    p, rpn = _resolve_p(machine, p, q, d, ranks_per_node)
-    pricer = _Pricer(machine, mode, None, None, itemsize_of(dtype), q or 1, d, p, reduce_impl)
-    tally = _Tally(pricer)
-    for mc in messages:
-        tally.add(mc.op, mc.group, mc.group_size, mc.nbytes, mc.count)
-    base = _compute_seconds(machine, gemms, dtype, reduce_bytes)
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
     return _finish(machine, tally, rpn, base, mode)
 
@@ -382,7 +373,7 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     pricer = _Pricer(probe, "mpich", None, None, itemsize, q or 1, d, p, reduce_impl)
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
-        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), getattr(e, "count", 1))
+        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e))
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
@@ -401,21 +392,25 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     (times the machine's plain ``slowdown`` when it has no shared-core model).
     This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
     """
-    feats = list(features)
-    if not feats:
-        raise ValueError("predict_features needs the features of at least one rank")
-    dedicated = max(f.dedicated for f in feats)
+    f = merge_features(features)
     R = ranks_per_node / machine.cores
     sc = machine.shared_core
     if R <= 1.0:
-        return dedicated
+        return f.dedicated
     if sc is None:
-        return dedicated * machine.slowdown(ranks_per_node)
-    shared = R * (sc.work_factor * max(f.work for f in feats)
-                  + sc.hop_seconds * max(f.hops for f in feats)
-                  + sc.hop_seconds_per_byte * max(f.hop_bytes for f in feats)
-                  + sc.sync_seconds)
-    return max(shared, dedicated)
+        return f.dedicated * machine.slowdown(ranks_per_node)
+    shared = R * (sc.work_factor * f.work + sc.hop_seconds * f.hops
+                  + sc.hop_seconds_per_byte * f.hop_bytes + sc.sync_seconds)
+    return max(shared, f.dedicated)
+
+
+def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
+    """The run's features: the maximum over ranks of each of them."""
+    feats = list(features)
+    if not feats:
+        raise ValueError("the features of at least one rank are needed")
+    return SharedFeatures(*(max(getattr(f, k) for f in feats)
+                            for k in ("work", "hops", "hop_bytes", "dedicated", "calls")))
 
 
 def _worst_coords(name, q, d, m, k, n, count, p):

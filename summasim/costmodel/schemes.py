@@ -785,10 +785,10 @@ def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
     :func:`model_messages` priced like a trace, plus :func:`step_work` (GEMMs, the ring
     additions, and ``gamma_elementwise`` per elementwise item). The shared-core model
     applies when the node is oversubscribed."""
-    from .predict import predict_messages
+    from .predict import predict_trace
 
     work = step_work(scheme, cfg)
-    return predict_messages(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
+    return predict_trace(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
                             d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
                             elementwise_items=work.elementwise_items, layers=work.layers,
                             dtype=cfg.dtype,
