@@ -236,3 +236,10 @@ def test_quick_fit_borrows_run_level_models_only_from_a_matching_preset():
     assert said and "local-2core-mpich" in said[0]
     other = _machine(cores=ref.cores * 8)
     assert borrow_run_models(other, said.append) is other             # a different machine
+
+
+def test_reanalysis_without_measurements_says_what_is_missing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--from",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "measured.json" in proc.stderr
+    assert "Traceback" not in proc.stderr

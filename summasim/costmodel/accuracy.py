@@ -223,7 +223,7 @@ def _time_calls(fn, world, repeats: int, budget: float = 0.5) -> dict:
     return {"spans": spans, "rank_max": rank_max, "back_to_back": float(mx[1] + mx[0]) / repeats}
 
 
-def _event_summary(events) -> list:
+def event_summary(events) -> list:
     """``[[op, group, group_size, nbytes, count], ...]`` of one rank's events."""
     acc: dict = {}
     for e in events:
@@ -254,7 +254,7 @@ def _run_matmul(case, world, repeats, seed):
         fn = getattr(algs, case["algorithm"])
         grid.trace.clear()
         fn(a, b, grid, out=c)                    # traced call (and warm-up)
-        events = _event_summary(grid.trace.events)
+        events = event_summary(grid.trace.events)
         coords = list(grid.coords)
         grid.trace.enabled = False
         timing = _time_calls(lambda: fn(a, b, grid, out=c), world, repeats)
@@ -275,7 +275,7 @@ def _run_ring(case, world, repeats, seed):
         x = rng.standard_normal(case["N"]).astype(case["dtype"])
         out = np.empty_like(x)
         ring_allreduce(x, comm, out=out)
-        events = _event_summary(comm.trace.events)
+        events = event_summary(comm.trace.events)
         comm.trace.enabled = False
         timing = _time_calls(lambda: ring_allreduce(x, comm, out=out), world, repeats)
     finally:
@@ -307,7 +307,7 @@ def _run_transformer(case, world, repeats, seed):
 
         grid.trace.clear()
         step()                                   # traced step (and warm-up)
-        events = _event_summary(grid.trace.events)
+        events = event_summary(grid.trace.events)
         coords = list(getattr(grid, "coords", (getattr(grid, "rank", 0),)))
         grid.trace.enabled = False
         timing = _time_calls(step, world, repeats)
@@ -728,6 +728,10 @@ def run(args) -> int:
     mpath = os.path.join(args.out, "measured.json")
     t0 = time.time()
     if args.reuse:
+        if not os.path.exists(mpath):
+            print(f"accuracy: --from needs {mpath} from an earlier run (run without --from "
+                  f"first, or give its --out)", file=sys.stderr)
+            return 2
         with open(mpath, encoding="utf-8") as fh:
             measured = json.load(fh)
         machine = Machine.load(args.machine or mfile)

@@ -215,9 +215,9 @@ def memory_formula(name: str, config: model.Config, batch: int, p: int, q: int, 
 
 def _predict_step(name, world, grid, q, d, config, batch, events, machine) -> float:
     """The cost model's fwd + bwd seconds of this run (collective; same on every rank)."""
-    from ..costmodel.accuracy import _event_summary, predict_result, transformer_case
+    from ..costmodel.accuracy import event_summary, predict_result, transformer_case
 
-    summary = world.gather(_event_summary(events), root=0)
+    summary = world.gather(event_summary(events), root=0)
     coords = world.gather(list(getattr(grid, "coords", (world.Get_rank(),))), root=0)
     pred = None
     if world.Get_rank() == 0:
