@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+from summasim.grid import grid_shapes as summasim_grid_shapes
 
 WORLD = MPI.COMM_WORLD
 
@@ -26,8 +26,8 @@ def parallel_assert(ok: bool, msg: str = "", comm=WORLD) -> None:
 
 
 def grid_shapes(p: int) -> list[tuple[int, int]]:
-    """Every ``(q, d)`` with d*q*q == p."""
-    return [(q, p // (q * q)) for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
+    """Every ``(q, d)`` with d*q*q == p (summasim.grid's one enumeration)."""
+    return summasim_grid_shapes(p, "any")
 
 
 def collective_raises(exc_type, fn, *args, **kwargs) -> str:

@@ -19,12 +19,36 @@ A :class:`Grid1D` is a single group of ``p`` ranks (Megatron's tensor-parallel g
 
 from __future__ import annotations
 
+import math
 import numbers
 
-from mpi4py import MPI
-
-from .comm import Comm, as_comm
 from .trace import Trace
+
+# mpi4py (and so MPI_Init) is imported only when a grid is built: the grid-shape
+# functions below are pure and serve the cost model, which never needs MPI.
+
+GRID_KINDS = ("2d", "2.5d", "any")
+
+
+def grid_shapes(p: int, kind: str = "any") -> list[tuple[int, int]]:
+    """The ``(q, d)`` grids with ``d * q * q == p`` of one kind (pure; the one
+    enumeration every front-end, test and the cost model use).
+
+    ``"any"``   every ``(q, d)``, q ascending (q = 1 included: a [1, 1, p] grid);
+    ``"2d"``    ``[(q, 1)]`` when p is a perfect square, else ``[]``;
+    ``"2.5d"``  every grid with ``d >= 2`` and ``q >= 2``; when none exists, the
+                degenerate ``[(1, p)]`` (a depth-only grid; ``[(1, 1)]`` at p = 1).
+    """
+    p = _positive_int("p", p)
+    if kind not in GRID_KINDS:
+        raise ValueError(f"grid kind must be one of {', '.join(GRID_KINDS)}, got {kind!r}")
+    every = [(q, p // (q * q)) for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
+    if kind == "any":
+        return every
+    if kind == "2d":
+        return [(q, d) for q, d in every if d == 1]
+    deep = [(q, d) for q, d in every if d >= 2 and q >= 2]
+    return deep or [(1, p)]
 
 
 def _positive_int(name: str, value) -> int:
@@ -34,6 +58,10 @@ def _positive_int(name: str, value) -> int:
 
 
 def _raw(comm):
+    from mpi4py import MPI
+
+    from .comm import Comm
+
     if isinstance(comm, Comm):
         return comm.mpi
     if isinstance(comm, MPI.Comm):
@@ -80,6 +108,8 @@ class Grid:
 
     def __init__(self, comm, q: int, d: int = 1, trace: Trace | None = None, backend=None,
                  wait: str | None = None):
+        from .comm import Comm
+
         raw = _raw(comm)
         check_grid_size(raw.Get_size(), q, d)
         self.q, self.d = int(q), int(d)
@@ -119,6 +149,8 @@ class Grid:
 
     def free(self) -> None:
         """Release the grid's MPI communicators (collective)."""
+        from mpi4py import MPI
+
         for c in reversed(self._mpi_comms):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -140,6 +172,8 @@ class Grid1D:
     """
 
     def __init__(self, comm, trace: Trace | None = None, backend=None, wait: str | None = None):
+        from .comm import Comm, as_comm
+
         raw = _raw(comm)
         self.trace = trace if trace is not None else Trace()
         self._dup = raw.Dup()
@@ -153,6 +187,8 @@ class Grid1D:
         return f"Grid1D(p={self.p}, rank={self.rank})"
 
     def free(self) -> None:
+        from mpi4py import MPI
+
         if self._dup != MPI.COMM_NULL:
             self._dup.Free()
 

@@ -15,13 +15,31 @@ function                  C =       A layout  B layout  C layout
 
 Backward of C = A B is the closed set of Optimus eqs. (1)-(3):
 dA = summa_abt(dC, B), dB = summa_atb(A, dC).
+
+The table that describes each algorithm (layouts, stored shapes, divisibility) is
+:mod:`summasim.algorithms.table`; it is pure, and so is importing this package: the
+functions below are loaded (with mpi4py) on first use.
 """
 
-from .allreduce import chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
-from .cannon import cannon_ab
-from .summa import summa_ab, summa_abt, summa_atb
-from .summa25 import summa25_ab, summa25_abt, summa25_atb
+import importlib
 
-__all__ = ["cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab", "summa25_abt",
-           "summa25_atb", "ring_allreduce", "ring_reduce_scatter", "ring_allgather",
-           "chunk_bounds"]
+_HOME = {"cannon_ab": "cannon", "summa_ab": "summa", "summa_abt": "summa",
+         "summa_atb": "summa", "summa25_ab": "summa25", "summa25_abt": "summa25",
+         "summa25_atb": "summa25", "ring_allreduce": "allreduce",
+         "ring_reduce_scatter": "allreduce", "ring_allgather": "allreduce",
+         "chunk_bounds": "allreduce", "set_agreement": "_common", "agreement": "_common",
+         "agreement_enabled": "_common"}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name):
+    if name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -37,9 +37,9 @@ import numpy as np
 
 from .machine import Machine
 from .predict import predict_algorithm
-from .schemes import Scheme, TransformerConfig, grid_shapes, layer_ops, scheme_cost
+from .schemes import SCHEMES, Scheme, TransformerConfig, grid_shapes, layer_ops, scheme_cost
 
-TRANSFORMER_PROBLEMS = ("megatron", "optimus", "summa25")
+TRANSFORMER_PROBLEMS = SCHEMES
 MATMUL_PROBLEMS = {"cannon": "cannon_ab", "summa": "summa_ab", "summa25_mm": "summa25_ab"}
 PROBLEMS = TRANSFORMER_PROBLEMS + tuple(MATMUL_PROBLEMS)
 

@@ -72,11 +72,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, NamedTuple
 
-ALGORITHM_NAMES = ("summa_ab", "summa_abt", "summa_atb", "summa25_ab", "summa25_abt",
-                   "summa25_atb", "cannon_ab", "ring_allreduce", "ring_reduce_scatter",
-                   "ring_allgather")
-MATMUL_NAMES = ALGORITHM_NAMES[:7]
-RING_NAMES = ALGORITHM_NAMES[7:]
+from ..algorithms.table import PRODUCTS
+
+MATMUL_NAMES = PRODUCTS            # the algorithm table's products
+RING_NAMES = ("ring_allreduce", "ring_reduce_scatter", "ring_allgather")
+ALGORITHM_NAMES = MATMUL_NAMES + RING_NAMES
 
 
 class EventSpec(NamedTuple):

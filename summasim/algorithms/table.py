@@ -1,0 +1,132 @@
+"""The table that describes each algorithm: what it computes, its layouts, the
+stored shapes of its operands and what the global sizes must divide (pure).
+
+Every front-end, test and benchmark reads this table; nothing else lists the
+algorithms. ``ALGORITHMS[name]`` is an :class:`AlgorithmSpec`; ``spec.fn`` is the
+function itself.
+
+==============  ======  ====  ========  ========  ========
+name            kind    op    A layout  B layout  C layout
+==============  ======  ====  ========  ========  ========
+cannon_ab       2d      ab    2d        2d        2d
+summa_ab        2d      ab    2d        2d        2d
+summa_abt       2d      abt   2d        2d        2d
+summa_atb       2d      atb   2d        2d        2d
+summa25_ab      2.5d    ab    2.5d      2d        2.5d
+summa25_abt     2.5d    abt   2.5d      2d        2.5d
+summa25_atb     2.5d    atb   2.5d      2.5d      2d
+ring_allreduce  ring    -     -         -         -
+==============  ======  ====  ========  ========  ========
+
+``op`` names C[m, n] = op(A)[m, k] op(B)[k, n]: ``ab`` stores A [m, k] and B [k, n],
+``abt`` stores B as [n, k], ``atb`` stores A as [k, m].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..grid import grid_shapes
+from ..layout import block_counts
+
+OPS = ("ab", "abt", "atb")
+
+# the global dimension names of each stored operand and of C, per op
+_DIMS = {"ab": (("m", "k"), ("k", "n")), "abt": (("m", "k"), ("n", "k")),
+         "atb": (("k", "m"), ("k", "n"))}
+
+
+def stored_shapes(op: str, m: int, k: int, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Global shapes of the stored A and B for C[m, n] = op(A)[m, k] op(B)[k, n]."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    size = {"m": int(m), "k": int(k), "n": int(n)}
+    (ra, ca), (rb, cb) = _DIMS[op]
+    return (size[ra], size[ca]), (size[rb], size[cb])
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One row of the table."""
+
+    name: str
+    kind: str                 # "2d" (q x q grid), "2.5d" ([q, q, d]) or "ring"
+    op: str | None = None     # "ab", "abt", "atb"; None for the ring
+    layout_a: str | None = None
+    layout_b: str | None = None
+    layout_c: str | None = None
+
+    @property
+    def fn(self):
+        """The algorithm function (``fn(a, b, grid, out=None)``; the ring:
+        ``fn(x, comm, out=None)``)."""
+        from .. import algorithms
+
+        return getattr(algorithms, self.name)
+
+    @property
+    def is_product(self) -> bool:
+        return self.kind != "ring"
+
+    def stored_shapes(self, m: int, k: int, n: int):
+        """Global shapes of the stored A and B."""
+        return stored_shapes(self.op, m, k, n)
+
+    def grids(self, p: int) -> list[tuple[int, int]]:
+        """The ``(q, d)`` grids this algorithm runs on with p ranks (the ring: ``[(p, 1)]``
+        meaning all p ranks in one group)."""
+        if self.kind == "ring":
+            return [(p, 1)]
+        return grid_shapes(p, self.kind)
+
+    def grid_label(self, q: int, d: int) -> str:
+        if self.kind == "ring":
+            return f"ring p={q}"
+        return f"{q}x{q}" if self.kind == "2d" else f"[{q},{q},{d}]"
+
+    def divisors(self, q: int, d: int) -> dict[str, int]:
+        """What each of m, k, n must be divisible by on a [q, q, d] grid."""
+        need = {"m": 1, "k": 1, "n": 1}
+        (ra, ca), (rb, cb) = _DIMS[self.op]
+        for (r, c), lay in (((ra, ca), self.layout_a), ((rb, cb), self.layout_b),
+                            (("m", "n"), self.layout_c)):
+            nr, nc = block_counts(lay, q, d)
+            need[r] = math.lcm(need[r], nr)
+            need[c] = math.lcm(need[c], nc)
+        return need
+
+    def misfit(self, m: int, k: int, n: int, q: int, d: int) -> str:
+        """Why (m, k, n) cannot run on [q, q, d] ("" when it can)."""
+        need = self.divisors(q, d)
+        bad = [f"{name}={size} is not divisible by {need[name]}"
+               for name, size in zip("mkn", (m, k, n)) if size % need[name]]
+        return "; ".join(bad)
+
+    def round_up(self, m: int, k: int, n: int, q: int, d: int) -> tuple[int, int, int]:
+        """The smallest sizes at least (m, k, n) that fit [q, q, d]."""
+        need = self.divisors(q, d)
+        return tuple(-(-size // need[name]) * need[name]
+                     for name, size in zip("mkn", (m, k, n)))
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {s.name: s for s in (
+    AlgorithmSpec("cannon_ab", "2d", "ab", "2d", "2d", "2d"),
+    AlgorithmSpec("summa_ab", "2d", "ab", "2d", "2d", "2d"),
+    AlgorithmSpec("summa_abt", "2d", "abt", "2d", "2d", "2d"),
+    AlgorithmSpec("summa_atb", "2d", "atb", "2d", "2d", "2d"),
+    AlgorithmSpec("summa25_ab", "2.5d", "ab", "2.5d", "2d", "2.5d"),
+    AlgorithmSpec("summa25_abt", "2.5d", "abt", "2.5d", "2d", "2.5d"),
+    AlgorithmSpec("summa25_atb", "2.5d", "atb", "2.5d", "2.5d", "2d"),
+    AlgorithmSpec("ring_allreduce", "ring"),
+)}
+PRODUCTS = tuple(name for name, s in ALGORITHMS.items() if s.is_product)
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    """The spec of ``name``; ``ValueError`` listing the choices otherwise."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; choose from "
+                         f"{', '.join(ALGORITHMS)}") from None
