@@ -1,4 +1,10 @@
-"""Bad input raises a clear error on every rank, before any communication."""
+"""Bad input raises a clear error on every rank, before any communication.
+
+Input that is bad on ONE rank only (rank 0 passes a block one row short, a float32
+block among float64 ones, a ring vector of another length, a local parameter of the
+wrong shape) must raise the same error on every rank too: the agreement of
+:func:`summasim.mpiutil.agree`. Without it these calls hang or abort the job.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import pytest
 from _util import WORLD, collective_raises, grid_shapes, parallel_assert, skip_unless
 from summasim import algorithms as algs
 from summasim import layout
-from summasim.grid import Grid
+from summasim.grid import Grid, Grid1D
+from summasim.transformer import megatron, model, optimus
 
 P = WORLD.Get_size()
 Q, D = grid_shapes(P)[-1] if grid_shapes(P)[-1][0] > 1 else grid_shapes(P)[0]
@@ -67,3 +74,138 @@ def test_mismatched_dtypes_and_shapes(fn):
 def test_ring_bad_input():
     collective_raises(TypeError, algs.ring_allreduce, [1.0, 2.0], WORLD)
     collective_raises(ValueError, algs.ring_allreduce, np.ones(3), WORLD, out=np.ones(4))
+
+
+# --------------------------------------------------------------------------- #
+# bad on one rank only: every rank raises the same error (the agreement)       #
+# --------------------------------------------------------------------------- #
+RANK = WORLD.Get_rank()
+BLK = 3                     # every block is BLK x BLK unless a test makes rank 0's short
+
+
+def same_everywhere(msg: str) -> None:
+    """Every rank got the same message."""
+    msgs = WORLD.allgather(msg)
+    parallel_assert(len(set(msgs)) == 1, f"messages differ: {msg!r} vs rank 0's {msgs[0]!r}")
+
+
+def one_rank_error(exc_type, fn, *args, **kwargs) -> str:
+    """``fn`` raises ``exc_type`` on every rank with one message naming rank 0."""
+    msg = collective_raises(exc_type, fn, *args, **kwargs)
+    same_everywhere(msg)
+    parallel_assert("rank 0" in msg, f"message does not name rank 0: {msg!r}")
+    return msg
+
+
+def grid_for(fn: str):
+    """A grid the algorithm runs on (d > 1 where one exists, for summa25), or None."""
+    shapes = [(q, d) for q, d in grid_shapes(P) if fn != "cannon_ab" or d == 1]
+    if fn.startswith("summa25"):
+        shapes.sort(key=lambda qd: -qd[1])
+    return shapes[0] if shapes else None
+
+
+@pytest.mark.parametrize("fn", ["summa_ab", "summa25_atb", "cannon_ab"])
+def test_one_rank_short_block(fn):
+    """Rank 0's A block is one row short: every rank raises the same ValueError."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    skip_unless(grid_for(fn) is not None, f"p = {P} has no grid for {fn}")
+    q, d = grid_for(fn)
+    with Grid(WORLD, q, d) as g:
+        a = np.ones((BLK - 1 if RANK == 0 else BLK, BLK))
+        msg = one_rank_error(ValueError, getattr(algs, fn), a, np.ones((BLK, BLK)), g)
+        if fn == "summa25_atb":   # rank 0's own check fails: a.shape[0] vs b.shape[0]
+            parallel_assert("bad input on rank 0" in msg and "do not conform" in msg
+                            and "passed the checks" in msg, f"message: {msg!r}")
+        else:                     # it conforms locally; the ranks' A block shapes differ
+            parallel_assert(f"A block shape: rank 0 has ({BLK - 1}, {BLK})" in msg
+                            and f"have ({BLK}, {BLK})" in msg, f"message: {msg!r}")
+        parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
+
+
+@pytest.mark.parametrize("fn", ["summa_abt", "summa25_ab", "cannon_ab"])
+def test_one_rank_dtype(fn):
+    """Rank 0 computes in float32, the others in float64: TypeError everywhere."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    skip_unless(grid_for(fn) is not None, f"p = {P} has no grid for {fn}")
+    q, d = grid_for(fn)
+    dtype = np.float32 if RANK == 0 else np.float64
+    with Grid(WORLD, q, d) as g:
+        msg = one_rank_error(TypeError, getattr(algs, fn), np.ones((BLK, BLK), dtype),
+                             np.ones((BLK, BLK), dtype), g)
+        parallel_assert("dtype: rank 0 has float32" in msg and "have float64" in msg,
+                        f"message: {msg!r}")
+        # and one operand alone: rank 0's own check fails, the others pass theirs
+        b = np.ones((BLK, BLK), dtype)
+        msg = one_rank_error(TypeError, getattr(algs, fn), np.ones((BLK, BLK)), b, g)
+        parallel_assert("bad input on rank 0" in msg and "float32" in msg, f"message: {msg!r}")
+        parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
+
+
+def test_one_rank_ring_length():
+    """ring_allreduce of 7 items on rank 0 and 8 elsewhere; the two halves alike."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    n = 7 if RANK == 0 else 8
+    msg = one_rank_error(ValueError, algs.ring_allreduce, np.ones(n), WORLD)
+    parallel_assert("shape of x: rank 0 has (7,)" in msg and "have (8,)" in msg,
+                    f"message: {msg!r}")
+    for fn in (algs.ring_reduce_scatter, algs.ring_allgather):
+        msg = one_rank_error(ValueError, fn, np.ones(n), WORLD)
+        parallel_assert("buffer shape: rank 0 has (7,)" in msg, f"message: {msg!r}")
+    # a bad out buffer on rank 0 only (its own check fails)
+    out = np.ones(9) if RANK == 0 else None
+    msg = one_rank_error(ValueError, algs.ring_allreduce, np.ones(8), WORLD, out=out)
+    parallel_assert("bad input on rank 0" in msg, f"message: {msg!r}")
+
+
+def test_one_rank_bad_local_param_megatron():
+    """Rank 0's local ``h0.mlp.fc.b`` is one element short: every rank raises."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    cfg = model.Config(vocab=3 * P, seq=4, hidden=4 * P, heads=P, layers=1)
+    params = model.init_params(cfg)
+    tokens = np.arange(2 * 4).reshape(2, 4) % cfg.vocab
+    with Grid1D(WORLD) as grid:
+        local = megatron.shard(params, cfg, grid)
+        if RANK == 0:
+            local["h0.mlp.fc.b"] = local["h0.mlp.fc.b"][:-1].copy()
+        msg = one_rank_error(ValueError, megatron.forward, local, tokens, tokens, cfg, grid)
+        parallel_assert("h0.mlp.fc.b" in msg and "passed the checks" in msg, f"message: {msg!r}")
+        # different tokens on rank 0 (same shape): the checksums differ
+        other = (tokens + (RANK == 0)) % cfg.vocab
+        local = megatron.shard(params, cfg, grid)
+        msg = one_rank_error(ValueError, megatron.forward, local, other, tokens, cfg, grid)
+        parallel_assert("ranks disagree on the tokens" in msg, f"message: {msg!r}")
+        parallel_assert(len(grid.trace.events) == 0, "a failed call communicated")
+
+
+def test_one_rank_bad_local_param_optimus():
+    """Rank 0 (row 0: it hosts ``lnf.g``) holds a ``lnf.g`` one element short."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    q, d = grid_shapes(P)[-1]
+    cfg = model.Config(vocab=3 * q, seq=4, hidden=4 * q, heads=2 * q, layers=1)
+    params = model.init_params(cfg)
+    tokens = np.arange(d * q * 4).reshape(d * q, 4) % cfg.vocab
+    with Grid(WORLD, q, d) as grid:
+        local = optimus.shard(params, cfg, grid)
+        if RANK == 0:
+            local["lnf.g"] = local["lnf.g"][:-1].copy()
+        msg = one_rank_error(ValueError, optimus.forward, local, tokens, tokens, cfg, grid)
+        parallel_assert("'lnf.g'" in msg and "passed the checks" in msg, f"message: {msg!r}")
+        # a config that differs on rank 0 only, at shard
+        cfg0 = model.Config(vocab=3 * q, seq=5 if RANK == 0 else 4, hidden=4 * q,
+                            heads=2 * q, layers=1)
+        msg = one_rank_error(ValueError, optimus.shard, model.init_params(cfg0), cfg0, grid)
+        parallel_assert("Config.seq: rank 0 has 5" in msg, f"message: {msg!r}")
+        parallel_assert(len(grid.trace.events) == 0, "a failed call communicated")
+
+
+def test_agreement_switch():
+    """set_agreement/agreement switch it; a good call works either way."""
+    from summasim.mpiutil import agreement, agreement_enabled, set_agreement
+
+    was = agreement_enabled()
+    with agreement(False):
+        parallel_assert(not agreement_enabled(), "agreement(False) did not switch it off")
+        y = algs.ring_allreduce(np.ones(5), WORLD)
+    parallel_assert(agreement_enabled() == was and np.all(y == P), "switch or result wrong")
+    parallel_assert(set_agreement(was) == was, "set_agreement returns the previous setting")

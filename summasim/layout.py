@@ -148,7 +148,7 @@ def split(M, grid, name: str):
     _check_layout_for(grid, name)
     xp = array_module(M)
     sl = block_slices(M.shape, name, grid_numbers(grid))
-    return xp.ascontiguousarray(M[sl])
+    return xp.array(M[sl], copy=True, order="C")   # a copy even when the block is contiguous
 
 
 def join(block, grid, name: str):

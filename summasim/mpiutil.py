@@ -1,16 +1,53 @@
-"""MPI helpers: abort on error, collective verdicts, BLAS threads.
+"""MPI helpers: abort on error, collective verdicts and agreements, BLAS threads.
 
 These use raw mpi4py communicators (untraced): they are bookkeeping, not part of
 any algorithm's traffic.
+
+Abort on an unhandled exception
+-------------------------------
+:func:`install_abort_hook` makes an exception that nobody catches end the whole job
+(``MPI_Abort``) with the failing rank's ``[rank r/p]`` and traceback, instead of
+leaving the other ranks waiting forever in their next collective. Opt out with
+``SUMMASIM_ABORT_HOOK=0``. :func:`abort_on_error` does the same for one block.
+
+Agreement on arguments
+----------------------
+:func:`agree` is the one collective that makes a local argument check collective:
+every rank checks its own arguments, then all ranks all-gather ``(signature, local
+error)`` and either all raise the same error or none does. The public algorithms
+(:mod:`summasim.algorithms`) and the transformer schemes' entry points use it; see
+:mod:`summasim.algorithms._common` for what it costs. :func:`set_agreement` (or
+``SUMMASIM_AGREE=0``, read at import) switches it off everywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import os
+import pickle
 import sys
+import time
 import traceback
+import zlib
 
+import numpy as np
 from mpi4py import MPI
+
+_OFF = ("0", "false", "no", "off")
+_AGREE = os.environ.get("SUMMASIM_AGREE", "1").strip().lower() not in _OFF
+
+
+# --------------------------------------------------------------------------- #
+# abort on an unhandled exception                                             #
+# --------------------------------------------------------------------------- #
+def _abort_with(comm, text: str) -> None:
+    """Print ``[rank r/p] unhandled exception, aborting the job:`` and ``text``; abort."""
+    sys.stderr.write(f"[rank {comm.Get_rank()}/{comm.Get_size()}] unhandled exception, "
+                     f"aborting the job:\n{text}")
+    sys.stderr.flush()
+    comm.Abort(1)
 
 
 @contextlib.contextmanager
@@ -27,13 +64,52 @@ def abort_on_error(comm=None):
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException:  # noqa: BLE001 - anything else must take the job down
-        tb = traceback.format_exc()
-        sys.stderr.write(f"[rank {comm.Get_rank()}/{comm.Get_size()}] unhandled exception, "
-                         f"aborting the job:\n{tb}")
-        sys.stderr.flush()
-        comm.Abort(1)
+        _abort_with(comm, traceback.format_exc())
 
 
+def abort_hook_wanted() -> bool:
+    """False when ``SUMMASIM_ABORT_HOOK`` is 0/false/no/off (the opt-out)."""
+    return os.environ.get("SUMMASIM_ABORT_HOOK", "1").strip().lower() not in _OFF
+
+
+def install_abort_hook() -> bool:
+    """Make an unhandled exception on any rank end the whole MPI job.
+
+    Installs a :data:`sys.excepthook` that prints ``[rank r/p] unhandled exception,
+    aborting the job:`` and the traceback to stderr, then calls
+    ``MPI.COMM_WORLD.Abort(1)``; without it the other ranks of a job wait forever
+    in their next collective. Nothing is installed (the previous hook stays) when the
+    world has one rank or ``SUMMASIM_ABORT_HOOK=0``. Idempotent.
+
+    Returns
+    -------
+    bool
+        Whether the hook is installed now.
+
+    Notes
+    -----
+    Only exceptions that reach the interpreter's top level pass through
+    ``sys.excepthook``; ``SystemExit`` never does, and pytest catches test failures
+    itself (mpi_tests/conftest.py aborts those). Exceptions in threads other than the
+    main one end only their thread and are left alone.
+    """
+    if getattr(sys.excepthook, "_summasim_abort", False):
+        return True
+    if not abort_hook_wanted() or MPI.COMM_WORLD.Get_size() == 1:
+        return False
+
+    def hook(exc_type, exc, tb):
+        _abort_with(MPI.COMM_WORLD, "".join(traceback.format_exception(exc_type, exc, tb)))
+
+    hook._summasim_abort = True          # marks our hook (idempotence)
+    hook.previous = sys.excepthook       # what it replaced, for the curious
+    sys.excepthook = hook
+    return True
+
+
+# --------------------------------------------------------------------------- #
+# collective verdicts                                                         #
+# --------------------------------------------------------------------------- #
 def collective_verdict(ok: bool, comm=None) -> tuple[bool, list[int]]:
     """Agree on a verdict: ``(all ranks ok, ranks that were not)`` on every rank."""
     comm = comm or MPI.COMM_WORLD
@@ -48,6 +124,254 @@ def max_over_ranks(value: float, comm=None) -> float:
     return comm.allreduce(float(value), op=MPI.MAX)
 
 
+# --------------------------------------------------------------------------- #
+# agreement on arguments                                                      #
+# --------------------------------------------------------------------------- #
+def set_agreement(on: bool) -> bool:
+    """Switch the collective agreement of the public entry points on or off (this
+    process; every rank must choose alike). Returns the previous setting."""
+    global _AGREE
+    previous, _AGREE = _AGREE, bool(on)
+    return previous
+
+
+def agreement_enabled() -> bool:
+    """Whether the public entry points run the collective agreement."""
+    return _AGREE
+
+
+@contextlib.contextmanager
+def agreement(on: bool):
+    """``with agreement(False): ...`` runs the block with the agreement switched off."""
+    previous = set_agreement(on)
+    try:
+        yield
+    finally:
+        set_agreement(previous)
+
+
+def shape_of(x):
+    """A picklable description of an argument for a signature: its shape, or its type."""
+    shape = getattr(x, "shape", None)
+    return tuple(int(n) for n in shape) if shape is not None else type(x).__name__
+
+
+def dtype_of(x) -> str:
+    """The dtype's name, or the type's when ``x`` is not an array."""
+    dt = getattr(x, "dtype", None)
+    return str(dt) if dt is not None else type(x).__name__
+
+
+def fingerprint(x) -> str:
+    """``"(2, 5) int64 crc32 1a2b3c4d"``: shape, dtype and a checksum of the contents
+    (small arrays such as token ids; a device array is copied to the host)."""
+    if x is None or not hasattr(x, "shape"):
+        return type(x).__name__
+    host = x.get() if hasattr(x, "get") and not hasattr(x, "__array_interface__") else x
+    try:
+        crc = zlib.crc32(np.ascontiguousarray(host).view(np.uint8).reshape(-1))
+    except (TypeError, ValueError):      # not a plain numeric array: shape and dtype only
+        return f"{shape_of(x)} {dtype_of(x)}"
+    return f"{shape_of(x)} {dtype_of(x)} crc32 {crc:08x}"
+
+
+def fields_of(obj, prefix: str) -> dict:
+    """``{"prefix.field": value}`` of a dataclass (dtypes by name), for a signature."""
+    if not dataclasses.is_dataclass(obj):
+        return {prefix: type(obj).__name__}
+    out = {}
+    for f in dataclasses.fields(obj):
+        val = getattr(obj, f.name)
+        out[f"{prefix}.{f.name}"] = val if isinstance(val, (int, float, str, bool)) \
+            else getattr(val, "__name__", str(val))
+    return out
+
+
+def local_error(check, *args, **kwargs):
+    """``(check(*args, **kwargs), None)``, or ``(None, error)`` if it raised
+    ``ValueError``/``TypeError`` (to be shared by :func:`agree`, not raised alone)."""
+    try:
+        return check(*args, **kwargs), None
+    except (TypeError, ValueError) as e:
+        return None, e
+
+
+def raw_mpi(comm):
+    """The raw mpi4py communicator of a summasim Comm (``.mpi``), a grid (its
+    ``world``) or an mpi4py communicator itself."""
+    if isinstance(comm, MPI.Comm):
+        return comm
+    if isinstance(getattr(comm, "mpi", None), MPI.Comm):
+        return comm.mpi
+    if isinstance(getattr(getattr(comm, "world", None), "mpi", None), MPI.Comm):
+        return comm.world.mpi
+    raise TypeError(f"expected a communicator or a grid, got {type(comm).__name__}")
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[0]`` -> "rank 0"; ``[1, 2, 3, 5]`` -> "ranks 1-3, 5"."""
+    runs, start = [], None
+    for n, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if n + 1 == len(ranks) or ranks[n + 1] != r + 1:
+            runs.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+
+
+def _groups(values: list) -> list:
+    """``[(value, ranks holding it)]`` in the order of each value's first rank."""
+    out: list = []
+    for r, v in enumerate(values):
+        for val, ranks in out:
+            if val == v:
+                ranks.append(r)
+                break
+        else:
+            out.append((v, [r]))
+    return out
+
+
+def _strip(fn: str, msg: str) -> str:
+    """``msg`` without a leading "fn: " or "module: " (the combined message starts so)."""
+    for prefix in (f"{fn}: ", f"{fn.split('.')[0]}: "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def _joined(parts: list, limit: int = 4) -> str:
+    more = f"; ... ({len(parts) - limit} more)" if len(parts) > limit else ""
+    return "; ".join(parts[:limit]) + more
+
+
+def _wait_policy(comm) -> str:
+    """The wait policy of a summasim Comm or of a grid's world; "spin" for a raw comm."""
+    policy = getattr(comm, "wait_policy", None) or getattr(getattr(comm, "world", None),
+                                                           "wait_policy", None)
+    return policy if policy in ("sleep", "yield") else "spin"
+
+
+def _wait(req, policy: str) -> None:
+    """Complete a raw request: ``MPI_Wait``, or test and give the core away meanwhile."""
+    if policy == "spin":
+        req.Wait()
+        return
+    while not req.Test():
+        if policy == "yield":
+            os.sched_yield()
+        else:
+            time.sleep(20e-6)
+
+
+def allgather_objects(raw, obj, policy: str = "spin") -> list:
+    """``raw.allgather(obj)`` (small picklable objects), waiting by ``policy``.
+
+    "spin" is mpi4py's blocking ``allgather`` (one collective); "sleep"/"yield" (what an
+    oversubscribed Comm uses) pickle by hand and run a non-blocking ``Iallgather`` of the
+    lengths and an ``Iallgatherv`` of the bytes, so that a waiting rank does not keep a
+    core from the ranks that are still on their way (measured: a spinning agreement
+    added milliseconds to a 64 x 64 SUMMA at p = 4 on 2 busy cores).
+    """
+    if policy == "spin":
+        return raw.allgather(obj)
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    size = raw.Get_size()
+    counts = np.empty(size, np.int64)
+    _wait(raw.Iallgather(np.array([data.size], np.int64), counts), policy)
+    displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    buf = np.empty(int(counts.sum()), np.uint8)
+    _wait(raw.Iallgatherv(data, [buf, (counts.tolist(), displs.tolist()), MPI.BYTE]), policy)
+    return [pickle.loads(buf[d:d + c].tobytes()) for d, c in zip(displs, counts)]
+
+
+def agree(fn: str, comm, signature: dict, error: BaseException | None = None) -> None:
+    """Collective: every rank raises the same error, or none does.
+
+    Parameters
+    ----------
+    fn : str
+        The public function's name (the first word of every message).
+    comm : Comm, grid or mpi4py.MPI.Comm
+        The ranks that must agree (a grid: its ``world``). Its raw communicator
+        carries, untraced and waited for by the Comm's wait policy, one ``Iallreduce``
+        (MAX) of 3 int64: a 56-bit digest of the signature, its negation and a failure
+        flag. Only when they show a difference or a failure does a pickled all-gather
+        of every signature and error follow (:func:`allgather_objects`), to say what.
+    signature : dict
+        ``{what: value}`` that must be equal on every rank (small picklable values;
+        a key ending in "dtype" makes a difference a ``TypeError``), e.g.
+        ``{"dtype": "float64", "A block shape": (5, 8)}``.
+    error : ValueError or TypeError, optional
+        This rank's local check failure.
+
+    Raises
+    ------
+    ValueError or TypeError
+        On every rank alike: the local error itself if every rank had that same
+        error; else, if any rank failed, the lowest failing rank's error type with
+        each distinct message and the ranks that raised it (``summa_ab: bad input on
+        rank 0: ...; ranks 1-3 passed the checks``); else, if the signatures differ,
+        e.g. ``summa_ab: ranks disagree on the A block shape: rank 0 has (5, 8),
+        ranks 1-3 have (6, 8)``.
+
+    Notes
+    -----
+    Switched off (:func:`set_agreement`), or on one rank, it only raises ``error``.
+    """
+    raw = raw_mpi(comm)
+    if not _AGREE or raw.Get_size() == 1:
+        if error is not None:
+            raise error
+        return
+    policy = _wait_policy(comm)
+    # fast path, one collective: the max of (digest, -digest, failed) over the ranks shows
+    # whether every digest is the same and no rank failed (a digest that differs for equal
+    # signatures only costs the slow path, which compares by ==)
+    data = repr((fn, signature)).encode()
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+    mine = np.array([digest, -digest, error is not None], np.int64)
+    top = np.empty(3, np.int64)
+    _wait(raw.Iallreduce(mine, top, op=MPI.MAX), policy)
+    if top[0] == digest and top[1] == -digest and not top[2]:
+        return
+    # someone differs or failed (every rank knows it): gather everything to say what
+    mine = None if error is None else (
+        TypeError if isinstance(error, TypeError) else ValueError, str(error))
+    everyone = allgather_objects(raw, (fn, signature, mine), policy)
+    fn = everyone[0][0]                  # one prefix everywhere, even if the calls differ
+    errors = [e for _, _, e in everyone]
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        kinds = _groups(errors)
+        if len(failed) == len(errors) and len(kinds) == 1:
+            raise error                  # the same error on every rank: as it is
+        parts = [f"bad input on {ranks_text(ranks)}: {_strip(fn, e[1])}"
+                 for e, ranks in kinds if e is not None]
+        passed = [r for r, e in enumerate(errors) if e is None]
+        if passed:
+            parts.append(f"{ranks_text(passed)} passed the checks")
+        raise errors[failed[0]][0](f"{fn}: {_joined(parts)}") from error
+    sigs = [{"function": f, **s} for f, s, _ in everyone]
+    diffs, etype = [], ValueError
+    for key in dict.fromkeys(k for s in sigs for k in s):
+        groups = _groups([s.get(key, "nothing") for s in sigs])
+        if len(groups) == 1:
+            continue
+        if key.endswith("dtype"):
+            etype = TypeError
+        held = ", ".join(f"{ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {val}"
+                         for val, ranks in groups[:4])
+        more = f", ... ({len(groups) - 4} more)" if len(groups) > 4 else ""
+        diffs.append(f"ranks disagree on the {key}: {held}{more}")
+    if diffs:
+        raise etype(f"{fn}: {_joined(diffs)}")
+
+
+# --------------------------------------------------------------------------- #
+# threads                                                                     #
+# --------------------------------------------------------------------------- #
 def limit_blas_threads(n: int | None = None):
     """Limit BLAS/OpenMP threads of this process (default: 1 under MPI with p > 1).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ..backends import array_module
 from ..comm import as_comm
+from ._common import agree, dtype_of, local_error, shape_of
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -46,15 +47,42 @@ def _flat(x, fn):
     return x
 
 
+def _work(work, flat, p, fn):
+    """``work`` is None or a 1-D buffer of ``flat``'s dtype with room for the largest chunk."""
+    if work is None:
+        return
+    need = -(-flat.shape[0] // p)                                 # ceil(N / P)
+    if (not hasattr(work, "dtype") or work.dtype != flat.dtype or work.ndim != 1
+            or work.shape[0] < need or not work.flags.c_contiguous):
+        raise ValueError(f"{fn}: work must be a contiguous 1-D {flat.dtype} buffer of at "
+                         f"least ceil(N / P) = {need} items, got {shape_of(work)} "
+                         f"{dtype_of(work)}")
+
+
+def _agree_flat(fn, flat, comm, work=None):
+    """The checked entry of the two halves: local checks, then the agreement over ``comm``."""
+    comm = as_comm(comm, name="ring")
+    _, err = local_error(lambda: (_flat(flat, fn), _work(work, flat, comm.size, fn)))
+    agree(fn, comm, {"dtype": dtype_of(flat), "buffer shape": shape_of(flat)}, err)
+    return comm
+
+
 def ring_reduce_scatter(flat, comm, work=None) -> int:
     """In-place ring reduce-scatter of the 1-D contiguous ``flat`` over ``comm``.
 
     Afterwards chunk ``(rank + 1) % P`` of ``flat`` holds the sum over all ranks
     (other chunks hold partial sums). Returns that chunk's index.
     ``work`` is an optional receive workspace of at least ``ceil(N / P)`` items.
+    ``flat`` must have the same length and dtype on every rank: a rank where it does
+    not (or any local check fails) makes every rank raise, before anything is sent.
     """
+    comm = _agree_flat("ring_reduce_scatter", flat, comm, work)
+    return ring_reduce_scatter_unchecked(flat, comm, work)
+
+
+def ring_reduce_scatter_unchecked(flat, comm, work=None) -> int:
+    """:func:`ring_reduce_scatter` without the checks and the agreement (library use)."""
     comm = as_comm(comm, name="ring")
-    _flat(flat, "ring_reduce_scatter")
     p, r = comm.size, comm.rank
     if p == 1:
         return 0
@@ -74,9 +102,15 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
 
 def ring_allgather(flat, comm):
     """In-place ring all-gather: rank r contributes chunk ``(r + 1) % P`` of ``flat``;
-    afterwards every chunk on every rank holds its owner's data. Returns ``flat``."""
+    afterwards every chunk on every rank holds its owner's data. Returns ``flat``.
+    Checked and agreed like :func:`ring_reduce_scatter`."""
+    comm = _agree_flat("ring_allgather", flat, comm)
+    return ring_allgather_unchecked(flat, comm)
+
+
+def ring_allgather_unchecked(flat, comm):
+    """:func:`ring_allgather` without the checks and the agreement (library use)."""
     comm = as_comm(comm, name="ring")
-    _flat(flat, "ring_allgather")
     p, r = comm.size, comm.rank
     if p == 1:
         return flat
@@ -107,23 +141,43 @@ def ring_allreduce(x, comm, out=None):
     array
         The element-wise sum, shaped like ``x``.
 
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank alike, before anything is sent, when ``x`` or ``out`` is bad on
+        any rank or the ranks disagree on the shape or dtype of ``x``.
+
     Notes
     -----
     Per rank: 2(P-1) sendrecvs of about N/P items (see the module docstring).
     """
     comm = as_comm(comm, name="ring")
-    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"ring_allreduce: expected a numeric array, got {type(x).__name__}")
+
+    def local():
+        if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
+            raise TypeError(f"ring_allreduce: expected a numeric array, got {type(x).__name__}")
+        if out is not None and out is not x:
+            if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
+                raise ValueError("ring_allreduce: out must have the shape and dtype of x")
+            array_module(out, x)         # raises TypeError on mixed host/device arrays
+        if out is not None and not out.flags.c_contiguous:
+            raise ValueError("ring_allreduce: out must be C-contiguous")
+
+    _, err = local_error(local)
+    agree("ring_allreduce", comm, {"dtype": dtype_of(x), "shape of x": shape_of(x)}, err)
+    return ring_allreduce_unchecked(x, comm, out)
+
+
+def ring_allreduce_unchecked(x, comm, out=None):
+    """:func:`ring_allreduce` without the checks and the agreement, for library callers
+    that checked and agreed on their inputs (summa25_atb's depth sum, the schemes)."""
+    comm = as_comm(comm, name="ring")
     xp = array_module(x)
     if out is None:
         out = xp.array(x, copy=True, order="C")
     elif out is not x:
-        if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError("ring_allreduce: out must have the shape and dtype of x")
         out[...] = x
-    if not out.flags.c_contiguous:
-        raise ValueError("ring_allreduce: out must be C-contiguous")
     flat = out.reshape(-1)
-    ring_reduce_scatter(flat, comm)
-    ring_allgather(flat, comm)
+    ring_reduce_scatter_unchecked(flat, comm)
+    ring_allgather_unchecked(flat, comm)
     return out

@@ -13,6 +13,14 @@ skew: 1 sendrecv on ``grid.row`` of an (m/q)(k/q) A block if i % q != 0, and 1 o
 then q-1 sendrecvs on ``grid.row`` of the A block and q-1 on ``grid.col`` of the
 B block: the skew plus 2(q-1) shifts.
 
+Checks
+------
+Each public function checks its own arguments, then agrees with the other ranks of
+the grid (one small untraced collective, :mod:`summasim.algorithms._common`): input
+that is bad on any one rank raises the same ``ValueError``/``TypeError`` on every
+rank before anything is sent. The ``*_unchecked`` twins skip both, for library
+callers that have checked and agreed already.
+
 References
 ----------
 L. E. Cannon, "A cellular computer to implement the Kalman filter algorithm",
@@ -21,7 +29,8 @@ PhD thesis, Montana State University, 1969.
 
 from __future__ import annotations
 
-from ._common import check_grid, check_inner, check_operands, contiguous
+from ..backends import backend_of
+from ._common import check_product, contiguous
 
 
 def cannon_ab(a, b, grid, out=None):
@@ -44,19 +53,33 @@ def cannon_ab(a, b, grid, out=None):
     Raises
     ------
     ValueError
-        If ``grid.d != 1`` (Cannon needs p = q*q) or the blocks do not conform.
+        If ``grid.d != 1`` (Cannon needs p = q*q) or the blocks do not conform, on
+        any rank, or the ranks' block shapes differ: on every rank alike.
+    TypeError
+        For dtypes that are not floating or differ (between a and b, or between ranks).
 
     Notes
     -----
     Per rank: the skew (at most one sendrecv of each block) plus q-1 shifts of the A
     block on ``grid.row`` and q-1 of the B block on ``grid.col``.
     """
-    be = check_operands(a, b, "cannon_ab")
-    check_grid(grid, "cannon_ab")
-    if grid.d != 1:
-        raise ValueError(f"cannon_ab needs a q x q grid (p = q*q), got [q, q, d] = "
-                         f"[{grid.q}, {grid.q}, {grid.d}] with p = {grid.p}")
-    check_inner("cannon_ab", "a.shape[1] (k/q) vs b.shape[0] (k/q)", a.shape[1], b.shape[0])
+    def needs_2d():
+        if grid.d != 1:
+            raise ValueError(f"cannon_ab needs a q x q grid (p = q*q), got [q, q, d] = "
+                             f"[{grid.q}, {grid.q}, {grid.d}] with p = {grid.p}")
+
+    be = check_product("cannon_ab", "ab", a, b, grid, out, "k/q", extra=needs_2d)
+    return _cannon_ab(a, b, grid, be, out)
+
+
+def cannon_ab_unchecked(a, b, grid, out=None):
+    """:func:`cannon_ab` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once."""
+    return _cannon_ab(a, b, grid, backend_of(a), out)
+
+
+def _cannon_ab(a, b, grid, be, out):
+    """The skew, then q multiply-and-shift steps (see the module docstring)."""
     a, b = contiguous(a), contiguous(b)
     xp, q = be.xp, grid.q
     c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)

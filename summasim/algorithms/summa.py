@@ -32,6 +32,14 @@ repeated calls of one shape allocate nothing), and reuses them for all q steps: 
 posted before the multiply of step l (double buffering), and each reduce is
 posted without waiting so it proceeds under the next multiply.
 
+Checks
+------
+Each public function checks its own arguments, then agrees with the other ranks of
+the grid (one small untraced collective, :mod:`summasim.algorithms._common`): input
+that is bad on any one rank raises the same ``ValueError``/``TypeError`` on every
+rank before anything is sent. The ``*_unchecked`` twins skip both, for library
+callers that have checked and agreed already.
+
 References
 ----------
 R. A. van de Geijn and J. Watts, "SUMMA: Scalable Universal Matrix Multiplication
@@ -42,7 +50,8 @@ Deep Learning Models" (Optimus), 2021, Algorithms 1-3.
 
 from __future__ import annotations
 
-from ._common import check_grid, check_inner, check_operands, contiguous
+from ..backends import backend_of
+from ._common import check_product, contiguous
 
 
 def _summa_ab(a, b, row, col, be, out=None):
@@ -153,10 +162,14 @@ def summa_ab(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.row`` of (m/q)(k/q) items and q broadcasts on
     ``grid.col`` of (k/q)(n/q) items; 2 m n k / q^2 flops.
     """
-    be = check_operands(a, b, "summa_ab")
-    check_grid(grid, "summa_ab")
-    check_inner("summa_ab", "a.shape[1] (k/q) vs b.shape[0] (k/q)", a.shape[1], b.shape[0])
+    be = check_product("summa_ab", "ab", a, b, grid, out, "k/q")
     return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+
+
+def summa_ab_unchecked(a, b, grid, out=None):
+    """:func:`summa_ab` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
 def summa_abt(a, b, grid, out=None):
@@ -180,10 +193,14 @@ def summa_abt(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.col`` of (n/q)(k/q) items and q sum-reduces on
     ``grid.row`` of (m/q)(n/q) items.
     """
-    be = check_operands(a, b, "summa_abt")
-    check_grid(grid, "summa_abt")
-    check_inner("summa_abt", "a.shape[1] (k/q) vs b.shape[1] (k/q)", a.shape[1], b.shape[1])
+    be = check_product("summa_abt", "abt", a, b, grid, out, "k/q")
     return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+
+
+def summa_abt_unchecked(a, b, grid, out=None):
+    """:func:`summa_abt` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
 def summa_atb(a, b, grid, out=None):
@@ -207,7 +224,11 @@ def summa_atb(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.row`` of (k/q)(m/q) items and q sum-reduces on
     ``grid.col`` of (m/q)(n/q) items.
     """
-    be = check_operands(a, b, "summa_atb")
-    check_grid(grid, "summa_atb")
-    check_inner("summa_atb", "a.shape[0] (k/q) vs b.shape[0] (k/q)", a.shape[0], b.shape[0])
+    be = check_product("summa_atb", "atb", a, b, grid, out, "k/q")
     return _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+
+
+def summa_atb_unchecked(a, b, grid, out=None):
+    """:func:`summa_atb` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)

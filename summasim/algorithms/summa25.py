@@ -21,6 +21,14 @@ With d = 1 these are exactly ``summa_ab``, ``summa_abt`` and ``summa_atb``.
 Backward of C = A B with A 2.5d and B 2d: dA = summa25_abt(dC, B), dB = summa25_atb(A, dC)
 (the depth all-reduce of dB is the paper's "all-reduce after the computation of B'").
 
+Checks
+------
+Each public function checks its own arguments, then agrees with the other ranks of
+the grid (one small untraced collective, :mod:`summasim.algorithms._common`): input
+that is bad on any one rank raises the same ``ValueError``/``TypeError`` on every
+rank before anything is sent. The ``*_unchecked`` twins skip both, for library
+callers that have checked and agreed already.
+
 References
 ----------
 E. Solomonik and J. Demmel, "Communication-optimal parallel 2.5D matrix
@@ -31,8 +39,9 @@ B. Wang, Q. Xu, Z. Bian, Y. You, "Tesseract / 2.5-dimensional tensor parallelism
 
 from __future__ import annotations
 
-from ._common import check_grid, check_inner, check_operands, contiguous
-from .allreduce import ring_allreduce
+from ..backends import backend_of
+from ._common import check_product, contiguous
+from .allreduce import ring_allreduce_unchecked
 from .summa import _summa_ab, _summa_abt, _summa_atb
 
 
@@ -57,10 +66,14 @@ def summa25_ab(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.row`` of (m/(dq))(k/q) items and q on
     ``grid.col`` of (k/q)(n/q) items.
     """
-    be = check_operands(a, b, "summa25_ab")
-    check_grid(grid, "summa25_ab")
-    check_inner("summa25_ab", "a.shape[1] (k/q) vs b.shape[0] (k/q)", a.shape[1], b.shape[0])
+    be = check_product("summa25_ab", "ab", a, b, grid, out, "k/q")
     return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+
+
+def summa25_ab_unchecked(a, b, grid, out=None):
+    """:func:`summa25_ab` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
 def summa25_abt(a, b, grid, out=None):
@@ -84,10 +97,14 @@ def summa25_abt(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.col`` of (n/q)(k/q) items and q sum-reduces
     on ``grid.row`` of (m/(dq))(n/q) items.
     """
-    be = check_operands(a, b, "summa25_abt")
-    check_grid(grid, "summa25_abt")
-    check_inner("summa25_abt", "a.shape[1] (k/q) vs b.shape[1] (k/q)", a.shape[1], b.shape[1])
+    be = check_product("summa25_abt", "abt", a, b, grid, out, "k/q")
     return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+
+
+def summa25_abt_unchecked(a, b, grid, out=None):
+    """:func:`summa25_abt` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
 def summa25_atb(a, b, grid, out=None):
@@ -112,12 +129,20 @@ def summa25_atb(a, b, grid, out=None):
     ``grid.col`` of (m/q)(n/q) items, and a ring all-reduce of (m/q)(n/q) items over
     ``grid.depth`` (2(d-1) sendrecvs).
     """
-    be = check_operands(a, b, "summa25_atb")
-    check_grid(grid, "summa25_atb")
-    check_inner("summa25_atb", "a.shape[0] (k/(dq)) vs b.shape[0] (k/(dq))",
-                a.shape[0], b.shape[0])
+    be = check_product("summa25_atb", "atb", a, b, grid, out, "k/(dq)")
+    return _summa25_atb(a, b, grid, be, out)
+
+
+def summa25_atb_unchecked(a, b, grid, out=None):
+    """:func:`summa25_atb` without the checks and the agreement, for library callers that
+    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    return _summa25_atb(a, b, grid, backend_of(a), out)
+
+
+def _summa25_atb(a, b, grid, be, out):
+    """The layer's SUMMA A^T B, then the ring all-reduce over the depth."""
     c = _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
     if grid.depth.size > 1:
         # each layer summed its own rows of A^T B; the depth sum completes C
-        ring_allreduce(c, grid.depth, out=c)
+        ring_allreduce_unchecked(c, grid.depth, out=c)
     return c

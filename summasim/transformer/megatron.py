@@ -88,6 +88,7 @@ from typing import Any, NamedTuple, Optional
 
 from summasim import layout
 from summasim.backends import array_module
+from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
 from . import model, ops
 from .model import Config
@@ -221,16 +222,17 @@ def _vocab_hooks(grid):
 # shard / unshard                                                             #
 # --------------------------------------------------------------------------- #
 def _split(a, kind: str, grid):
-    """This rank's block (a C-contiguous copy) of the serial array ``a``."""
+    """This rank's block of the serial array ``a``: a fresh C-contiguous copy, never a
+    view (an in-place optimizer step on the shards must not touch the serial model)."""
     xp = array_module(a)
-    if kind == "replicated":
-        return a.copy()
     if kind in ("row", "col"):
-        return layout.split(a, grid, kind)
-    # qkv: [..., 3h] = [..., 3, p, h/p] -> [..., 3, h/p] of this rank's heads
-    lead, c = a.shape[:-1], a.shape[-1] // (3 * grid.p)
-    blocks = a.reshape(lead + (3, grid.p, c))               # (..., 3, p, h/p) view
-    return xp.ascontiguousarray(blocks[..., grid.rank, :]).reshape(lead + (3 * c,))  # (..., 3h/p)
+        a = a[layout.block_slices(a.shape, kind, layout.grid_numbers(grid))]   # view
+    elif kind == "qkv":
+        # [..., 3h] = [..., 3, p, h/p] -> [..., 3, h/p] of this rank's heads
+        lead, c = a.shape[:-1], a.shape[-1] // (3 * grid.p)
+        a = a.reshape(lead + (3, grid.p, c))[..., grid.rank, :]         # (..., 3, h/p) view
+        return xp.array(a, copy=True, order="C").reshape(lead + (3 * c,))     # (..., 3h/p)
+    return xp.array(a, copy=True, order="C")
 
 
 def _assemble(parts, kind: str):
@@ -261,12 +263,19 @@ def shard(params: dict, config: Config, grid) -> dict:
     Returns
     -------
     dict
-        Same keys, local shapes (:func:`local_param_shapes`), C-contiguous copies.
-        No communication; raises ``ValueError`` on every rank when the config does not
-        divide (:func:`check`) or ``params`` do not match it.
+        Same keys, local shapes (:func:`local_param_shapes`), fresh C-contiguous copies
+        (never views of ``params``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank alike when the config does not divide (:func:`check`) or
+        ``params`` do not match it on any rank, or the ranks' configs differ: the only
+        message is the (untraced) agreement of :func:`summasim.mpiutil.agree`.
     """
-    check(config, grid)
-    model.check_params(params, config)
+    _check_grid(grid)          # not a group: no communicator to agree over, raise alone
+    _, err = local_error(lambda: (check(config, grid), model.check_params(params, config)))
+    agree("megatron.shard", grid, fields_of(config, "Config"), err)
     return {name: _split(params[name], kind, grid)
             for name, kind in param_layout(config).items()}
 
@@ -276,12 +285,20 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
 
     One all-gather (phase ``unshard/aux.gather``) of all sharded blocks packed into
     one buffer; replicated gradients are this rank's copy (identical everywhere).
-    Nothing is sent when ``p == 1``.
+    Nothing is sent when ``p == 1``. Bad ``local_grads`` on any rank, or configs that
+    differ, raise on every rank before it (the untraced agreement).
     """
-    check(config, grid)
+    _check_grid(grid)          # not a group: no communicator to agree over, raise alone
+
+    def local():
+        check(config, grid)
+        _check_arrays(local_grads, local_param_shapes(config, grid.p), config.dtype,
+                      f"local grads (p = {grid.p})")
+
+    _, err = local_error(local)
+    agree("megatron.unshard", grid, fields_of(config, "Config"), err)
     kinds = param_layout(config)
     shapes = local_param_shapes(config, grid.p)
-    _check_arrays(local_grads, shapes, config.dtype, f"local grads (p = {grid.p})")
     sharded = [name for name, kind in kinds.items() if kind != "replicated"]
     xp = array_module(local_grads[sharded[0]])
     sizes = [math.prod(shapes[name]) for name in sharded]
@@ -391,13 +408,24 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     ``targets`` are the global [b, s] next-token ids ([b] classes when
     ``config.n_classes > 0``) or None. With ``checkpoint`` each layer keeps only its
     input and is recomputed in :func:`backward`. All checks (:func:`check`, local
-    parameter shapes, tokens, targets) run before any communication.
+    parameter shapes, tokens, targets) run before any communication, on every rank,
+    and end in one agreement (:func:`summasim.mpiutil.agree`, untraced) on the config,
+    the tokens and targets (shape, dtype, checksum) and ``checkpoint``: input that is
+    bad on one rank raises the same ``ValueError``/``TypeError`` on every rank.
     """
-    check(config, grid)
-    check_local_params(local_params, config, grid)
-    model.check_tokens(tokens, config)
-    if targets is not None:
-        model.check_targets(targets, tokens, config)
+    _check_grid(grid)          # not a group: no communicator to agree over, raise alone
+
+    def local():
+        check(config, grid)
+        check_local_params(local_params, config, grid)
+        model.check_tokens(tokens, config)
+        if targets is not None:
+            model.check_targets(targets, tokens, config)
+
+    _, err = local_error(local)
+    agree("megatron.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
+                                     "targets": fingerprint(targets),
+                                     "checkpoint": bool(checkpoint)}, err)
     trace = grid.trace
     combine_vocab, max_vocab, sum_vocab = _vocab_hooks(grid)
     vocab_start = grid.rank * (config.vocab // grid.p)

@@ -90,9 +90,17 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from summasim import layout
-from summasim.algorithms import (ring_allreduce, summa25_ab, summa25_abt, summa25_atb,
-                                 summa_ab, summa_abt, summa_atb)
+# The algorithms' unchecked twins under their public names: forward, shard and unshard
+# check and agree once per call, so the many products of a step do not agree again.
+from summasim.algorithms.allreduce import ring_allreduce_unchecked as ring_allreduce
+from summasim.algorithms.summa import summa_ab_unchecked as summa_ab
+from summasim.algorithms.summa import summa_abt_unchecked as summa_abt
+from summasim.algorithms.summa import summa_atb_unchecked as summa_atb
+from summasim.algorithms.summa25 import summa25_ab_unchecked as summa25_ab
+from summasim.algorithms.summa25 import summa25_abt_unchecked as summa25_abt
+from summasim.algorithms.summa25 import summa25_atb_unchecked as summa25_atb
 from summasim.backends import array_module
+from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
 from . import model, ops
 from .model import Config
@@ -117,6 +125,13 @@ def _grid_label(grid) -> str:
     return f"[q, q, d] = [{grid.q}, {grid.q}, {grid.d}]"
 
 
+def _check_grid(grid, fields=("q", "d", "row", "col", "depth", "layer", "world")) -> None:
+    """``TypeError`` unless ``grid`` is a Grid (raised alone: no communicator to agree over)."""
+    if not all(hasattr(grid, f) for f in fields):
+        raise TypeError(f"optimus: grid must be a summasim.grid.Grid, got "
+                        f"{type(grid).__name__}")
+
+
 def check(config: Config, grid, batch: Optional[int] = None) -> None:
     """Raise unless ``config`` (and a batch of ``batch`` sequences) fits ``grid``.
 
@@ -127,9 +142,7 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     """
     if not isinstance(config, Config):
         raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
-    if not all(hasattr(grid, f) for f in ("q", "d", "row", "col", "depth", "layer")):
-        raise TypeError(f"optimus: grid must be a summasim.grid.Grid, got "
-                        f"{type(grid).__name__}")
+    _check_grid(grid, ("q", "d", "row", "col", "depth", "layer"))    # pure: no world needed
     if config.n_classes:
         raise ValueError(f"optimus: Config.n_classes = {config.n_classes}: the classification "
                          f"head is not implemented (language model only)")
@@ -216,7 +229,11 @@ def qkv_permutation(hidden: int, q: int) -> np.ndarray:
 # small traced helpers (skip groups of one, as the algorithms do)             #
 # --------------------------------------------------------------------------- #
 def _products(grid):
-    """``(ab, abt, atb)``: the SUMMA products for d == 1, the SUMMA2.5 ones for d > 1."""
+    """``(ab, abt, atb)``: the SUMMA products for d == 1, the SUMMA2.5 ones for d > 1.
+
+    The unchecked twins (see the imports): :func:`forward` checked and agreed on every
+    shape once, so the products of a step do not agree again.
+    """
     if grid.d == 1:
         return summa_ab, summa_abt, summa_atb
     return summa25_ab, summa25_abt, summa25_atb
@@ -274,30 +291,36 @@ def _reduce_to_row0(grid, partial, xp, what: str):
 # shard / unshard                                                             #
 # --------------------------------------------------------------------------- #
 def shard(params: dict, config: Config, grid) -> dict:
-    """This rank's local parameters from the serial ``params`` (no communication).
+    """This rank's local parameters from the serial ``params`` (no data moves).
 
     Keys are those of ``model.param_shapes(config)``; shapes are :func:`local_shapes`.
     ``attn.qkv.w``/``.b`` columns are permuted by :func:`qkv_permutation` first.
-    Returns C-contiguous copies.
+    Returns fresh C-contiguous copies, never views of ``params`` (an in-place
+    optimizer step on the shards must not touch the serial model). A config that does
+    not fit or ``params`` that do not match it, on any rank, raise on every rank (one
+    untraced agreement, :func:`summasim.mpiutil.agree`).
     """
-    shapes = local_shapes(config, grid)            # checks config and grid
-    model.check_params(params, config)
+    _check_grid(grid)
+    shapes, err = local_error(lambda: (local_shapes(config, grid),       # checks config
+                                       model.check_params(params, config))[0])
+    agree("optimus.shard", grid, fields_of(config, "Config"), err)
     xp = array_module(params["wte"])
     q, i, j = grid.q, grid.i, grid.j
     perm = xp.asarray(qkv_permutation(config.hidden, q))
     local = {}
     for name, arr in params.items():
-        if name.endswith(("attn.qkv.w", "attn.qkv.b")):
-            arr = arr[..., perm]                   # column block j = [Q_j | K_j | V_j]
         nc = shapes[name][-1]
+        cols = slice(j * nc, (j + 1) * nc)
+        if name.endswith(("attn.qkv.w", "attn.qkv.b")):
+            cols = perm[cols]                      # column block j = [Q_j | K_j | V_j]
         if not _is_row0_key(name):                 # 2d block (i, j)
             nr = shapes[name][0]
-            blk = arr[i * nr:(i + 1) * nr, j * nc:(j + 1) * nc]
+            blk = arr[i * nr:(i + 1) * nr][:, cols]
         elif i == 0:                               # row 0 hosts column block j
-            blk = arr[..., j * nc:(j + 1) * nc]
+            blk = arr[..., cols]
         else:                                      # other rows: zero-size, same key
             blk = xp.empty(shapes[name], dtype=arr.dtype)
-        local[name] = xp.ascontiguousarray(blk)
+        local[name] = xp.array(blk, copy=True, order="C")   # never a view of params
     return local
 
 
@@ -307,9 +330,13 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
     Works for local params as well as local grads: 2d blocks come from every rank of
     the layer, row-0 hosted arrays from row 0; the qkv permutation is undone. One
     all-gather over ``grid.layer`` (phase ``"unshard/aux.gather"``) of a packed buffer.
+    Bad ``local_grads`` on any rank, or configs that differ, raise on every rank
+    before it (the untraced agreement).
     """
-    check(config, grid)
-    _check_local(local_grads, config, grid, "local_grads")
+    _check_grid(grid)
+    _, err = local_error(lambda: (check(config, grid),
+                                  _check_local(local_grads, config, grid, "local_grads")))
+    agree("optimus.unshard", grid, fields_of(config, "Config"), err)
     xp = array_module(local_grads["wte"])
     q = grid.q
     shapes = model.param_shapes(config)
@@ -638,14 +665,26 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     Raises
     ------
     ValueError, TypeError
-        On every rank alike, before any communication (:func:`check`, shapes, ids).
+        On every rank alike, before any data moves (:func:`check`, shapes, ids): every
+        rank checks its own arguments (its local parameter shapes against what its
+        coordinates should hold), then one untraced agreement
+        (:func:`summasim.mpiutil.agree`) on the config, the tokens and targets (shape,
+        dtype, checksum), ``checkpoint`` and every rank's check.
     """
-    check(config, grid)
-    model.check_tokens(tokens, config)
-    check(config, grid, batch=tokens.shape[0])
-    if targets is not None:
-        model.check_targets(targets, tokens, config)
-    _check_local(local_params, config, grid, "local_params")
+    _check_grid(grid)
+
+    def local():
+        check(config, grid)
+        model.check_tokens(tokens, config)
+        check(config, grid, batch=tokens.shape[0])
+        if targets is not None:
+            model.check_targets(targets, tokens, config)
+        _check_local(local_params, config, grid, "local_params")
+
+    _, err = local_error(local)
+    agree("optimus.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
+                                    "targets": fingerprint(targets),
+                                    "checkpoint": bool(checkpoint)}, err)
     p = local_params
     xp = array_module(p["wte"])
     tr = grid.trace
