@@ -3,6 +3,11 @@
 ``explore``, ``presets`` and ``table1`` never import MPI; ``fit`` and
 ``accuracy-worker`` must run under ``mpiexec`` (they import mpi4py only then);
 ``accuracy`` launches ``mpiexec`` itself.
+
+A user error (a bad argument, an unwritable output, a model no grid can run) is
+one line, ``<prog>: error: ...``, on stderr and exit status 2, found before any
+work (see :mod:`summasim.cli`); ``fit`` checks its arguments before it imports
+MPI, and only rank 0 speaks.
 """
 
 from __future__ import annotations
@@ -12,34 +17,80 @@ import json
 import re
 import sys
 
+from .. import cli
+
+#: The fit's smallest ``--max-bytes``: its collective benchmarks start at 64 B.
+FIT_MIN_BYTES = 64
+#: Dtypes the fit can time GEMMs in (NumPy has no bfloat16).
+FIT_DTYPES = ("float64", "float32", "float16", "complex128", "complex64")
+
 
 def _bytes(text: str) -> int:
-    """"4M", "64MiB", "512k", "1048576" -> bytes."""
+    """"4M", "64MiB", "512k", "1048576" -> bytes (at least 1)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4M, 64MiB, 8192)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    val = int(float(m.group(1)) * scale)
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return val
 
 
-def _ints(text: str) -> list[int]:
+def _max_bytes(text: str) -> int:
+    """argparse type of ``fit --max-bytes``: a byte size of at least 64 B."""
+    val = _bytes(text)
+    if val < FIT_MIN_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at least {FIT_MIN_BYTES} B (the collective "
+                                         f"benchmarks start there), got {text!r}")
+    return val
+
+
+def _threshold(text: str):
+    """argparse type of ``fit --threshold``: ``"auto"`` or a byte size."""
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return _bytes(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a byte size (e.g. 8192, 64k), "
+                                         f"got {text!r}") from None
 
 
-def _fit_main(args) -> int:
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _fit_main(args, prog: str) -> int:
+    # arguments and the output file first, before MPI: no rank waits for a user error
+    try:
+        cli.check_writable_path(args.out)
+    except cli.UsageError as exc:
+        return cli.print_error(prog, f"argument --out: {exc}")
     from mpi4py import MPI  # only the fit needs MPI
 
     from .fit import run_fit
 
     comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    problem = None
+    if size < 2:
+        problem = ("the fit needs at least 2 MPI ranks: run it under mpiexec "
+                   "(mpiexec -n 2 python -m summasim.costmodel fit ...)")
+    elif args.groups and max(args.groups) > size:
+        problem = (f"argument --groups: group size {max(args.groups)} is larger than the "
+                   f"{size} ranks of this run")
+    if problem:   # the same on every rank: each exits, rank 0 says why
+        if comm.Get_rank() == 0:
+            cli.print_error(prog, problem)
+        return 2
     try:
         machine = run_fit(comm, quick=args.quick, max_bytes=args.max_bytes,
                           group_sizes=args.groups, gemm_sizes=args.gemm_sizes,
-                          dtypes=tuple(args.dtypes.split(",")),
-                          threshold=None if args.threshold == "auto" else _bytes(args.threshold),
+                          dtypes=tuple(args.dtypes),
+                          threshold=None if args.threshold == "auto" else args.threshold,
                           name=args.name, command=" ".join(["python -m summasim.costmodel"]
                                                            + sys.argv[1:]))
     except Exception as exc:  # one rank failing must not leave the others waiting
@@ -57,76 +108,113 @@ def main(argv=None) -> int:
     from . import explore
     from .machine import get_machine, list_presets
 
-    ap = argparse.ArgumentParser(prog="python -m summasim.costmodel",
-                                 description="summasim cost model: explore, fit, presets")
+    ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
+                            description="summasim cost model: explore, fit, presets")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    explore.build_parser(sub.add_parser("explore", help="scaling sweeps and what-ifs (no MPI)",
-                                        description=explore.__doc__.splitlines()[0]))
+    ep = explore.build_parser(sub.add_parser("explore",
+                                             help="scaling sweeps and what-ifs (no MPI)",
+                                             description=explore.__doc__.splitlines()[0]))
     fp = sub.add_parser("fit", help="fit a machine from microbenchmarks (run under mpiexec)")
-    fp.add_argument("--out", default="results/machine.json", help="machine JSON to write")
+    fp.add_argument("--out", default="results/machine.json",
+                    help="machine JSON to write (checked before the benchmarks)")
     fp.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    fp.add_argument("--max-bytes", type=_bytes, default=None,
-                    help="largest message (default 64MiB, quick 4MiB)")
-    fp.add_argument("--groups", type=_ints, default=None,
-                    help="collective group sizes, e.g. 2,4 (default: powers of two)")
-    fp.add_argument("--gemm-sizes", type=_ints, default=None, help="GEMM block sizes n")
-    fp.add_argument("--dtypes", default="float64,float32", help="GEMM dtypes")
-    fp.add_argument("--threshold", default="auto",
+    fp.add_argument("--max-bytes", type=_max_bytes, default=None,
+                    help="largest message, at least 64 B (default 64MiB, quick 4MiB)")
+    fp.add_argument("--groups", type=cli.int_list(minimum=2), default=None,
+                    help="collective group sizes >= 2, e.g. 2,4 (default: powers of two)")
+    fp.add_argument("--gemm-sizes", type=cli.int_list(minimum=1), default=None,
+                    help="GEMM block sizes n")
+    fp.add_argument("--dtypes", type=cli.choice_list(FIT_DTYPES, "dtype"),
+                    default="float64,float32", help="GEMM dtypes, comma-separated, from "
+                                                    + ", ".join(FIT_DTYPES))
+    fp.add_argument("--threshold", type=_threshold, default="auto",
                     help="eager/rendezvous split in bytes, or 'auto': the MPI library's own "
                          "(MPICH: 8192, its CMA threshold), else the best split")
-    fp.add_argument("--name", default=None, help="machine name")
+    fp.add_argument("--name", type=_name, default=None, help="machine name")
     pp = sub.add_parser("presets", help="list presets, or print one as JSON")
     pp.add_argument("name", nargs="?")
-    from . import accuracy
+    acc = sub.add_parser("accuracy", help="predicted vs measured on this machine (launches "
+                         "mpiexec)", description="The cost model's accuracy benchmark: "
+                         "predicted against measured, on this machine.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["accuracy"]:
+        # the measuring side lives in the harness (it imports MPI): only for this command
+        from ..harness import accuracy as harness_accuracy
 
-    accuracy.build_parser(sub.add_parser(
-        "accuracy", help="predicted vs measured on this machine (launches mpiexec)",
-        description=accuracy.__doc__.splitlines()[0]))
+        harness_accuracy.build_parser(acc)
     wp = sub.add_parser("accuracy-worker", help="(internal) the accuracy benchmark's MPI "
                         "worker: run under mpiexec")
     wp.add_argument("spec", help="JSON spec of the cases to time")
     wp.add_argument("out", help="JSON file rank 0 writes")
     tp = sub.add_parser("table1", help="the Optimus paper's Table 1 from the model")
-    for flag, default in (("--b", 8), ("--s", 512), ("--h", 1024), ("--p", 16)):
-        tp.add_argument(flag, type=int, default=default)
+    for flag, default, what in (("--b", 8, "batch"), ("--s", 512, "sequence length"),
+                                ("--h", 1024, "hidden size"), ("--p", 16, "ranks"),
+                                ("--ffn", 4, "MLP multiplier f (the paper's 4)")):
+        tp.add_argument(flag, type=cli.positive_int, default=default,
+                        help=f"{what} (default {default})")
     args = ap.parse_args(argv)
 
     if args.cmd == "explore":
         try:
             explore.run(args)
-        except ValueError as exc:
-            print(f"explore: error: {exc}", file=sys.stderr)
-            return 2
+        except cli.UsageError as exc:
+            return cli.print_error(ep.prog, exc)
         return 0
     if args.cmd == "fit":
-        return _fit_main(args)
+        return _fit_main(args, fp.prog)
     if args.cmd == "accuracy":
-        return accuracy.run(args)
+        return harness_accuracy.run(args)
     if args.cmd == "accuracy-worker":
-        return accuracy.worker_main(args.spec, args.out)
+        from ..harness.worker import worker_main
+
+        return worker_main(args.spec, args.out)
     if args.cmd == "presets":
         if args.name:
             try:
-                print(json.dumps(get_machine(preset=args.name).to_dict(), indent=2))
+                machine = get_machine(preset=args.name)
             except ValueError as exc:
-                print(f"presets: error: {exc}", file=sys.stderr)
-                return 2
+                return cli.print_error(pp.prog, f"argument name: {exc}")
+            print(json.dumps(machine.to_dict(), indent=2))
         else:
             for name in list_presets():
                 m = get_machine(preset=name)
                 print(f"{name:<22s} {m.source[:100]}")
         return 0
-    from .schemes import table1, table1_paper
+    return _table1_main(args, tp.prog)
 
-    print(f"Optimus Table 1 at b={args.b} s={args.s} h={args.h} p={args.p} "
-          f"(model value == paper formula)")
+
+def _table1_main(args, prog: str) -> int:
+    """Print Table 1 for the schemes whose grid of ``--p`` ranks divides the model;
+    a scheme that cannot run there gets a line saying why; none: a user error."""
+    import math
+
+    from .schemes import Scheme, TransformerConfig, misfit, table1, table1_paper
+
+    b, s, h, p, f = args.b, args.s, args.h, args.p, args.ffn
+    results, notes = {}, {}
     for scheme in ("megatron", "optimus"):
         try:
-            ours, paper = table1(scheme, args.b, args.s, args.h, args.p), \
-                table1_paper(scheme, args.b, args.s, args.h, args.p)
+            sch = Scheme.make(scheme, p=p)
         except ValueError as exc:
-            print(f"  {scheme}: {exc}")
+            notes[scheme] = str(exc)
             continue
+        n = math.gcd(h, sch.p * sch.q) or 1           # the heads table1 assumes
+        why = misfit(sch, TransformerConfig(b=b, s=s, h=h, n=n, N=1, ffn=f))
+        if why:
+            notes[scheme] = f"not priced, the grid does not divide the model: {why}"
+            continue
+        results[scheme] = (table1(sch, b, s, h, p, ffn=f), table1_paper(scheme, b, s, h, p, ffn=f))
+    if not results:
+        return cli.print_error(prog, f"argument --p: no grid of p = {p} ranks divides the "
+                                     f"model (" + "; ".join(f"{k}: {v}" for k, v in notes.items())
+                               + ")")
+    print(f"Optimus Table 1 at b={b} s={s} h={h} p={p}{f' ffn={f}' if f != 4 else ''} "
+          f"(model value == paper formula)")
+    for scheme in ("megatron", "optimus"):
+        if scheme not in results:
+            print(f"  {scheme}: {notes[scheme]}")
+            continue
+        ours, paper = results[scheme]
         for key in paper:
             print(f"  {scheme:<9s} {key:<23s} {float(ours[key]):>16.6g}  "
                   f"{'==' if ours[key] == paper[key] else '!='} {float(paper[key]):.6g}")

@@ -1,7 +1,7 @@
 """``python -m summasim.costmodel explore``: what-if sweeps over p, without MPI.
 
 For a machine (``--preset`` or ``--machine FILE``) and a transformer
-(``--b --s --h --heads --layers --vocab --dtype``) it prints:
+(``--b --s --h --heads --layers --vocab --ffn --dtype``) it prints:
 
 strong scaling      time per training step of every scheme at p = 1, 2, 4, ...,
                     ``--p-max`` (fixed problem), the best [q, q, d] for SUMMA2.5,
@@ -20,6 +20,14 @@ largest batch       per scheme and p, the largest b whose memory per rank fits
 (scaling curves, isoefficiency) with matplotlib, or says how to install it.
 Files go under ``--outdir`` (default ./results). The model is analytic, so a sweep
 to p = 65536 takes well under a second.
+
+Every argument is checked before the sweep (:func:`check_args`): sizes are
+positive integers, the heads divide h, the machine file loads, the outputs can be
+written; a user error is one line on stderr and exit status 2. A grid that does
+not divide the model at some p (Megatron: heads, h, the MLP width and v by p;
+Optimus and SUMMA2.5-LM: those by q and the batch by d q; the n x n products: n by
+d q) is not priced there: the tables leave it out and a "not priced" note says
+why. A model that no grid of the sweep can run is a user error.
 """
 
 from __future__ import annotations
@@ -30,17 +38,22 @@ import io
 import math
 import os
 import sys
+from typing import NamedTuple
 
+from .. import cli
 from .isoefficiency import isoefficiency, paper_machine, reference_slope
-from .machine import (get_machine, list_presets, write_json_atomic,
+from .machine import (DTYPE_SIZES, Machine, get_machine, list_presets, write_json_atomic,
                       write_text_atomic)
 from .predict import predict_algorithm
-from .schemes import SCHEMES, Scheme, TransformerConfig, grid_shapes, largest_batch, scheme_cost
+from .schemes import (SCHEMES, Scheme, TransformerConfig, batch_step, grid_shapes, largest_batch,
+                      misfit, scheme_cost)
 
 GiB = float(1 << 30)
 #: Sweeps to thousands of ranks are about clusters: explore defaults to the H100 preset.
 EXPLORE_PRESET = "h100-dgx-ndr"
 PLOT_HINT = "plots need matplotlib: pip install summasim[plot]"
+#: The largest --p-max: 2^40 ranks (the SUMMA2.5 grid search grows as p^(1/3)).
+MAX_P = 1 << 40
 
 
 def _p_values(p_min: int, p_max: int) -> list[int]:
@@ -52,17 +65,29 @@ def _p_values(p_min: int, p_max: int) -> list[int]:
 
 
 def _best_of(p, name, cfg, machine, mode):
-    costs = [scheme_cost(sch, cfg, machine, mode=mode) for sch in grid_shapes(p, name)]
+    costs = [scheme_cost(sch, cfg, machine, mode=mode) for sch in grid_shapes(p, name, cfg)]
     return min(costs, key=lambda c: c.step_seconds) if costs else None
 
 
+def _why_not(p, name, cfg, **kw) -> str:
+    """Why no grid of ``p`` ranks for ``name`` runs ``cfg`` (the first grid's reason)."""
+    shapes = grid_shapes(p, name)
+    if not shapes:
+        return f"no {name} grid has p = {p} ranks"
+    return misfit(shapes[0], cfg, **kw) or "no grid divides the model"
+
+
 def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
-                  mode: str = "mpich", weak: bool = False, budget: float = 0.0) -> list[dict]:
+                  mode: str = "mpich", weak: bool = False, budget: float = 0.0,
+                  skipped: list | None = None) -> list[dict]:
     """Rows ``{p, scheme, grid, b, step_s, speedup, efficiency, comm_frac, mem_gib, fits}``.
 
     Strong scaling keeps ``cfg``; weak scaling multiplies the batch by p / p_values[0].
     Speedup is W / Tp and efficiency W / (p Tp) (Optimus section 3.1.2), with W the
     time of the same problem on one rank (Megatron with p = 1 is the serial model).
+    Only grids that divide the model are priced (:func:`~.schemes.misfit`); a scheme
+    with a grid of p ranks none of which divides it is appended to ``skipped`` as
+    ``{p, scheme, reason}``.
     """
     rows = []
     p0 = p_values[0]
@@ -76,6 +101,8 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
         for name in schemes:
             best = _best_of(p, name, c_p, machine, mode)
             if best is None:
+                if skipped is not None and grid_shapes(p, name):
+                    skipped.append({"p": p, "scheme": name, "reason": _why_not(p, name, c_p)})
                 continue
             t = best.step_seconds
             mem = best.memory.total
@@ -95,8 +122,11 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
 
 
 def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
-                 mode: str = "mpich") -> list[dict]:
-    """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n."""
+                 mode: str = "mpich", skipped: list | None = None) -> list[dict]:
+    """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n.
+
+    Only grids whose blocks are whole are priced: n divisible by q ([q, q]) and by
+    d q ([q, q, d]); the others go to ``skipped`` as ``{p, scheme, reason}``."""
     rows = []
     t1 = machine.gemm_time(n, n, n, dtype) * machine.slowdown(1)
     for p in p_values:
@@ -108,6 +138,13 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
             if sch.d > 1:
                 cands.append(("summa25_ab", sch.q, sch.d))
         best25 = None
+        for alg, qq, dd in list(cands):
+            if n % (qq * dd):
+                cands.remove((alg, qq, dd))
+                if skipped is not None:
+                    skipped.append({"p": p, "scheme": alg, "reason":
+                                    f"n = {n} is not divisible by "
+                                    f"{'d q' if dd > 1 else 'q'} = {qq * dd}"})
         for alg, qq, dd in cands:
             pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
                                    mode=mode, strict=False)
@@ -148,12 +185,15 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig) -> tuple[list
 
 
 def batch_table(cfg: TransformerConfig, p_values, budget: float, schemes=SCHEMES) -> list[dict]:
+    """Rows ``{p, scheme, grid, largest_b, budget_gib}``: per scheme and p, the grid
+    (among those dividing the model apart from the batch) that fits the largest batch."""
     rows = []
     if budget <= 0:
         return rows
     for p in p_values:
         for name in schemes:
-            shapes = grid_shapes(p, name)
+            shapes = [sch for sch in grid_shapes(p, name)
+                      if misfit(sch, cfg.replace(b=batch_step(sch))) is None]
             if not shapes:
                 continue
             best = max(((largest_batch(s, cfg, budget), s) for s in shapes),
@@ -294,31 +334,44 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    ap = parser or argparse.ArgumentParser(prog="python -m summasim.costmodel explore",
-                                           description=__doc__.splitlines()[0])
+    """The explore arguments, added to ``parser`` (a sub-parser) or a new
+    :class:`summasim.cli.ArgumentParser`. Each is checked as it is parsed; what
+    needs several of them is checked by :func:`check_args`."""
+    ap = parser or cli.ArgumentParser(prog="python -m summasim.costmodel explore",
+                                      description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", help=f"machine preset ({', '.join(list_presets())}); "
                      f"default {EXPLORE_PRESET}")
-    src.add_argument("--machine", metavar="FILE", help="machine JSON (from `fit`)")
+    src.add_argument("--machine", metavar="FILE", type=cli.existing_file,
+                     help="machine JSON (from `fit`)")
     ap.add_argument("--schemes", default=",".join(SCHEMES),
                     help="comma-separated: megatron,optimus,summa25")
-    ap.add_argument("--p-min", type=int, default=1)
-    ap.add_argument("--p-max", type=int, default=65536)
-    ap.add_argument("--b", type=float, default=64, help="batch (sequences)")
-    ap.add_argument("--s", type=float, default=1024, help="sequence length")
-    ap.add_argument("--h", type=float, default=8192, help="hidden size")
-    ap.add_argument("--heads", type=float, default=64, help="attention heads n")
-    ap.add_argument("--layers", type=int, default=24, help="layers N")
-    ap.add_argument("--vocab", type=float, default=0, help="vocabulary v (0: no embedding)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--p-min", type=cli.positive_int, default=1, help="smallest p (default 1)")
+    ap.add_argument("--p-max", type=cli.positive_int, default=65536,
+                    help="largest p (default 65536, at most 2^40); p doubles from --p-min")
+    ap.add_argument("--b", type=cli.positive_int, default=64, help="batch (sequences)")
+    ap.add_argument("--s", type=cli.positive_int, default=1024, help="sequence length")
+    ap.add_argument("--h", type=cli.positive_int, default=8192, help="hidden size")
+    ap.add_argument("--heads", type=cli.positive_int, default=64,
+                    help="attention heads n (must divide --h)")
+    ap.add_argument("--layers", type=cli.positive_int, default=24, help="layers N")
+    ap.add_argument("--vocab", type=cli.nonnegative_int, default=0,
+                    help="vocabulary v (0: no embedding)")
+    ap.add_argument("--ffn", type=cli.finite_positive_float, default=4,
+                    help="MLP multiplier f: the MLP is f h wide (default 4, GPT-2)")
+    ap.add_argument("--dtype", default="float32", choices=tuple(DTYPE_SIZES),
+                    help="dtype of parameters, activations and messages (default float32)")
     ap.add_argument("--no-checkpoint", action="store_true",
                     help="no activation checkpointing")
     ap.add_argument("--mode", choices=("mpich", "paper"), default="mpich",
                     help="collective formulas: MPICH's algorithms or the Optimus paper's")
-    ap.add_argument("--matmul-n", type=int, default=32768, help="n of the n x n matrix products")
-    ap.add_argument("--efficiency", type=float, default=0.5, help="isoefficiency target E")
-    ap.add_argument("--mem-budget", type=float, default=None,
-                    help="GiB per rank for the largest-batch table (default: the machine's)")
+    ap.add_argument("--matmul-n", type=cli.positive_int, default=32768,
+                    help="n of the n x n matrix products")
+    ap.add_argument("--efficiency", type=cli.float_range(0, 1, lo_open=True, hi_open=True),
+                    default=0.5, help="isoefficiency target E, 0 < E < 1")
+    ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
+                    help="GiB per rank for the largest-batch table (default: the machine's; "
+                         "0: no table)")
     ap.add_argument("--outdir", default="results", help="folder for output files")
     ap.add_argument("--csv", nargs="?", const="", default=None, metavar="FILE",
                     help="write the tables as CSV (default FILE: OUTDIR/explore.csv)")
@@ -329,28 +382,139 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return ap
 
 
-def run(args, out=None) -> dict:
-    """Run the sweeps for parsed ``args``; print to ``out``; return the tables."""
-    out = out or sys.stdout
-    machine = get_machine(args.machine, args.preset or (None if args.machine else EXPLORE_PRESET))
-    schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+class Plan(NamedTuple):
+    """What :func:`check_args` found: the checked inputs of one explore run."""
+
+    machine: Machine
+    schemes: tuple
+    cfg: TransformerConfig
+    budget: float          # bytes per rank (0: no largest-batch table)
+    p_values: list
+    csv: str | None        # output paths (None: not asked for)
+    json: str | None
+    plot_dir: str | None   # None: no plots (or matplotlib missing: a hint instead)
+
+
+def _arg(flag: str, message) -> cli.UsageError:
+    return cli.UsageError(f"argument {flag}: {message}")
+
+
+def check_args(args) -> Plan:
+    """Check everything the sweep needs before any of it runs; raise
+    :class:`summasim.cli.UsageError` naming the argument at the first problem.
+
+    Checks what argparse's types cannot: the scheme names, that the machine loads
+    and has GEMM rates for ``--dtype`` (and float64, for the matrix products),
+    ``--p-min <= --p-max <= 2^40``, that the heads divide h and the MLP width f h
+    is whole, that the output files and folder can be written (the folder is
+    created), and that some grid of the sweep divides the model.
+    """
+    schemes = tuple(s.strip() for s in str(args.schemes).split(",") if s.strip())
+    if not schemes:
+        raise _arg("--schemes", f"no scheme named in {args.schemes!r}; known: "
+                                f"{', '.join(SCHEMES)}")
     for s in schemes:
         if s not in SCHEMES:
-            raise ValueError(f"unknown scheme {s!r}; known: {', '.join(SCHEMES)}")
-    if args.p_min < 1 or args.p_max < args.p_min:
-        raise ValueError(f"need 1 <= --p-min <= --p-max, got {args.p_min}, {args.p_max}")
+            raise _arg("--schemes", f"unknown scheme {s!r}; known: {', '.join(SCHEMES)}")
+    if args.machine is not None:
+        try:
+            machine = get_machine(args.machine)
+        except (OSError, ValueError) as exc:
+            raise _arg("--machine", exc) from None
+    else:
+        try:
+            machine = get_machine(None, args.preset or EXPLORE_PRESET)
+        except ValueError as exc:
+            raise _arg("--preset", exc) from None
+    where = "--machine" if args.machine is not None else "--preset"
+    if args.dtype not in machine.gamma_gemm:
+        raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for {args.dtype} "
+                              f"(it has {', '.join(machine.gamma_gemm)})")
+    if "float64" not in machine.gamma_gemm:
+        raise _arg(where, f"machine {machine.name!r} has no float64 GEMM rate, which the "
+                          f"n x n matrix products need (it has "
+                          f"{', '.join(machine.gamma_gemm)})")
+    if args.p_max < args.p_min:
+        raise _arg("--p-max", f"must be >= --p-min, got --p-min {args.p_min} and "
+                              f"--p-max {args.p_max}")
+    if args.p_max > MAX_P:
+        raise _arg("--p-max", f"at most 2^40 = {MAX_P}, got {args.p_max}")
+    if args.h % args.heads:
+        raise _arg("--heads", f"{args.heads} heads do not divide --h {args.h} (every head "
+                              f"has h/n whole columns)")
+    ffn = args.ffn
+    if isinstance(ffn, float) and ffn.is_integer():
+        ffn = int(ffn)
+    width = ffn * args.h
+    if isinstance(width, float) and not width.is_integer():
+        raise _arg("--ffn", f"the MLP width --ffn {ffn:g} x --h {args.h} = {width:g} is not a "
+                            f"whole number")
     cfg = TransformerConfig(b=args.b, s=args.s, h=args.h, n=args.heads, N=args.layers,
-                            v=args.vocab, dtype=args.dtype, checkpoint=not args.no_checkpoint)
+                            v=args.vocab, dtype=args.dtype, checkpoint=not args.no_checkpoint,
+                            ffn=ffn)
     budget = (args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes)
     ps = _p_values(args.p_min, args.p_max)
+    if not any(grid_shapes(p, name, cfg) for p in ps for name in schemes):
+        why = "; ".join(f"{name} at p = {p}: {_why_not(p, name, cfg)}"
+                        for name in schemes for p in ps[:1])
+        span = f"{ps[0]}" if len(ps) == 1 else f"{ps[0]}..{ps[-1]}"
+        raise cli.UsageError(
+            f"nothing to price: no grid of p = {span} ranks divides the model ({why}); "
+            f"choose --p-min/--p-max, --schemes or sizes that divide")
+    csv_path = json_path = plot_dir = None
+    for flag, value, default in (("--csv", args.csv, "explore.csv"),
+                                 ("--json", args.json, "explore.json")):
+        if value is None:
+            continue
+        path = value or os.path.join(args.outdir, default)
+        try:
+            cli.check_writable_path(path)
+        except cli.UsageError as exc:
+            raise _arg(flag if value else "--outdir", exc) from None
+        if flag == "--csv":
+            csv_path = path
+        else:
+            json_path = path
+    if args.plot and cli.module_available("matplotlib"):
+        try:
+            plot_dir = cli.check_writable_dir(args.outdir)
+        except cli.UsageError as exc:
+            raise _arg("--outdir", exc) from None
+    return Plan(machine, schemes, cfg, budget, ps, csv_path, json_path, plot_dir)
+
+
+def _skipped_lines(skipped: list[dict]) -> str:
+    """One line per scheme: the p it was not priced at and why (at the smallest)."""
+    out = []
+    for name in dict.fromkeys(r["scheme"] for r in skipped):
+        mine = [r for r in skipped if r["scheme"] == name]
+        ps = sorted({r["p"] for r in mine})
+        shown = ", ".join(map(str, ps[:8])) + (", ..." if len(ps) > 8 else "")
+        out.append(f"  not priced (the grid does not divide the model): {name} at p = "
+                   f"{shown} ({mine[0]['reason']})\n")
+    return "".join(out)
+
+
+def run(args, out=None) -> dict:
+    """Run the sweeps for parsed ``args``; print to ``out``; return the tables.
+
+    Raises :class:`summasim.cli.UsageError` (before any sweep) for a user error.
+    """
+    out = out or sys.stdout
+    plan = check_args(args)
+    machine, schemes, cfg, budget, ps = (plan.machine, plan.schemes, plan.cfg, plan.budget,
+                                         plan.p_values)
     title = (f"{machine.name}: b={_fmt(cfg.b)} s={_fmt(cfg.s)} h={_fmt(cfg.h)} "
-             f"n={_fmt(cfg.n)} N={cfg.N} {cfg.dtype} "
+             f"n={_fmt(cfg.n)} N={cfg.N} ffn={_fmt(cfg.ffn)} {cfg.dtype} "
              f"{'checkpointing' if cfg.checkpoint else 'no checkpointing'}, {args.mode}")
+    skipped = {"strong": [], "weak": [], "matmul": []}
     tables = {
-        "strong": scaling_table(cfg, machine, ps, schemes, mode=args.mode, budget=budget),
+        "strong": scaling_table(cfg, machine, ps, schemes, mode=args.mode, budget=budget,
+                                skipped=skipped["strong"]),
         "weak": scaling_table(cfg, machine, ps, schemes, mode=args.mode, weak=True,
-                              budget=budget),
-        "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode),
+                              budget=budget, skipped=skipped["weak"]),
+        "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode,
+                               skipped=skipped["matmul"]),
         "largest_batch": batch_table(cfg, ps, budget, schemes),
     }
     curves = {}
@@ -363,13 +527,16 @@ def run(args, out=None) -> dict:
     cols = ["p", "scheme", "grid", "step_s", "speedup", "efficiency", "comm_frac", "mem_gib",
             "fits", "best"]
     w(format_table(tables["strong"], cols))
+    w(_skipped_lines(skipped["strong"]))
     w(f"\nweak scaling (b = {_fmt(cfg.b)} * p / {ps[0]}; efficiency = W / (p Tp))\n")
     w(format_table(tables["weak"], ["p", "scheme", "grid", "b", "step_s", "efficiency",
                                     "comm_frac", "mem_gib", "fits", "best"]))
+    w(_skipped_lines(skipped["weak"]))
     w(f"\nn x n matrix products, n = {args.matmul_n}, float64 "
       f"(efficiency = T1 / (p Tp))\n")
     w(format_table(tables["matmul"], ["p", "algorithm", "grid", "seconds", "efficiency",
                                       "comm_frac"]))
+    w(_skipped_lines(skipped["matmul"]))
     if tables.get("isoefficiency"):
         w(f"\nisoefficiency at E = {args.efficiency} (fitted log-log slope of W(p))\n")
         w(format_table(tables["isoefficiency"], ["problem", "p_range",
@@ -385,32 +552,32 @@ def run(args, out=None) -> dict:
         for a in algs[:12]:
             w(f"  {a}\n")
     written = []
-    if args.csv is not None:
-        path = args.csv or os.path.join(args.outdir, "explore.csv")
-        write_csv(path, tables)
-        written.append(path)
-    if args.json is not None:
-        path = args.json or os.path.join(args.outdir, "explore.json")
-        write_json_atomic(path, _json_safe({"machine": machine.to_dict(), "config": cfg.__dict__,
-                                            "mode": args.mode, "tables": tables}))
-        written.append(path)
+    if plan.csv is not None:
+        write_csv(plan.csv, tables)
+        written.append(plan.csv)
+    if plan.json is not None:
+        write_json_atomic(plan.json, _json_safe({"machine": machine.to_dict(),
+                                                 "config": cfg.__dict__, "mode": args.mode,
+                                                 "tables": tables, "not_priced": skipped}))
+        written.append(plan.json)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             w(f"\n{PLOT_HINT}\n")
         else:
-            written += make_plots(args.outdir, tables, curves, title)
+            written += make_plots(plan.plot_dir or args.outdir, tables, curves, title)
     for path in written:
         w(f"wrote {path}\n")
     return tables
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """``python -m summasim.costmodel explore`` on its own: 0, or 2 for a user error."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
     try:
         run(args)
-    except ValueError as exc:
-        print(f"explore: error: {exc}", file=sys.stderr)
-        return 2
+    except cli.UsageError as exc:
+        return cli.print_error(ap.prog, exc)
     return 0

@@ -1,9 +1,18 @@
 """Cost of one transformer layer under Megatron (1D), Optimus (2D) and SUMMA2.5-LM.
 
 Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
-N layers, p ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on
-[q, q, d] (p = d q^2). One layer is attention (QKV [h, 3h], scores, projection
-[h, h]) and an MLP ([h, 4h], [4h, h]); activations are [b s, h].
+N layers, f the MLP multiplier (``ffn``: the MLP is f h wide; GPT-2 has f = 4), p
+ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on [q, q, d]
+(p = d q^2). One layer is attention (QKV [h, 3h], scores, projection [h, h]) and
+an MLP ([h, f h], [f h, h]); activations are [b s, h]. The formulas below are
+written for any f, with the GPT-2 values (f = 4) in brackets where the papers
+print them.
+
+A grid must divide the model it runs (:func:`misfit`): Megatron splits the heads,
+h, the MLP width f h and the vocabulary over p; Optimus and SUMMA2.5-LM split h,
+the heads, f h and v over q and the batch over d q. :func:`grid_shapes` with a
+config lists only the grids that do, so a sweep never prices a model that cannot
+run on its grid.
 
 What each scheme does per layer (what :func:`layer_ops` lists)
 --------------------------------------------------------------
@@ -13,8 +22,9 @@ Megatron (p)        local GEMMs on column/row slices of the weights; 2 all-reduc
 Optimus (q x q)     each linear C = X W is ``summa_ab(bs, in, out)``; backward is
                     ``summa_abt(dC, W)`` for dX and ``summa_atb(X, dC)`` for dW
                     (Optimus eqs. 1-3); attention is local to (b/q) sequences and
-                    n/q heads. Per rank that is (7bsh + 12h^2)/q items of broadcast
-                    and reduce payload forward and twice that backward.
+                    n/q heads. Per rank that is ((3+f)bsh + (4+2f)h^2)/q items
+                    [(7bsh + 12h^2)/q] of broadcast and reduce payload forward and
+                    twice that backward.
 SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split into
                     d q row blocks, weights 2D and replicated over depth; dW is
                     all-reduced over the depth (ring, 2(d-1) sendrecvs).
@@ -24,7 +34,7 @@ With activation checkpointing the backward pass first recomputes the forward
 Megatron (Optimus section 4). Megatron sends nothing at p = 1 (it skips groups of
 one). ``include_minor=True`` adds the non-SUMMA traffic that the paper calls
 negligible, as :mod:`summasim.transformer.optimus` sends it: per layer forward ONE
-packed column broadcast of the eight row-0 vectors (``(9h + 4h)/q`` items) and 4
+packed column broadcast of the eight row-0 vectors (``(9h + f h)/q`` items) and 4
 row all-reduces of ``b s/(d q)`` LayerNorm statistics (2 per LayerNorm: mean, then
 variance); backward 4 such all-reduces, ONE packed column reduce of the vector
 gradients and, for d > 1, a ring all-reduce of them over the depth among the row-0
@@ -36,7 +46,8 @@ Table 1 of the Optimus paper
 :func:`table1` prices these ops with the paper's formulas (broadcast = reduce =
 log2(q) beta B, all-reduce = 2 beta (p-1) B / p, alpha = 0, beta = 1 per scalar,
 checkpointing on) and counts multiplications; with integer b, s, h and q a power of
-two it returns exact Fractions equal to
+two it returns exact Fractions equal to (f = 4; :func:`table1_paper` gives the same
+entries for any f: 12 becomes 4 + 2f, 7 becomes 3 + f)
 
 =======================  ======================  =================================
 item                     Megatron                Optimus
@@ -49,46 +60,50 @@ backward computation     (36bsh^2 + 6bs^2h)/p    (36bsh^2 + 6bs^2h)/p
 
 Memory per rank (bytes = items x item size)
 -------------------------------------------
-Following Optimus section 3.1.1. Parameters per layer are 12h^2 + 13h (weights and
-biases of QKV, projection and MLP, two LayerNorms). Megatron splits the weights
-and the QKV/fc biases over p and replicates the rest (6h); Optimus splits weights
-over p and keeps vectors on grid row 0 (13h/q on those ranks); SUMMA2.5-LM stores
+Following Optimus section 3.1.1. Parameters per layer are (4+2f)h^2 + (9+f)h
+[12h^2 + 13h] (weights and biases of QKV, projection and MLP, two LayerNorms).
+Megatron splits the weights and the QKV/fc biases ((3+f)h) over p and replicates
+the rest (6h); Optimus splits weights over p and keeps vectors on grid row 0
+((9+f)h/q on those ranks); SUMMA2.5-LM stores
 weights over q^2 (replicated over depth) and vectors over q; both host ``wpe`` on
 row 0 as ``[s, h/q]`` (s h / q items on those ranks) and ``wte`` in q x q blocks.
 Gradients equal the
 parameters; the optimizer adds ``optimizer_states`` x parameters (Adam: 2).
 
 Activations kept for backward, per layer, in items of the unsplit model:
-``16 b s h + b n s^2 + 4 b s`` (LN1 input and output, QKV 3bsh, attention
-probabilities b n s^2, attention output, residual, LN2 output, fc1 and GELU
-outputs 4bsh each, LayerNorm mean and rstd). Megatron keeps the LayerNorm inputs
-and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; Optimus
+``(8+2f) b s h + b n s^2 + 4 b s`` [16 b s h + ...] (LN1 input and output, QKV 3bsh,
+attention probabilities b n s^2, attention output, residual, LN2 output, fc1 and
+GELU outputs f bsh each, LayerNorm mean and rstd). Megatron keeps the LayerNorm
+inputs and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; Optimus
 and SUMMA2.5-LM split everything over p (statistics over q or dq). Without
 checkpointing all N layers' activations are kept; with it, each layer's input
 (b s h / p, distributed checkpoints as in the paper) plus one layer's activations
 while it is recomputed. Add two activation-gradient buffers of the layer input
-size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums:
-(16 b s h + 8 h^2)/p for Optimus), and with a vocabulary the embedding table and
+size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums of
+the widest linear, w = max(3h, f h): (4 b s w + 2 h w)/p for Optimus [(16 b s h +
+8 h^2)/p]), and with a vocabulary the embedding table and
 the logits with their gradient (2 b s v / p).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Mapping
 
+from ..grid import grid_shapes as _grid_shapes
+from ..transformer.schemes import SCHEME_NAMES
 from . import traffic as _traffic
 from .collectives import MPICH, Thresholds
 from .machine import Machine, itemsize_of
 from .predict import make_pricer, price_messages
 
-SCHEMES = ("megatron", "optimus", "summa25")
+SCHEMES = SCHEME_NAMES       # the one registry: summasim.transformer.schemes
 _ALIASES = {"megatron": "megatron", "1d": "megatron", "optimus": "optimus", "2d": "optimus",
             "summa25": "summa25", "2.5d": "summa25", "summa2.5": "summa25",
             "summa25-lm": "summa25"}
-_LINEARS = (("qkv", 1, 3), ("proj", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))  # in, out in units of h
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,14 @@ class TransformerConfig:
         Activation checkpointing (recompute each layer's forward in backward).
     optimizer_states : float
         Optimizer state per parameter, in parameters (Adam: 2).
+    ffn : float
+        MLP multiplier f: the MLP is ``[h, f h]``, ``[f h, h]`` (GPT-2: 4; the
+        model's ``Config.ffn_mult``).
+
+    Sizes may be real (the isoefficiency solver varies h continuously) but must be
+    finite and positive (v, optimizer_states: non-negative); a ``ValueError`` names
+    the field. Whether a grid divides the sizes is :func:`misfit`'s question. Build
+    one from the model's configuration with :meth:`from_model`.
     """
 
     b: float = 8
@@ -120,9 +143,46 @@ class TransformerConfig:
     dtype: str = "float32"
     checkpoint: bool = True
     optimizer_states: float = 2.0
+    ffn: float = 4
+
+    def __post_init__(self):
+        for name in ("b", "s", "h", "n", "N", "v", "ffn", "optimizer_states"):
+            val = getattr(self, name)
+            ok = (not isinstance(val, bool) and isinstance(val, numbers.Real)
+                  and math.isfinite(val))
+            if not ok or val < 0 or (val == 0 and name not in ("v", "optimizer_states")):
+                want = "non-negative" if name in ("v", "optimizer_states") else "positive"
+                raise ValueError(f"TransformerConfig.{name} must be a finite {want} number, "
+                                 f"got {val!r}")
+        itemsize_of(self.dtype)              # a ValueError naming the known dtypes
+
+    @classmethod
+    def from_model(cls, config, batch, checkpoint: bool = False,
+                   optimizer_states: float = 2.0) -> "TransformerConfig":
+        """The priced workload of a :class:`summasim.transformer.model.Config`.
+
+        The one bridge from the model's configuration to the cost model: vocab,
+        seq, hidden, heads, layers, ffn_mult and dtype become v, s, h, n, N, ffn
+        and dtype; ``batch`` is b (sequences per step). ``checkpoint`` defaults to
+        False, as the model's ``forward`` does. A classification head
+        (``n_classes > 0``) is not priced: ``ValueError``.
+        """
+        if getattr(config, "n_classes", 0):
+            raise ValueError(f"the cost model prices the language-model head only; "
+                             f"Config.n_classes = {config.n_classes}")
+        dtype = config.dtype
+        return cls(b=batch, s=config.seq, h=config.hidden, n=config.heads, N=config.layers,
+                   v=config.vocab, dtype=str(getattr(dtype, "name", dtype)),
+                   checkpoint=bool(checkpoint), optimizer_states=optimizer_states,
+                   ffn=config.ffn_mult)
 
     def replace(self, **kw) -> "TransformerConfig":
         return replace(self, **kw)
+
+    @property
+    def ffn_width(self):
+        """The MLP width f h (an int when it is whole)."""
+        return _whole(self.ffn * self.h)
 
     @property
     def itemsize(self) -> int:
@@ -169,21 +229,58 @@ class Scheme:
         return f"SUMMA2.5 [{self.q},{self.q},{self.d}]"
 
 
-def grid_shapes(p: int, name: str) -> list[Scheme]:
-    """Every grid of ``p`` ranks for scheme ``name`` (SUMMA2.5: 1 <= d <= q)."""
+def grid_shapes(p: int, name: str, cfg: "TransformerConfig | None" = None) -> list[Scheme]:
+    """Every grid of ``p`` ranks for scheme ``name`` (SUMMA2.5: 1 <= d <= q); with
+    ``cfg``, only those that divide it (:func:`misfit` is None)."""
     key = _ALIASES.get(str(name).lower())
     if key == "megatron":
-        return [Scheme("megatron", p)]
-    out = []
-    for d in ([1] if key == "optimus" else range(1, p + 1)):
-        if p % d:
-            continue
-        q = math.isqrt(p // d)
-        if q * q * d == p and d <= q:
-            out.append(Scheme(key, p, q, d))
-        if key == "summa25" and d * d * d > p:
-            break
+        out = [Scheme("megatron", p)]
+    else:          # summasim.grid's one enumeration, d ascending; SUMMA2.5 keeps d <= q
+        out = [Scheme(key, p, q, d) for q, d in reversed(_grid_shapes(p, "any"))
+               if (d == 1 if key == "optimus" else d <= q)]
+    if cfg is not None:
+        out = [sch for sch in out if misfit(sch, cfg) is None]
     return out
+
+
+def _divides(div: int, size) -> bool:
+    """``div`` divides ``size`` (a real size that is not whole is divisible by nothing)."""
+    size = _whole(size)
+    return isinstance(size, numbers.Integral) and size % div == 0
+
+
+def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> str | None:
+    """Why ``scheme``'s grid cannot run ``cfg``, or None when it divides the model.
+
+    Megatron over p: heads n, hidden h, the MLP width f h and the vocabulary v
+    (when v > 0) divisible by p (whole heads, column and row slices, vocabulary
+    slices per rank). Optimus and SUMMA2.5-LM on [q, q, d]: the batch b by d q
+    (whole sequences per rank; skipped with ``batch=False``), and h, n, f h, v by
+    q. The same conditions as the schemes' own checks (``megatron.check``,
+    ``optimus.check``); the reason names every size that fails and its divisor
+    (``"; "``-separated).
+    """
+    p, q, d = scheme.p, scheme.q, scheme.d
+    if scheme.name == "megatron":
+        dims = [("heads n", cfg.n, p, "p"), ("hidden h", cfg.h, p, "p"),
+                ("MLP width f h", cfg.ffn_width, p, "p")]
+        if cfg.v:
+            dims.append(("vocabulary v", cfg.v, p, "p"))
+    else:
+        dims = [("batch b", cfg.b, d * q, "d q" if d > 1 else "q")] if batch else []
+        dims += [("hidden h", cfg.h, q, "q"), ("heads n", cfg.n, q, "q"),
+                 ("MLP width f h", cfg.ffn_width, q, "q")]
+        if cfg.v:
+            dims.append(("vocabulary v", cfg.v, q, "q"))
+    bad = [f"{what} = {_fmt_num(size)} is not divisible by {sym} = {div}"
+           for what, size, div, sym in dims if not _divides(div, size)]
+    return "; ".join(bad) or None
+
+
+def _fmt_num(x) -> str:
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 # -- the ops of one layer -----------------------------------------------------------------
@@ -204,10 +301,10 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
     p, q, d = scheme.p, scheme.q, scheme.d
     fwd, bwd = [], []
     if scheme.name == "megatron":
-        for name, i, o in _LINEARS:
+        for name, fin, fout in _linears(cfg):
             # qkv and fc1 are split by columns, proj and fc2 by rows (Megatron's f and g)
-            fin, fout = ((i * h, _split(o * h, p)) if _LINEARS_COL[name]
-                         else (_split(i * h, p), o * h))
+            fin, fout = ((fin, _split(fout, p)) if _LINEARS_COL[name]
+                         else (_split(fin, p), fout))
             fwd.append(("gemm", M, fin, fout, 1))
             bwd += [("gemm", M, fout, fin, 1), ("gemm", fin, M, fout, 1)]
         seqs = _split(b * n, p)
@@ -220,15 +317,14 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
         ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                         else ("summa25_ab", "summa25_abt", "summa25_atb"))
         rows = d * q
-        for _, i, o in _LINEARS:
-            fin, fout = i * h, o * h
+        for _, fin, fout in _linears(cfg):
             fwd.append(("mm", ab, M, fin, fout))
             bwd += [("mm", abt, M, fout, fin), ("mm", atb, fin, M, fout)]
         seqs = _split(b, rows) * _split(n, q)
         fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
         bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
         if include_minor:
-            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, row0=row0)
+            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, ffn=cfg.ffn, row0=row0)
             fwd += fwd_aux
             bwd += bwd_aux
     if ck:
@@ -237,6 +333,20 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
 
 
 _LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
+
+
+def _linears(cfg: TransformerConfig) -> tuple:
+    """``(name, in, out)`` of the layer's four linears, in items: QKV [h, 3h],
+    projection [h, h], fc1 [h, f h], fc2 [f h, h]."""
+    h, f = cfg.h, cfg.ffn_width
+    return (("qkv", h, 3 * h), ("proj", h, h), ("fc1", h, f), ("fc2", f, h))
+
+
+def _whole(x):
+    """``x`` as an int when it is a whole non-integer type (so Fractions stay exact)."""
+    if isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral) and x == int(x):
+        return int(x)
+    return x
 
 
 def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
@@ -251,7 +361,7 @@ def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
     Groups of one send nothing.
     """
     fwd, bwd = [], []
-    vec = _split(9 * h + ffn * h, q)
+    vec = _split(9 * h + _whole(ffn * h), q)
     stats = _split(M, d * q)
     if q > 1:
         fwd.append(("coll", "bcast", "col", q, vec, 1))
@@ -494,12 +604,14 @@ def _log2_exact(x: int):
 
 
 def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None = None,
-           checkpoint: bool = True) -> dict[str, Fraction | float]:
+           checkpoint: bool = True, ffn: float = 4) -> dict[str, Fraction | float]:
     """The Optimus paper's Table 1 entries computed from :func:`layer_ops`.
 
     Communication is priced with the paper's formulas (alpha = 0, beta = 1 per
     scalar), computation is counted in scalar multiplications. With integer
     arguments that divide and q a power of two the values are exact Fractions.
+    ``n`` defaults to gcd(h, p q) (heads that every grid divides); ``ffn`` is the
+    MLP multiplier f (the paper's 4).
 
     Returns
     -------
@@ -509,7 +621,8 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
     """
     sch = scheme if isinstance(scheme, Scheme) else Scheme.make(scheme, p=p)
     n = n if n is not None else math.gcd(h, sch.p * sch.q) or 1
-    cfg = TransformerConfig(b=b, s=s, h=h, n=n, N=1, dtype="float64", checkpoint=checkpoint)
+    cfg = TransformerConfig(b=b, s=s, h=h, n=n, N=1, dtype="float64", checkpoint=checkpoint,
+                            ffn=ffn)
     ops = layer_ops(sch, cfg)
     out = {}
     for key in ("forward", "backward"):
@@ -540,12 +653,16 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
     return out
 
 
-def table1_paper(scheme: str, b, s, h, p) -> dict:
-    """Table 1 exactly as printed (log = log2; Fractions for integer input when
-    sqrt(p) is an integer power of two)."""
+def table1_paper(scheme: str, b, s, h, p, ffn: float = 4) -> dict:
+    """Table 1 as printed (log = log2; Fractions for integer input when sqrt(p) is
+    an integer power of two), for an MLP ``ffn`` times h wide: the paper's f = 4
+    gives the printed entries; for any f, 12 b s h^2 becomes (4 + 2f) b s h^2,
+    7 b s h becomes (3 + f) b s h and 12 h^2 becomes (4 + 2f) h^2."""
     key = _ALIASES[str(scheme).lower()]
-    comp_f = Fraction(12 * b * s * h * h + 2 * b * s * s * h, p)
-    comp_b = Fraction(36 * b * s * h * h + 6 * b * s * s * h, p)
+    f = Fraction(ffn)
+    wide, act = 4 + 2 * f, 3 + f              # 12 and 7 for f = 4
+    comp_f = (wide * b * s * h * h + 2 * b * s * s * h) / Fraction(p)
+    comp_b = 3 * comp_f
     if key == "megatron":
         return {"forward communication": Fraction(4 * (p - 1), p) * b * s * h,
                 "backward communication": Fraction(8 * (p - 1), p) * b * s * h,
@@ -553,34 +670,38 @@ def table1_paper(scheme: str, b, s, h, p) -> dict:
     sq = math.isqrt(p)
     factor = Fraction(_log2_exact(p), 2 * sq) if sq * sq == p and isinstance(
         _log2_exact(p), int) else math.log2(p) / (2 * math.sqrt(p))
-    return {"forward communication": factor * (7 * b * s * h + 12 * h * h),
-            "backward communication": factor * (21 * b * s * h + 36 * h * h),
+    return {"forward communication": factor * (act * b * s * h + wide * h * h),
+            "backward communication": factor * 3 * (act * b * s * h + wide * h * h),
             "forward computation": comp_f, "backward computation": comp_b}
 
 
 # -- memory ---------------------------------------------------------------------------------
 def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring)."""
-    b, s, h, n, v, N = cfg.b, cfg.s, cfg.h, cfg.n, cfg.v, cfg.N
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    f = cfg.ffn_width                                  # MLP width f h
     it = cfg.itemsize
-    p, q, d = scheme.p, scheme.q, scheme.d
+    p, q = scheme.p, scheme.q
     bsh = b * s * h
-    scores = b * n * s * s
+    weights = 4 * h * h + 2 * h * f                    # QKV 3h^2, proj h^2, fc1 and fc2 h f h
+    layer_act = _layer_activations(scheme, cfg)
     if scheme.name == "megatron":
-        layer_params = 12 * h * h / p + 7 * h / p + 6 * h
-        layer_act = 4 * bsh + 4 * b * s + (12 * bsh + scores) / p
+        # QKV and fc1 biases (3h + f h) split over p; LayerNorms and 2 biases (6h) whole
+        layer_params = weights / p + (3 * h + f) / p + 6 * h
         emb = v * h / p + s * h + 2 * h
         grad_bufs = 2 * bsh
         work = 0.0
     else:
-        layer_params = (12 * h * h / p + 13 * h / q if scheme.name == "optimus"
-                        else 12 * h * h / (q * q) + 13 * h / q)
-        layer_act = (16 * bsh + scores) / p + 4 * b * s / (d * q)
+        vectors = 9 * h + f                            # LayerNorms 4h, biases 3h + h + f h + h
+        layer_params = (weights / p + vectors / q if scheme.name == "optimus"
+                        else weights / (q * q) + vectors / q)
         # wte in q x q blocks (replicated over depth); wpe [s, h/q] and lnf g, b on row 0
         emb = v * h / (q * q) + s * h / q + 2 * h / q
         grad_bufs = 2 * bsh / p
-        w_blk = 4 * h * h / (q * q)
-        work = 2 * (4 * bsh / p + w_blk) + 2 * 4 * bsh / p if q > 1 else 0.0
+        wide = max(3 * h, f)                           # the widest linear: QKV or the MLP
+        w_blk = h * wide / (q * q)
+        act_blk = b * s * wide / p
+        work = 2 * (act_blk + w_blk) + 2 * act_blk if q > 1 else 0.0
     if cfg.checkpoint:
         acts = N * bsh / p + layer_act
     else:
@@ -630,9 +751,10 @@ def largest_batch(scheme: Scheme, cfg: TransformerConfig, budget_bytes: float,
 
 def best_grid(p: int, cfg: TransformerConfig, machine: Machine, *,
               schemes=SCHEMES, **kw) -> tuple[SchemeCost | None, list[SchemeCost]]:
-    """The fastest scheme and grid for ``p`` ranks, and every candidate's cost."""
+    """The fastest scheme and grid for ``p`` ranks, and every candidate's cost
+    (only grids that divide ``cfg``: see :func:`misfit`)."""
     costs = [scheme_cost(sch, cfg, machine, **kw) for name in schemes
-             for sch in grid_shapes(p, name)]
+             for sch in grid_shapes(p, name, cfg)]
     best = min(costs, key=lambda c: c.step_seconds) if costs else None
     return best, costs
 
@@ -725,16 +847,28 @@ def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
     embedding lookup, cross-entropy) one rank does in a training step: per layer the
     activation items of :func:`memory` (Megatron keeps the LayerNorms whole), plus the
     local logits ``b s v / p`` and the embedding output."""
-    b, s, h, n, v, N = cfg.b, cfg.s, cfg.h, cfg.n, cfg.v, cfg.N
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    p = scheme.p
+    bsh = b * s * h
+    layer = _layer_activations(scheme, cfg)
+    emb = bsh if scheme.name == "megatron" else bsh / p
+    return N * layer + b * s * v / p + emb
+
+
+def _layer_activations(scheme: Scheme, cfg: TransformerConfig) -> float:
+    """Items one rank keeps for the backward of one layer (see the module doc):
+    ``(8 + 2f) b s h + b n s^2`` split over p, plus the LayerNorm statistics
+    ``4 b s`` over d q; Megatron keeps the LayerNorm inputs and outputs (4 b s h)
+    and statistics whole."""
+    b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p, q, d = scheme.p, scheme.q, scheme.d
     bsh, scores = b * s * h, b * n * s * s
+    bsf = b * s * cfg.ffn_width                  # fc1 output, and GELU output
     if scheme.name == "megatron":
-        layer = 4 * bsh + 4 * b * s + (12 * bsh + scores) / p
-        emb = bsh
-    else:
-        layer = (16 * bsh + scores) / p + 4 * b * s / (d * q)
-        emb = bsh / p
-    return N * layer + b * s * v / p + emb
+        # whole: LN1 in/out, LN2 in/out; split: QKV 3, attention out 1, fc1 and GELU f each
+        return 4 * bsh + 4 * b * s + (4 * bsh + 2 * bsf + scores) / p
+    # LN1 in/out 2, QKV 3, attention out 1, residual 1, LN2 out 1, fc1 and GELU f each
+    return (8 * bsh + 2 * bsf + scores) / p + 4 * b * s / (d * q)
 
 
 def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:

@@ -12,6 +12,11 @@ a summasim dependency: run this under a Python that has torch and summasim on
 its path). NumPy and torch run in alternating blocks of steps in one process, so
 the ratio is fair on a shared machine; the torch layer gets the same weights, and
 its output and gradients are compared with ours.
+
+Every argument is checked before anything is timed (sizes are positive
+integers, the heads divide the hidden size, ``--torch`` needs torch importable,
+the ``--json`` file can be written); a user error is one line on stderr and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -20,13 +25,19 @@ import argparse
 import gc
 import json
 import math
+import os
+import tempfile
 import time
 import tracemalloc
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from summasim import cli
+
 from . import model, ops
+
+PROG = "python -m summasim.transformer.bench"
 
 
 def _layer(hidden, heads, dtype, seed=0):
@@ -164,26 +175,69 @@ def peak_memory(batch, seq, hidden, heads, layers, dtype, vocab, checkpoint):
             "peak_bytes": peak, "grad_bytes": grad_bytes}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m summasim.transformer.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every argument is checked as it is parsed (:mod:`summasim.cli`),
+    the rest by :func:`check_args`."""
+    ap = cli.ArgumentParser(prog=PROG, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=cli.positive_int, default=8, help="sequences b")
+    ap.add_argument("--seq", type=cli.positive_int, default=256, help="sequence length s")
+    ap.add_argument("--hidden", type=cli.positive_int, default=1024, help="hidden size h")
+    ap.add_argument("--heads", type=cli.positive_int, default=16,
+                    help="attention heads n (must divide --hidden)")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+    ap.add_argument("--threads", type=cli.positive_int, nargs="+", default=[1],
                     help="BLAS / torch thread counts to time (default 1)")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--repeat", type=cli.positive_int, default=3,
                     help="timed steps per block (after one warm-up step)")
-    ap.add_argument("--blocks", type=int, default=2,
+    ap.add_argument("--blocks", type=cli.positive_int, default=2,
                     help="blocks per framework, alternated NumPy, torch, NumPy, torch, ...")
     ap.add_argument("--torch", action="store_true", help="also time PyTorch eager (needs torch)")
-    ap.add_argument("--mem-layers", type=int, default=4,
+    ap.add_argument("--mem-layers", type=cli.nonnegative_int, default=4,
                     help="layers of the model whose peak memory is measured (0: skip)")
-    ap.add_argument("--mem-vocab", type=int, default=512)
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--mem-vocab", type=cli.positive_int, default=512,
+                    help="vocabulary of that model")
+    ap.add_argument("--json", metavar="PATH", type=cli.writable_path,
+                    help="also write the results as JSON (checked, and its folder made, first)")
+    return ap
+
+
+def check_args(args) -> None:
+    """What no single argument tells; raises :class:`summasim.cli.UsageError`."""
+    cli.require(args.hidden % args.heads == 0,
+                f"argument --heads: {args.heads} heads do not divide --hidden {args.hidden} "
+                f"(every head has hidden/heads whole columns)")
+    cli.require(not args.torch or cli.module_available("torch"),
+                "argument --torch: PyTorch is not installed in this Python (pip install "
+                "torch, or run under a Python that has torch and summasim on its path)")
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    """JSON to ``path`` via a temp file in its folder and ``os.replace``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=1, default=str)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)          # the mode open() would have given
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None):
+    """Time one layer and measure peak memory; returns the results dict. A user
+    error exits with status 2 after one line on stderr."""
+    ap = build_parser()
     args = ap.parse_args(argv)
+    try:
+        check_args(args)
+    except cli.UsageError as exc:
+        ap.error(str(exc))
     dtype = np.dtype(args.dtype)
     print(f"one layer: b={args.batch} s={args.seq} h={args.hidden} n={args.heads} {dtype}, "
           f"best of {args.blocks} x {args.repeat} steps")
@@ -215,8 +269,7 @@ def main(argv=None):
         print(f"  checkpointing: peak x{on['peak_bytes']/off['peak_bytes']:.2f}, held after "
               f"forward x{on['held_after_forward_bytes']/off['held_after_forward_bytes']:.3f}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+        _write_json_atomic(args.json, results)
     return results
 
 

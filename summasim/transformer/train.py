@@ -6,6 +6,11 @@ reduced the gradients it must reduce).
 
     python -m summasim.transformer.train            # 2-layer model on the copy task
 
+Every argument is checked before training (sizes are positive integers, the
+heads divide the hidden size, the period fits the sequence, rates are finite);
+a user error is one line on stderr and exit status 2. A run whose loss becomes
+non-finite stops at that step with one line on stderr and exit status 1.
+
 The copy task: each sequence is a random pattern of ``period`` tokens repeated
 to fill it; the model predicts the next token. Only the first ``period - 1``
 targets cannot be predicted, so the loss can fall from ln(vocab) at
@@ -22,9 +27,20 @@ from typing import Callable, Optional
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from summasim import cli
 from summasim.backends import array_module
 
 from . import model
+
+PROG = "python -m summasim.transformer.train"
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss of a training step is NaN or infinite (``step`` counts from 1)."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"the loss is non-finite ({loss}) at step {step}")
+        self.step, self.loss = step, loss
 
 
 class SGD:
@@ -122,12 +138,16 @@ def train(params: dict, config: model.Config, batches: Callable, optimizer, step
     """Run ``steps`` optimizer steps; returns the loss of every step.
 
     ``batches(step) -> (tokens, targets)``; ``callback(step, loss)`` is called
-    after every step (e.g. to print). ``params`` are updated in place.
+    after every step (e.g. to print). ``params`` are updated in place. A loss that
+    is NaN or infinite raises :class:`NonFiniteLoss` before that step's update
+    (the run has diverged; nothing after it would mean anything).
     """
     losses = []
     for step in range(steps):
         tokens, targets = batches(step)
         loss, cache = model.forward(params, tokens, targets, config, checkpoint=checkpoint)
+        if not math.isfinite(float(loss)):
+            raise NonFiniteLoss(step + 1, float(loss))
         grads = model.backward(cache)
         del cache
         optimizer.step(params, grads)
@@ -137,30 +157,62 @@ def train(params: dict, config: model.Config, batches: Callable, optimizer, step
     return losses
 
 
-def main(argv=None) -> list:
-    ap = argparse.ArgumentParser(prog="python -m summasim.transformer.train",
-                                 description="Train the serial reference on the copy task.")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--period", type=int, default=4, help="length of the repeated pattern")
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=2)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m summasim.transformer.train``; every argument
+    is checked as it is parsed (:mod:`summasim.cli`), the rest by :func:`check_args`."""
+    ap = cli.ArgumentParser(prog=PROG, description="Train the serial reference on the copy task.")
+    ap.add_argument("--steps", type=cli.positive_int, default=300, help="optimizer steps")
+    ap.add_argument("--batch", type=cli.positive_int, default=32, help="sequences per step")
+    ap.add_argument("--vocab", type=cli.positive_int, default=16, help="vocabulary size")
+    ap.add_argument("--seq", type=cli.positive_int, default=16, help="sequence length")
+    ap.add_argument("--period", type=cli.positive_int, default=4,
+                    help="length of the repeated pattern (at most --seq)")
+    ap.add_argument("--hidden", type=cli.positive_int, default=32, help="hidden size")
+    ap.add_argument("--heads", type=cli.positive_int, default=2,
+                    help="attention heads (must divide --hidden)")
+    ap.add_argument("--layers", type=cli.positive_int, default=2, help="transformer layers")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    ap.add_argument("--lr", type=float, default=None, help="default 3e-3 (adam), 0.3 (sgd)")
-    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--lr", type=cli.finite_positive_float, default=None,
+                    help="learning rate > 0; default 3e-3 (adam), 0.3 (sgd)")
+    ap.add_argument("--momentum", type=cli.float_range(0, 1, hi_open=True), default=0.9,
+                    help="SGD momentum, 0 <= momentum < 1")
+    ap.add_argument("--weight-decay", type=cli.finite_nonnegative_float, default=0.0,
+                    help="weight decay >= 0")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
-    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (small model: 1)")
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--threads", type=cli.positive_int, default=1,
+                    help="BLAS threads (small model: 1)")
+    ap.add_argument("--log-every", type=cli.positive_int, default=25,
+                    help="print the loss every this many steps")
+    ap.add_argument("--seed", type=cli.nonnegative_int, default=0, help="random seed >= 0")
+    return ap
 
-    config = model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden, heads=args.heads,
-                          layers=args.layers, dtype=args.dtype)
+
+def check_args(args) -> model.Config:
+    """What no single argument tells: the period fits the sequence and the heads
+    divide the hidden size. Returns the model's Config; raises
+    :class:`summasim.cli.UsageError` naming the argument."""
+    cli.require(args.period <= args.seq, f"argument --period: must be at most --seq "
+                                         f"{args.seq}, got {args.period}")
+    cli.require(args.hidden % args.heads == 0,
+                f"argument --heads: {args.heads} heads do not divide --hidden {args.hidden} "
+                f"(every head has hidden/heads whole columns)")
+    try:
+        return model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden,
+                            heads=args.heads, layers=args.layers, dtype=args.dtype)
+    except ValueError as exc:   # pragma: no cover - the checks above cover Config's
+        raise cli.UsageError(str(exc)) from None
+
+
+def main(argv=None) -> list:
+    """Train on the copy task; returns the losses. A user error exits with status 2,
+    a diverged run (non-finite loss) with status 1, each after one line on stderr."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        config = check_args(args)
+    except cli.UsageError as exc:
+        ap.error(str(exc))
     params = model.init_params(config, args.seed)
     if args.optimizer == "adam":
         opt = Adam(lr=args.lr or 3e-3, weight_decay=args.weight_decay)
@@ -178,11 +230,17 @@ def main(argv=None) -> list:
             print(f"step {step + 1:5d}  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
 
-    with threadpool_limits(args.threads):
-        return train(params, config,
-                     lambda step: copy_task_batch(rng, args.batch, args.seq, args.vocab,
-                                                  args.period),
-                     opt, args.steps, callback=log, checkpoint=args.checkpoint)
+    try:
+        # a diverging run overflows on its way to NaN; the loss check below reports it
+        with threadpool_limits(args.threads), np.errstate(over="ignore", invalid="ignore"):
+            return train(params, config,
+                         lambda step: copy_task_batch(rng, args.batch, args.seq, args.vocab,
+                                                      args.period),
+                         opt, args.steps, callback=log, checkpoint=args.checkpoint)
+    except NonFiniteLoss as exc:
+        cli.print_error(PROG, f"training diverged: {exc} (--lr {opt.lr:g}, {args.optimizer}); "
+                              f"try a smaller --lr")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,344 @@
+"""User errors in the command lines: one message, exit status 2, never a traceback.
+
+Every bad invocation runs as its own process (``python -m ...``), as a user would
+run it, and must print exactly ONE non-empty line on stderr, ``<prog>: error: ...``
+naming the offending argument, print nothing on stdout (the check comes before any
+work), and exit with status 2. Also the checks of :mod:`summasim.cli` in-process.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from summasim import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+       "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+for _var in cli.RANK_VARIABLES:   # not launched by mpiexec: every message is rank 0's
+    ENV.pop(_var, None)
+
+EXPLORE = ("summasim.costmodel", "explore", "--no-iso", "--p-max", "16")
+TABLE1 = ("summasim.costmodel", "table1")
+FIT = ("summasim.costmodel", "fit")
+TRAIN = ("summasim.transformer.train", "--steps", "3")
+BENCH = ("summasim.transformer.bench", "--batch", "1", "--seq", "4", "--hidden", "8",
+         "--heads", "2", "--repeat", "1", "--blocks", "1", "--mem-layers", "1",
+         "--mem-vocab", "8")
+
+
+def run(module, *args, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env or ENV)
+
+
+def assert_user_error(res, *mentions, status=2, stdout_empty=True):
+    """Exit ``status``, no traceback, exactly one stderr line with 'error:' and
+    every string of ``mentions``; nothing on stdout."""
+    report = f"rc={res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr, report
+    assert res.returncode == status, report
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, report
+    assert "error:" in lines[0], report
+    for m in mentions:
+        assert m in lines[0], f"{m!r} not in the message\n{report}"
+    if stdout_empty:
+        assert res.stdout.strip() == "", report
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "plain.txt").write_text("not json {")
+    (d / "folder").mkdir()
+    return d
+
+
+# -- explore --------------------------------------------------------------------------------
+EXPLORE_CASES = [
+    (["--b", "0"], "--b"),
+    (["--b", "-3"], "--b"),
+    (["--b", "1.5"], "--b"),
+    (["--s", "nan"], "--s"),
+    (["--h", "inf"], "--h"),
+    (["--h", "0"], "--h"),
+    (["--h", "1000", "--heads", "64"], "--heads"),           # heads must divide hidden
+    (["--heads", "0"], "--heads"),
+    (["--heads", "-64"], "--heads"),
+    (["--vocab", "-5"], "--vocab"),
+    (["--vocab", "nan"], "--vocab"),
+    (["--layers", "0"], "--layers"),
+    (["--p-min", "0"], "--p-min"),
+    (["--p-min", "8", "--p-max", "4"], "--p-max"),
+    (["--p-max", "1e30"], "--p-max"),
+    (["--matmul-n", "0"], "--matmul-n"),
+    (["--efficiency", "1.5"], "--efficiency"),
+    (["--efficiency", "nan"], "--efficiency"),
+    (["--efficiency", "0"], "--efficiency"),
+    (["--mem-budget", "-1"], "--mem-budget"),
+    (["--mem-budget", "nan"], "--mem-budget"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--ffn", "0"], "--ffn"),
+    (["--ffn", "nan"], "--ffn"),
+    (["--h", "1000", "--heads", "8", "--ffn", "2.7183"], "--ffn"),   # ffn * h not whole
+    (["--schemes", "megatron,fox"], "--schemes"),
+    (["--schemes", ","], "--schemes"),
+    (["--preset", "nope"], "--preset"),
+    (["--machine", "missing.json"], "--machine"),
+]
+
+
+@pytest.mark.parametrize("args,flag", EXPLORE_CASES, ids=[" ".join(a) for a, _ in EXPLORE_CASES])
+def test_explore_bad_arguments(args, flag):
+    assert_user_error(run(*EXPLORE, *args), flag)
+
+
+def test_explore_bad_files(files):
+    assert_user_error(run(*EXPLORE, "--machine", files / "folder"), "--machine")
+    assert_user_error(run(*EXPLORE, "--machine", files / "plain.txt"), "--machine")
+    # outputs under a path whose "folder" is a file: refused before the sweep
+    blocked = files / "plain.txt"
+    assert_user_error(run(*EXPLORE, "--csv", blocked / "t.csv"), "--csv")
+    assert_user_error(run(*EXPLORE, "--json", blocked / "t.json"), "--json")
+    assert_user_error(run(*EXPLORE, "--json", files / "folder"), "--json")
+    assert_user_error(run(*EXPLORE, "--outdir", blocked, "--csv"), "--outdir")
+    assert_user_error(run(*EXPLORE, "--outdir", blocked, "--plot"), "--outdir")
+
+
+def test_explore_machine_without_float64(tmp_path):
+    """A fitted machine without a float64 GEMM rate cannot price the float64 matrix
+    products: said before the sweep."""
+    from summasim.costmodel import load_preset
+
+    m = load_preset("local-2core-mpich")
+    m = m.replace(gamma_gemm={"float32": m.gamma_gemm["float32"]})
+    m.save(tmp_path / "m.json")
+    assert_user_error(run(*EXPLORE, "--machine", tmp_path / "m.json"), "--machine",
+                      "float64")
+    assert_user_error(run(*EXPLORE, "--machine", tmp_path / "m.json", "--dtype", "float16"),
+                      "--dtype")
+
+
+def test_explore_megatron_on_a_billion_ranks_does_not_fit():
+    """64 heads cannot be split over 2^30 ranks: nothing to price is a user error."""
+    res = run("summasim.costmodel", "explore", "--no-iso", "--schemes", "megatron",
+              "--p-min", 2 ** 30, "--p-max", 2 ** 30)
+    assert_user_error(res, "heads", str(2 ** 30))
+
+
+def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
+    """Megatron with 16 heads is priced up to p = 16 only; Optimus [q, q] needs b % q;
+    the matrix products need n % (d q); the sweep says what it left out and why."""
+    import json
+
+    from summasim.costmodel.__main__ import main
+
+    rc = main(["explore", "--no-iso", "--p-max", "64", "--b", "2", "--s", "64", "--h", "256",
+               "--heads", "16", "--layers", "2", "--matmul-n", "1020", "--json",
+               "--outdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = json.loads((tmp_path / "explore.json").read_text())
+    strong = doc["tables"]["strong"]
+    assert max(r["p"] for r in strong if r["scheme"] == "megatron") == 16
+    for name in ("optimus", "summa25"):             # b = 2: only [1,1,1] and [2,2,1]
+        assert {r["p"] for r in strong if r["scheme"] == name} == {1, 4}
+    weak = doc["tables"]["weak"]                      # b = 2 p: every [q, q] fits
+    assert {r["p"] for r in weak if r["scheme"] == "optimus"} == {1, 4, 16, 64}
+    for r in doc["tables"]["largest_batch"]:
+        assert r["scheme"] != "megatron" or r["p"] <= 16
+    matmul = doc["tables"]["matmul"]                  # 1020 % 8 != 0, 1020 % 16 != 0
+    assert {r["p"] for r in matmul if r["algorithm"] == "cannon_ab"} == {1, 4, 16}
+    assert not [r for r in matmul if r["p"] == 64]
+    assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
+
+
+# -- table1 ---------------------------------------------------------------------------------
+TABLE1_CASES = [(["--p", "0"], "--p"), (["--b", "0"], "--b"), (["--h", "-8"], "--h"),
+                (["--s", "x"], "--s"), (["--s", "nan"], "--s"),
+                (["--p", "3"], "--p")]   # neither Megatron (1024 % 3) nor Optimus fits
+
+
+@pytest.mark.parametrize("args,flag", TABLE1_CASES, ids=[" ".join(a) for a, _ in TABLE1_CASES])
+def test_table1_bad_arguments(args, flag):
+    assert_user_error(run(*TABLE1, *args), flag)
+
+
+def test_table1_reports_a_grid_that_does_not_divide(capsys):
+    from summasim.costmodel.__main__ import main
+
+    assert main(["table1", "--h", "1000", "--p", "16"]) == 0   # Optimus [4, 4] fits
+    out = capsys.readouterr().out
+    assert "megatron" in out and "not divisible by p = 16" in out and "!=" not in out
+
+
+# -- fit ------------------------------------------------------------------------------------
+FIT_CASES = [
+    (["--max-bytes", "0"], "--max-bytes"),
+    (["--max-bytes", "12x"], "--max-bytes"),
+    (["--groups", "0,2"], "--groups"),
+    (["--groups", "a"], "--groups"),
+    (["--gemm-sizes", "-1"], "--gemm-sizes"),
+    (["--dtypes", "float8"], "--dtypes"),
+    (["--threshold", "abc"], "--threshold"),
+    (["--name", ""], "--name"),
+]
+
+
+@pytest.mark.parametrize("args,flag", FIT_CASES, ids=[" ".join(a) for a, _ in FIT_CASES])
+def test_fit_bad_arguments(args, flag):
+    """Checked before MPI is imported (so no rank waits and no MPI job starts)."""
+    assert_user_error(run(*FIT, *args, timeout=60), flag)
+
+
+def test_fit_bad_output_path(files):
+    assert_user_error(run(*FIT, "--out", files / "plain.txt" / "m.json", timeout=60), "--out")
+    assert_user_error(run(*FIT, "--out", files / "folder", timeout=60), "--out")
+
+
+def test_fit_on_one_rank_is_a_user_error(tmp_path):
+    """The fit needs two ranks: one message and status 2, before any benchmark."""
+    pytest.importorskip("mpi4py")
+    res = run(*FIT, "--quick", "--out", tmp_path / "m.json", timeout=120)
+    assert_user_error(res, "mpiexec")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_fit_bad_argument_under_mpiexec_prints_once():
+    """Under a launcher every rank checks, rank 0 alone speaks (its rank from the
+    environment; MPI is never initialised)."""
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit",
+                          "--max-bytes", "0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=ENV)
+    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert res.returncode == 2 and len(lines) == 1 and "--max-bytes" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# -- train ----------------------------------------------------------------------------------
+TRAIN_CASES = [
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "-1e-3"], "--lr"),
+    (["--steps", "0"], "--steps"),
+    (["--batch", "0"], "--batch"),
+    (["--vocab", "0"], "--vocab"),
+    (["--seq", "0"], "--seq"),
+    (["--period", "0"], "--period"),
+    (["--period", "17"], "--period"),                      # longer than --seq 16
+    (["--hidden", "30", "--heads", "4"], "--heads"),
+    (["--hidden", "0"], "--hidden"),
+    (["--layers", "0"], "--layers"),
+    (["--momentum", "nan"], "--momentum"),
+    (["--momentum", "-0.5"], "--momentum"),
+    (["--momentum", "1"], "--momentum"),
+    (["--weight-decay", "-1"], "--weight-decay"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--threads", "0"], "--threads"),
+    (["--log-every", "0"], "--log-every"),
+    (["--seed", "-1"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("args,flag", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
+def test_train_bad_arguments(args, flag):
+    assert_user_error(run(*TRAIN, *args), flag)
+
+
+def test_train_loss_becoming_nonfinite_fails():
+    """A run that diverges stops at the first non-finite loss: status 1, one message
+    (no NumPy overflow warnings, no traceback)."""
+    res = run("summasim.transformer.train", "--optimizer", "sgd", "--lr", "1e4", "--steps",
+              "6", "--log-every", "1")
+    assert_user_error(res, "non-finite", "--lr", status=1, stdout_empty=False)
+    assert "loss nan" not in res.stdout
+
+
+# -- transformer bench ----------------------------------------------------------------------
+BENCH_CASES = [
+    (["--batch", "0"], "--batch"),
+    (["--seq", "-4"], "--seq"),
+    (["--hidden", "30", "--heads", "4"], "--heads"),
+    (["--repeat", "0"], "--repeat"),
+    (["--blocks", "0"], "--blocks"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "1", "-2"], "--threads"),
+    (["--mem-layers", "-1"], "--mem-layers"),
+    (["--mem-vocab", "0"], "--mem-vocab"),
+]
+
+
+@pytest.mark.parametrize("args,flag", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
+def test_bench_bad_arguments(args, flag):
+    assert_user_error(run(*BENCH, *args), flag)
+
+
+def test_bench_bad_json_path_and_missing_torch(files):
+    assert_user_error(run(*BENCH, "--json", files / "plain.txt" / "r.json"), "--json")
+    assert_user_error(run(*BENCH, "--json", files / "folder"), "--json")
+    if not cli.module_available("torch"):
+        assert_user_error(run(*BENCH, "--torch"), "--torch")
+
+
+# -- the helpers themselves -----------------------------------------------------------------
+def test_number_types():
+    assert cli.positive_int("8") == 8 and cli.positive_int("1e3") == 1000
+    assert cli.nonnegative_int("0") == 0 and cli.int_at_least(2)("2") == 2
+    assert cli.int_list(2)("2, 4,8") == [2, 4, 8]
+    assert cli.finite_positive_float("3e-3") == 3e-3
+    assert cli.finite_nonnegative_float("0") == 0.0 and cli.finite_float("-2.5") == -2.5
+    assert cli.float_range(0, 1, lo_open=True, hi_open=True)("0.5") == 0.5
+    assert cli.choice_list(("a", "b"))("a,b") == ["a", "b"]
+    bad = [(cli.positive_int, "0"), (cli.positive_int, "1.5"), (cli.positive_int, "x"),
+           (cli.positive_int, "nan"), (cli.nonnegative_int, "-1"), (cli.int_at_least(2), "1"),
+           (cli.int_list(2), "2,1"), (cli.int_list(), ","), (cli.finite_positive_float, "0"),
+           (cli.finite_positive_float, "nan"), (cli.finite_positive_float, "-inf"),
+           (cli.finite_nonnegative_float, "-1"), (cli.finite_float, "inf"),
+           (cli.float_range(0, 1, lo_open=True), "0"), (cli.float_range(0, 1), "1.01"),
+           (cli.choice_list(("a",)), "a,c")]
+    for fn, text in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)
+
+
+def test_path_types(tmp_path):
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    assert cli.existing_file(str(f)) == str(f)
+    for text in (str(tmp_path / "nope"), str(tmp_path)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.existing_file(text)
+    out = tmp_path / "new" / "deeper" / "r.json"
+    assert cli.writable_path(str(out)) == str(out)
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []   # probe cleaned up
+    assert cli.writable_dir(str(tmp_path / "d")) == str(tmp_path / "d")
+    for fn, text in ((cli.writable_path, str(f / "x.json")), (cli.writable_path, str(tmp_path)),
+                     (cli.writable_dir, str(f)), (cli.writable_dir, str(f / "sub"))):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fn(text)
+
+
+def test_parser_error_is_one_line_and_rank0_only(capsys, monkeypatch):
+    ap = cli.ArgumentParser(prog="prog")
+    ap.add_argument("--n", type=cli.positive_int)
+    with pytest.raises(SystemExit) as exc:
+        ap.parse_args(["--n", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "prog: error: argument --n: must be a positive " \
+                                      "integer, got '0'\n"
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--n", "0"])
+    assert capsys.readouterr().err == ""
+    assert cli.launcher_rank() == 1
