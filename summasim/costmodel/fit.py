@@ -16,16 +16,22 @@ collectives ``Bcast``, ``Reduce`` and ``Allreduce`` (sum) on groups of the given
             sizes (``comm.Split``), slowest rank of each call
 GEMM        ``numpy.matmul`` of n x n blocks per dtype with one BLAS thread,
             all ranks at once (as SPMD code runs): seconds per flop
-reduction   ``numpy.add(x, y, out=x)``: seconds per byte; the machine's gamma_reduce
-            is the larger of this and what the measured MPI_Reduce/MPI_Allreduce
-            imply (:func:`gamma_reduce_from_collectives`): MPI's own reductions
-            (temporary buffers, MPI_SUM loops) were 16x slower per byte here
+reduction   ``numpy.add(x, y, out=x)``: seconds per byte, the machine's gamma_reduce
+            (summasim's own reductions); its gamma_reduce_mpi is the larger of this
+            and what the measured MPI_Reduce/MPI_Allreduce imply
+            (:func:`gamma_reduce_from_collectives`): MPI's own reductions (temporary
+            buffers, MPI_SUM loops) were 3.5x slower per byte here
+single GEMM rank 0 alone at the largest GEMM size (``notes["gemm_single"]``): all
+            ranks' GEMM far slower than this means other work shared the cores
 
 Each point is the fastest of several short repetitions (9 of about 0.5 ms with
 ``--quick``, else 21 of about 2 ms, each averaging enough iterations to last that
 long): on a shared machine other work only ever adds time, so the minimum over
 short repetitions estimates the machine itself. The fit warns when the load
-average exceeds the core count.
+average exceeds the core count, and refuses (:class:`FitRejected`) a machine that
+:func:`~summasim.costmodel.machine.sanity_problems` finds implausible: a regime
+fitted to zero latency or infinite bandwidth, GEMM rates out of range or far below
+one process alone.
 
 alpha and beta are fitted per regime (small / large messages, split at the eager
 threshold: given, or chosen as the split that fits best) by robust least squares
@@ -58,9 +64,25 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .collectives import collective_time
-from .machine import Link, Machine
+from .machine import Link, Machine, SharedCore, sanity_problems
 
 MiB = 1 << 20
+
+
+class FitRejected(RuntimeError):
+    """A fit that :func:`~summasim.costmodel.machine.sanity_problems` refuses.
+
+    Raised by :func:`run_fit` on every rank alike. ``problems`` lists what is wrong;
+    ``machine`` is the refused Machine on rank 0 (None elsewhere), for a report.
+    """
+
+    def __init__(self, problems, machine=None):
+        self.problems = list(problems)
+        self.machine = machine
+        super().__init__("the machine fit is physically implausible, refused: "
+                         + "; ".join(self.problems)
+                         + " (other work on the machine, or too few points: refit on a "
+                           "quiet machine)")
 
 
 @dataclass
@@ -402,7 +424,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             group_sizes: Sequence[int] | None = None, gemm_sizes: Sequence[int] | None = None,
             dtypes: Sequence[str] = ("float64", "float32"), threshold: int | None = None,
             name: str | None = None, command: str | None = None,
-            say: Callable[[str], None] | None = None) -> Machine | None:
+            say: Callable[[str], None] | None = None, check: bool = True) -> Machine | None:
     """Run the microbenchmarks on ``comm`` (COMM_WORLD) and fit a Machine.
 
     Parameters
@@ -428,10 +450,20 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         Recorded in the notes (default: the command line).
     say : callable, optional
         Progress printer (rank 0 only); default prints with flush.
+    check : bool
+        Refuse a fit that :func:`~summasim.costmodel.machine.sanity_problems` finds
+        implausible (default); False returns it anyway (to inspect it).
 
     Returns
     -------
     Machine on rank 0, None on the other ranks.
+
+    Raises
+    ------
+    FitRejected
+        On every rank, when ``check`` and the fitted machine has problems (an
+        infinite bandwidth, a zero latency, GEMM far slower with all ranks busy than
+        one process alone, ...).
     """
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -508,13 +540,23 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                 pts.append((float(n), g))
                 say(f"  gemm {dt:<8s} n={n:<5d} {t * 1e3:9.3f} ms  {1 / g / 1e9:7.2f} GFLOP/s/rank")
             gamma_gemm[dt] = pts
+        # one process alone at the largest size, the others asleep: the reference that
+        # tells all ranks' GEMM apart from cores shared with other work
+        n1, dt1 = int(max(gemm_sizes)), dtypes[0]
+        comm.Barrier()
+        g1 = _gemm_seconds(n1, dt1, 5 if quick else 9) / (2.0 * n1 ** 3) if rank == 0 else None
+        _sleep_barrier(comm)
+        g1 = comm.bcast(g1, root=0)
+        say(f"  gemm {dt1:<8s} n={n1:<5d} one process alone {1 / g1 / 1e9:7.2f} GFLOP/s")
         comm.Barrier()
         gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
         gr = float(np.median(comm.allgather(gr)))
         say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
 
     if rank != 0:
-        comm.Barrier()
+        problems = comm.bcast(None, root=0)
+        if problems:
+            raise FitRejected(problems)
         return None
     how = "given"
     if threshold is None:
@@ -547,15 +589,18 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                "pingpong": [[s, t] for s, t in zip(sizes, pp)],
                "ring": [[s, t] for s, t in zip(ring_sizes, ring)],
                "collectives": [list(c) for c in colls],
+               "gemm_single": {"dtype": dt1, "n": n1, "seconds_per_flop": g1},
                "seconds": round(time.time() - t_start, 1)})
     # MPI's own reductions (temporary buffers, MPI_SUM loops) can be much slower per
-    # byte than numpy's a += b; estimate gamma_reduce as seen inside MPI_Reduce /
-    # MPI_Allreduce from their large-message points and keep the larger of the two
+    # byte than numpy's a += b; estimate them as seen inside MPI_Reduce / MPI_Allreduce
+    # from their large-message points: gamma_reduce_mpi (never below numpy's), while
+    # gamma_reduce stays numpy's a += b (summasim's own reductions)
     g_mpi = gamma_reduce_from_collectives(machine, colls)
     if g_mpi is not None:
-        say(f"gamma_reduce: numpy a += b {gr * 1e9:.3f} ns/B, inside MPI reduce/allreduce "
-            f"{g_mpi * 1e9:.3f} ns/B; using {max(gr, g_mpi) * 1e9:.3f} ns/B")
-        machine = machine.replace(gamma_reduce=max(gr, g_mpi),
+        say(f"gamma_reduce: numpy a += b {gr * 1e9:.3f} ns/B (summasim's reductions), "
+            f"inside MPI reduce/allreduce {g_mpi * 1e9:.3f} ns/B; MPI's: "
+            f"{max(gr, g_mpi) * 1e9:.3f} ns/B")
+        machine = machine.replace(gamma_reduce=gr, gamma_reduce_mpi=max(gr, g_mpi),
                                   notes={**machine.notes, "gamma_reduce_numpy": gr,
                                          "gamma_reduce_mpi": g_mpi})
     # check the whole model on what was not fitted
@@ -573,8 +618,22 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             say(f"check: {op:<9s} median rel err {err:.1%} (model: {', '.join(algs)}"
                 f"{'; gamma_reduce fitted on its large points' if op != 'bcast' else ''})")
     machine = machine.replace(notes={**machine.notes, "check_median_rel_err": checks})
-    comm.Barrier()
+    problems = sanity_problems(machine) if check else []
+    for line in problems:
+        say(f"REFUSED: {line}")
+    comm.bcast(problems, root=0)
+    if problems:
+        raise FitRejected(problems, machine)
     return machine
+
+
+def _sleep_barrier(comm, longest: float = 0.02):
+    """A barrier whose waiting ranks sleep (short, growing naps) instead of spinning."""
+    req = comm.Ibarrier()
+    nap = 1e-4
+    while not req.Test():
+        time.sleep(nap)
+        nap = min(longest, nap * 1.5)
 
 
 def gamma_reduce_from_collectives(machine: Machine, colls, min_bytes: int = 65536):
@@ -650,8 +709,6 @@ def fit_shared_core(samples) -> tuple["SharedCore", float]:
     hop_seconds_per_byte B + sync_seconds``, fitted by :func:`fit_nonneg_linear`.
     Returns the SharedCore and the fit's median relative error.
     """
-    from .machine import SharedCore
-
     rows, ys = [], []
     for R, f, t in samples:
         if R <= 1:

@@ -1,0 +1,469 @@
+"""Which cost-model Machine a run uses, and when a fitted one may be trusted and saved.
+
+``resolve_machine(spec, world, say)`` returns a :class:`~summasim.costmodel.machine.Machine`
+on every rank:
+
+1. ``spec`` (``--machine FILE|PRESET``): that file or preset. A spec that is neither
+   raises ValueError before any communication (:func:`check_machine_spec` does the same
+   check at parse time). A file that fails :func:`~summasim.costmodel.machine.sanity_problems`
+   is still used (it was asked for), with the problems printed.
+2. ``results/accuracy/machine-calibrated.json`` (the accuracy benchmark's calibration),
+   when it passes the sanity checks.
+3. ``results/machine.json`` (an earlier quick fit), when it passes the sanity checks.
+   One fitted while the machine was busy is used with a warning, or refitted when the
+   machine is quiet now.
+4. Otherwise a quick fit on ranks 0 and 1 (the other ranks sleep), saved to
+   ``results/machine.json``.
+
+Trust rules for the fit (4):
+
+- **One fit at a time.** Rank 0 holds an exclusive ``fcntl.flock`` on
+  ``results/machine.json.lock`` from the moment it finds no usable file until the fit is
+  saved. A second job started at the same time waits for the lock (its ranks asleep),
+  then finds the first job's file and uses it: two fits competing for the same cores
+  measure each other (this once saved an infinite small-message bandwidth and a 2x slow
+  GEMM, and every later run reused it: prediction error 12.7 % -> 87 %).
+- **Busy fits are marked.** Rank 0 measures the CPU used by processes outside this job
+  (:func:`summasim.harness.load.foreign_cpu`, the job's own ranks excluded) just before
+  and after the fit; above :data:`~summasim.harness.load.BUSY_CORES` cores the fit is
+  saved with ``fit_conditions["busy"] = True``, and every later run that uses it says so
+  and how to refit (it refits by itself once the machine is quiet).
+- **Impossible fits are refused.** A fit that ``sanity_problems`` refuses (zero latency,
+  infinite bandwidth, GEMM far below one process alone, ...) is neither saved nor used:
+  the run falls back to the preset :data:`FALLBACK_PRESET` and says why.
+
+What comes from the preset (:func:`compose_with_preset`): the quick fit measures links,
+GEMM and reductions in seconds; the run-level models (oversubscription, elementwise,
+per-layer) need the accuracy benchmark's runs. On the machine the preset was calibrated on
+(same core count and MPI library, link times within 25 %) the preset's links, reductions
+and run-level models are used and only the GEMM rates (which change with the CPU model
+behind the VM) are measured; on another machine the measured links are kept and only the
+run-level models are borrowed. The run prints which parts come from where.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import time
+
+from ..costmodel.machine import (Machine, get_machine, list_presets, load_preset,
+                                 sanity_problems)
+from . import load
+
+DEFAULT_MACHINE_FILE = os.path.join("results", "machine.json")
+CALIBRATED_MACHINE_FILE = os.path.join("results", "accuracy", "machine-calibrated.json")
+#: The preset used when no fit can be trusted, and whose run-level models a fit borrows.
+FALLBACK_PRESET = "local-2core-mpich"
+#: GEMM block sizes of the quick fit.
+QUICK_GEMM_SIZES = (128, 256, 512, 1024)
+#: Ranks the quick fit runs on (no more than the cores: waiting ranks spin).
+FIT_RANKS = 2
+#: Seconds of each foreign-load reading around a fit.
+LOAD_INTERVAL = 0.3
+#: Longest wait for another job's fit (then: the preset, said so).
+LOCK_WAIT = 600.0
+#: Largest relative difference of link times at which a fit "is" the preset's machine.
+MATCH_TOLERANCE = 0.25
+
+REFIT_HINT = ("delete {path} on a quiet machine to refit, or run `OMP_NUM_THREADS=1 mpiexec "
+              "-n 2 python -m summasim.costmodel fit --out {path}`")
+
+
+# --------------------------------------------------------------------------- spec
+def check_machine_spec(spec) -> None:
+    """Raise ValueError unless ``spec`` (a ``--machine`` value) is None, a readable valid
+    machine JSON file, or a preset name. Pure: no MPI, nothing written."""
+    if spec is None:
+        return
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"--machine must be a file or a preset name, got {spec!r}")
+    if os.path.exists(spec):
+        if os.path.isdir(spec):
+            raise ValueError(f"--machine {spec!r} is a directory, not a machine JSON file")
+        try:
+            Machine.load(spec)
+        except ValueError as exc:
+            raise ValueError(f"--machine {spec!r}: {exc}") from None
+        except OSError as exc:
+            raise ValueError(f"--machine {spec!r}: cannot read it ({exc.strerror})") from None
+        return
+    if spec not in list_presets():
+        raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
+                         f"({', '.join(list_presets())})")
+
+
+def _busy_line(machine: Machine, path: str) -> str:
+    fc = machine.fit_conditions or {}
+    seen = max(fc.get("foreign_cpu_before") or 0.0, fc.get("foreign_cpu_after") or 0.0)
+    return (f"cost model: WARNING: {path} was fitted while the machine was busy (other "
+            f"processes used {seen:.2f} cores at {fc.get('time', '?')}); its times include "
+            f"their load. {REFIT_HINT.format(path=path)}")
+
+
+def _composed_line(machine: Machine) -> str:
+    comp = (machine.notes or {}).get("composed")
+    if not isinstance(comp, dict):
+        return ""
+    return (f"; from the preset {comp.get('preset')}: {', '.join(comp.get('from_preset', []))}"
+            f"; measured: {', '.join(comp.get('measured', []))}")
+
+
+def _explicit(spec: str, say) -> Machine:
+    machine = get_machine(spec) if os.path.exists(spec) else get_machine(preset=spec)
+    say(f"cost model: machine {machine.name!r} from {spec}")
+    problems = sanity_problems(machine)
+    if problems:
+        say(f"cost model: WARNING: {spec} looks implausible (used as asked): "
+            + "; ".join(problems))
+    if machine.fitted_busy:
+        say(_busy_line(machine, spec))
+    return machine
+
+
+# --------------------------------------------------------------------------- waiting
+def _sleep_wait(req, longest: float = 0.02) -> None:
+    """Complete ``req`` by polling ``Test()`` with short, growing naps (never spinning)."""
+    nap = 1e-4
+    while not req.Test():
+        time.sleep(nap)
+        nap = min(longest, nap * 1.5)
+
+
+def _sleep_barrier(world) -> None:
+    _sleep_wait(world.Ibarrier())
+
+
+class FitLock:
+    """An exclusive ``fcntl.flock`` on ``path + ".lock"`` (the lock file stays; removing
+    it would let two jobs lock two different files)."""
+
+    def __init__(self, path: str):
+        self.lock_path = os.fspath(path) + ".lock"
+        self.fd = None
+
+    def acquire(self, say, max_wait: float = LOCK_WAIT) -> bool:
+        """Take the lock, waiting (asleep) at most ``max_wait`` seconds; False on
+        timeout. OSError when the lock file cannot be created."""
+        import fcntl
+
+        os.makedirs(os.path.dirname(os.path.abspath(self.lock_path)), exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        t0 = time.monotonic()
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+            if not told:
+                say(f"cost model: another job is fitting the machine ({self.lock_path} is "
+                    f"locked); waiting for its fit instead of measuring against it")
+                told = True
+            if time.monotonic() - t0 > max_wait:
+                os.close(fd)
+                return False
+            time.sleep(0.05)
+        self.fd = fd
+        if told:
+            say(f"cost model: the other job's fit is done after "
+                f"{time.monotonic() - t0:.1f} s")
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+# --------------------------------------------------------------------------- preset parts
+def borrow_run_models(machine: Machine, say, preset: str = FALLBACK_PRESET) -> Machine:
+    """A quick fit measures links and GEMMs only: take the run-level models (the
+    shared-core model of oversubscribed runs, elementwise and per-layer seconds of
+    training steps) from ``preset`` when it was calibrated on a machine with the same
+    core count, and say so."""
+    ref = load_preset(preset)
+    if machine.shared_core is not None or ref.shared_core is None or ref.cores != machine.cores:
+        return machine
+    say(f"cost model: oversubscription and elementwise models from the preset {preset} "
+        f"(calibrated on {ref.cores} cores; `python -m summasim.costmodel accuracy` "
+        f"calibrates this machine's own)")
+    return machine.replace(shared_core=ref.shared_core, gamma_elementwise=ref.gamma_elementwise,
+                           layer_seconds=ref.layer_seconds)
+
+
+_LIBRARIES = (("MPICH", r"MPICH\D*?(\d+(?:\.\d+)+)"), ("Open MPI", r"Open MPI\D*?(\d+(?:\.\d+)+)"),
+              ("Intel MPI", r"Intel\(R\) MPI Library\D*?(\d+(?:\.\d+)*)"))
+
+
+def mpi_library(text: str) -> tuple[str, str] | None:
+    """``(library, version)`` named in a machine's ``source`` (or an MPI library version
+    string), e.g. ``("MPICH", "5.0.2")``; None when neither is recognisable."""
+    for lib, pattern in _LIBRARIES:
+        m = re.search(pattern, text or "")
+        if m:
+            return lib, m.group(1)
+    return None
+
+
+def preset_matches(fitted: Machine, ref: Machine,
+                   tolerance: float = MATCH_TOLERANCE) -> tuple[bool, str]:
+    """Whether ``fitted`` was measured on the machine ``ref`` was calibrated on: the
+    same core count and MPI library, and link times within ``tolerance`` at 8 B .. 4 MiB.
+    Returns ``(match, reason)``."""
+    if fitted.cores != ref.cores:
+        return False, f"{fitted.cores} cores, the preset {ref.cores}"
+    lib, rlib = mpi_library(fitted.source), mpi_library(ref.source)
+    if lib is None or lib != rlib:
+        return False, f"MPI library {lib or 'unknown'}, the preset {rlib or 'unknown'}"
+    for nbytes in (8, 1024, 65536, 1 << 20, 4 << 20):
+        ratio = fitted.link().time(nbytes) / ref.link().time(nbytes)
+        if abs(ratio - 1.0) > tolerance:
+            return False, (f"a {nbytes}-byte message takes {ratio:.2f}x the preset's time "
+                           f"(another CPU behind the VM)")
+    return True, (f"same {ref.cores} cores and {' '.join(lib)}, link times within "
+                  f"{tolerance:.0%} of the preset's")
+
+
+def _merge_gemm(measured: dict, ref: dict) -> dict:
+    """The measured GEMM table, extended below and above its sizes with the reference
+    table's points scaled by the measured/reference ratio at the nearest measured size
+    (the shape of the curve from the full fit, the level from today's CPU)."""
+    out = {}
+    for dt in set(measured) | set(ref):
+        pts = [tuple(p) for p in measured.get(dt, ())]
+        rpts = [tuple(p) for p in ref.get(dt, ())]
+        if not pts:  # a dtype only the reference has: scale it by float64's ratio
+            base = measured.get("float64") or next(iter(measured.values()))
+            n0 = base[0][0]
+            r = base[0][1] / _interp(ref.get("float64", rpts), n0)
+            out[dt] = tuple((n, g * r) for n, g in rpts)
+            continue
+        lo_n, hi_n = pts[0][0], pts[-1][0]
+        if rpts:
+            r_lo = pts[0][1] / _interp(rpts, lo_n)
+            r_hi = pts[-1][1] / _interp(rpts, hi_n)
+            pts = ([(n, g * r_lo) for n, g in rpts if n < lo_n] + pts
+                   + [(n, g * r_hi) for n, g in rpts if n > hi_n])
+        out[dt] = tuple(pts)
+    return out
+
+
+def _interp(pts, n) -> float:
+    """Seconds per flop at size ``n`` in a ``((n, gamma), ...)`` table: log-log
+    interpolation, clamped at the ends (as :meth:`Machine.gamma`)."""
+    pts = sorted(pts)
+    if n <= pts[0][0]:
+        return pts[0][1]
+    for (n0, g0), (n1, g1) in zip(pts, pts[1:]):
+        if n <= n1:
+            t = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            return math.exp(math.log(g0) + t * (math.log(g1) - math.log(g0)))
+    return pts[-1][1]
+
+
+def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
+                        tolerance: float = MATCH_TOLERANCE) -> Machine:
+    """The machine a quick fit stands for, with what it cannot measure from ``preset``.
+
+    On the preset's own machine (:func:`preset_matches`) the calibrated preset's links,
+    reductions, per-call, elementwise and oversubscription models are used with the
+    GEMM rates just measured; elsewhere the measured links, GEMM and reductions are kept
+    and only the run-level models are borrowed (:func:`borrow_run_models`). Says which
+    parts come from where and records it in ``notes["composed"]``.
+    """
+    ref = load_preset(preset)
+    same, why = preset_matches(fitted, ref, tolerance)
+    if same:
+        gemm = _merge_gemm(fitted.gamma_gemm, ref.gamma_gemm)
+        ratio = fitted.gamma(1024) / ref.gamma(1024) if "float64" in fitted.gamma_gemm else math.nan
+        parts = {"preset": preset, "why": why,
+                 "from_preset": ["links", "reductions", "per-call", "elementwise",
+                                 "per-layer", "oversubscription"],
+                 "measured": ["GEMM rates"], "gemm_vs_preset": ratio}
+        say(f"cost model: this is the preset {preset}'s machine ({why}): its calibrated "
+            f"links, reductions, per-call, elementwise and oversubscription models; GEMM "
+            f"rates measured now ({ratio:.2f}x the preset's seconds per flop at n = 1024)")
+        quick = {k: fitted.notes[k] for k in ("date", "command", "fit", "seconds")
+                 if k in fitted.notes}
+        notes = {**ref.notes, "quick_fit": quick, "composed": parts}
+        if "gemm_single" in fitted.notes:
+            notes["gemm_single"] = fitted.notes["gemm_single"]
+        return ref.replace(name=f"{preset}+gemm", source=f"{ref.source}; GEMM: {fitted.source}",
+                           gamma_gemm=gemm, memory_bytes=fitted.memory_bytes or ref.memory_bytes,
+                           notes=notes, fit_conditions=fitted.fit_conditions)
+    out = borrow_run_models(fitted, lambda line: None, preset)
+    borrowed = ["elementwise", "per-layer", "oversubscription"] if out is not fitted else []
+    say(f"cost model: not the preset {preset}'s machine ({why}): links, GEMM and reductions "
+        f"measured now" + (f"; {', '.join(borrowed)} models from the preset (calibrated on "
+                           f"another CPU: expect per-call-heavy runs to be off)" if borrowed
+                           else ""))
+    parts = {"preset": preset, "why": why, "from_preset": borrowed,
+             "measured": ["links", "GEMM rates", "reductions"]}
+    return out.replace(notes={**out.notes, "composed": parts})
+
+
+# --------------------------------------------------------------------------- resolve
+def _load_checked(path: str, what: str, say) -> Machine | None:
+    """The machine in ``path`` if it loads and passes the sanity checks, else None
+    (with the reason said)."""
+    try:
+        machine = Machine.load(path)
+    except (ValueError, OSError) as exc:
+        say(f"cost model: {what} {path} cannot be used ({exc}); ignoring it")
+        return None
+    problems = sanity_problems(machine)
+    if problems:
+        say(f"cost model: {what} {path} fails the sanity checks, not using it: "
+            + "; ".join(problems))
+        return None
+    return machine
+
+
+def _plan_on_root(path, calibrated, size, pids, say, preset):
+    """Rank 0: ``({"use": machine dict} or {"fit": before-snapshot}, lock or None)``."""
+    if os.path.exists(calibrated):
+        m = _load_checked(calibrated, "the accuracy benchmark's machine", say)
+        if m is not None:
+            say(f"cost model: machine calibrated by the accuracy benchmark, {calibrated}")
+            if m.fitted_busy:
+                say(_busy_line(m, calibrated))
+            return {"use": m.to_dict()}, None
+    lock = FitLock(path)
+    try:
+        got = lock.acquire(say)
+    except OSError as exc:
+        say(f"cost model: cannot lock {lock.lock_path} ({exc.strerror}); a fit will not be "
+            f"saved")
+        lock, got = None, True
+    if not got:
+        say(f"cost model: waited {LOCK_WAIT:.0f} s for another job's fit; using the preset "
+            f"{preset}")
+        return {"use": load_preset(preset).to_dict()}, None
+    try:
+        if os.path.exists(path):
+            m = _load_checked(path, "the saved fit", say)
+            if m is not None and not m.fitted_busy:
+                say(f"cost model: machine fitted earlier, {path} (delete it to re-fit)"
+                    + _composed_line(m))
+                return {"use": m.to_dict()}, _released(lock)
+            if m is not None:  # fitted while busy: refit if the machine is quiet now
+                now = load.snapshot(LOAD_INTERVAL, exclude=pids)
+                if now["foreign_cpu"] > load.BUSY_CORES or size < FIT_RANKS:
+                    say(_busy_line(m, path))
+                    return {"use": m.to_dict()}, _released(lock)
+                say(f"cost model: {path} was fitted while the machine was busy, and it is "
+                    f"quiet now: refitting")
+                return {"fit": now}, lock
+        if size < FIT_RANKS:
+            say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
+            return {"use": load_preset(preset).to_dict()}, _released(lock)
+        say(f"cost model: no usable machine file; fitting a quick one on {FIT_RANKS} ranks "
+            f"first (the other ranks wait)")
+        return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, lock
+    except BaseException:
+        _released(lock)
+        raise
+
+
+def _released(lock):
+    if lock is not None:
+        lock.release()
+    return None
+
+
+def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save):
+    """Rank 0 after the fit: the machine to use (as a dict), saved when trusted."""
+    if rejected is not None:
+        say("cost model: the quick fit is refused, not saved and not used: "
+            + "; ".join(rejected) + f". Using the preset {preset} instead")
+        return load_preset(preset).to_dict()
+    after = load.snapshot(LOAD_INTERVAL, exclude=pids)
+    worst = max(before["foreign_cpu"], after["foreign_cpu"])
+    conditions = {"foreign_cpu_before": before["foreign_cpu"],
+                  "foreign_cpu_after": after["foreign_cpu"],
+                  "loadavg": max(before["loadavg"], after["loadavg"]),
+                  "time": before["time"], "limit": load.BUSY_CORES,
+                  "busy": bool(worst > load.BUSY_CORES)}
+    machine = compose_with_preset(fitted.replace(fit_conditions=conditions), say, preset)
+    problems = sanity_problems(machine)
+    if problems:
+        say("cost model: the composed machine fails the sanity checks, not saved and not "
+            "used: " + "; ".join(problems) + f". Using the preset {preset} instead")
+        return load_preset(preset).to_dict()
+    if can_save:
+        machine.save(path)
+        say(f"cost model: saved the fit to {path}"
+            + (" marked busy" if conditions["busy"] else ""))
+    if conditions["busy"]:
+        say(_busy_line(machine, path))
+    return machine.to_dict()
+
+
+def resolve_machine(spec, world, say, *, path: str | None = None,
+                    calibrated: str | None = None, preset: str = FALLBACK_PRESET) -> Machine:
+    """The cost-model Machine on every rank (see the module doc for the order and the
+    trust rules).
+
+    Parameters
+    ----------
+    spec : str or None
+        ``--machine``: a machine JSON file or a preset name; None: the default files or
+        a quick fit.
+    world : mpi4py communicator
+        Every rank of the job calls this (collective).
+    say : callable
+        Prints one line (rank 0 prints, the others may discard).
+    path, calibrated : str, optional
+        The saved fit (default :data:`DEFAULT_MACHINE_FILE`) and the accuracy
+        benchmark's machine (default :data:`CALIBRATED_MACHINE_FILE`).
+    preset : str
+        The fallback preset, and the source of what a quick fit cannot measure.
+
+    Raises
+    ------
+    ValueError
+        ``spec`` is neither a valid machine file nor a preset; raised on every rank
+        before any communication.
+    """
+    check_machine_spec(spec)
+    if spec is not None:
+        return _explicit(spec, say)
+    from ..costmodel import fit as _fit
+
+    path = DEFAULT_MACHINE_FILE if path is None else path
+    calibrated = CALIBRATED_MACHINE_FILE if calibrated is None else calibrated
+    rank, size = world.Get_rank(), world.Get_size()
+    pids = world.allgather(os.getpid())
+    plan, lock = (_plan_on_root(path, calibrated, size, pids, say, preset)
+                  if rank == 0 else (None, None))
+    _sleep_barrier(world)                 # the others sleep while rank 0 waits or reads
+    plan = world.bcast(plan, root=0)
+    if "use" in plan:
+        return Machine.from_dict(plan["use"])
+    data = None
+    try:
+        sub = world.Split(0 if rank < FIT_RANKS else 1, rank)
+        fitted = rejected = None
+        if rank < FIT_RANKS:
+            try:
+                fitted = _fit.run_fit(sub, quick=True, gemm_sizes=QUICK_GEMM_SIZES,
+                                      say=lambda m: say(f"  {m}"))
+            except _fit.FitRejected as exc:
+                rejected = exc.problems
+        sub.Free()
+        if rank == 0:
+            data = _finish_on_root(fitted, rejected, plan["fit"], path, pids, say, preset,
+                                   can_save=lock is not None)
+    finally:
+        _released(lock)
+    _sleep_barrier(world)                 # the fit's ranks finish; the others sleep
+    return Machine.from_dict(world.bcast(data, root=0))
