@@ -13,11 +13,11 @@ from summasim import algorithms as algs
 from summasim import layout
 from summasim.comm import Comm
 from summasim.grid import Grid
-from summasim.run import ALGORITHMS, required_divisors, stored_shapes
+from summasim.algorithms.table import ALGORITHMS, stored_shapes
 from summasim.validate import product_error, tolerance
 
 P = WORLD.Get_size()
-PRODUCTS = [n for n, spec in ALGORITHMS.items() if spec[0] != "ring"]
+PRODUCTS = [n for n, spec in ALGORITHMS.items() if spec.is_product]
 CASES = [(name, q, d) for name in PRODUCTS for q, d in grid_shapes(P)
          if not (name == "cannon_ab" and d > 1)]
 
@@ -44,8 +44,9 @@ def grids(backend):
        seed=st.integers(0, 2**31 - 1))
 def test_product_matches_numpy(grids, backend, name, q, d, mult, dtype, seed):
     grid = grids(q, d)
-    _, op, la, lb, lc = ALGORITHMS[name]
-    need = required_divisors(name, q, d)
+    spec = ALGORITHMS[name]
+    op, la, lb, lc = spec.op, spec.layout_a, spec.layout_b, spec.layout_c
+    need = spec.divisors(q, d)
     # non-square by construction: distinct multipliers of what the layouts need
     m, k, n = (need[c] * f * s for c, f, s in zip("mkn", mult, (3, 2, 1)))
     rng = np.random.default_rng(seed)

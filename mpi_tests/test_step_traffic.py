@@ -14,7 +14,7 @@ import pytest
 from _util import WORLD, grid_shapes, parallel_assert
 from summasim.costmodel.schemes import Scheme, TransformerConfig, model_messages
 from summasim.transformer import model
-from summasim.transformer.compare import make_grid, scheme_module
+from summasim.transformer.schemes import SCHEMES
 
 P = WORLD.Get_size()
 # every dimension divisible by p (so by q, d q and the depth rings' d): exact chunks
@@ -40,8 +40,8 @@ def test_training_step_traffic_matches_model_messages(name, q, d):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, V, size=(B, S))
     targets = rng.integers(0, V, size=(B, S))
-    module = scheme_module(name)
-    grid = make_grid(name, WORLD, q, d)
+    module = SCHEMES[name].module
+    grid = SCHEMES[name].make_grid(WORLD, q, d)
     try:
         local = module.shard(params, config, grid)
         _, cache = module.forward(local, tokens, targets, config, grid)

@@ -8,14 +8,14 @@ import pytest
 
 from _util import WORLD, parallel_assert
 from summasim.transformer import model
-from summasim.transformer.compare import grid_shapes, make_grid, preconditions, scheme_module
+from summasim.transformer.schemes import SCHEMES
 from summasim.transformer.train import Adam
 
 P = WORLD.Get_size()
 STEPS = 10
 TOL = 1e-10  # float64, relative, on every step's loss and on the final parameters
 CASES = [(name, q, d) for name in ("megatron", "optimus", "summa25")
-         for q, d in grid_shapes(name, P)]
+         for q, d in SCHEMES[name].grids(P)]
 
 
 def setup(q, d):
@@ -38,9 +38,9 @@ def setup(q, d):
 @pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])
 def test_adam_loss_curves_agree(name, q, d):
     config, batch, params, batches = setup(q, d)
-    why = preconditions(name, config, batch, P, q, d)
+    why = SCHEMES[name].misfit(config, batch, P, q, d)
     parallel_assert(why == "", f"test config does not fit {name}: {why}")
-    module = scheme_module(name)
+    module = SCHEMES[name].module
 
     serial = {k: v.copy() for k, v in params.items()}
     opt = Adam(lr=1e-2)
@@ -50,7 +50,7 @@ def test_adam_loss_curves_agree(name, q, d):
         opt.step(serial, model.backward(cache))
         ref.append(loss)
 
-    grid = make_grid(name, WORLD, q, d)
+    grid = SCHEMES[name].make_grid(WORLD, q, d)
     try:
         local = module.shard(params, config, grid)
         popt = Adam(lr=1e-2)

@@ -11,7 +11,7 @@ from summasim import layout
 from summasim.comm import Comm
 from summasim.costmodel.traffic import algorithm_traffic, summarize_events
 from summasim.grid import Grid
-from summasim.run import ALGORITHMS, required_divisors, stored_shapes
+from summasim.algorithms.table import ALGORITHMS, stored_shapes
 
 P = WORLD.Get_size()
 ITEM = 8
@@ -64,14 +64,15 @@ def expected(name, m, k, n, grid) -> dict:
     return out
 
 
-CASES = [(name, q, d) for name, spec in ALGORITHMS.items() if spec[0] != "ring"
+CASES = [(name, q, d) for name, spec in ALGORITHMS.items() if spec.is_product
          for q, d in grid_shapes(P) if not (name == "cannon_ab" and d > 1)]
 
 
 @pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])
 def test_trace_matches_closed_form(name, q, d):
-    _, op, la, lb, lc = ALGORITHMS[name]
-    need = required_divisors(name, q, d)
+    spec = ALGORITHMS[name]
+    op, la, lb, lc = spec.op, spec.layout_a, spec.layout_b, spec.layout_c
+    need = spec.divisors(q, d)
     m, k, n = 5 * need["m"], 3 * need["k"], 2 * need["n"]   # non-square, odd ring lengths
     sa, sb = stored_shapes(op, m, k, n)
     rng = np.random.default_rng(1)

@@ -19,34 +19,25 @@ Speed goals live here, not in timed tests. Results go to the terminal and, with
 
 from __future__ import annotations
 
-import argparse
-import math
 import statistics
 import sys
 import time
 
 import numpy as np
 
-GEMM_ALGORITHMS = ("cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
-                   "summa25_abt", "summa25_atb")
+from .algorithms.table import PRODUCTS
+from .harness.frontend import Parser, UserError, mpi_main
+
+GEMM_ALGORITHMS = PRODUCTS
 
 
-def _sleep_barrier(comm):
-    """A barrier that waits without spinning (ranks idle while rank 0 measures)."""
-    from mpi4py import MPI  # noqa: F401
+def _quiet_bcast(world, value):
+    """Broadcast rank 0's value after a barrier that waits without spinning (the
+    other ranks idle while rank 0 measures with all cores)."""
+    from .comm import quiet_barrier
 
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-3)
-
-
-def _max_time(fn, comm) -> float:
-    from mpi4py import MPI
-
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    quiet_barrier(world)
+    return world.bcast(value, root=0)
 
 
 def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None) -> float:
@@ -70,48 +61,35 @@ def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None) -> f
 
 
 def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say) -> list[dict]:
-    """Time each distributed product on the grids that fit; return result rows."""
-    from . import algorithms as algs
-    from .grid import Grid
-    from .run import ALGORITHMS, plan, stored_shapes
+    """Time each distributed product on the grids that fit (validated first, with the
+    harness's Freivalds check); return result rows."""
+    from .backends import get_backend
+    from .harness.execute import run_product
+    from .harness.plan import plan_products
 
     p, rank = world.Get_size(), world.Get_rank()
-
-    def measure_ceiling():
-        value = ceiling_gflops(n, dtype, repeats) if rank == 0 else None
-        _sleep_barrier(world)
-        return world.bcast(value, root=0)
-
     say(f"ceiling: single-process NumPy GEMM, n = {n}, {np.dtype(dtype).name}, all cores, "
         f"measured before each algorithm")
     say(f"{'algorithm':<14} {'grid':<9} {'n':>6} {'median s':>9} {'best s':>8} "
-        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}")
+        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check")
+    cases, skips = plan_products(p, algorithms, (n, n, n), None, [np.dtype(dtype).name])
+    for sk in skips:
+        say(f"{sk.name:<14} skipped: {sk.reason}")
     rows = []
-    for pl in plan(p, algorithms, sizes=(n, n, n)):
-        if pl.skip:
-            say(f"{pl.algorithm:<14} skipped: {pl.skip}")
-            continue
-        _, op, la, lb, _ = ALGORITHMS[pl.algorithm]
-        ceiling = measure_ceiling()
-        with Grid(world, pl.q, pl.d) as grid:
-            from .layout import local_shape
-
-            sa, sb = stored_shapes(op, n, n, n)
-            rng = np.random.default_rng(rank)
-            a = rng.standard_normal(local_shape(sa, la, pl.q, pl.d, p)).astype(dtype)
-            b = rng.standard_normal(local_shape(sb, lb, pl.q, pl.d, p)).astype(dtype)
-            fn = getattr(algs, pl.algorithm)
-            grid.trace.enabled = False
-            fn(a, b, grid)  # warm-up: first-touch of workspaces, MPI connections
-            times = [_max_time(lambda: fn(a, b, grid), world) for _ in range(repeats)]
-        t, best = statistics.median(times), min(times)
+    for case in cases:
+        ceiling = _quiet_bcast(world, ceiling_gflops(n, dtype, repeats) if rank == 0 else None)
+        res = run_product(case, world, get_backend("numpy"), repeats=repeats, method="freivalds")
+        spans = res.timing["spans"]
+        t, best = res.seconds, min(spans)
         gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
-        rows.append({"algorithm": pl.algorithm, "grid": pl.grid_label, "n": n,
-                     "dtype": np.dtype(dtype).name, "seconds": t, "times": times,
+        label = case.grid_label()
+        rows.append({"algorithm": case.algorithm, "grid": label, "n": n,
+                     "dtype": case.dtype, "seconds": t, "times": spans, "ok": res.ok,
                      "gflops": gf, "ceiling_gflops": ceiling, "fraction": gf / ceiling,
                      "best_fraction": gf_best / ceiling})
-        say(f"{pl.algorithm:<14} {pl.grid_label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
-            f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}%")
+        say(f"{case.algorithm:<14} {label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
+            f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}%  "
+            f"{'OK' if res.ok else 'FAIL'}")
     return rows
 
 
@@ -121,6 +99,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
 
     from .algorithms import ring_allreduce
     from .comm import Comm
+    from .harness.timing import time_calls
+    from .mpiutil import agreement
 
     comm = Comm(world.Dup(), name="world")
     comm.trace.enabled = False
@@ -129,15 +109,17 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
     rows = []
     try:
         for mib in sizes_mib:
-            count = int(mib * 2**20) // np.dtype(dtype).itemsize
+            count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
             x = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
             out = np.empty_like(x)
-            ring_allreduce(x, comm, out=out)                         # warm-up
-            world.Allreduce(x, out, op=MPI.SUM)
             t_ring, t_mpi = [], []
+            ring_allreduce(x, comm, out=out)           # checked (agreed) once
             for _ in range(repeats):  # interleave so both see the same machine state
-                t_ring.append(_max_time(lambda: ring_allreduce(x, comm, out=out), world))
-                t_mpi.append(_max_time(lambda: world.Allreduce(x, out, op=MPI.SUM), world))
+                with agreement(False):
+                    t_ring += time_calls(lambda: ring_allreduce(x, comm, out=out), world, 1,
+                                         adaptive=False)["spans"]
+                t_mpi += time_calls(lambda: world.Allreduce(x, out, op=MPI.SUM), world, 1,
+                                    adaptive=False)["spans"]
             tr, tm = statistics.median(t_ring), statistics.median(t_mpi)  # medians
             nbytes = count * np.dtype(dtype).itemsize
             rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "mpi_seconds": tm,
@@ -155,9 +137,10 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
     from threadpoolctl import threadpool_limits
 
     from .comm import cores
+    from .harness.timing import time_calls
+    from .mpiutil import agreement
     from .transformer import model
-    from .transformer.compare import (SCHEME_NAMES, grid_label, grid_shapes, make_grid,
-                                      preconditions, scheme_module)
+    from .transformer.schemes import SCHEMES
 
     b, s, h, n, v, layers = shape
     p, rank = world.Get_size(), world.Get_rank()
@@ -182,24 +165,24 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
                 serial_step()
                 ts.append(time.perf_counter() - t0)
         t_serial = statistics.median(ts)
-    _sleep_barrier(world)
-    t_serial = world.bcast(t_serial, root=0)
+    t_serial = _quiet_bcast(world, t_serial)
     say(f"transformer: b={b} s={s} h={h} heads={n} vocab={v} layers={layers} "
         f"{np.dtype(dtype).name}, checkpoint={checkpoint}; serial forward+backward on "
         f"{cores()} cores: {t_serial:.4f} s")
     say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}")
     rows = []
-    for name in SCHEME_NAMES:
-        shapes = grid_shapes(name, p)
-        if not shapes:
-            say(f"{name:<9} skipped: no grid of this scheme has p = {p} ranks")
-        for q, d in shapes:
-            why = preconditions(name, config, b, p, q, d)
+    for name, spec in SCHEMES.items():
+        grids = spec.grids(p)
+        if not grids:
+            say(f"{name:<9} skipped: needs {spec.needs()}; p = {p} does not fit")
+        for q, d in grids:
+            label = spec.grid_label(p, q, d)
+            why = spec.misfit(config, b, p, q, d)
             if why:
-                say(f"{name:<9} {grid_label(name, p, q, d):<9} skipped: {why}")
+                say(f"{name:<9} {label:<9} skipped: {why}")
                 continue
-            module = scheme_module(name)
-            grid = make_grid(name, world, q, d)
+            module = spec.module
+            grid = spec.make_grid(world, q, d)
             try:
                 grid.trace.enabled = False
                 local = module.shard(params, config, grid)
@@ -209,21 +192,21 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
                                                  checkpoint=checkpoint)
                     module.backward(cache)
 
-                step()
-                times = [_max_time(step, world) for _ in range(repeats)]
+                step()                                 # checked (agreed) once
+                with agreement(False):
+                    times = time_calls(step, world, repeats, adaptive=False)["spans"]
             finally:
                 grid.free()
             t = statistics.median(times)
-            rows.append({"scheme": name, "grid": grid_label(name, p, q, d), "p": p,
+            rows.append({"scheme": name, "grid": label, "p": p,
                          "seconds": t, "times": times, "serial_seconds": t_serial,
                          "ratio": t / t_serial})
-            say(f"{name:<9} {grid_label(name, p, q, d):<9} {t:>9.4f} {min(times):>8.4f} "
-                f"{t / t_serial:>8.2f}x")
+            say(f"{name:<9} {label:<9} {t:>9.4f} {min(times):>8.4f} {t / t_serial:>8.2f}x")
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m summasim.bench", description=__doc__.split(
+def build_parser():
+    ap = Parser(prog="python -m summasim.bench", description=__doc__.split(
         "\n\n")[0] + " Run under mpirun.")
     ap.add_argument("what", nargs="?", choices=("gemm", "allreduce", "transformer", "all"),
                     default="all", help="which benchmark (default all)")
@@ -242,39 +225,91 @@ def main(argv=None) -> int:
                     help="transformer benchmark with activation checkpointing")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    args = ap.parse_args(argv)
+    return ap
 
-    from mpi4py import MPI
 
+def parse_args(argv=None):
+    """Parse and check the arguments (pure); :class:`UserError` on a mistake."""
+    args = build_parser().parse_args(argv)
+    if args.n < 1:
+        raise UserError(f"--n must be positive, got {args.n}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    args.algorithm_list = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in args.algorithm_list if a not in GEMM_ALGORITHMS]
+    if bad or not args.algorithm_list:
+        raise UserError(f"--algorithms: unknown {', '.join(bad) or '(none given)'}; choose "
+                        f"from {', '.join(GEMM_ALGORITHMS)}")
+    try:
+        args.sizes = [float(x) for x in args.sizes_mib.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--sizes-mib takes comma-separated numbers, got "
+                        f"{args.sizes_mib!r}") from None
+    if not args.sizes or not all(np.isfinite(x) and x > 0 for x in args.sizes):
+        raise UserError(f"--sizes-mib must be positive numbers, got {args.sizes_mib!r}")
+    if min(args.tf_shape) < 1:
+        raise UserError("--tf-shape values must be positive")
+    b, s, h, n, v, layers = args.tf_shape
+    if h % n:
+        raise UserError(f"--tf-shape: heads = {n} must divide hidden = {h}")
+    return args
+
+
+def _preflight(args, world) -> str:
+    from .harness.memory import check_fits
+    from .harness.plan import plan_products
+    from .comm import local_ranks
+
+    if args.json:
+        from .cli import UsageError, check_writable_path
+
+        try:
+            check_writable_path(args.json)
+        except UsageError as e:
+            return f"--json: {e}"
+    if args.what in ("gemm", "all"):
+        cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
+                                 [args.dtype])
+        for case in cases:
+            why = check_fits(case, local_ranks(), "freivalds")
+            if why:
+                return why
+    return ""
+
+
+def main(argv=None) -> int:
+    return mpi_main(lambda: parse_args(argv), _preflight, _body, prog="python -m summasim.bench")
+
+
+def _body(args, world) -> int:
     from .comm import cores, default_wait_policy
-    from .mpiutil import abort_on_error, limit_blas_threads
-    from .run import write_json_atomic
+    from .jsonio import write_json_atomic
+    from .mpiutil import limit_blas_threads
 
-    world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    with abort_on_error(world):
-        _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
-        say(f"summasim.bench: p = {p} ranks on {cores()} cores, wait policy "
-            f"{default_wait_policy()}, {args.dtype}")
-        dtype = np.dtype(args.dtype)
-        report = {"p": p, "cores": cores(), "dtype": args.dtype,
-                  "wait_policy": default_wait_policy()}
-        if args.what in ("gemm", "all"):
-            names = [s for s in args.algorithms.split(",") if s]
-            report["gemm"] = bench_gemm(world, args.n, dtype, args.repeats, names, say)
-        if args.what in ("allreduce", "all"):
-            sizes = [float(s) for s in args.sizes_mib.split(",") if s]
-            say("")
-            report["allreduce"] = bench_allreduce(world, sizes, dtype, args.repeats, say)
-        if args.what in ("transformer", "all"):
-            say("")
-            report["transformer"] = bench_transformer(world, args.tf_shape,
-                                                      np.dtype(args.tf_dtype), args.repeats,
-                                                      args.checkpoint, say)
-        if args.json and rank == 0:
-            write_json_atomic(args.json, report)
-    return 0
+    _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
+    say(f"summasim.bench: p = {p} ranks on {cores()} cores, wait policy "
+        f"{default_wait_policy()}, {args.dtype}")
+    dtype = np.dtype(args.dtype)
+    report = {"p": p, "cores": cores(), "dtype": args.dtype,
+              "wait_policy": default_wait_policy()}
+    ok = True
+    if args.what in ("gemm", "all"):
+        report["gemm"] = bench_gemm(world, args.n, dtype, args.repeats, args.algorithm_list, say)
+        ok = all(r["ok"] for r in report["gemm"])
+    if args.what in ("allreduce", "all"):
+        say("")
+        report["allreduce"] = bench_allreduce(world, args.sizes, dtype, args.repeats, say)
+    if args.what in ("transformer", "all"):
+        say("")
+        report["transformer"] = bench_transformer(world, args.tf_shape, np.dtype(args.tf_dtype),
+                                                  args.repeats, args.checkpoint, say)
+    if args.json and rank == 0:
+        write_json_atomic(args.json, report)
+    if not ok:
+        say("a benchmarked product failed its validation")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

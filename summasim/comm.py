@@ -50,12 +50,40 @@ from collections import OrderedDict
 from mpi4py import MPI
 
 from .backends import backend_of
+from .mpiutil import install_abort_hook
 from .trace import Trace
 
 _SLEEP_S = 20e-6
 WAIT_POLICIES = ("spin", "sleep", "yield")
 REDUCE_ALGORITHMS = ("tree", "mpi")
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
+
+
+class _Faults:
+    """One-shot hooks armed by the harness's fault injection (:mod:`summasim.harness.inject`).
+
+    ``drop_next_sum``: the next sum all-reduce over more than one rank on this process
+    returns this rank's own contribution instead of the sum (one block left unreduced).
+    """
+
+    drop_next_sum = False
+
+
+FAULTS = _Faults()
+
+
+def wait_quietly(reqs, interval: float = _SLEEP_S) -> None:
+    """Complete raw mpi4py requests without spinning: ``MPI_Testall`` then a short sleep,
+    so a waiting rank gives its core to the ranks that compute. The one such wait of
+    summasim (the "sleep" wait policy, the harness's barriers and idle ranks use it)."""
+    reqs = list(reqs) if isinstance(reqs, (list, tuple)) else [reqs]
+    while not MPI.Request.Testall(reqs):
+        time.sleep(interval)
+
+
+def quiet_barrier(comm) -> None:
+    """A barrier over a raw mpi4py communicator that waits without spinning (untraced)."""
+    wait_quietly(comm.Ibarrier())
 
 
 def local_ranks() -> int:
@@ -227,6 +255,7 @@ class Comm:
 
     def __init__(self, comm, name: str = "world", trace: Trace | None = None, backend=None,
                  wait: str | None = None, reduce: str | None = None):
+        install_abort_hook()  # an uncaught exception on any rank aborts the job (SUMMASIM_ABORT_HOOK=0: off)
         if isinstance(comm, Comm):
             name = name if name != "world" else comm.name
             trace = trace if trace is not None else comm.trace
@@ -347,8 +376,7 @@ class Comm:
             while not MPI.Request.Testall(reqs):
                 os.sched_yield()
             return
-        while not MPI.Request.Testall(reqs):
-            time.sleep(_SLEEP_S)
+        wait_quietly(reqs)
 
     def _start(self, op, root, nbytes, post, cleanup) -> Request:
         phase = self.trace.current_phase
@@ -410,6 +438,10 @@ class Comm:
         if op not in self._OPS:
             raise ValueError(f"allreduce: op must be one of {', '.join(self._OPS)}, got {op!r}")
         mop = self._OPS[op]
+        drop = op == "sum" and FAULTS.drop_next_sum and self.size > 1
+        if drop:                   # fault injection: keep this rank's own block
+            FAULTS.drop_next_sum = False
+            mine = buf.copy()
         cleanup: list = []
         if out is None:
             view = self._incoming(buf, cleanup, send_view=self._outgoing(buf, cleanup))
@@ -421,6 +453,8 @@ class Comm:
             post = lambda: [self.mpi.Iallreduce(sview, rview, op=mop)]  # noqa: E731
             result = out
         self._start("allreduce", -1, buf.nbytes, post, cleanup).wait()
+        if drop:
+            result[...] = mine
         return result
 
     def allgather(self, sendbuf, recvbuf):

@@ -46,8 +46,16 @@ def tolerance(k: int, dtype) -> float:
 
 
 def scaled_error(c, ref, scale) -> float:
-    """``max |c - ref| / scale`` over entries (entries with zero scale must match exactly)."""
+    """``max |c - ref| / scale`` over entries (entries with zero scale must match exactly).
+
+    NaN when any entry of ``c``, ``ref`` or ``scale`` is not finite: a non-finite
+    value is never "exact", and ``NaN <= bound`` is false, so such a check fails.
+    """
     c = np.asarray(c, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    scale = np.asarray(scale, dtype=np.float64)
+    if not (np.isfinite(c).all() and np.isfinite(ref).all() and np.isfinite(scale).all()):
+        return math.nan
     diff = np.abs(c - ref)
     if diff.size == 0:
         return 0.0
@@ -56,6 +64,11 @@ def scaled_error(c, ref, scale) -> float:
         ratio = np.where(scale > tiny, diff / np.maximum(scale, tiny),
                          np.where(diff > 0, np.inf, 0.0))
     return float(ratio.max())
+
+
+def passes(error: float, bound: float) -> bool:
+    """The verdict of one check: the error is a finite number within the bound."""
+    return bool(math.isfinite(error) and error <= bound)
 
 
 def product_error(c, a, b) -> float:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from summasim.costmodel import accuracy as A
+from summasim.harness.cases import MatmulCase, RingCase
 from summasim.costmodel.fit import (fit_elementwise, fit_nonneg_linear, fit_regimes,
                                     fit_shared_core, library_eager_threshold, split_huge)
 from summasim.costmodel.machine import Link, Machine, SharedCore
@@ -149,7 +150,7 @@ def _ring_result(p, N, measured):
     events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count]
                for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
                                             itemsize=8)] for r in range(p)]
-    return dict(A.ring_case(N), p=p, spans=list(measured), events=events,
+    return dict(RingCase(N).to_dict(), p=p, spans=list(measured), events=events,
                 coords=[[r] for r in range(p)])
 
 
@@ -161,7 +162,7 @@ def _matmul_result(alg, q, n, p, measured):
             events.append([[mc.op, mc.group, mc.group_size, mc.nbytes, mc.count]
                            for mc in algorithm_messages(alg, n, n, n, q, 1, 8, c)])
             coords.append(list(c))
-    return dict(A.matmul_case(alg, q, 1, n, n, n), p=p, spans=list(measured), events=events,
+    return dict(MatmulCase(alg, q, 1, n, n, n).to_dict(), p=p, spans=list(measured), events=events,
                 coords=coords)
 
 
@@ -226,7 +227,7 @@ def test_calibration_report_splits_regimes_and_sources():
 
 def test_quick_fit_borrows_run_level_models_only_from_a_matching_preset():
     from summasim.costmodel.machine import load_preset
-    from summasim.run import borrow_run_models
+    from summasim.harness.machinefile import borrow_run_models
 
     ref = load_preset("local-2core-mpich")
     assert ref.shared_core is not None and ref.gamma_elementwise > 0   # the preset is calibrated

@@ -124,3 +124,82 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])
     assert "summa25   skipped" in proc.stdout
+
+
+def test_self_test_catches_every_fault(mpiexec):
+    """--self-test: every clean run passes and every fault kind is caught, for every
+    algorithm and scheme that fits p = 4 (the faults sit on the last rank)."""
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--self-test"], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if " float64 " in ln]
+    names = {ln.split()[0] for ln in rows}
+    assert names == {"cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
+                     "summa25_abt", "summa25_atb", "ring_allreduce", "megatron", "optimus"}
+    for ln in rows:
+        assert ln.split()[-5:] == ["OK", "caught", "caught", "caught", "caught"], ln
+    assert "self-test passed" in proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["nan@3", "inf@2", "perturb@1", "drop@3"])
+def test_injected_fault_fails_the_job(mpiexec, tmp_path, fault):
+    path = tmp_path / "run.json"
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--algorithms", "summa_abt",
+                                  "--sizes", "32", "32", "32", "--repeats", "1", "--no-predict",
+                                  "--schemes", "megatron", "--inject", fault,
+                                  "--json", str(path)], 180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text        # strict JSON
+    report = json.loads(text)
+    assert report["ok"] is False and report["fault"] == fault
+    (row,) = report["rows"]
+    rank = int(fault.split("@")[1])
+    assert row["ok"] is False and rank in row["bad_ranks"]
+    if fault.startswith(("nan", "inf")):
+        assert row["error"] is None and row["error_nonfinite"] == "nan" and row["nonfinite"]
+    assert [t["ok"] for t in report["transformer"]] == [False]
+    assert "0 passed, 2 failed" in proc.stdout
+
+
+def _user_error(proc, *needles):
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(err) == 1 and err[0].startswith("python -m summasim."), proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_a_run_that_checks_nothing_is_an_error(mpiexec):
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--sizes", "5", "7", "9",
+                                  "--algorithms", "summa_ab", "--schemes", "none"], 120)
+    _user_error(proc, "nothing would be checked", "m=5 is not divisible by 2")
+
+
+def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for args, needles in (
+            (["--json", str(blocker / "run.json")], ["--json"]),
+            (["--machine", str(tmp_path / "missing.json")], ["--machine"]),
+            (["--inject", "nan@9"], ["rank 9 does not exist"]),
+            (["--sizes", "100000", "100000", "100000", "--algorithms", "summa_ab"],
+             ["largest cube that fits is"]),
+            (["--tf-config", "8", "16", "64", "5", "64", "2", "4"], ["--tf-config"]),
+            (["--repeats", "0"], ["--repeats"])):
+        t0 = time.perf_counter()
+        proc, _ = launch(mpiexec, 4, ["-m", "summasim.run"] + args, 120)
+        _user_error(proc, *needles)
+        assert time.perf_counter() - t0 < 60
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "gemm", "--n", "0"], 60)
+    _user_error(proc, "--n")
+
+
+def test_cupy_backend_without_cupy_is_a_user_error(mpiexec):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here: the error case cannot be produced")
+    except ImportError:
+        pass
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--backend", "cupy"], 60)
+    _user_error(proc, "CuPy")

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
-import numpy as np
 import pytest
 
 from summasim import run
+from summasim.algorithms.table import ALGORITHMS, PRODUCTS
+from summasim.grid import grid_shapes
+from summasim.harness.check import Check
+from summasim.harness.result import Result
+from summasim.harness.frontend import UserError
+from summasim.harness.plan import DEFAULT_SIZES, plan_products
+from summasim.harness.report import format_header, format_row, format_transformer, \
+    prediction_summary, row_record
+from summasim.harness.transformer import SchemeReport
+from summasim.jsonio import write_json_atomic
 from summasim.layout import local_shape
 
 
@@ -22,80 +32,96 @@ from summasim.layout import local_shape
     (64, {"summa_ab": ["8x8"], "summa25_abt": ["[2,2,16]", "[4,4,4]"]}, []),
 ])
 def test_plan_fits_world_size(p, ran, skipped):
-    runs = run.plan(p, list(run.ALGORITHMS))
+    cases, skips = plan_products(p, list(ALGORITHMS))
     done: dict = {}
-    for pl in runs:
-        if not pl.skip:
-            done.setdefault(pl.algorithm, []).append(pl.grid_label)
-            if pl.algorithm != "ring_allreduce":
-                assert pl.d * pl.q * pl.q == p
+    for c in cases:
+        done.setdefault(c.algorithm, []).append(c.grid_label(p))
+        if c.kind == "matmul":
+            assert c.d * c.q * c.q == p and c.misfit() == ""
     for name, labels in ran.items():
         assert done[name] == labels
-    skipped_names = {pl.algorithm for pl in runs if pl.skip}
-    assert set(skipped) <= skipped_names
-    for pl in runs:
-        if pl.skip:
-            assert f"p = {p}" in pl.skip
+    assert set(skipped) <= {s.name for s in skips}
+    for s in skips:
+        assert f"p = {p}" in s.reason
 
 
-@pytest.mark.parametrize("name", [n for n in run.ALGORITHMS if n != "ring_allreduce"])
+@pytest.mark.parametrize("name", PRODUCTS)
 @pytest.mark.parametrize("q,d", [(3, 1), (2, 4), (4, 1), (1, 9)])
 def test_default_sizes_are_rounded_to_fit(name, q, d):
-    (m, k, n), reason = run.fit_sizes(name, run.DEFAULT_SIZES, q, d, exact=False)
-    assert reason == "" and m >= 1536 and k >= 1024 and n >= 1280
-    _, op, la, lb, lc = run.ALGORITHMS[name]
-    sa, sb = run.stored_shapes(op, m, k, n)
-    for shape, lay in ((sa, la), (sb, lb), ((m, n), lc)):
+    spec = ALGORITHMS[name]
+    m, k, n = spec.round_up(*DEFAULT_SIZES, q, d)
+    assert spec.misfit(m, k, n, q, d) == "" and m >= 1536 and k >= 1024 and n >= 1280
+    sa, sb = spec.stored_shapes(m, k, n)
+    for shape, lay in ((sa, spec.layout_a), (sb, spec.layout_b), ((m, n), spec.layout_c)):
         local_shape(shape, lay, q, d, d * q * q)  # raises if it does not divide
 
 
 def test_user_sizes_that_do_not_divide_are_skipped_with_reason():
-    runs = run.plan(16, ["summa_ab", "summa25_ab"], sizes=(10, 8, 8))
-    reasons = {pl.algorithm: pl.skip for pl in runs}
+    cases, skips = plan_products(16, ["summa_ab", "summa25_ab"], sizes=(10, 8, 8))
+    assert cases == []
+    reasons = {s.name: s.reason for s in skips}
     assert reasons["summa_ab"] == "m=10 is not divisible by 4"
     assert "m=10 is not divisible by 8" in reasons["summa25_ab"]
 
 
-def test_shapes_25d():
-    assert run.shapes_25d(16) == [(2, 4)]
-    assert run.shapes_25d(64) == [(2, 16), (4, 4)]
-    assert run.shapes_25d(8) == [(2, 2)]
-    assert run.shapes_25d(3) == [(1, 3)]
+def test_grid_shapes_one_enumeration():
+    assert grid_shapes(16, "2.5d") == [(2, 4)]
+    assert grid_shapes(64, "2.5d") == [(2, 16), (4, 4)]
+    assert grid_shapes(8, "2.5d") == [(2, 2)]
+    assert grid_shapes(3, "2.5d") == [(1, 3)]
+    assert grid_shapes(1, "2.5d") == [(1, 1)]
+    assert grid_shapes(12, "2d") == [] and grid_shapes(36, "2d") == [(6, 1)]
+    assert grid_shapes(16, "any") == [(1, 16), (2, 4), (4, 1)]
+    with pytest.raises(ValueError):
+        grid_shapes(0)
 
 
-def _row(ok=True, gflops=12.5):
-    return run.Row("summa_ab", "4x4", "8x8x8", "float64", 1e-16, 1e-14, ok, 0.0123,
-                   gflops, None if gflops else 3.2, 2**20, 8)
+def _result(ok=True, error=1e-16, algorithm="summa_ab", seconds=0.0123):
+    from summasim.harness.cases import MatmulCase, RingCase
+
+    case = MatmulCase(algorithm, 4, 1, 8, 8, 8) if algorithm != "ring_allreduce" \
+        else RingCase(1000)
+    chk = Check(error, 1e-14, "exact")
+    if not ok:
+        chk.ok = False
+        chk.bad_ranks = [2]
+    return Result(case, 16, chk, {"median": seconds, "spans": [seconds]}, 2**20, 8, 3 * 2**20)
 
 
 def test_report_format():
-    table = run.format_table([_row(), _row(ok=False, gflops=None)])
-    lines = table.splitlines()
+    lines = format_header().splitlines()
+    lines += [format_row(_result()), format_row(_result(ok=False, error=math.nan,
+                                                        algorithm="ring_allreduce"))]
     assert lines[0].split()[:4] == ["algorithm", "grid", "shapes", "dtype"]
     assert set(lines[1].replace(" ", "")) == {"-"}
     cells = lines[2].split()
     assert cells[:4] == ["summa_ab", "4x4", "8x8x8", "float64"]
-    assert cells[6] == "OK" and cells[8] == "12.50" and cells[9] == "1.00" and cells[10] == "8"
-    assert " FAIL " in lines[3] and "3.20 GB/s" in lines[3]
+    assert cells[6] == "exact" and cells[7] == "OK" and cells[10:13] == ["1.00", "8", "3"]
+    assert "FAIL*" in lines[3] and " nan " in lines[3] and "GB/s" in lines[3]
     # fixed widths: the result column starts at the same offset in every line
     assert lines[2].index("OK") == lines[3].index("FAIL") == lines[0].index("result")
 
 
+def test_nan_check_is_a_failure():
+    assert not Check(math.nan, 1.0, "exact").ok
+    assert Check(math.nan, 1.0, "exact").nonfinite
+    assert not Check(math.inf, 1.0, "exact").ok
+    assert Check(0.5, 1.0, "exact").ok and not Check(2.0, 1.0, "exact").ok
+
+
 def test_prediction_columns_and_summary():
-    rows = [_row(), _row()]
-    rows[0].predicted, rows[1].predicted = 0.0123 * 1.1, 0.0123 * 0.7
-    assert rows[0].prediction_error == pytest.approx(0.1)
-    line = run.format_table(rows).splitlines()[2]
+    line = format_row(_result(), 0.0123 * 1.1)
     assert line.split()[-2:] == ["0.0135", "+10%"]
-    s = run.prediction_summary(rows)
+    s = prediction_summary([(1.1, 1.0, "a"), (0.7, 1.0, "b")])
     assert s["mape"] == pytest.approx(0.2) and s["worst"] == pytest.approx(0.3)
-    assert run.prediction_summary([_row()]) is None
-    assert run.format_table([_row()]).splitlines()[2].split()[-2:] == ["-", "-"]
+    assert s["worst_run"] == "b"
+    assert prediction_summary([]) is None
+    assert format_row(_result()).split()[-2:] == ["-", "-"]
 
 
-def test_json_written_atomically(tmp_path):
+def test_json_written_atomically_and_valid_with_nan(tmp_path):
     path = tmp_path / "sub" / "report.json"
-    run.write_json_atomic(str(path), {"rows": [1, 2]})
+    write_json_atomic(str(path), {"rows": [1, 2]})
     assert json.loads(path.read_text()) == {"rows": [1, 2]}
     assert [f for f in os.listdir(path.parent) if f.startswith(".tmp-")] == []
 
@@ -103,37 +129,40 @@ def test_json_written_atomically(tmp_path):
         pass
 
     with pytest.raises(TypeError):
-        run.write_json_atomic(str(path), {"x": Boom()})
+        write_json_atomic(str(path), {"x": Boom()})
     assert json.loads(path.read_text()) == {"rows": [1, 2]}  # the old report survives
     assert [f for f in os.listdir(path.parent) if f.startswith(".tmp-")] == []
+    rec = row_record(_result(ok=False, error=math.nan))
+    write_json_atomic(str(path), {"rows": [rec], "x": [1.0, math.inf]})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    data = json.loads(text)                       # strict JSON
+    assert data["rows"][0]["error"] is None and data["rows"][0]["error_nonfinite"] == "nan"
+    assert data["rows"][0]["ok"] is False and data["rows"][0]["bad_ranks"] == [2]
+    assert data["x"] == [1.0, None] and data["x_nonfinite"] == [[1, "inf"]]
 
 
-def test_cli_arguments(capsys):
+def test_cli_arguments():
     args = run.parse_args(["--algorithms", "summa_ab,ring_allreduce", "--sizes", "8", "8", "4"])
     assert args.algorithm_list == ["summa_ab", "ring_allreduce"] and args.sizes == [8, 8, 4]
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError, match="unknown algorithm"):
         run.parse_args(["--algorithms", "summa_xyz"])
-    assert e.value.code == 2 and "unknown algorithm(s) summa_xyz" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        run.parse_args(["--repeats", "0"])
-    with pytest.raises(SystemExit) as e:
-        run.parse_args(["--help"])
-    out = capsys.readouterr().out
-    assert e.value.code == 0
-    for opt in ("--sizes", "--dtype", "--backend", "--algorithms", "--repeats", "--json"):
-        assert opt in out
-
-
-def test_uniform_streams_can_start_anywhere():
-    whole = run._uniform(3, 7, 0, 50)
-    assert np.array_equal(run._uniform(3, 7, 20, 30), whole[20:])
-    assert whole.min() >= -1 and whole.max() < 1
-    assert not np.array_equal(run._uniform(3, 8, 0, 50), whole)
+    for bad in (["--repeats", "0"], ["--sizes", "0", "4", "4"], ["--ring-size", "-1"],
+                ["--inject", "nan"], ["--inject", "boom@1"], ["--tf-config", "8", "16", "64",
+                                                                "5", "64", "2", "4"],
+                ["--self-test", "--inject", "nan@1"], ["--algorithms", "none",
+                                                       "--schemes", "none"]):
+        with pytest.raises(UserError):
+            run.parse_args(bad)
+    args = run.parse_args(["--inject", "drop@3"])
+    assert (args.fault.kind, args.fault.rank) == ("drop", 3)
+    help_text = run.build_parser().format_help()
+    for opt in ("--sizes", "--dtype", "--backend", "--algorithms", "--repeats", "--json",
+                "--inject", "--self-test", "--check"):
+        assert opt in help_text
 
 
 def test_transformer_report_format():
-    from summasim.transformer.compare import SchemeReport
-
     r = SchemeReport("optimus", "4x4", 16, 4, 1, "float64", loss_err=1e-16, logits_err=2e-16,
                      grad_err=3e-16, ok=True, fwd_s=0.1, bwd_s=0.2, tp_fwd=26624,
                      tp_bwd_checkpoint=79872, table1={"fwd": 26624, "bwd_checkpoint": 79872},
@@ -141,19 +170,20 @@ def test_transformer_report_format():
                              "activations": 3 * 2**20, "peak_fwd_bwd": 5 * 2**20},
                      memory_formula={"params": 2**20, "grads": 2**20, "optimizer": 2**21,
                                      "activations": 2**21})
-    lines = run.format_transformer([r]).splitlines()
+    lines = format_transformer([r]).splitlines()
     cells = lines[2].split()
     assert cells[:3] == ["optimus", "4x4", "float64"] and cells[7] == "OK"
     assert cells[-4:] == ["26624", "26624", "79872", "79872"]
     mem = lines[6].split()
     assert mem[:6] == ["optimus", "4x4", "1.000", "1.000", "2.000", "3.000"]
     assert mem[-1] == "5.000"
+    r.ok, r.nonfinite, r.grad_err = False, True, math.nan
+    assert "FAIL*" in format_transformer([r]).splitlines()[2]
 
 
-def test_scheme_arguments(capsys):
+def test_scheme_arguments():
     args = run.parse_args(["--schemes", "megatron,summa25"])
     assert args.scheme_list == ["megatron", "summa25"]
     assert run.parse_args(["--schemes", "none"]).scheme_list == []
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="unknown scheme"):
         run.parse_args(["--schemes", "tesseract"])
-    assert "unknown scheme(s) tesseract" in capsys.readouterr().err

@@ -24,8 +24,9 @@ What it does
    fastest? A wrong pick whose measured time is within 10% of the winner is
    reported as "tied".
 
-Measurements come from a worker run under ``mpiexec`` (``python -m
-summasim.costmodel accuracy-worker SPEC OUT``), always under ``timeout``. Each
+Measurements come from the harness (:mod:`summasim.harness.accuracy` runs the
+worker :mod:`summasim.harness.worker` under ``mpiexec``, always under ``timeout``);
+this module is the pure analysis of what it measured. Each
 case is set up once, called once with the trace on (its events are what the
 model prices, exactly as ``summasim.run`` does), then timed ``repeats`` times
 (short calls more, up to 5x, about half a second in all). A timed call starts
@@ -41,21 +42,13 @@ oversubscription; the table shows each run's spread (slowest over fastest repeat
 Output: a table on the terminal, and ``measured.json``, ``report.json``,
 ``machine-fit.json`` and ``machine-calibrated.json`` (the fitted machine with the
 run-level models, usable as ``summasim.run --machine``) under ``--out``
-(``results/accuracy``). Only the worker and the fit touch MPI (they import mpi4py
-lazily); the analysis is pure and tested without MPI.
+(``results/accuracy``). This module never touches MPI; it is tested without it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 # --------------------------------------------------------------------------- errors
@@ -134,27 +127,7 @@ def ranking_summary(outcomes: Sequence[dict]) -> dict | None:
             "worst_regret": max(o["regret"] for o in outcomes)}
 
 
-# --------------------------------------------------------------------------- cases
-def matmul_case(algorithm: str, q: int, d: int, m: int, k: int, n: int,
-                dtype: str = "float64") -> dict:
-    """A distributed product to time (global C[m, n] = op(A)[m, k] op(B)[k, n])."""
-    return {"kind": "matmul", "algorithm": algorithm, "q": int(q), "d": int(d), "m": int(m),
-            "k": int(k), "n": int(n), "dtype": dtype}
-
-
-def ring_case(N: int, dtype: str = "float64") -> dict:
-    """``ring_allreduce`` of N items over all ranks."""
-    return {"kind": "ring", "algorithm": "ring_allreduce", "N": int(N), "dtype": dtype}
-
-
-def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
-                     v: int, layers: int, ffn: int = 4, dtype: str = "float64") -> dict:
-    """One training step (forward + backward, no checkpointing) of a parallel scheme."""
-    return {"kind": "transformer", "scheme": scheme, "q": int(q), "d": int(d), "b": int(b),
-            "s": int(s), "h": int(h), "heads": int(heads), "v": int(v),
-            "layers": int(layers), "ffn": int(ffn), "dtype": dtype}
-
-
+# --------------------------------------------------------------------------- labels
 def case_label(case: dict, p: int | None = None) -> str:
     """Short human label: ``summa_ab 4x4 1024x1024x1024`` / ``optimus 2x2 b8 s64 h256``."""
     kind = case["kind"]
@@ -172,57 +145,6 @@ def case_label(case: dict, p: int | None = None) -> str:
             f"v{case['v']} L{case['layers']}")
 
 
-# --------------------------------------------------------------------------- worker (MPI)
-def _sleep_wait(req, interval: float = 20e-6):
-    """Complete an mpi4py request without spinning (the cores belong to the other ranks)."""
-    while not req.Test():
-        time.sleep(interval)
-
-
-def _sleep_barrier(world):
-    _sleep_wait(world.Ibarrier())
-
-
-def _reduce_max(world, values):
-    """Element-wise max over ranks of a few floats, waiting without spinning."""
-    import numpy as np
-    from mpi4py import MPI
-
-    send = np.asarray(values, dtype=np.float64)
-    recv = np.empty_like(send)
-    _sleep_wait(world.Iallreduce(send, recv, op=MPI.MAX))
-    return recv
-
-
-def _time_calls(fn, world, repeats: int, budget: float = 0.5) -> dict:
-    """Per-call spans (after a non-spinning barrier), per-rank maxima, and the
-    back-to-back time per call of ``repeats`` calls in a row (seconds).
-
-    Short calls are repeated more (up to 5 ``repeats``, about ``budget`` seconds in
-    all): under oversubscription their spread is the largest."""
-    _sleep_barrier(world)
-    t0 = time.perf_counter()
-    fn()
-    one = float(_reduce_max(world, [time.perf_counter() - t0])[0])
-    repeats = max(repeats, min(5 * repeats, int(budget / max(one, 1e-6))))
-    spans, rank_max = [], []
-    for _ in range(repeats):
-        _sleep_barrier(world)
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        mx = _reduce_max(world, [-t0, t1, t1 - t0])
-        spans.append(float(mx[1] + mx[0]))
-        rank_max.append(float(mx[2]))
-    _sleep_barrier(world)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    t1 = time.perf_counter()
-    mx = _reduce_max(world, [-t0, t1])
-    return {"spans": spans, "rank_max": rank_max, "back_to_back": float(mx[1] + mx[0]) / repeats}
-
-
 def event_summary(events) -> list:
     """``[[op, group, group_size, nbytes, count], ...]`` of one rank's events."""
     acc: dict = {}
@@ -230,133 +152,6 @@ def event_summary(events) -> list:
         key = (e.op, e.group, int(e.group_size), int(e.nbytes))
         acc[key] = acc.get(key, 0) + 1
     return [list(k) + [c] for k, c in sorted(acc.items())]
-
-
-def _run_matmul(case, world, repeats, seed):
-    import numpy as np
-
-    from .. import algorithms as algs
-    from ..grid import Grid
-    from ..layout import local_shape
-    from ..run import ALGORITHMS, stored_shapes
-
-    _, op, la, lb, _ = ALGORITHMS[case["algorithm"]]
-    q, d, p = case["q"], case["d"], world.Get_size()
-    sa, sb = stored_shapes(op, case["m"], case["k"], case["n"])
-    rng = np.random.default_rng([seed, world.Get_rank()])
-    dtype = np.dtype(case["dtype"])
-    grid = Grid(world, q, d)
-    try:
-        a = rng.standard_normal(local_shape(sa, la, q, d, p)).astype(dtype)
-        b = rng.standard_normal(local_shape(sb, lb, q, d, p)).astype(dtype)
-        c = np.empty(local_shape((case["m"], case["n"]), ALGORITHMS[case["algorithm"]][4],
-                                 q, d, p), dtype)
-        fn = getattr(algs, case["algorithm"])
-        grid.trace.clear()
-        fn(a, b, grid, out=c)                    # traced call (and warm-up)
-        events = event_summary(grid.trace.events)
-        coords = list(grid.coords)
-        grid.trace.enabled = False
-        timing = _time_calls(lambda: fn(a, b, grid, out=c), world, repeats)
-    finally:
-        grid.free()
-    return timing, events, coords
-
-
-def _run_ring(case, world, repeats, seed):
-    import numpy as np
-
-    from ..algorithms import ring_allreduce
-    from ..comm import Comm
-
-    comm = Comm(world.Dup(), name="world")
-    try:
-        rng = np.random.default_rng([seed, world.Get_rank()])
-        x = rng.standard_normal(case["N"]).astype(case["dtype"])
-        out = np.empty_like(x)
-        ring_allreduce(x, comm, out=out)
-        events = event_summary(comm.trace.events)
-        comm.trace.enabled = False
-        timing = _time_calls(lambda: ring_allreduce(x, comm, out=out), world, repeats)
-    finally:
-        comm.mpi.Free()
-    return timing, events, [world.Get_rank()]
-
-
-def _run_transformer(case, world, repeats, seed):
-    import numpy as np
-
-    from ..transformer import model
-    from ..transformer.compare import make_grid, scheme_module
-
-    module = scheme_module(case["scheme"])
-    config = model.Config(vocab=case["v"], seq=case["s"], hidden=case["h"],
-                          heads=case["heads"], layers=case["layers"], ffn_mult=case["ffn"],
-                          dtype=np.dtype(case["dtype"]).type)
-    params = model.init_params(config, seed)
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, config.vocab, size=(case["b"], config.seq))
-    targets = rng.integers(0, config.vocab, size=(case["b"], config.seq))
-    grid = make_grid(case["scheme"], world, case["q"], case["d"])
-    try:
-        local = module.shard(params, config, grid)
-
-        def step():
-            _, cache = module.forward(local, tokens, targets, config, grid)
-            module.backward(cache)
-
-        grid.trace.clear()
-        step()                                   # traced step (and warm-up)
-        events = event_summary(grid.trace.events)
-        coords = list(getattr(grid, "coords", (getattr(grid, "rank", 0),)))
-        grid.trace.enabled = False
-        timing = _time_calls(step, world, repeats)
-    finally:
-        grid.free()
-    return timing, events, coords
-
-
-_RUNNERS = {"matmul": _run_matmul, "ring": _run_ring, "transformer": _run_transformer}
-
-
-def worker_main(spec_path: str, out_path: str) -> int:
-    """Run the cases of a spec file under MPI; rank 0 writes the results (atomically).
-
-    The spec is ``{"repeats": R, "seed": S, "cases": [case, ...]}`` with cases from
-    :func:`matmul_case`, :func:`ring_case` and :func:`transformer_case`.
-    """
-    from mpi4py import MPI
-
-    from ..comm import cores, default_wait_policy
-    from ..mpiutil import abort_on_error, limit_blas_threads
-    from .machine import write_json_atomic
-
-    world = MPI.COMM_WORLD
-    rank, p = world.Get_rank(), world.Get_size()
-    with abort_on_error(world):
-        with open(spec_path, encoding="utf-8") as fh:
-            spec = json.load(fh)
-        _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841 - keep alive
-        repeats, seed = int(spec.get("repeats", 5)), int(spec.get("seed", 0))
-        results = []
-        t_start = time.time()
-        for case in spec["cases"]:
-            timing, events, coords = _RUNNERS[case["kind"]](case, world, repeats, seed)
-            all_events = world.gather(events, root=0)
-            all_coords = world.gather(coords, root=0)
-            if rank == 0:
-                res = dict(case, **timing, events=all_events, coords=all_coords,
-                           load=os.getloadavg()[0])
-                results.append(res)
-                med = statistics.median(timing["spans"])
-                print(f"[accuracy p={p}] {case_label(case, p):<48s} median {med * 1e3:9.2f} ms"
-                      f"  min {min(timing['spans']) * 1e3:9.2f} ms", flush=True)
-        if rank == 0:
-            write_json_atomic(out_path, {"p": p, "cores": cores(),
-                                         "wait_policy": default_wait_policy(),
-                                         "repeats": repeats, "seconds": time.time() - t_start,
-                                         "results": results})
-    return 0
 
 
 # --------------------------------------------------------------------------- model side (pure)
@@ -374,7 +169,8 @@ def _tf_scheme_config(res):
     sch = (Scheme.make("megatron", p=res["p"]) if res["scheme"] == "megatron"
            else Scheme.make(res["scheme"], q=q, d=d))
     cfg = TransformerConfig(b=res["b"], s=res["s"], h=res["h"], n=res["heads"], N=res["layers"],
-                            v=res["v"], dtype=res["dtype"], checkpoint=False)
+                            v=res["v"], dtype=res["dtype"], checkpoint=False,
+                            ffn=res.get("ffn", 4))
     return sch, cfg
 
 
@@ -526,87 +322,6 @@ def calibration_report(machine) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- the plan
-def default_plan(quick: bool = False) -> dict:
-    """The runs: ``calibrate`` (p = 1 serial steps, p = 3 and 4 runs, fitted on) and
-    ``heldout`` (p = 8, 9, 16: process counts and sizes the fit never saw), each
-    ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
-    problem on the same p (p = 4 and 16)."""
-    tf = transformer_case
-    mm = matmul_case
-    f = 2 if quick else 1
-    cal = {
-        1: [tf("megatron", 1, 1, 4, 64, 256, 8, 512, 2), tf("megatron", 1, 1, 8, 128, 256, 8, 512, 1),
-            tf("megatron", 1, 1, 4, 64, 512, 8, 1024, 1)],
-        3: [mm("summa25_ab", 1, 3, 768, 768, 768), mm("summa25_ab", 1, 3, 1536 // f, 1536 // f, 1536 // f),
-            ring_case(1 << 12), ring_case(1 << 17), ring_case(1 << 21),
-            tf("summa25", 1, 3, 6, 64, 256, 8, 512, 2)],
-        4: [mm("cannon_ab", 2, 1, 512, 512, 512), mm("summa_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
-            mm("cannon_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
-            mm("summa25_ab", 1, 4, 1536 // f, 1536 // f, 1536 // f),
-            mm("summa_abt", 2, 1, 1024, 1024, 1024), mm("summa_atb", 2, 1, 1024, 1024, 1024),
-            ring_case(1 << 12), ring_case(1 << 17), ring_case(1 << 21),
-            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("optimus", 2, 1, 8, 64, 256, 8, 512, 2),
-            tf("summa25", 1, 4, 8, 64, 256, 8, 512, 2)],
-    }
-    held = {
-        8: [mm("summa25_ab", 2, 2, 1024, 1024, 1024), mm("summa25_abt", 2, 2, 2048 // f, 2048 // f, 2048 // f),
-            ring_case(1 << 15), ring_case(1 << 20),
-            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("summa25", 2, 2, 8, 64, 256, 8, 512, 2)],
-        9: [mm("cannon_ab", 3, 1, 1152, 1152, 1152), mm("summa_ab", 3, 1, 2304 // f, 2304 // f, 2304 // f),
-            mm("summa_atb", 3, 1, 1152, 1152, 1152), ring_case(3 << 18),
-            tf("optimus", 3, 1, 6, 48, 288, 6, 576, 2)],
-        16: [mm(a, *g, n, n, n) for n in ((1024, 2048) if quick else (1024, 2048, 3072))
-             for a, g in (("cannon_ab", (4, 1)), ("summa_ab", (4, 1)), ("summa25_ab", (2, 4)))]
-            + [mm("summa_abt", 4, 1, 2048, 2048, 2048), mm("summa_atb", 4, 1, 2048, 2048, 2048),
-               ring_case(1 << 16), ring_case(1 << 20), ring_case(1 << 22)]
-            + [tf(s, q, d, 16, 64, 256, 16, 512, 2) for s, q, d in
-               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))]
-            + [tf(s, q, d, 16, 128, 512, 16, 1024, 1) for s, q, d in
-               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))],
-    }
-    return {"calibrate": cal, "heldout": held}
-
-
-# --------------------------------------------------------------------------- launcher
-def _mpiexec() -> list[str]:
-    exe = os.environ.get("SUMMASIM_MPIEXEC")
-    if not exe:
-        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        exe = beside if os.path.exists(beside) else "mpiexec"
-    return exe.split() + os.environ.get("SUMMASIM_MPIEXEC_FLAGS", "").split()
-
-
-def launch(p: int, cases: Sequence[dict], repeats: int, workdir: str, *, timeout: float,
-           seed: int = 0, say=print) -> list[dict]:
-    """Run ``cases`` under ``mpiexec -n p`` (with ``timeout``); return the results,
-    each with ``p`` added."""
-    spec = os.path.join(workdir, f"spec-p{p}.json")
-    out = os.path.join(workdir, f"measured-p{p}.json")
-    with open(spec, "w", encoding="utf-8") as fh:
-        json.dump({"repeats": repeats, "seed": seed, "cases": list(cases)}, fh)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = ["timeout", "-k", "10", str(int(timeout))] + _mpiexec() + [
-        "-n", str(p), sys.executable, "-m", "summasim.costmodel", "accuracy-worker", spec, out]
-    say(f"$ {' '.join(cmd[4:])}")
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the accuracy worker at p={p} failed (exit {proc.returncode}"
-                           f"{', timed out' if proc.returncode in (124, 137) else ''})")
-    with open(out, encoding="utf-8") as fh:
-        data = json.load(fh)
-    return [dict(r, p=data["p"]) for r in data["results"]]
-
-
-def _fit_machine(path: str, timeout: float, say) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = ["timeout", "-k", "10", str(int(timeout))] + _mpiexec() + [
-        "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit", "--out", path]
-    say(f"$ {' '.join(cmd[4:])}")
-    if subprocess.run(cmd, env=env).returncode != 0:
-        raise RuntimeError("the machine fit failed")
-
-
 def _pct(x):
     return "-" if x is None else f"{x:.1%}"
 
@@ -697,133 +412,3 @@ def _analyse(measured, machine, statistic):
     outcomes = ranking(rep["calibrate"]["rows"] + rep["heldout"]["rows"])
     rep["ranking"] = {"outcomes": outcomes, "summary": ranking_summary(outcomes)}
     return rep, calibrated
-
-
-def build_parser(ap):
-    """Arguments of ``python -m summasim.costmodel accuracy``."""
-    ap.add_argument("--machine", default=None,
-                    help="a fitted machine JSON (default: fit one at p=2 first)")
-    ap.add_argument("--out", default=os.path.join("results", "accuracy"),
-                    help="folder for the measurements, machines and report (default %(default)s)")
-    ap.add_argument("--from", dest="reuse", action="store_true",
-                    help="re-analyse the measurements already in --out (no MPI)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed calls per case")
-    ap.add_argument("--quick", action="store_true", help="smaller problems (a few minutes less)")
-    ap.add_argument("--statistic", choices=STATISTICS, default="median",
-                    help="which repeat statistic is the measured time (default %(default)s; "
-                         "the report also summarizes the other)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec")
-    return ap
-
-
-def run(args) -> int:
-    """The accuracy benchmark (see the module doc)."""
-    from .machine import Machine, write_json_atomic
-
-    def say(msg):
-        print(msg, flush=True)
-
-    os.makedirs(args.out, exist_ok=True)
-    mfile = os.path.join(args.out, "machine-fit.json")
-    mpath = os.path.join(args.out, "measured.json")
-    t0 = time.time()
-    if args.reuse:
-        if not os.path.exists(mpath):
-            print(f"accuracy: --from needs {mpath} from an earlier run (run without --from "
-                  f"first, or give its --out)", file=sys.stderr)
-            return 2
-        with open(mpath, encoding="utf-8") as fh:
-            measured = json.load(fh)
-        machine = Machine.load(args.machine or mfile)
-    else:
-        if args.machine:
-            machine = Machine.load(args.machine)
-            machine.save(mfile)
-        else:
-            say("[accuracy] 1/3 fitting the machine at p=2 (no oversubscription)")
-            _fit_machine(mfile, args.timeout, say)
-            machine = Machine.load(mfile)
-        plan = default_plan(args.quick)
-        measured = {"calibrate": [], "heldout": []}
-        with tempfile.TemporaryDirectory(dir=args.out) as work:
-            for part, step in (("calibrate", "2/3 calibration runs"), ("heldout", "3/3 held-out runs")):
-                for p, cases in plan[part].items():
-                    wait_for_quiet(say=say)
-                    say(f"[accuracy] {step}: p={p}, {len(cases)} cases")
-                    measured[part] += launch(p, cases, args.repeats, work, timeout=args.timeout,
-                                             say=say)
-        write_json_atomic(mpath, measured)
-    rep, calibrated = analyse(measured, machine, args.statistic)
-    calibrated.replace(notes={**calibrated.notes, "accuracy": {
-        k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(
-        os.path.join(args.out, "machine-calibrated.json"))
-    rep["seconds"] = round(time.time() - t0, 1)
-    write_json_atomic(os.path.join(args.out, "report.json"), rep)
-    say("")
-    say(report_text(rep))
-    say(f"\n[accuracy] wrote {args.out}/report.json, measured.json, machine-calibrated.json "
-        f"({rep['seconds']:.0f} s)")
-    return 0
-
-
-# --------------------------------------------------------------------------- machine load
-def _proc_cpu_ticks() -> dict[int, tuple[int, int]]:
-    """``{pid: (ppid, utime + stime ticks)}`` of every process (Linux /proc)."""
-    out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as fh:
-                text = fh.read()
-        except OSError:
-            continue
-        rest = text[text.rfind(")") + 2:].split()
-        try:
-            out[int(name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
-        except (IndexError, ValueError):
-            continue
-    return out
-
-
-def _descendants(procs: dict, root: int) -> set[int]:
-    kids: dict = {}
-    for pid, (ppid, _) in procs.items():
-        kids.setdefault(ppid, []).append(pid)
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo.extend(kids.get(pid, ()))
-    return out
-
-
-def foreign_cpu(interval: float = 1.0) -> float:
-    """Cores' worth of CPU used by processes outside this process tree over
-    ``interval`` seconds (0.0 where /proc is unavailable)."""
-    if not os.path.isdir("/proc"):
-        return 0.0
-    a = _proc_cpu_ticks()
-    time.sleep(interval)
-    b = _proc_cpu_ticks()
-    mine = _descendants(b, os.getpid())
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    used = sum(t - a[pid][1] for pid, (_, t) in b.items()
-               if pid in a and pid not in mine and pid != 0)
-    return max(0.0, used / hz / interval)
-
-
-def wait_for_quiet(limit: float = 0.25, max_wait: float = 600.0, say=print) -> float:
-    """Wait until other processes use less than ``limit`` cores (at most ``max_wait``
-    seconds); return the foreign load last seen."""
-    t0 = time.time()
-    load = foreign_cpu()
-    told = False
-    while load > limit and time.time() - t0 < max_wait:
-        if not told:
-            say(f"  other processes use {load:.2f} cores; waiting for a quiet machine "
-                f"(up to {max_wait:.0f} s)")
-            told = True
-        time.sleep(5.0)
-        load = foreign_cpu()
-    return load

@@ -1,0 +1,88 @@
+"""The harness under MPI: rank-local runs validate, verdicts are collective and keep
+NaN whichever rank holds it, and every injected fault is caught on every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from _util import WORLD, parallel_assert, skip_unless
+from summasim.algorithms.table import ALGORITHMS
+from summasim.harness.cases import MatmulCase, RingCase, transformer_case
+from summasim.harness.execute import run_case
+from summasim.harness.inject import KINDS, Fault
+from summasim.transformer.schemes import SCHEMES
+
+P = WORLD.Get_size()
+LAST = P - 1   # faults on the last rank: the old verdict reduction lost NaN off rank 0
+
+
+def _product_cases():
+    out = []
+    for name, spec in ALGORITHMS.items():
+        if not spec.is_product:
+            continue
+        for q, d in spec.grids(P)[-1:]:
+            out.append(MatmulCase(name, q, d, *spec.round_up(24, 16, 20, q, d)))
+    return out
+
+
+CASES = _product_cases() + [RingCase(3 * P + 1)]
+
+
+@pytest.fixture(scope="module")
+def be(backend):
+    return backend
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.label(P) for c in CASES])
+def test_clean_run_passes_and_every_fault_fails_everywhere(be, case):
+    res = run_case(case, WORLD, be, timed=False)
+    parallel_assert(res.ok and math.isfinite(res.check.error),
+                    f"clean {case.label(P)}: {res.check}")
+    for kind in KINDS:
+        res = run_case(case, WORLD, be, timed=False, fault=Fault(kind, LAST))
+        # the verdict is the same on every rank: gather it and compare
+        verdicts = WORLD.allgather((res.ok, res.check.nonfinite, tuple(res.check.bad_ranks)))
+        parallel_assert(all(v == verdicts[0] for v in verdicts),
+                        f"{kind}: ranks disagree on the verdict {verdicts}")
+        parallel_assert(not res.ok and LAST in res.check.bad_ranks,
+                        f"{kind}@{LAST} on {case.label(P)} was not caught: {res.check}")
+        if kind in ("nan", "inf"):
+            parallel_assert(res.check.nonfinite and math.isnan(res.check.error),
+                            f"{kind}: the job's error must be NaN, got {res.check.error}")
+
+
+def test_timed_run_reports_traffic_and_spans(be):
+    case = _product_cases()[0]
+    res = run_case(case, WORLD, be, repeats=2)
+    parallel_assert(res.ok and len(res.timing["spans"]) >= 2 and res.seconds > 0,
+                    f"{res.timing}")
+    parallel_assert(res.peak_rss > 0, "peak RSS measured")
+    if WORLD.Get_rank() == 0:
+        parallel_assert(len(res.events) == P and len(res.coords) == P, "gathered on rank 0")
+    else:
+        parallel_assert(res.events is None, "only rank 0 holds the gathered events")
+
+
+SCHEME_CASES = [(name, q, d) for name, spec in SCHEMES.items() for q, d in spec.grids(P)]
+
+
+@pytest.mark.parametrize("name,q,d", SCHEME_CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in
+                                                         SCHEME_CASES])
+def test_training_step_faults_are_caught(name, q, d):
+    b = 2 * d * q
+    case = transformer_case(name, q, d, b, 4, 4 * P, P, 4 * P, 1)
+    skip_unless(case.misfit(P) == "", case.misfit(P))
+    res = run_case(case, WORLD, None, timed=False, with_memory=False)
+    parallel_assert(res.ok, f"clean {case.label(P)}: {res.extra['report']}")
+    for kind in KINDS:
+        res = run_case(case, WORLD, None, timed=False, with_memory=False,
+                       fault=Fault(kind, LAST))
+        rep = res.extra["report"]
+        if kind == "drop" and P == 1:
+            parallel_assert(not rep.fault_applied, "a group of one has no sum to drop")
+            continue
+        parallel_assert(rep.fault_applied and not res.ok and not rep.ok,
+                        f"{kind}@{LAST} on {case.label(P)} was not caught: {rep}")

@@ -1,0 +1,168 @@
+"""The cost model's accuracy benchmark, measuring side: fit the links, run the
+calibration and held-out cases under MPI with the harness's worker, then hand the
+measurements to the cost model's pure analysis (:mod:`summasim.costmodel.accuracy`).
+
+    python -m summasim.costmodel accuracy                  # fit, calibrate, predict, report
+    python -m summasim.costmodel accuracy --machine results/machine.json   # skip the fit
+    python -m summasim.costmodel accuracy --from           # re-analyse results/accuracy/
+
+Every case is validated (rank-local checks) before it is timed; a case that fails
+its validation stops the benchmark. Every mpiexec runs under ``timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..cli import finite_positive_float, positive_int
+from ..costmodel.accuracy import STATISTICS, analyse, report_text
+from ..jsonio import write_json_atomic
+from .cases import MatmulCase, RingCase, transformer_case
+from .load import wait_for_quiet
+from .worker import launch, mpiexec, worker_env
+
+
+# --------------------------------------------------------------------------- the plan
+def default_plan(quick: bool = False) -> dict:
+    """The runs: ``calibrate`` (p = 1 serial steps, p = 3 and 4 runs, fitted on) and
+    ``heldout`` (p = 8, 9, 16: process counts and sizes the fit never saw), each
+    ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
+    problem on the same p (p = 4 and 16)."""
+    tf = transformer_case
+    mm = MatmulCase
+    f = 2 if quick else 1
+    cal = {
+        1: [tf("megatron", 1, 1, 4, 64, 256, 8, 512, 2), tf("megatron", 1, 1, 8, 128, 256, 8, 512, 1),
+            tf("megatron", 1, 1, 4, 64, 512, 8, 1024, 1)],
+        3: [mm("summa25_ab", 1, 3, 768, 768, 768), mm("summa25_ab", 1, 3, 1536 // f, 1536 // f, 1536 // f),
+            RingCase(1 << 12), RingCase(1 << 17), RingCase(1 << 21),
+            tf("summa25", 1, 3, 6, 64, 256, 8, 512, 2)],
+        4: [mm("cannon_ab", 2, 1, 512, 512, 512), mm("summa_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
+            mm("cannon_ab", 2, 1, 1536 // f, 1536 // f, 1536 // f),
+            mm("summa25_ab", 1, 4, 1536 // f, 1536 // f, 1536 // f),
+            mm("summa_abt", 2, 1, 1024, 1024, 1024), mm("summa_atb", 2, 1, 1024, 1024, 1024),
+            RingCase(1 << 12), RingCase(1 << 17), RingCase(1 << 21),
+            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("optimus", 2, 1, 8, 64, 256, 8, 512, 2),
+            tf("summa25", 1, 4, 8, 64, 256, 8, 512, 2)],
+    }
+    held = {
+        8: [mm("summa25_ab", 2, 2, 1024, 1024, 1024), mm("summa25_abt", 2, 2, 2048 // f, 2048 // f, 2048 // f),
+            RingCase(1 << 15), RingCase(1 << 20),
+            tf("megatron", 1, 1, 8, 64, 256, 8, 512, 2), tf("summa25", 2, 2, 8, 64, 256, 8, 512, 2)],
+        9: [mm("cannon_ab", 3, 1, 1152, 1152, 1152), mm("summa_ab", 3, 1, 2304 // f, 2304 // f, 2304 // f),
+            mm("summa_atb", 3, 1, 1152, 1152, 1152), RingCase(3 << 18),
+            tf("optimus", 3, 1, 6, 48, 288, 6, 576, 2)],
+        16: [mm(a, *g, n, n, n) for n in ((1024, 2048) if quick else (1024, 2048, 3072))
+             for a, g in (("cannon_ab", (4, 1)), ("summa_ab", (4, 1)), ("summa25_ab", (2, 4)))]
+            + [mm("summa_abt", 4, 1, 2048, 2048, 2048), mm("summa_atb", 4, 1, 2048, 2048, 2048),
+               RingCase(1 << 16), RingCase(1 << 20), RingCase(1 << 22)]
+            + [tf(s, q, d, 16, 64, 256, 16, 512, 2) for s, q, d in
+               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))]
+            + [tf(s, q, d, 16, 128, 512, 16, 1024, 1) for s, q, d in
+               (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))],
+    }
+    return {"calibrate": cal, "heldout": held}
+
+
+def _fit_machine(path: str, timeout: float, say) -> None:
+    env = worker_env()
+    cmd = ["timeout", "-k", "10", str(int(timeout))] + mpiexec() + [
+        "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit", "--out", path]
+    say(f"$ {' '.join(cmd[4:])}")
+    if subprocess.run(cmd, env=env).returncode != 0:
+        raise RuntimeError("the machine fit failed")
+
+
+
+def build_parser(ap):
+    """Arguments of ``python -m summasim.costmodel accuracy``."""
+    ap.add_argument("--machine", default=None,
+                    help="a fitted machine JSON (default: fit one at p=2 first)")
+    ap.add_argument("--out", default=os.path.join("results", "accuracy"),
+                    help="folder for the measurements, machines and report (default %(default)s)")
+    ap.add_argument("--from", dest="reuse", action="store_true",
+                    help="re-analyse the measurements already in --out (no MPI)")
+    ap.add_argument("--repeats", type=positive_int, default=7, help="timed calls per case")
+    ap.add_argument("--quick", action="store_true", help="smaller problems (a few minutes less)")
+    ap.add_argument("--statistic", choices=STATISTICS, default="median",
+                    help="which repeat statistic is the measured time (default %(default)s; "
+                         "the report also summarizes the other)")
+    ap.add_argument("--timeout", type=finite_positive_float, default=900,
+                    help="seconds per mpiexec")
+    return ap
+
+
+def run(args) -> int:
+    """The accuracy benchmark (see the module doc)."""
+    from ..costmodel.machine import Machine
+
+    def say(msg):
+        print(msg, flush=True)
+
+    from ..cli import UsageError, check_writable_dir
+    from .machinefile import check_machine_spec
+
+    try:                                # every argument and file, before any work
+        check_writable_dir(args.out)
+        if args.machine:
+            check_machine_spec(args.machine)
+            if not os.path.isfile(args.machine):
+                raise UsageError(f"--machine {args.machine!r}: the accuracy benchmark needs a "
+                                 f"fitted machine file, not a preset")
+    except (UsageError, ValueError) as e:
+        print(f"python -m summasim.costmodel accuracy: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    mfile = os.path.join(args.out, "machine-fit.json")
+    mpath = os.path.join(args.out, "measured.json")
+    t0 = time.time()
+    if args.reuse:
+        if not os.path.exists(mpath):
+            print(f"accuracy: --from needs {mpath} from an earlier run (run without --from "
+                  f"first, or give its --out)", file=sys.stderr)
+            return 2
+        with open(mpath, encoding="utf-8") as fh:
+            measured = json.load(fh)
+        machine = Machine.load(args.machine or mfile)
+    else:
+        if args.machine:
+            machine = Machine.load(args.machine)
+            machine.save(mfile)
+        else:
+            say("[accuracy] 1/3 fitting the machine at p=2 (no oversubscription)")
+            try:
+                _fit_machine(mfile, args.timeout, say)
+            except RuntimeError as e:
+                print(f"[accuracy] stopped: {e}", file=sys.stderr)
+                return 1
+            machine = Machine.load(mfile)
+        plan = default_plan(args.quick)
+        measured = {"calibrate": [], "heldout": []}
+        with tempfile.TemporaryDirectory(dir=args.out) as work:
+            for part, step in (("calibrate", "2/3 calibration runs"), ("heldout", "3/3 held-out runs")):
+                for p, cases in plan[part].items():
+                    wait_for_quiet(say=say)
+                    say(f"[accuracy] {step}: p={p}, {len(cases)} cases")
+                    try:
+                        measured[part] += launch(p, cases, args.repeats, work,
+                                                 timeout=args.timeout, say=say)
+                    except RuntimeError as e:
+                        print(f"[accuracy] stopped: {e}", file=sys.stderr)
+                        return 1
+        write_json_atomic(mpath, measured)
+    rep, calibrated = analyse(measured, machine, args.statistic)
+    calibrated.replace(notes={**calibrated.notes, "accuracy": {
+        k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(
+        os.path.join(args.out, "machine-calibrated.json"))
+    rep["seconds"] = round(time.time() - t0, 1)
+    write_json_atomic(os.path.join(args.out, "report.json"), rep)
+    say("")
+    say(report_text(rep))
+    say(f"\n[accuracy] wrote {args.out}/report.json, measured.json, machine-calibrated.json "
+        f"({rep['seconds']:.0f} s)")
+    return 0

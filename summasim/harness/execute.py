@@ -1,0 +1,143 @@
+"""Executors: one per kind of run. Each builds its grid and backend, makes this
+rank's own inputs (:mod:`~summasim.harness.data`), makes the traced call, optionally
+corrupts the output (:mod:`~summasim.harness.inject`), checks it without any global
+operand (:mod:`~summasim.harness.check`), times it (:mod:`~summasim.harness.timing`)
+and returns a :class:`Result` that is the same on every rank (the per-rank event
+summaries are gathered on rank 0 only, for the cost model).
+
+``run_case(case, world, backend, ...)`` dispatches on the case's kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm import Comm
+from ..costmodel.accuracy import event_summary
+from ..grid import Grid
+from ..layout import block_slices, grid_numbers
+from ..mpiutil import agreement
+from .check import check_product, check_ring, collective, op_panels, \
+    product_block_slices, ring_input
+from .data import STREAM_A, STREAM_B, STREAM_RING, uniform_block, uniform_segment
+from .inject import Fault, corrupt_entry
+from .memory import peak_rss_bytes
+from .result import Result
+from .timing import reduce_max, time_calls
+from .transformer import run_transformer
+
+
+def _time(call, backend, trace, world, repeats: int, timed: bool) -> dict:
+    """Time ``call`` with the trace off and without the input agreement (the checked,
+    traced call before it agreed on these very inputs); ``{}`` when not ``timed``."""
+    if not timed:
+        return {}
+    trace.enabled = False
+
+    def run():
+        call()
+        backend.synchronize()
+
+    with agreement(False):
+        return time_calls(run, world, repeats)
+
+
+def _traffic(world, events) -> tuple[int, int, list | None]:
+    mx = reduce_max(world, [sum(e.nbytes for e in events), len(events)])
+    return int(mx[0]), int(mx[1]), world.gather(event_summary(events), root=0)
+
+
+def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
+                method: str = "auto", fault: Fault | None = None, timed: bool = True) -> Result:
+    """Validate (and time) one distributed product (collective over ``world``)."""
+    spec = case.spec
+    rank, p = world.Get_rank(), world.Get_size()
+    dtype = np.dtype(case.dtype)
+    sa, sb = spec.stored_shapes(case.m, case.k, case.n)
+    grid = Grid(world, case.q, case.d, backend=backend)
+    try:
+        g = grid_numbers(grid)
+        a = backend.asarray(uniform_block(seed, STREAM_A, sa,
+                                          *block_slices(sa, spec.layout_a, g), dtype))
+        b = backend.asarray(uniform_block(seed, STREAM_B, sb,
+                                          *block_slices(sb, spec.layout_b, g), dtype))
+        fn = spec.fn
+        c = fn(a, b, grid)                                  # the traced, validated call
+        backend.synchronize()
+        events = list(grid.trace.events)
+        coords = list(grid.coords)
+        mine = fault is not None and fault.rank == rank
+        host = backend.to_numpy(c)             # the check reads it (copied only to corrupt)
+        if mine:
+            host = np.array(host, copy=True)
+            _corrupt_product(host, case, g, seed, fault)
+        chk = collective(world, check_product(host, case, g, seed, method))
+        del host
+        timing = _time(lambda: fn(a, b, grid, out=c), backend, grid.trace, world, repeats,
+                       timed)
+        nbytes, msgs, summaries = _traffic(world, events)
+        coords_all = world.gather(coords, root=0)
+    finally:
+        grid.free()
+    rss = int(reduce_max(world, [peak_rss_bytes()])[0])
+    return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords_all,
+                  str(fault) if fault else "")
+
+
+def _corrupt_product(host, case, g, seed, fault):
+    if fault.kind != "drop":
+        corrupt_entry(host, fault.kind)
+        return
+    # the block misses the summand of its first k-panel
+    rows, cols = product_block_slices(case, g)
+    kc = slice(0, max(1, case.k // max(case.q, 1)))
+    a, b = op_panels(case.spec, case.m, case.k, case.n, rows, cols, kc, seed,
+                     np.dtype(case.dtype))
+    host -= (a @ b).astype(host.dtype)
+
+
+def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
+             fault: Fault | None = None, timed: bool = True, method: str = "exact") -> Result:
+    """Validate (and time) ``ring_allreduce`` over all of ``world`` (collective)."""
+    from ..algorithms import ring_allreduce
+
+    rank, p = world.Get_rank(), world.Get_size()
+    dtype = np.dtype(case.dtype)
+    comm = Comm(world.Dup(), name="world", backend=backend)
+    try:
+        x = backend.asarray(ring_input(seed, rank, case.n, dtype))
+        y = ring_allreduce(x, comm)
+        backend.synchronize()
+        events = list(comm.trace.events)
+        host = np.array(backend.to_numpy(y), copy=True)
+        if fault is not None and fault.rank == rank:
+            if fault.kind == "drop":          # the result misses the next rank's input
+                other = uniform_segment(seed, STREAM_RING + (rank + 1) % p, 0, case.n, dtype)
+                host -= other if p > 1 else host
+            else:
+                corrupt_entry(host, fault.kind)
+        chk = collective(world, check_ring(host, case, p, seed))
+        del host
+        out = backend.empty(x.shape, x.dtype) if timed else None
+        timing = _time(lambda: ring_allreduce(x, comm, out=out), backend, comm.trace, world,
+                       repeats, timed)
+        nbytes, msgs, summaries = _traffic(world, events)
+        coords_all = world.gather([rank], root=0)
+    finally:
+        comm.mpi.Free()
+    rss = int(reduce_max(world, [peak_rss_bytes()])[0])
+    return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords_all,
+                  str(fault) if fault else "")
+
+
+def run_case(case, world, backend, **kw) -> Result:
+    """Run any case (dispatch on its kind)."""
+    if case.kind == "matmul":
+        return run_product(case, world, backend, **kw)
+    if case.kind == "ring":
+        return run_ring(case, world, backend, **kw)
+    if case.kind == "transformer":
+        kw.pop("method", None)
+        return run_transformer(case, world, backend, **kw)
+    raise ValueError(f"unknown case kind {case.kind!r}")
+

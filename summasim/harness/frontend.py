@@ -1,0 +1,58 @@
+"""What every MPI front-end shares: user errors reported once, with exit status 2,
+before any work; everything else aborts the whole job with its traceback.
+
+    def main(argv=None):
+        return mpi_main(lambda: parse(argv), preflight, body, prog="python -m summasim.x")
+
+``parse()`` runs on every rank (pure: arguments only) and raises :class:`UserError`;
+``preflight(args, world)`` runs on rank 0 only (files, memory, paths) and returns an
+error message or ""; rank 0's answer is broadcast, so every rank stops alike.
+``body(args, world)`` is the work, under :func:`summasim.mpiutil.abort_on_error`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class UserError(Exception):
+    """A mistake in the arguments or files: one message, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UserError` instead of printing on every rank."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
+def positive(name: str, value, allow_none: bool = True):
+    """Raise :class:`UserError` unless ``value`` is a positive number (or None)."""
+    if value is None and allow_none:
+        return
+    if value is None or not value > 0:
+        raise UserError(f"{name} must be positive, got {value}")
+
+
+def mpi_main(parse, preflight, body, prog: str) -> int:
+    """Run a front-end (see the module doc); returns the exit status."""
+    try:
+        args, err = parse(), ""
+    except UserError as e:
+        args, err = None, str(e)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if not err and preflight is not None:
+        err = preflight(args, world) if rank == 0 else None
+        err = world.bcast(err, root=0)
+    if err:
+        if rank == 0:
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    from ..mpiutil import abort_on_error
+
+    with abort_on_error(world):
+        return body(args, world)

@@ -1,0 +1,131 @@
+"""Tables and JSON records of harness results (pure)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+HEADER = ("algorithm", "grid", "shapes", "dtype", "max rel err", "bound", "check", "result",
+          "median s", "GFLOP/s", "MB/rank", "msgs", "peak MiB", "predicted s", "pred err")
+WIDTHS = (14, 11, 16, 7, 11, 9, 9, 6, 9, 14, 8, 4, 8, 11, 8)
+
+
+def _line(cells, widths=WIDTHS) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def format_header() -> str:
+    return _line(HEADER) + "\n" + "  ".join("-" * w for w in WIDTHS)
+
+
+def _err(x: float) -> str:
+    return f"{x:.2e}" if math.isfinite(x) else ("nan" if math.isnan(x) else "inf")
+
+
+def verdict(ok: bool, nonfinite: bool = False) -> str:
+    return "OK" if ok else ("FAIL*" if nonfinite else "FAIL")
+
+
+def shapes_label(case) -> str:
+    return f"N={case.n}" if case.kind == "ring" else f"{case.m}x{case.k}x{case.n}"
+
+
+def rate(res) -> str:
+    t = res.seconds
+    if t <= 0:
+        return "-"
+    c = res.case
+    if c.kind == "ring":
+        it = 8 if c.dtype == "float64" else 4
+        return f"{c.n * it / t / 1e9:.2f} GB/s"
+    return f"{2.0 * c.m * c.k * c.n / t / 1e9:.2f}"
+
+
+def prediction_error(predicted, measured) -> float | None:
+    if predicted is None or not measured or measured <= 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def format_row(res, predicted=None) -> str:
+    c, chk = res.case, res.check
+    pe = prediction_error(predicted, res.seconds)
+    return _line((c.algorithm, c.grid_label(res.p), shapes_label(c), c.dtype, _err(chk.error),
+                  f"{chk.bound:.2e}", chk.method, verdict(chk.ok, chk.nonfinite),
+                  f"{res.seconds:.4f}" if res.timing else "-", rate(res),
+                  f"{res.bytes_per_rank / 2**20:.2f}", str(res.messages_per_rank),
+                  f"{res.peak_rss / 2**20:.0f}",
+                  "-" if predicted is None else f"{predicted:.4f}",
+                  "-" if pe is None else f"{100 * pe:+.0f}%"))
+
+
+def row_record(res, predicted=None) -> dict:
+    """The JSON record of a product or ring result."""
+    c, chk = res.case, res.check
+    t = res.seconds
+    it = 8 if c.dtype == "float64" else 4
+    return {"algorithm": c.algorithm, "grid": c.grid_label(res.p), "shapes": shapes_label(c),
+            "dtype": c.dtype, "case": c.to_dict(), "error": chk.error, "bound": chk.bound,
+            "check": chk.method, "false_pass": chk.false_pass, "ok": chk.ok,
+            "nonfinite": chk.nonfinite, "bad_ranks": chk.bad_ranks, "seconds": t,
+            "times": res.timing.get("spans", []),
+            "gflops": (2.0 * c.m * c.k * c.n / t / 1e9) if c.kind == "matmul" and t > 0
+            else None,
+            "gbytes_per_s": (c.n * it / t / 1e9) if c.kind == "ring" and t > 0 else None,
+            "bytes_per_rank": res.bytes_per_rank, "messages_per_rank": res.messages_per_rank,
+            "peak_rss_bytes": res.peak_rss, "predicted": predicted,
+            "prediction_error": prediction_error(predicted, t), "fault": res.fault}
+
+
+TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "bound",
+             "result", "fwd s", "bwd s", "pred s", "pred err", "L0 fwd items", "Table 1",
+             "L0 bwd+ckpt", "Table 1")
+TF_WIDTHS = (8, 8, 7, 8, 10, 8, 5, 6, 7, 7, 7, 8, 12, 8, 11, 8)
+MEM_HEADER = ("scheme", "grid", "params", "grads", "Adam", "activ.", "formula params",
+              "grads", "Adam", "activ.", "peak fwd+bwd MiB")
+MEM_WIDTHS = (9, 9, 10, 9, 8, 10, 15, 8, 8, 8, 16)
+
+
+def _e1(x: float) -> str:
+    return f"{x:.1e}" if math.isfinite(x) else ("nan" if math.isnan(x) else "inf")
+
+
+def format_transformer(reports) -> str:
+    """The transformer validation/traffic table and the memory table."""
+    lines = [_line(TF_HEADER, TF_WIDTHS), "  ".join("-" * w for w in TF_WIDTHS)]
+    for r in reports:
+        pe = r.prediction_error
+        lines.append(_line((r.scheme, r.grid, r.dtype, _e1(r.loss_err), _e1(r.logits_err),
+                            _e1(r.grad_err), f"{r.bound:.0e}", verdict(r.ok, r.nonfinite),
+                            f"{r.fwd_s:.4f}", f"{r.bwd_s:.4f}",
+                            "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
+                            "-" if pe is None else f"{100 * pe:+.1f}%",
+                            str(r.tp_fwd), str(r.table1.get("fwd", "-")),
+                            str(r.tp_bwd_checkpoint), str(r.table1.get("bwd_checkpoint", "-"))),
+                           TF_WIDTHS))
+    mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
+    mem = [r for r in reports if r.memory]
+    if mem:
+        lines += ["", _line(MEM_HEADER, MEM_WIDTHS), "  ".join("-" * w for w in MEM_WIDTHS)]
+    for r in mem:
+        m, f = r.memory, r.memory_formula
+        lines.append(_line((r.scheme, r.grid, mib(m["params"]), mib(m["grads"]),
+                            mib(m["optimizer"]), mib(m["activations"]), mib(f["params"]),
+                            mib(f["grads"]), mib(f["optimizer"]), mib(f["activations"]),
+                            mib(m["peak_fwd_bwd"])), MEM_WIDTHS))
+    return "\n".join(lines)
+
+
+def transformer_record(rep) -> dict:
+    return dict(asdict(rep), prediction_error=rep.prediction_error)
+
+
+def prediction_summary(pairs) -> dict | None:
+    """MAPE and worst case of ``[(predicted, measured, label), ...]`` (None if empty)."""
+    errs = [(abs(prediction_error(p, m)), label) for p, m, label in pairs
+            if prediction_error(p, m) is not None]
+    if not errs:
+        return None
+    worst, wlabel = max(errs, key=lambda e: e[0])
+    return {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
+            "worst_run": wlabel, "count": len(errs)}

@@ -1,0 +1,40 @@
+"""The record every executor returns (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .check import Check
+
+
+@dataclass
+class Result:
+    """One run: the case, its verdict, timings, traffic and memory (same on every rank,
+    except ``events`` and ``coords``: every rank's, on rank 0 only)."""
+
+    case: object
+    p: int
+    check: Check
+    timing: dict = field(default_factory=dict)
+    bytes_per_rank: int = 0            # largest per-rank payload in the trace
+    messages_per_rank: int = 0
+    peak_rss: int = 0                  # largest peak RSS over ranks, bytes
+    events: list | None = None         # rank 0: [[op, group, size, nbytes, count], ...] per rank
+    coords: list | None = None
+    fault: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.check.ok
+
+    @property
+    def seconds(self) -> float:
+        return float(self.timing.get("median", 0.0))
+
+    def measured(self) -> dict:
+        """The worker-result dict the cost model's analysis reads."""
+        return dict(self.case.to_dict(), p=self.p, spans=self.timing.get("spans", []),
+                    rank_max=self.timing.get("rank_max", []),
+                    back_to_back=self.timing.get("back_to_back", 0.0),
+                    events=self.events, coords=self.coords)

@@ -1,0 +1,286 @@
+"""The training-step executor: a tensor-parallel scheme next to the serial model.
+
+What is measured
+----------------
+* agreement with the serial model (loss, logits, every unsharded gradient, with and
+  without checkpointing), as ``max |par - ser| / max |ser|`` per tensor; a NaN or
+  Inf anywhere fails the run on whichever rank it sits (collective flags);
+* per-layer Table 1 traffic: the payload of the events in phases ``h{l}.fwd/tp.*``
+  and ``h{l}.bwd/tp.*`` against :func:`table1_payload`;
+* forward and backward times with the harness's timer;
+* per-rank memory with ``tracemalloc`` next to the cost model's formula.
+
+The serial reference runs on every rank: the model is small by construction
+(the transformer section validates schemes, the products section validates scale),
+and every rank compares its own unsharded gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..comm import FAULTS
+from ..costmodel.accuracy import event_summary
+from ..mpiutil import agreement
+from ..transformer import model
+from ..transformer.schemes import get_scheme
+from ..transformer.train import Adam
+from .check import Check, collective
+from .inject import Fault, corrupt_entry
+from .memory import peak_rss_bytes
+from .result import Result
+from .timing import reduce_max, time_calls
+
+
+def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int = 1,
+                   d: int = 1) -> dict:
+    """Per-rank Table 1 payload of one layer, in scalars.
+
+    Megatron: the all-reduced items, ``2 bsh`` forward, ``2 bsh`` backward and ``4 bsh``
+    backward with checkpointing (0 at p = 1). Optimus / SUMMA2.5: the broadcast and
+    reduce payload of the four SUMMA products, ``((3 + f) b s h / d + (4 + 2f) h^2) / q``
+    forward for the FFN multiplier f (``(7 bsh/d + 12 h^2)/q`` at f = 4), 2x that in
+    backward and 3x with checkpointing (0 when q = 1).
+    """
+    b, s, h, f = batch, config.seq, config.hidden, config.ffn_mult
+    if name == "megatron":
+        fwd = 2 * b * s * h if p > 1 else 0
+    else:
+        fwd = ((3 + f) * b * s * h // d + (4 + 2 * f) * h * h) // q if q > 1 else 0
+    return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd if name != "megatron"
+            else 2 * fwd}
+
+
+def layer_tp_items(events, layer: int, direction: str, itemsize: int) -> int:
+    """Scalars of Table 1 traffic recorded for one layer and direction ("fwd"/"bwd")."""
+    prefix = f"h{layer}.{direction}/tp."
+    return sum(e.nbytes for e in events
+               if e.phase.startswith(prefix) and e.op in ("bcast", "reduce", "allreduce")
+               and e.group in ("row", "col", "world")) // itemsize
+
+
+def rel_err(par, ser) -> float:
+    """``max |par - ser| / max |ser|`` (an exact match of zeros is 0; NaN when either
+    holds a non-finite value)."""
+    par = np.asarray(par, dtype=np.float64)
+    ser = np.asarray(ser, dtype=np.float64)
+    if not (np.isfinite(par).all() and np.isfinite(ser).all()):
+        return math.nan
+    diff = float(np.max(np.abs(par - ser))) if ser.size else 0.0
+    scale = float(np.max(np.abs(ser))) if ser.size else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def _worst(values):
+    """Max that keeps NaN (a NaN anywhere is the answer)."""
+    vals = list(values)
+    if any(math.isnan(v) for v in vals):
+        return math.nan
+    return max(vals) if vals else 0.0
+
+
+def _nbytes(d: dict) -> int:
+    return int(sum(a.nbytes for a in d.values() if hasattr(a, "nbytes")))
+
+
+@dataclass
+class SchemeReport:
+    """One scheme's validation, timings, traffic and memory on one grid."""
+
+    scheme: str
+    grid: str
+    p: int
+    q: int
+    d: int
+    dtype: str
+    loss_err: float = 0.0
+    logits_err: float = 0.0
+    grad_err: float = 0.0
+    worst_grad: str = ""
+    bound: float = 1e-10
+    ok: bool = False
+    nonfinite: bool = False
+    bad_ranks: list = field(default_factory=list)
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    tp_fwd: int = 0
+    tp_bwd_checkpoint: int = 0
+    table1: dict = field(default_factory=dict)
+    aux_bytes: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    memory_formula: dict = field(default_factory=dict)
+    fault: str = ""
+    fault_applied: bool = True
+    predicted_s: float | None = None    # cost model: one fwd + bwd step (slowest rank)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured of fwd + bwd, or None without a prediction."""
+        step = self.fwd_s + self.bwd_s
+        if self.predicted_s is None or step <= 0:
+            return None
+        return (self.predicted_s - step) / step
+
+
+def measure_memory(module, local, tokens, targets, config, grid, checkpoint: bool) -> dict:
+    """Per-rank bytes (tracemalloc): params, grads, optimizer (Adam), activations held
+    after forward, and the peak of forward + backward above what was live before."""
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        loss, cache = module.forward(local, tokens, targets, config, grid, checkpoint=checkpoint)
+        held = tracemalloc.get_traced_memory()[0] - before
+        grads = module.backward(cache)
+        peak = tracemalloc.get_traced_memory()[1] - before
+        del cache
+    finally:
+        if not was:
+            tracemalloc.stop()
+    opt = Adam()
+    opt.step({k: v.copy() for k, v in local.items()}, grads)
+    state = sum(st["m"].nbytes + st["v"].nbytes for st in opt.state.values())
+    return {"params": _nbytes(local), "grads": _nbytes(grads), "optimizer": int(state),
+            "activations": int(held), "peak_fwd_bwd": int(peak)}
+
+
+def memory_formula(name: str, config: model.Config, batch: int, p: int, q: int, d: int,
+                   checkpoint: bool) -> dict:
+    """The cost model's per-rank memory formula for the same configuration (bytes)."""
+    from ..costmodel.schemes import Scheme, TransformerConfig, memory
+
+    sch = Scheme.make(name, p=p) if name == "megatron" else Scheme.make(name, q=q, d=d)
+    mem = memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))
+    return {"params": mem.params + mem.embedding, "grads": mem.grads,
+            "optimizer": mem.optimizer, "activations": mem.activations}
+
+
+def _inputs(config, batch, seed):
+    rng = np.random.default_rng(seed)
+    params = model.init_params(config, seed)
+    for val in params.values():  # noise on 1-D params so bias/LayerNorm bugs show
+        if val.ndim == 1:
+            val += rng.normal(0.0, 0.1, size=val.shape).astype(val.dtype)
+    tokens = rng.integers(0, config.vocab, size=(batch, config.seq))
+    targets = rng.integers(0, config.vocab, size=(batch, config.seq))
+    return params, tokens, targets
+
+
+def _fault_key(grads: dict) -> str:
+    weights = sorted(k for k in grads if k.endswith(".w") or k == "wte")
+    return weights[0] if weights else sorted(grads)[0]
+
+
+def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
+                    fault: Fault | None = None, timed: bool = True, with_memory: bool = True,
+                    bound: float | None = None):
+    """Validate scheme ``case.scheme`` against the serial model and measure it
+    (collective). Returns a :class:`~summasim.harness.execute.Result` whose
+    ``extra["report"]`` is the :class:`SchemeReport`."""
+    spec = get_scheme(case.scheme)
+    module = spec.module
+    config, batch, q, d = case.config, case.batch, case.q, case.d
+    rank, p = world.Get_rank(), world.Get_size()
+    if bound is None:
+        bound = 1e-10 if case.dtype == "float64" else 1e-4
+    params, tokens, targets = _inputs(config, batch, seed)
+    ref_loss, ref_cache = model.forward(params, tokens, targets, config)
+    ref_grads = model.backward(ref_cache)
+    ref_logits = ref_cache.logits
+
+    rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
+                       fault=str(fault) if fault else "")
+    grid = spec.make_grid(world, q, d, backend)
+    itemsize = np.dtype(config.dtype).itemsize
+    mine = fault is not None and fault.rank == rank
+    try:
+        local = module.shard(params, config, grid)
+        errs = []
+        plain_events = []
+        for checkpoint in (False, True):
+            grid.trace.clear()
+            inject_now = mine and not checkpoint
+            if inject_now and fault.kind == "drop":
+                FAULTS.drop_next_sum = True
+            loss, cache = module.forward(local, tokens, targets, config, grid,
+                                         checkpoint=checkpoint)
+            grads = module.backward(cache)
+            if inject_now and fault.kind == "drop":
+                rep.fault_applied = not FAULTS.drop_next_sum
+                FAULTS.drop_next_sum = False
+            if inject_now and fault.kind != "drop":
+                corrupt_entry(grads[_fault_key(grads)], fault.kind)
+            events = list(grid.trace.events)
+            full = module.unshard(grads, config, grid)
+            logits = module.logits(cache, config, grid)
+            gerr = {k: rel_err(full[k], ref_grads[k]) for k in ref_grads}
+            worst = max(gerr, key=lambda k: math.inf if math.isnan(gerr[k]) else gerr[k])
+            lerr = (abs(loss - ref_loss) / abs(ref_loss) if math.isfinite(loss)
+                    else math.nan)
+            errs.append((lerr, rel_err(logits, ref_logits), gerr[worst], worst))
+            if checkpoint:
+                rep.tp_bwd_checkpoint = int(reduce_max(
+                    world, [layer_tp_items(events, 0, "bwd", itemsize)])[0])
+                aux: dict = {}
+                for e in events:
+                    if "/aux." in e.phase or e.phase.startswith("aux."):
+                        top = e.phase.split("/")[0]
+                        aux[top] = aux.get(top, 0) + e.nbytes
+                rep.aux_bytes = aux
+            else:
+                rep.tp_fwd = int(reduce_max(world, [layer_tp_items(events, 0, "fwd",
+                                                                   itemsize)])[0])
+                plain_events = events
+        local_errs = [_worst(e[i] for e in errs) for i in range(3)]
+        every = world.allgather(local_errs)
+        rep.loss_err, rep.logits_err, rep.grad_err = (_worst(r[i] for r in every)
+                                                      for i in range(3))
+        rep.worst_grad = max(errs, key=lambda e: _worst(e[:3]) if not math.isnan(
+            _worst(e[:3])) else math.inf)[3]
+        chk = collective(world, Check(_worst(local_errs), bound, "serial model"))
+        rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
+        applied = world.allgather(rep.fault_applied)
+        rep.fault_applied = all(applied)
+        rep.table1 = table1_payload(case.scheme, config, batch, p, q, d)
+
+        timing = {}
+        if timed:
+            grid.trace.enabled = False
+            holder = {}
+
+            def fwd():
+                holder["cache"] = module.forward(local, tokens, targets, config, grid)[1]
+
+            def bwd():
+                module.backward(holder["cache"])
+
+            fwd()
+            with agreement(False):      # the checked forward above agreed on the inputs
+                tf = time_calls(fwd, world, repeats, adaptive=False)
+                tb = time_calls(bwd, world, repeats, adaptive=False)
+            holder.clear()
+            rep.fwd_s, rep.bwd_s = tf["median"], tb["median"]
+            spans = [f + b for f, b in zip(tf["spans"], tb["spans"])]
+            timing = {"spans": spans, "rank_max": [f + b for f, b in zip(
+                tf["rank_max"], tb["rank_max"])], "back_to_back": tf["back_to_back"]
+                + tb["back_to_back"], "median": rep.fwd_s + rep.bwd_s}
+        if with_memory:
+            mem = measure_memory(module, local, tokens, targets, config, grid, False)
+            rep.memory = {k: int(v) for k, v in zip(mem, reduce_max(world, list(mem.values())))}
+            rep.memory_formula = memory_formula(case.scheme, config, batch, p, q, d, False)
+        nbytes = int(reduce_max(world, [sum(e.nbytes for e in plain_events)])[0])
+        msgs = int(reduce_max(world, [len(plain_events)])[0])
+        summaries = world.gather(event_summary(plain_events), root=0)
+        coords = world.gather(list(getattr(grid, "coords", (grid.rank,))), root=0)
+    finally:
+        FAULTS.drop_next_sum = False
+        grid.free()
+    rss = int(reduce_max(world, [peak_rss_bytes()])[0])
+    return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
+                  str(fault) if fault else "", extra={"report": rep})

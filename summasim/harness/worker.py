@@ -1,0 +1,110 @@
+"""The MPI worker and its launcher.
+
+``python -m summasim.harness.worker SPEC OUT`` runs the cases of a spec file
+(``{"repeats": R, "seed": S, "check": "auto", "cases": [case dict, ...]}``) under MPI
+with the harness's executors (validated, then timed) and rank 0 writes the results
+(``Result.measured()`` dicts plus each run's verdict) to OUT, atomically.
+:func:`launch` starts it under ``timeout`` and ``mpiexec`` and reads OUT back.
+
+The launcher is ``$SUMMASIM_MPIEXEC`` (default: the ``mpiexec`` beside the Python
+interpreter, else the one on PATH; e.g. ``srun``) with ``$SUMMASIM_MPIEXEC_FLAGS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from ..jsonio import write_json_atomic
+
+
+def mpiexec() -> list[str]:
+    """The launcher command (see the module doc)."""
+    exe = os.environ.get("SUMMASIM_MPIEXEC")
+    if not exe:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        exe = beside if os.path.exists(beside) else "mpiexec"
+    return exe.split() + os.environ.get("SUMMASIM_MPIEXEC_FLAGS", "").split()
+
+
+def worker_env() -> dict:
+    """The environment of a launched job: one BLAS thread per rank."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: float,
+           seed: int = 0, check: str = "auto", say=print) -> list[dict]:
+    """Run typed ``cases`` under ``mpiexec -n p`` (bounded by ``timeout`` seconds);
+    return their measured dicts (each with ``p``). Raises ``RuntimeError`` when the job
+    fails, times out, or any case fails its validation."""
+    spec = os.path.join(workdir, f"spec-p{p}.json")
+    out = os.path.join(workdir, f"measured-p{p}.json")
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump({"repeats": repeats, "seed": seed, "check": check,
+                   "cases": [c.to_dict() for c in cases]}, fh)
+    cmd = ["timeout", "-k", "10", str(int(timeout))] + mpiexec() + [
+        "-n", str(p), sys.executable, "-m", "summasim.harness.worker", spec, out]
+    say(f"$ {' '.join(cmd[4:])}")
+    proc = subprocess.run(cmd, env=worker_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the worker at p={p} failed (exit {proc.returncode}"
+                           f"{', timed out' if proc.returncode in (124, 137) else ''})")
+    with open(out, encoding="utf-8") as fh:
+        data = json.load(fh)
+    bad = [r["label"] for r in data["results"] if not r.get("ok", False)]
+    if bad:
+        raise RuntimeError(f"validation failed at p={p}: {', '.join(bad)}")
+    return [dict(r, p=data["p"]) for r in data["results"]]
+
+
+def worker_main(spec_path: str, out_path: str) -> int:
+    """Run the cases of a spec file under MPI; rank 0 writes the results (atomically)."""
+    from mpi4py import MPI
+
+    from ..backends import get_backend
+    from ..comm import cores, default_wait_policy
+    from ..mpiutil import abort_on_error, limit_blas_threads
+    from .cases import case_from_dict
+    from .execute import run_case
+
+    world = MPI.COMM_WORLD
+    rank, p = world.Get_rank(), world.Get_size()
+    with abort_on_error(world):
+        with open(spec_path, encoding="utf-8") as fh:
+            spec = json.load(fh)
+        _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841 - keep alive
+        repeats, seed = int(spec.get("repeats", 5)), int(spec.get("seed", 0))
+        backend = get_backend(spec.get("backend", "numpy"))
+        results = []
+        t_start = time.time()
+        for data in spec["cases"]:
+            case = case_from_dict(data)
+            kw = {"method": spec.get("check", "auto")} if case.kind != "transformer" else \
+                {"with_memory": False}
+            res = run_case(case, world, backend, repeats=repeats, seed=seed, **kw)
+            if rank == 0:
+                m = res.measured()
+                m.update(ok=res.ok, error=res.check.error, label=case.label(p),
+                         load=os.getloadavg()[0])
+                results.append(m)
+                spans = res.timing["spans"]
+                print(f"[worker p={p}] {case.label(p):<48s} "
+                      f"{'OK  ' if res.ok else 'FAIL'} median {res.seconds * 1e3:9.2f} ms"
+                      f"  min {min(spans) * 1e3:9.2f} ms", flush=True)
+        if rank == 0:
+            write_json_atomic(out_path, {"p": p, "cores": cores(),
+                                         "wait_policy": default_wait_policy(),
+                                         "repeats": repeats, "seconds": time.time() - t_start,
+                                         "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python -m summasim.harness.worker SPEC OUT", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(worker_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,66 @@
+"""Reports as valid JSON, written atomically (pure; the bottom floor).
+
+JSON has no NaN or infinity. :func:`json_safe` replaces every non-finite float by
+``null`` and records what it was in a sibling key ``"<key>_nonfinite"`` (``"nan"``,
+``"inf"`` or ``"-inf"``; in a list, the sibling is a list of ``[index, what]``), so a
+reader can tell a missing value from a NaN. :func:`write_json_atomic` writes with
+``allow_nan=False`` through a temp file in the same folder and a rename, so a report
+is either the old file or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+
+def _what(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _bad(x) -> bool:
+    return isinstance(x, float) and not math.isfinite(x)
+
+
+def json_safe(obj):
+    """A copy of ``obj`` (dicts, lists, tuples, scalars) with non-finite floats as
+    ``None`` and a ``"<key>_nonfinite"`` note beside each (see the module doc)."""
+    if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "ndim", 1) == 0:
+        obj = obj.item()                                   # NumPy scalars
+    if isinstance(obj, dict):
+        out = {}
+        for key, val in obj.items():
+            if hasattr(val, "item") and hasattr(val, "dtype") and getattr(val, "ndim", 1) == 0:
+                val = val.item()
+            if _bad(val):
+                out[key] = None
+                out[f"{key}_nonfinite"] = _what(val)
+            elif isinstance(val, (list, tuple)) and any(_bad(v) for v in val):
+                out[key] = [None if _bad(v) else json_safe(v) for v in val]
+                out[f"{key}_nonfinite"] = [[i, _what(v)] for i, v in enumerate(val) if _bad(v)]
+            else:
+                out[key] = json_safe(val)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [None if _bad(v) else json_safe(v) for v in obj]
+    if _bad(obj):
+        return None
+    return obj
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write ``json_safe(obj)`` to ``path`` atomically (temp file + rename)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(json_safe(obj), fh, indent=2, allow_nan=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,160 @@
+"""The harness's pure parts: rank-local data, rank-local checks, fault injection,
+memory estimates, cases (serial: grid positions are given as GridNumbers)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from summasim.algorithms.table import ALGORITHMS, PRODUCTS
+from summasim.harness import memory
+from summasim.harness.cases import MatmulCase, RingCase, case_from_dict, transformer_case
+from summasim.harness.check import check_product, check_ring, op_panels, \
+    product_block_slices, ring_input
+from summasim.harness.data import STREAM_A, STREAM_B, uniform_block, uniform_segment
+from summasim.harness.inject import KINDS, Fault, corrupt_entry
+from summasim.layout import GridNumbers, block_slices
+
+
+@settings(max_examples=30, deadline=None)
+@given(R=st.integers(1, 40), C=st.integers(1, 40), data=st.data(),
+       dtype=st.sampled_from([np.float64, np.float32]))
+def test_any_block_equals_the_slice_of_the_global_matrix(R, C, data, dtype):
+    r0 = data.draw(st.integers(0, R - 1))
+    r1 = data.draw(st.integers(r0 + 1, R))
+    c0 = data.draw(st.integers(0, C - 1))
+    c1 = data.draw(st.integers(c0 + 1, C))
+    whole = uniform_segment(5, 3, 0, R * C).reshape(R, C).astype(dtype)
+    block = uniform_block(5, 3, (R, C), slice(r0, r1), slice(c0, c1), dtype)
+    assert block.dtype == dtype and block.flags.c_contiguous
+    assert np.array_equal(block, whole[r0:r1, c0:c1])
+    assert block.min() >= -1 and block.max() < 1
+
+
+def test_streams_differ_and_segments_start_anywhere():
+    whole = uniform_segment(3, 7, 0, 50)
+    assert np.array_equal(uniform_segment(3, 7, 20, 30), whole[20:])
+    assert not np.array_equal(uniform_segment(3, 8, 0, 50), whole)
+
+
+def _rank_output(case, g, seed=0):
+    """This rank's C block computed directly from its panels (what a correct
+    distributed product returns), rounded to the case's dtype."""
+    rows, cols = product_block_slices(case, g)
+    a, b = op_panels(case.spec, case.m, case.k, case.n, rows, cols, slice(0, case.k), seed,
+                     np.dtype(case.dtype))
+    return (a @ b).astype(case.dtype)
+
+
+def _positions(q, d):
+    return [GridNumbers(q=q, d=d, p=d * q * q, i=i, j=j, k=k)
+            for k in range(d) for i in range(q) for j in range(q)]
+
+
+@pytest.mark.parametrize("name", PRODUCTS)
+@pytest.mark.parametrize("method", ["exact", "freivalds"])
+def test_check_passes_right_blocks_and_fails_corrupted_ones(name, method):
+    q, d = (2, 2) if ALGORITHMS[name].kind == "2.5d" else (2, 1)
+    m, k, n = ALGORITHMS[name].round_up(20, 12, 16, q, d)
+    for dtype in ("float64", "float32"):
+        case = MatmulCase(name, q, d, m, k, n, dtype)
+        for g in _positions(q, d)[:3]:
+            c = _rank_output(case, g)
+            assert check_product(c, case, g, 0, method).ok
+            for kind in ("nan", "inf") + (("perturb",) if dtype == "float64" else ()):
+                bad = c.copy()
+                corrupt_entry(bad, kind)
+                chk = check_product(bad, case, g, 0, method)
+                assert not chk.ok, (kind, dtype)
+                assert chk.nonfinite == (kind != "perturb")
+            # a block computed from another seed (wrong data) fails too
+            assert not check_product(_rank_output(case, g, seed=1), case, g, 0, method).ok
+            # a block of the wrong shape fails
+            assert not check_product(c[:-1], case, g, 0, method).ok
+
+
+def test_nan_in_a_block_whose_neighbours_are_fine_is_caught_by_both_methods():
+    case = MatmulCase("summa_ab", 2, 1, 64, 64, 64)
+    g = _positions(2, 1)[3]
+    c = _rank_output(case, g)
+    c[5, 7] = np.nan
+    for method in ("exact", "freivalds"):
+        chk = check_product(c, case, g, 0, method)
+        assert not chk.ok and chk.nonfinite and math.isnan(chk.error)
+
+
+def test_ring_check():
+    p, n = 3, 101
+    case = RingCase(n)
+    y = sum(ring_input(0, r, n, np.float64) for r in range(p))
+    assert check_ring(y, case, p, 0).ok
+    assert check_ring(y, case, p, 0, chunk=7).ok
+    bad = y.copy()
+    bad[-1] = np.nan                       # outside any one rank's chunk: still caught
+    assert not check_ring(bad, case, p, 0).ok
+    assert not check_ring(y - ring_input(0, 1, n, np.float64), case, p, 0).ok
+    assert not check_ring(y[:-1], case, p, 0).ok
+
+
+def test_fault_parse_and_corrupt():
+    assert Fault.parse("perturb@12") == Fault("perturb", 12)
+    for bad in ("nan", "nan@", "boom@1", "nan@-1", "@2"):
+        with pytest.raises(ValueError, match="KIND@RANK"):
+            Fault.parse(bad)
+    assert set(KINDS) == {"nan", "inf", "perturb", "drop"}
+    x = np.array([[1.0, -3.0], [2.0, 0.5]])
+    y = x.copy()
+    corrupt_entry(y, "perturb")              # the largest entry, relative 1e-6
+    assert y[0, 1] == -3.0 * (1 + 1e-6) and np.sum(y != x) == 1
+    corrupt_entry(y, "nan")
+    assert np.isnan(y[0, 1])
+
+
+def test_inputs_match_the_split_of_the_global_matrix():
+    """What a rank generates is its layout block of the one global operand."""
+    case = MatmulCase("summa25_atb", 2, 2, 16, 24, 8)
+    spec = case.spec
+    sa, sb = spec.stored_shapes(case.m, case.k, case.n)
+    A = uniform_segment(0, STREAM_A, 0, sa[0] * sa[1]).reshape(sa)
+    B = uniform_segment(0, STREAM_B, 0, sb[0] * sb[1]).reshape(sb)
+    for g in _positions(2, 2):
+        ra, ca = block_slices(sa, spec.layout_a, g)
+        rb, cb = block_slices(sb, spec.layout_b, g)
+        assert np.array_equal(uniform_block(0, STREAM_A, sa, ra, ca), A[ra, ca])
+        assert np.array_equal(uniform_block(0, STREAM_B, sb, rb, cb), B[rb, cb])
+
+
+def test_memory_estimate_grows_with_the_share_and_refuses_with_what_fits():
+    small = MatmulCase("summa_ab", 2, 1, 4096, 4096, 4096)
+    big = MatmulCase("summa_ab", 4, 1, 8192, 8192, 8192)
+    # a rank's share of 8192^3 on 16 ranks is that of 4096^3 on 4
+    assert memory.product_bytes(big) == pytest.approx(memory.product_bytes(small), rel=0.3)
+    # the whole 4096^3 inputs are 3 * 128 MiB; a rank needs far less than that
+    assert memory.product_bytes(small) < 3 * 4096**2 * 8
+    assert memory.check_fits(small, 4, available=64 * 2**30) == ""
+    msg = memory.check_fits(MatmulCase("summa_ab", 4, 1, 100000, 100000, 100000), 16,
+                            available=24 * 2**30)
+    assert "needs about" in msg and "largest cube that fits is" in msg
+    n = int(msg.rsplit(" ", 1)[-1].split("x")[0])
+    assert n % 4 == 0 and 8000 < n < 40000
+    fits = MatmulCase("summa_ab", 4, 1, n, n, n)
+    over = MatmulCase("summa_ab", 4, 1, n + 4, n + 4, n + 4)
+    assert memory.check_fits(fits, 16, available=24 * 2**30) == ""
+    assert memory.check_fits(over, 16, available=24 * 2**30) != ""
+    assert "largest" in memory.check_fits(RingCase(10**10), 16, available=24 * 2**30, p=16)
+
+
+def test_cases_round_trip():
+    for case in (MatmulCase("summa_abt", 2, 1, 8, 4, 6, "float32"), RingCase(77),
+                 transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2)):
+        again = case_from_dict(case.to_dict())
+        assert again == case and again.to_dict() == case.to_dict()
+    assert transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2).config.ffn_mult == 2
+    with pytest.raises(ValueError):
+        MatmulCase("ring_allreduce", 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError):
+        MatmulCase("summa_xyz", 1, 1, 1, 1, 1)
