@@ -34,7 +34,7 @@ GEMM_ALGORITHMS = PRODUCTS
 def _quiet_bcast(world, value):
     """Broadcast rank 0's value after a barrier that waits without spinning (the
     other ranks idle while rank 0 measures with all cores)."""
-    from .comm import quiet_barrier
+    from .mpiutil import quiet_barrier
 
     quiet_barrier(world)
     return world.bcast(value, root=0)

@@ -38,7 +38,7 @@ requests with a wait policy: ``"spin"`` (``MPI_Wait``), or ``"sleep"`` (``MPI_Te
 then a short sleep, which gives the core away). The default is ``"spin"`` when the
 node has at least as many cores as ranks and ``"sleep"`` otherwise; the environment
 variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Test`` then
-``sched_yield``).
+``sched_yield``); all three are :func:`summasim.mpiutil.wait_requests`.
 """
 
 from __future__ import annotations
@@ -50,11 +50,9 @@ from collections import OrderedDict
 from mpi4py import MPI
 
 from .backends import backend_of
-from .mpiutil import install_abort_hook
+from .mpiutil import WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
-_SLEEP_S = 20e-6
-WAIT_POLICIES = ("spin", "sleep", "yield")
 REDUCE_ALGORITHMS = ("tree", "mpi")
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
 
@@ -70,20 +68,6 @@ class _Faults:
 
 
 FAULTS = _Faults()
-
-
-def wait_quietly(reqs, interval: float = _SLEEP_S) -> None:
-    """Complete raw mpi4py requests without spinning: ``MPI_Testall`` then a short sleep,
-    so a waiting rank gives its core to the ranks that compute. The one such wait of
-    summasim (the "sleep" wait policy, the harness's barriers and idle ranks use it)."""
-    reqs = list(reqs) if isinstance(reqs, (list, tuple)) else [reqs]
-    while not MPI.Request.Testall(reqs):
-        time.sleep(interval)
-
-
-def quiet_barrier(comm) -> None:
-    """A barrier over a raw mpi4py communicator that waits without spinning (untraced)."""
-    wait_quietly(comm.Ibarrier())
 
 
 def local_ranks() -> int:
@@ -369,14 +353,7 @@ class Comm:
 
     # -- completion ----------------------------------------------------------
     def _waitall(self, reqs):
-        if self.wait_policy == "spin":
-            MPI.Request.Waitall(reqs)
-            return
-        if self.wait_policy == "yield":
-            while not MPI.Request.Testall(reqs):
-                os.sched_yield()
-            return
-        wait_quietly(reqs)
+        wait_requests(reqs, self.wait_policy)
 
     def _start(self, op, root, nbytes, post, cleanup) -> Request:
         phase = self.trace.current_phase

@@ -253,16 +253,39 @@ def _wait_policy(comm) -> str:
     return policy if policy in ("sleep", "yield") else "spin"
 
 
-def _wait(req, policy: str) -> None:
-    """Complete a raw request: ``MPI_Wait``, or test and give the core away meanwhile."""
+WAIT_POLICIES = ("spin", "sleep", "yield")
+SLEEP_S = 20e-6
+
+
+def wait_requests(reqs, policy: str = "sleep", longest: float | None = None) -> None:
+    """Complete raw mpi4py requests: the one waiting loop of summasim.
+
+    ``"spin"``: ``MPI_Waitall``. ``"yield"``: ``MPI_Testall`` then ``sched_yield``.
+    ``"sleep"``: ``MPI_Testall`` then a nap of 20 us, growing by 1.5x per nap up to
+    ``longest`` seconds when given (for long waits: an idle rank wakes rarely), so a
+    waiting rank gives its core to the ranks that compute (oversubscription).
+    """
+    reqs = list(reqs) if isinstance(reqs, (list, tuple)) else [reqs]
     if policy == "spin":
-        req.Wait()
+        MPI.Request.Waitall(reqs)
         return
-    while not req.Test():
+    nap = SLEEP_S
+    while not MPI.Request.Testall(reqs):
         if policy == "yield":
             os.sched_yield()
         else:
-            time.sleep(20e-6)
+            time.sleep(nap)
+            if longest is not None:
+                nap = min(longest, nap * 1.5)
+
+
+def quiet_barrier(comm, longest: float | None = None) -> None:
+    """A barrier over a raw mpi4py communicator that waits without spinning (untraced)."""
+    wait_requests(comm.Ibarrier(), "sleep", longest)
+
+
+def _wait(req, policy: str) -> None:
+    wait_requests(req, policy)
 
 
 def allgather_objects(raw, obj, policy: str = "spin") -> list:

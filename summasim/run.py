@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "block from the panels it needs), freivalds (randomized, 4 probes), "
                          "or auto (exact up to 4 GFLOP of reference work per rank; default)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run; the median "
-                    "span is reported (default 3)")
+                    "span is reported (default 3; 0 validates without timing, for sizes "
+                    "where one call takes minutes)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     ap.add_argument("--threads", type=int, default=None,
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
@@ -105,8 +106,8 @@ def parse_args(argv=None):
     args.scheme_list = _names(args.schemes, SCHEME_NAMES, "scheme")
     if min(args.tf_config) < 1:
         raise UserError("--tf-config values must be positive")
-    if args.repeats < 1:
-        raise UserError("--repeats must be at least 1")
+    if args.repeats < 0:
+        raise UserError("--repeats must be 0 (validate only) or more")
     if args.sizes and min(args.sizes) < 1:
         raise UserError("--sizes must be positive")
     if args.ring_size is not None and args.ring_size < 1:
@@ -265,7 +266,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
         if args.fail_on_rank is not None and rank == args.fail_on_rank:
             raise RuntimeError(f"deliberate failure on rank {rank} (--fail-on-rank)")
         res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
-                       method=args.check, fault=args.fault)
+                       method=args.check, fault=args.fault, timed=args.repeats > 0)
         pred = _predict(res, machine) if rank == 0 else None
         rows.append(row_record(res, pred))
         if pred is not None:
@@ -285,7 +286,8 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             f"scalars\n")
         for case in tcases:
             res = run_case(case, world, None if args.backend == "numpy" else backend,
-                           repeats=args.repeats, seed=args.seed, fault=args.fault)
+                           repeats=args.repeats, seed=args.seed, fault=args.fault,
+                           timed=args.repeats > 0)
             rep = res.extra["report"]
             if rank == 0:
                 rep.predicted_s = _predict(res, machine)

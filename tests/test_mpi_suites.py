@@ -186,7 +186,7 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
             (["--sizes", "100000", "100000", "100000", "--algorithms", "summa_ab"],
              ["largest cube that fits is"]),
             (["--tf-config", "8", "16", "64", "5", "64", "2", "4"], ["--tf-config"]),
-            (["--repeats", "0"], ["--repeats"])):
+            (["--repeats", "-1"], ["--repeats"])):
         t0 = time.perf_counter()
         proc, _ = launch(mpiexec, 4, ["-m", "summasim.run"] + args, 120)
         _user_error(proc, *needles)

@@ -147,7 +147,8 @@ def test_cli_arguments():
     assert args.algorithm_list == ["summa_ab", "ring_allreduce"] and args.sizes == [8, 8, 4]
     with pytest.raises(UserError, match="unknown algorithm"):
         run.parse_args(["--algorithms", "summa_xyz"])
-    for bad in (["--repeats", "0"], ["--sizes", "0", "4", "4"], ["--ring-size", "-1"],
+    assert run.parse_args(["--repeats", "0"]).repeats == 0
+    for bad in (["--repeats", "-1"], ["--sizes", "0", "4", "4"], ["--ring-size", "-1"],
                 ["--inject", "nan"], ["--inject", "boom@1"], ["--tf-config", "8", "16", "64",
                                                                 "5", "64", "2", "4"],
                 ["--self-test", "--inject", "nan@1"], ["--algorithms", "none",

@@ -629,11 +629,9 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
 
 def _sleep_barrier(comm, longest: float = 0.02):
     """A barrier whose waiting ranks sleep (short, growing naps) instead of spinning."""
-    req = comm.Ibarrier()
-    nap = 1e-4
-    while not req.Test():
-        time.sleep(nap)
-        nap = min(longest, nap * 1.5)
+    from ..mpiutil import quiet_barrier
+
+    quiet_barrier(comm, longest)
 
 
 def gamma_reduce_from_collectives(machine: Machine, colls, min_bytes: int = 65536):

@@ -27,7 +27,8 @@ from .timing import reduce_max, time_calls
 from .transformer import run_transformer
 
 
-def _time(call, backend, trace, world, repeats: int, timed: bool) -> dict:
+def _time(call, backend, trace, world, repeats: int, timed: bool,
+          back_to_back: bool = False) -> dict:
     """Time ``call`` with the trace off and without the input agreement (the checked,
     traced call before it agreed on these very inputs); ``{}`` when not ``timed``."""
     if not timed:
@@ -39,7 +40,7 @@ def _time(call, backend, trace, world, repeats: int, timed: bool) -> dict:
         backend.synchronize()
 
     with agreement(False):
-        return time_calls(run, world, repeats)
+        return time_calls(run, world, repeats, back_to_back=back_to_back)
 
 
 def _traffic(world, events) -> tuple[int, int, list | None]:
@@ -48,7 +49,8 @@ def _traffic(world, events) -> tuple[int, int, list | None]:
 
 
 def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
-                method: str = "auto", fault: Fault | None = None, timed: bool = True) -> Result:
+                method: str = "auto", fault: Fault | None = None, timed: bool = True,
+                back_to_back: bool = False) -> Result:
     """Validate (and time) one distributed product (collective over ``world``)."""
     spec = case.spec
     rank, p = world.Get_rank(), world.Get_size()
@@ -74,7 +76,7 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
         chk = collective(world, check_product(host, case, g, seed, method))
         del host
         timing = _time(lambda: fn(a, b, grid, out=c), backend, grid.trace, world, repeats,
-                       timed)
+                       timed, back_to_back)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather(coords, root=0)
     finally:
@@ -97,7 +99,8 @@ def _corrupt_product(host, case, g, seed, fault):
 
 
 def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
-             fault: Fault | None = None, timed: bool = True, method: str = "exact") -> Result:
+             fault: Fault | None = None, timed: bool = True, method: str = "exact",
+             back_to_back: bool = False) -> Result:
     """Validate (and time) ``ring_allreduce`` over all of ``world`` (collective)."""
     from ..algorithms import ring_allreduce
 
@@ -120,7 +123,7 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
         del host
         out = backend.empty(x.shape, x.dtype) if timed else None
         timing = _time(lambda: ring_allreduce(x, comm, out=out), backend, comm.trace, world,
-                       repeats, timed)
+                       repeats, timed, back_to_back)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather([rank], root=0)
     finally:

@@ -124,16 +124,11 @@ def _explicit(spec: str, say) -> Machine:
 
 
 # --------------------------------------------------------------------------- waiting
-def _sleep_wait(req, longest: float = 0.02) -> None:
-    """Complete ``req`` by polling ``Test()`` with short, growing naps (never spinning)."""
-    nap = 1e-4
-    while not req.Test():
-        time.sleep(nap)
-        nap = min(longest, nap * 1.5)
-
-
 def _sleep_barrier(world) -> None:
-    _sleep_wait(world.Ibarrier())
+    """The others sleep (growing naps up to 20 ms) while rank 0 fits or waits."""
+    from ..mpiutil import quiet_barrier
+
+    quiet_barrier(world, longest=0.02)
 
 
 class FitLock:

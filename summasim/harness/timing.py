@@ -1,7 +1,7 @@
 """The harness's one timer.
 
 A timed call starts after a barrier that waits without spinning
-(:func:`summasim.comm.quiet_barrier`: under oversubscription a spinning barrier
+(:func:`summasim.mpiutil.quiet_barrier`: under oversubscription a spinning barrier
 steals the cores of the ranks still computing). Its time is the *span*
 ``max_r t1_r - min_r t0_r`` on the node's common monotonic clock: from the first
 rank's start to the last rank's end. Short calls are repeated more (up to 5x
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ..comm import quiet_barrier, wait_quietly
+from ..mpiutil import quiet_barrier, wait_requests
 
 
 def reduce_max(world, values) -> np.ndarray:
@@ -25,22 +25,19 @@ def reduce_max(world, values) -> np.ndarray:
 
     send = np.asarray(values, dtype=np.float64)
     recv = np.empty_like(send)
-    wait_quietly(world.Iallreduce(send, recv, op=MPI.MAX))
+    wait_requests(world.Iallreduce(send, recv, op=MPI.MAX), "sleep")
     return recv
 
 
-def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True) -> dict:
+def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True,
+               back_to_back: bool = False) -> dict:
     """Time ``fn()`` (collective): ``{"spans", "rank_max", "back_to_back", "median"}``
-    in seconds: per-call spans, per-call slowest-rank times, the time per call of
-    ``len(spans)`` calls in a row, and the median span."""
-    quiet_barrier(world)
-    t0 = time.perf_counter()
-    fn()
-    one = float(reduce_max(world, [time.perf_counter() - t0])[0])
-    if adaptive:
-        repeats = max(repeats, min(5 * repeats, int(budget / max(one, 1e-6))))
+    in seconds: per-call spans, per-call slowest-rank times, the median span and, with
+    ``back_to_back``, the time per call of ``len(spans)`` calls in a row (the cost
+    model's accuracy analysis reads it; 0.0 otherwise)."""
     spans, rank_max = [], []
-    for _ in range(repeats):
+
+    def once():
         quiet_barrier(world)
         t0 = time.perf_counter()
         fn()
@@ -48,6 +45,15 @@ def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = Tr
         mx = reduce_max(world, [-t0, t1, t1 - t0])
         spans.append(float(mx[1] + mx[0]))
         rank_max.append(float(mx[2]))
+
+    once()                          # the first call sizes the rest and counts as one
+    if adaptive:
+        repeats = max(repeats, min(5 * repeats, int(budget / max(spans[0], 1e-6))))
+    for _ in range(repeats - 1):
+        once()
+    if not back_to_back:
+        return {"spans": spans, "rank_max": rank_max, "back_to_back": 0.0,
+                "median": statistics.median(spans)}
     quiet_barrier(world)
     t0 = time.perf_counter()
     for _ in range(repeats):

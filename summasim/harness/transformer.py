@@ -179,7 +179,7 @@ def _fault_key(grads: dict) -> str:
 
 def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                     fault: Fault | None = None, timed: bool = True, with_memory: bool = True,
-                    bound: float | None = None):
+                    bound: float | None = None, back_to_back: bool = False):
     """Validate scheme ``case.scheme`` against the serial model and measure it
     (collective). Returns a :class:`~summasim.harness.execute.Result` whose
     ``extra["report"]`` is the :class:`SchemeReport`."""
@@ -262,8 +262,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
 
             fwd()
             with agreement(False):      # the checked forward above agreed on the inputs
-                tf = time_calls(fwd, world, repeats, adaptive=False)
-                tb = time_calls(bwd, world, repeats, adaptive=False)
+                tf = time_calls(fwd, world, repeats, adaptive=False, back_to_back=back_to_back)
+                tb = time_calls(bwd, world, repeats, adaptive=False, back_to_back=back_to_back)
             holder.clear()
             rep.fwd_s, rep.bwd_s = tf["median"], tb["median"]
             spans = [f + b for f, b in zip(tf["spans"], tb["spans"])]
