@@ -250,6 +250,24 @@ def test_a_fit_refused_by_run_fit_falls_back_to_the_preset(env):
     assert any("refused" in s and "beta = 0" in s for s in env["said"])
 
 
+def test_a_refused_fit_is_tried_once_more_before_the_preset(env):
+    class NoisyOnce(FakeFit):
+        def __call__(self, comm, **kw):
+            self.calls += 1
+            if self.calls == 1:
+                raise fitmod.FitRejected(["intra small: misses its own points by 69%"])
+            return self.machine
+
+    fake = NoisyOnce(_fitted())
+    got = env["resolve"](fake)
+    assert fake.calls == 2 and got != load_preset("local-2core-mpich")
+    assert os.path.exists(env["path"]) and any("once more" in s for s in env["said"])
+    always = FakeFit(error=fitmod.FitRejected(["intra small: beta = 0"]))
+    os.unlink(env["path"])
+    env["resolve"](always)
+    assert always.calls == 2
+
+
 def test_a_saved_file_that_fails_the_checks_is_refitted(env):
     os.makedirs(os.path.dirname(env["path"]))
     bad = _fitted().to_dict()

@@ -449,11 +449,17 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
         sub = world.Split(0 if rank < FIT_RANKS else 1, rank)
         fitted = rejected = None
         if rank < FIT_RANKS:
-            try:
-                fitted = _fit.run_fit(sub, quick=True, gemm_sizes=QUICK_GEMM_SIZES,
-                                      say=lambda m: say(f"  {m}"))
-            except _fit.FitRejected as exc:
-                rejected = exc.problems
+            for attempt in (1, 2):      # a noisy fit is tried once more before giving up
+                try:
+                    fitted = _fit.run_fit(sub, quick=True, gemm_sizes=QUICK_GEMM_SIZES,
+                                          say=lambda m: say(f"  {m}"))
+                    rejected = None
+                    break
+                except _fit.FitRejected as exc:
+                    rejected = exc.problems
+                    if attempt == 1:
+                        say(f"  the fit was refused ({'; '.join(exc.problems)}); fitting "
+                            f"once more")
         sub.Free()
         if rank == 0:
             data = _finish_on_root(fitted, rejected, plan["fit"], path, pids, say, preset,
