@@ -10,9 +10,10 @@ What is measured
 * forward and backward times with the harness's timer;
 * per-rank memory with ``tracemalloc`` next to the cost model's formula.
 
-The serial reference runs on every rank: the model is small by construction
-(the transformer section validates schemes, the products section validates scale),
-and every rank compares its own unsharded gradients.
+The serial reference runs once, on rank 0 (the others sleep), and is broadcast:
+the model is small by construction (the transformer section validates schemes, the
+products section validates scale), and every rank compares its own unsharded
+gradients with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..comm import FAULTS
 from ..costmodel.accuracy import event_summary
-from ..mpiutil import agreement
+from ..mpiutil import agreement, quiet_barrier
 from ..transformer import model
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
@@ -190,9 +191,13 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     if bound is None:
         bound = 1e-10 if case.dtype == "float64" else 1e-4
     params, tokens, targets = _inputs(config, batch, seed)
-    ref_loss, ref_cache = model.forward(params, tokens, targets, config)
-    ref_grads = model.backward(ref_cache)
-    ref_logits = ref_cache.logits
+    ref = None
+    if rank == 0:        # the serial reference, once; the other ranks sleep meanwhile
+        ref_loss, ref_cache = model.forward(params, tokens, targets, config)
+        ref = (ref_loss, ref_cache.logits, model.backward(ref_cache))
+        del ref_cache
+    quiet_barrier(world)
+    ref_loss, ref_logits, ref_grads = world.bcast(ref, root=0)
 
     rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
                        fault=str(fault) if fault else "")
