@@ -116,3 +116,27 @@ def test_ring_allreduce_matrix_in_place():
     out = algs.ring_allreduce(x, WORLD, out=x)
     parallel_assert(out is x and np.allclose(x, X.sum(0), rtol=0, atol=1e-14 * P),
                     "in-place ring all-reduce of a 5x7 matrix")
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 0], ids=["blocking-steps", "polled-steps"])
+def test_ring_allreduce_into_an_uninitialised_out(limit):
+    """Out of place the copy of x is fused into the adds: an ``out`` full of NaN, a
+    non-contiguous x, either step path (blocking MPI_Sendrecv below the limit, the
+    wait policy above), the same sum and exactly 2(P-1) traced steps."""
+    rng = np.random.default_rng(5)
+    X = rng.uniform(-1, 1, size=(P, 2 * (10 * P + 3)))
+    comm = Comm(WORLD.Dup(), name="ring")
+    try:
+        comm.blocking_limit = limit
+        x = X[WORLD.Get_rank()][::2]                       # a strided view
+        out = np.full(x.shape, np.nan)
+        y = algs.ring_allreduce(x, comm, out=out)
+        ref = X[:, ::2].sum(0)
+        ok = y is out and bool(np.all(np.abs(out - ref) <= tolerance(P, np.float64)
+                                      * np.abs(X[:, ::2]).sum(0)))
+        steps = [e.op for e in comm.trace.events]
+        parallel_assert(ok and steps == ["sendrecv"] * (2 * (P - 1))
+                        and np.array_equal(x, X[WORLD.Get_rank()][::2]),
+                        f"ring into out (limit {limit}): {steps}")
+    finally:
+        comm.mpi.Free()

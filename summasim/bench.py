@@ -6,8 +6,11 @@
                sleep (they wait without spinning, so they do not steal its cores). The
                ceiling is re-measured right before each algorithm and the ratio uses
                that adjacent value, because the machine's speed drifts (it is shared).
-``allreduce``  bandwidth of ``ring_allreduce`` next to MPI's own ``Allreduce`` on the
-               same buffers, over message sizes.
+``allreduce``  ``ring_allreduce`` next to the plain mpi4py ring
+               (:func:`plain_ring_allreduce`) and MPI's own ``Allreduce`` on the same
+               buffers, 64 KiB to 64 MiB, with the ratios and the cost model's
+               prediction for the ring.
+``ring-steps`` where a ring all-reduce's time goes: per step, inside MPI and outside.
 ``transformer`` forward + backward time of each tensor-parallel scheme that fits p, on a
                one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to
                the serial model on the same cores (rank 0 alone, all cores, the others
@@ -93,8 +96,49 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say) -> list[dict
     return rows
 
 
-def bench_allreduce(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
-    """ring_allreduce vs MPI Allreduce bandwidth (message bytes / time) per size."""
+def plain_ring_allreduce(x, out, comm):
+    """The baseline: a 20-line ring all-reduce in plain mpi4py (``MPI_Sendrecv`` and an
+    in-place NumPy add, no workspace reuse, no wait policy, no trace), what a user
+    would write first. ``comm`` is a raw mpi4py communicator."""
+    from .algorithms import chunk_bounds
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    out[...] = x
+    bounds = chunk_bounds(out.size, p)
+    right, left = (r + 1) % p, (r - 1) % p
+    work = np.empty(bounds[0][1] - bounds[0][0], out.dtype)
+    for s in range(p - 1):
+        s0, s1 = bounds[(r - s) % p]
+        r0, r1 = bounds[(r - s - 1) % p]
+        comm.Sendrecv(out[s0:s1], right, recvbuf=work[:r1 - r0], source=left)
+        out[r0:r1] += work[:r1 - r0]
+    for s in range(p - 1):
+        s0, s1 = bounds[(r + 1 - s) % p]
+        r0, r1 = bounds[(r - s) % p]
+        comm.Sendrecv(out[s0:s1], right, recvbuf=out[r0:r1], source=left)
+    return out
+
+
+def ring_prediction(n: int, dtype, p: int, machine) -> float:
+    """The cost model's time of ``ring_allreduce`` of n items on p ranks (the slowest
+    rank, shared-core model), from the closed-form messages of every rank."""
+    from .costmodel.accuracy import predict_result
+    from .costmodel.traffic import algorithm_messages
+    from .harness.cases import RingCase
+
+    it = np.dtype(dtype).itemsize
+    events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count]
+               for mc in algorithm_messages("ring_allreduce", count=n, p=p, coords=r,
+                                            itemsize=it)] for r in range(p)]
+    res = dict(RingCase(n, np.dtype(dtype).name).to_dict(), p=p, events=events,
+               coords=[[r] for r in range(p)])
+    return predict_result(res, machine)
+
+
+def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) -> list[dict]:
+    """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
+    buffers, interleaved call by call (median spans), with the cost model's prediction
+    for the ring. The ring's result is checked against MPI's on every size."""
     from mpi4py import MPI
 
     from .algorithms import ring_allreduce
@@ -102,31 +146,95 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
     from .harness.timing import time_calls
     from .mpiutil import agreement
 
+    p = world.Get_size()
     comm = Comm(world.Dup(), name="world")
     comm.trace.enabled = False
-    say(f"{'MiB':>7} {'ring s':>9} {'ring GB/s':>10} {'MPI s':>9} {'MPI GB/s':>9} "
-        f"{'ring/MPI':>9}")
+    raw = world.Dup()
+    say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
+        f"{'vs MPI':>8} {'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
     rows = []
     try:
         for mib in sizes_mib:
             count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
             x = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
-            out = np.empty_like(x)
-            t_ring, t_mpi = [], []
+            out, ref = np.empty_like(x), np.empty_like(x)
             ring_allreduce(x, comm, out=out)           # checked (agreed) once
-            for _ in range(repeats):  # interleave so both see the same machine state
+            world.Allreduce(x, ref, op=MPI.SUM)
+            tol = 8 * np.sqrt(p) * np.finfo(x.dtype).eps * max(1.0, float(np.abs(ref).max()))
+            ok = bool(world.allreduce(bool(np.allclose(out, ref, rtol=0, atol=p * tol)),
+                                      op=MPI.LAND))
+            t = {"ring": [], "plain": [], "mpi": []}
+            calls = {"ring": lambda: ring_allreduce(x, comm, out=out),
+                     "plain": lambda: plain_ring_allreduce(x, out, raw),
+                     "mpi": lambda: raw.Allreduce(x, out, op=MPI.SUM)}
+            for _ in range(repeats):  # interleave so all see the same machine state
                 with agreement(False):
-                    t_ring += time_calls(lambda: ring_allreduce(x, comm, out=out), world, 1,
-                                         adaptive=False)["spans"]
-                t_mpi += time_calls(lambda: world.Allreduce(x, out, op=MPI.SUM), world, 1,
-                                    adaptive=False)["spans"]
-            tr, tm = statistics.median(t_ring), statistics.median(t_mpi)  # medians
+                    for k, fn in calls.items():
+                        t[k] += time_calls(fn, world, 1, adaptive=False)["spans"]
+            tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
             nbytes = count * np.dtype(dtype).itemsize
-            rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "mpi_seconds": tm,
-                         "ring_gbps": nbytes / tr / 1e9, "mpi_gbps": nbytes / tm / 1e9,
-                         "ratio": tm / tr})
-            say(f"{mib:>7g} {tr:>9.4f} {nbytes / tr / 1e9:>10.2f} {tm:>9.4f} "
-                f"{nbytes / tm / 1e9:>9.2f} {tm / tr:>8.1%}")
+            pred = ring_prediction(count, dtype, p, machine) if machine is not None else None
+            rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
+                         "mpi_seconds": tm, "ring_times": t["ring"], "plain_times": t["plain"],
+                         "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
+                         "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
+                         "vs_plain": tp / tr, "predicted": pred, "ok": ok,
+                         "prediction_error": None if pred is None else (pred - tr) / tr})
+            say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
+                f"{tp / tr:>8.2f}x {tm / tr:>7.2f}x {nbytes / tr / 1e9:>10.2f} "
+                + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
+                   else f"{'-':>9} {'-':>9}") + f"  {'OK' if ok else 'FAIL'}")
+    finally:
+        comm.mpi.Free()
+        raw.Free()
+    say("vs plain / vs MPI: their median time over the ring's (> 1: the ring is faster)")
+    return rows
+
+
+def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
+    """Where a ring all-reduce's time goes: one traced call split into each step's
+    seconds inside MPI (the trace's sendrecv events) and the time outside them (adds,
+    copies, Python), median over ``repeats`` calls and then over the ranks."""
+    from .algorithms import ring_allreduce
+    from .comm import Comm
+    from .mpiutil import agreement, quiet_barrier
+
+    p = world.Get_size()
+    comm = Comm(world.Dup(), name="world")
+    rows = []
+    say(f"{'MiB':>8} {'call ms':>9} {'in MPI ms':>10} {'share':>6} {'outside ms':>11} "
+        f"{'RS step ms':>11} {'(min-max)':>17} {'AG step ms':>11} {'(min-max)':>17}")
+    try:
+        for mib in sizes_mib:
+            count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
+            x = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
+            out = np.empty_like(x)
+            ring_allreduce(x, comm, out=out)
+            calls, steps = [], []
+            with agreement(False):
+                for _ in range(repeats):
+                    comm.trace.clear()
+                    quiet_barrier(world)
+                    t0 = time.perf_counter()
+                    ring_allreduce(x, comm, out=out)
+                    calls.append(time.perf_counter() - t0)
+                    steps.append([e.seconds for e in comm.trace.events])
+            mine = (statistics.median(calls), statistics.median(sum(st) for st in steps),
+                    [statistics.median(st[i] for st in steps) for i in range(2 * (p - 1))])
+            every = world.allgather(mine)
+            call = statistics.median(e[0] for e in every)
+            in_mpi = statistics.median(e[1] for e in every)
+            per = [statistics.median(e[2][i] for e in every) for i in range(2 * (p - 1))]
+            rs, ag = per[:p - 1] or [0.0], per[p - 1:] or [0.0]
+            rows.append({"mib": mib, "call_seconds": call, "mpi_seconds": in_mpi,
+                         "outside_seconds": call - in_mpi, "reduce_scatter_steps": rs,
+                         "allgather_steps": ag})
+            say(f"{mib:>8g} {1e3 * call:>9.3f} {1e3 * in_mpi:>10.3f} "
+                f"{in_mpi / call:>6.0%} {1e3 * (call - in_mpi):>11.3f} "
+                f"{1e3 * statistics.median(rs):>11.3f} "
+                f"{f'({1e3 * min(rs):.3f}-{1e3 * max(rs):.3f})':>17} "
+                f"{1e3 * statistics.median(ag):>11.3f} "
+                f"{f'({1e3 * min(ag):.3f}-{1e3 * max(ag):.3f})':>17}")
     finally:
         comm.mpi.Free()
     return rows
@@ -208,14 +316,19 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
 def build_parser():
     ap = Parser(prog="python -m summasim.bench", description=__doc__.split(
         "\n\n")[0] + " Run under mpirun.")
-    ap.add_argument("what", nargs="?", choices=("gemm", "allreduce", "transformer", "all"),
+    ap.add_argument("what", nargs="?",
+                    choices=("gemm", "allreduce", "ring-steps", "transformer", "all"),
                     default="all", help="which benchmark (default all)")
     ap.add_argument("--n", type=int, default=4096, help="GEMM size n (default 4096)")
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     ap.add_argument("--algorithms", default=",".join(GEMM_ALGORITHMS),
                     help="comma-separated distributed products to time")
-    ap.add_argument("--sizes-mib", default="1,8,32,64",
-                    help="all-reduce message sizes in MiB (default 1,8,32,64)")
+    ap.add_argument("--sizes-mib", default="0.0625,0.25,1,4,16,64",
+                    help="all-reduce message sizes in MiB (default 0.0625,0.25,1,4,16,64)")
+    ap.add_argument("--machine", metavar="FILE|PRESET", default=None,
+                    help="cost-model machine for the ring's predicted time (default: as "
+                         "summasim.run chooses)")
+    ap.add_argument("--no-predict", action="store_true", help="skip the prediction")
     ap.add_argument("--tf-shape", nargs=6, type=int, default=[16, 128, 512, 8, 64, 1],
                     metavar=("B", "S", "H", "N", "V", "L"),
                     help="transformer benchmark: batch, sequence, hidden, heads, vocab, layers "
@@ -267,6 +380,13 @@ def _preflight(args, world) -> str:
             check_writable_path(args.json)
         except UsageError as e:
             return f"--json: {e}"
+    if args.machine and not args.no_predict:
+        from .harness.machinefile import check_machine_spec
+
+        try:
+            check_machine_spec(args.machine)
+        except ValueError as e:
+            return f"--machine: {e}"
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
@@ -300,7 +420,16 @@ def _body(args, world) -> int:
         ok = all(r["ok"] for r in report["gemm"])
     if args.what in ("allreduce", "all"):
         say("")
-        report["allreduce"] = bench_allreduce(world, args.sizes, dtype, args.repeats, say)
+        machine = None
+        if not args.no_predict:
+            from .harness.machinefile import resolve_machine
+
+            machine = resolve_machine(args.machine, world, say)
+        report["allreduce"] = bench_allreduce(world, args.sizes, dtype, args.repeats, say,
+                                              machine)
+        ok = ok and all(r["ok"] for r in report["allreduce"])
+    if args.what == "ring-steps":
+        report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say)
     if args.what in ("transformer", "all"):
         say("")
         report["transformer"] = bench_transformer(world, args.tf_shape, np.dtype(args.tf_dtype),
@@ -308,7 +437,7 @@ def _body(args, world) -> int:
     if args.json and rank == 0:
         write_json_atomic(args.json, report)
     if not ok:
-        say("a benchmarked product failed its validation")
+        say("a benchmarked result failed its check")
     return 0 if ok else 1
 
 

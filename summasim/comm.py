@@ -47,6 +47,7 @@ import os
 import time
 from collections import OrderedDict
 
+import numpy as np
 from mpi4py import MPI
 
 from .backends import backend_of
@@ -54,6 +55,10 @@ from .mpiutil import WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
+# host sendrecvs below this many bytes block inside MPI_Sendrecv (see Comm.sendrecv); off
+# (0) by default until the cost model prices that wait (docs/performance.md)
+BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "0") or 0)
+_NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
 
 
@@ -265,6 +270,7 @@ class Comm:
             raise ValueError(f"reduce algorithm must be one of {', '.join(REDUCE_ALGORITHMS)}, "
                              f"got {self.reduce_algorithm!r}")
         self._reduces = 0          # tree reduces started: all ranks count alike (their tags)
+        self.blocking_limit = BLOCKING_SENDRECV_BYTES if self.wait_policy != "spin" else 1 << 62
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
 
@@ -330,7 +336,7 @@ class Comm:
         reused ones). The arrays' contents are undefined; a caller must not hold them
         across another call that uses the same tag.
         """
-        key = (tag, tuple(like.shape), like.dtype.str, type(like), count)
+        key = (tag, like.shape, like.dtype, type(like), count)
         bufs = self._workspaces.pop(key, None)
         if bufs is None:
             xp = self._backend(like).xp
@@ -448,6 +454,27 @@ class Comm:
                     lambda: [self.mpi.Iallgather(sview, rview)], cleanup).wait()
         return recvbuf
 
+    def exchanger(self, like, nbytes: int):
+        """A function ``step(sendbuf, dest, recvbuf, source)`` for a loop of sendrecvs of
+        at most ``nbytes`` on arrays like ``like`` (contiguous, the caller's promise),
+        with the per-call decisions of :meth:`sendrecv` taken once: host arrays below
+        :attr:`blocking_limit` go straight to ``MPI_Sendrecv`` (traced when the trace
+        is on), everything else to :meth:`sendrecv`. The ring's inner loop uses it."""
+        if not (nbytes < self.blocking_limit and type(like) is _NDARRAY
+                and (self.backend is None or self.backend.comm_mode == "host")):
+            return self.sendrecv
+        raw, trace, name, size = self.mpi.Sendrecv, self.trace, self.name, self.size
+        if not trace.enabled:
+            return lambda sb, dest, rb, source: raw(sb, dest, 0, rb, source, 0)
+        clock = time.perf_counter
+
+        def step(sb, dest, rb, source):
+            t0 = clock()
+            raw(sb, dest, 0, rb, source, 0)
+            trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0)
+
+        return step
+
     def isendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0) -> Request:
         """Non-blocking send of ``sendbuf`` to ``dest`` and receive into ``recvbuf``
         from ``source`` (group ranks). ``sendbuf`` and ``recvbuf`` must not overlap."""
@@ -464,7 +491,30 @@ class Comm:
         return self._start("sendrecv", -1, sendbuf.nbytes, post, cleanup)
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
-        """Blocking :meth:`isendrecv`; returns ``recvbuf``."""
+        """Blocking send of ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from
+        ``source``; returns ``recvbuf``.
+
+        Host arrays of less than :attr:`blocking_limit` bytes take a lean path:
+        ``MPI_Sendrecv`` itself, which waits in MPI's own progress loop, and one trace
+        record. Measured on 2 cores with 4 to 16 ranks (docs/performance.md), that makes
+        a ring all-reduce 1.1-1.7x faster below 4 MiB, but the cost model's shared-core
+        calibration cannot yet tell such a wait from a polled one, so the limit is 0
+        (off) unless ``SUMMASIM_BLOCKING_BYTES`` sets it (e.g. 2097152), or the wait
+        policy is "spin" (always blocking). Everything else goes through
+        :meth:`isendrecv` and the wait policy.
+        """
+        nbytes = sendbuf.nbytes
+        if (nbytes < self.blocking_limit and type(sendbuf) is _NDARRAY
+                and type(recvbuf) is _NDARRAY
+                and (self.backend is None or self.backend.comm_mode == "host")):
+            if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
+                raise ValueError("sendrecv: MPI buffers must be C-contiguous arrays")
+            t0 = time.perf_counter()
+            self.mpi.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
+            if self.trace.enabled:
+                self.trace.record("sendrecv", self.name, self.size, -1, nbytes,
+                                  time.perf_counter() - t0)
+            return recvbuf
         self.isendrecv(sendbuf, dest, recvbuf, source, tag).wait()
         return recvbuf
 

@@ -322,8 +322,10 @@ def agree(fn: str, comm, signature: dict, error: BaseException | None = None) ->
         (MAX) of 3 int64: a 56-bit digest of the signature, its negation and a failure
         flag. Only when they show a difference or a failure does a pickled all-gather
         of every signature and error follow (:func:`allgather_objects`), to say what.
-    signature : dict
-        ``{what: value}`` that must be equal on every rank (small picklable values;
+    signature : dict or callable
+        ``{what: value}`` (or a function returning it, called only when the agreement
+        runs, so a switched-off agreement costs nothing) that must be equal on every
+        rank (small picklable values;
         a key ending in "dtype" makes a difference a ``TypeError``), e.g.
         ``{"dtype": "float64", "A block shape": (5, 8)}``.
     error : ValueError or TypeError, optional
@@ -348,6 +350,8 @@ def agree(fn: str, comm, signature: dict, error: BaseException | None = None) ->
         if error is not None:
             raise error
         return
+    if callable(signature):
+        signature = signature()
     policy = _wait_policy(comm)
     # fast path, one collective: the max of (digest, -digest, failed) over the ranks shows
     # whether every digest is the same and no rank failed (a digest that differs for equal

@@ -27,10 +27,12 @@ MPI = pytest.importorskip("mpi4py.MPI")
 def _fitted(**kw) -> Machine:
     """A plausible quick fit of this VM on a day its CPU differs from the preset's."""
     base = load_preset("local-2core-mpich")
+    li = base.intra            # the same link on a CPU that is twice as slow at everything
+    slow = Link(2 * li.alpha_small, 2 * li.beta_small, 2 * li.alpha_large, 2 * li.beta_large,
+                li.eager_threshold)
     m = base.replace(name="fit-test", shared_core=None, gamma_elementwise=0.0, layer_seconds=0.0,
                      source="summasim.costmodel fit on test, 2 ranks, MPICH Version:  5.0.2",
-                     intra=Link(2.8e-6, 1.1e-10, 5.5e-6, 1.4e-10, 8192),
-                     notes={"quick": True})
+                     intra=slow, notes={"quick": True})
     return m.replace(**kw)
 
 

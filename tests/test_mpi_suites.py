@@ -108,7 +108,8 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     path = tmp_path / "bench.json"
     proc, _ = launch(mpiexec, 4, ["-m", "summasim.bench", "all", "--n", "128", "--repeats", "2",
                                   "--sizes-mib", "0.25", "--tf-shape", "4", "8", "16", "4",
-                                  "16", "1", "--json", str(path)], 300)
+                                  "16", "1", "--machine", "local-2core-mpich",
+                                  "--json", str(path)], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
     gemm = {r["algorithm"]: r for r in report["gemm"]}
@@ -119,7 +120,9 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
         assert r["fraction"] == pytest.approx(r["gflops"] / r["ceiling_gflops"])
     (ar,) = report["allreduce"]
     assert ar["bytes"] == 2**18 and ar["ratio"] == pytest.approx(
-        ar["mpi_seconds"] / ar["ring_seconds"])
+        ar["mpi_seconds"] / ar["ring_seconds"]) and ar["ok"]
+    assert ar["vs_plain"] == pytest.approx(ar["plain_seconds"] / ar["ring_seconds"])
+    assert ar["predicted"] > 0 and len(ar["ring_times"]) == len(ar["plain_times"]) == 2
     assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])

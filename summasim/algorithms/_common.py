@@ -150,6 +150,6 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None)
         return be
 
     be, err = local_error(local)
-    agree(fn, grid, {"grid [q, q, d]": (grid.q, grid.q, grid.d), "dtype": dtype_of(a),
-                     "A block shape": shape_of(a), "B block shape": shape_of(b)}, err)
+    agree(fn, grid, lambda: {"grid [q, q, d]": (grid.q, grid.q, grid.d), "dtype": dtype_of(a),
+                             "A block shape": shape_of(a), "B block shape": shape_of(b)}, err)
     return be

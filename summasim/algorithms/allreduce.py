@@ -21,6 +21,10 @@ workstations", J. Parallel Distrib. Comput. 69(2), 2009.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from ..backends import array_module
 from ..comm import as_comm
 from ._common import agree, dtype_of, local_error, shape_of
@@ -30,13 +34,23 @@ def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     """``[(start, stop)]`` of the P ring chunks of a length-n vector (pure)."""
     if p < 1 or n < 0:
         raise ValueError(f"chunk_bounds: need n >= 0 and p >= 1, got n={n}, p={p}")
+    return list(_bounds(int(n), int(p)))
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(n: int, p: int) -> tuple[tuple[int, int], ...]:
     base, extra = divmod(n, p)
     bounds, start = [], 0
     for c in range(p):
         stop = start + base + (1 if c < extra else 0)
         bounds.append((start, stop))
         start = stop
-    return bounds
+    return tuple(bounds)
+
+
+def _xp(x):
+    """NumPy for host arrays without a lookup (the ring's hot path), else the backend's."""
+    return np if type(x) is np.ndarray else array_module(x)
 
 
 def _flat(x, fn):
@@ -63,7 +77,7 @@ def _agree_flat(fn, flat, comm, work=None):
     """The checked entry of the two halves: local checks, then the agreement over ``comm``."""
     comm = as_comm(comm, name="ring")
     _, err = local_error(lambda: (_flat(flat, fn), _work(work, flat, comm.size, fn)))
-    agree(fn, comm, {"dtype": dtype_of(flat), "buffer shape": shape_of(flat)}, err)
+    agree(fn, comm, lambda: {"dtype": dtype_of(flat), "buffer shape": shape_of(flat)}, err)
     return comm
 
 
@@ -80,23 +94,34 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
     return ring_reduce_scatter_unchecked(flat, comm, work)
 
 
-def ring_reduce_scatter_unchecked(flat, comm, work=None) -> int:
-    """:func:`ring_reduce_scatter` without the checks and the agreement (library use)."""
+def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
+    """:func:`ring_reduce_scatter` without the checks and the agreement (library use).
+
+    With ``src`` (a buffer like ``flat``), this rank's contribution is read from
+    ``src`` and the partial sums are written to ``flat``, which need not be
+    initialised: every chunk but this rank's own is written (its first write fuses
+    the copy into the add), so an out-of-place all-reduce makes no separate copy.
+    """
     comm = as_comm(comm, name="ring")
     p, r = comm.size, comm.rank
+    src = flat if src is None else src
     if p == 1:
+        if src is not flat:
+            flat[...] = src
         return 0
-    bounds = chunk_bounds(flat.shape[0], p)
+    bounds = _bounds(flat.shape[0], p)
     if work is None:
         work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
+    xp = _xp(flat)
     right, left = (r + 1) % p, (r - 1) % p
+    sendrecv, add = comm.exchanger(flat, work.itemsize * work.shape[0]), xp.add
     for s in range(p - 1):
         # pass the growing partial sum of one chunk one step round the ring
         s0, s1 = bounds[(r - s) % p]
         r0, r1 = bounds[(r - s - 1) % p]
         recv = work[: r1 - r0]
-        comm.sendrecv(flat[s0:s1], right, recv, left)
-        flat[r0:r1] += recv
+        sendrecv((src if s == 0 else flat)[s0:s1], right, recv, left)
+        add(src[r0:r1], recv, out=flat[r0:r1])
     return (r + 1) % p
 
 
@@ -114,13 +139,14 @@ def ring_allgather_unchecked(flat, comm):
     p, r = comm.size, comm.rank
     if p == 1:
         return flat
-    bounds = chunk_bounds(flat.shape[0], p)
+    bounds = _bounds(flat.shape[0], p)
     right, left = (r + 1) % p, (r - 1) % p
+    sendrecv = comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
     for s in range(p - 1):
         # forward the chunk completed last step, receive the next one in place
         s0, s1 = bounds[(r + 1 - s) % p]
         r0, r1 = bounds[(r - s) % p]
-        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left)
+        sendrecv(flat[s0:s1], right, flat[r0:r1], left)
     return flat
 
 
@@ -159,25 +185,27 @@ def ring_allreduce(x, comm, out=None):
         if out is not None and out is not x:
             if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
                 raise ValueError("ring_allreduce: out must have the shape and dtype of x")
-            array_module(out, x)         # raises TypeError on mixed host/device arrays
+            if type(out) is not type(x):
+                array_module(out, x)     # raises TypeError on mixed host/device arrays
         if out is not None and not out.flags.c_contiguous:
             raise ValueError("ring_allreduce: out must be C-contiguous")
 
     _, err = local_error(local)
-    agree("ring_allreduce", comm, {"dtype": dtype_of(x), "shape of x": shape_of(x)}, err)
+    agree("ring_allreduce", comm, lambda: {"dtype": dtype_of(x), "shape of x": shape_of(x)},
+          err)
     return ring_allreduce_unchecked(x, comm, out)
 
 
 def ring_allreduce_unchecked(x, comm, out=None):
     """:func:`ring_allreduce` without the checks and the agreement, for library callers
-    that checked and agreed on their inputs (summa25_atb's depth sum, the schemes)."""
+    that checked and agreed on their inputs (summa25_atb's depth sum, the schemes).
+    Out of place, the copy of ``x`` is fused into the reduce-scatter's adds."""
     comm = as_comm(comm, name="ring")
-    xp = array_module(x)
+    xp = _xp(x)
     if out is None:
-        out = xp.array(x, copy=True, order="C")
-    elif out is not x:
-        out[...] = x
+        out = xp.empty(x.shape, dtype=x.dtype)
     flat = out.reshape(-1)
-    ring_reduce_scatter_unchecked(flat, comm)
+    src = flat if out is x else xp.ascontiguousarray(x).reshape(-1)
+    ring_reduce_scatter_unchecked(flat, comm, src=src)
     ring_allgather_unchecked(flat, comm)
     return out
