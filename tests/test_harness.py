@@ -158,3 +158,17 @@ def test_cases_round_trip():
         MatmulCase("ring_allreduce", 1, 1, 1, 1, 1)
     with pytest.raises(ValueError):
         MatmulCase("summa_xyz", 1, 1, 1, 1, 1)
+
+
+def test_memory_prices_auto_as_the_check_resolves_it():
+    from summasim.harness.check import choose_method
+
+    for n, k in ((256, 256), (4096, 4096), (32768, 2)):
+        case = MatmulCase("summa_ab", 2, 1, n, k, n)
+        picked = choose_method("auto", n // 2, n // 2, k)
+        assert memory.product_bytes(case, "auto") == memory.product_bytes(case, picked)
+    # a wide, shallow product: auto keeps the exact check (cheap flops), whose float64
+    # reference and scale blocks are the larger memory cost
+    wide = MatmulCase("summa_ab", 2, 1, 32768, 2, 32768)
+    assert choose_method("auto", 16384, 16384, 2) == "exact"
+    assert memory.product_bytes(wide, "auto") > memory.product_bytes(wide, "freivalds")

@@ -18,7 +18,7 @@ import os
 import resource
 
 from ..layout import local_shape
-from .check import panel_width
+from .check import choose_method, panel_width
 
 HEADROOM = 0.85      # use at most this share of the memory the OS calls available
 
@@ -41,13 +41,15 @@ def peak_rss_bytes() -> int:
 
 
 def product_bytes(case, method: str = "exact") -> int:
-    """Estimated peak bytes per rank of a harness product run (see the module doc)."""
+    """Estimated peak bytes per rank of a harness product run (see the module doc);
+    ``method`` as given to the check ("auto" is resolved the way the check does)."""
     spec, q, d, p = case.spec, case.q, case.d, case.p
     it = 8 if case.dtype == "float64" else 4
     sa, sb = spec.stored_shapes(case.m, case.k, case.n)
     na = math.prod(local_shape(sa, spec.layout_a, q, d, p))
     nb_ = math.prod(local_shape(sb, spec.layout_b, q, d, p))
     mb, nb = local_shape((case.m, case.n), spec.layout_c, q, d, p)
+    method = choose_method(method, mb, nb, case.k)      # "auto" as the check resolves it
     nc = mb * nb
     blocks = (na + nb_ + nc) * it
     work = (2 * na + 2 * nb_) * it if q > 1 else 0
