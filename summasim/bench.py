@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from .algorithms.table import PRODUCTS
-from .harness.frontend import Parser, UserError, mpi_main
+from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 
 GEMM_ALGORITHMS = PRODUCTS
 
@@ -373,20 +373,9 @@ def _preflight(args, world) -> str:
     from .harness.plan import plan_products
     from .comm import local_ranks
 
-    if args.json:
-        from .cli import UsageError, check_writable_path
-
-        try:
-            check_writable_path(args.json)
-        except UsageError as e:
-            return f"--json: {e}"
-    if args.machine and not args.no_predict:
-        from .harness.machinefile import check_machine_spec
-
-        try:
-            check_machine_spec(args.machine)
-        except ValueError as e:
-            return f"--machine: {e}"
+    err = check_outputs(args.json, None if args.no_predict else args.machine)
+    if err:
+        return err
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])

@@ -229,13 +229,7 @@ def int_list(minimum: int = 1) -> Callable[[str], list]:
 
 def finite_float(text) -> float:
     """argparse type: a finite number (rejects nan, inf and non-numbers)."""
-    try:
-        val = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(val):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return val
+    return _finite(text, "a finite number")
 
 
 def finite_positive_float(text) -> float:

@@ -454,14 +454,18 @@ class Comm:
                     lambda: [self.mpi.Iallgather(sview, rview)], cleanup).wait()
         return recvbuf
 
+    def _blocks(self, arr, nbytes: int) -> bool:
+        """Whether a sendrecv of ``nbytes`` on host array ``arr`` takes the blocking path."""
+        return (nbytes < self.blocking_limit and type(arr) is _NDARRAY
+                and (self.backend is None or self.backend.comm_mode == "host"))
+
     def exchanger(self, like, nbytes: int):
         """A function ``step(sendbuf, dest, recvbuf, source)`` for a loop of sendrecvs of
         at most ``nbytes`` on arrays like ``like`` (contiguous, the caller's promise),
         with the per-call decisions of :meth:`sendrecv` taken once: host arrays below
         :attr:`blocking_limit` go straight to ``MPI_Sendrecv`` (traced when the trace
         is on), everything else to :meth:`sendrecv`. The ring's inner loop uses it."""
-        if not (nbytes < self.blocking_limit and type(like) is _NDARRAY
-                and (self.backend is None or self.backend.comm_mode == "host")):
+        if not self._blocks(like, nbytes):
             return self.sendrecv
         raw, trace, name, size = self.mpi.Sendrecv, self.trace, self.name, self.size
         if not trace.enabled:
@@ -504,9 +508,7 @@ class Comm:
         :meth:`isendrecv` and the wait policy.
         """
         nbytes = sendbuf.nbytes
-        if (nbytes < self.blocking_limit and type(sendbuf) is _NDARRAY
-                and type(recvbuf) is _NDARRAY
-                and (self.backend is None or self.backend.comm_mode == "host")):
+        if self._blocks(sendbuf, nbytes) and type(recvbuf) is _NDARRAY:
             if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
                 raise ValueError("sendrecv: MPI buffers must be C-contiguous arrays")
             t0 = time.perf_counter()

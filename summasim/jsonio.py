@@ -50,17 +50,27 @@ def json_safe(obj):
     return obj
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Write ``json_safe(obj)`` to ``path`` atomically (temp file + rename)."""
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
+    so a reader never sees a half-written file (mode as ``open()`` would give)."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(json_safe(obj), fh, indent=2, allow_nan=False)
-            fh.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path, obj) -> None:
+    """Write ``json_safe(obj)`` to ``path`` atomically, as strict JSON. The text is
+    built first, so an object that cannot be written leaves the old file alone."""
+    write_text_atomic(path, json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")

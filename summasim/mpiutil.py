@@ -1,4 +1,4 @@
-"""MPI helpers: abort on error, collective verdicts and agreements, BLAS threads.
+"""MPI helpers: abort on error, the input agreement, the one waiting loop, BLAS threads.
 
 These use raw mpi4py communicators (untraced): they are bookkeeping, not part of
 any algorithm's traffic.
@@ -107,26 +107,6 @@ def install_abort_hook() -> bool:
     return True
 
 
-# --------------------------------------------------------------------------- #
-# collective verdicts                                                         #
-# --------------------------------------------------------------------------- #
-def collective_verdict(ok: bool, comm=None) -> tuple[bool, list[int]]:
-    """Agree on a verdict: ``(all ranks ok, ranks that were not)`` on every rank."""
-    comm = comm or MPI.COMM_WORLD
-    flags = comm.allgather(bool(ok))
-    bad = [r for r, f in enumerate(flags) if not f]
-    return not bad, bad
-
-
-def max_over_ranks(value: float, comm=None) -> float:
-    """The maximum of a float over all ranks (on every rank)."""
-    comm = comm or MPI.COMM_WORLD
-    return comm.allreduce(float(value), op=MPI.MAX)
-
-
-# --------------------------------------------------------------------------- #
-# agreement on arguments                                                      #
-# --------------------------------------------------------------------------- #
 def set_agreement(on: bool) -> bool:
     """Switch the collective agreement of the public entry points on or off (this
     process; every rank must choose alike). Returns the previous setting."""
@@ -284,10 +264,6 @@ def quiet_barrier(comm, longest: float | None = None) -> None:
     wait_requests(comm.Ibarrier(), "sleep", longest)
 
 
-def _wait(req, policy: str) -> None:
-    wait_requests(req, policy)
-
-
 def allgather_objects(raw, obj, policy: str = "spin") -> list:
     """``raw.allgather(obj)`` (small picklable objects), waiting by ``policy``.
 
@@ -302,10 +278,10 @@ def allgather_objects(raw, obj, policy: str = "spin") -> list:
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     size = raw.Get_size()
     counts = np.empty(size, np.int64)
-    _wait(raw.Iallgather(np.array([data.size], np.int64), counts), policy)
+    wait_requests(raw.Iallgather(np.array([data.size], np.int64), counts), policy)
     displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
     buf = np.empty(int(counts.sum()), np.uint8)
-    _wait(raw.Iallgatherv(data, [buf, (counts.tolist(), displs.tolist()), MPI.BYTE]), policy)
+    wait_requests(raw.Iallgatherv(data, [buf, (counts.tolist(), displs.tolist()), MPI.BYTE]), policy)
     return [pickle.loads(buf[d:d + c].tobytes()) for d, c in zip(displs, counts)]
 
 
@@ -360,7 +336,7 @@ def agree(fn: str, comm, signature: dict, error: BaseException | None = None) ->
     digest = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
     mine = np.array([digest, -digest, error is not None], np.int64)
     top = np.empty(3, np.int64)
-    _wait(raw.Iallreduce(mine, top, op=MPI.MAX), policy)
+    wait_requests(raw.Iallreduce(mine, top, op=MPI.MAX), policy)
     if top[0] == digest and top[1] == -digest and not top[2]:
         return
     # someone differs or failed (every rank knows it): gather everything to say what

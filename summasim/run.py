@@ -22,7 +22,7 @@ import numpy as np
 
 from .algorithms.table import ALGORITHMS
 from .harness.check import METHODS
-from .harness.frontend import Parser, UserError, mpi_main
+from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 from .harness.inject import KINDS, Fault
 from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST_SIZES, \
     plan_products, plan_schemes
@@ -178,20 +178,9 @@ def preflight(args, world) -> str:
         return f"--inject {args.inject}: rank {args.fault.rank} does not exist (p = {p})"
     if args.fail_on_rank is not None and not 0 <= args.fail_on_rank < p:
         return f"--fail-on-rank {args.fail_on_rank}: no such rank (p = {p})"
-    if args.json:
-        from .cli import UsageError, check_writable_path
-
-        try:
-            check_writable_path(args.json)
-        except UsageError as e:
-            return f"--json: {e}"
-    if args.machine and not args.no_predict:
-        from .harness.machinefile import check_machine_spec
-
-        try:
-            check_machine_spec(args.machine)
-        except ValueError as e:
-            return f"--machine: {e}"
+    err = check_outputs(args.json, None if args.no_predict else args.machine)
+    if err:
+        return err
     if args.backend == "cupy":
         try:
             import cupy  # noqa: F401
@@ -200,7 +189,7 @@ def preflight(args, world) -> str:
                     "CuPy is not installed here")
     ranks = local_ranks()
     for c in cases:
-        why = check_fits(c, ranks, "exact" if args.check == "exact" else "freivalds", p=p)
+        why = check_fits(c, ranks, args.check, p=p)
         if why:
             return why
     return ""
@@ -285,9 +274,8 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             f"(plain and checkpointed); traffic is layer 0's Table 1 payload per rank in "
             f"scalars\n")
         for case in tcases:
-            res = run_case(case, world, None if args.backend == "numpy" else backend,
-                           repeats=args.repeats, seed=args.seed, fault=args.fault,
-                           timed=args.repeats > 0)
+            res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
+                           fault=args.fault, timed=args.repeats > 0)
             rep = res.extra["report"]
             if rank == 0:
                 rep.predicted_s = _predict(res, machine)
@@ -351,13 +339,12 @@ def _self_test(args, world, cases, tcases, skips) -> int:
         cells = []
         for kind in cols:
             fault = None if kind == "clean" else Fault(kind, target)
-            be = backend if case.kind != "transformer" or args.backend != "numpy" else None
             kw = {"timed": False}
             if case.kind == "transformer":
                 kw["with_memory"] = False
             else:
                 kw["method"] = args.check
-            res = run_case(case, world, be, seed=args.seed, fault=fault, **kw)
+            res = run_case(case, world, backend, seed=args.seed, fault=fault, **kw)
             applied = res.extra["report"].fault_applied if "report" in res.extra else True
             if kind == "clean":
                 cell = "OK" if res.ok else "FAIL"

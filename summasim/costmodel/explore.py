@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 from .. import cli
 from .isoefficiency import isoefficiency, paper_machine, reference_slope
-from .machine import (DTYPE_SIZES, Machine, get_machine, list_presets, write_json_atomic,
-                      write_text_atomic)
+from ..jsonio import write_json_atomic, write_text_atomic
+from .machine import DTYPE_SIZES, Machine, get_machine, list_presets
 from .predict import predict_algorithm
 from .schemes import (SCHEMES, Scheme, TransformerConfig, batch_step, grid_shapes, largest_batch,
                       misfit, scheme_cost)
@@ -227,17 +227,6 @@ def format_table(rows: list[dict], cols: list[str]) -> str:
     for x in cells:
         out.write("  " + "  ".join(v.rjust(w) for v, w in zip(x, width)) + "\n")
     return out.getvalue()
-
-
-def _json_safe(obj):
-    """NaN and infinities become null, so the file is strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def write_csv(path: str, tables: dict[str, list[dict]]) -> None:
@@ -556,7 +545,7 @@ def run(args, out=None) -> dict:
         write_csv(plan.csv, tables)
         written.append(plan.csv)
     if plan.json is not None:
-        write_json_atomic(plan.json, _json_safe({"machine": machine.to_dict(),
+        write_json_atomic(plan.json, ({"machine": machine.to_dict(),
                                                  "config": cfg.__dict__, "mode": args.mode,
                                                  "tables": tables, "not_priced": skipped}))
         written.append(plan.json)

@@ -46,11 +46,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Mapping
+
+from ..jsonio import write_json_atomic
 
 FORMAT = "summasim.machine/1"
 
@@ -548,31 +548,6 @@ class Machine:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(d)
-
-
-def write_text_atomic(path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
-    so a reader never sees a half-written file (mode as ``open()`` would give)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path, obj) -> None:
-    """``json.dump(obj)`` to ``path`` atomically (see :func:`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _preset_dir():

@@ -60,10 +60,9 @@ class Check:
     bad_ranks: list = field(default_factory=list)
     false_pass: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self):          # one rank's verdict; collective() sets the job's
         self.nonfinite = bool(self.nonfinite or not math.isfinite(self.error))
-        if not self.bad_ranks:
-            self.ok = bool(not self.nonfinite and passes(self.error, self.bound))
+        self.ok = bool(not self.nonfinite and passes(self.error, self.bound))
 
 
 def collective(world, check: Check) -> Check:
@@ -76,9 +75,8 @@ def collective(world, check: Check) -> Check:
     nonfinite = any(nf for _, nf, _ in every)
     finite = [e for e, nf, _ in every if not nf and math.isfinite(e)]
     error = math.nan if nonfinite else (max(finite) if finite else 0.0)
-    out = Check(error, check.bound, check.method, nonfinite, ok=not bad, bad_ranks=bad,
-                false_pass=check.false_pass)
-    out.ok = not bad
+    out = Check(error, check.bound, check.method, nonfinite, false_pass=check.false_pass)
+    out.ok, out.bad_ranks = not bad, bad
     return out
 
 

@@ -27,8 +27,7 @@ from .timing import reduce_max, time_calls
 from .transformer import run_transformer
 
 
-def _time(call, backend, trace, world, repeats: int, timed: bool,
-          back_to_back: bool = False) -> dict:
+def _time(call, backend, trace, world, repeats: int, timed: bool) -> dict:
     """Time ``call`` with the trace off and without the input agreement (the checked,
     traced call before it agreed on these very inputs); ``{}`` when not ``timed``."""
     if not timed:
@@ -40,7 +39,7 @@ def _time(call, backend, trace, world, repeats: int, timed: bool,
         backend.synchronize()
 
     with agreement(False):
-        return time_calls(run, world, repeats, back_to_back=back_to_back)
+        return time_calls(run, world, repeats)
 
 
 def _traffic(world, events) -> tuple[int, int, list | None]:
@@ -49,8 +48,7 @@ def _traffic(world, events) -> tuple[int, int, list | None]:
 
 
 def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
-                method: str = "auto", fault: Fault | None = None, timed: bool = True,
-                back_to_back: bool = False) -> Result:
+                method: str = "auto", fault: Fault | None = None, timed: bool = True) -> Result:
     """Validate (and time) one distributed product (collective over ``world``)."""
     spec = case.spec
     rank, p = world.Get_rank(), world.Get_size()
@@ -76,7 +74,7 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
         chk = collective(world, check_product(host, case, g, seed, method))
         del host
         timing = _time(lambda: fn(a, b, grid, out=c), backend, grid.trace, world, repeats,
-                       timed, back_to_back)
+                       timed)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather(coords, root=0)
     finally:
@@ -99,8 +97,7 @@ def _corrupt_product(host, case, g, seed, fault):
 
 
 def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
-             fault: Fault | None = None, timed: bool = True, method: str = "exact",
-             back_to_back: bool = False) -> Result:
+             fault: Fault | None = None, timed: bool = True, method: str = "exact") -> Result:
     """Validate (and time) ``ring_allreduce`` over all of ``world`` (collective)."""
     from ..algorithms import ring_allreduce
 
@@ -115,15 +112,14 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
         host = np.array(backend.to_numpy(y), copy=True)
         if fault is not None and fault.rank == rank:
             if fault.kind == "drop":          # the result misses the next rank's input
-                other = uniform_segment(seed, STREAM_RING + (rank + 1) % p, 0, case.n, dtype)
-                host -= other if p > 1 else host
+                host -= uniform_segment(seed, STREAM_RING + (rank + 1) % p, 0, case.n, dtype)
             else:
                 corrupt_entry(host, fault.kind)
         chk = collective(world, check_ring(host, case, p, seed))
         del host
         out = backend.empty(x.shape, x.dtype) if timed else None
         timing = _time(lambda: ring_allreduce(x, comm, out=out), backend, comm.trace, world,
-                       repeats, timed, back_to_back)
+                       repeats, timed)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather([rank], root=0)
     finally:

@@ -27,12 +27,23 @@ class Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def positive(name: str, value, allow_none: bool = True):
-    """Raise :class:`UserError` unless ``value`` is a positive number (or None)."""
-    if value is None and allow_none:
-        return
-    if value is None or not value > 0:
-        raise UserError(f"{name} must be positive, got {value}")
+def check_outputs(json_path: str | None, machine: str | None) -> str:
+    """The preflight every front-end shares (rank 0): the ``--json`` path can be
+    written and the ``--machine`` file or preset loads. An error message, or ""."""
+    from ..cli import UsageError, check_writable_path
+    from .machinefile import check_machine_spec
+
+    if json_path:
+        try:
+            check_writable_path(json_path)
+        except UsageError as e:
+            return f"--json: {e}"
+    if machine:
+        try:
+            check_machine_spec(machine)
+        except ValueError as e:
+            return f"--machine: {e}"
+    return ""
 
 
 def mpi_main(parse, preflight, body, prog: str) -> int:

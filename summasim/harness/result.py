@@ -36,5 +36,4 @@ class Result:
         """The worker-result dict the cost model's analysis reads."""
         return dict(self.case.to_dict(), p=self.p, spans=self.timing.get("spans", []),
                     rank_max=self.timing.get("rank_max", []),
-                    back_to_back=self.timing.get("back_to_back", 0.0),
                     events=self.events, coords=self.coords)

@@ -29,12 +29,9 @@ def reduce_max(world, values) -> np.ndarray:
     return recv
 
 
-def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True,
-               back_to_back: bool = False) -> dict:
-    """Time ``fn()`` (collective): ``{"spans", "rank_max", "back_to_back", "median"}``
-    in seconds: per-call spans, per-call slowest-rank times, the median span and, with
-    ``back_to_back``, the time per call of ``len(spans)`` calls in a row (the cost
-    model's accuracy analysis reads it; 0.0 otherwise)."""
+def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True) -> dict:
+    """Time ``fn()`` (collective): ``{"spans", "rank_max", "median"}`` in seconds:
+    per-call spans, per-call slowest-rank times and the median span."""
     spans, rank_max = [], []
 
     def once():
@@ -51,15 +48,4 @@ def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = Tr
         repeats = max(repeats, min(5 * repeats, int(budget / max(spans[0], 1e-6))))
     for _ in range(repeats - 1):
         once()
-    if not back_to_back:
-        return {"spans": spans, "rank_max": rank_max, "back_to_back": 0.0,
-                "median": statistics.median(spans)}
-    quiet_barrier(world)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    t1 = time.perf_counter()
-    mx = reduce_max(world, [-t0, t1])
-    return {"spans": spans, "rank_max": rank_max,
-            "back_to_back": float(mx[1] + mx[0]) / repeats,
-            "median": statistics.median(spans)}
+    return {"spans": spans, "rank_max": rank_max, "median": statistics.median(spans)}

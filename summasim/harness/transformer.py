@@ -180,7 +180,7 @@ def _fault_key(grads: dict) -> str:
 
 def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                     fault: Fault | None = None, timed: bool = True, with_memory: bool = True,
-                    bound: float | None = None, back_to_back: bool = False):
+                    bound: float | None = None):
     """Validate scheme ``case.scheme`` against the serial model and measure it
     (collective). Returns a :class:`~summasim.harness.execute.Result` whose
     ``extra["report"]`` is the :class:`SchemeReport`."""
@@ -267,14 +267,13 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
 
             fwd()
             with agreement(False):      # the checked forward above agreed on the inputs
-                tf = time_calls(fwd, world, repeats, adaptive=False, back_to_back=back_to_back)
-                tb = time_calls(bwd, world, repeats, adaptive=False, back_to_back=back_to_back)
+                tf = time_calls(fwd, world, repeats, adaptive=False)
+                tb = time_calls(bwd, world, repeats, adaptive=False)
             holder.clear()
             rep.fwd_s, rep.bwd_s = tf["median"], tb["median"]
             spans = [f + b for f, b in zip(tf["spans"], tb["spans"])]
             timing = {"spans": spans, "rank_max": [f + b for f, b in zip(
-                tf["rank_max"], tb["rank_max"])], "back_to_back": tf["back_to_back"]
-                + tb["back_to_back"], "median": rep.fwd_s + rep.bwd_s}
+                tf["rank_max"], tb["rank_max"])], "median": rep.fwd_s + rep.bwd_s}
         if with_memory:
             mem = measure_memory(module, local, tokens, targets, config, grid, False)
             rep.memory = {k: int(v) for k, v in zip(mem, reduce_max(world, list(mem.values())))}

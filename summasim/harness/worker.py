@@ -85,8 +85,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
             case = case_from_dict(data)
             kw = {"method": spec.get("check", "auto")} if case.kind != "transformer" else \
                 {"with_memory": False}
-            res = run_case(case, world, backend, repeats=repeats, seed=seed, back_to_back=True,
-                           **kw)
+            res = run_case(case, world, backend, repeats=repeats, seed=seed, **kw)
             if rank == 0:
                 m = res.measured()
                 m.update(ok=res.ok, error=res.check.error, label=case.label(p),

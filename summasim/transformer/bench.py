@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
-import tempfile
 import time
 import tracemalloc
 
@@ -34,6 +31,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from summasim import cli
+from summasim.jsonio import write_json_atomic
 
 from . import model, ops
 
@@ -212,23 +210,6 @@ def check_args(args) -> None:
                 "torch, or run under a Python that has torch and summasim on its path)")
 
 
-def _write_json_atomic(path: str, obj) -> None:
-    """JSON to ``path`` via a temp file in its folder and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=1, default=str)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)          # the mode open() would have given
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv=None):
     """Time one layer and measure peak memory; returns the results dict. A user
     error exits with status 2 after one line on stderr."""
@@ -269,7 +250,7 @@ def main(argv=None):
         print(f"  checkpointing: peak x{on['peak_bytes']/off['peak_bytes']:.2f}, held after "
               f"forward x{on['held_after_forward_bytes']/off['held_after_forward_bytes']:.3f}")
     if args.json:
-        _write_json_atomic(args.json, results)
+        write_json_atomic(args.json, results)
     return results
 
 
