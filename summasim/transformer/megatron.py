@@ -73,6 +73,15 @@ The serial names, with local shapes (``f = ffn_mult * h``):
 ``attn.proj.b``, ``mlp.proj.b``, ``lnf.g/b`` and ``cls.w/b`` replicated.
 :func:`param_layout` and :func:`local_param_shapes` list them.
 
+Pieces
+------
+:func:`forward` is :func:`embed_forward`, :func:`layer_forward` for every layer and
+:func:`head_forward` in a row after its checks; :func:`backward` is their backwards in
+reverse, adding the embedding's (:func:`embed_backward`) and the LM head's
+(:func:`head_backward`) parts of the tied ``wte`` gradient. A pipeline / ZeRO engine
+calls the pieces itself (they neither check nor agree). Between pieces the activation is
+x (B, T, h), replicated. :func:`stage_keys` (``model.stage_keys``) lists a stage's parameters.
+
 References
 ----------
 Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro (2019), "Megatron-LM: Training
@@ -384,21 +393,156 @@ def _block_backward(dout, cache: ops.BlockCache, grid):
 
 
 # --------------------------------------------------------------------------- #
-# the model                                                                   #
+# the pieces: embedding, one layer, head (unchecked; the engine checks once)  #
 # --------------------------------------------------------------------------- #
-class MegatronCache(NamedTuple):
+class EmbedCache(NamedTuple):
+    grid: Any
+    emb: ops.EmbeddingCache      # masked lookup of this rank's vocabulary rows
+
+
+def embed_forward(p: dict, tokens, config: Config, grid):
+    """x (B, T, h) replicated = wte[tokens] + wpe[:T] on the global micro-batch ``tokens``.
+
+    ``p`` needs ``wte`` (this rank's rows) and ``wpe``. One all-reduce of the masked
+    lookup (phase ``embed.fwd/aux.vocab``). Unchecked: :func:`forward` checks.
+    """
+    combine_vocab, _, _ = _vocab_hooks(grid)
+    with grid.trace.phase("embed.fwd"):
+        x, emb = ops.embedding_forward(tokens, p["wte"], p["wpe"],
+                                       vocab_start=grid.rank * (config.vocab // grid.p),
+                                       combine_vocab=combine_vocab)        # (B, T, h)
+    return x, EmbedCache(grid=grid, emb=emb)
+
+
+def embed_backward(dx, cache: EmbedCache) -> dict:
+    """``{"wte": (v/p, h), "wpe": (s, h)}``: the embedding's part of the tied ``wte``
+    gradient (this shard's rows) and the replicated ``wpe`` gradient. No communication."""
+    with cache.grid.trace.phase("embed.bwd"):
+        _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
+    return {"wte": g["wte"], "wpe": g["wpe"]}
+
+
+class LayerPieceCache(NamedTuple):
     config: Config
     grid: Any
-    params: dict                 # local params, read again when layers are recomputed
+    l: int                       # global layer index (phase names)
+    params: dict                 # the layer's local params, read again when recomputed
     checkpoint: bool
-    emb: ops.EmbeddingCache
-    blocks: list                 # per layer: BlockCache, or its input (B, T, h) if checkpointed
+    block: Any                   # ops.BlockCache, or the input (B, T, h) if checkpointed
+
+
+def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False):
+    """Layer ``l`` (phase ``h{l}.fwd``) on x (B, T, h) replicated -> (B, T, h) replicated.
+
+    ``p_layer``: the layer's local params under the unprefixed keys of
+    ``ops.BLOCK_KEYS``. With ``checkpoint`` the cache keeps only ``x`` and
+    ``p_layer``; :func:`layer_backward` recomputes.
+    """
+    with grid.trace.phase(f"h{l}.fwd"):
+        out, block = _block_forward(x, p_layer, config, grid)            # (B, T, h)
+    return out, LayerPieceCache(config=config, grid=grid, l=l, params=p_layer,
+                                checkpoint=checkpoint, block=x if checkpoint else block)
+
+
+def layer_backward(dx, cache: LayerPieceCache):
+    """``(dx (B, T, h) replicated, unprefixed local grads)`` of the layer (phase ``h{l}.bwd``).
+
+    Checkpointed: the forward is recomputed first from the saved input and
+    ``cache.params`` (its ``g``'s as ``tp.recompute.*``).
+    """
+    grid = cache.grid
+    with grid.trace.phase(f"h{cache.l}.bwd"):
+        if cache.checkpoint:   # recompute the layer's forward (its g's included)
+            _, block = _block_forward(cache.block, cache.params, cache.config, grid,
+                                      recompute=True)
+        else:
+            block = cache.block
+        return _block_backward(dx, block, grid)                          # (B, T, h)
+
+
+class HeadCache(NamedTuple):
+    config: Config
+    grid: Any
     lnf: ops.LayerNormCache
     head: Any                    # LMHeadCache (local wte rows) or ClassifierCache
     ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
     logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
+    n_items: int                 # the denominator of the mean loss
+
+
+def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None):
+    """Final LayerNorm, tied LM head (or classifier) and loss (phase ``loss.fwd``).
+
+    ``x`` (B, T, h) replicated; ``p`` needs ``lnf.g``, ``lnf.b`` and ``wte`` (this
+    rank's rows), or ``cls.w``, ``cls.b`` when ``config.n_classes``. ``targets``: the
+    global micro-batch's, or None (logits only). Returns ``(loss, cache)``: the sum of
+    the per-item losses over ``n_items`` (default: this micro-batch's tokens, or
+    sequences for classification), the same float on every rank; None without targets.
+    """
+    _, max_vocab, sum_vocab = _vocab_hooks(grid)
+    with grid.trace.phase("loss.fwd"):
+        x, lnf = ops.layernorm_forward(x, p["lnf.g"], p["lnf.b"])       # (B, T, h)
+        if config.n_classes:   # the classifier is replicated: no communication
+            logits, head = ops.classifier_forward(x, p["cls.w"], p["cls.b"])   # (B, k)
+            reductions = {}
+        else:
+            logits, head = ops.lm_head_forward(x, p["wte"])                  # (B, T, v/p)
+            reductions = dict(vocab_start=grid.rank * (config.vocab // grid.p),
+                              max_vocab=max_vocab, sum_vocab=sum_vocab)
+        if n_items is None:
+            n_items = math.prod(logits.shape[:-1])
+        loss, ce = None, None
+        if targets is not None:
+            losses, ce = ops.cross_entropy_forward(logits, targets, **reductions)  # (B, T)
+            loss = float(losses.sum()) / n_items
+    return loss, HeadCache(config=config, grid=grid, lnf=lnf, head=head, ce=ce,
+                           logits=logits, n_items=n_items)
+
+
+def head_backward(cache: HeadCache):
+    """``(dx (B, T, h) replicated, grads)`` of the head (phase ``loss.bwd``), seeded with
+    ``1/n_items`` per item. ``grads``: ``cls.w``, ``cls.b`` (classification), ``lnf.g``,
+    ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h)."""
+    if cache.ce is None:
+        raise ValueError("backward needs a forward with targets")
+    grid = cache.grid
+    xp = array_module(cache.logits)
+    grads = {}
+    with grid.trace.phase("loss.bwd"):
+        dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
+                          dtype=cache.logits.dtype)     # dloss = 1/n_items per item
+        dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)     # this rank's columns
+        if cache.config.n_classes:
+            dx, g = ops.classifier_backward(dlogits, cache.head)      # (B, T, h) replicated
+            grads["cls.w"], grads["cls.b"] = g["w"], g["b"]
+        else:
+            dx, g = ops.lm_head_backward(dlogits, cache.head)         # (B, T, h) partial sum
+            grads["wte"] = g["wte"]                                   # (v/p, h)
+            with grid.trace.phase("aux.lm_head"):
+                _reduce(dx, grid)  # f (backward) of the vocab-parallel head: all-reduce
+        dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T, h)
+        grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
+    return dx, grads
+
+
+stage_keys = model.stage_keys
+
+
+# --------------------------------------------------------------------------- #
+# the model: the pieces in a row                                              #
+# --------------------------------------------------------------------------- #
+class MegatronCache(NamedTuple):
+    params: dict                 # local params (the keys and order of the gradients)
+    emb: EmbedCache
+    layers: list                 # per layer: LayerPieceCache
+    head: HeadCache
+    logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
     loss: Optional[float]
-    n_items: int                 # tokens (LM) or sequences (classification) in the mean
+
+    @property
+    def blocks(self) -> list:
+        """Per layer: the ops.BlockCache, or its input (B, T, h) if checkpointed."""
+        return [layer.block for layer in self.layers]
 
 
 def forward(local_params: dict, tokens, targets, config: Config, grid,
@@ -412,6 +556,8 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     and end in one agreement (:func:`summasim.mpiutil.agree`, untraced) on the config,
     the tokens and targets (shape, dtype, checksum) and ``checkpoint``: input that is
     bad on one rank raises the same ``ValueError``/``TypeError`` on every rank.
+    Then :func:`embed_forward`, :func:`layer_forward` for every layer and
+    :func:`head_forward`.
     """
     _check_grid(grid)          # not a group: no communicator to agree over, raise alone
 
@@ -426,88 +572,37 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     agree("megatron.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
                                      "targets": fingerprint(targets),
                                      "checkpoint": bool(checkpoint)}, err)
-    trace = grid.trace
-    combine_vocab, max_vocab, sum_vocab = _vocab_hooks(grid)
-    vocab_start = grid.rank * (config.vocab // grid.p)
-    with trace.phase("embed.fwd"):
-        x, emb = ops.embedding_forward(tokens, local_params["wte"], local_params["wpe"],
-                                       vocab_start=vocab_start,
-                                       combine_vocab=combine_vocab)        # (B, T, h)
-    blocks = []
+    x, emb = embed_forward(local_params, tokens, config, grid)            # (B, T, h)
+    layers = []
     for l in range(config.layers):
-        p = model.layer_params(local_params, l)
-        with trace.phase(f"h{l}.fwd"):
-            if checkpoint:
-                blocks.append(x)                       # keep the input only
-                x, _ = _block_forward(x, p, config, grid)
-            else:
-                x, cache = _block_forward(x, p, config, grid)   # (B, T, h)
-                blocks.append(cache)
-    with trace.phase("loss.fwd"):
-        x, lnf = ops.layernorm_forward(x, local_params["lnf.g"], local_params["lnf.b"])
-        if config.n_classes:   # the classifier is replicated: no communication
-            logits, head = ops.classifier_forward(x, local_params["cls.w"],
-                                                  local_params["cls.b"])          # (B, k)
-            reductions = {}
-        else:
-            logits, head = ops.lm_head_forward(x, local_params["wte"])        # (B, T, v/p)
-            reductions = dict(vocab_start=vocab_start, max_vocab=max_vocab,
-                              sum_vocab=sum_vocab)
-        n_items = math.prod(logits.shape[:-1])
-        loss, ce = None, None
-        if targets is not None:
-            losses, ce = ops.cross_entropy_forward(logits, targets, **reductions)  # (B, T)
-            loss = float(losses.sum()) / n_items
-    return loss, MegatronCache(config=config, grid=grid, params=local_params,
-                               checkpoint=checkpoint, emb=emb, blocks=blocks, lnf=lnf,
-                               head=head, ce=ce, logits=logits, loss=loss, n_items=n_items)
+        x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
+                                 checkpoint)                              # (B, T, h)
+        layers.append(layer)
+    loss, head = head_forward(x, local_params, targets, config, grid)
+    return loss, MegatronCache(params=local_params, emb=emb, layers=layers, head=head,
+                               logits=head.logits, loss=loss)
 
 
 def backward(cache: MegatronCache) -> dict:
     """Local gradients of the mean loss, same keys and local shapes as the local params.
 
-    Replicated parameters get identical gradients on every rank (no communication);
-    :func:`unshard` assembles the serial-layout gradients.
+    The pieces in reverse: :func:`head_backward`, :func:`layer_backward` from the last
+    layer down, :func:`embed_backward`; the tied ``wte`` gradient is the embedding's
+    part plus the LM head's. Replicated parameters get identical gradients on every
+    rank (no communication); :func:`unshard` assembles the serial-layout gradients.
     """
-    if cache.ce is None:
-        raise ValueError("backward needs a forward with targets")
-    config, grid, params = cache.config, cache.grid, cache.params
-    trace = grid.trace
-    xp = array_module(cache.logits)
-    grads = {}
-    with trace.phase("loss.bwd"):
-        dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
-                          dtype=cache.logits.dtype)     # dloss = 1/(b*s) per token
-        dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)     # this rank's columns
-        if config.n_classes:
-            dx, g = ops.classifier_backward(dlogits, cache.head)      # (B, T, h) replicated
-            grads["cls.w"], grads["cls.b"] = g["w"], g["b"]
-            dwte_head = None
-        else:
-            dx, g = ops.lm_head_backward(dlogits, cache.head)         # (B, T, h) partial sum
-            dwte_head = g["wte"]                                      # (v/p, h)
-            with trace.phase("aux.lm_head"):
-                _reduce(dx, grid)  # f (backward) of the vocab-parallel head: all-reduce
-        dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T, h)
-        grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
-    for l in reversed(range(config.layers)):
-        with trace.phase(f"h{l}.bwd"):
-            if cache.checkpoint:   # recompute the layer's forward (its g's included)
-                _, block = _block_forward(cache.blocks[l], model.layer_params(params, l),
-                                          config, grid, recompute=True)
-            else:
-                block = cache.blocks[l]
-            dx, g = _block_backward(dx, block, grid)                  # (B, T, h)
-            del block
+    dx, grads = head_backward(cache.head)                                 # (B, T, h)
+    for l in reversed(range(len(cache.layers))):
+        dx, g = layer_backward(dx, cache.layers[l])                       # (B, T, h)
         for key, val in g.items():
             grads[f"h{l}.{key}"] = val
-    with trace.phase("embed.bwd"):
-        _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
+    g = embed_backward(dx, cache.emb)
     grads["wpe"] = g["wpe"]                            # (s, h) replicated
+    dwte_head = grads.get("wte")
     grads["wte"] = g["wte"]                            # (v/p, h)
     if dwte_head is not None:
         grads["wte"] += dwte_head                      # tied: embedding + LM head
-    return {key: grads[key] for key in params}
+    return {key: grads[key] for key in cache.params}
 
 
 def logits(cache: MegatronCache, config: Config, grid):

@@ -128,6 +128,33 @@ def layer_params(params: dict, layer: int) -> dict:
     return {key: params[prefix + key] for key in BLOCK_KEYS}
 
 
+def stage_keys(config: Config, layers, first: bool, last: bool) -> list:
+    """The parameter keys a pipeline stage owns, in forward order.
+
+    ``wte``, ``wpe`` if ``first`` (the embedding); ``h{l}.*`` for each ``l`` of
+    ``layers`` (a contiguous ascending range of layer indices); if ``last``,
+    ``lnf.g``, ``lnf.b`` and the head: ``cls.w``, ``cls.b`` for classification, else
+    the tied ``wte`` (listed once: on a stage that is also the first it is already
+    there). Over the stages of a split every key appears once, except ``wte`` of a
+    language model, which the first and the last stage both hold when they differ.
+    """
+    layers = [int(l) for l in layers]
+    if layers and (layers != list(range(layers[0], layers[0] + len(layers)))
+                   or not 0 <= layers[0] <= layers[-1] < config.layers):
+        raise ValueError(f"stage layers must be a contiguous ascending range inside "
+                         f"[0, Config.layers={config.layers}), got {layers}")
+    keys = ["wte", "wpe"] if first else []
+    for l in layers:
+        keys += [f"h{l}.{key}" for key in BLOCK_KEYS]
+    if last:
+        keys += ["lnf.g", "lnf.b"]
+        if config.n_classes:
+            keys += ["cls.w", "cls.b"]
+        elif not first:
+            keys.append("wte")          # the tied LM head's copy of the embedding
+    return keys
+
+
 # --------------------------------------------------------------------------- #
 # validation                                                                  #
 # --------------------------------------------------------------------------- #

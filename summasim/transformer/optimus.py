@@ -74,6 +74,14 @@ Per rank, one layer's ``tp.*`` broadcast and reduce payload is exactly
 in general ``((3 + f) b s h / d + (4 + 2f) h^2) / q``), twice that backward, three
 times with checkpointing; nothing when q = 1.
 
+Pieces
+------
+``embed_forward/backward``, ``layer_forward/backward``, ``head_forward/backward`` and
+``stage_keys``, as in :mod:`summasim.transformer.megatron` (docs/transformer.md,
+"Pieces"): :func:`forward` and :func:`backward` are them in a row. Between pieces the
+activation is this rank's block as ``(bl, t, h/q)``, a view of its ``(N, h/q)`` rows
+(a layer needs ``t`` for its attention).
+
 References
 ----------
 Q. Xu, S. Li, C. Gong, Y. You, "An Efficient 2D Method for Training Super-Large Deep
@@ -104,7 +112,6 @@ from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
 from . import model, ops
 from .model import Config
-from .ops import BLOCK_KEYS
 
 Array = Any
 
@@ -553,12 +560,12 @@ def _embed_forward(params: dict, tok, config: Config, grid):
     return x.reshape(bl * t, hq), caches                                   # (N, h/q)
 
 
-def _embed_backward(dx, caches, params: dict, config: Config, grid, bl: int, t: int):
+def _embed_backward(dx, caches, wpe_shape: tuple, grid, bl: int, t: int):
     """``dwte`` block (v/q, h/q) of the embedding and ``dwpe`` (row 0: (s, h/q))."""
     xp = array_module(dx)
     tr = grid.trace
     q, col = grid.q, grid.col
-    vq, hq = params["wte"].shape
+    vq, hq = caches[0].wte_shape
     dx3 = dx.reshape(bl, t, hq)                                            # (bl, t, h/q)
     dwte = xp.empty((vq, hq), dtype=dx.dtype) if q > 1 else None
     reqs, parts = [], []
@@ -579,10 +586,10 @@ def _embed_backward(dx, caches, params: dict, config: Config, grid, bl: int, t: 
     dwpe_t = dx3.sum(axis=0).reshape(-1)                                   # (t*h/q,)
     total = _reduce_to_row0(grid, dwpe_t, xp, "wpe")
     if grid.i == 0:
-        dwpe = xp.zeros(params["wpe"].shape, dtype=dx.dtype)               # (s, h/q)
+        dwpe = xp.zeros(wpe_shape, dtype=dx.dtype)                         # (s, h/q)
         dwpe[:t] = total.reshape(t, hq)
     else:
-        dwpe = xp.empty(params["wpe"].shape, dtype=dx.dtype)               # (0, h/q)
+        dwpe = xp.empty(wpe_shape, dtype=dx.dtype)                         # (0, h/q)
     return dwte, dwpe
 
 
@@ -611,31 +618,186 @@ def _lnf_backward(dx, cache, config: Config, grid):
     return dx, {"lnf.g": empty, "lnf.b": empty.copy()}
 
 
-# --------------------------------------------------------------------------- #
-# model                                                                       #
-# --------------------------------------------------------------------------- #
-class OptimusCache(NamedTuple):
-    config: Config
-    grid: Any
-    params: dict                 # local params (read again when layers are recomputed)
-    checkpoint: bool
-    shape: tuple                 # (bl, t): local sequences and their length
-    batch: int                   # global b
-    emb: list                    # q EmbeddingCaches, one per vocab block
-    blocks: list                 # per layer: LayerCache, or its input (N, h/q) if checkpointed
-    lnf: ops.LayerNormCache
-    xf: Array                    # final hidden states (lnf output), (N, h/q)
-    logits: Array                # local logits block, (N, v/q): vocab block j
-    ce: Optional[ops.CrossEntropyCache]
-    loss: Optional[float]
-    n_tokens: int                # b * t (global)
-
-
 def _local_rows(tokens, grid, xp):
     """This rank's sequences: row block k q + i of the batch, (b/(dq), t)."""
     bl = tokens.shape[0] // (grid.d * grid.q)
     r = grid.k * grid.q + grid.i
     return xp.asarray(tokens[r * bl:(r + 1) * bl])
+
+
+# --------------------------------------------------------------------------- #
+# the pieces: embedding, one layer, head (unchecked; the engine checks once)  #
+# --------------------------------------------------------------------------- #
+# Between pieces the activation block X[M_{kq+i}, H_j] travels as (bl, t, h/q), a
+# view of the (N, h/q) rows the layers compute on: a layer needs t for its attention.
+class EmbedCache(NamedTuple):
+    grid: Any
+    emb: list                    # q EmbeddingCaches, one per vocab block
+    wpe_shape: tuple             # local wpe shape: (s, h/q) on row 0, (0, h/q) elsewhere
+
+
+def embed_forward(p: dict, tokens, config: Config, grid):
+    """x (bl, t, h/q) = onehot(tokens) wte[:, H_j] + wpe[:t, H_j] (phase ``embed.fwd``).
+
+    ``tokens``: the global micro-batch [b, s]; this rank embeds its ``bl = b/(dq)``
+    sequences (row block ``k q + i``). ``p`` needs ``wte`` and ``wpe`` (local blocks).
+    Unchecked: :func:`forward` checks.
+    """
+    xp = array_module(p["wte"])
+    tok = _local_rows(tokens, grid, xp)                                    # (bl, t)
+    bl, t = tok.shape
+    with grid.trace.phase("embed.fwd"):
+        x, emb = _embed_forward(p, tok, config, grid)                      # (N, h/q)
+    return x.reshape(bl, t, -1), EmbedCache(grid=grid, emb=emb,
+                                            wpe_shape=p["wpe"].shape)  # (bl, t, h/q)
+
+
+def embed_backward(dx, cache: EmbedCache) -> dict:
+    """``{"wte": (v/q, h/q), "wpe": row 0 (s, h/q), else (0, h/q)}`` (phase ``embed.bwd``):
+    the embedding's part of the tied ``wte`` gradient, summed over the column (and
+    the depth), and ``wpe``'s gradient on row 0."""
+    bl, t, _ = dx.shape
+    with cache.grid.trace.phase("embed.bwd"):
+        dwte, dwpe = _embed_backward(dx, cache.emb, cache.wpe_shape, cache.grid, bl, t)
+    return {"wte": dwte, "wpe": dwpe}
+
+
+class LayerPieceCache(NamedTuple):
+    config: Config
+    grid: Any
+    l: int                       # global layer index (phase names)
+    params: dict                 # the layer's local params, read again in the backward
+    checkpoint: bool
+    block: Any                   # LayerCache, or the input (bl, t, h/q) if checkpointed
+
+
+def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False):
+    """Layer ``l`` (phase ``h{l}.fwd``) on the block x (bl, t, h/q) -> (bl, t, h/q).
+
+    ``p_layer``: the layer's local params under the unprefixed keys of
+    ``ops.BLOCK_KEYS``. With ``checkpoint`` the cache keeps only ``x`` and
+    ``p_layer``; :func:`layer_backward` recomputes.
+    """
+    bl, t, hq = x.shape
+    with grid.trace.phase(f"h{l}.fwd"):
+        out, block = _layer_forward(x.reshape(bl * t, hq), p_layer, config, grid,
+                                    bl, t)                                 # (N, h/q)
+    return out.reshape(bl, t, hq), LayerPieceCache(
+        config=config, grid=grid, l=l, params=p_layer, checkpoint=checkpoint,
+        block=x if checkpoint else block)                                  # (bl, t, h/q)
+
+
+def layer_backward(dx, cache: LayerPieceCache):
+    """``(dx (bl, t, h/q), unprefixed local grads)`` of the layer (phase ``h{l}.bwd``).
+
+    Reads the weights from ``cache.params``; checkpointed, the forward is recomputed
+    first from the saved input (its phases inside ``h{l}.bwd``).
+    """
+    config, grid, p = cache.config, cache.grid, cache.params
+    bl, t, hq = dx.shape
+    with grid.trace.phase(f"h{cache.l}.bwd"):
+        if cache.checkpoint:     # recompute the layer's forward from its saved input
+            _, block = _layer_forward(cache.block.reshape(bl * t, hq), p, config, grid, bl, t)
+        else:
+            block = cache.block
+        dx, grads = _layer_backward(dx.reshape(bl * t, hq), block, p, config, grid,
+                                    bl, t)                                 # (N, h/q)
+    return dx.reshape(bl, t, hq), grads
+
+
+class HeadCache(NamedTuple):
+    config: Config
+    grid: Any
+    params: dict                 # needs "wte" again in the backward (tied LM head)
+    shape: tuple                 # (bl, t): local sequences and their length
+    lnf: ops.LayerNormCache
+    xf: Array                    # final hidden states (lnf output), (N, h/q)
+    logits: Array                # local logits block, (N, v/q): vocab block j
+    ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
+    n_items: Optional[int]       # the denominator of the mean loss (None: no targets)
+
+
+def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None):
+    """Final LayerNorm, tied LM head and loss on the block x (bl, t, h/q).
+
+    Phases ``lnf.fwd``, ``lmhead.fwd`` and, with ``targets`` (the global micro-batch's
+    [b, s], or None for logits only), ``loss``. ``p`` needs ``lnf.g``, ``lnf.b`` and
+    ``wte``. Returns ``(loss, cache)``: the sum of the per-token losses over
+    ``n_items`` (default: the micro-batch's ``b*s`` tokens), the same float on every
+    rank; None without targets.
+    """
+    xp = array_module(p["wte"])
+    tr = grid.trace
+    bl, t, hq = x.shape
+    with tr.phase("lnf.fwd"):
+        xf, lnf = _lnf_forward(x.reshape(bl * t, hq), p, config, grid)   # (N, h/q)
+    _, abt, _ = _products(grid)
+    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
+        lg = abt(xf, p["wte"], grid)                                       # (N, v/q)
+    loss, ce = None, None
+    if targets is not None:
+        if n_items is None:
+            n_items = math.prod(targets.shape)                             # b * s
+        tgt = _local_rows(targets, grid, xp).reshape(-1)                   # (N,)
+        sum_row, max_row = _row_hooks(grid)
+        with tr.phase("loss"):
+            with tr.phase("aux.ce"):
+                losses, ce = ops.cross_entropy_forward(
+                    lg, tgt, vocab_start=grid.j * (config.vocab // grid.q),
+                    max_vocab=max_row, sum_vocab=sum_row)                  # (N,)
+            total = losses.sum().reshape(1)                                # (1,) this row block
+            with tr.phase("aux.mean"):
+                total = _allreduce(grid.col, total)
+                total = _allreduce(grid.depth, total)
+        loss = float(total[0]) / n_items
+    return loss, HeadCache(config=config, grid=grid, params=p, shape=(bl, t), lnf=lnf, xf=xf,
+                           logits=lg, ce=ce, n_items=n_items)
+
+
+def head_backward(cache: HeadCache):
+    """``(dx (bl, t, h/q), grads)`` of the head, seeded with ``1/n_items`` per token;
+    phases ``lmhead.bwd``, ``lnf.bwd``. ``grads``: ``lnf.g``, ``lnf.b`` (row 0; zero-size
+    elsewhere) and the LM head's part of the tied ``wte`` gradient (v/q, h/q)."""
+    if cache.ce is None:
+        raise ValueError("optimus.backward needs a forward with targets")
+    config, grid = cache.config, cache.grid
+    xp = array_module(cache.logits)
+    tr = grid.trace
+    ab, _, atb = _products(grid)
+    dlosses = xp.full(cache.logits.shape[0], 1.0 / cache.n_items,
+                      dtype=cache.logits.dtype)                            # (N,) 1/n_items
+    dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
+    with tr.phase("lmhead.bwd"):
+        with tr.phase("aux.logits.dX"):
+            dx = ab(dlogits, cache.params["wte"], grid)                    # (N, h/q)
+        with tr.phase("aux.logits.dW"):
+            dwte_head = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
+    with tr.phase("lnf.bwd"):
+        dx, grads = _lnf_backward(dx, cache.lnf, config, grid)             # (N, h/q)
+    grads["wte"] = dwte_head
+    return dx.reshape(cache.shape + (-1,)), grads                          # (bl, t, h/q)
+
+
+stage_keys = model.stage_keys
+
+
+# --------------------------------------------------------------------------- #
+# model: the pieces in a row                                                  #
+# --------------------------------------------------------------------------- #
+class OptimusCache(NamedTuple):
+    params: dict                 # local params (the keys and order of the gradients)
+    shape: tuple                 # (bl, t): local sequences and their length
+    batch: int                   # global b
+    emb: EmbedCache
+    layers: list                 # per layer: LayerPieceCache
+    head: HeadCache
+    logits: Array                # local logits block, (N, v/q): vocab block j
+    loss: Optional[float]
+
+    @property
+    def blocks(self) -> list:
+        """Per layer: the LayerCache, or its input (bl, t, h/q) if checkpointed."""
+        return [layer.block for layer in self.layers]
 
 
 def forward(local_params: dict, tokens, targets, config: Config, grid,
@@ -670,6 +832,11 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
         coordinates should hold), then one untraced agreement
         (:func:`summasim.mpiutil.agree`) on the config, the tokens and targets (shape,
         dtype, checksum), ``checkpoint`` and every rank's check.
+
+    Notes
+    -----
+    The pieces in a row: :func:`embed_forward`, :func:`layer_forward` for every
+    layer, :func:`head_forward`.
     """
     _check_grid(grid)
 
@@ -685,89 +852,37 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     agree("optimus.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
                                     "targets": fingerprint(targets),
                                     "checkpoint": bool(checkpoint)}, err)
-    p = local_params
-    xp = array_module(p["wte"])
-    tr = grid.trace
-    b, t = tokens.shape
-    tok = _local_rows(tokens, grid, xp)                                    # (bl, t)
-    bl = tok.shape[0]
-    with tr.phase("embed.fwd"):
-        x, emb = _embed_forward(p, tok, config, grid)                      # (N, h/q)
-    blocks = []
+    x, emb = embed_forward(local_params, tokens, config, grid)             # (bl, t, h/q)
+    layers = []
     for l in range(config.layers):
-        pl = model.layer_params(p, l)
-        with tr.phase(f"h{l}.fwd"):
-            if checkpoint:
-                blocks.append(x)                                           # keep the input only
-                x, _ = _layer_forward(x, pl, config, grid, bl, t)
-            else:
-                x, cache = _layer_forward(x, pl, config, grid, bl, t)     # (N, h/q)
-                blocks.append(cache)
-    with tr.phase("lnf.fwd"):
-        xf, lnf = _lnf_forward(x, p, config, grid)                         # (N, h/q)
-    _, abt, _ = _products(grid)
-    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
-        lg = abt(xf, p["wte"], grid)                                       # (N, v/q)
-    loss, ce = None, None
-    if targets is not None:
-        tgt = _local_rows(targets, grid, xp).reshape(-1)                   # (N,)
-        sum_row, max_row = _row_hooks(grid)
-        with tr.phase("loss"):
-            with tr.phase("aux.ce"):
-                losses, ce = ops.cross_entropy_forward(
-                    lg, tgt, vocab_start=grid.j * (config.vocab // grid.q),
-                    max_vocab=max_row, sum_vocab=sum_row)                  # (N,)
-            total = losses.sum().reshape(1)                                # (1,) this row block
-            with tr.phase("aux.mean"):
-                total = _allreduce(grid.col, total)
-                total = _allreduce(grid.depth, total)
-        loss = float(total[0]) / (b * t)
-    return loss, OptimusCache(config=config, grid=grid, params=p, checkpoint=checkpoint,
-                              shape=(bl, t), batch=b, emb=emb, blocks=blocks, lnf=lnf,
-                              xf=xf, logits=lg, ce=ce, loss=loss, n_tokens=b * t)
+        x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
+                                 checkpoint)                               # (bl, t, h/q)
+        layers.append(layer)
+    loss, head = head_forward(x, local_params, targets, config, grid)
+    return loss, OptimusCache(params=local_params, shape=head.shape, batch=tokens.shape[0],
+                              emb=emb, layers=layers, head=head, logits=head.logits,
+                              loss=loss)
 
 
 def backward(cache: OptimusCache) -> dict:
     """Local gradients of the mean loss: same keys, order and shapes as the local params.
 
     Row-0 hosted gradients hold the column-sum over the grid (and the depth) on row 0
-    and are zero-size elsewhere; 2d gradients are identical on every layer k.
+    and are zero-size elsewhere; 2d gradients are identical on every layer k. The
+    pieces in reverse (:func:`head_backward`, :func:`layer_backward` from the last
+    layer down, :func:`embed_backward`); the tied ``wte`` gradient is the embedding's
+    part plus the LM head's.
     """
-    if cache.ce is None:
-        raise ValueError("optimus.backward needs a forward with targets")
-    config, grid, p = cache.config, cache.grid, cache.params
-    xp = array_module(cache.logits)
-    tr = grid.trace
-    bl, t = cache.shape
-    ab, _, atb = _products(grid)
-    grads = {}
-    dlosses = xp.full(cache.logits.shape[0], 1.0 / cache.n_tokens,
-                      dtype=cache.logits.dtype)                            # (N,) 1/(b s)
-    dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
-    with tr.phase("lmhead.bwd"):
-        with tr.phase("aux.logits.dX"):
-            dx = ab(dlogits, p["wte"], grid)                               # (N, h/q)
-        with tr.phase("aux.logits.dW"):
-            dwte_head = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
-    with tr.phase("lnf.bwd"):
-        dx, g = _lnf_backward(dx, cache.lnf, config, grid)                 # (N, h/q)
-    grads.update(g)
-    for l in reversed(range(config.layers)):
-        pl = model.layer_params(p, l)
-        with tr.phase(f"h{l}.bwd"):
-            if cache.checkpoint:     # recompute the layer's forward from its saved input
-                _, block = _layer_forward(cache.blocks[l], pl, config, grid, bl, t)
-            else:
-                block = cache.blocks[l]
-            dx, g = _layer_backward(dx, block, pl, config, grid, bl, t)   # (N, h/q)
-            del block
+    dx, grads = head_backward(cache.head)                                  # (bl, t, h/q)
+    for l in reversed(range(len(cache.layers))):
+        dx, g = layer_backward(dx, cache.layers[l])                        # (bl, t, h/q)
         for key, val in g.items():
             grads[f"h{l}.{key}"] = val
-    with tr.phase("embed.bwd"):
-        dwte, dwpe = _embed_backward(dx, cache.emb, p, config, grid, bl, t)
-    dwte += dwte_head                                                      # tied: embed + head
-    grads["wte"], grads["wpe"] = dwte, dwpe
-    return {key: grads[key] for key in p}
+    g = embed_backward(dx, cache.emb)
+    dwte_head = grads["wte"]
+    grads["wte"], grads["wpe"] = g["wte"], g["wpe"]
+    grads["wte"] += dwte_head                                              # tied: embed + head
+    return {key: grads[key] for key in cache.params}
 
 
 def logits(cache: OptimusCache, config: Config, grid):
