@@ -1,6 +1,6 @@
-"""``python -m summasim.costmodel {explore,fit,accuracy,presets,table1}``.
+"""``python -m summasim.costmodel {predict,explore,devset,fit,accuracy,presets,table1}``.
 
-``explore``, ``presets`` and ``table1`` never import MPI; ``fit`` and
+``predict``, ``explore``, ``devset``, ``presets`` and ``table1`` never import MPI; ``fit`` and
 ``accuracy-worker`` must run under ``mpiexec`` (they import mpi4py only then);
 ``accuracy`` launches ``mpiexec`` itself.
 
@@ -105,12 +105,18 @@ def _fit_main(args, prog: str) -> int:
 
 
 def main(argv=None) -> int:
-    from . import explore
+    from . import devset, explore, predictcmd
     from .machine import get_machine, list_presets
 
     ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
-                            description="summasim cost model: explore, fit, presets")
+                            description="summasim cost model: predict, explore, fit, presets")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    prp = predictcmd.build_parser(sub.add_parser(
+        "predict", help="one configuration: step time, breakdown, memory (no MPI)",
+        description=predictcmd.__doc__.splitlines()[0]))
+    dsp = sub.add_parser("devset", help="the model against published GPU-cluster "
+                         "measurements (no MPI)", description=devset.__doc__.splitlines()[0])
+    dsp.add_argument("--json", default=None, metavar="PATH", help="write the table as JSON")
     ep = explore.build_parser(sub.add_parser("explore",
                                              help="scaling sweeps and what-ifs (no MPI)",
                                              description=explore.__doc__.splitlines()[0]))
@@ -154,6 +160,26 @@ def main(argv=None) -> int:
                         help=f"{what} (default {default})")
     args = ap.parse_args(argv)
 
+    if args.cmd == "predict":
+        try:
+            predictcmd.run(args)
+        except cli.UsageError as exc:
+            return cli.print_error(prp.prog, exc)
+        return 0
+    if args.cmd == "devset":
+        try:
+            if args.json is not None:
+                cli.check_writable_path(args.json)
+        except cli.UsageError as exc:
+            return cli.print_error(dsp.prog, f"argument --json: {exc}")
+        rows = devset.evaluate_all()
+        print(devset.format_table(rows))
+        if args.json is not None:
+            from ..jsonio import write_json_atomic
+
+            write_json_atomic(args.json, {"points": rows, "summary": devset.summary(rows)})
+            print(f"wrote {args.json}")
+        return 0
     if args.cmd == "explore":
         try:
             explore.run(args)

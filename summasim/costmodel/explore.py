@@ -7,7 +7,9 @@ strong scaling      time per training step of every scheme at p = 1, 2, 4, ...,
                     ``--p-max`` (fixed problem), the best [q, q, d] for SUMMA2.5,
                     speedup and efficiency against one rank, the communication
                     share, memory per rank, and the best scheme at each p
-weak scaling        the same with the batch grown with p (b = --b * p / --p-min)
+weak scaling        the same with the problem grown with p by ``--weak``: ``batch``
+                    (b = --b * p / p0), ``hidden`` (h and the heads grown with
+                    sqrt(p / p0), the head size h / n kept), or ``both``
 matrix products     cannon_ab, summa_ab and summa25_ab (best d) on n x n
                     (``--matmul-n``), time and efficiency
 isoefficiency       fitted exponents of W(p) at efficiency ``--efficiency`` under
@@ -15,6 +17,14 @@ isoefficiency       fitted exponents of W(p) at efficiency ``--efficiency`` unde
                     machine (MPICH algorithms), with the papers' references
 largest batch       per scheme and p, the largest b whose memory per rank fits
                     ``--mem-budget`` (default: the machine's memory per rank)
+
+The ranks are ``--p 4,16,36,64`` (any list) or p = ``--p-min``, 2 ``--p-min``, ...,
+``--p-max``. On a GPU machine (a preset with a roofline ``device`` or the NCCL
+library: ``dgx-a100``, ``h100-dgx-ndr``, ``frontera-rtx``, ``dgx2h-v100``) a step is
+the whole training step of :func:`~summasim.costmodel.schemes.step_breakdown`
+(embedding, layers, head, loss, optimizer, NCCL collectives on the topology under
+``--placement``); elsewhere it is N layers of
+:func:`~summasim.costmodel.schemes.scheme_cost`.
 
 ``--csv`` / ``--json`` write every table (atomically); ``--plot`` writes PNGs
 (scaling curves, isoefficiency) with matplotlib, or says how to install it.
@@ -46,7 +56,8 @@ from ..jsonio import write_json_atomic, write_text_atomic
 from .machine import DTYPE_SIZES, Machine, get_machine, list_presets
 from .predict import predict_algorithm
 from .schemes import (SCHEMES, Scheme, TransformerConfig, batch_step, grid_shapes, largest_batch,
-                      misfit, scheme_cost)
+                      misfit, scheme_cost, step_breakdown)
+from .topology import Placement
 
 GiB = float(1 << 30)
 #: Sweeps to thousands of ranks are about clusters: explore defaults to the H100 preset.
@@ -64,9 +75,65 @@ def _p_values(p_min: int, p_max: int) -> list[int]:
     return out
 
 
-def _best_of(p, name, cfg, machine, mode):
-    costs = [scheme_cost(sch, cfg, machine, mode=mode) for sch in grid_shapes(p, name, cfg)]
+#: Weak-scaling rules: what grows with p.
+WEAK_RULES = ("batch", "hidden", "both")
+
+
+class _Priced(NamedTuple):
+    """One scheme's step on one grid, as the tables need it."""
+
+    scheme: Scheme
+    step_seconds: float
+    comm_fraction: float
+    memory: object
+    algorithms: str
+
+
+def _gpu(machine) -> bool:
+    return machine.device is not None or machine.library == "nccl"
+
+
+def _price(sch, cfg, machine, mode, placement=None) -> _Priced:
+    """The whole step on GPU machines (:func:`step_breakdown`), else N layers."""
+    if _gpu(machine):
+        try:
+            sb = step_breakdown(sch, cfg, machine, mode=mode, placement=placement)
+        except ValueError:
+            if placement is None or placement.policy == "row-major":
+                raise
+            # the placement does not fit this grid: row-major instead
+            sb = step_breakdown(sch, cfg, machine, mode=mode)
+        algs = "; ".join(f"{op}/{g}: {'+'.join(a)}" for (op, g), a in sorted(sb.algorithms.items()))
+        return _Priced(sch, sb.seconds, sb.comm_exposed_seconds / sb.seconds if sb.seconds
+                       else 0.0, sb.memory, algs)
+    c = scheme_cost(sch, cfg, machine, mode=mode)
+    return _Priced(sch, c.step_seconds, c.comm_fraction, c.memory, c.algorithms())
+
+
+def _best_of(p, name, cfg, machine, mode, placement=None):
+    costs = [_price(sch, cfg, machine, mode, placement) for sch in grid_shapes(p, name, cfg)]
     return min(costs, key=lambda c: c.step_seconds) if costs else None
+
+
+def weak_config(cfg: TransformerConfig, p: int, p0: int, rule: str = "batch") -> TransformerConfig:
+    """The weak-scaling problem at p ranks (``cfg`` at ``p0``).
+
+    ``batch``: b = b0 p / p0. ``hidden``: the heads grow with sqrt(p / p0) (rounded,
+    at least 1) and h with them, the head size h0 / n0 kept (h = n hd), as the 2D
+    papers grow h with sqrt(p). ``both``: the two together.
+    """
+    if rule not in WEAK_RULES:
+        raise ValueError(f"unknown weak-scaling rule {rule!r}; choose {', '.join(WEAK_RULES)}")
+    out = cfg
+    if rule in ("batch", "both"):
+        b = cfg.b * p / p0
+        out = out.replace(b=int(b) if float(b).is_integer() else b)
+    if rule in ("hidden", "both"):
+        hd = cfg.h / cfg.n
+        n = max(1, int(round(cfg.n * math.sqrt(p / p0))))
+        h = n * hd
+        out = out.replace(n=n, h=int(h) if float(h).is_integer() else h)
+    return out
 
 
 def _why_not(p, name, cfg, **kw) -> str:
@@ -79,10 +146,13 @@ def _why_not(p, name, cfg, **kw) -> str:
 
 def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
                   mode: str = "mpich", weak: bool = False, budget: float = 0.0,
-                  skipped: list | None = None) -> list[dict]:
-    """Rows ``{p, scheme, grid, b, step_s, speedup, efficiency, comm_frac, mem_gib, fits}``.
+                  skipped: list | None = None, weak_rule: str = "batch",
+                  placement: Placement | None = None) -> list[dict]:
+    """Rows ``{p, scheme, grid, b, h, n, step_s, speedup, efficiency, comm_frac, mem_gib,
+    fits}``.
 
-    Strong scaling keeps ``cfg``; weak scaling multiplies the batch by p / p_values[0].
+    Strong scaling keeps ``cfg``; weak scaling grows it by ``weak_rule`` from
+    p_values[0] (:func:`weak_config`).
     Speedup is W / Tp and efficiency W / (p Tp) (Optimus section 3.1.2), with W the
     time of the same problem on one rank (Megatron with p = 1 is the serial model).
     Only grids that divide the model are priced (:func:`~.schemes.misfit`); a scheme
@@ -93,13 +163,13 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
     p0 = p_values[0]
     serial = {}
     for p in p_values:
-        c_p = cfg.replace(b=cfg.b * p / p0) if weak else cfg
-        if c_p.b not in serial:
-            serial[c_p.b] = scheme_cost(Scheme("megatron", 1), c_p, machine,
-                                        mode=mode).step_seconds
-        W = serial[c_p.b]
+        c_p = weak_config(cfg, p, p0, weak_rule) if weak else cfg
+        key = (c_p.b, c_p.h, c_p.n)
+        if key not in serial:
+            serial[key] = _price(Scheme("megatron", 1), c_p, machine, mode).step_seconds
+        W = serial[key]
         for name in schemes:
-            best = _best_of(p, name, c_p, machine, mode)
+            best = _best_of(p, name, c_p, machine, mode, placement)
             if best is None:
                 if skipped is not None and grid_shapes(p, name):
                     skipped.append({"p": p, "scheme": name, "reason": _why_not(p, name, c_p)})
@@ -107,10 +177,11 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
             t = best.step_seconds
             mem = best.memory.total
             rows.append({"p": p, "scheme": name, "grid": best.scheme.label,
-                         "b": c_p.b, "step_s": t, "speedup": W / t, "efficiency": W / (p * t),
+                         "b": c_p.b, "h": c_p.h, "n": c_p.n, "step_s": t, "speedup": W / t,
+                         "efficiency": W / (p * t),
                          "comm_frac": best.comm_fraction, "mem_gib": mem / GiB,
                          "fits": (mem <= budget) if budget > 0 else None,
-                         "algorithms": best.algorithms()})
+                         "algorithms": best.algorithms})
     # mark the fastest scheme at each p
     for p in p_values:
         mine = [r for r in rows if r["p"] == p]
@@ -122,7 +193,8 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
 
 
 def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
-                 mode: str = "mpich", skipped: list | None = None) -> list[dict]:
+                 mode: str = "mpich", skipped: list | None = None,
+                 placement: Placement | None = None) -> list[dict]:
     """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n.
 
     Only grids whose blocks are whole are priced: n divisible by q ([q, q]) and by
@@ -146,8 +218,12 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                                     f"n = {n} is not divisible by "
                                     f"{'d q' if dd > 1 else 'q'} = {qq * dd}"})
         for alg, qq, dd in cands:
-            pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
-                                   mode=mode, strict=False)
+            try:
+                pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
+                                       mode=mode, strict=False, placement=placement)
+            except ValueError:           # the placement does not fit this grid
+                pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
+                                       mode=mode, strict=False)
             row = {"p": p, "algorithm": alg, "grid": f"[{qq},{qq},{dd}]",
                    "seconds": pr.seconds, "efficiency": t1 / (p * pr.seconds),
                    "comm_frac": pr.comm_seconds / pr.seconds if pr.seconds else 0.0,
@@ -338,6 +414,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--p-min", type=cli.positive_int, default=1, help="smallest p (default 1)")
     ap.add_argument("--p-max", type=cli.positive_int, default=65536,
                     help="largest p (default 65536, at most 2^40); p doubles from --p-min")
+    ap.add_argument("--p", type=cli.int_list(minimum=1), default=None, metavar="P,P,...",
+                    help="explicit ranks, e.g. 4,16,36,64 (instead of --p-min/--p-max)")
+    ap.add_argument("--weak", choices=WEAK_RULES, default="batch",
+                    help="weak scaling grows the batch (default), the hidden size and heads "
+                         "with sqrt(p), or both")
+    ap.add_argument("--placement", default="row-major",
+                    help="ranks on nodes (GPU machines): row-major, blocked, blocked:AxB, "
+                         "map:SLOT,SLOT,...")
     ap.add_argument("--b", type=cli.positive_int, default=64, help="batch (sequences)")
     ap.add_argument("--s", type=cli.positive_int, default=1024, help="sequence length")
     ap.add_argument("--h", type=cli.positive_int, default=8192, help="hidden size")
@@ -379,6 +463,7 @@ class Plan(NamedTuple):
     cfg: TransformerConfig
     budget: float          # bytes per rank (0: no largest-batch table)
     p_values: list
+    placement: Placement
     csv: str | None        # output paths (None: not asked for)
     json: str | None
     plot_dir: str | None   # None: no plots (or matplotlib missing: a hint instead)
@@ -442,7 +527,18 @@ def check_args(args) -> Plan:
                             v=args.vocab, dtype=args.dtype, checkpoint=not args.no_checkpoint,
                             ffn=ffn)
     budget = (args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes)
-    ps = _p_values(args.p_min, args.p_max)
+    if getattr(args, "p", None):
+        ps = sorted(set(args.p))
+        if ps[-1] > MAX_P:
+            raise _arg("--p", f"at most 2^40 = {MAX_P}, got {ps[-1]}")
+    else:
+        ps = _p_values(args.p_min, args.p_max)
+    try:
+        placement = Placement.parse(getattr(args, "placement", None))
+    except ValueError as exc:
+        raise _arg("--placement", exc) from None
+    if placement.policy == "explicit":
+        raise _arg("--placement", "an explicit map fits one p only: use it with `predict`")
     if not any(grid_shapes(p, name, cfg) for p in ps for name in schemes):
         why = "; ".join(f"{name} at p = {p}: {_why_not(p, name, cfg)}"
                         for name in schemes for p in ps[:1])
@@ -469,7 +565,7 @@ def check_args(args) -> Plan:
             plot_dir = cli.check_writable_dir(args.outdir)
         except cli.UsageError as exc:
             raise _arg("--outdir", exc) from None
-    return Plan(machine, schemes, cfg, budget, ps, csv_path, json_path, plot_dir)
+    return Plan(machine, schemes, cfg, budget, ps, placement, csv_path, json_path, plot_dir)
 
 
 def _skipped_lines(skipped: list[dict]) -> str:
@@ -497,13 +593,15 @@ def run(args, out=None) -> dict:
              f"n={_fmt(cfg.n)} N={cfg.N} ffn={_fmt(cfg.ffn)} {cfg.dtype} "
              f"{'checkpointing' if cfg.checkpoint else 'no checkpointing'}, {args.mode}")
     skipped = {"strong": [], "weak": [], "matmul": []}
+    rule = getattr(args, "weak", "batch")
     tables = {
         "strong": scaling_table(cfg, machine, ps, schemes, mode=args.mode, budget=budget,
-                                skipped=skipped["strong"]),
+                                skipped=skipped["strong"], placement=plan.placement),
         "weak": scaling_table(cfg, machine, ps, schemes, mode=args.mode, weak=True,
-                              budget=budget, skipped=skipped["weak"]),
+                              budget=budget, skipped=skipped["weak"], weak_rule=rule,
+                              placement=plan.placement),
         "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode,
-                               skipped=skipped["matmul"]),
+                               skipped=skipped["matmul"], placement=plan.placement),
         "largest_batch": batch_table(cfg, ps, budget, schemes),
     }
     curves = {}
@@ -512,14 +610,21 @@ def run(args, out=None) -> dict:
     w = out.write
     w(f"machine: {machine.name}  ({machine.source})\n")
     w(f"problem: {title.split(': ', 1)[1]}\n")
+    if _gpu(machine):
+        w(f"placement: {plan.placement.describe()} (a placement that does not fit a grid "
+          f"falls back to row-major)\n")
     w("\nstrong scaling (fixed problem; efficiency = W / (p Tp), W = time on one rank)\n")
     cols = ["p", "scheme", "grid", "step_s", "speedup", "efficiency", "comm_frac", "mem_gib",
             "fits", "best"]
     w(format_table(tables["strong"], cols))
     w(_skipped_lines(skipped["strong"]))
-    w(f"\nweak scaling (b = {_fmt(cfg.b)} * p / {ps[0]}; efficiency = W / (p Tp))\n")
-    w(format_table(tables["weak"], ["p", "scheme", "grid", "b", "step_s", "efficiency",
-                                    "comm_frac", "mem_gib", "fits", "best"]))
+    grow = {"batch": f"b = {_fmt(cfg.b)} * p / {ps[0]}",
+            "hidden": f"n = {_fmt(cfg.n)} * sqrt(p / {ps[0]}), h = n * {_fmt(cfg.h / cfg.n)}",
+            "both": f"b = {_fmt(cfg.b)} * p / {ps[0]}, n = {_fmt(cfg.n)} * sqrt(p / {ps[0]}), "
+                    f"h = n * {_fmt(cfg.h / cfg.n)}"}[rule]
+    w(f"\nweak scaling ({grow}; efficiency = W / (p Tp))\n")
+    w(format_table(tables["weak"], ["p", "scheme", "grid", "b", "h", "n", "step_s",
+                                    "efficiency", "comm_frac", "mem_gib", "fits", "best"]))
     w(_skipped_lines(skipped["weak"]))
     w(f"\nn x n matrix products, n = {args.matmul_n}, float64 "
       f"(efficiency = T1 / (p Tp))\n")

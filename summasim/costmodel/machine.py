@@ -51,8 +51,13 @@ from importlib import resources
 from typing import Any, Mapping
 
 from ..jsonio import write_json_atomic
+from .roofline import Device
+from .topology import Topology
 
 FORMAT = "summasim.machine/1"
+#: Collective libraries a machine can name: MPICH's algorithms (this VM, any MPI
+#: cluster) or NCCL's (GPU clusters; needs a topology).
+LIBRARIES = ("mpich", "nccl")
 
 #: Bytes per item of the dtype names the cost model knows.
 DTYPE_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
@@ -335,6 +340,19 @@ class Machine:
         The oversubscription model; None: the plain ``slowdown`` factor.
     notes : dict
         Free-form provenance: date, command, measured points, caveats.
+    library : {"mpich", "nccl"}
+        The collective library whose algorithms price the messages. "mpich" (the
+        default) is the alpha-beta model of :mod:`~summasim.costmodel.collectives`
+        on ``intra``/``inter``; "nccl" uses :mod:`~summasim.costmodel.nccl` on the
+        links of ``topology`` (required then).
+    topology : Topology or None
+        Nodes, devices per node, intra-node links, NICs
+        (:class:`~summasim.costmodel.topology.Topology`); None: the two-link model
+        (``intra``, ``inter``, ``node_size``).
+    device : Device or None
+        Roofline parameters of one device (:class:`~summasim.costmodel.roofline.Device`):
+        with one, a training step prices every non-GEMM kernel as max(flops / peak,
+        bytes / memory bandwidth) plus a launch, instead of ``gamma_elementwise``.
     fit_conditions : dict or None
         How busy the machine was while it was measured (None: not recorded, as in
         the presets): ``foreign_cpu_before`` / ``foreign_cpu_after`` (cores' worth of
@@ -361,6 +379,9 @@ class Machine:
     shared_core: SharedCore | None = None
     notes: dict = field(default_factory=dict)
     fit_conditions: dict | None = None
+    library: str = "mpich"
+    topology: Topology | None = None
+    device: Device | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -390,6 +411,20 @@ class Machine:
             raise ValueError("machine field 'notes' must be an object")
         _fit_conditions(self.fit_conditions)
         object.__setattr__(self, "gamma_gemm", _gamma_table(self.gamma_gemm))
+        if self.library not in LIBRARIES:
+            raise ValueError(f"machine field 'library' must be one of {', '.join(LIBRARIES)}, "
+                             f"got {self.library!r}")
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            raise ValueError("machine field 'topology' must be a Topology or None")
+        if self.device is not None and not isinstance(self.device, Device):
+            raise ValueError("machine field 'device' must be a Device or None")
+        if self.library == "nccl" and self.topology is None:
+            raise ValueError("machine field 'topology' is missing: library 'nccl' prices "
+                             "collectives on the topology's links")
+        if self.topology is not None and self.node_size is not None \
+                and self.node_size != self.topology.devices_per_node:
+            raise ValueError(f"machine: node_size {self.node_size} differs from "
+                             f"topology.devices_per_node {self.topology.devices_per_node}")
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -467,7 +502,8 @@ class Machine:
     # -- JSON ------------------------------------------------------------------
     _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
             "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "call_seconds",
-            "gamma_elementwise", "layer_seconds", "shared_core", "notes", "fit_conditions")
+            "gamma_elementwise", "layer_seconds", "shared_core", "notes", "fit_conditions",
+            "library", "topology", "device")
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine.
@@ -493,6 +529,10 @@ class Machine:
         }
         if self.fit_conditions is not None:
             d["fit_conditions"] = self.fit_conditions
+        d["library"] = self.library
+        if self.topology is not None or self.device is not None:
+            d["topology"] = None if self.topology is None else self.topology.to_dict()
+            d["device"] = None if self.device is None else self.device.to_dict()
         return d
 
     @classmethod
@@ -533,7 +573,11 @@ class Machine:
                    node_size=node_size,
                    memory_bytes=memory, shared_comm=d.get("shared_comm", True),
                    notes=dict(d.get("notes") or {}),
-                   fit_conditions=_fit_conditions(d.get("fit_conditions")))
+                   fit_conditions=_fit_conditions(d.get("fit_conditions")),
+                   library=d.get("library", "mpich"),
+                   topology=(None if d.get("topology") is None
+                             else Topology.from_dict(d["topology"])),
+                   device=None if d.get("device") is None else Device.from_dict(d["device"]))
 
     def save(self, path) -> None:
         """Write JSON atomically (temp file in the same folder, then ``os.replace``)."""

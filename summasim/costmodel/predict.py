@@ -26,6 +26,13 @@ buys nothing when cores are oversubscribed and communication needs them
 A group's messages use the machine's inter-node link when the group spans nodes
 (:func:`group_spans_nodes`; ranks are placed in Cartesian order
 ``rank = (k q + i) q + j``, ``node_size`` per node).
+
+Machines whose ``library`` is "nccl" price every collective with NCCL's ring/tree
+algorithms and protocols (:mod:`~summasim.costmodel.nccl`) on the links the
+group crosses under a placement (:mod:`~summasim.costmodel.topology`): the
+concurrent groups of one kind share the socket links and NICs. The algorithm
+reported is ``nccl_<ring|tree|p2p>_<protocol>``. MPICH machines (the default, and
+the local preset) take exactly the path above.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from . import traffic as _traffic
-from .collectives import (MPICH, Thresholds, collective_shape, collective_time,
-                          default_reduce_impl)
+from .collectives import (MPICH, CollectiveCost, Thresholds, collective_shape,
+                          collective_time, default_reduce_impl)
 from .machine import Machine, SharedCore, itemsize_of
+from .nccl import NcclCost, nccl_time
+from .topology import GridShape, Placement, group_path
 
 _UNIT_SHARED = SharedCore()
 
@@ -93,6 +102,10 @@ class Prediction:
         "mpich" or "paper".
     machine : str
         The machine's name.
+    breakdown : dict
+        Whole training steps (:func:`~summasim.costmodel.schemes.step_cost`):
+        ``gemm_seconds``, ``memory_bound_seconds`` (elementwise and optimizer work,
+        launches included), ``comm_seconds`` and ``comm_exposed_seconds``.
     """
 
     seconds: float
@@ -105,6 +118,7 @@ class Prediction:
     slowdown: float = 1.0
     mode: str = "mpich"
     machine: str = ""
+    breakdown: dict = field(default_factory=dict)
 
     def describe_algorithms(self) -> str:
         """One line naming the algorithm assumed per (op, group), for reports."""
@@ -119,24 +133,51 @@ class Prediction:
                 "by_op": {key(k): v for k, v in self.by_op.items()},
                 "by_phase": dict(self.by_phase),
                 "algorithms": {key(k): list(v) for k, v in self.algorithms.items()},
-                "counts": {key(k): list(v) for k, v in self.counts.items()}}
+                "counts": {key(k): list(v) for k, v in self.counts.items()},
+                "breakdown": dict(self.breakdown)}
 
 
 class _Pricer:
     """Prices (op, group, size, nbytes) with caching and the placement rule."""
 
     def __init__(self, machine, mode, algorithms, thresholds, itemsize, q, d, p,
-                 reduce_impl=None):
+                 reduce_impl=None, placement=None):
         self.machine, self.mode = machine, mode
         self.reduce_impl = reduce_impl or default_reduce_impl()
         self.algorithms = dict(algorithms or {})
         self.thresholds = thresholds or MPICH
         self.itemsize, self.q, self.d, self.p = itemsize, q, d, p
         self.cache: dict = {}
+        self.nccl = machine.library == "nccl" and mode != "paper"
+        self.placement = placement if placement is not None else Placement()
+        self.paths: dict = {}
+
+    def path(self, group, size):
+        """The :class:`~summasim.costmodel.topology.GroupPath` of ``group`` (NCCL only)."""
+        key = (group, size)
+        hit = self.paths.get(key)
+        if hit is None:
+            grid = GridShape.of(self.p if self.p is not None else size, self.q, self.d)
+            if grid.p < size:
+                grid = GridShape.of(size)
+            hit = group_path(self.machine.topology, grid, group, size, self.placement)
+            self.paths[key] = hit
+        return hit
 
     def __call__(self, op, group, size, nbytes):
         key = (op, group, size, nbytes)
         hit = self.cache.get(key)
+        if hit is None and self.nccl:
+            if size <= 1:
+                hit = CollectiveCost(0.0, "none")
+            else:
+                forced = self.algorithms.get(op)
+                alg, _, proto = (forced or "").partition("/")
+                c: NcclCost = nccl_time(op, nbytes, self.path(group, size),
+                                        ll128=self.machine.topology.ll128,
+                                        algorithm=alg or None, protocol=proto or None)
+                hit = CollectiveCost(c.seconds, c.name)
+            self.cache[key] = hit
         if hit is None:
             inter = group_spans_nodes(group, self.machine, q=self.q, d=self.d, p=self.p,
                                       group_size=size)
@@ -174,9 +215,12 @@ class _Pricer:
 def make_pricer(machine: Machine, *, mode: str = "mpich",
                 algorithms: Mapping[str, str] | None = None,
                 thresholds: Thresholds | None = None, itemsize: int = 8, q: int = 1,
-                d: int = 1, p: int | None = None, reduce_impl: str | None = None):
-    """A caching callable ``(op, group, group_size, nbytes) -> CollectiveCost``."""
-    return _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl)
+                d: int = 1, p: int | None = None, reduce_impl: str | None = None,
+                placement: Placement | None = None):
+    """A caching callable ``(op, group, group_size, nbytes) -> CollectiveCost``
+    (``placement``: how ranks sit on nodes, for NCCL machines; default row-major)."""
+    return _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl,
+                   placement)
 
 
 def _compute_seconds(machine: Machine, gemms, dtype, reduce_bytes) -> float:
@@ -230,7 +274,7 @@ class _Tally:
         self.algs[key].add(cost.algorithm)
         self.counts[key][0] += count
         self.counts[key][1] += count * nbytes
-        if size > 1 and self.pricer.machine.shared_core is not None:
+        if size > 1 and self.pricer.machine.shared_core is not None and not self.pricer.nccl:
             cpu, hops, hb = self.pricer.work(op, group, size, nbytes)
             acc = self.shared[key]
             acc[0] += count * cpu
@@ -286,7 +330,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   algorithms: Mapping[str, str] | None = None,
                   thresholds: Thresholds | None = None,
                   itemsize: int | None = None, reduce_impl: str | None = None,
-                  elementwise_items: float = 0.0, layers: float = 0.0) -> Prediction:
+                  elementwise_items: float = 0.0, layers: float = 0.0,
+                  placement: Placement | None = None) -> Prediction:
     """Predicted time of one rank's recorded events plus its compute.
 
     Parameters
@@ -324,6 +369,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         ``gamma_elementwise``; see :func:`~summasim.costmodel.schemes.step_work`).
     layers : float
         Transformer layers in the run (each costs the machine's ``layer_seconds``).
+    placement : Placement, optional
+        How the ranks sit on nodes (NCCL machines; default row-major).
 
     Returns
     -------
@@ -333,7 +380,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     events = getattr(events, "events", events)
     p, rpn = _resolve_p(machine, p, q, d, ranks_per_node)
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
-    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p, reduce_impl)
+    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p, reduce_impl,
+                     placement)
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
         tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
@@ -430,11 +478,12 @@ def price_messages(messages, machine: Machine, *, mode: str = "mpich",
                    algorithms: Mapping[str, str] | None = None,
                    thresholds: Thresholds | None = None, itemsize: int = 8,
                    q: int = 1, d: int = 1, p: int | None = None, pricer=None,
-                   reduce_impl: str | None = None):
+                   reduce_impl: str | None = None, placement: Placement | None = None):
     """``(seconds, by_op, algorithms)`` of :class:`~summasim.costmodel.traffic.MessageClass`
     entries (no slowdown). ``pricer`` (from :func:`make_pricer`) reuses a cache."""
     if pricer is None:
-        pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl)
+        pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl,
+                         placement)
     by_op: dict = defaultdict(float)
     algs: dict = defaultdict(set)
     for mc in messages:
@@ -451,7 +500,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
                       ranks_per_node: int | None = None, mode: str = "mpich",
                       algorithms: Mapping[str, str] | None = None,
                       thresholds: Thresholds | None = None, overlap: bool = False,
-                      strict: bool = True, reduce_impl: str | None = None) -> Prediction:
+                      strict: bool = True, reduce_impl: str | None = None,
+                      placement: Placement | None = None) -> Prediction:
     """Closed-form predicted time of one call of algorithm ``name`` on one rank.
 
     Parameters
@@ -480,6 +530,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
         Require even division (False: real-valued blocks, for scaling studies).
     reduce_impl : {"tree", "mpi"}, optional
         How "reduce" runs (default as ``Comm``).
+    placement : Placement, optional
+        How the ranks sit on nodes (NCCL machines; default row-major).
 
     Returns
     -------
@@ -496,7 +548,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
     cands = _worst_coords(name, q, d, m, k, n, count, p) if coords == "worst" else [coords]
-    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q_, d_, ranks, reduce_impl)
+    pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q_, d_, ranks, reduce_impl,
+                     placement)
     best = None
     for c in cands:
         msgs = _traffic.algorithm_messages(name, m, k, n, q, d, itemsize, c, count=count, p=p,

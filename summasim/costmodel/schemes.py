@@ -98,7 +98,9 @@ from ..transformer.schemes import SCHEME_NAMES
 from . import traffic as _traffic
 from .collectives import MPICH, Thresholds
 from .machine import Machine, itemsize_of
-from .predict import make_pricer, price_messages
+from .predict import Prediction, make_pricer, price_messages
+from .roofline import gemm_roofline, kernels_seconds, layer_kernels, model_kernels
+from .topology import Placement
 
 SCHEMES = SCHEME_NAMES       # the one registry: summasim.transformer.schemes
 _ALIASES = {"megatron": "megatron", "1d": "megatron", "optimus": "optimus", "2d": "optimus",
@@ -127,6 +129,10 @@ class TransformerConfig:
     ffn : float
         MLP multiplier f: the MLP is ``[h, f h]``, ``[f h, h]`` (GPT-2: 4; the
         model's ``Config.ffn_mult``).
+    dropout : float
+        Dropout probability of the attention probabilities and the two hidden
+        dropouts (0: none, as in summasim's model; Megatron-LM trains with 0.1).
+        Priced by the roofline model only (its masks and kernels).
 
     Sizes may be real (the isoefficiency solver varies h continuously) but must be
     finite and positive (v, optimizer_states: non-negative); a ``ValueError`` names
@@ -144,6 +150,7 @@ class TransformerConfig:
     checkpoint: bool = True
     optimizer_states: float = 2.0
     ffn: float = 4
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("b", "s", "h", "n", "N", "v", "ffn", "optimizer_states"):
@@ -155,6 +162,9 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{name} must be a finite {want} number, "
                                  f"got {val!r}")
         itemsize_of(self.dtype)              # a ValueError naming the known dtypes
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 <= d < 1:
+            raise ValueError(f"TransformerConfig.dropout must be a number in [0, 1), got {d!r}")
 
     @classmethod
     def from_model(cls, config, batch, checkpoint: bool = False,
@@ -387,6 +397,8 @@ class PassCost:
 
     ``payload`` is in items (the summed ``nbytes / itemsize`` of the trace events),
     ``mults`` in scalar multiplications, times in seconds (slowdown included).
+    On a machine with a roofline ``device``, ``compute_seconds`` includes the
+    memory-bound kernels of the pass, ``memory_seconds`` of them.
     """
 
     comm_seconds: float = 0.0
@@ -395,6 +407,11 @@ class PassCost:
     mults: float = 0.0
     by_op: dict = field(default_factory=dict)
     algorithms: dict = field(default_factory=dict)
+    memory_seconds: float = 0.0
+
+    @property
+    def gemm_seconds(self) -> float:
+        return self.compute_seconds - self.memory_seconds
 
     @property
     def seconds(self) -> float:
@@ -500,6 +517,19 @@ def _ring_allreduce_messages(items, size, group, itemsize, count, strict):
     return [mc._replace(count=mc.count * count) for mc in msgs]
 
 
+def _gemm_seconds(machine: Machine, m_, k_, n_, cnt, dtype, itemsize, batched=False) -> float:
+    """``cnt`` local GEMMs: the machine's gamma, or on a roofline device
+    :func:`~summasim.costmodel.roofline.gemm_roofline` (one launch per GEMM, or one
+    for the whole batch when ``batched``: attention's per-head products)."""
+    if machine.device is None:
+        return cnt * machine.gemm_time(m_, k_, n_, dtype)
+    dev = machine.device
+    one = gemm_roofline(machine, dev, m_, k_, n_, dtype, itemsize)
+    if batched and cnt > 1 and one > 0:
+        return cnt * (one - dev.launch_seconds) + dev.launch_seconds
+    return cnt * one
+
+
 def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
     it = cfg.itemsize
     out = PassCost()
@@ -510,7 +540,8 @@ def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
         if op[0] == "gemm":
             if compute:
                 _, m_, k_, n_, cnt = op
-                out.compute_seconds += cnt * machine.gemm_time(m_, k_, n_, cfg.dtype)
+                out.compute_seconds += _gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it,
+                                                     batched=True)
                 out.mults += cnt * m_ * k_ * n_
             continue
         if op[0] == "mm":
@@ -519,7 +550,7 @@ def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
             if compute:
                 work = _traffic.algorithm_compute(alg, m_, k_, n_, q, d, it, None, strict=strict)
                 for a, b_, c, cnt in work.gemms:
-                    out.compute_seconds += cnt * machine.gemm_time(a, b_, c, cfg.dtype)
+                    out.compute_seconds += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
                     out.mults += cnt * a * b_ * c
                 out.compute_seconds += machine.gamma_reduce * work.reduce_bytes
         elif op[0] == "ring":
@@ -550,7 +581,8 @@ def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
                 mode: str = "mpich", algorithms: Mapping[str, str] | None = None,
                 thresholds: Thresholds | None = None, include_minor: bool = False,
                 checkpoint: bool | None = None, ranks_per_node: int | None = None,
-                strict: bool = False, compute: bool = True) -> SchemeCost:
+                strict: bool = False, compute: bool = True,
+                placement: Placement | None = None) -> SchemeCost:
     """Per-rank communication, compute and memory of ``scheme`` on ``cfg``.
 
     Parameters
@@ -573,11 +605,15 @@ def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
         Require every dimension to divide (False: real-valued blocks).
     compute : bool
         False skips the compute model (zero compute times; faster).
+    placement : Placement, optional
+        How the ranks sit on nodes (NCCL machines; default row-major).
 
     Returns
     -------
     SchemeCost
-        Times in seconds, payloads in items, memory in bytes per rank.
+        Times in seconds, payloads in items, memory in bytes per rank. On a machine
+        with a roofline ``device`` the compute includes the layer's memory-bound
+        kernels (:func:`~summasim.costmodel.roofline.layer_kernels`).
     """
     ck = cfg.checkpoint if checkpoint is None else checkpoint
     cfg = cfg.replace(checkpoint=ck)
@@ -587,12 +623,18 @@ def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
     comm_slow = slow if machine.shared_comm else 1.0
     pricer = make_pricer(machine, mode=mode, algorithms=algorithms,
                          thresholds=thresholds or MPICH, itemsize=cfg.itemsize, q=scheme.q,
-                         d=scheme.d, p=scheme.p)
+                         d=scheme.d, p=scheme.p, placement=placement)
+    kernels = (layer_kernels(scheme, cfg) if compute and machine.device is not None
+               else None)
     passes = []
     for key in ("forward", "backward"):
         pc = _price_ops(ops[key], scheme, cfg, machine, pricer, strict, compute)
+        if kernels is not None:
+            pc.memory_seconds = kernels_seconds(kernels[key], machine.device, cfg.dtype)
+            pc.compute_seconds += pc.memory_seconds
         pc.comm_seconds *= comm_slow
         pc.compute_seconds *= slow
+        pc.memory_seconds *= slow
         pc.by_op = {k: v * comm_slow for k, v in pc.by_op.items()}
         passes.append(pc)
     return SchemeCost(scheme, cfg, passes[0], passes[1], memory(scheme, cfg), slow, mode)
@@ -713,8 +755,20 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     params = (N * layer_params) * it
     emb_b = emb * it
     model = params + emb_b
-    return Memory(params=params, grads=model, optimizer=cfg.optimizer_states * model,
-                  activations=(acts + grad_bufs) * it, workspace=work * it, embedding=emb_b)
+    optimizer = cfg.optimizer_states * model
+    if it < 4:
+        # mixed precision: float32 optimizer states and a float32 master copy of the
+        # weights (Megatron-LM, ZeRO section 3.1: 2 + 2 + 12 bytes per parameter)
+        optimizer = (cfg.optimizer_states * 4 + 4) * model / it
+    masks = 0.0
+    if cfg.dropout > 0:
+        # one byte per element of the attention-probability and two hidden dropout masks
+        hid = bsh if scheme.name == "megatron" else bsh / p
+        per_layer = cfg.b * cfg.n * s * s / p + 2 * hid
+        masks = per_layer * (1 if cfg.checkpoint else N)
+    return Memory(params=params, grads=model, optimizer=optimizer,
+                  activations=(acts + grad_bufs) * it + masks, workspace=work * it,
+                  embedding=emb_b)
 
 
 def batch_step(scheme: Scheme) -> int:
@@ -892,38 +946,234 @@ def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
     return StepWork(gemms, red, elementwise_items(scheme, cfg), cfg.N + 1)
 
 
+def _ops_messages(ops, scheme: Scheme, itemsize: int) -> list:
+    """:class:`~summasim.costmodel.traffic.MessageClass` entries of a list of ops."""
+    out = []
+    for op in ops:
+        if op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            out += _traffic.algorithm_messages(alg, m_, k_, n_, scheme.q, scheme.d, itemsize,
+                                               None, strict=False)
+        elif op[0] == "ring":
+            _, grp, size, items, cnt = op
+            out += _ring_allreduce_messages(items, size, grp, itemsize, cnt, False)
+        elif op[0] == "coll" and op[3] > 1:
+            _, cop, grp, size, items, cnt = op
+            out.append(_traffic.MessageClass(cop, grp, size, items * itemsize, cnt))
+    return out
+
+
 def model_messages(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> list:
     """The :class:`~summasim.costmodel.traffic.MessageClass` entries of one training
     step on one rank (what its trace records; origin of the grid, or ``row0=False``)."""
     ops = model_ops(scheme, cfg, row0=row0)
-    it = cfg.itemsize
-    out = []
-    for op in ops["forward"] + ops["backward"]:
-        if op[0] == "mm":
-            _, alg, m_, k_, n_ = op
-            out += _traffic.algorithm_messages(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
-                                               strict=False)
-        elif op[0] == "ring":
-            _, grp, size, items, cnt = op
-            out += _ring_allreduce_messages(items, size, grp, it, cnt, False)
-        elif op[0] == "coll" and op[3] > 1:
-            _, cop, grp, size, items, cnt = op
-            out.append(_traffic.MessageClass(cop, grp, size, items * it, cnt))
-    return out
+    return _ops_messages(ops["forward"] + ops["backward"], scheme, cfg.itemsize)
 
 
 def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
-              reduce_impl: str | None = None, ranks_per_node: int | None = None):
-    """Predicted seconds of one training step (forward + backward, no checkpointing) of
-    the whole model on ``machine``, as a :class:`~summasim.costmodel.predict.Prediction`:
-    :func:`model_messages` priced like a trace, plus :func:`step_work` (GEMMs, the ring
-    additions, and ``gamma_elementwise`` per elementwise item). The shared-core model
-    applies when the node is oversubscribed."""
+              reduce_impl: str | None = None, ranks_per_node: int | None = None,
+              placement: Placement | None = None):
+    """Predicted seconds of one training step of the whole model on ``machine``, as a
+    :class:`~summasim.costmodel.predict.Prediction` whose ``breakdown`` holds
+    ``gemm_seconds``, ``memory_bound_seconds``, ``comm_seconds`` and
+    ``comm_exposed_seconds`` (they add up to ``seconds``).
+
+    On a machine without a roofline ``device`` (this VM): forward + backward without
+    checkpointing, :func:`model_messages` priced like a trace plus :func:`step_work`
+    (GEMMs, the ring additions, and ``gamma_elementwise`` per elementwise item); the
+    shared-core model applies when the node is oversubscribed. On a GPU machine
+    (``device`` set, or library "nccl"): :func:`step_breakdown` (checkpointing as
+    ``cfg.checkpoint`` says, roofline kernels, the optimizer, NCCL collectives on the
+    topology under ``placement``)."""
     from .predict import predict_trace
 
+    if machine.device is not None or machine.library == "nccl":
+        sb = step_breakdown(scheme, cfg, machine, placement=placement, reduce_impl=reduce_impl)
+        return Prediction(sb.seconds, sb.comm_seconds, sb.seconds - sb.comm_exposed_seconds,
+                          dict(sb.by_op), {}, dict(sb.algorithms), {}, 1.0, "mpich",
+                          machine.name, breakdown=sb.breakdown())
     work = step_work(scheme, cfg)
-    return predict_trace(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
-                            d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
-                            elementwise_items=work.elementwise_items, layers=work.layers,
-                            dtype=cfg.dtype,
-                            reduce_impl=reduce_impl, ranks_per_node=ranks_per_node)
+    pred = predict_trace(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
+                         d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
+                         elementwise_items=work.elementwise_items, layers=work.layers,
+                         dtype=cfg.dtype,
+                         reduce_impl=reduce_impl, ranks_per_node=ranks_per_node)
+    gemm = sum(c * machine.gemm_time(a, b_, k, cfg.dtype) for a, b_, k, c in work.gemms)
+    other = (machine.gamma_reduce * work.reduce_bytes
+             + machine.gamma_elementwise * work.elementwise_items
+             + machine.layer_seconds * work.layers)
+    scale = pred.compute_seconds / (gemm + other) if gemm + other > 0 else 0.0
+    pred.breakdown = {"gemm_seconds": gemm * scale, "memory_bound_seconds": other * scale,
+                      "optimizer_seconds": 0.0, "comm_seconds": pred.comm_seconds,
+                      "comm_exposed_seconds": pred.seconds - pred.compute_seconds}
+    return pred
+
+
+# -- a whole training step on a GPU cluster --------------------------------------------------
+@dataclass
+class StepBreakdown:
+    """One training step on one rank (the busiest: grid row 0), split up.
+
+    Times in seconds: ``gemm_seconds`` (local GEMMs, tensor cores for 16-bit
+    dtypes), ``memory_bound_seconds`` (every non-GEMM kernel: LayerNorm, softmax,
+    GELU, dropout, bias and residual adds, embedding, loss, local reductions, and
+    the optimizer, which is also ``optimizer_seconds``), ``comm_seconds`` (every
+    collective) and ``comm_exposed_seconds`` (the part not hidden under compute:
+    all of it here, the schemes' collectives block the compute that needs their
+    result). ``seconds`` = GEMM + memory-bound + exposed communication.
+    ``launch_seconds`` is the kernel-launch share of GEMM and memory-bound time.
+    ``model_flops`` is 6 x (forward GEMM flops) over all ranks, the useful work of
+    a step without recomputation; ``tflops_per_device`` = model_flops / (p seconds).
+    """
+
+    scheme: Scheme
+    config: TransformerConfig
+    machine: str
+    placement: str
+    seconds: float
+    gemm_seconds: float
+    memory_bound_seconds: float
+    optimizer_seconds: float
+    comm_seconds: float
+    comm_exposed_seconds: float
+    launch_seconds: float
+    kernels: int
+    by_op: dict
+    algorithms: dict
+    memory: Memory
+    model_flops: float
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / (self.scheme.p * self.seconds) / 1e12 if self.seconds else 0.0
+
+    def breakdown(self) -> dict:
+        """The four parts (what :func:`step_cost` puts in ``Prediction.breakdown``)."""
+        return {"gemm_seconds": self.gemm_seconds,
+                "memory_bound_seconds": self.memory_bound_seconds,
+                "optimizer_seconds": self.optimizer_seconds,
+                "comm_seconds": self.comm_seconds,
+                "comm_exposed_seconds": self.comm_exposed_seconds,
+                "launch_seconds": self.launch_seconds}
+
+    def to_dict(self) -> dict:
+        key = lambda k: f"{k[0]}/{k[1]}" if isinstance(k, tuple) else str(k)  # noqa: E731
+        sch = self.scheme
+        return {"scheme": sch.name, "grid": sch.label, "p": sch.p, "q": sch.q, "d": sch.d,
+                "machine": self.machine, "placement": self.placement,
+                "config": dict(self.config.__dict__), "seconds": self.seconds,
+                **self.breakdown(), "kernels": self.kernels,
+                "model_flops": self.model_flops, "tflops_per_device": self.tflops_per_device,
+                "by_op": {key(k): v for k, v in self.by_op.items()},
+                "algorithms": {key(k): list(v) for k, v in self.algorithms.items()},
+                "memory": self.memory.to_dict()}
+
+
+def _nonempty(op) -> bool:
+    """False for a GEMM or product with a zero dimension (no vocabulary: no head)."""
+    if op[0] == "gemm":
+        return all(x != 0 for x in op[1:4])
+    if op[0] == "mm":
+        return all(x != 0 for x in op[2:5])
+    return True
+
+
+def step_ops(scheme: Scheme, cfg: TransformerConfig) -> dict[str, list]:
+    """:func:`model_ops` of one training step with ``cfg.checkpoint`` honoured (the
+    backward pass first recomputes every layer's forward, its collectives included)
+    and no head when ``cfg.v == 0``."""
+    ops = model_ops(scheme, cfg)
+    fwd = [op for op in ops["forward"] if _nonempty(op)]
+    bwd = [op for op in ops["backward"] if _nonempty(op)]
+    if cfg.checkpoint:
+        layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False)
+        bwd = cfg.N * layer["forward"] + bwd
+    return {"forward": fwd, "backward": bwd}
+
+
+def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+                   placement: Placement | None = None, mode: str = "mpich",
+                   reduce_impl: str | None = None,
+                   algorithms: Mapping[str, str] | None = None) -> StepBreakdown:
+    """Price one training step of ``scheme`` on ``cfg`` (see :class:`StepBreakdown`).
+
+    Parameters
+    ----------
+    scheme : Scheme
+    cfg : TransformerConfig
+        ``cfg.checkpoint`` adds the recomputed forward (GEMMs, kernels, collectives).
+    machine : Machine
+        NCCL machines price collectives on their topology; machines with a
+        ``device`` price GEMMs and kernels with the roofline (others: ``gamma``
+        tables and ``gamma_elementwise``, no optimizer).
+    placement : Placement, optional
+        Ranks on nodes (default row-major).
+    mode, reduce_impl, algorithms
+        As in :func:`scheme_cost` (NCCL: ``algorithms={"allreduce": "ring/Simple"}``
+        forces an algorithm and protocol).
+
+    Returns
+    -------
+    StepBreakdown
+    """
+    placement = placement or Placement()
+    it = cfg.itemsize
+    ops = step_ops(scheme, cfg)
+    pricer = make_pricer(machine, mode=mode, algorithms=algorithms, itemsize=it, q=scheme.q,
+                         d=scheme.d, p=scheme.p, reduce_impl=reduce_impl, placement=placement)
+    dev = machine.device
+    gemm = red_bytes = fwd_flops = 0.0
+    launches = 0
+    for key in ("forward", "backward"):
+        for op in ops[key]:
+            if op[0] == "gemm":
+                _, m_, k_, n_, cnt = op
+                gemm += _gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it, batched=True)
+                launches += 1
+                if key == "forward":
+                    fwd_flops += 2.0 * cnt * m_ * k_ * n_
+            elif op[0] == "mm":
+                _, alg, m_, k_, n_ = op
+                work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
+                                                  strict=False)
+                for a, b_, c, cnt in work.gemms:
+                    gemm += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
+                    launches += cnt
+                    if key == "forward":
+                        fwd_flops += 2.0 * cnt * a * b_ * c
+                red_bytes += work.reduce_bytes
+            elif op[0] == "ring" and op[2] > 1:
+                _, grp, size, items, cnt = op
+                red_bytes += cnt * (size - 1) / size * items * it
+    msgs = _ops_messages(ops["forward"] + ops["backward"], scheme, it)
+    comm, by_op, algs = price_messages(msgs, machine, pricer=pricer)
+    mem = memory(scheme, cfg)
+    if dev is not None:
+        local_params = (mem.params + mem.embedding) / it
+        tensors = 12 * cfg.N + (4 if cfg.v else 2)
+        kern = model_kernels(scheme, cfg, local_params, tensors)
+        elementwise = kernels_seconds(kern["forward"] + kern["backward"], dev, cfg.dtype)
+        # local additions (a += b: 3 bytes moved per operand byte), one kernel per op
+        elementwise += 3.0 * red_bytes / dev.memory_bandwidth
+        optimizer = kernels_seconds(kern["optimizer"], dev, cfg.dtype)
+        n_kern = len(kern["forward"]) + len(kern["backward"]) + len(kern["optimizer"])
+        launch = (n_kern + launches) * dev.launch_seconds
+    else:
+        work = step_work(scheme, cfg)
+        elementwise = (machine.gamma_reduce * red_bytes
+                       + machine.gamma_elementwise * work.elementwise_items
+                       + machine.layer_seconds * work.layers)
+        optimizer = launch = 0.0
+        n_kern = 0
+    slow = machine.slowdown(machine.ranks_per_node(scheme.p))
+    comm_slow = slow if machine.shared_comm else 1.0
+    gemm, elementwise, optimizer, launch = (x * slow for x in (gemm, elementwise, optimizer,
+                                                                launch))
+    comm *= comm_slow
+    mem_bound = elementwise + optimizer
+    total = gemm + mem_bound + comm
+    # useful model flops: forward + backward (2 x forward) without recomputation, all ranks
+    model_flops = 3.0 * fwd_flops * scheme.p
+    return StepBreakdown(scheme, cfg, machine.name, placement.describe(), total, gemm,
+                         mem_bound, optimizer, comm, comm, launch, n_kern + launches,
+                         {k: v * comm_slow for k, v in by_op.items()}, algs, mem, model_flops)

@@ -1,0 +1,103 @@
+"""The local machine predicts exactly what it predicted before issue 10.
+
+``tests/data/local_predictions.json`` was written by
+``tests/data/make_local_predictions.py`` from the cost model as it was before the
+GPU-cluster model (topology, NCCL collectives, roofline compute) was added. The
+preset ``local-2core-mpich`` (library MPICH, one shared-memory node) must take the
+old code path: every collective, algorithm, scheme layer, training step,
+shared-core feature, memory figure and largest batch here is compared for EXACT
+equality (no tolerance: the path is meant to be the same arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from summasim.costmodel import collectives as C
+from summasim.costmodel.machine import load_preset
+from summasim.costmodel.predict import (predict_algorithm, predict_features, predict_trace,
+                                        trace_features)
+from summasim.costmodel.schemes import (Scheme, TransformerConfig, largest_batch, memory,
+                                        model_messages, scheme_cost, step_cost, step_work)
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "local_predictions.json")
+
+with open(DATA, encoding="utf-8") as _fh:
+    FROZEN = json.load(_fh)
+
+
+@pytest.fixture(scope="module")
+def local():
+    return load_preset(FROZEN["preset"])
+
+
+def test_frozen_file_covers_a_few_dozen_configurations():
+    assert len(FROZEN["collectives"]) >= 100
+    assert len(FROZEN["algorithms"]) >= 30
+    assert len(FROZEN["schemes"]) >= 20
+
+
+def test_local_preset_names_mpich_on_shared_memory(local):
+    assert local.library == "mpich"
+    assert local.topology is None or local.topology.intra_kind == "shm"
+
+
+def test_collectives_unchanged(local):
+    bad = []
+    for case in FROZEN["collectives"]:
+        cost = C.collective_time(case["op"], case["nbytes"], case["p"], local,
+                                 reduce_impl=case["reduce_impl"])
+        if (cost.seconds, cost.algorithm) != (case["seconds"], case["algorithm"]):
+            bad.append((case, cost))
+    assert not bad, f"{len(bad)} collectives changed, first: {bad[0]}"
+
+
+def test_algorithms_unchanged(local):
+    bad = []
+    for case in FROZEN["algorithms"]:
+        kw = dict(machine=local, dtype=case["dtype"], overlap=case["overlap"],
+                  reduce_impl="tree")
+        if "ranks_per_node" in case:
+            kw["ranks_per_node"] = case["ranks_per_node"]
+        if case["name"] == "ring_allreduce":
+            pr = predict_algorithm("ring_allreduce", count=case["count"], p=case["p"], **kw)
+        else:
+            pr = predict_algorithm(case["name"], case["m"], case["k"], case["n"], case["q"],
+                                   case["d"], **kw)
+        got = [pr.seconds, pr.comm_seconds, pr.compute_seconds, pr.slowdown]
+        want = [case["seconds"], case["comm"], case["compute"], case["slowdown"]]
+        if got != want:
+            bad.append((case["name"], case.get("q"), case.get("d"), got, want))
+    assert not bad, f"{len(bad)} algorithm predictions changed, first: {bad[0]}"
+
+
+@pytest.mark.parametrize("idx", range(len(FROZEN["schemes"])))
+def test_schemes_and_steps_unchanged(local, idx):
+    case = FROZEN["schemes"][idx]
+    sch = Scheme.make(case["scheme"], **case["grid"])
+    cfg = TransformerConfig(**case["cfg"])
+    for ck in (False, True):
+        sc = scheme_cost(sch, cfg, local, checkpoint=ck, include_minor=ck)
+        assert [sc.step_seconds, sc.step_comm_seconds, sc.step_compute_seconds,
+                sc.memory.total] == case[f"scheme_cost_ck{int(ck)}"], (sch.label, ck)
+    assert memory(sch, cfg).total == case["memory"]
+    assert largest_batch(sch, cfg, local.memory_bytes) == case["largest_batch"]
+    if "step_cost" not in case:
+        return
+    st = step_cost(sch, cfg, local, reduce_impl="tree")
+    assert [st.seconds, st.comm_seconds, st.compute_seconds, st.slowdown] == case["step_cost"]
+    w = step_work(sch, cfg)
+    feats = [trace_features(model_messages(sch, cfg, row0=r0), local, p=sch.p, q=sch.q,
+                            d=sch.d, gemms=w.gemms, reduce_bytes=w.reduce_bytes,
+                            elementwise_items=w.elementwise_items, layers=w.layers,
+                            dtype=cfg.dtype, reduce_impl="tree") for r0 in (True, False)]
+    assert [[f.work, f.hops, f.hop_bytes, f.dedicated, f.calls] for f in feats] \
+        == case["features"]
+    assert predict_features(feats, local, local.ranks_per_node(sch.p)) \
+        == case["predict_features"]
+    tr = predict_trace(model_messages(sch, cfg), local, p=sch.p, q=sch.q, d=sch.d,
+                       gemms=w.gemms, dtype=cfg.dtype, ranks_per_node=1, reduce_impl="tree")
+    assert [tr.seconds, tr.comm_seconds, tr.compute_seconds] == case["predict_trace_dedicated"]

@@ -1,0 +1,122 @@
+"""``python -m summasim.costmodel predict`` and the new ``explore`` options: every
+scheme answers on every GPU preset; user errors are one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from summasim.costmodel.__main__ import main
+from summasim.costmodel.explore import weak_config
+from summasim.costmodel.schemes import TransformerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--hidden", "2048", "--heads", "16", "--layers", "4", "--seq", "512", "--batch", "16",
+         "--vocab", "32000"]
+GRIDS = {"megatron": "8", "optimus": "4x4", "summa25": "2x2x4"}
+
+
+@pytest.mark.parametrize("preset", ["dgx-a100", "h100-dgx-ndr", "frontera-rtx"])
+@pytest.mark.parametrize("scheme", ["megatron", "optimus", "summa25"])
+def test_predict_answers_for_every_scheme_on_every_gpu_preset(tmp_path, capsys, preset, scheme):
+    dtype = "float16" if preset == "frontera-rtx" else "bfloat16"
+    path = tmp_path / "p.json"
+    rc = main(["predict", "--scheme", scheme, "--grid", GRIDS[scheme], *MODEL, "--dtype", dtype,
+               "--checkpoint", "--preset", preset, "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "step time" in out and "largest batch" in out and "memory per device" in out
+    doc = json.loads(path.read_text())
+    parts = doc["gemm_seconds"] + doc["memory_bound_seconds"] + doc["comm_exposed_seconds"]
+    assert doc["seconds"] == pytest.approx(parts)
+    assert doc["seconds"] > 0 and doc["memory"]["total"] > 0
+    assert doc["largest_batch"] is None or doc["largest_batch"] >= 0
+    assert any(a.startswith("nccl_") for algs in doc["algorithms"].values() for a in algs)
+
+
+def test_predict_placement_changes_the_prediction(tmp_path, capsys):
+    docs = {}
+    for pl in ("row-major", "blocked", "map:" + ",".join(str(x) for x in range(16)[::-1])):
+        path = tmp_path / f"{len(docs)}.json"
+        assert main(["predict", "--scheme", "optimus", "--grid", "4", *MODEL, "--preset",
+                     "frontera-rtx", "--dtype", "float16", "--placement", pl,
+                     "--json", str(path)]) == 0
+        docs[pl] = json.loads(path.read_text())
+    capsys.readouterr()
+    assert docs["row-major"]["seconds"] != docs["blocked"]["seconds"]
+    assert docs["blocked"]["placement"].startswith("blocked")
+    assert docs["map:15,14,13,12,11,10,9,8,7,6,5,4,3,2,1,0"]["placement"].startswith("explicit")
+
+
+FIT3 = ["--hidden", "2400", "--heads", "24", "--batch", "24", "--vocab", "32001"]
+BAD = [
+    (["--scheme", "optimus", "--grid", "3x4"], "--grid"),
+    (["--scheme", "summa25", "--grid", "4x4"], "--grid"),
+    (["--scheme", "megatron", "--grid", "3"], "not divisible"),
+    (["--scheme", "optimus", "--grid", "3", "--preset", "frontera-rtx", "--placement",
+      "blocked", "--dtype", "float16", *FIT3], "--placement"),
+    (["--scheme", "optimus", "--grid", "4", "--placement", "map:0,1"], "--placement"),
+    (["--scheme", "optimus", "--grid", "4", "--preset", "nope"], "--preset"),
+    (["--scheme", "optimus", "--grid", "4", "--dtype", "float64", "--preset", "dgx2h-v100",
+      "--json", "/proc/nope/x.json"], "--json"),
+]
+
+
+@pytest.mark.parametrize("args,mention", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_predict_user_errors_are_one_line_and_exit_2(capsys, args, mention):
+    rc = main(["predict", *MODEL, *args])          # later options win: FIT3 fits q = 3
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "error:" in lines[0] and mention in lines[0], err
+
+
+def test_predict_bad_argument_is_a_clean_exit_from_the_shell():
+    res = subprocess.run([sys.executable, "-m", "summasim.costmodel", "predict", "--scheme",
+                          "optimus", "--grid", "4", *MODEL[:-2], "--vocab", "-1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
+
+
+def test_weak_rules_grow_batch_hidden_or_both():
+    cfg = TransformerConfig(b=8, s=512, h=1024, n=16, N=2)
+    assert weak_config(cfg, 16, 4, "batch").b == 32
+    hid = weak_config(cfg, 16, 4, "hidden")
+    assert (hid.b, hid.n, hid.h) == (8, 32, 2048)          # sqrt(4) = 2, head size 64 kept
+    both = weak_config(cfg, 36, 4, "both")
+    assert (both.b, both.n, both.h) == (72, 48, 3072)
+    with pytest.raises(ValueError):
+        weak_config(cfg, 4, 4, "depth")
+
+
+def test_explore_takes_a_p_list_weak_rules_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = main(["explore", "--preset", "dgx-a100", "--p", "4,16,36,64", "--weak", "both",
+               "--b", "36", "--s", "256", "--h", "1152", "--heads", "12", "--layers", "2",
+               "--vocab", "0", "--dtype", "bfloat16", "--no-iso", "--matmul-n", "2304",
+               "--json", "--plot", "--outdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = json.loads((tmp_path / "explore.json").read_text())
+    weak = doc["tables"]["weak"]
+    assert {r["p"] for r in weak} >= {4, 16, 36, 64}
+    at36 = [r for r in weak if r["p"] == 36][0]
+    assert at36["n"] == 36 and at36["h"] == 3456 and at36["b"] == 324
+    assert (tmp_path / "scaling.png").exists()
+    assert "weak scaling (b = 36 * p / 4, n = 12 * sqrt(p / 4)" in out
+
+
+def test_explore_bad_placement_and_p_list_are_user_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["explore", "--preset", "dgx-a100", "--p", "4,0"])
+    assert exc.value.code == 2
+    assert "--p" in capsys.readouterr().err
+    rc = main(["explore", "--preset", "dgx-a100", "--p", "4,16", "--placement", "map:0,1",
+               "--no-iso"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--placement" in err and len(err.strip().splitlines()) == 1
