@@ -15,6 +15,11 @@
                one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to
                the serial model on the same cores (rank 0 alone, all cores, the others
                asleep): the same total work, so the ratio is the parallel overhead.
+``mesh``       one training step (every micro-batch's forward and backward, the gradient
+               reduction, Adam) of each sharded-training composition (``--mesh``, or the
+               defaults that fit p) next to pure tensor parallelism of the same scheme on
+               all p ranks (the same model, global batch and engine), with the cost
+               model's prediction for both.
 
 Speed goals live here, not in timed tests. Results go to the terminal and, with
 ``--json``, to a file (written atomically).
@@ -313,11 +318,95 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
     return rows
 
 
+def _pure_tensor(case, p: int):
+    """The same scheme on all p ranks (its first grid that shards the model), else
+    Megatron over p; ``None`` when neither fits."""
+    from .harness.cases import MeshCase
+    from .transformer.schemes import SCHEMES
+
+    for name in (case.scheme, "megatron"):
+        spec = SCHEMES[name]
+        for q, d in spec.grids(p):
+            grid = {"1d": f"megatron:{p}", "2d": f"optimus:{q}x{q}",
+                    "2.5d": f"summa25:{q}x{q}x{d}"}[spec.grid_kind]
+            pure = MeshCase.parse(f"tp={grid}", case.batch, case.config, zero=0,
+                                  schedule=case.schedule, microbatches=1,
+                                  checkpoint=case.checkpoint)
+            if not pure.misfit(p):
+                return pure
+    return None
+
+
+def bench_mesh(world, cases, repeats: int, say, machine=None) -> list[dict]:
+    """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
+    (collective)."""
+    from .grid import Mesh
+    from .harness.timing import time_calls
+    from .mpiutil import agreement
+    from .transformer import model
+    from .transformer.composed import Trainer
+    from .transformer.schemes import get_scheme
+
+    p = world.Get_size()
+    rows = []
+
+    def step_time(case):
+        spec = get_scheme(case.scheme)
+        params = model.init_params(case.config, seed=0)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, case.config.vocab, size=(case.batch, case.config.seq))
+        targets = rng.integers(0, case.config.vocab, size=(case.batch, case.config.seq))
+        mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t)
+        try:
+            mesh.trace.enabled = False
+            tr = Trainer(params, case.config, mesh, spec, zero=case.zero,
+                         schedule=case.schedule, microbatches=case.microbatches,
+                         checkpoint=case.checkpoint, bucket_bytes=case.bucket_bytes)
+            tr.step(tokens, targets)                         # checked (agreed) once
+            with agreement(False):
+                times = time_calls(lambda: tr.step(tokens, targets), world, repeats,
+                                   adaptive=False)["spans"]
+        finally:
+            mesh.free()
+        return statistics.median(times)
+
+    def predicted(case):
+        if machine is None:
+            return None
+        from .costmodel.compose import predict_case
+
+        return predict_case(case.to_dict(), machine)
+
+    c0 = cases[0].config if cases else None
+    if c0 is not None:
+        say(f"sharded training step: b={cases[0].batch} (global) s={c0.seq} h={c0.hidden} "
+            f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers} "
+            f"{np.dtype(c0.dtype).name}; 'pure' is the same scheme on all {p} ranks")
+    head = (f"{'mesh':<28} {'zero':>4} {'sched':>5} {'m':>2} {'step s':>8} {'pred s':>8} "
+            f"{'pure tp':<20} {'pure s':>8} {'pred s':>8} {'vs pure':>8}")
+    say(head)
+    say("-" * len(head))
+    for case in cases:
+        pure = _pure_tensor(case, p)
+        t = step_time(case)
+        tp = step_time(pure) if pure is not None else None
+        pc, pp_ = predicted(case), predicted(pure) if pure is not None else None
+        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule,
+                     "microbatches": case.microbatches, "seconds": t, "predicted": pc,
+                     "pure": pure.spec if pure else None, "pure_seconds": tp,
+                     "pure_predicted": pp_, "ratio": (tp / t) if tp else None})
+        say(f"{case.spec:<28} {case.zero:>4} {case.schedule:>5} {case.microbatches:>2} "
+            f"{t:>8.4f} {fmt(pc):>8} {pure.spec if pure else '-':<20} {fmt(tp):>8} "
+            f"{fmt(pp_):>8} {(f'{tp / t:.2f}x') if tp else '-':>8}")
+    return rows
+
+
 def build_parser():
     ap = Parser(prog="python -m summasim.bench", description=__doc__.split(
         "\n\n")[0] + " Run under mpirun.")
     ap.add_argument("what", nargs="?",
-                    choices=("gemm", "allreduce", "ring-steps", "transformer", "all"),
+                    choices=("gemm", "allreduce", "ring-steps", "transformer", "mesh", "all"),
                     default="all", help="which benchmark (default all)")
     ap.add_argument("--n", type=int, default=4096, help="GEMM size n (default 4096)")
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
@@ -336,6 +425,17 @@ def build_parser():
     ap.add_argument("--tf-dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--checkpoint", action="store_true",
                     help="transformer benchmark with activation checkpointing")
+    ap.add_argument("--mesh", action="append", default=None, metavar="dp=D,pp=P,tp=SCHEME:GRID",
+                    help="mesh benchmark: a composition to time (repeatable; default: the "
+                         "main job's default compositions that fit p)")
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                    help="mesh benchmark: ZeRO stage of the --mesh runs (default 0)")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--mesh-shape", nargs=6, type=int, default=[16, 32, 128, 16, 128, 4],
+                    metavar=("B", "S", "H", "N", "V", "L"),
+                    help="mesh benchmark model: global batch, sequence, hidden, heads, vocab, "
+                         "layers (default 16 32 128 16 128 4, float64)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap
@@ -365,7 +465,26 @@ def parse_args(argv=None):
     b, s, h, n, v, layers = args.tf_shape
     if h % n:
         raise UserError(f"--tf-shape: heads = {n} must divide hidden = {h}")
+    if min(args.mesh_shape) < 1 or args.mesh_shape[2] % args.mesh_shape[3]:
+        raise UserError("--mesh-shape values must be positive and heads must divide hidden")
+    if args.microbatches < 1:
+        raise UserError("--microbatches must be at least 1")
     return args
+
+
+def plan_mesh_bench(args, p: int):
+    """``(cases, skips, err)`` of the mesh benchmark (pure)."""
+    from .harness.plan import default_meshes, plan_meshes
+    from .transformer.model import Config
+
+    b, s, h, n, v, layers = args.mesh_shape
+    config = Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers)
+    if args.mesh:
+        specs = [(m, dict(zero=args.zero, schedule=args.schedule,
+                          microbatches=args.microbatches)) for m in args.mesh]
+    else:
+        specs = default_meshes(p)
+    return plan_meshes(p, specs, config, b, bool(args.mesh))
 
 
 def _preflight(args, world) -> str:
@@ -376,6 +495,10 @@ def _preflight(args, world) -> str:
     err = check_outputs(args.json, None if args.no_predict else args.machine)
     if err:
         return err
+    if args.what in ("mesh", "all"):
+        _, _, err = plan_mesh_bench(args, world.Get_size())
+        if err:
+            return err
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
@@ -423,6 +546,17 @@ def _body(args, world) -> int:
         say("")
         report["transformer"] = bench_transformer(world, args.tf_shape, np.dtype(args.tf_dtype),
                                                   args.repeats, args.checkpoint, say)
+    if args.what in ("mesh", "all"):
+        say("")
+        cases, skips, _ = plan_mesh_bench(args, p)
+        machine = None
+        if not args.no_predict:
+            from .harness.machinefile import resolve_machine
+
+            machine = resolve_machine(args.machine, world, say)
+        report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine)
+        for sk in skips:
+            say(f"  skipped mesh {sk.name}: {sk.reason}")
     if args.json and rank == 0:
         write_json_atomic(args.json, report)
     if not ok:

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import os
 import sys
 import tempfile
@@ -191,6 +192,19 @@ def positive_int(text) -> int:
     val = _as_int(text)
     if val < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return val
+
+
+def byte_size(text) -> int:
+    """argparse type: a byte count, ``"4M"``, ``"64MiB"``, ``"512k"`` or ``"1048576"``
+    (at least 1)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4M, 64MiB, 8192)")
+    val = int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20,
+                                    "g": 1 << 30}[m.group(2).lower()])
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return val
 
 

@@ -153,6 +153,13 @@ class Request:
         c.trace.record(self.op, c.name, c.size, self.root, self.nbytes, self.seconds,
                        phase=self.phase)
 
+    def test(self) -> bool:
+        """Whether the operation has completed, without waiting (completes and records
+        it if so)."""
+        if not self.done and MPI.Request.Testall(self.reqs):
+            self.wait()
+        return self.done
+
 
 class _TreeReduce(Request):
     """A binomial-tree sum-reduce over point-to-point messages (see the module doc).
@@ -475,7 +482,7 @@ class Comm:
         def step(sb, dest, rb, source):
             t0 = clock()
             raw(sb, dest, 0, rb, source, 0)
-            trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0)
+            trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0, blocking=True)
 
         return step
 
@@ -515,10 +522,36 @@ class Comm:
             self.mpi.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
             if self.trace.enabled:
                 self.trace.record("sendrecv", self.name, self.size, -1, nbytes,
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, blocking=True)
             return recvbuf
         self.isendrecv(sendbuf, dest, recvbuf, source, tag).wait()
         return recvbuf
+
+    def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        """Non-blocking point-to-point send of ``buf`` to group rank ``dest`` (traced as
+        "send" with ``buf.nbytes``). ``buf`` must stay unchanged until the request is
+        waited on (a staged copy is taken at once for device arrays)."""
+        self._check(buf, "send")
+        cleanup: list = []
+        view = self._outgoing(buf, cleanup)
+        return self._start("send", dest, buf.nbytes,
+                           lambda: [self.mpi.Isend(view, dest=dest, tag=tag)], cleanup)
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Request:
+        """Non-blocking receive into ``buf`` from group rank ``source`` (traced as "recv"
+        with ``buf.nbytes``; the ledger's payload counts what is sent, so compare
+        "send" events with closed forms)."""
+        self._check(buf, "recv")
+        cleanup: list = []
+        view = self._incoming(buf, cleanup)
+        return self._start("recv", source, buf.nbytes,
+                           lambda: [self.mpi.Irecv(view, source=source, tag=tag)], cleanup)
+
+    def recv(self, buf, source: int, tag: int = 0):
+        """Receive into ``buf`` from group rank ``source`` (waits with the wait policy);
+        returns ``buf``."""
+        self.irecv(buf, source, tag).wait()
+        return buf
 
     def shift_ranks(self, disp: int) -> tuple[int, int]:
         """``(source, dest)`` of a cyclic shift by ``disp`` along this communicator.

@@ -15,6 +15,8 @@ so a SUMMA step l is ``grid.row.bcast(buf, root=l)``: no global rank arithmetic.
 All of them are :class:`summasim.comm.Comm` objects sharing one ``grid.trace``.
 
 A :class:`Grid1D` is a single group of ``p`` ranks (Megatron's tensor-parallel group).
+A :class:`Mesh` is the training mesh ``[dp, pp, tensor grid]`` of data, pipeline and
+tensor parallelism, built the same way.
 """
 
 from __future__ import annotations
@@ -191,6 +193,121 @@ class Grid1D:
 
         if self._dup != MPI.COMM_NULL:
             self._dup.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+TENSOR_KINDS = ("1d", "2d", "2.5d")
+
+
+def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
+    """Ranks of one tensor-parallel grid (pure): ``t`` for "1d", ``d*q*q`` otherwise."""
+    if kind not in TENSOR_KINDS:
+        raise ValueError(f"tensor grid kind must be one of {', '.join(TENSOR_KINDS)}, "
+                         f"got {kind!r}")
+    if kind == "1d":
+        return _positive_int("t", t)
+    return _positive_int("d", d) * _positive_int("q", q) ** 2
+
+
+class Mesh:
+    """The training mesh ``[dp, pp, tensor grid]``: data-parallel replicas, pipeline
+    stages, and inside each (replica, stage) one tensor-parallel grid.
+
+    Built like :class:`Grid`: ``Create_cart([dp, pp, T])`` (T = ranks of one tensor
+    grid, no periodic axes, ranks in row-major order: the tensor grid is innermost, so
+    its ranks are neighbours, as Megatron-LM places them) and ``Sub``:
+
+    ``mesh.dp_comm``  fixed (stage, tensor rank), ordered by replica -- rank == ``mesh.a``
+    ``mesh.pp_comm``  fixed (replica, tensor rank), ordered by stage -- rank == ``mesh.s``
+    ``mesh.tensor``  fixed (replica, stage): a :class:`Grid1D` ("1d") or a
+                     ``Grid(q, d)`` ("2d", "2.5d") over its T ranks
+    ``mesh.embed``   the first and last stage of ``mesh.pp_comm`` (first rank 0, last 1), where
+                     the tied embedding's gradient is summed; ``None`` on the stages in
+                     between and when ``pp == 1`` (one stage holds both ends)
+    ``mesh.world``   all ranks
+
+    ``mesh.dp``, ``mesh.pp`` and ``mesh.T`` are the sizes. All communicators share
+    ``mesh.trace``; their trace groups are "dp", "pp", "embed", "mesh" (the world) and
+    the tensor grid's own names. Coordinates: ``mesh.a`` (replica), ``mesh.s``
+    (stage), ``mesh.r`` (rank in the tensor grid), ``mesh.first``/``mesh.last``.
+
+    Raises
+    ------
+    ValueError
+        On every rank, before any communication, when ``dp * pp * T`` is not the
+        communicator's size or a dimension is not a positive integer.
+    """
+
+    def __init__(self, comm, dp: int, pp: int, kind: str, q: int = 1, d: int = 1,
+                 t: int = 1, trace: Trace | None = None, backend=None,
+                 wait: str | None = None):
+        from .comm import Comm
+
+        raw = _raw(comm)
+        self.dp, self.pp = _positive_int("dp", dp), _positive_int("pp", pp)
+        self.kind = kind
+        self.T = tensor_size(kind, q, d, t)
+        size = raw.Get_size()
+        if size != self.dp * self.pp * self.T:
+            raise ValueError(f"a mesh dp={self.dp} x pp={self.pp} x tensor={self.T} needs "
+                             f"{self.dp * self.pp * self.T} processes, but the communicator "
+                             f"has {size}")
+        self.p = size
+        self.trace = trace if trace is not None else Trace()
+        self.backend = backend
+        self._cart = raw.Create_cart([self.dp, self.pp, self.T], periods=[False] * 3,
+                                     reorder=False)
+        self.a, self.s, self.r = self._cart.Get_coords(self._cart.Get_rank())
+        self.rank = self._cart.Get_rank()
+        self.first, self.last = self.s == 0, self.s == self.pp - 1
+        subs = {"dp": [True, False, False], "pp": [False, True, False],
+                "tensor": [False, False, True]}
+        dp_c, pp_c, t_c = (self._cart.Sub(rem) for rem in subs.values())
+        from mpi4py import MPI
+
+        ends = self.pp > 1 and (self.first or self.last)
+        embed_c = pp_c.Split(0 if ends else MPI.UNDEFINED, self.s)
+        self._mpi_comms = [self._cart, dp_c, pp_c, t_c, embed_c]
+        make = lambda c, name: Comm(c, name=name, trace=self.trace, backend=backend,  # noqa: E731
+                                    wait=wait)
+        self.world = make(self._cart, "mesh")
+        self.dp_comm = make(dp_c, "dp")
+        self.pp_comm = make(pp_c, "pp")
+        self.embed = make(embed_c, "embed") if embed_c != MPI.COMM_NULL else None
+        if kind == "1d":
+            self.tensor = Grid1D(t_c, trace=self.trace, backend=backend, wait=wait)
+        else:
+            self.tensor = Grid(t_c, q, d, trace=self.trace, backend=backend, wait=wait)
+        assert self.dp_comm.rank == self.a and self.pp_comm.rank == self.s
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(dp, pp, T)``."""
+        return (self.dp, self.pp, self.T)
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """This rank's ``(replica, stage, tensor rank)``."""
+        return (self.a, self.s, self.r)
+
+    def __repr__(self):
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, tensor={self.kind}:{self.T}, "
+                f"coords(a,s,r)={self.coords})")
+
+    def free(self) -> None:
+        """Release the mesh's communicators, its tensor grid's included (collective)."""
+        from mpi4py import MPI
+
+        self.tensor.free()
+        for c in reversed(self._mpi_comms):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self._mpi_comms = []
 
     def __enter__(self):
         return self

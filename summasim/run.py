@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from . import cli
 from .algorithms.table import ALGORITHMS
 from .harness.check import METHODS
 from .harness.frontend import Parser, UserError, check_outputs, mpi_main
@@ -78,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="transformer section: batch, sequence, hidden, heads, vocab, layers, "
                          "ffn multiplier (default " + " ".join(map(str, DEFAULT_TF)) + ", which "
                          "every scheme can shard at p = 16)")
+    ap.add_argument("--mesh", action="append", default=None, metavar="dp=D,pp=P,tp=SCHEME:GRID",
+                    help="sharded training on a [dp, pp, tensor] mesh, validated against the "
+                         "serial model (SCHEME:GRID is megatron:T, optimus:QxQ or "
+                         "summa25:QxQxD; dp and pp default to 1); repeatable. The model is "
+                         "--tf-config (B is the global batch). Without --mesh the job runs a "
+                         "few default compositions that fit p")
+    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                    help="ZeRO stage of the --mesh runs (default 0)")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                    help="pipeline schedule of the --mesh runs (default 1f1b)")
+    ap.add_argument("--microbatches", type=int, default=2, metavar="M",
+                    help="micro-batches per replica of the --mesh runs (default 2)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing in the --mesh runs")
+    ap.add_argument("--bucket", type=cli.byte_size, default=None, metavar="BYTES",
+                    help="gradient bucket of the --mesh runs (e.g. 64k; default 25 MiB, "
+                         "PyTorch DDP's)")
+    ap.add_argument("--meshes", choices=("default", "none"), default="default",
+                    help="without --mesh: run the default compositions or none")
     ap.add_argument("--inject", metavar="KIND@RANK", default=None,
                     help="corrupt every run's output on one rank after it computes, to see the "
                          f"validator fail: KIND is one of {', '.join(KINDS)} (e.g. nan@2)")
@@ -129,8 +149,11 @@ def parse_args(argv=None):
     except ValueError as e:
         raise UserError(f"--tf-config: {e}") from None
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
-    if not args.algorithm_list and not args.scheme_list:
-        raise UserError("nothing to run: --algorithms none and --schemes none")
+    if args.microbatches < 1:
+        raise UserError("--microbatches must be at least 1")
+    if not args.algorithm_list and not args.scheme_list and not args.mesh \
+            and args.meshes == "none":
+        raise UserError("nothing to run: --algorithms none, --schemes none and no mesh")
     return args
 
 
@@ -140,6 +163,23 @@ def _tf_config(values, dtype):
     b, s, h, n, v, layers, ffn = values
     return Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers, ffn_mult=ffn,
                   dtype=np.dtype(dtype).type)
+
+
+def plan_mesh_cases(args, p: int):
+    """``(cases, skips, err)`` of the sharded-training section (pure)."""
+    from .harness.plan import default_meshes, plan_meshes
+
+    if args.self_test:
+        return [], [], ""
+    kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
+    if args.mesh:
+        opts = dict(zero=args.zero, schedule=args.schedule, microbatches=args.microbatches,
+                    checkpoint=args.checkpoint)
+        specs = [(m, opts) for m in args.mesh]
+    else:
+        specs = default_meshes(p) if args.meshes == "default" else []
+    tf = args.tf_config
+    return plan_meshes(p, specs, _tf_config(tf, "float64"), tf[0], bool(args.mesh), **kw)
 
 
 def plan(args, p: int):
@@ -169,10 +209,12 @@ def preflight(args, world) -> str:
 
     p = world.Get_size()
     cases, skips, tcases, tskips = plan(args, p)
-
-    if not cases and not tcases:
+    mcases, mskips, err = plan_mesh_cases(args, p)
+    if err:
+        return err
+    if not cases and not tcases and not mcases:
         why = "; ".join(f"{s.name}{' ' + s.grid if s.grid else ''}: {s.reason}"
-                        for s in skips + tskips) or "no run fits"
+                        for s in skips + tskips + mskips) or "no run fits"
         return f"nothing would be checked at p = {p}: {why}"
     if args.fault is not None and args.fault.rank >= p:
         return f"--inject {args.inject}: rank {args.fault.rank} does not exist (p = {p})"
@@ -228,7 +270,7 @@ def _predict(res, machine):
 def _main(args, world, cases, skips, tcases, tskips) -> int:
     from .backends import get_backend
     from .harness.execute import run_case
-    from .harness.report import (format_header, format_row, format_transformer,
+    from .harness.report import (format_header, format_row, format_transformer, mesh_record,
                                  prediction_summary, row_record, transformer_record)
     from .mpiutil import limit_blas_threads
 
@@ -286,16 +328,21 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
         say(format_transformer(reports))
     for s in tskips:
         say(f"  skipped {s.name}{' ' + s.grid if s.grid else ''}: {s.reason}")
-    ok = all(r["ok"] for r in rows) and all(r.ok for r in reports)
+    meshes = _meshes(args, world, backend, machine, say, pairs)
+    mskips = plan_mesh_cases(args, p)[1]
+    for s in mskips:
+        say(f"  skipped mesh {s.name}: {s.reason}")
+    reports_all = reports + meshes
+    ok = all(r["ok"] for r in rows) and all(r.ok for r in reports_all)
     summary = prediction_summary(pairs)
     if summary:
         say(f"\ncost model ({machine.name}): MAPE {100 * summary['mape']:.1f}% over "
             f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "
             f"({summary['worst_run']})")
     elapsed = time.perf_counter() - t_start
-    passed = sum(r["ok"] for r in rows) + sum(r.ok for r in reports)
-    failed = len(rows) + len(reports) - passed
-    say(f"\n{passed} passed, {failed} failed, {len(skips) + len(tskips)} skipped in "
+    passed = sum(r["ok"] for r in rows) + sum(r.ok for r in reports_all)
+    failed = len(rows) + len(reports_all) - passed
+    say(f"\n{passed} passed, {failed} failed, {len(skips) + len(tskips) + len(mskips)} skipped in "
         f"{elapsed:.1f} s")
     if args.json and rank == 0:
         from .comm import default_wait_policy
@@ -311,9 +358,51 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
                         for s in skips],
             "transformer": [transformer_record(r) for r in reports],
             "transformer_skipped": [{"scheme": s.name, "grid": s.grid, "reason": s.reason}
-                                    for s in tskips]})
+                                    for s in tskips],
+            "meshes": [mesh_record(r) for r in meshes],
+            "meshes_skipped": [{"mesh": s.name, "reason": s.reason} for s in mskips]})
         say(f"report written to {args.json}")
     return 0 if ok and passed > 0 else 1
+
+
+def _meshes(args, world, backend, machine, say, pairs) -> list:
+    """The sharded-training section: one validated, timed row per mesh."""
+    from .harness.composed import run_mesh
+    from .harness.report import format_mesh_header, format_mesh_row
+
+    mcases = plan_mesh_cases(args, world.Get_size())[0]
+    if not mcases:
+        return []
+    c0 = mcases[0].config
+    say(f"\nsharded training: b={mcases[0].batch} (global) s={c0.seq} h={c0.hidden} "
+        f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers}, {mcases[0].steps} Adam steps "
+        f"vs the serial model on the whole batch; errors are max|par - ser| / max|ser| over "
+        f"every step's loss and held gradients and the final held parameters; traffic is "
+        f"the largest per-rank bytes of the step's data/pipeline/ZeRO phases against the "
+        f"closed form, state the largest per-rank model state against the ZeRO formula\n")
+    out = []
+    width = max(len(c.spec) for c in mcases)
+    say(format_mesh_header(width), flush=True)
+    for case in mcases:
+        res = run_mesh(case, world, backend, repeats=args.repeats, seed=args.seed,
+                       timed=args.repeats > 0)
+        rep = res.extra["report"]
+        if world.Get_rank() == 0 and machine is not None and rep.step_s:
+            rep.predicted_s = _predict_mesh(case, machine)
+            if rep.predicted_s is not None:
+                pairs.append((rep.predicted_s, rep.step_s, f"{case.spec} step"))
+        out.append(rep)
+        say(format_mesh_row(rep, width), flush=True)
+    return out
+
+
+def _predict_mesh(case, machine):
+    """The cost model's step time of a mesh case (None when it cannot price it)."""
+    try:
+        from .costmodel.compose import predict_case
+    except ImportError:
+        return None
+    return predict_case(case.to_dict(), machine)
 
 
 def _self_test(args, world, cases, tcases, skips) -> int:

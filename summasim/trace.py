@@ -2,15 +2,21 @@
 
 Every call through :class:`summasim.comm.Comm` appends one :class:`Event`:
 
-``op``          "bcast", "reduce", "allreduce", "allgather", "sendrecv" or "barrier"
+``op``          "bcast", "reduce", "allreduce", "allgather", "sendrecv", "send", "recv"
+                or "barrier"
 ``group``       name of the communicator: "row", "col", "depth", "layer", "world", ...
 ``group_size``  number of ranks in that communicator
-``root``        root rank inside the group (-1 when the op has none)
+``root``        root rank inside the group (the peer for send and recv; -1 when none)
 ``nbytes``      payload of the call on this rank: the broadcast / reduce / all-reduce
                 buffer (the same on every member), or the bytes sent by a sendrecv
 ``seconds``     wall time this rank spent inside MPI for the call (for a
                 non-blocking call: posting it plus waiting for it)
 ``phase``       the innermost ``with trace.phase(...)`` label ("" outside any)
+``blocking``    True when the rank waited inside a blocking MPI call (a sendrecv that took
+                ``MPI_Sendrecv``, whose wait is MPI's own progress loop); False when the
+                call was a non-blocking request completed by ``Comm``'s wait policy
+                (polled). The cost model prices the two waits apart under
+                oversubscription (:class:`summasim.costmodel.machine.SharedCore`).
 
 A trace belongs to one rank. Totals per op, group and phase are local; use
 :meth:`Trace.allgather_totals` to see every rank's totals.
@@ -33,6 +39,7 @@ class Event(NamedTuple):
     nbytes: int
     seconds: float
     phase: str
+    blocking: bool = False
 
 
 class Total(NamedTuple):
@@ -79,12 +86,13 @@ class Trace:
             self._phases.pop()
 
     def record(self, op: str, group: str, group_size: int, root: int, nbytes: int,
-               seconds: float, phase: str | None = None) -> None:
-        """Append an event (``phase`` defaults to the current phase)."""
+               seconds: float, phase: str | None = None, blocking: bool = False) -> None:
+        """Append an event (``phase`` defaults to the current phase; ``blocking``: the
+        wait was inside a blocking MPI call, see the module doc)."""
         if self.enabled:
             self.events.append(Event(op, group, int(group_size), int(root), int(nbytes),
                                      float(seconds), self.current_phase if phase is None
-                                     else phase))
+                                     else phase, bool(blocking)))
 
     def clear(self) -> None:
         self.events.clear()

@@ -152,9 +152,20 @@ def test_cli_arguments():
                 ["--inject", "nan"], ["--inject", "boom@1"], ["--tf-config", "8", "16", "64",
                                                                 "5", "64", "2", "4"],
                 ["--self-test", "--inject", "nan@1"], ["--algorithms", "none",
-                                                       "--schemes", "none"]):
+                                                       "--schemes", "none", "--meshes", "none"],
+                ["--microbatches", "0"], ["--zero", "4"], ["--schedule", "zb"],
+                ["--bucket", "0"]):
         with pytest.raises(UserError):
             run.parse_args(bad)
+    # the products and schemes off, the default meshes still run
+    assert run.parse_args(["--algorithms", "none", "--schemes", "none"]).meshes == "default"
+    args = run.parse_args(["--algorithms", "none", "--mesh", "dp=2,tp=megatron:2", "--zero",
+                           "3", "--bucket", "64k"])
+    assert args.mesh == ["dp=2,tp=megatron:2"] and args.zero == 3 and args.bucket == 65536
+    cases, skips, err = run.plan_mesh_cases(args, 4)
+    assert err == "" and [c.spec for c in cases] == ["dp=2,tp=megatron:2"]
+    assert cases[0].zero == 3 and cases[0].bucket_bytes == 65536
+    assert "the job has 8" in run.plan_mesh_cases(args, 8)[2]
     args = run.parse_args(["--inject", "drop@3"])
     assert (args.fault.kind, args.fault.rank) == ("drop", 3)
     help_text = run.build_parser().format_help()

@@ -1,6 +1,6 @@
-"""``python -m summasim.costmodel {predict,explore,devset,fit,accuracy,presets,table1}``.
+"""``python -m summasim.costmodel {predict,plan,explore,devset,fit,accuracy,presets,table1}``.
 
-``predict``, ``explore``, ``devset``, ``presets`` and ``table1`` never import MPI; ``fit`` and
+``predict``, ``plan``, ``explore``, ``devset``, ``presets`` and ``table1`` never import MPI; ``fit`` and
 ``accuracy-worker`` must run under ``mpiexec`` (they import mpi4py only then);
 ``accuracy`` launches ``mpiexec`` itself.
 
@@ -105,7 +105,7 @@ def _fit_main(args, prog: str) -> int:
 
 
 def main(argv=None) -> int:
-    from . import devset, explore, predictcmd
+    from . import devset, explore, plan, predictcmd
     from .machine import get_machine, list_presets
 
     ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
@@ -114,6 +114,9 @@ def main(argv=None) -> int:
     prp = predictcmd.build_parser(sub.add_parser(
         "predict", help="one configuration: step time, breakdown, memory (no MPI)",
         description=predictcmd.__doc__.splitlines()[0]))
+    plp = plan.build_parser(sub.add_parser(
+        "plan", help="the fastest dp x pp x tensor x ZeRO compositions that fit (no MPI)",
+        description=plan.__doc__.splitlines()[0]))
     dsp = sub.add_parser("devset", help="the model against published GPU-cluster "
                          "measurements (no MPI)", description=devset.__doc__.splitlines()[0])
     dsp.add_argument("--json", default=None, metavar="PATH", help="write the table as JSON")
@@ -166,6 +169,11 @@ def main(argv=None) -> int:
         except cli.UsageError as exc:
             return cli.print_error(prp.prog, exc)
         return 0
+    if args.cmd == "plan":
+        try:
+            return plan.run(args)
+        except cli.UsageError as exc:
+            return cli.print_error(plp.prog, exc)
     if args.cmd == "devset":
         try:
             if args.json is not None:

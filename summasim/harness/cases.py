@@ -9,10 +9,12 @@ shape spelled ``b, s, h, heads, v, layers, ffn``).
 ``MatmulCase(algorithm, q, d, m, k, n, dtype)``   C[m, n] = op(A) op(B) on [q, q, d]
 ``RingCase(n, dtype)``                            ring_allreduce of n items, all ranks
 ``TransformerCase(scheme, q, d, batch, config)``  one training step of a scheme
+``MeshCase(spec, dp, pp, scheme, q, d, t, ...)``  sharded training on a [dp, pp, tensor] mesh
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +139,157 @@ class TransformerCase:
                 "layers": c.layers, "ffn": c.ffn_mult, "dtype": self.dtype}
 
 
+MESH_SCHEDULES = ("gpipe", "1f1b")
+_TP = {"megatron": r"(\d+)", "optimus": r"(\d+)x(\d+)", "summa25": r"(\d+)x(\d+)x(\d+)"}
+_TP_FORMS = "megatron:T, optimus:QxQ or summa25:QxQxD"
+
+
+def parse_mesh(text: str) -> dict:
+    """``"dp=D,pp=P,tp=SCHEME:GRID"`` -> ``{"dp", "pp", "scheme", "q", "d", "t"}`` (pure).
+
+    GRID is ``T`` for megatron (1D over T ranks), ``QxQ`` for optimus, ``QxQxD`` (D >= 2)
+    for summa25. ``dp`` and ``pp`` default to 1; ``tp`` is required. ``ValueError``
+    (naming the field) on anything else.
+    """
+    fields = {}
+    for part in str(text).split(","):
+        key, eq, val = part.strip().partition("=")
+        key = key.strip().lower()
+        if not eq or key not in ("dp", "pp", "tp") or key in fields:
+            raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID, "
+                             f"got {part.strip()!r}")
+        fields[key] = val.strip()
+    if "tp" not in fields:
+        raise ValueError(f"mesh {text!r}: tp=SCHEME:GRID is required ({_TP_FORMS})")
+    out = {}
+    for key in ("dp", "pp"):
+        val = fields.get(key, "1")
+        if not val.isdigit() or int(val) < 1:
+            raise ValueError(f"mesh {text!r}: {key} must be a positive integer, got {val!r}")
+        out[key] = int(val)
+    scheme, _, grid = fields["tp"].partition(":")
+    scheme = scheme.strip().lower()
+    m = re.fullmatch(_TP.get(scheme, "$^"), grid.strip().lower())
+    if not m:
+        raise ValueError(f"mesh {text!r}: tp must be {_TP_FORMS}, got {fields['tp']!r}")
+    nums = [int(g) for g in m.groups()]
+    if any(n < 1 for n in nums):
+        raise ValueError(f"mesh {text!r}: grid sizes must be positive, got {grid!r}")
+    q = d = t = 1
+    if scheme == "megatron":
+        t = nums[0]
+    elif nums[0] != nums[1]:
+        raise ValueError(f"mesh {text!r}: the {scheme} grid must be square (QxQ), got {grid!r}")
+    elif scheme == "optimus":
+        q = nums[0]
+    else:
+        q, d = nums[0], nums[2]
+        if d < 2:
+            raise ValueError(f"mesh {text!r}: summa25 needs depth D >= 2 (QxQx1 is optimus)")
+    return dict(out, scheme=scheme, q=q, d=d, t=t)
+
+
+@dataclass(frozen=True)
+class MeshCase:
+    """Sharded training on a ``[dp, pp, tensor grid]`` mesh, validated against the serial
+    model over ``steps`` Adam steps.
+
+    ``spec`` is the mesh as the user wrote it (reports start with it); ``batch`` is the
+    GLOBAL batch, cut into ``dp`` replicas of ``microbatches`` micro-batches each.
+    """
+
+    spec: str
+    dp: int
+    pp: int
+    scheme: str
+    q: int
+    d: int
+    t: int
+    batch: int
+    config: Config
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    checkpoint: bool = False
+    bucket_bytes: int = 25 << 20
+    steps: int = 3
+    kind = "mesh"
+
+    def __post_init__(self):
+        spec = get_scheme(self.scheme)
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule not in MESH_SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(MESH_SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        if self.microbatches < 1 or self.steps < 1 or self.bucket_bytes < 1:
+            raise ValueError("microbatches, steps and bucket_bytes must be positive")
+        if spec.grid_kind == "1d" and (self.q, self.d) != (1, 1):
+            raise ValueError("a megatron tensor grid has no q or d")
+
+    @classmethod
+    def parse(cls, text: str, batch: int, config: Config, **kw) -> "MeshCase":
+        return cls(spec=str(text), batch=int(batch), config=config, **parse_mesh(text), **kw)
+
+    @property
+    def dtype(self) -> str:
+        return np.dtype(self.config.dtype).name
+
+    @property
+    def grid_kind(self) -> str:
+        return get_scheme(self.scheme).grid_kind
+
+    @property
+    def tensor_size(self) -> int:
+        return self.t if self.grid_kind == "1d" else self.d * self.q * self.q
+
+    @property
+    def p(self) -> int:
+        return self.dp * self.pp * self.tensor_size
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch (per replica)."""
+        return self.batch // (self.dp * self.microbatches)
+
+    def misfit(self, p: int) -> str:
+        """Why this mesh cannot run on p ranks with this model and batch ("" if it can)."""
+        bad = []
+        if p != self.p:
+            bad.append(f"the mesh needs dp*pp*tensor = {self.dp}*{self.pp}*"
+                       f"{self.tensor_size} = {self.p} ranks, the job has {p}")
+        if self.config.layers < self.pp:
+            bad.append(f"layers = {self.config.layers} < pp = {self.pp} stages")
+        if self.batch % (self.dp * self.microbatches):
+            bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
+                       f"{self.dp * self.microbatches}")
+        else:
+            why = get_scheme(self.scheme).misfit(self.config, self.micro_batch,
+                                                  self.tensor_size, self.q, self.d)
+            if why:
+                bad.append(f"{why} (micro-batch of {self.micro_batch} sequences)")
+        return "; ".join(bad)
+
+    def grid_label(self, p: int | None = None) -> str:
+        return self.spec
+
+    def label(self, p: int | None = None) -> str:
+        c = self.config
+        return (f"{self.spec} zero={self.zero} {self.schedule} m={self.microbatches}"
+                f"{' ckpt' if self.checkpoint else ''} b{self.batch} s{c.seq} h{c.hidden} "
+                f"L{c.layers}")
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {"kind": "mesh", "mesh": self.spec, "dp": self.dp, "pp": self.pp,
+                "scheme": self.scheme, "q": self.q, "d": self.d, "t": self.t,
+                "zero": self.zero, "schedule": self.schedule, "m": self.microbatches,
+                "checkpoint": self.checkpoint, "bucket_bytes": self.bucket_bytes,
+                "steps": self.steps, "b": self.batch, "s": c.seq, "h": c.hidden,
+                "heads": c.heads, "v": c.vocab, "layers": c.layers, "ffn": c.ffn_mult,
+                "dtype": self.dtype}
+
+
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
                      v: int, layers: int, ffn: int = 4, dtype: str = "float64"):
     """A :class:`TransformerCase` from the flat sizes."""
@@ -157,4 +310,13 @@ def case_from_dict(data: dict):
         return transformer_case(data["scheme"], data["q"], data["d"], data["b"], data["s"],
                                 data["h"], data["heads"], data["v"], data["layers"],
                                 data.get("ffn", 4), data.get("dtype", "float64"))
+    if kind == "mesh":
+        config = Config(vocab=int(data["v"]), seq=int(data["s"]), hidden=int(data["h"]),
+                        heads=int(data["heads"]), layers=int(data["layers"]),
+                        ffn_mult=int(data.get("ffn", 4)),
+                        dtype=np.dtype(data.get("dtype", "float64")).type)
+        return MeshCase.parse(data["mesh"], int(data["b"]), config, zero=int(data["zero"]),
+                              schedule=data["schedule"], microbatches=int(data["m"]),
+                              checkpoint=bool(data["checkpoint"]),
+                              bucket_bytes=int(data["bucket_bytes"]), steps=int(data["steps"]))
     raise ValueError(f"unknown case kind {kind!r}")

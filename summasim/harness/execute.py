@@ -138,5 +138,11 @@ def run_case(case, world, backend, **kw) -> Result:
     if case.kind == "transformer":
         kw.pop("method", None)
         return run_transformer(case, world, backend, **kw)
+    if case.kind == "mesh":
+        from .composed import run_mesh
+
+        kw.pop("method", None)
+        kw.pop("with_memory", None)
+        return run_mesh(case, world, backend, **kw)
     raise ValueError(f"unknown case kind {case.kind!r}")
 

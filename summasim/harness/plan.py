@@ -3,17 +3,19 @@
 :func:`plan_products` turns algorithm names, sizes and dtypes into
 :class:`~summasim.harness.cases.MatmulCase` / :class:`~summasim.harness.cases.RingCase`
 on every grid that fits p, and :func:`plan_schemes` does the same for the
-tensor-parallel schemes. What cannot run is returned as a :class:`Skip` with the
+tensor-parallel schemes, and :func:`plan_meshes` for the sharded-training meshes
+(:class:`~summasim.harness.cases.MeshCase`). What cannot run is returned as a :class:`Skip` with the
 reason. Default sizes are rounded up to fit each grid; sizes a user gave must fit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..algorithms.table import ALGORITHMS
 from ..transformer.schemes import SCHEMES
-from .cases import MatmulCase, RingCase, TransformerCase
+from .cases import MatmulCase, MeshCase, RingCase, TransformerCase
 
 DEFAULT_SIZES = (1536, 1024, 1280)
 DEFAULT_RING = 2**20 + 3  # deliberately not divisible by common p
@@ -80,3 +82,45 @@ def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",)
                     continue
                 cases.append(TransformerCase(name, q, d, batch, config))
     return cases, skips
+
+
+def default_meshes(p: int) -> list[tuple[str, dict]]:
+    """A few compositions for a job of p ranks without ``--mesh``: pipeline and data
+    parallelism around each tensor scheme, each ZeRO stage and both schedules once
+    (those that do not fit the model are skipped with the reason)."""
+    out = []
+    if p % 4 == 0:
+        out.append((f"dp=2,pp=2,tp=megatron:{p // 4}",
+                    dict(zero=1, schedule="1f1b", microbatches=2)))
+        q = math.isqrt(p // 4)
+        if q >= 2 and q * q == p // 4:
+            out.append((f"dp=2,pp=2,tp=optimus:{q}x{q}",
+                        dict(zero=2, schedule="1f1b", microbatches=2, checkpoint=True)))
+    if p % 8 == 0:
+        out.append((f"dp={p // 8},pp=1,tp=summa25:2x2x2",
+                    dict(zero=3, schedule="gpipe", microbatches=1)))
+    if p % 4 == 0 and p >= 8:
+        out.append((f"dp={p // 4},pp=2,tp=megatron:2",
+                    dict(zero=0, schedule="gpipe", microbatches=2)))
+    return out
+
+
+def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
+                ) -> tuple[list, list[Skip], str]:
+    """Mesh cases for ``specs`` (``[(text, options)]``). Returns ``(cases, skips, err)``:
+    a mesh the user asked for that cannot run is an error (``err``), a default one that
+    cannot is skipped with the reason."""
+    cases, skips = [], []
+    for text, opts in specs:
+        try:
+            case = MeshCase.parse(text, batch, config, **{**kw, **opts})
+        except ValueError as e:
+            return [], [], f"--mesh {text}: {e}"
+        why = case.misfit(p)
+        if why:
+            if explicit:
+                return [], [], f"--mesh {text}: {why}"
+            skips.append(Skip(text, why))
+            continue
+        cases.append(case)
+    return cases, skips, ""

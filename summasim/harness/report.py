@@ -129,3 +129,48 @@ def prediction_summary(pairs) -> dict | None:
     worst, wlabel = max(errs, key=lambda e: e[0])
     return {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
             "worst_run": wlabel, "count": len(errs)}
+
+
+MESH_HEADER = ("mesh", "zero", "sched", "m", "ckpt", "result", "loss err", "grad err",
+               "param err", "bound", "step s", "pred s", "traffic KiB meas/closed",
+               "state KiB meas/formula", "in flight")
+
+
+def _mesh_widths(width: int) -> tuple:
+    return (max(width, len(MESH_HEADER[0])), 4, 5, 2, 4, 6, 8, 8, 9, 7, 8, 8, 23, 22, 9)
+
+
+def format_mesh_header(width: int) -> str:
+    """Header of the sharded-training table whose mesh column is ``width`` wide."""
+    widths = _mesh_widths(width)
+    return _line(MESH_HEADER, widths) + "\n" + "  ".join("-" * w for w in widths)
+
+
+def format_mesh_row(r, width: int) -> str:
+    """One mesh row, starting with the mesh as given (plus a line naming any failed
+    check)."""
+    kib = lambda x: f"{x / 1024:.1f}"  # noqa: E731
+    line = _line((r.mesh, str(r.zero), r.schedule, str(r.microbatches),
+                  "yes" if r.checkpoint else "no", verdict(r.ok, r.nonfinite), _e1(r.loss_err),
+                  _e1(r.grad_err), _e1(r.param_err), f"{r.bound:.0e}",
+                  f"{r.step_s:.4f}" if r.step_s else "-",
+                  "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
+                  f"{kib(sum(r.traffic.values()))}/{kib(sum(r.traffic_expected.values()))}",
+                  f"{kib(r.memory.get('total', 0))}/{kib(r.memory_formula.get('total', 0))}",
+                  str(r.inflight)), _mesh_widths(width))
+    if r.failures or not r.values_ok:
+        why = list(r.failures) + ([] if r.values_ok else ["values"])
+        line += (f"\n    {r.mesh}: failed checks: {', '.join(why)}"
+                 + (f" (worst value: {r.worst})" if r.worst else ""))
+    return line
+
+
+def format_meshes(reports) -> str:
+    """The whole sharded-training table."""
+    width = max([0] + [len(r.mesh) for r in reports])
+    return "\n".join([format_mesh_header(width)] + [format_mesh_row(r, width)
+                                                     for r in reports])
+
+
+def mesh_record(rep) -> dict:
+    return asdict(rep)

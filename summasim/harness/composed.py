@@ -1,0 +1,277 @@
+"""The sharded-training executor: a ``[dp, pp, tensor]`` mesh next to the serial model.
+
+What a row checks (every rank, then one collective verdict)
+-----------------------------------------------------------
+* **values**: over ``case.steps`` Adam steps on the same global batch, the loss of every
+  step, every gradient this rank holds after every step's reduction (all of its
+  stage's tensor shards under ZeRO 0-1, its owned chunks under ZeRO 2-3) and every
+  parameter it holds after the last step equal the serial model trained on the whole
+  batch, as ``max |par - ser| / max |ser|`` per tensor, within ``bound`` (1e-10 in
+  float64: the schemes alone reach about 1e-15, the step sums ``dp * m`` partial
+  gradients and Adam divides by ``sqrt(v)``, which turns a relative gradient error
+  into about the same relative error of the update);
+* **replicas**: under ZeRO 0-2 every replica holds bit-identical parameters after the
+  last step (a digest all-gathered over ``mesh.dp_comm``); under ZeRO-3 the replicas
+  hold disjoint chunks, each checked against the serial model above;
+* **traffic**: the bytes sent in every phase of the step (``dp.grads``,
+  ``zero.params``, ``zero.gather``, ``embed.tie``, ``pp.fwd``, ``pp.bwd``) equal
+  :meth:`~summasim.transformer.composed.Trainer.expected_traffic` exactly, and the
+  first layer of the stage sends ``m`` times its Table 1 payload per micro-batch;
+* **schedule**: the most micro-batches in flight on a stage is ``m`` (GPipe) or
+  ``min(pp - s, m)`` (1F1B);
+* **memory**: the model state the rank keeps (parameters, gradients, Adam moments)
+  against :func:`summasim.costmodel.compose.model_state_bytes` for its ZeRO stage, to
+  within the rounding of the per-bucket chunks (``4 * buckets`` items).
+
+A NaN or Inf anywhere fails the row on whichever rank it sits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..grid import Mesh
+from ..mpiutil import agreement, quiet_barrier
+from ..transformer import model
+from ..transformer.composed import Trainer
+from ..transformer.schemes import get_scheme
+from ..transformer.train import Adam
+from .check import Check, collective
+from .memory import peak_rss_bytes
+from .result import Result
+from .timing import reduce_max, time_calls
+from .transformer import _inputs, layer_tp_items, table1_payload
+
+PHASES = ("dp.grads", "zero.params", "zero.gather", "embed.tie", "pp.fwd", "pp.bwd")
+LR = 1e-3
+
+
+@dataclass
+class MeshReport:
+    """One mesh row: verdicts, errors, step time, traffic and memory."""
+
+    mesh: str
+    zero: int
+    schedule: str
+    microbatches: int
+    checkpoint: bool
+    p: int
+    dtype: str
+    steps: int
+    bound: float
+    ok: bool = False
+    nonfinite: bool = False
+    bad_ranks: list = field(default_factory=list)
+    loss_err: float = 0.0
+    grad_err: float = 0.0
+    param_err: float = 0.0
+    worst: str = ""
+    values_ok: bool = False
+    replicas_ok: bool = False
+    traffic_ok: bool = False
+    tp_ok: bool = False
+    schedule_ok: bool = False
+    memory_ok: bool = False
+    traffic: dict = field(default_factory=dict)          # largest per-rank bytes by phase
+    traffic_expected: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)           # largest per-rank model state
+    memory_formula: dict = field(default_factory=dict)
+    inflight: int = 0
+    step_s: float = 0.0
+    predicted_s: float | None = None
+    failures: list = field(default_factory=list)
+
+
+def serial_reference(params: dict, tokens, targets, config, steps: int, lr: float = LR):
+    """Losses, gradients of every step and the final parameters of the serial model
+    trained with Adam on the whole batch."""
+    p = {k: v.copy() for k, v in params.items()}
+    opt = Adam(lr=lr)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss, cache = model.forward(p, tokens, targets, config)
+        g = model.backward(cache)
+        del cache
+        losses.append(loss)
+        grads.append(g)
+        opt.step(p, g)
+    return losses, grads, p
+
+
+def mesh_inputs(config, batch: int, seed: int):
+    """Serial parameters, tokens [B, s] and targets of the harness's transformer rows:
+    next tokens [B, s] for a language model, classes [B] when ``config.n_classes``."""
+    params, tokens, targets = _inputs(config, batch, seed)
+    if config.n_classes:
+        rng = np.random.default_rng([seed, 1])
+        targets = rng.integers(0, config.n_classes, size=(batch,))
+    return params, tokens, targets
+
+
+def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
+    """Worst ``max |par - ser| / max |ser|`` over the keys that ``held`` covers (NaN if
+    any held value is not finite), and that key."""
+    worst, where = 0.0, ""
+    for lo, hi, vals in held:
+        vals = np.asarray(vals)
+        if not np.isfinite(vals).all():
+            return math.nan, "non-finite"
+        for key, (a, b) in trainer.key_ranges().items():
+            s, e = max(lo, a), min(hi, b)
+            if s >= e:
+                continue
+            diff = float(np.max(np.abs(vals[s - lo:e - lo] - expected[s:e])))
+            scale = scales[key]
+            err = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+            if err > worst or not where:
+                worst, where = err, key
+    return worst, where
+
+
+def _max_abs(arrays: dict) -> dict:
+    return {k: float(np.max(np.abs(v))) if v.size else 0.0 for k, v in arrays.items()}
+
+
+def _phase_bytes(events) -> dict:
+    out = dict.fromkeys(PHASES, 0)
+    for e in events:
+        top = e.phase.split("/")[0]
+        if top in out and e.op in ("send", "sendrecv"):
+            out[top] += e.nbytes
+    return out
+
+
+def _digest(arr) -> int:
+    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(arr).tobytes(),
+                                          digest_size=8).digest(), "little")
+
+
+def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
+             timed: bool = True, bound: float | None = None, fault=None, **_):
+    """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
+    ``world`` (collective). Returns a :class:`Result` whose ``extra["report"]`` is the
+    :class:`MeshReport`."""
+    from ..costmodel.compose import model_state_bytes
+
+    spec = get_scheme(case.scheme)
+    config, batch = case.config, case.batch
+    rank, p = world.Get_rank(), world.Get_size()
+    if bound is None:
+        bound = 1e-10 if case.dtype == "float64" else 1e-4
+    params, tokens, targets = mesh_inputs(config, batch, seed)
+    ref = None
+    if rank == 0:            # the serial reference, once; the other ranks sleep meanwhile
+        try:
+            ref = serial_reference(params, tokens, targets, config, case.steps)
+        except (ValueError, TypeError) as e:      # raised on every rank below, not alone
+            ref = e
+    quiet_barrier(world)
+    ref = world.bcast(ref, root=0)
+    if isinstance(ref, BaseException):
+        raise type(ref)(f"serial reference: {ref}")
+    ref_losses, ref_grads, ref_final = ref
+    rep = MeshReport(case.spec, case.zero, case.schedule, case.microbatches, case.checkpoint,
+                     p, case.dtype, case.steps, bound)
+    mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
+                backend=backend)
+    item = np.dtype(config.dtype).itemsize
+    try:
+        tr = Trainer(params, config, mesh, spec, zero=case.zero, schedule=case.schedule,
+                     microbatches=case.microbatches, checkpoint=case.checkpoint,
+                     bucket_bytes=case.bucket_bytes, lr=LR)
+        module, grid = spec.module, mesh.tensor
+        loss_err = grad_err = 0.0
+        worst_grad = ""
+        traffic = tp_items = None
+        for step in range(case.steps):
+            mesh.trace.clear()
+            loss = tr.step(tokens, targets)
+            if step == 0:
+                events = list(mesh.trace.events)
+                traffic = _phase_bytes(events)
+                tp_items = layer_tp_items(events, tr.layers[0], "fwd", item)
+            le = (abs(loss - ref_losses[step]) / abs(ref_losses[step])
+                  if math.isfinite(loss) else math.nan)
+            loss_err = le if math.isnan(le) or le > loss_err else loss_err
+            expect = tr.pack(module.shard(ref_grads[step], config, grid))
+            ge, where = _compare(tr, tr.held_grads(), np.asarray(expect),
+                                 _max_abs(ref_grads[step]))
+            if math.isnan(ge) or ge > grad_err or not worst_grad:
+                grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
+        expect = tr.pack(module.shard(ref_final, config, grid))
+        param_err, worst_param = _compare(tr, tr.held_params(), np.asarray(expect),
+                                          _max_abs(ref_final))
+        # replicas: bit-identical parameters over dp (ZeRO 0-2)
+        replicas_ok = True
+        if case.zero < 3 and mesh.dp > 1:
+            digests = mesh.dp_comm.mpi.allgather(_digest(tr.flat))
+            replicas_ok = len(set(digests)) == 1
+        expected = tr.expected_traffic(batch, config.seq)
+        traffic_ok = traffic == expected
+        table1 = table1_payload(case.scheme, config, case.micro_batch, case.tensor_size,
+                                case.q, case.d)["fwd"]
+        tp_ok = tp_items == case.microbatches * table1
+        want = (case.microbatches if case.schedule == "gpipe"
+                else min(mesh.pp - mesh.s, case.microbatches))
+        schedule_ok = tr.max_inflight == want
+        mem = tr.state_bytes()
+        formula = model_state_bytes(tr.model_params(), mesh.dp, case.zero, param_bytes=item,
+                                    grad_bytes=item, optim_bytes=item)
+        slack = 4 * len(tr.buckets) * item
+        memory_ok = all(abs(mem[k] - formula[k]) <= slack for k in ("params", "grads",
+                                                                     "optimizer"))
+        errs = [loss_err, grad_err, param_err]
+        worst = max(errs) if not any(math.isnan(e) for e in errs) else math.nan
+        local_ok = replicas_ok and traffic_ok and tp_ok and schedule_ok and memory_ok
+        failures = [name for name, ok in (("replicas", replicas_ok), ("traffic", traffic_ok),
+                                          ("table1", tp_ok), ("schedule", schedule_ok),
+                                          ("memory", memory_ok)) if not ok]
+        chk = Check(worst, bound, "serial model")
+        chk.ok = chk.ok and local_ok
+        chk = collective(world, chk)
+        every = world.allgather((errs, worst_grad, worst_param, failures,
+                                 [traffic[k] for k in PHASES], [expected[k] for k in PHASES],
+                                 [mem[k] for k in ("params", "grads", "optimizer", "total")],
+                                 [formula[k] for k in ("params", "grads", "optimizer",
+                                                       "total")], tr.max_inflight))
+        rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
+
+        def worst_of(i):
+            vals = [r[0][i] for r in every]
+            return math.nan if any(math.isnan(v) for v in vals) else max(vals)
+
+        rep.loss_err, rep.grad_err, rep.param_err = (worst_of(i) for i in range(3))
+        top = max(every, key=lambda r: math.inf if any(map(math.isnan, r[0])) else max(r[0]))
+        rep.worst = top[1] if top[0][1] >= top[0][2] else f"final param {top[2]}"
+        rep.failures = sorted({f for r in every for f in r[3]})
+        rep.values_ok = not rep.nonfinite and max(rep.loss_err, rep.grad_err,
+                                                  rep.param_err) <= bound
+        for name in ("replicas", "traffic", "table1", "schedule", "memory"):
+            setattr(rep, {"table1": "tp_ok"}.get(name, f"{name}_ok"), name not in rep.failures)
+        rep.traffic = {k: max(r[4][i] for r in every) for i, k in enumerate(PHASES)}
+        rep.traffic_expected = {k: max(r[5][i] for r in every) for i, k in enumerate(PHASES)}
+        keys = ("params", "grads", "optimizer", "total")
+        rep.memory = {k: max(r[6][i] for r in every) for i, k in enumerate(keys)}
+        rep.memory_formula = {k: max(r[7][i] for r in every) for i, k in enumerate(keys)}
+        rep.inflight = max(r[8] for r in every)
+
+        timing = {}
+        if timed and repeats > 0:
+            mesh.trace.enabled = False
+            with agreement(False):
+                timing = time_calls(lambda: tr.step(tokens, targets), world, repeats,
+                                    adaptive=False)
+            mesh.trace.enabled = True
+            rep.step_s = timing["median"]
+        nbytes = int(reduce_max(world, [sum(traffic.values())])[0])
+        msgs = int(reduce_max(world, [len(events)])[0])
+        coords = world.gather(list(mesh.coords), root=0)
+    finally:
+        mesh.free()
+    rss = int(reduce_max(world, [peak_rss_bytes()])[0])
+    return Result(case, p, chk, timing, nbytes, msgs, rss, None, coords, "",
+                  extra={"report": rep})
