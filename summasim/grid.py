@@ -81,7 +81,33 @@ def check_grid_size(size: int, q: int, d: int = 1) -> None:
                          f"processes, but the communicator has {size}")
 
 
-class Grid:
+class _Groups:
+    """What every grid shares: ``free()`` releases the communicators it created (listed
+    in ``self._mpi_comms``, and first any grid nested in ``self._nested``), and it is a
+    context manager that frees on exit."""
+
+    _mpi_comms: list = []
+    _nested: tuple = ()
+
+    def free(self) -> None:
+        """Release the MPI communicators (collective)."""
+        from mpi4py import MPI
+
+        for g in self._nested:
+            g.free()
+        for c in reversed(self._mpi_comms):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self._mpi_comms = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+class Grid(_Groups):
     """A ``[q, q, d]`` process grid with row, column, depth and layer communicators.
 
     Parameters
@@ -149,23 +175,8 @@ class Grid:
     def __repr__(self):
         return f"Grid(q={self.q}, d={self.d}, coords(i,j,k)={self.coords})"
 
-    def free(self) -> None:
-        """Release the grid's MPI communicators (collective)."""
-        from mpi4py import MPI
 
-        for c in reversed(self._mpi_comms):
-            if c != MPI.COMM_NULL:
-                c.Free()
-        self._mpi_comms = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.free()
-
-
-class Grid1D:
+class Grid1D(_Groups):
     """A single group of ``p`` ranks (a 1D tensor-parallel group).
 
     ``grid.comm`` is the :class:`Comm` over all ranks, ``grid.rank`` this rank's
@@ -179,6 +190,7 @@ class Grid1D:
         raw = _raw(comm)
         self.trace = trace if trace is not None else Trace()
         self._dup = raw.Dup()
+        self._mpi_comms = [self._dup]
         self.comm = as_comm(Comm(self._dup, name="world", trace=self.trace, backend=backend,
                                  wait=wait))
         self.world = self.comm
@@ -187,18 +199,6 @@ class Grid1D:
 
     def __repr__(self):
         return f"Grid1D(p={self.p}, rank={self.rank})"
-
-    def free(self) -> None:
-        from mpi4py import MPI
-
-        if self._dup != MPI.COMM_NULL:
-            self._dup.Free()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.free()
 
 
 TENSOR_KINDS = ("1d", "2d", "2.5d")
@@ -214,7 +214,7 @@ def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
     return _positive_int("d", d) * _positive_int("q", q) ** 2
 
 
-class Mesh:
+class Mesh(_Groups):
     """The training mesh ``[dp, pp, tensor grid]``: data-parallel replicas, pipeline
     stages, and inside each (replica, stage) one tensor-parallel grid.
 
@@ -283,6 +283,7 @@ class Mesh:
             self.tensor = Grid1D(t_c, trace=self.trace, backend=backend, wait=wait)
         else:
             self.tensor = Grid(t_c, q, d, trace=self.trace, backend=backend, wait=wait)
+        self._nested = (self.tensor,)     # freed first by free()
         assert self.dp_comm.rank == self.a and self.pp_comm.rank == self.s
 
     @property
@@ -298,19 +299,3 @@ class Mesh:
     def __repr__(self):
         return (f"Mesh(dp={self.dp}, pp={self.pp}, tensor={self.kind}:{self.T}, "
                 f"coords(a,s,r)={self.coords})")
-
-    def free(self) -> None:
-        """Release the mesh's communicators, its tensor grid's included (collective)."""
-        from mpi4py import MPI
-
-        self.tensor.free()
-        for c in reversed(self._mpi_comms):
-            if c != MPI.COMM_NULL:
-                c.Free()
-        self._mpi_comms = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.free()
