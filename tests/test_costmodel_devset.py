@@ -8,9 +8,15 @@ need, and none comes from the held-out papers (Optimus, SUMMA2.5-LM).
 
 from __future__ import annotations
 
+import copy
 import math
 
+import pytest
+
 from summasim.costmodel import devset
+from summasim.costmodel.compose import model_flops, price_composition
+from summasim.costmodel.machine import load_preset
+from summasim.costmodel.schemes import Scheme, TransformerConfig
 
 
 def test_devset_table(capsys):
@@ -20,7 +26,7 @@ def test_devset_table(capsys):
         print("\n" + devset.format_table(rows))
     assert len(rows) == len(points) >= 6
     kinds = {r["kind"] for r in rows}
-    assert {"nccl_busbw", "step_time", "weak_efficiency"} <= kinds
+    assert {"nccl_busbw", "step_time", "weak_efficiency", "composition_throughput"} <= kinds
     for p, r in zip(points, rows):
         assert len(p["source"]) > 40
         assert "optimus" not in p["source"].lower() and "summa" not in p["source"].lower()
@@ -45,3 +51,61 @@ def test_devset_cli_writes_json(tmp_path, capsys):
     assert "MAPE" in capsys.readouterr().out
     doc = json.loads(path.read_text())
     assert len(doc["points"]) == len(devset.load_points()) and "mape" in doc["summary"]
+
+
+def _composition_points():
+    return [p for p in devset.load_points() if p["kind"] == "composition_throughput"]
+
+
+def test_composition_kind_prices_as_price_composition_does():
+    """One point priced by hand: price_composition on its preset, then the paper's
+    eq. 3 FLOPs over the step, per GPU, in TFLOP/s."""
+    point = next(p for p in _composition_points() if p["composition"]["pp"] > 1)
+    m, c = point["model"], point["composition"]
+    cfg = TransformerConfig(b=m["b"], s=m["s"], h=m["h"], n=m["n"], N=m["N"], v=m["v"],
+                            dtype=m["dtype"], checkpoint=m["checkpoint"], dropout=m["dropout"])
+    res = price_composition(cfg, Scheme.make("megatron", p=int(point["grid"])),
+                            machine=load_preset(point["machine"]), dp=c["dp"], pp=c["pp"],
+                            microbatches=c["microbatches"], global_batch=c["global_batch"],
+                            zero=c["zero"], schedule=c["schedule"], checkpoint=True,
+                            devices=c["devices"])
+    B, s, h, N, v = c["global_batch"], m["s"], m["h"], m["N"], m["v"]
+    eq3 = 96 * B * s * N * h * h * (1 + s / (6 * h) + v / (16 * N * h))
+    by_hand = eq3 / res["step_seconds"] / c["devices"] / 1e12
+    assert devset.predict_point(point) == pytest.approx(by_hand, rel=1e-12)
+    assert c["dp"] * c["pp"] * int(point["grid"]) == c["devices"]
+
+
+def test_eq3_is_the_model_flops_plus_the_recomputed_forward():
+    """Narayanan et al.'s eq. 3 counts the layers' forward once more than the model
+    flops (compose.model_flops): 24 B s l h^2 (1 + s / (6 h))."""
+    cfg = TransformerConfig(b=1, s=2048, h=12288, n=96, N=80, v=51200)
+    B = 2304
+    extra = 24 * B * 2048 * 80 * 12288 ** 2 * (1 + 2048 / (6 * 12288))
+    assert devset.flops_narayanan2021(cfg, B) - model_flops(cfg, B) == pytest.approx(
+        extra, rel=1e-12)
+    with pytest.raises(ValueError, match="ffn"):
+        devset.flops_narayanan2021(cfg.replace(ffn=3), B)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"dp": 7}, "is not the"),                         # dp pp t != the published GPUs
+    ({"pp": 7, "dp": 1, "devices": 56}, "not divisible by pp"),   # uneven stages
+    ({"microbatches": 5}, "not divisible by dp"),      # B / (dp m) not whole
+])
+def test_composition_kind_refuses_a_composition_that_cannot_exist(change, needle):
+    point = copy.deepcopy(_composition_points()[-1])
+    point["composition"].update(change)
+    with pytest.raises(ValueError, match=needle):
+        devset.predict_point(point)
+
+
+def test_composition_point_without_its_fields_is_refused():
+    point = copy.deepcopy(_composition_points()[0])
+    del point["composition"]["devices"]
+    with pytest.raises(ValueError, match="devices"):
+        devset.predict_point(point)
+    point = copy.deepcopy(_composition_points()[0])
+    point["throughput"]["flops"] = "guess"
+    with pytest.raises(ValueError, match="throughput"):
+        devset.predict_point(point)

@@ -53,6 +53,19 @@ def test_ranked_compositions_fit_and_are_sorted():
         assert again["memory"]["total"] <= budget
 
 
+def test_memoized_paths_leave_the_ranking_unchanged():
+    """topology.group_path is memoized across pricers: a search with the memo cold and
+    one with it warm rank the same compositions with the same numbers, exactly."""
+    from summasim.costmodel.topology import clear_path_memo
+
+    machine = load_preset(PRESET)
+    cfg = TransformerConfig(b=64, s=512, h=1024, n=16, N=8, v=2048, dtype="bfloat16")
+    clear_path_memo()
+    cold = search(cfg, 64, 64, machine, budget=0.2 * GiB).rows
+    warm = search(cfg, 64, 64, machine, budget=0.2 * GiB).rows
+    assert cold and cold == warm
+
+
 def test_cli_prints_top_ten_writes_json_and_plot(tmp_path, capsys):
     js, png = tmp_path / "out" / "plan.json", tmp_path / "out" / "plan.png"
     rc = main([*SMALL, "--json", str(js), "--plot", str(png)])

@@ -143,3 +143,31 @@ def test_gpu_presets_cite_a_source_for_every_topology_and_device_number(name):
     for f in ("memory_bandwidth", "vector_flops", "launch_seconds"):
         assert len(dev.sources.get(f, "")) > 20, (name, f)
     assert "gamma_gemm" in m.notes and "datasheet" in m.notes["gamma_gemm"]
+
+
+def test_group_path_memo_returns_what_the_computation_does():
+    """The memo (topology.group_path) is keyed on everything a path depends on: the
+    same answers cold and warm, a different topology or placement is not confused
+    with a memoized one, documentation (sources) does not matter, and arguments that
+    cannot be hashed are computed without the memo."""
+    from summasim.costmodel import topology as T
+
+    cases = [(_nvswitch(), GridShape.of(q=8), "col", 8, Placement()),
+             (_nvswitch(nics=4), GridShape.of(q=8), "col", 8, Placement()),
+             (_nvswitch(), GridShape.of(q=8), "col", 8, Placement("blocked")),
+             (_nvswitch(), GridShape.of(q=8), "row", 8, Placement("blocked")),
+             (_pcie(), GridShape.of(q=4), "row", 4, Placement()),
+             (_nvswitch(), GridShape.of(32), "world", 32, Placement())]
+    fresh = [T._group_path(*c, True) for c in cases]
+    T.clear_path_memo()
+    for _ in range(2):                                   # cold, then warm
+        assert [group_path(*c) for c in cases] == fresh
+    assert group_path(*cases[0]) != group_path(*cases[1])   # 8 NICs vs 4 per node
+    noted = _nvswitch()
+    object.__setattr__(noted, "sources", {"nic_bandwidth": "another citation"})
+    assert group_path(noted, *cases[0][1:]) == fresh[0]
+    listed = Placement("blocked", tile=[2, 4])               # a list: not hashable
+    assert group_path(_nvswitch(), GridShape.of(q=8), "col", 8, listed) == \
+        T._group_path(_nvswitch(), GridShape.of(q=8), "col", 8, Placement("blocked",
+                                                                           tile=(2, 4)), True)
+    assert group_path(*cases[0], concurrent=False) == T._group_path(*cases[0], False)

@@ -1,11 +1,12 @@
 """The dev set: the model against published measurements of GPU clusters.
 
 ``devset.json`` (package data) lists published numbers with their sources:
-NCCL-tests bus bandwidths on DGX-class systems, and per-iteration times and
-weak-scaling efficiencies of Megatron-LM's 1D tensor parallelism. Each point is
+NCCL-tests bus bandwidths on DGX-class systems, per-iteration times and
+weak-scaling efficiencies of Megatron-LM's 1D tensor parallelism, and the FLOP/s of
+Megatron-LM's compositions of tensor, pipeline and data parallelism. Each point is
 priced with the presets (no fitting: the presets come from datasheets and
 microbenchmarks) and its relative error reported. Points that need parallelism the
-model does not compose yet (data parallelism) are listed as pending; points whose
+model cannot price yet are listed as pending; points whose
 number a preset was derived from (``used_in_preset``) are reported but left out of
 the error summary.
 
@@ -17,6 +18,16 @@ Kinds of points
 ``step_time``        seconds of one training step
                      (:func:`~summasim.costmodel.schemes.step_breakdown`)
 ``weak_efficiency``  (model flops / (p T)) of the point over the same of its ``baseline``
+``composition_throughput``
+                     FLOP/s of a data x pipeline x tensor composition
+                     (:func:`~summasim.costmodel.compose.price_composition`): the
+                     publication's own FLOP count of one step (``throughput.flops``,
+                     one of :data:`FLOP_FORMULAS`) over the predicted step time, per
+                     device or aggregate (``throughput.per_device``), in units of
+                     ``throughput.scale`` FLOP/s. ``composition`` gives ``dp``, ``pp``,
+                     ``microbatches``, ``global_batch``, ``devices`` and optionally
+                     ``zero``, ``schedule``; a composition that cannot exist is a
+                     ``ValueError`` (:func:`~summasim.costmodel.compose.check_composition`)
 ``pending``          not priced yet (``needs`` says why)
 
 ``python -m summasim.costmodel devset`` prints the table; the test
@@ -30,12 +41,31 @@ import json
 import math
 from importlib import resources
 
+from .compose import model_flops, price_composition
 from .machine import load_preset
 from .nccl import predicted_bus_bandwidth
 from .schemes import TransformerConfig, step_breakdown
 from .topology import GridShape, Topology, group_path
 
-KINDS = ("nccl_busbw", "step_time", "weak_efficiency", "pending")
+KINDS = ("nccl_busbw", "step_time", "weak_efficiency", "composition_throughput", "pending")
+_COMPOSITION_KEYS = ("dp", "pp", "microbatches", "global_batch", "devices")
+
+
+def flops_narayanan2021(cfg: TransformerConfig, global_batch: int) -> float:
+    """FLOPs of one training step as Narayanan et al. 2021 count them (their eq. 3):
+    ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``, forward, backward and the recomputed
+    forward of activation checkpointing (4 passes of the layers' GEMMs, 3 of the
+    logit GEMM). It assumes the MLP is 4h wide."""
+    if cfg.ffn != 4:
+        raise ValueError(f"Narayanan et al.'s FLOP count assumes ffn = 4, got {cfg.ffn!r}")
+    B, s, h, v, N = global_batch, cfg.s, cfg.h, cfg.v, cfg.N
+    return 96.0 * B * s * N * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * N * h))
+
+
+#: The FLOP counts a publication may report throughput with: ``narayanan2021_eq3``
+#: (with recomputation) and ``model`` (:func:`~summasim.costmodel.compose.model_flops`:
+#: forward and backward only).
+FLOP_FORMULAS = {"narayanan2021_eq3": flops_narayanan2021, "model": model_flops}
 
 
 def load_points() -> list[dict]:
@@ -47,7 +77,26 @@ def load_points() -> list[dict]:
             raise ValueError(f"devset point {p.get('id')!r}: unknown kind {p.get('kind')!r}")
         if not p.get("source"):
             raise ValueError(f"devset point {p.get('id')!r} has no source")
+        if p["kind"] == "composition_throughput":
+            _check_composition_point(p)
     return doc["points"]
+
+
+def _check_composition_point(point: dict) -> None:
+    """ValueError naming what a ``composition_throughput`` point lacks."""
+    pid = point.get("id")
+    comp = point.get("composition")
+    if not isinstance(comp, dict):
+        raise ValueError(f"devset point {pid!r}: 'composition' must be an object")
+    missing = [k for k in _COMPOSITION_KEYS if k not in comp]
+    if missing:
+        raise ValueError(f"devset point {pid!r}: composition lacks {', '.join(missing)}")
+    thr = point.get("throughput")
+    if not isinstance(thr, dict) or thr.get("flops") not in FLOP_FORMULAS \
+            or not isinstance(thr.get("per_device"), bool) \
+            or not isinstance(thr.get("scale"), (int, float)) or thr["scale"] <= 0:
+        raise ValueError(f"devset point {pid!r}: 'throughput' must be {{flops: one of "
+                         f"{', '.join(FLOP_FORMULAS)}, per_device: bool, scale: > 0}}")
 
 
 def _machine(point):
@@ -66,12 +115,44 @@ def _step(machine, spec):
     return step_breakdown(sch, cfg, machine)
 
 
+def price_point_composition(point: dict, machine=None) -> dict:
+    """:func:`~summasim.costmodel.compose.price_composition` of a
+    ``composition_throughput`` point (its machine unless ``machine`` is given);
+    ValueError for a composition that cannot exist."""
+    from .predictcmd import parse_grid
+
+    _check_composition_point(point)
+    machine = _machine(point) if machine is None else machine
+    comp = point["composition"]
+    cfg = TransformerConfig(**point["model"])
+    return price_composition(cfg, parse_grid(point["scheme"], point["grid"]), machine=machine,
+                             dp=comp["dp"], pp=comp["pp"], microbatches=comp["microbatches"],
+                             global_batch=comp["global_batch"], zero=comp.get("zero", 0),
+                             schedule=comp.get("schedule", "1f1b"),
+                             checkpoint=cfg.checkpoint, devices=comp["devices"])
+
+
+def composition_throughput(point: dict, result: dict) -> float:
+    """The point's throughput from a :func:`price_point_composition` result: the
+    publication's FLOPs of one step over the predicted step seconds, per device or
+    aggregate, in units of ``throughput.scale`` FLOP/s."""
+    thr = point["throughput"]
+    cfg = TransformerConfig(**point["model"])
+    flops = FLOP_FORMULAS[thr["flops"]](cfg, point["composition"]["global_batch"])
+    rate = flops / result["step_seconds"]
+    if thr["per_device"]:
+        rate /= result["composition"]["devices"]
+    return rate / thr["scale"]
+
+
 def predict_point(point: dict) -> float | None:
     """The model's value for ``point`` in the point's unit (None for pending points)."""
     kind = point["kind"]
     if kind == "pending":
         return None
     machine = _machine(point)
+    if kind == "composition_throughput":
+        return composition_throughput(point, price_point_composition(point, machine))
     if kind == "nccl_busbw":
         topo = machine.topology
         path = group_path(topo, GridShape.of(point["ranks"]), "world", point["ranks"])

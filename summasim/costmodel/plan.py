@@ -22,7 +22,8 @@ JSON (``--json``, atomically) and a plot (``--plot``, matplotlib with Agg).
 
 Speed: memory is checked before any time is priced, and the tensor-parallel prices
 (``schemes.step_cost``) are computed once per (grid, micro-batch) and shared by every
-dp, pp, ZeRO stage and checkpointing choice; a composition costs O(1) in pp.
+dp, pp, ZeRO stage and checkpointing choice; a composition costs O(1) in pp. The links
+of each group (``topology.group_path``) are memoized across pricers.
 
 Exit status: 0 with a plan; 1 when compositions exist but none fits the memory (the
 message says the smallest memory per device found, the composition that has it, and

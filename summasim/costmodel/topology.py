@@ -380,6 +380,34 @@ class GroupPath:
     sharing: float = 1.0       # how many flows share the bottleneck link (1 = none)
 
 
+#: Memo of :func:`group_path` (see :func:`_path_key`); cleared whole when it grows past
+#: :data:`PATH_MEMO_SIZE` entries. A path depends only on the numbers of the topology,
+#: the grid's shape, the kind, the size, the placement and ``concurrent``.
+_PATHS: dict = {}
+PATH_MEMO_SIZE = 4096
+
+
+def _path_key(topology, grid, kind, size, placement, concurrent):
+    """The memo key of a :func:`group_path` call, or None when an argument is not one of
+    the exact immutable types whose result is a function of their fields (a subclass of
+    :class:`GridShape` may define its own groups; ``sources`` is only documentation)."""
+    if type(topology) is not Topology or type(grid) is not GridShape \
+            or type(placement) is not Placement:
+        return None
+    key = (tuple(getattr(topology, f) for f in Topology._FIELDS if f != "sources"),
+           grid, kind, size, placement, bool(concurrent))
+    try:
+        hash(key)
+    except TypeError:                       # e.g. a tile given as a list
+        return None
+    return key
+
+
+def clear_path_memo() -> None:
+    """Forget every memoized :func:`group_path` result."""
+    _PATHS.clear()
+
+
 def group_path(topology: Topology, grid: GridShape, kind: str, size: int | None = None,
                placement: Placement | None = None, *, concurrent: bool = True) -> GroupPath:
     """:class:`GroupPath` of the groups of ``kind`` on ``grid`` placed by ``placement``.
@@ -387,8 +415,27 @@ def group_path(topology: Topology, grid: GridShape, kind: str, size: int | None 
     With ``concurrent`` every group of the kind runs at once and they share the
     socket links and NICs they cross (see the module docstring); otherwise only
     the first group is looked at, alone.
+
+    Results are memoized per (topology numbers, grid, kind, size, placement,
+    concurrent): a :class:`GroupPath` is immutable, and looking at every group of a
+    large grid is what a planner would otherwise repeat for every pricer it makes.
     """
     placement = placement or Placement()
+    key = _path_key(topology, grid, kind, size, placement, concurrent)
+    if key is not None:
+        hit = _PATHS.get(key)
+        if hit is not None:
+            return hit
+    path = _group_path(topology, grid, kind, size, placement, concurrent)
+    if key is not None:
+        if len(_PATHS) >= PATH_MEMO_SIZE:
+            _PATHS.clear()
+        _PATHS[key] = path
+    return path
+
+
+def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
+    """:func:`group_path` itself, not memoized."""
     topo = topology
     dpn = topo.devices_per_node
     slots = placement.slots_for(grid, dpn)
