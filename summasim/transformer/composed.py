@@ -39,6 +39,8 @@ Data parallelism (``dp`` replicas) and ZeRO
     ZeRO 3  as ZeRO 2, and the parameters are kept as the owned chunks only: each
             unit is all-gathered (phase ``zero.gather``) right before a piece that
             reads it runs, forward and backward, every micro-batch, and dropped after
+            (a forward piece's cache keeps no view of the gathered buffer: the views
+            are taken out and re-made on the backward's fresh gather)
     ======  ====================================================================
 
     Reduce-scatter and all-gather are the two halves of summasim's ring all-reduce
@@ -69,6 +71,7 @@ import numpy as np
 from ..algorithms.allreduce import (_bounds, ring_allgather_unchecked,
                                     ring_allreduce_unchecked, ring_reduce_scatter_unchecked)
 from ..backends import array_module
+from ..mpiutil import agree, fields_of, fingerprint, local_error
 from . import model
 from .ops import BLOCK_KEYS
 from .train import Adam
@@ -144,6 +147,56 @@ def activation_shape(grid_kind: str, config: model.Config, grid, batch: int,
     return (batch // (grid.d * grid.q), seq, config.hidden // grid.q)
 
 
+class _Ref(tuple):
+    """Where a cached array viewed the i-th gathered buffer: (i, offset, shape, strides)."""
+
+    def view(self, bufs):
+        i, offset, shape, strides = self
+        if i >= len(bufs):
+            raise RuntimeError("a ZeRO-3 cache reads a parameter that was not re-gathered")
+        buf = bufs[i]
+        xp = array_module(buf)
+        return xp.lib.stride_tricks.as_strided(buf[offset // buf.itemsize:], shape=shape,
+                                               strides=strides)
+
+
+def _ptr(a) -> int:
+    """The address of an array's first byte (NumPy or CuPy)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+
+
+def _ref_of(a, bufs):
+    """A :class:`_Ref` if array ``a`` lies inside one of ``bufs`` ``[(i, ptr, nbytes)]``."""
+    if a.size == 0:
+        return a
+    p = _ptr(a)
+    for i, lo, nbytes in bufs:
+        if lo <= p < lo + nbytes:
+            return _Ref((i, p - lo, tuple(a.shape), tuple(a.strides)))
+    return a
+
+
+def _map_arrays(obj, on_array, on_ref=None):
+    """``obj`` (NamedTuples, dicts, lists and tuples of arrays, nested) with each array
+    ``a`` replaced by ``on_array(a)`` and each :class:`_Ref` by ``on_ref(r)``; other
+    leaves as they are, containers rebuilt only where something changed."""
+    if isinstance(obj, _Ref):
+        return on_ref(obj) if on_ref is not None else obj
+    if hasattr(obj, "shape") and hasattr(obj, "strides"):
+        return on_array(obj)
+    if isinstance(obj, dict):
+        new = {k: _map_arrays(v, on_array, on_ref) for k, v in obj.items()}
+        return new if any(new[k] is not obj[k] for k in obj) else obj
+    if isinstance(obj, (list, tuple)):
+        new = [_map_arrays(v, on_array, on_ref) for v in obj]
+        if all(n is o for n, o in zip(new, obj)):
+            return obj
+        if hasattr(obj, "_fields"):                                  # a NamedTuple
+            return type(obj)(*new)
+        return type(obj)(new)
+    return obj
+
+
 @dataclass(frozen=True)
 class Unit:
     """A run of parameters fetched together (ZeRO-3) and never split by a bucket edge."""
@@ -186,16 +239,29 @@ class Trainer:
                  schedule: str = "1f1b", microbatches: int = 1, checkpoint: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8):
-        if zero not in ZERO_STAGES:
-            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        if microbatches < 1 or bucket_bytes < 1:
-            raise ValueError(f"microbatches and bucket_bytes must be positive, got "
-                             f"{microbatches} and {bucket_bytes}")
-        if spec.grid_kind != mesh.kind:
-            raise ValueError(f"scheme {spec.name} runs on a {spec.grid_kind} grid, the mesh "
-                             f"has a {mesh.kind} tensor grid")
+        def local():
+            if zero not in ZERO_STAGES:
+                raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+            if schedule not in SCHEDULES:
+                raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+                                 f"got {schedule!r}")
+            if microbatches < 1 or bucket_bytes < 1:
+                raise ValueError(f"microbatches and bucket_bytes must be positive, got "
+                                 f"{microbatches} and {bucket_bytes}")
+            if spec.grid_kind != mesh.kind:
+                raise ValueError(f"scheme {spec.name} runs on a {spec.grid_kind} grid, the "
+                                 f"mesh has a {mesh.kind} tensor grid")
+            split_layers(config.layers, mesh.pp)
+            model.check_params(params, config)
+
+        # a setting or parameter that is bad (or different) on one rank only raises the
+        # same error on every rank of the mesh, before any data moves
+        _, err = local_error(local)
+        agree("composed.Trainer", mesh.world, lambda: {
+            **fields_of(config, "Config"), "scheme": spec.name, "zero": zero,
+            "schedule": schedule, "microbatches": microbatches, "checkpoint": bool(checkpoint),
+            "bucket_bytes": bucket_bytes, "Adam": repr((lr, tuple(betas), eps)),
+            **{f"params[{k}]": fingerprint(v) for k, v in sorted(params.items())}}, err)
         self.config, self.mesh, self.spec, self.module = config, mesh, spec, spec.module
         self.zero, self.kind, self.m = zero, schedule, int(microbatches)
         self.checkpoint, self.bucket_bytes = bool(checkpoint), int(bucket_bytes)
@@ -222,6 +288,7 @@ class Trainer:
         self.opt = Adam(lr=lr, betas=betas, eps=eps)
         self.max_inflight = 0
         self.steps = 0
+        self._gathered = []
 
     # -- layout --------------------------------------------------------------
     def _layout(self, local: dict) -> None:
@@ -341,6 +408,7 @@ class Trainer:
             return {k: self.params[k] for k in keys}
         out = {}
         dp_comm = self.mesh.dp_comm
+        self._gathered = []                    # the unit buffers, for _detach/_attach
         for nm in names:
             u = self.units[nm]
             if u.stop == u.start:              # zero-size (e.g. Optimus rows i > 0)
@@ -353,8 +421,25 @@ class Trainer:
             buf[lo - u.start:hi - u.start] = self.shard[o:o + hi - lo]
             with self.trace.phase("zero.gather"):
                 ring_allgather_unchecked(buf, dp_comm)
+            self._gathered.append(buf)
             out.update(self._views(buf, u.start, u.keys))
         return out
+
+    def _detach(self, cache):
+        """ZeRO-3: ``cache`` with every array that views a just-gathered unit buffer
+        replaced by a :class:`_Ref` to it (offset, shape, strides), so the gathered
+        parameters are dropped after the forward piece and re-gathered for its backward
+        (:meth:`_attach`), instead of living in the caches of every micro-batch in flight."""
+        if self.zero < 3 or not self._gathered:
+            return cache
+        bufs = [(i, _ptr(b), b.nbytes) for i, b in enumerate(self._gathered)]
+        self._gathered = []
+        return _map_arrays(cache, lambda a: _ref_of(a, bufs))
+
+    @staticmethod
+    def _attach(cache, bufs):
+        """``cache`` with each :class:`_Ref` made a view of ``bufs`` again."""
+        return _map_arrays(cache, lambda a: a, lambda r: r.view(bufs))
 
     def _head_units(self) -> tuple:
         return ("head", "wte") if self.lm else ("head",)
@@ -371,17 +456,18 @@ class Trainer:
                 pp.recv(x, self.mesh.s - 1, tag=2 * j)
         else:
             x, c = mod.embed_forward(self._gather(("wte", "wpe")), tok, cfg, grid)
-            caches.append(c)
+            caches.append(self._detach(c))
         for l in self.layers:
             p = self._gather((f"h{l}",))
             x, c = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in BLOCK_KEYS}, l, cfg,
                                      grid, checkpoint=self.checkpoint)
-            caches.append(c)
+            del p
+            caches.append(self._detach(c))
         loss = 0.0
         if self.last:
             loss, c = mod.head_forward(x, self._gather(self._head_units()), tgt, cfg, grid,
                                        n_items=n_items)
-            caches.append(c)
+            caches.append(self._detach(c))
         else:
             x = self.xp.ascontiguousarray(x)
             if tuple(x.shape) != shape:
@@ -413,28 +499,21 @@ class Trainer:
             self._refresh(caches, (f"h{l}",))
             dx, g = mod.layer_backward(dx, caches.pop())
             add(g, f"h{l}.")
-        if self.first:
-            add(mod.embed_backward(dx, caches.pop()))
+        if self.first:              # the embedding's backward reads no weight
+            add(mod.embed_backward(dx, self._attach(caches.pop(), [])))
         else:
             dx = self.xp.ascontiguousarray(dx)
             with self.trace.phase("pp.bwd"):
                 sends.append((pp.isend(dx, self.mesh.s - 1, tag=2 * j + 1), dx))
 
     def _refresh(self, caches, names) -> None:
-        """ZeRO-3: gather the parameters again for a backward piece and hand them to its
-        cache in place of the forward's copy (pieces whose cache keeps no ``params``
-        read the weights their ops saved)."""
+        """ZeRO-3: gather units ``names`` again for a backward piece and put the fresh
+        buffers where :meth:`_detach` took the forward's out of its cache."""
         if self.zero < 3:
             return
-        fresh = self._gather(names)
-        c = caches[-1]
-        if "params" not in getattr(c, "_fields", ()):
-            return
-        if len(names) == 1 and names[0] in {f"h{l}" for l in self.layers}:
-            cut = len(names[0]) + 1                 # "h3.ln1.g" -> "ln1.g"
-            fresh = {k[cut:]: v for k, v in fresh.items()}
-        caches[-1] = c._replace(params={**c.params, **{k: v for k, v in fresh.items()
-                                                       if k in c.params}})
+        self._gather(names)
+        bufs, self._gathered = self._gathered, []
+        caches[-1] = self._attach(caches[-1], bufs)
 
     # -- the step ------------------------------------------------------------------
     def step(self, tokens, targets) -> float:
@@ -443,11 +522,22 @@ class Trainer:
         the gradient reduction, the tied-embedding sum, Adam. Returns the mean loss over
         the B * s tokens (B sequences for classification), the same on every rank."""
         cfg, mesh = self.config, self.mesh
+
+        def local():
+            model.check_tokens(tokens, cfg)
+            model.check_targets(targets, tokens, cfg)
+            B = tokens.shape[0]
+            if B % (mesh.dp * self.m):
+                raise ValueError(f"global batch {B} is not divisible by dp * microbatches "
+                                 f"= {mesh.dp} * {self.m}")
+
+        # one small agreement (untraced; off under mpiutil.agreement(False)): tokens or
+        # targets that are bad or different on one rank raise on every rank alike
+        _, err = local_error(local)
+        agree("composed.step", mesh.world, lambda: {"tokens": fingerprint(tokens),
+                                                    "targets": fingerprint(targets)}, err)
         B, seq = tokens.shape[0], tokens.shape[1]
         per = B // (mesh.dp * self.m)
-        if per * mesh.dp * self.m != B:
-            raise ValueError(f"global batch {B} is not divisible by dp * microbatches = "
-                             f"{mesh.dp} * {self.m}")
         n_items = B if cfg.n_classes else B * seq
         shape = activation_shape(self.spec.grid_kind, cfg, self.grid, per, seq)
         if self.zero < 2:
