@@ -168,3 +168,20 @@ def test_a_broken_piece_fails_the_verdict_on_every_rank(backend, monkeypatch, wh
     parallel_assert(all(v == verdicts[0] for v in verdicts), f"ranks disagree: {verdicts}")
     caught = (not r.values_ok) if check == "values" else check in r.failures
     parallel_assert(not res.ok and caught, f"{what}: not caught by {check}: {_row(res)}")
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "perturb", "drop"])
+def test_every_injected_fault_fails_a_mesh_on_every_rank(backend, kind):
+    from summasim.harness.inject import Fault
+
+    case = _breakable_case() or _compositions(P, 1)[0]
+    res = run_mesh(case, WORLD, backend, timed=False, fault=Fault(kind, P - 1))
+    r = res.extra["report"]
+    verdicts = WORLD.allgather((res.ok, r.fault_applied, tuple(r.failures)))
+    parallel_assert(all(v == verdicts[0] for v in verdicts), f"ranks disagree: {verdicts}")
+    if not r.fault_applied:           # drop needs a reduction on that rank (dp or pp > 1)
+        parallel_assert(kind == "drop" and case.dp == 1 and case.pp == 1, _row(res))
+        return
+    parallel_assert(not res.ok and not r.values_ok, f"{kind}@{P - 1} not caught: {_row(res)}")
+    if kind in ("nan", "inf"):
+        parallel_assert(r.nonfinite and math.isnan(r.grad_err), _row(res))

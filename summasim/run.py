@@ -7,9 +7,11 @@ checks its arguments, files and per-rank memory before any work, then runs each
 case (rank-local inputs, the traced call, a rank-local check, timing), prints one
 row per case with the cost model's prediction, and exits 1 if any check fails.
 
-``--inject KIND@RANK`` corrupts every run's output on one rank (every row must then
-FAIL); ``--self-test`` runs every fault kind on every algorithm and scheme that fits
-and shows each one caught. A user error gets one message and exit status 2.
+``--mesh dp=D,pp=P,tp=SCHEME:GRID`` adds sharded-training rows (data, pipeline and
+ZeRO parallelism around a tensor scheme; :mod:`summasim.harness.composed`); without it
+a few default compositions run. ``--inject KIND@RANK`` corrupts every run's output on
+one rank (every row must then FAIL); ``--self-test`` runs every fault kind on every
+algorithm, scheme and default composition that fits and shows each one caught. A user error gets one message and exit status 2.
 """
 
 from __future__ import annotations
@@ -169,8 +171,9 @@ def plan_mesh_cases(args, p: int):
     """``(cases, skips, err)`` of the sharded-training section (pure)."""
     from .harness.plan import default_meshes, plan_meshes
 
-    if args.self_test:
-        return [], [], ""
+    if args.self_test:             # the default compositions on the default model
+        return plan_meshes(p, default_meshes(p), _tf_config(DEFAULT_TF, "float64"),
+                           DEFAULT_TF[0], False)
     kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
     if args.mesh:
         opts = dict(zero=args.zero, schedule=args.schedule, microbatches=args.microbatches,
@@ -244,7 +247,8 @@ def main(argv=None) -> int:
 def _body(args, world) -> int:
     cases, skips, tcases, tskips = plan(args, world.Get_size())
     if args.self_test:
-        return _self_test(args, world, cases, tcases, skips + tskips)
+        mcases, mskips, _ = plan_mesh_cases(args, world.Get_size())
+        return _self_test(args, world, cases, list(tcases) + mcases, skips + tskips + mskips)
     return _main(args, world, cases, skips, tcases, tskips)
 
 
@@ -385,7 +389,7 @@ def _meshes(args, world, backend, machine, say, pairs) -> list:
     say(format_mesh_header(width), flush=True)
     for case in mcases:
         res = run_mesh(case, world, backend, repeats=args.repeats, seed=args.seed,
-                       timed=args.repeats > 0)
+                       timed=args.repeats > 0, fault=args.fault)
         rep = res.extra["report"]
         if world.Get_rank() == 0 and machine is not None and rep.step_s:
             rep.predicted_s = _predict_mesh(case, machine)
@@ -420,18 +424,20 @@ def _self_test(args, world, cases, tcases, skips) -> int:
     say(f"self-test: each fault is injected on rank {target} after the run computes; "
         f"'caught' means the collective verdict was FAIL (float64, small sizes)\n")
     cols = ("clean",) + KINDS
-    head = f"{'run':<46s}  " + "  ".join(f"{c:<8s}" for c in cols)
+    every = list(cases) + list(tcases)
+    width = max([46] + [len(c.label(p) + " " + c.dtype) for c in every])
+    head = f"{'run':<{width}s}  " + "  ".join(f"{c:<8s}" for c in cols)
     say(head)
     say("-" * len(head))
     good = True
-    for case in list(cases) + list(tcases):
+    for case in every:
         cells = []
         for kind in cols:
             fault = None if kind == "clean" else Fault(kind, target)
             kw = {"timed": False}
             if case.kind == "transformer":
                 kw["with_memory"] = False
-            else:
+            elif case.kind == "matmul":
                 kw["method"] = args.check
             res = run_case(case, world, backend, seed=args.seed, fault=fault, **kw)
             applied = res.extra["report"].fault_applied if "report" in res.extra else True
@@ -444,8 +450,8 @@ def _self_test(args, world, cases, tcases, skips) -> int:
                 cell = "caught" if not res.ok else "MISSED"
                 good &= not res.ok
             cells.append(cell)
-        say(f"{case.label(p) + ' ' + case.dtype:<46s}  " + "  ".join(f"{c:<8s}" for c in cells),
-            flush=True)
+        say(f"{case.label(p) + ' ' + case.dtype:<{width}s}  "
+            + "  ".join(f"{c:<8s}" for c in cells), flush=True)
     for s in skips:
         say(f"  skipped {s.name}{' ' + s.grid if s.grid else ''}: {s.reason}")
     say(f"\nself-test {'passed' if good else 'FAILED'}: every clean run "

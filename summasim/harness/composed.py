@@ -98,6 +98,8 @@ class MeshReport:
     step_s: float = 0.0
     predicted_s: float | None = None
     failures: list = field(default_factory=list)
+    fault: str = ""
+    fault_applied: bool = True
 
 
 def serial_reference(params: dict, tokens, targets, config, steps: int, lr: float = LR):
@@ -217,6 +219,66 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     return {k: v * item for k, v in out.items()}
 
 
+class _DropOnce:
+    """``drop`` fault: the first ring reduction of the step on the faulty rank (a
+    data-parallel bucket, else the tied embedding) leaves that rank's own contribution
+    in the chunk it would own, as if the other replicas' summands were lost. The
+    messages are unchanged, so no rank waits; every rank that reads the chunk later
+    (the all-gather) sees the error."""
+
+    def __init__(self):
+        from ..transformer import composed
+
+        self.mod, self.applied = composed, False
+        self.ar, self.rs = composed.ring_allreduce_unchecked, composed.ring_reduce_scatter_unchecked
+
+    def allreduce(self, x, comm, out=None):
+        if self.applied or comm.size == 1:
+            return self.ar(x, comm, out=out)
+        mine = x.copy()
+        res = self.ar(x, comm, out=out)
+        res[...] = mine
+        self.applied = True
+        return res
+
+    def reduce_scatter(self, flat, comm, work=None, src=None):
+        if self.applied or comm.size == 1:
+            return self.rs(flat, comm, work, src)
+        mine = (flat if src is None else src).copy()
+        own = self.rs(flat, comm, work, src)
+        from ..algorithms.allreduce import chunk_bounds
+
+        lo, hi = chunk_bounds(flat.shape[0], comm.size)[own]
+        flat[lo:hi] = mine[lo:hi]
+        self.applied = True
+        return own
+
+    def __enter__(self):
+        self.mod.ring_allreduce_unchecked = self.allreduce
+        self.mod.ring_reduce_scatter_unchecked = self.reduce_scatter
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.ring_allreduce_unchecked = self.ar
+        self.mod.ring_reduce_scatter_unchecked = self.rs
+
+
+def _corrupt_held(tr, kind: str) -> bool:
+    """``nan``/``inf``/``perturb`` in the first non-empty gradient the rank holds."""
+    from .inject import corrupt_entry
+
+    for _, _, vals in tr.held_grads():
+        if vals.size:
+            if isinstance(vals, np.ndarray):
+                corrupt_entry(vals, kind)
+            else:                                   # a device array: through the host
+                host = _host(vals)
+                corrupt_entry(host, kind)
+                vals[...] = backend_of(vals).asarray(host)
+            return True
+    return False
+
+
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
              timed: bool = True, bound: float | None = None, fault=None, **_):
     """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
@@ -254,9 +316,18 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         loss_err = grad_err = 0.0
         worst_grad = ""
         traffic = tp_items = None
+        mine = fault is not None and fault.rank == rank
+        applied = not mine
         for step in range(case.steps):
             mesh.trace.clear()
-            loss = tr.step(tokens, targets)
+            if mine and step == 0 and fault.kind == "drop":
+                with _DropOnce() as drop:
+                    loss = tr.step(tokens, targets)
+                applied = drop.applied
+            else:
+                loss = tr.step(tokens, targets)
+            if mine and step == 0 and fault.kind != "drop":
+                applied = _corrupt_held(tr, fault.kind)
             if step == 0:
                 events = list(mesh.trace.events)
                 traffic = _phase_bytes(events)
@@ -313,6 +384,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                                  [formula[k] for k in ("params", "grads", "optimizer",
                                                        "total")], tr.max_inflight))
         rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
+        rep.fault = str(fault) if fault else ""
+        rep.fault_applied = all(world.allgather(applied))
 
         def worst_of(i):
             vals = [r[0][i] for r in every]
@@ -320,7 +393,9 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
 
         rep.loss_err, rep.grad_err, rep.param_err = (worst_of(i) for i in range(3))
         top = max(every, key=lambda r: math.inf if any(map(math.isnan, r[0])) else max(r[0]))
-        rep.worst = top[1] if top[0][1] >= top[0][2] else f"final param {top[2]}"
+        grad_side = math.isnan(top[0][1]) or (not math.isnan(top[0][2])
+                                              and top[0][1] >= top[0][2])
+        rep.worst = top[1] if grad_side else f"final param {top[2]}"
         rep.failures = sorted({f for r in every for f in r[3]})
         rep.values_ok = not rep.nonfinite and max(rep.loss_err, rep.grad_err,
                                                   rep.param_err) <= bound
@@ -347,5 +422,5 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     finally:
         mesh.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
-    return Result(case, p, chk, timing, nbytes, msgs, rss, None, coords, "",
-                  extra={"report": rep})
+    return Result(case, p, chk, timing, nbytes, msgs, rss, None, coords,
+                  str(fault) if fault else "", extra={"report": rep})
