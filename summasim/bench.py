@@ -124,15 +124,21 @@ def plain_ring_allreduce(x, out, comm):
     return out
 
 
-def ring_prediction(n: int, dtype, p: int, machine) -> float:
+def ring_prediction(n: int, dtype, p: int, machine, blocking_limit: int = 0) -> float:
     """The cost model's time of ``ring_allreduce`` of n items on p ranks (the slowest
-    rank, shared-core model), from the closed-form messages of every rank."""
+    rank, shared-core model), from the closed-form messages of every rank. Steps are
+    priced as waits inside ``MPI_Sendrecv`` where ``Comm`` takes that path: every step
+    when the largest chunk has fewer than ``blocking_limit`` bytes
+    (``Comm.exchanger`` decides once per loop), else each step below the limit
+    (``Comm.sendrecv`` decides per message); the others as polled waits."""
     from .costmodel.accuracy import predict_result
     from .costmodel.traffic import algorithm_messages
     from .harness.cases import RingCase
 
     it = np.dtype(dtype).itemsize
-    events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count]
+    every = -(-n // p) * it < blocking_limit
+    events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count,
+                every or mc.nbytes < blocking_limit]
                for mc in algorithm_messages("ring_allreduce", count=n, p=p, coords=r,
                                             itemsize=it)] for r in range(p)]
     res = dict(RingCase(n, np.dtype(dtype).name).to_dict(), p=p, events=events,
@@ -178,7 +184,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) ->
                         t[k] += time_calls(fn, world, 1, adaptive=False)["spans"]
             tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
             nbytes = count * np.dtype(dtype).itemsize
-            pred = ring_prediction(count, dtype, p, machine) if machine is not None else None
+            pred = (ring_prediction(count, dtype, p, machine, comm.blocking_limit)
+                    if machine is not None else None)
             rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
                          "mpi_seconds": tm, "ring_times": t["ring"], "plain_times": t["plain"],
                          "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
@@ -339,66 +346,51 @@ def _pure_tensor(case, p: int):
 
 def bench_mesh(world, cases, repeats: int, say, machine=None) -> list[dict]:
     """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
-    (collective)."""
-    from .grid import Mesh
-    from .harness.timing import time_calls
-    from .mpiutil import agreement
-    from .transformer import model
-    from .transformer.composed import Trainer
-    from .transformer.schemes import get_scheme
+    (collective). Each run is validated first (:func:`~summasim.harness.composed.run_mesh`:
+    three Adam steps against the serial model); a failed validation fails the benchmark.
+    The prediction prices each run's traced step with ``machine``."""
+    from .harness.composed import run_mesh
 
     p = world.Get_size()
     rows = []
 
-    def step_time(case):
-        spec = get_scheme(case.scheme)
-        params = model.init_params(case.config, seed=0)
-        rng = np.random.default_rng(0)
-        tokens = rng.integers(0, case.config.vocab, size=(case.batch, case.config.seq))
-        targets = rng.integers(0, case.config.vocab, size=(case.batch, case.config.seq))
-        mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t)
-        try:
-            mesh.trace.enabled = False
-            tr = Trainer(params, case.config, mesh, spec, zero=case.zero,
-                         schedule=case.schedule, microbatches=case.microbatches,
-                         checkpoint=case.checkpoint, bucket_bytes=case.bucket_bytes)
-            tr.step(tokens, targets)                         # checked (agreed) once
-            with agreement(False):
-                times = time_calls(lambda: tr.step(tokens, targets), world, repeats,
-                                   adaptive=False)["spans"]
-        finally:
-            mesh.free()
-        return statistics.median(times)
+    def measure(case):
+        res = run_mesh(case, world, repeats=repeats)
+        pred = None
+        if machine is not None and world.Get_rank() == 0:
+            from .costmodel.compose import predict_measured_mesh
 
-    def predicted(case):
-        if machine is None:
-            return None
-        from .costmodel.compose import predict_case
-
-        return predict_case(case.to_dict(), machine)
+            pred = predict_measured_mesh(res.measured(), machine)
+        return res, world.bcast(pred, root=0)
 
     c0 = cases[0].config if cases else None
     if c0 is not None:
         say(f"sharded training step: b={cases[0].batch} (global) s={c0.seq} h={c0.hidden} "
             f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers} "
-            f"{np.dtype(c0.dtype).name}; 'pure' is the same scheme on all {p} ranks")
+            f"{np.dtype(c0.dtype).name}; each run validated first; 'pure' is the same "
+            f"scheme on all {p} ranks")
     head = (f"{'mesh':<28} {'zero':>4} {'sched':>5} {'m':>2} {'step s':>8} {'pred s':>8} "
-            f"{'pure tp':<20} {'pure s':>8} {'pred s':>8} {'vs pure':>8}")
+            f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}")
     say(head)
     say("-" * len(head))
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    err = lambda pr, t: "-" if pr is None else f"{100 * (pr - t) / t:+.0f}%"  # noqa: E731
     for case in cases:
         pure = _pure_tensor(case, p)
-        t = step_time(case)
-        tp = step_time(pure) if pure is not None else None
-        pc, pp_ = predicted(case), predicted(pure) if pure is not None else None
-        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        res, pc = measure(case)
+        pres, pp_ = measure(pure) if pure is not None else (None, None)
+        t = res.seconds
+        tp = pres.seconds if pres is not None else None
+        ok = res.ok and (pres is None or pres.ok)
         rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule,
-                     "microbatches": case.microbatches, "seconds": t, "predicted": pc,
-                     "pure": pure.spec if pure else None, "pure_seconds": tp,
-                     "pure_predicted": pp_, "ratio": (tp / t) if tp else None})
+                     "microbatches": case.microbatches, "ok": ok, "seconds": t,
+                     "predicted": pc, "pure": pure.spec if pure else None,
+                     "pure_seconds": tp, "pure_predicted": pp_,
+                     "ratio": (tp / t) if tp else None})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule:>5} {case.microbatches:>2} "
-            f"{t:>8.4f} {fmt(pc):>8} {pure.spec if pure else '-':<20} {fmt(tp):>8} "
-            f"{fmt(pp_):>8} {(f'{tp / t:.2f}x') if tp else '-':>8}")
+            f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
+            f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
+            f"{(f'{tp / t:.2f}x') if tp else '-':>8}" + ("" if ok else "  FAILED validation"))
     return rows
 
 
@@ -555,6 +547,7 @@ def _body(args, world) -> int:
 
             machine = resolve_machine(args.machine, world, say)
         report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine)
+        ok = ok and all(r["ok"] for r in report["mesh"])
         for sk in skips:
             say(f"  skipped mesh {sk.name}: {sk.reason}")
     if args.json and rank == 0:

@@ -392,7 +392,7 @@ def _meshes(args, world, backend, machine, say, pairs) -> list:
                        timed=args.repeats > 0, fault=args.fault)
         rep = res.extra["report"]
         if world.Get_rank() == 0 and machine is not None and rep.step_s:
-            rep.predicted_s = _predict_mesh(case, machine)
+            rep.predicted_s = _predict_mesh(res, machine)
             if rep.predicted_s is not None:
                 pairs.append((rep.predicted_s, rep.step_s, f"{case.spec} step"))
         out.append(rep)
@@ -400,13 +400,12 @@ def _meshes(args, world, backend, machine, say, pairs) -> list:
     return out
 
 
-def _predict_mesh(case, machine):
-    """The cost model's step time of a mesh case (None when it cannot price it)."""
-    try:
-        from .costmodel.compose import predict_case
-    except ImportError:
-        return None
-    return predict_case(case.to_dict(), machine)
+def _predict_mesh(res, machine):
+    """The cost model's time of a measured mesh step: its traced events and its stage's
+    compute priced on ``machine`` (:func:`summasim.costmodel.compose.predict_measured_mesh`)."""
+    from .costmodel.compose import predict_measured_mesh
+
+    return predict_measured_mesh(res.measured(), machine)
 
 
 def _self_test(args, world, cases, tcases, skips) -> int:

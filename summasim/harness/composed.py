@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends import backend_of
+from ..costmodel.accuracy import event_summary
 from ..grid import Mesh
 from ..mpiutil import agreement, quiet_barrier
 from ..transformer import model
@@ -418,9 +419,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             rep.step_s = timing["median"]
         nbytes = int(reduce_max(world, [sum(traffic.values())])[0])
         msgs = int(reduce_max(world, [len(events)])[0])
-        coords = world.gather(list(mesh.coords), root=0)
+        # what the cost model prices (costmodel.accuracy): each rank's traced events of
+        # the first step and where it sits, (replica, stage, tensor rank, its layers)
+        summaries = world.gather(event_summary(events), root=0)
+        coords = world.gather(list(mesh.coords) + [tr.layers.start, tr.layers.stop], root=0)
     finally:
         mesh.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
-    return Result(case, p, chk, timing, nbytes, msgs, rss, None, coords,
+    return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})
