@@ -55,8 +55,9 @@ from .mpiutil import WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
-# host sendrecvs below this many bytes block inside MPI_Sendrecv (see Comm.sendrecv); off
-# (0) by default until the cost model prices that wait (docs/performance.md)
+# host sendrecvs below this many bytes block inside MPI_Sendrecv (see Comm.sendrecv). 2 MiB pays
+# on 2 cores at 2 to 8 ranks per core, but stays off (0) by default until the shared-core model
+# prices those waits within issue 10's accuracy limits (docs/performance.md)
 BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "0") or 0)
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
@@ -507,11 +508,13 @@ class Comm:
 
         Host arrays of less than :attr:`blocking_limit` bytes take a lean path:
         ``MPI_Sendrecv`` itself, which waits in MPI's own progress loop, and one trace
-        record. Measured on 2 cores with 4 to 16 ranks (docs/performance.md), that makes
-        a ring all-reduce 1.1-1.7x faster below 4 MiB, but the cost model's shared-core
-        calibration cannot yet tell such a wait from a polled one, so the limit is 0
-        (off) unless ``SUMMASIM_BLOCKING_BYTES`` sets it (e.g. 2097152), or the wait
-        policy is "spin" (always blocking). Everything else goes through
+        record (``blocking=True``, which the cost model prices as its own kind of
+        wait). Measured on 2 cores with 4 to 16 ranks (docs/performance.md), a limit of
+        2 MiB makes a ring all-reduce up to 2x faster below a few MiB; above 2 MiB per
+        message the polled wait is as fast or faster. The limit is 0 (off) unless
+        ``SUMMASIM_BLOCKING_BYTES`` sets it (e.g. 2097152): the calibrated shared-core
+        model does not yet price those waits at 8 ranks per core within issue 10's
+        limits. It is unlimited under the "spin" policy. Everything else goes through
         :meth:`isendrecv` and the wait policy.
         """
         nbytes = sendbuf.nbytes

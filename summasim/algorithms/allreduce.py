@@ -112,9 +112,15 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
     bounds = _bounds(flat.shape[0], p)
     if work is None:
         work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    xp = _xp(flat)
+    _reduce_scatter_steps(flat, src, bounds, r, p, work,
+                          comm.exchanger(flat, work.itemsize * work.shape[0]), _xp(flat).add)
+    return (r + 1) % p
+
+
+def _reduce_scatter_steps(flat, src, bounds, r, p, work, sendrecv, add):
+    """The P-1 reduce-scatter steps (see the module doc); ``sendrecv`` from
+    :meth:`~summasim.comm.Comm.exchanger`, ``add`` the array library's."""
     right, left = (r + 1) % p, (r - 1) % p
-    sendrecv, add = comm.exchanger(flat, work.itemsize * work.shape[0]), xp.add
     for s in range(p - 1):
         # pass the growing partial sum of one chunk one step round the ring
         s0, s1 = bounds[(r - s) % p]
@@ -122,7 +128,16 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
         recv = work[: r1 - r0]
         sendrecv((src if s == 0 else flat)[s0:s1], right, recv, left)
         add(src[r0:r1], recv, out=flat[r0:r1])
-    return (r + 1) % p
+
+
+def _allgather_steps(flat, bounds, r, p, sendrecv):
+    """The P-1 all-gather steps (see the module doc)."""
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        # forward the chunk completed last step, receive the next one in place
+        s0, s1 = bounds[(r + 1 - s) % p]
+        r0, r1 = bounds[(r - s) % p]
+        sendrecv(flat[s0:s1], right, flat[r0:r1], left)
 
 
 def ring_allgather(flat, comm):
@@ -140,13 +155,8 @@ def ring_allgather_unchecked(flat, comm):
     if p == 1:
         return flat
     bounds = _bounds(flat.shape[0], p)
-    right, left = (r + 1) % p, (r - 1) % p
-    sendrecv = comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
-    for s in range(p - 1):
-        # forward the chunk completed last step, receive the next one in place
-        s0, s1 = bounds[(r + 1 - s) % p]
-        r0, r1 = bounds[(r - s) % p]
-        sendrecv(flat[s0:s1], right, flat[r0:r1], left)
+    _allgather_steps(flat, bounds, r, p,
+                     comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0])))
     return flat
 
 
@@ -178,34 +188,45 @@ def ring_allreduce(x, comm, out=None):
     Per rank: 2(P-1) sendrecvs of about N/P items (see the module docstring).
     """
     comm = as_comm(comm, name="ring")
-
-    def local():
-        if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-            raise TypeError(f"ring_allreduce: expected a numeric array, got {type(x).__name__}")
-        if out is not None and out is not x:
-            if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
-                raise ValueError("ring_allreduce: out must have the shape and dtype of x")
-            if type(out) is not type(x):
-                array_module(out, x)     # raises TypeError on mixed host/device arrays
-        if out is not None and not out.flags.c_contiguous:
-            raise ValueError("ring_allreduce: out must be C-contiguous")
-
-    _, err = local_error(local)
+    _, err = local_error(_check_allreduce, x, out)
     agree("ring_allreduce", comm, lambda: {"dtype": dtype_of(x), "shape of x": shape_of(x)},
           err)
     return ring_allreduce_unchecked(x, comm, out)
 
 
+def _check_allreduce(x, out):
+    """The local checks of :func:`ring_allreduce`."""
+    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
+        raise TypeError(f"ring_allreduce: expected a numeric array, got {type(x).__name__}")
+    if out is not None and out is not x:
+        if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
+            raise ValueError("ring_allreduce: out must have the shape and dtype of x")
+        if type(out) is not type(x):
+            array_module(out, x)     # raises TypeError on mixed host/device arrays
+    if out is not None and not out.flags.c_contiguous:
+        raise ValueError("ring_allreduce: out must be C-contiguous")
+
+
 def ring_allreduce_unchecked(x, comm, out=None):
     """:func:`ring_allreduce` without the checks and the agreement, for library callers
     that checked and agreed on their inputs (summa25_atb's depth sum, the schemes).
-    Out of place, the copy of ``x`` is fused into the reduce-scatter's adds."""
+    Out of place, the copy of ``x`` is fused into the reduce-scatter's adds. The two
+    halves share one chunk table, one receive workspace and one exchange function
+    (per-call Python is on the critical path of every small all-reduce)."""
     comm = as_comm(comm, name="ring")
     xp = _xp(x)
     if out is None:
         out = xp.empty(x.shape, dtype=x.dtype)
     flat = out.reshape(-1)
     src = flat if out is x else xp.ascontiguousarray(x).reshape(-1)
-    ring_reduce_scatter_unchecked(flat, comm, src=src)
-    ring_allgather_unchecked(flat, comm)
+    p, r = comm.size, comm.rank
+    if p == 1:
+        if src is not flat:
+            flat[...] = src
+        return out
+    bounds = _bounds(flat.shape[0], p)
+    work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
+    step = comm.exchanger(flat, work.itemsize * work.shape[0])
+    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, xp.add)
+    _allgather_steps(flat, bounds, r, p, step)
     return out

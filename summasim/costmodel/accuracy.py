@@ -137,7 +137,10 @@ def case_label(case: dict, p: int | None = None) -> str:
                 f"[{case['q']},{case['q']},{case['d']}]")
         return f"{case['algorithm']} {grid} {case['m']}x{case['k']}x{case['n']}"
     if kind == "ring":
-        return f"ring_allreduce p={p if p is not None else '?'} N={case['N']}"
+        polled = any(len(e) > 5 and not e[5] and e[0] == "sendrecv"
+                     for rank in case.get("events") or () for e in rank)
+        return (f"ring_allreduce p={p if p is not None else '?'} N={case['N']}"
+                + (" polled" if polled else ""))
     grid = {"megatron": f"1D p={p if p is not None else '?'}",
             "optimus": f"{case['q']}x{case['q']}"}.get(case["scheme"],
                                                        f"[{case['q']},{case['q']},{case['d']}]")
@@ -146,20 +149,25 @@ def case_label(case: dict, p: int | None = None) -> str:
 
 
 def event_summary(events) -> list:
-    """``[[op, group, group_size, nbytes, count], ...]`` of one rank's events."""
+    """``[[op, group, group_size, nbytes, count, blocking], ...]`` of one rank's events
+    (``blocking``: they waited inside a blocking MPI call, see
+    :class:`summasim.trace.Event`)."""
     acc: dict = {}
     for e in events:
-        key = (e.op, e.group, int(e.group_size), int(e.nbytes))
+        key = (e.op, e.group, int(e.group_size), int(e.nbytes),
+               bool(getattr(e, "blocking", False)))
         acc[key] = acc.get(key, 0) + 1
-    return [list(k) + [c] for k, c in sorted(acc.items())]
+    return [list(k[:4]) + [c, k[4]] for k, c in sorted(acc.items())]
 
 
 # --------------------------------------------------------------------------- model side (pure)
 def _messages(rank_events):
-    from .traffic import MessageClass
+    """:class:`~summasim.costmodel.predict.Messages` of one rank's event summary (five
+    fields in measurements from before the ``blocking`` flag: all polled)."""
+    from .predict import Messages
 
-    return [MessageClass(op, grp, int(size), int(nb), int(cnt))
-            for op, grp, size, nb, cnt in rank_events]
+    return [Messages(e[0], e[1], int(e[2]), int(e[3]), int(e[4]),
+                     bool(e[5]) if len(e) > 5 else False) for e in rank_events]
 
 
 def _tf_scheme_config(res):

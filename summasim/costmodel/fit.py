@@ -705,21 +705,29 @@ def fit_shared_core(samples) -> tuple["SharedCore", float]:
     ``samples``: ``(R, features, measured_seconds)`` per timed run with R > 1
     (ranks per core), ``features`` a
     :class:`~summasim.costmodel.predict.SharedFeatures` (per-rank CPU work, critical-path
-    hops and hop bytes). The model is ``t / R = work_factor W + hop_seconds H +
-    hop_seconds_per_byte B + sync_seconds``, fitted by :func:`fit_nonneg_linear`.
-    Returns the SharedCore and the fit's median relative error.
+    hops, polled and waited for inside MPI, and hop bytes). The model is ``t / R =
+    work_factor W + hop_seconds H + mpi_hop_seconds H_mpi + hop_seconds_per_byte B +
+    sync_seconds``, fitted by :func:`fit_nonneg_linear`. When no run has a hop that
+    waited inside MPI, ``mpi_hop_seconds`` cannot be fitted and is left None (such a
+    hop is then priced as a polled one). Returns the SharedCore and the fit's median
+    relative error.
     """
     rows, ys = [], []
     for R, f, t in samples:
         if R <= 1:
             raise ValueError(f"shared-core samples need R > 1 ranks per core, got R = {R}")
-        rows.append([f.work, f.hops, f.hop_bytes, 1.0])
+        rows.append([f.work, f.hops, f.hop_bytes, 1.0, f.mpi_hops])
         ys.append(t / R)
     if len(rows) < 4:
         raise ValueError(f"fit_shared_core needs at least 4 runs, got {len(rows)}")
-    c, err = fit_nonneg_linear(rows, ys)
+    blocking = any(r[4] > 0 for r in rows)
+    if blocking and len(rows) < 5:
+        raise ValueError(f"fit_shared_core needs at least 5 runs when some wait inside MPI, "
+                         f"got {len(rows)}")
+    c, err = fit_nonneg_linear(rows if blocking else [r[:4] for r in rows], ys)
     return SharedCore(work_factor=float(c[0]), hop_seconds=float(c[1]),
-                      hop_seconds_per_byte=float(c[2]), sync_seconds=float(c[3])), err
+                      hop_seconds_per_byte=float(c[2]), sync_seconds=float(c[3]),
+                      mpi_hop_seconds=float(c[4]) if blocking else None), err
 
 
 def fit_elementwise(samples) -> tuple[float, float, float]:

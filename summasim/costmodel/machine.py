@@ -202,8 +202,8 @@ class SharedCore:
     With ``R = ranks_per_node / cores > 1`` a rank's time is (see
     :mod:`~summasim.costmodel.predict`)::
 
-        R * (work_factor * W + sum_events (hops * hop_seconds
-                                           + hop_bytes * hop_seconds_per_byte) + sync_seconds)
+        R * (work_factor * W + hops * hop_seconds + mpi_hops * mpi_hop_seconds
+             + hop_bytes * hop_seconds_per_byte + sync_seconds)
 
     where W is the rank's CPU work (GEMMs, additions, the copies its receives need,
     ``call_seconds`` per communication call). Every term is per unit of R: the p
@@ -211,39 +211,67 @@ class SharedCore:
     ranks' speed (``work_factor`` - 1 is what waiting ranks cost: each polls MPI
     every 20 us and the wakeups take the cores from the ranks that compute), and a
     message on the critical path waits for its receiver to be scheduled and does its
-    copy at 1/R speed. Fitted on runs at p = 2 cores (R = 2) by ``fit``.
+    copy at 1/R speed.
+
+    Two kinds of wait are told apart, because they cost differently: ``hops`` are
+    messages completed by summasim's wait policy (``MPI_Test`` and a sleep of 20 us
+    that Linux stretches to 60-80 us, so most hops cost at least one nap), and
+    ``mpi_hops`` are messages whose rank waited inside a blocking MPI call
+    (``MPI_Sendrecv``: MPICH's own progress loop, which polls and yields the core;
+    trace events with ``blocking`` set). Fitted on runs at 1.5 and 2 ranks per core
+    by the accuracy benchmark.
 
     Parameters
     ----------
     work_factor : float
         Multiplies the CPU work (>= 0; 1 = perfect time sharing).
     hop_seconds : float
-        Seconds per message on the critical path, per unit of R.
+        Seconds per polled message on the critical path, per unit of R.
     hop_seconds_per_byte : float
         Seconds per byte carried on the critical path, per unit of R.
     sync_seconds : float
         Seconds per call (start and end synchronization), per unit of R.
+    mpi_hop_seconds : float or None
+        Seconds per message on the critical path whose wait is inside MPI, per unit of
+        R; None (machine files from before the distinction) prices such a message as a
+        polled one (``hop_seconds``).
     """
 
     work_factor: float = 1.0
     hop_seconds: float = 0.0
     hop_seconds_per_byte: float = 0.0
     sync_seconds: float = 0.0
+    mpi_hop_seconds: float | None = None
 
     _FIELDS = ("work_factor", "hop_seconds", "hop_seconds_per_byte", "sync_seconds")
+    _OPTIONAL = ("mpi_hop_seconds",)
 
     def __post_init__(self):
         for f in self._FIELDS:
             _number("shared_core." + f, getattr(self, f))
+        if self.mpi_hop_seconds is not None:
+            _number("shared_core.mpi_hop_seconds", self.mpi_hop_seconds)
+
+    @property
+    def blocking_hop_seconds(self) -> float:
+        """Seconds per unit of R of a hop that waits inside MPI (``mpi_hop_seconds``,
+        or ``hop_seconds`` when the machine does not tell the two apart)."""
+        return self.hop_seconds if self.mpi_hop_seconds is None else self.mpi_hop_seconds
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self._FIELDS}
+        out = {f: getattr(self, f) for f in self._FIELDS}
+        if self.mpi_hop_seconds is not None:
+            out["mpi_hop_seconds"] = self.mpi_hop_seconds
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SharedCore":
         vals = {f: _number("shared_core." + f, _require(d, f, "shared_core."))
                 for f in cls._FIELDS}
-        _no_extra(d, cls._FIELDS, "shared_core.")
+        for f in cls._OPTIONAL:
+            if d.get(f) is not None:
+                vals[f] = _number("shared_core." + f, d[f])
+        _no_extra(d, cls._FIELDS + cls._OPTIONAL, "shared_core.")
         return cls(**vals)
 
 
@@ -748,8 +776,10 @@ def sanity_problems(machine) -> list[str]:
         if _bad(v) or v < 0:
             out.append(f"{name} = {v!r} (must be finite and >= 0)")
     if m.shared_core is not None:
-        for name in SharedCore._FIELDS:
+        for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
             v = getattr(m.shared_core, name)
+            if v is None and name in SharedCore._OPTIONAL:
+                continue
             if _bad(v) or v < 0:
                 out.append(f"shared_core.{name} = {v!r} (must be finite and >= 0)")
         wf = m.shared_core.work_factor

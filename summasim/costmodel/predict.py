@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 from . import traffic as _traffic
 from .collectives import (MPICH, CollectiveCost, Thresholds, collective_shape,
@@ -237,14 +237,16 @@ def _resolve_p(machine, p, q, d, ranks_per_node):
 
 
 def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm_cpu: float,
-                     calls: float, hops: float, hop_bytes: float) -> float | None:
+                     calls: float, hops: float, hop_bytes: float,
+                     mpi_hops: float = 0.0) -> float | None:
     """Seconds of one rank under oversubscription (see the module doc), or None when
     the machine has no shared-core model or the node is not oversubscribed.
 
     ``compute``: CPU seconds of local work; ``comm_cpu``: the rank's share of the
     copies and additions of its collectives; ``calls``: its communication calls;
-    ``hops``/``hop_bytes``: messages (and their bytes) on the critical paths of
-    its collectives.
+    ``hops``/``hop_bytes``: messages (and the bytes of all of them) on the critical
+    paths of its collectives, ``hops`` those completed by the wait policy (polled)
+    and ``mpi_hops`` those waited for inside a blocking MPI call.
     """
     sc = machine.shared_core
     R = ranks_per_node / machine.cores
@@ -252,6 +254,7 @@ def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm
         return None
     work = compute + comm_cpu + calls * machine.call_seconds
     return R * (sc.work_factor * work + hops * sc.hop_seconds
+                + mpi_hops * sc.blocking_hop_seconds
                 + hop_bytes * sc.hop_seconds_per_byte + sc.sync_seconds)
 
 
@@ -261,12 +264,13 @@ class _Tally:
     def __init__(self, pricer):
         self.pricer = pricer
         self.crit: dict = defaultdict(float)      # (op, group) -> seconds (no slowdown)
-        self.shared: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # cpu, calls, hops, B
+        # cpu, calls, polled hops, hop bytes, hops waited for inside MPI
+        self.shared: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
         self.by_phase: dict = defaultdict(float)
         self.algs: dict = defaultdict(set)
         self.counts: dict = defaultdict(lambda: [0, 0])
 
-    def add(self, op, group, size, nbytes, count=1, phase=""):
+    def add(self, op, group, size, nbytes, count=1, phase="", blocking=False):
         cost = self.pricer(op, group, size, nbytes)
         key = (op, group)
         self.crit[key] += count * cost.seconds
@@ -279,24 +283,24 @@ class _Tally:
             acc = self.shared[key]
             acc[0] += count * cpu
             acc[1] += count
-            acc[2] += count * hops
+            acc[4 if blocking else 2] += count * hops
             acc[3] += count * hb
         elif size > 1:
             self.shared[key][1] += count
 
     def totals(self):
         v = list(self.shared.values())
-        return tuple(sum(x[i] for x in v) for i in range(4))
+        return tuple(sum(x[i] for x in v) for i in range(5))
 
 
 def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
     """Combine a tally and the compute into a Prediction (dedicated or shared-core)."""
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
-    cpu, calls, hops, hb = tally.totals()
+    cpu, calls, hops, hb, mpi_hops = tally.totals()
     call_t = machine.call_seconds
     crit = {k: v + tally.shared[k][1] * call_t for k, v in tally.crit.items()}
-    shared = shared_core_time(machine, rpn, compute_base, cpu, calls, hops, hb)
+    shared = shared_core_time(machine, rpn, compute_base, cpu, calls, hops, hb, mpi_hops)
     algs = {k: tuple(sorted(v)) for k, v in tally.algs.items()}
     counts = {k: tuple(v) for k, v in tally.counts.items()}
     if shared is None:
@@ -308,7 +312,8 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
                           slow, mode, machine.name)
     sc, R = machine.shared_core, rpn / machine.cores
     by_op = {k: R * (sc.work_factor * (a[0] + a[1] * call_t) + a[2] * sc.hop_seconds
-                     + a[3] * sc.hop_seconds_per_byte) for k, a in tally.shared.items()}
+                     + a[4] * sc.blocking_hop_seconds + a[3] * sc.hop_seconds_per_byte)
+             for k, a in tally.shared.items()}
     compute = R * sc.work_factor * compute_base
     dedicated = (sum(crit.values()) + compute_base if dedicated_total is None
                  else dedicated_total)
@@ -318,9 +323,23 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
 
 
 def _count(e) -> int:
-    """Events one entry stands for: a MessageClass's ``count``, else 1 (an Event is a
-    NamedTuple too, whose ``count`` is tuple's method)."""
-    return e.count if isinstance(e, _traffic.MessageClass) else 1
+    """Events one entry stands for: a MessageClass's or a :class:`Messages`' ``count``,
+    else 1 (an Event is a NamedTuple too, whose ``count`` is tuple's method)."""
+    return e.count if isinstance(e, (_traffic.MessageClass, Messages)) else 1
+
+
+class Messages(NamedTuple):
+    """``count`` identical events of one rank, as a trace summary holds them: a
+    :class:`~summasim.costmodel.traffic.MessageClass` plus whether the rank waited for
+    them inside a blocking MPI call (``blocking``, as the trace's
+    :class:`~summasim.trace.Event` records it)."""
+
+    op: str
+    group: str
+    group_size: int
+    nbytes: int
+    count: int
+    blocking: bool = False
 
 
 def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
@@ -385,7 +404,7 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
         tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
-                  getattr(e, "phase", ""))
+                  getattr(e, "phase", ""), getattr(e, "blocking", False))
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
@@ -396,14 +415,16 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
 class SharedFeatures:
     """The inputs of the shared-core model for one rank (all per rank, no R):
     CPU ``work`` seconds (compute, the rank's share of copies and additions, and
-    ``call_seconds`` per call), ``hops`` and ``hop_bytes`` on critical paths, and the
-    ``dedicated`` prediction (one rank per core)."""
+    ``call_seconds`` per call), ``hops`` (completed by the wait policy: polled) and
+    ``mpi_hops`` (waited for inside a blocking MPI call) on critical paths, the
+    ``hop_bytes`` of both, and the ``dedicated`` prediction (one rank per core)."""
 
     work: float
     hops: float
     hop_bytes: float
     dedicated: float
     calls: float = 0.0
+    mpi_hops: float = 0.0
 
 
 def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
@@ -421,21 +442,24 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     pricer = _Pricer(probe, "mpich", None, None, itemsize, q or 1, d, p, reduce_impl)
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
-        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e))
+        tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
+                  blocking=getattr(e, "blocking", False))
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
-    cpu, calls, hops, hb = tally.totals()
+    cpu, calls, hops, hb, mpi_hops = tally.totals()
     dedicated = sum(tally.crit.values()) + calls * machine.call_seconds + base
-    return SharedFeatures(base + cpu + calls * machine.call_seconds, hops, hb, dedicated, calls)
+    return SharedFeatures(base + cpu + calls * machine.call_seconds, hops, hb, dedicated, calls,
+                          mpi_hops)
 
 
 def predict_features(features: Iterable[SharedFeatures], machine: Machine,
                      ranks_per_node: int) -> float:
     """Predicted seconds of a run (the slowest rank) from every rank's
     :class:`SharedFeatures`: with the shared-core model on an oversubscribed node,
-    ``R (work_factor max W + hop_seconds max H + hop_seconds_per_byte max B +
-    sync_seconds)`` (maxima over ranks, R = ranks per node / cores), never less
+    ``R (work_factor max W + hop_seconds max H + mpi_hop_seconds max H_mpi +
+    hop_seconds_per_byte max B + sync_seconds)`` (maxima over ranks, R = ranks per
+    node / cores), never less
     than the dedicated prediction; otherwise the largest dedicated prediction
     (times the machine's plain ``slowdown`` when it has no shared-core model).
     This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
@@ -448,6 +472,7 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     if sc is None:
         return f.dedicated * machine.slowdown(ranks_per_node)
     shared = R * (sc.work_factor * f.work + sc.hop_seconds * f.hops
+                  + sc.blocking_hop_seconds * f.mpi_hops
                   + sc.hop_seconds_per_byte * f.hop_bytes + sc.sync_seconds)
     return max(shared, f.dedicated)
 
@@ -458,7 +483,8 @@ def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
     if not feats:
         raise ValueError("the features of at least one rank are needed")
     return SharedFeatures(*(max(getattr(f, k) for f in feats)
-                            for k in ("work", "hops", "hop_bytes", "dedicated", "calls")))
+                            for k in ("work", "hops", "hop_bytes", "dedicated", "calls",
+                                      "mpi_hops")))
 
 
 def _worst_coords(name, q, d, m, k, n, count, p):

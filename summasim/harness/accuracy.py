@@ -12,6 +12,7 @@ its validation stops the benchmark. Every mpiexec runs under ``timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,7 +33,11 @@ def default_plan(quick: bool = False) -> dict:
     """The runs: ``calibrate`` (p = 1 serial steps, p = 3 and 4 runs, fitted on) and
     ``heldout`` (p = 8, 9, 16: process counts and sizes the fit never saw), each
     ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
-    problem on the same p (p = 4 and 16)."""
+    problem on the same p (p = 4 and 16). ``calibrate_polled``: small ring all-reduces
+    at p = 3 and 4 run with ``SUMMASIM_BLOCKING_BYTES=0``, so that their steps are
+    polled requests (by default they block inside ``MPI_Sendrecv``): the calibration
+    then sees both kinds of wait on the same messages and fits both coefficients
+    (``SharedCore.hop_seconds`` and ``mpi_hop_seconds``); fitted on like ``calibrate``."""
     tf = transformer_case
     mm = MatmulCase
     f = 2 if quick else 1
@@ -66,7 +71,23 @@ def default_plan(quick: bool = False) -> dict:
             + [tf(s, q, d, 16, 128, 512, 16, 1024, 1) for s, q, d in
                (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))],
     }
-    return {"calibrate": cal, "heldout": held}
+    polled = {p: [RingCase(1 << 12), RingCase(1 << 17)] for p in (3, 4)}
+    return {"calibrate": cal, "heldout": held, "calibrate_polled": polled}
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """Set environment variables for the jobs launched inside the block."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _fit_machine(path: str, timeout: float, say) -> None:
@@ -144,13 +165,18 @@ def run(args) -> int:
         plan = default_plan(args.quick)
         measured = {"calibrate": [], "heldout": []}
         with tempfile.TemporaryDirectory(dir=args.out) as work:
-            for part, step in (("calibrate", "2/3 calibration runs"), ("heldout", "3/3 held-out runs")):
+            for part, step, env in (
+                    ("calibrate", "2/3 calibration runs", {}),
+                    ("calibrate_polled", "2/3 calibration runs, polled ring steps",
+                     {"SUMMASIM_BLOCKING_BYTES": "0"}),
+                    ("heldout", "3/3 held-out runs", {})):
                 for p, cases in plan[part].items():
                     wait_for_quiet(say=say)
                     say(f"[accuracy] {step}: p={p}, {len(cases)} cases")
                     try:
-                        measured[part] += launch(p, cases, args.repeats, work,
-                                                 timeout=args.timeout, say=say)
+                        with _environ(**env):
+                            measured[part.split("_")[0]] += launch(
+                                p, cases, args.repeats, work, timeout=args.timeout, say=say)
                     except RuntimeError as e:
                         print(f"[accuracy] stopped: {e}", file=sys.stderr)
                         return 1

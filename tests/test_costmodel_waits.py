@@ -1,0 +1,172 @@
+"""Two kinds of wait in the shared-core model: hops completed by summasim's wait
+policy (polled) and hops waited for inside a blocking MPI call (``MPI_Sendrecv``),
+from the trace's ``blocking`` flag through the features, the fit and the machine file."""
+
+import json
+
+import numpy as np
+import pytest
+
+from summasim.costmodel import accuracy as A
+from summasim.costmodel.fit import fit_shared_core
+from summasim.costmodel.machine import Link, Machine, SharedCore
+from summasim.costmodel.predict import (Messages, SharedFeatures, merge_features,
+                                        predict_features, predict_trace, trace_features)
+from summasim.costmodel.traffic import algorithm_messages
+from summasim.harness.cases import RingCase
+from summasim.trace import Event, Trace
+
+
+def _machine(**kw):
+    link = Link(alpha_small=2e-6, beta_small=1e-10, alpha_large=5e-6, beta_large=8e-11,
+                eager_threshold=8192)
+    base = dict(name="synthetic", source="test", cores=2, intra=link,
+                gamma_gemm={"float64": [[64, 4e-11], [1024, 2e-11]]}, gamma_reduce=1e-10)
+    base.update(kw)
+    return Machine(**base)
+
+
+def _ring_events(p, N, r, blocking):
+    return [Event("sendrecv", "ring", p, -1, mc.nbytes, 0.0, "", blocking)
+            for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r, itemsize=8)
+            for _ in range(mc.count)]
+
+
+# ----------------------------------------------------------------------------- the ledger
+def test_trace_records_which_wait_a_call_took():
+    t = Trace()
+    t.record("sendrecv", "ring", 4, -1, 800, 1e-5, blocking=True)
+    t.record("sendrecv", "ring", 4, -1, 800, 1e-5)
+    assert [e.blocking for e in t.events] == [True, False]
+    assert Event("bcast", "row", 4, 0, 8, 0.0, "").blocking is False   # 7 fields still build
+
+
+def test_event_summary_keeps_the_flag_and_old_summaries_read_as_polled():
+    ev = [Event("sendrecv", "ring", 4, -1, 800, 0.0, "", True)] * 3 \
+        + [Event("sendrecv", "ring", 4, -1, 800, 0.0, "", False)]
+    summary = A.event_summary(ev)
+    assert summary == [["sendrecv", "ring", 4, 800, 1, False], ["sendrecv", "ring", 4, 800, 3, True]]
+    msgs = A._messages(summary + [["bcast", "row", 4, 64, 2]])
+    assert msgs[1] == Messages("sendrecv", "ring", 4, 800, 3, True)
+    assert msgs[2] == Messages("bcast", "row", 4, 64, 2, False)
+
+
+# ----------------------------------------------------------------------------- features
+def test_blocking_events_count_as_mpi_hops_and_nothing_else_changes():
+    m = _machine(shared_core=SharedCore(1.2, 80e-6, 1e-10, 1e-4))
+    polled = trace_features(_ring_events(8, 1 << 16, 0, False), m, p=8,
+                            reduce_bytes=7 / 8 * (1 << 19))
+    blocked = trace_features(_ring_events(8, 1 << 16, 0, True), m, p=8,
+                             reduce_bytes=7 / 8 * (1 << 19))
+    assert polled.hops == 14 and polled.mpi_hops == 0
+    assert blocked.hops == 0 and blocked.mpi_hops == 14
+    assert (blocked.work, blocked.hop_bytes, blocked.dedicated, blocked.calls) == \
+        (polled.work, polled.hop_bytes, polled.dedicated, polled.calls)
+    # the same counts from a summary (count x identical messages) as from the events
+    summary = A._messages(A.event_summary(_ring_events(8, 1 << 16, 0, True)))
+    got = trace_features(summary, m, p=8, reduce_bytes=7 / 8 * (1 << 19))
+    assert (got.hops, got.mpi_hops, got.hop_bytes) == (0, 14, blocked.hop_bytes)
+    assert got.work == pytest.approx(blocked.work, rel=1e-12)
+    assert merge_features([polled, blocked]).mpi_hops == 14
+
+
+def test_a_machine_without_the_distinction_prices_both_waits_alike():
+    old = _machine(shared_core=SharedCore(1.2, 80e-6, 1e-10, 1e-4))
+    for p in (4, 16):
+        ev_b, ev_p = _ring_events(p, 1 << 14, 1, True), _ring_events(p, 1 << 14, 1, False)
+        assert predict_trace(ev_b, old, p=p).seconds == predict_trace(ev_p, old, p=p).seconds
+        fb = [trace_features(ev_b, old, p=p)]
+        fp = [trace_features(ev_p, old, p=p)]
+        assert predict_features(fb, old, p) == predict_features(fp, old, p)
+
+
+def test_mpi_hop_seconds_prices_the_blocking_hops():
+    sc = SharedCore(1.2, 80e-6, 1e-10, 1e-4, mpi_hop_seconds=10e-6)
+    m = _machine(shared_core=sc)
+    f = SharedFeatures(work=0.01, hops=6, hop_bytes=1e6, dedicated=0.0, mpi_hops=30)
+    R = 16 / 2
+    assert predict_features([f], m, 16) == pytest.approx(
+        R * (1.2 * 0.01 + 80e-6 * 6 + 10e-6 * 30 + 1e-10 * 1e6 + 1e-4))
+    ev = _ring_events(16, 1 << 14, 3, True)
+    fast = predict_trace(ev, m, p=16)
+    slow = predict_trace(ev, m.replace(shared_core=SharedCore(1.2, 80e-6, 1e-10, 1e-4)), p=16)
+    assert slow.seconds - fast.seconds == pytest.approx(R * 30 * (80e-6 - 10e-6))
+    assert sum(fast.by_op.values()) + R * 1e-4 == pytest.approx(    # + the sync term
+        fast.seconds - fast.compute_seconds)
+
+
+# ----------------------------------------------------------------------------- the fit
+def test_fit_shared_core_tells_the_two_waits_apart():
+    true = SharedCore(work_factor=1.1, hop_seconds=70e-6, hop_seconds_per_byte=1.5e-10,
+                      sync_seconds=3e-4, mpi_hop_seconds=15e-6)
+    rng = np.random.default_rng(2)
+    samples = []
+    for k in range(14):
+        blocking = k % 2 == 0
+        hops = rng.uniform(4, 200)
+        f = SharedFeatures(work=rng.uniform(1e-3, 0.2), hops=0.0 if blocking else hops,
+                           hop_bytes=rng.uniform(1e4, 5e7), dedicated=0.0,
+                           mpi_hops=hops if blocking else rng.uniform(0, 3))
+        R = rng.choice([1.5, 2.0])
+        t = R * (true.work_factor * f.work + true.hop_seconds * f.hops
+                 + true.mpi_hop_seconds * f.mpi_hops
+                 + true.hop_seconds_per_byte * f.hop_bytes + true.sync_seconds)
+        samples.append((R, f, t))
+    got, err = fit_shared_core(samples)
+    for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-3), name
+    assert err < 1e-6
+    # without a single blocking hop the coefficient is not identifiable: left None
+    polled = [(R, SharedFeatures(f.work, f.hops + f.mpi_hops, f.hop_bytes, 0.0), t)
+              for R, f, t in samples]
+    assert fit_shared_core(polled)[0].mpi_hop_seconds is None
+    with pytest.raises(ValueError, match="at least 5 runs"):
+        fit_shared_core(samples[:4])
+
+
+# ----------------------------------------------------------------------------- machine file
+def test_shared_core_file_round_trips_with_and_without_the_mpi_hop_term(tmp_path):
+    for sc in (SharedCore(1.0, 7e-5, 1e-10, 3e-4), SharedCore(1.0, 7e-5, 1e-10, 3e-4, 2e-5)):
+        m = _machine(shared_core=sc)
+        m.save(tmp_path / "m.json")
+        assert Machine.load(tmp_path / "m.json").shared_core == sc
+        d = json.loads((tmp_path / "m.json").read_text())["shared_core"]
+        assert ("mpi_hop_seconds" in d) == (sc.mpi_hop_seconds is not None)
+    assert SharedCore(1.0, 7e-5).blocking_hop_seconds == 7e-5
+    assert SharedCore(1.0, 7e-5, mpi_hop_seconds=0.0).blocking_hop_seconds == 0.0
+    with pytest.raises(ValueError, match="shared_core.mpi_hop_seconds"):
+        SharedCore.from_dict({"work_factor": 1, "hop_seconds": 0, "hop_seconds_per_byte": 0,
+                              "sync_seconds": 0, "mpi_hop_seconds": -1.0})
+    with pytest.raises(ValueError, match="unknown machine field"):
+        SharedCore.from_dict({"work_factor": 1, "hop_seconds": 0, "hop_seconds_per_byte": 0,
+                              "sync_seconds": 0, "blocking_seconds": 1.0})
+
+
+# ----------------------------------------------------------------------------- analysis
+def _ring_result(p, N, blocking, measured=(1.0,)):
+    events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count, blocking]
+               for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
+                                            itemsize=8)] for r in range(p)]
+    return dict(RingCase(N).to_dict(), p=p, spans=list(measured), events=events,
+                coords=[[r] for r in range(p)])
+
+
+def test_calibration_recovers_both_wait_terms_and_predicts_held_out_rings():
+    truth = _machine(shared_core=SharedCore(1.05, 90e-6, 1.2e-10, 2.5e-4,
+                                            mpi_hop_seconds=20e-6))
+    naive = truth.replace(shared_core=None)
+    cal, held = [], []
+    for p in (3, 4):
+        for N in (1 << 10, 1 << 12, 1 << 17, 1 << 19):
+            cal.append(_ring_result(p, N, True))
+        for N in (1 << 21, 1 << 22, 1 << 23):
+            cal.append(_ring_result(p, N, False))
+    held = [_ring_result(16, 1 << 16, True), _ring_result(16, 1 << 20, True),
+            _ring_result(8, 1 << 24, False)]
+    for res in cal + held:
+        t = A.predict_result(res, truth)
+        res["spans"] = [t * 0.97, t, t * 1.04]
+    rep, calibrated = A.analyse({"calibrate": cal, "heldout": held}, naive)
+    assert calibrated.shared_core.mpi_hop_seconds == pytest.approx(20e-6, rel=0.05)
+    assert calibrated.shared_core.hop_seconds == pytest.approx(90e-6, rel=0.05)
+    assert rep["heldout"]["summary"]["worst"] < 0.01
