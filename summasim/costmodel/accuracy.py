@@ -141,6 +141,9 @@ def case_label(case: dict, p: int | None = None) -> str:
                      for rank in case.get("events") or () for e in rank)
         return (f"ring_allreduce p={p if p is not None else '?'} N={case['N']}"
                 + (" polled" if polled else ""))
+    if kind == "mesh":
+        return (f"{case['mesh']} zero={case['zero']} {case['schedule']} m={case['m']} "
+                f"b{case['b']} s{case['s']} h{case['h']} L{case['layers']}")
     grid = {"megatron": f"1D p={p if p is not None else '?'}",
             "optimus": f"{case['q']}x{case['q']}"}.get(case["scheme"],
                                                        f"[{case['q']},{case['q']},{case['d']}]")
@@ -219,8 +222,14 @@ def rank_features(res: dict, machine) -> list:
 
 def predict_result(res: dict, machine) -> float:
     """Predicted seconds of one measured case (the slowest rank; see
-    :func:`~summasim.costmodel.predict.predict_features`)."""
+    :func:`~summasim.costmodel.predict.predict_features`; a sharded-training step:
+    :func:`~summasim.costmodel.compose.predict_measured_mesh`)."""
     from .predict import predict_features
+
+    if res["kind"] == "mesh":
+        from .compose import predict_measured_mesh
+
+        return predict_measured_mesh(res, machine)
 
     return predict_features(rank_features(res, machine), machine,
                             machine.ranks_per_node(res["p"]))
@@ -289,8 +298,10 @@ def ranking_key(res: dict):
     if res["kind"] == "matmul":
         op = res["algorithm"].rsplit("_", 1)[1]
         return f"p={res['p']} C=op(A)op(B) {op} {res['m']}x{res['k']}x{res['n']} {res['dtype']}"
-    if res["kind"] == "transformer":
-        return (f"p={res['p']} step b{res['b']} s{res['s']} h{res['h']} n{res['heads']} "
+    if res["kind"] in ("transformer", "mesh"):
+        # a mesh step includes the gradient reduction and Adam: it competes with the
+        # other meshes of its model, not with the schemes' forward + backward
+        return (f"p={res['p']} {'sharded ' if res['kind'] == 'mesh' else ''}step b{res['b']} s{res['s']} h{res['h']} n{res['heads']} "
                 f"v{res['v']} L{res['layers']} {res['dtype']}")
     return None
 

@@ -258,6 +258,10 @@ def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm
                 + hop_bytes * sc.hop_seconds_per_byte + sc.sync_seconds)
 
 
+#: Traced point-to-point ops and the collective whose one-message cost prices them.
+_POINT_TO_POINT = {"send": "sendrecv", "recv": "sendrecv"}
+
+
 class _Tally:
     """Accumulates priced events: critical-path seconds and shared-core inputs."""
 
@@ -271,6 +275,9 @@ class _Tally:
         self.counts: dict = defaultdict(lambda: [0, 0])
 
     def add(self, op, group, size, nbytes, count=1, phase="", blocking=False):
+        # a point-to-point send or receive (a pipeline's activations) is one message of
+        # nbytes on this rank's path: priced like a sendrecv step of that size
+        op = _POINT_TO_POINT.get(op, op)
         cost = self.pricer(op, group, size, nbytes)
         key = (op, group)
         self.crit[key] += count * cost.seconds

@@ -23,7 +23,7 @@ import time
 from ..cli import finite_positive_float, positive_int
 from ..costmodel.accuracy import STATISTICS, analyse, report_text
 from ..jsonio import write_json_atomic
-from .cases import MatmulCase, RingCase, transformer_case
+from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet
 from .worker import launch, mpiexec, worker_env
 
@@ -35,9 +35,12 @@ def default_plan(quick: bool = False) -> dict:
     ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
     problem on the same p (p = 4 and 16). ``calibrate_polled``: small ring all-reduces
     at p = 3 and 4 run with ``SUMMASIM_BLOCKING_BYTES=0``, so that their steps are
-    polled requests (by default they block inside ``MPI_Sendrecv``): the calibration
-    then sees both kinds of wait on the same messages and fits both coefficients
-    (``SharedCore.hop_seconds`` and ``mpi_hop_seconds``); fitted on like ``calibrate``."""
+    polled requests: when ring steps block inside ``MPI_Sendrecv``
+    (``SUMMASIM_BLOCKING_BYTES`` > 0), the calibration then sees both kinds of wait on
+    the same messages and fits both coefficients (``SharedCore.hop_seconds`` and
+    ``mpi_hop_seconds``). With the default (polled steps) they would repeat runs of
+    ``calibrate`` and weigh small rings twice in the fit, so they are measured only
+    when blocking steps are on."""
     tf = transformer_case
     mm = MatmulCase
     f = 2 if quick else 1
@@ -71,8 +74,24 @@ def default_plan(quick: bool = False) -> dict:
             + [tf(s, q, d, 16, 128, 512, 16, 1024, 1) for s, q, d in
                (("megatron", 1, 1), ("optimus", 4, 1), ("summa25", 2, 4))],
     }
+    # sharded-training steps (held out: never fitted on) on the models of the schemes
+    # above; the meshes of one p form a ranking group of their own
+    held[8] += _meshes(8, 64, 256, 8, 512, 2, ("dp=2,pp=2,tp=megatron:2", 3, "1f1b", 2),
+                       ("pp=2,tp=optimus:2x2", 0, "gpipe", 2))
+    held[16] += _meshes(16, 64, 256, 16, 512, 2, ("dp=2,pp=2,tp=optimus:2x2", 1, "1f1b", 2),
+                        ("dp=2,pp=2,tp=megatron:4", 0, "gpipe", 2),
+                        ("dp=4,pp=1,tp=megatron:4", 2, "1f1b", 1))
     polled = {p: [RingCase(1 << 12), RingCase(1 << 17)] for p in (3, 4)}
     return {"calibrate": cal, "heldout": held, "calibrate_polled": polled}
+
+
+def _meshes(b, s, h, heads, v, layers, *specs) -> list:
+    """Mesh cases of one model: ``(mesh, zero, schedule, microbatches)`` each."""
+    from ..transformer.model import Config
+
+    config = Config(vocab=v, seq=s, hidden=h, heads=heads, layers=layers)
+    return [MeshCase.parse(text, b, config, zero=z, schedule=sch, microbatches=m)
+            for text, z, sch, m in specs]
 
 
 @contextlib.contextmanager
@@ -164,6 +183,10 @@ def run(args) -> int:
             machine = Machine.load(mfile)
         plan = default_plan(args.quick)
         measured = {"calibrate": [], "heldout": []}
+        # comm.BLOCKING_SENDRECV_BYTES, read without importing mpi4py into the launcher
+        if int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "0") or 0) <= 0:
+            plan["calibrate_polled"] = {}      # every ring step is polled already
+            plan["calibrate_polled"] = {}
         with tempfile.TemporaryDirectory(dir=args.out) as work:
             for part, step, env in (
                     ("calibrate", "2/3 calibration runs", {}),

@@ -76,7 +76,10 @@ def worker_main(spec_path: str, out_path: str) -> int:
     with abort_on_error(world):
         with open(spec_path, encoding="utf-8") as fh:
             spec = json.load(fh)
-        _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841 - keep alive
+        # one BLAS thread per rank, at p = 1 too: the machine's GEMM rates are per rank
+        # (fitted at p = 2, one thread each), and the serial calibration steps are
+        # compared with them (with all cores a GEMM-bound step could beat them)
+        _limits = limit_blas_threads(1)  # noqa: F841 - keep alive
         repeats, seed = int(spec.get("repeats", 5)), int(spec.get("seed", 0))
         backend = get_backend(spec.get("backend", "numpy"))
         results = []
