@@ -11,7 +11,8 @@ from summasim.costmodel import accuracy as A
 from summasim.costmodel.fit import fit_shared_core
 from summasim.costmodel.machine import Link, Machine, SharedCore
 from summasim.costmodel.predict import (Messages, SharedFeatures, merge_features,
-                                        predict_features, predict_trace, trace_features)
+                                        predict_features, predict_trace, summary_messages,
+                                        trace_features)
 from summasim.costmodel.traffic import algorithm_messages
 from summasim.harness.cases import RingCase
 from summasim.trace import Event, Trace
@@ -46,7 +47,7 @@ def test_event_summary_keeps_the_flag_and_old_summaries_read_as_polled():
         + [Event("sendrecv", "ring", 4, -1, 800, 0.0, "", False)]
     summary = A.event_summary(ev)
     assert summary == [["sendrecv", "ring", 4, 800, 1, False], ["sendrecv", "ring", 4, 800, 3, True]]
-    msgs = A._messages(summary + [["bcast", "row", 4, 64, 2]])
+    msgs = summary_messages(summary + [["bcast", "row", 4, 64, 2]])
     assert msgs[1] == Messages("sendrecv", "ring", 4, 800, 3, True)
     assert msgs[2] == Messages("bcast", "row", 4, 64, 2, False)
 
@@ -63,7 +64,7 @@ def test_blocking_events_count_as_mpi_hops_and_nothing_else_changes():
     assert (blocked.work, blocked.hop_bytes, blocked.dedicated, blocked.calls) == \
         (polled.work, polled.hop_bytes, polled.dedicated, polled.calls)
     # the same counts from a summary (count x identical messages) as from the events
-    summary = A._messages(A.event_summary(_ring_events(8, 1 << 16, 0, True)))
+    summary = summary_messages(A.event_summary(_ring_events(8, 1 << 16, 0, True)))
     got = trace_features(summary, m, p=8, reduce_bytes=7 / 8 * (1 << 19))
     assert (got.hops, got.mpi_hops, got.hop_bytes) == (0, 14, blocked.hop_bytes)
     assert got.work == pytest.approx(blocked.work, rel=1e-12)

@@ -164,15 +164,6 @@ def event_summary(events) -> list:
 
 
 # --------------------------------------------------------------------------- model side (pure)
-def _messages(rank_events):
-    """:class:`~summasim.costmodel.predict.Messages` of one rank's event summary (five
-    fields in measurements from before the ``blocking`` flag: all polled)."""
-    from .predict import Messages
-
-    return [Messages(e[0], e[1], int(e[2]), int(e[3]), int(e[4]),
-                     bool(e[5]) if len(e) > 5 else False) for e in rank_events]
-
-
 def _tf_scheme_config(res):
     from .schemes import Scheme, TransformerConfig
 
@@ -192,7 +183,7 @@ def rank_features(res: dict, machine) -> list:
     grid coordinates; for a training step the row-0 work of
     :func:`~summasim.costmodel.schemes.step_work`)."""
     from .machine import itemsize_of
-    from .predict import trace_features
+    from .predict import summary_messages, trace_features
     from .traffic import algorithm_compute
 
     p, kind, dtype = res["p"], res["kind"], res["dtype"]
@@ -216,7 +207,7 @@ def rank_features(res: dict, machine) -> list:
             extra = dict(gemms=work.gemms, reduce_bytes=work.reduce_bytes,
                          elementwise_items=work.elementwise_items, layers=work.layers,
                          q=res["q"], d=res["d"])
-        out.append(trace_features(_messages(events), machine, p=p, dtype=dtype, **extra))
+        out.append(trace_features(summary_messages(events), machine, p=p, dtype=dtype, **extra))
     return out
 
 

@@ -1067,8 +1067,7 @@ def mesh_features(res: dict, machine: Machine) -> list:
     lookup is negligible next to the head's GEMM), and Adam on the stage's local
     parameters (``ADAM_PASSES`` element-wise passes, over ``dp`` under ZeRO >= 1).
     """
-    from .accuracy import _messages
-    from .predict import _compute_seconds, trace_features
+    from .predict import _compute_seconds, summary_messages, trace_features
     from .schemes import step_work
 
     name, dp, m = res["scheme"], int(res["dp"]), int(res["m"])
@@ -1102,7 +1101,7 @@ def mesh_features(res: dict, machine: Machine) -> list:
             v * h / T if last and not first else 0)
         compute = m * ((hi - lo) * per_layer + (ends if last else 0.0))
         compute += machine.gamma_elementwise * ADAM_PASSES * n_params / shard
-        out.append(trace_features(_messages(events), machine, p=int(res["p"]),
+        out.append(trace_features(summary_messages(events), machine, p=int(res["p"]),
                                   dtype=res["dtype"], compute_seconds=compute))
     return out
 

@@ -349,6 +349,15 @@ class Messages(NamedTuple):
     blocking: bool = False
 
 
+def summary_messages(rank_events) -> list:
+    """:class:`Messages` of one rank's event summary (``[[op, group, group_size,
+    nbytes, count, blocking], ...]``, as :func:`summasim.costmodel.accuracy.event_summary`
+    writes it; five fields in measurements from before the ``blocking`` flag: all
+    polled)."""
+    return [Messages(e[0], e[1], int(e[2]), int(e[3]), int(e[4]),
+                     bool(e[5]) if len(e) > 5 else False) for e in rank_events]
+
+
 def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   q: int | None = None, d: int = 1, ranks_per_node: int | None = None,
                   gemms: Iterable = (), dtype="float64", reduce_bytes: float = 0.0,
