@@ -60,14 +60,22 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
         assert r["tp_bwd_checkpoint"] == r["table1"]["bwd_checkpoint"]
         assert r["memory"]["params"] > 0 and r["memory_formula"]["params"] > 0
     assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25"]
-    assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf)
+    # the default composition at p = 4: data and pipeline parallelism around Megatron
+    (mesh,) = report["meshes"]
+    assert mesh["mesh"] == "dp=2,pp=2,tp=megatron:1" and mesh["ok"] and mesh["values_ok"]
+    assert mesh["traffic"] == mesh["traffic_expected"] and mesh["traffic"]["dp.grads"] > 0
+    assert mesh["memory"]["total"] == mesh["memory_formula"]["total"] > 0
+    assert any(ln.startswith("dp=2,pp=2,tp=megatron:1 ") for ln in proc.stdout.splitlines())
+    assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf) + 1
     assert report["machine"] == "local-2core-mpich" and "MAPE" in proc.stdout
     errs = [abs(r["prediction_error"]) for r in report["rows"]]
     for r in tf:        # every timed training step has a prediction too
         step = r["fwd_s"] + r["bwd_s"]
         assert r["predicted_s"] > 0
         errs.append(abs(r["predicted_s"] - step) / step)
-    assert report["prediction"]["count"] == len(report["rows"]) + len(tf)
+    assert mesh["predicted_s"] > 0 and mesh["step_s"] > 0     # and the mesh step
+    errs.append(abs(mesh["predicted_s"] - mesh["step_s"]) / mesh["step_s"])
+    assert report["prediction"]["count"] == len(report["rows"]) + len(tf) + 1
     assert report["prediction"]["mape"] == pytest.approx(sum(errs) / len(errs))
 
 
@@ -137,7 +145,8 @@ def test_self_test_catches_every_fault(mpiexec):
     rows = [ln for ln in proc.stdout.splitlines() if " float64 " in ln]
     names = {ln.split()[0] for ln in rows}
     assert names == {"cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
-                     "summa25_abt", "summa25_atb", "ring_allreduce", "megatron", "optimus"}
+                     "summa25_abt", "summa25_atb", "ring_allreduce", "megatron", "optimus",
+                     "dp=2,pp=2,tp=megatron:1"}
     for ln in rows:
         assert ln.split()[-5:] == ["OK", "caught", "caught", "caught", "caught"], ln
     assert "self-test passed" in proc.stdout
@@ -161,7 +170,8 @@ def test_injected_fault_fails_the_job(mpiexec, tmp_path, fault):
     if fault.startswith(("nan", "inf")):
         assert row["error"] is None and row["error_nonfinite"] == "nan" and row["nonfinite"]
     assert [t["ok"] for t in report["transformer"]] == [False]
-    assert "0 passed, 2 failed" in proc.stdout
+    assert [m["ok"] for m in report["meshes"]] == [False]      # the default composition
+    assert "0 passed, 3 failed" in proc.stdout
 
 
 def _user_error(proc, *needles):
@@ -175,7 +185,8 @@ def _user_error(proc, *needles):
 
 def test_a_run_that_checks_nothing_is_an_error(mpiexec):
     proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--sizes", "5", "7", "9",
-                                  "--algorithms", "summa_ab", "--schemes", "none"], 120)
+                                  "--algorithms", "summa_ab", "--schemes", "none",
+                                  "--meshes", "none"], 120)
     _user_error(proc, "nothing would be checked", "m=5 is not divisible by 2")
 
 
@@ -189,7 +200,10 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
             (["--sizes", "100000", "100000", "100000", "--algorithms", "summa_ab"],
              ["largest cube that fits is"]),
             (["--tf-config", "8", "16", "64", "5", "64", "2", "4"], ["--tf-config"]),
-            (["--repeats", "-1"], ["--repeats"])):
+            (["--repeats", "-1"], ["--repeats"]),
+            (["--mesh", "dp=2,pp=2,tp=megatron:4"], ["--mesh dp=2,pp=2,tp=megatron:4",
+                                                     "16 ranks, the job has 4"]),
+            (["--mesh", "dp=2,tp=optimus:3x2"], ["must be square"])):
         t0 = time.perf_counter()
         proc, _ = launch(mpiexec, 4, ["-m", "summasim.run"] + args, 120)
         _user_error(proc, *needles)
