@@ -142,6 +142,19 @@ def print_error(prog: str, message) -> int:
     return 2
 
 
+def run_command(prog: str, run: Callable, args) -> int:
+    """``run(args)`` with a :class:`UsageError` turned into one line and status 2.
+
+    ``run`` returns an exit status (an int) or anything else for success (0); the
+    ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
+    """
+    try:
+        status = run(args)
+    except UsageError as exc:
+        return print_error(prog, exc)
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """:class:`argparse.ArgumentParser` that reports a user error as ONE line.
 

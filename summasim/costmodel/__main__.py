@@ -164,16 +164,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "predict":
-        try:
-            predictcmd.run(args)
-        except cli.UsageError as exc:
-            return cli.print_error(prp.prog, exc)
-        return 0
+        return cli.run_command(prp.prog, predictcmd.run, args)
     if args.cmd == "plan":
-        try:
-            return plan.run(args)
-        except cli.UsageError as exc:
-            return cli.print_error(plp.prog, exc)
+        return cli.run_command(plp.prog, plan.run, args)
     if args.cmd == "devset":
         try:
             if args.json is not None:
@@ -189,11 +182,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     if args.cmd == "explore":
-        try:
-            explore.run(args)
-        except cli.UsageError as exc:
-            return cli.print_error(ep.prog, exc)
-        return 0
+        return cli.run_command(ep.prog, explore.run, args)
     if args.cmd == "fit":
         return _fit_main(args, fp.prog)
     if args.cmd == "accuracy":

@@ -669,9 +669,4 @@ def run(args, out=None) -> dict:
 def main(argv=None) -> int:
     """``python -m summasim.costmodel explore`` on its own: 0, or 2 for a user error."""
     ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        run(args)
-    except cli.UsageError as exc:
-        return cli.print_error(ap.prog, exc)
-    return 0
+    return cli.run_command(ap.prog, run, ap.parse_args(argv))

@@ -647,11 +647,7 @@ def main(argv=None) -> int:
     """``python -m summasim.costmodel plan``: 0 with a plan, 1 when nothing fits, 2 for a
     user error (one line on stderr)."""
     ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        return run(args)
-    except cli.UsageError as exc:
-        return cli.print_error(ap.prog, exc)
+    return cli.run_command(ap.prog, run, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

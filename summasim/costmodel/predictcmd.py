@@ -182,12 +182,7 @@ def run(args, out=None) -> dict:
 
 def main(argv=None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        run(args)
-    except cli.UsageError as exc:
-        return cli.print_error(ap.prog, exc)
-    return 0
+    return cli.run_command(ap.prog, run, ap.parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover
