@@ -105,6 +105,11 @@ class UsageError(ValueError):
     """
 
 
+def argument_error(flag: str, message) -> UsageError:
+    """The :class:`UsageError` of one argument: ``argument <flag>: <message>``."""
+    return UsageError(f"argument {flag}: {message}")
+
+
 def require(condition: bool, message: str) -> None:
     """Raise :class:`UsageError` with ``message`` unless ``condition`` holds."""
     if not condition:

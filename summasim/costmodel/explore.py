@@ -53,7 +53,7 @@ from typing import NamedTuple
 from .. import cli
 from .isoefficiency import isoefficiency, paper_machine, reference_slope
 from ..jsonio import write_json_atomic, write_text_atomic
-from .machine import DTYPE_SIZES, Machine, get_machine, list_presets
+from .machine import DTYPE_SIZES, Machine, list_presets, machine_from_args
 from .predict import predict_algorithm
 from .schemes import (SCHEMES, Scheme, TransformerConfig, batch_step, grid_shapes, largest_batch,
                       misfit, scheme_cost, step_breakdown)
@@ -469,8 +469,7 @@ class Plan(NamedTuple):
     plot_dir: str | None   # None: no plots (or matplotlib missing: a hint instead)
 
 
-def _arg(flag: str, message) -> cli.UsageError:
-    return cli.UsageError(f"argument {flag}: {message}")
+_arg = cli.argument_error
 
 
 def check_args(args) -> Plan:
@@ -490,16 +489,7 @@ def check_args(args) -> Plan:
     for s in schemes:
         if s not in SCHEMES:
             raise _arg("--schemes", f"unknown scheme {s!r}; known: {', '.join(SCHEMES)}")
-    if args.machine is not None:
-        try:
-            machine = get_machine(args.machine)
-        except (OSError, ValueError) as exc:
-            raise _arg("--machine", exc) from None
-    else:
-        try:
-            machine = get_machine(None, args.preset or EXPLORE_PRESET)
-        except ValueError as exc:
-            raise _arg("--preset", exc) from None
+    machine = machine_from_args(args.machine, args.preset or EXPLORE_PRESET)
     where = "--machine" if args.machine is not None else "--preset"
     if args.dtype not in machine.gamma_gemm:
         raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for {args.dtype} "

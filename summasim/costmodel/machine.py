@@ -651,6 +651,23 @@ def get_machine(machine: Any = None, preset: str | None = None) -> Machine:
     return load_preset(preset or DEFAULT_PRESET)
 
 
+def machine_from_args(machine: str | None, preset: str | None) -> Machine:
+    """The machine of a command's ``--machine FILE`` or ``--preset NAME`` (the caller
+    puts its default preset in ``preset``); a :class:`summasim.cli.UsageError` naming
+    the argument when the file or preset cannot be read."""
+    from ..cli import argument_error
+
+    if machine is not None:
+        try:
+            return get_machine(machine)
+        except (OSError, ValueError) as exc:
+            raise argument_error("--machine", exc) from None
+    try:
+        return get_machine(None, preset)
+    except ValueError as exc:
+        raise argument_error("--preset", exc) from None
+
+
 # --------------------------------------------------------------------------- sanity
 #: Fastest link any machine summasim models can have, bytes/s per direction (NVLink 5
 #: is 900 GB/s; shared memory on a CPU box copies at a few tens of GB/s).

@@ -50,7 +50,7 @@ from .. import cli
 from ..jsonio import write_json_atomic
 from .compose import (BUCKET_BYTES, SCHEDULES, ZERO_STAGES, StateBytes, composition_memory,
                       flatten_breakdown, price_composition, tensor_memory)
-from .machine import DTYPE_SIZES, Machine, get_machine, list_presets
+from .machine import DTYPE_SIZES, Machine, list_presets, machine_from_args
 from .schemes import SCHEMES, Scheme, TransformerConfig, batch_step, grid_shapes, misfit
 
 GiB = float(1 << 30)
@@ -310,24 +310,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return ap
 
 
-def _arg(flag: str, message) -> cli.UsageError:
-    return cli.UsageError(f"argument {flag}: {message}")
+_arg = cli.argument_error
 
 
 def _machine(args) -> Machine:
-    if args.machine is not None:
-        try:
-            return get_machine(args.machine)
-        except (OSError, ValueError) as exc:
-            raise _arg("--machine", exc) from None
     name = args.preset
-    if name is None:
+    if name is None and args.machine is None:
         known = list_presets()
         name = next((p for p in PLAN_PRESETS if p in known), PLAN_PRESETS[-1])
-    try:
-        return get_machine(None, name)
-    except ValueError as exc:
-        raise _arg("--preset", exc) from None
+    return machine_from_args(args.machine, name)
 
 
 def check_args(args) -> Plan:

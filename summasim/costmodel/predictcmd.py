@@ -22,7 +22,7 @@ import sys
 
 from .. import cli
 from ..jsonio import write_json_atomic
-from .machine import DTYPE_SIZES, get_machine, list_presets
+from .machine import DTYPE_SIZES, list_presets, machine_from_args
 from .schemes import (SCHEMES, Scheme, TransformerConfig, batch_step, largest_batch, misfit,
                       step_breakdown)
 from .topology import GridShape, Placement
@@ -83,22 +83,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return ap
 
 
-def _arg(flag, message) -> cli.UsageError:
-    return cli.UsageError(f"argument {flag}: {message}")
+_arg = cli.argument_error
 
 
 def check_args(args):
     """``(machine, scheme, cfg, placement, budget)`` or :class:`cli.UsageError`."""
-    if args.machine is not None:
-        try:
-            machine = get_machine(args.machine)
-        except (OSError, ValueError) as exc:
-            raise _arg("--machine", exc) from None
-    else:
-        try:
-            machine = get_machine(None, args.preset or PREDICT_PRESET)
-        except ValueError as exc:
-            raise _arg("--preset", exc) from None
+    machine = machine_from_args(args.machine, args.preset or PREDICT_PRESET)
     if args.dtype not in machine.gamma_gemm:
         raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for {args.dtype} "
                               f"(it has {', '.join(machine.gamma_gemm)})")
