@@ -55,6 +55,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
+from ._fields import nested_from_dict
+
 #: Flops per element assumed for each elementwise kernel (LayerNorm: mean, variance,
 #: normalize, scale, shift; softmax: max, exp, sum, divide, scale/mask; GELU tanh form).
 LN_FLOPS, SOFTMAX_FLOPS, GELU_FLOPS, GELU_BWD_FLOPS = 8.0, 5.0, 10.0, 15.0
@@ -130,17 +132,7 @@ class Device:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Device":
-        if not isinstance(d, Mapping):
-            raise ValueError("machine field 'device' must be an object or null")
-        extra = sorted(set(d) - set(cls._FIELDS))
-        if extra:
-            raise ValueError(f"unknown machine field(s) "
-                             f"{', '.join(repr('device.' + e) for e in extra)}; allowed: "
-                             f"{', '.join(cls._FIELDS)}")
-        for req in ("name", "memory_bandwidth", "vector_flops"):
-            if req not in d:
-                raise ValueError(f"machine field 'device.{req}' is missing")
-        return cls(**dict(d))
+        return nested_from_dict(cls, d, "device", ("name", "memory_bandwidth", "vector_flops"))
 
 
 class Kernel(NamedTuple):

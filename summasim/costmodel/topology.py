@@ -64,6 +64,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ._fields import nested_from_dict
+
 INTRA_KINDS = ("shm", "nvswitch", "nvlink", "pcie")
 PLACEMENTS = ("row-major", "blocked", "explicit")
 GROUP_KINDS = ("row", "col", "depth", "layer", "world")
@@ -204,17 +206,8 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Topology":
-        if not isinstance(d, Mapping):
-            raise ValueError("machine field 'topology' must be an object or null")
-        extra = sorted(set(d) - set(cls._FIELDS))
-        if extra:
-            raise ValueError(f"unknown machine field(s) "
-                             f"{', '.join(repr('topology.' + e) for e in extra)}; allowed: "
-                             f"{', '.join(cls._FIELDS)}")
-        for req in ("devices_per_node", "intra_kind", "intra_bandwidth"):
-            if req not in d:
-                raise ValueError(f"machine field 'topology.{req}' is missing")
-        return cls(**dict(d))
+        return nested_from_dict(cls, d, "topology",
+                                ("devices_per_node", "intra_kind", "intra_bandwidth"))
 
 
 # --------------------------------------------------------------------------- placement
