@@ -1,6 +1,8 @@
-"""The trace tells which wait a sendrecv took: ``blocking`` for ``MPI_Sendrecv`` (below
-``Comm.blocking_limit``), not for a request completed by the wait policy. The cost
-model prices the two apart, so the flag must say what really ran."""
+"""The trace tells which wait a sendrecv took: ``blocking`` for a wait that does not
+sleep (a ring step below ``Comm.blocking_limit``, polled with ``sched_yield``, or
+``MPI_Sendrecv``), not for a request completed by the wait policy. The cost model
+prices the two apart, so the flag must say what really ran. Ring steps complete their
+sends late (at the end of each half), which must never leave a buffer in use."""
 
 from __future__ import annotations
 
@@ -50,5 +52,48 @@ def test_sendrecv_flags_its_path():
             comm.sendrecv(np.full(4, float(comm.rank)), dst, recv, src)
             flags.append((recv[0] == src, [e.blocking for e in comm.trace.events]))
         parallel_assert(flags == [(True, [False]), (True, [True])], f"{flags}")
+    finally:
+        comm.mpi.Free()
+
+
+@pytest.mark.parametrize("half", ["reduce_scatter", "allgather", "allreduce"])
+def test_buffers_are_free_when_a_ring_returns(half):
+    """Ring steps wait for their receive only and complete their sends at the end of
+    each half (``Comm.exchanger``'s ``finish``): once a half returns, no send may still
+    read the caller's buffer. Each rank overwrites everything it sent with NaN straight
+    after the call; the receivers must still hold the right values. Chunks of 256 KiB
+    go by rendezvous (the receiver copies from the sender's memory late), so a send
+    left in flight would show up as NaN on a neighbour."""
+    n = P * (1 << 15)                                  # 256 KiB of float64 per chunk
+    rank = WORLD.Get_rank()
+    comm = Comm(WORLD.Dup(), name="ring")
+    try:
+        ok = True
+        for _ in range(5):
+            x = np.full(n, float(rank + 1))
+            if half == "reduce_scatter":
+                own = algs.ring_reduce_scatter(x, comm)
+                lo, hi = algs.chunk_bounds(n, P)[own]
+                got = x[lo:hi].copy()
+                x[:] = np.nan
+                ok &= bool(np.all(got == P * (P + 1) / 2))
+            elif half == "allgather":
+                lo, hi = algs.chunk_bounds(n, P)[(rank + 1) % P]
+                x[:] = np.nan
+                x[lo:hi] = rank
+                algs.ring_allgather(x, comm)
+                got = x.copy()
+                x[:] = np.nan
+                want = np.concatenate([np.full(b - a, float((c - 1) % P))
+                                       for c, (a, b) in enumerate(algs.chunk_bounds(n, P))])
+                ok &= bool(np.array_equal(got, want))
+            else:
+                y = algs.ring_allreduce(x, comm)
+                x[:] = np.nan
+                got = y.copy()
+                y[:] = np.nan
+                ok &= bool(np.all(got == P * (P + 1) / 2))
+            WORLD.Barrier()
+        parallel_assert(ok, f"{half}: a buffer was still being read after the ring returned")
     finally:
         comm.mpi.Free()

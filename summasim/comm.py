@@ -39,6 +39,11 @@ then a short sleep, which gives the core away). The default is ``"spin"`` when t
 node has at least as many cores as ranks and ``"sleep"`` otherwise; the environment
 variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Test`` then
 ``sched_yield``); all three are :func:`summasim.mpiutil.wait_requests`.
+
+The steps of a ring (:meth:`Comm.exchanger`) wait differently: each waits for its
+receive only, polled with ``sched_yield`` (``MPI_Wait`` under "spin"), and completes
+its sends at the end of the ring's half, so a rank never waits for its neighbour to
+take a message and never sleeps through the arrival of its own (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -55,12 +60,18 @@ from .mpiutil import WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
-# host sendrecvs below this many bytes block inside MPI_Sendrecv (see Comm.sendrecv). 2 MiB pays
-# on 2 cores at 2 to 8 ranks per core, but stays off (0) by default until the shared-core model
-# prices those waits within issue 10's accuracy limits (docs/performance.md)
-BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "0") or 0)
+# host ring steps (Comm.exchanger) and sendrecvs of fewer bytes than this wait without sleeping
+# (polled with sched_yield, or inside MPI_Sendrecv); larger ones go through the wait policy.
+# Unlimited unless SUMMASIM_BLOCKING_BYTES sets it (0: every step waits by the policy): measured
+# on 2 cores at 2 to 8 ranks per core (docs/performance.md), the ring's steps are as fast or
+# faster that way at every size from 10 KiB to 64 MiB.
+BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "").strip() or 1 << 62)
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
+
+
+def _nothing() -> None:
+    """``finish`` of an exchanger whose steps complete their sends themselves."""
 
 
 class _Faults:
@@ -468,24 +479,66 @@ class Comm:
                 and (self.backend is None or self.backend.comm_mode == "host"))
 
     def exchanger(self, like, nbytes: int):
-        """A function ``step(sendbuf, dest, recvbuf, source)`` for a loop of sendrecvs of
-        at most ``nbytes`` on arrays like ``like`` (contiguous, the caller's promise),
-        with the per-call decisions of :meth:`sendrecv` taken once: host arrays below
-        :attr:`blocking_limit` go straight to ``MPI_Sendrecv`` (traced when the trace
-        is on), everything else to :meth:`sendrecv`. The ring's inner loop uses it."""
+        """``(step, finish)`` for a loop of ring steps of at most ``nbytes`` on arrays
+        like ``like`` (contiguous, the caller's promise), with the per-call decisions of
+        :meth:`sendrecv` taken once. ``step(sendbuf, dest, recvbuf, source)`` returns
+        when ``recvbuf`` has arrived; ``finish()`` returns when every send of the loop has
+        completed. Until then the caller must not write to a buffer it has sent. The
+        ring's inner loops use it.
+
+        Host arrays below :attr:`blocking_limit`: each step posts ``MPI_Irecv`` and
+        ``MPI_Isend`` and waits for the receive only; the sends are completed together
+        by ``finish``. A step therefore does not wait for its right neighbour to take
+        the message (a rendezvous, from 8 KiB in MPICH, completes the send only when
+        the receiver has copied it and answered), so a rank goes on as soon as its own
+        data is in. Under the "sleep" and "yield" policies the receive is polled with
+        ``MPI_Test`` and ``sched_yield``, which hands the core at once to a rank that has
+        work (oversubscribed: the rank that holds the next message); under "spin" it is
+        ``MPI_Wait``. Measured on 2 cores, p = 4 to 16 (docs/performance.md): 4-37%
+        faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB, and faster
+        than polling with sleeps at every size. Every step is traced
+        when the trace is on, with ``blocking`` set (a wait that does not sleep, which
+        the cost model prices apart from a slept one).
+
+        Everything else (device arrays, messages from :attr:`blocking_limit` on) goes
+        through :meth:`sendrecv` and the wait policy, and ``finish`` does nothing."""
         if not self._blocks(like, nbytes):
-            return self.sendrecv
-        raw, trace, name, size = self.mpi.Sendrecv, self.trace, self.name, self.size
-        if not trace.enabled:
-            return lambda sb, dest, rb, source: raw(sb, dest, 0, rb, source, 0)
-        clock = time.perf_counter
+            return self.sendrecv, _nothing
+        irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
+                                           self.name, self.size)
+        clock, sends = time.perf_counter, []
+        if self.wait_policy == "spin":
+            def complete(req):
+                req.Wait()
+
+            def complete_all(reqs):
+                MPI.Request.Waitall(reqs)
+        else:
+            pause, testall = os.sched_yield, MPI.Request.Testall
+
+            def complete(req):
+                while not req.Test():
+                    pause()
+
+            def complete_all(reqs):
+                while not testall(reqs):
+                    pause()
 
         def step(sb, dest, rb, source):
             t0 = clock()
-            raw(sb, dest, 0, rb, source, 0)
-            trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0, blocking=True)
+            req = irecv(rb, source, 0)
+            sends.append(isend(sb, dest, 0))
+            complete(req)
+            if trace.enabled:
+                trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
+                             blocking=True)
 
-        return step
+        def finish():
+            if sends:
+                complete_all(sends)
+                sends.clear()
+
+        return step, finish
 
     def isendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0) -> Request:
         """Non-blocking send of ``sendbuf`` to ``dest`` and receive into ``recvbuf``
@@ -506,15 +559,11 @@ class Comm:
         """Blocking send of ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from
         ``source``; returns ``recvbuf``.
 
-        Host arrays of less than :attr:`blocking_limit` bytes take a lean path:
+        Host arrays of less than :attr:`blocking_limit` bytes (unlimited unless
+        ``SUMMASIM_BLOCKING_BYTES`` sets it; 0: off) take a lean path:
         ``MPI_Sendrecv`` itself, which waits in MPI's own progress loop, and one trace
         record (``blocking=True``, which the cost model prices as its own kind of
-        wait). Measured on 2 cores with 4 to 16 ranks (docs/performance.md), a limit of
-        2 MiB makes a ring all-reduce up to 2x faster below a few MiB; above 2 MiB per
-        message the polled wait is as fast or faster. The limit is 0 (off) unless
-        ``SUMMASIM_BLOCKING_BYTES`` sets it (e.g. 2097152): the calibrated shared-core
-        model does not yet price those waits at 8 ranks per core within issue 10's
-        limits. It is unlimited under the "spin" policy. Everything else goes through
+        wait). Everything else goes through
         :meth:`isendrecv` and the wait policy.
         """
         nbytes = sendbuf.nbytes

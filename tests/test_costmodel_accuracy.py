@@ -79,6 +79,20 @@ def test_fit_elementwise_recovers_per_item_and_per_layer_seconds():
         fit_elementwise([(1.0, 1e6, 1, 0.5), (1.0, 2e6, 1, 2.0)])
 
 
+def test_fit_elementwise_takes_a_step_a_little_faster_than_its_gemms():
+    """Serial steps run one rank on two cores, the GEMM fit two: a step may come out a
+    few % faster than its GEMMs alone. The fit then still recovers the terms from the
+    other steps (and the noisy step pulls them only a little); beyond 10% it refuses."""
+    truth = [(g, items, L, g + 3e-9 * items + 2e-3 * L)
+             for g, items, L in ((0.01, 1e6, 3), (0.02, 4e6, 2), (0.05, 2e6, 5), (0.03, 3e6, 4))]
+    noisy = truth + [(0.35, 1e5, 1, 0.35 * 0.97)]          # 3% faster than its GEMMs
+    ge, ls, err = fit_elementwise(noisy)
+    assert ge == pytest.approx(3e-9, rel=0.05) and ls == pytest.approx(2e-3, rel=0.05)
+    assert err < 0.01
+    with pytest.raises(ValueError, match="more than 10%"):
+        fit_elementwise(truth + [(0.35, 1e5, 1, 0.35 * 0.85)])
+
+
 # ----------------------------------------------------------------------------- link
 def _three_regime_times(sizes):
     out = []

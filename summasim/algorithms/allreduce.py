@@ -112,8 +112,9 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
     bounds = _bounds(flat.shape[0], p)
     if work is None:
         work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    _reduce_scatter_steps(flat, src, bounds, r, p, work,
-                          comm.exchanger(flat, work.itemsize * work.shape[0]), _xp(flat).add)
+    step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
+    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, _xp(flat).add)
+    finish()
     return (r + 1) % p
 
 
@@ -155,8 +156,9 @@ def ring_allgather_unchecked(flat, comm):
     if p == 1:
         return flat
     bounds = _bounds(flat.shape[0], p)
-    _allgather_steps(flat, bounds, r, p,
-                     comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0])))
+    step, finish = comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
+    _allgather_steps(flat, bounds, r, p, step)
+    finish()
     return flat
 
 
@@ -226,7 +228,9 @@ def ring_allreduce_unchecked(x, comm, out=None):
         return out
     bounds = _bounds(flat.shape[0], p)
     work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    step = comm.exchanger(flat, work.itemsize * work.shape[0])
+    step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, xp.add)
+    finish()     # the all-gather receives into the chunks the reduce-scatter sent
     _allgather_steps(flat, bounds, r, p, step)
+    finish()
     return out

@@ -34,13 +34,13 @@ def default_plan(quick: bool = False) -> dict:
     ``heldout`` (p = 8, 9, 16: process counts and sizes the fit never saw), each
     ``{p: [case, ...]}``. Ranking uses every group of candidates that solve the same
     problem on the same p (p = 4 and 16). ``calibrate_polled``: small ring all-reduces
-    at p = 3 and 4 run with ``SUMMASIM_BLOCKING_BYTES=0``, so that their steps are
-    polled requests: when ring steps block inside ``MPI_Sendrecv``
-    (``SUMMASIM_BLOCKING_BYTES`` > 0), the calibration then sees both kinds of wait on
-    the same messages and fits both coefficients (``SharedCore.hop_seconds`` and
-    ``mpi_hop_seconds``). With the default (polled steps) they would repeat runs of
-    ``calibrate`` and weigh small rings twice in the fit, so they are measured only
-    when blocking steps are on."""
+    at p = 3 and 4 run with ``SUMMASIM_BLOCKING_BYTES=0``, so that their steps sleep
+    between polls (the wait policy): ring steps normally wait without sleeping
+    (``Comm.exchanger``), so the calibration then sees both kinds of wait on the same
+    messages and fits both coefficients (``SharedCore.hop_seconds`` and
+    ``mpi_hop_seconds``). When ``SUMMASIM_BLOCKING_BYTES=0`` is set for the whole
+    benchmark they would repeat runs of ``calibrate`` and weigh small rings twice in
+    the fit, so they are skipped."""
     tf = transformer_case
     mm = MatmulCase
     f = 2 if quick else 1
@@ -184,9 +184,8 @@ def run(args) -> int:
         plan = default_plan(args.quick)
         measured = {"calibrate": [], "heldout": []}
         # comm.BLOCKING_SENDRECV_BYTES, read without importing mpi4py into the launcher
-        if int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "0") or 0) <= 0:
-            plan["calibrate_polled"] = {}      # every ring step is polled already
-            plan["calibrate_polled"] = {}
+        if os.environ.get("SUMMASIM_BLOCKING_BYTES", "").strip() == "0":
+            plan["calibrate_polled"] = {}      # every ring step sleeps already
         with tempfile.TemporaryDirectory(dir=args.out) as work:
             for part, step, env in (
                     ("calibrate", "2/3 calibration runs", {}),
