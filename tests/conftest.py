@@ -40,3 +40,15 @@ def mpi_env() -> dict:
     env.setdefault("MKL_NUM_THREADS", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def synthetic_machine(**kw):
+    """A small made-up 2-core machine for cost-model tests; ``kw`` overrides fields."""
+    from summasim.costmodel.machine import Link, Machine
+
+    link = Link(alpha_small=2e-6, beta_small=1e-10, alpha_large=5e-6, beta_large=8e-11,
+                eager_threshold=8192)
+    base = dict(name="synthetic", source="test", cores=2, intra=link,
+                gamma_gemm={"float64": [[64, 4e-11], [1024, 2e-11]]}, gamma_reduce=1e-10)
+    base.update(kw)
+    return Machine(**base)

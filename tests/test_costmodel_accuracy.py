@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import synthetic_machine
 from summasim.costmodel import accuracy as A
 from summasim.harness.cases import MatmulCase, RingCase
 from summasim.costmodel.fit import (fit_elementwise, fit_nonneg_linear, fit_regimes,
@@ -17,13 +18,7 @@ from summasim.costmodel.predict import SharedFeatures, predict_features
 from summasim.costmodel.traffic import algorithm_messages
 
 
-def _machine(**kw):
-    link = Link(alpha_small=2e-6, beta_small=1e-10, alpha_large=5e-6, beta_large=8e-11,
-                eager_threshold=8192)
-    base = dict(name="synthetic", source="test", cores=2, intra=link,
-                gamma_gemm={"float64": [[64, 4e-11], [1024, 2e-11]]}, gamma_reduce=1e-10)
-    base.update(kw)
-    return Machine(**base)
+_machine = synthetic_machine
 
 
 # ----------------------------------------------------------------------------- fits

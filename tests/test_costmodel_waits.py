@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from conftest import synthetic_machine
 from summasim.costmodel import accuracy as A
 from summasim.costmodel.fit import fit_shared_core
-from summasim.costmodel.machine import Link, Machine, SharedCore
+from summasim.costmodel.machine import Machine, SharedCore
 from summasim.costmodel.predict import (Messages, SharedFeatures, merge_features,
                                         predict_features, predict_trace, summary_messages,
                                         trace_features)
@@ -18,13 +19,7 @@ from summasim.harness.cases import RingCase
 from summasim.trace import Event, Trace
 
 
-def _machine(**kw):
-    link = Link(alpha_small=2e-6, beta_small=1e-10, alpha_large=5e-6, beta_large=8e-11,
-                eager_threshold=8192)
-    base = dict(name="synthetic", source="test", cores=2, intra=link,
-                gamma_gemm={"float64": [[64, 4e-11], [1024, 2e-11]]}, gamma_reduce=1e-10)
-    base.update(kw)
-    return Machine(**base)
+_machine = synthetic_machine
 
 
 def _ring_events(p, N, r, blocking):
