@@ -1,6 +1,6 @@
 """The trace tells which wait a sendrecv took: ``blocking`` for a wait that does not
-sleep (a ring step below ``Comm.blocking_limit``, polled with ``sched_yield``, or
-``MPI_Sendrecv``), not for a request completed by the wait policy. The cost model
+sleep (a ring step or a sendrecv below ``Comm.blocking_limit``, its receive polled with
+``sched_yield``), not for a request completed by the wait policy. The cost model
 prices the two apart, so the flag must say what really ran. Ring steps complete their
 sends late (at the end of each half), which must never leave a buffer in use."""
 

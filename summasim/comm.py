@@ -61,7 +61,7 @@ from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
 # host ring steps (Comm.exchanger) and sendrecvs of fewer bytes than this wait without sleeping
-# (polled with sched_yield, or inside MPI_Sendrecv); larger ones go through the wait policy.
+# (the receive polled with sched_yield); larger ones go through the wait policy.
 # Unlimited unless SUMMASIM_BLOCKING_BYTES sets it (0: every step waits by the policy): measured
 # on 2 cores at 2 to 8 ranks per core (docs/performance.md), the ring's steps are as fast or
 # faster that way at every size from 10 KiB to 64 MiB.
@@ -478,7 +478,7 @@ class Comm:
         return (nbytes < self.blocking_limit and type(arr) is _NDARRAY
                 and (self.backend is None or self.backend.comm_mode == "host"))
 
-    def exchanger(self, like, nbytes: int):
+    def exchanger(self, like, nbytes: int, tag: int = 0):
         """``(step, finish)`` for a loop of ring steps of at most ``nbytes`` on arrays
         like ``like`` (contiguous, the caller's promise), with the per-call decisions of
         :meth:`sendrecv` taken once. ``step(sendbuf, dest, recvbuf, source)`` returns
@@ -494,9 +494,9 @@ class Comm:
         data is in. Under the "sleep" and "yield" policies the receive is polled with
         ``MPI_Test`` and ``sched_yield``, which hands the core at once to a rank that has
         work (oversubscribed: the rank that holds the next message); under "spin" it is
-        ``MPI_Wait``. Measured on 2 cores, p = 4 to 16 (docs/performance.md): 4-37%
-        faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB, and faster
-        than polling with sleeps at every size. Every step is traced
+        ``MPI_Wait``. Measured on 2 cores, p = 4, 8 and 16 (docs/performance.md): 5-34%
+        faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB except at
+        p = 4 and 64 KiB (0.88x), and faster than polling with sleeps at every size. Every step is traced
         when the trace is on, with ``blocking`` set (a wait that does not sleep, which
         the cost model prices apart from a slept one).
 
@@ -526,8 +526,8 @@ class Comm:
 
         def step(sb, dest, rb, source):
             t0 = clock()
-            req = irecv(rb, source, 0)
-            sends.append(isend(sb, dest, 0))
+            req = irecv(rb, source, tag)
+            sends.append(isend(sb, dest, tag))
             complete(req)
             if trace.enabled:
                 trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
@@ -560,21 +560,17 @@ class Comm:
         ``source``; returns ``recvbuf``.
 
         Host arrays of less than :attr:`blocking_limit` bytes (unlimited unless
-        ``SUMMASIM_BLOCKING_BYTES`` sets it; 0: off) take a lean path:
-        ``MPI_Sendrecv`` itself, which waits in MPI's own progress loop, and one trace
-        record (``blocking=True``, which the cost model prices as its own kind of
-        wait). Everything else goes through
-        :meth:`isendrecv` and the wait policy.
+        ``SUMMASIM_BLOCKING_BYTES`` sets it; 0: off) take one step of
+        :meth:`exchanger` (the receive waited for without sleeping, then the send) and
+        one trace record (``blocking=True``, which the cost model prices as its own kind
+        of wait). Everything else goes through :meth:`isendrecv` and the wait policy.
         """
-        nbytes = sendbuf.nbytes
-        if self._blocks(sendbuf, nbytes) and type(recvbuf) is _NDARRAY:
+        if self._blocks(sendbuf, sendbuf.nbytes) and type(recvbuf) is _NDARRAY:
             if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
                 raise ValueError("sendrecv: MPI buffers must be C-contiguous arrays")
-            t0 = time.perf_counter()
-            self.mpi.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
-            if self.trace.enabled:
-                self.trace.record("sendrecv", self.name, self.size, -1, nbytes,
-                                  time.perf_counter() - t0, blocking=True)
+            step, finish = self.exchanger(sendbuf, sendbuf.nbytes, tag)
+            step(sendbuf, dest, recvbuf, source)
+            finish()
             return recvbuf
         self.isendrecv(sendbuf, dest, recvbuf, source, tag).wait()
         return recvbuf

@@ -217,8 +217,9 @@ class SharedCore:
     messages completed by summasim's wait policy (``MPI_Test`` and a sleep of 20 us
     that Linux stretches to 60-80 us, so most hops cost at least one nap), and
     ``mpi_hops`` are messages whose rank waited without sleeping: a ring step
-    (``Comm.exchanger``: the receive polled with ``sched_yield``) or a blocking
-    ``MPI_Sendrecv`` (MPICH's own progress loop); trace events with ``blocking`` set.
+    or a ``Comm.sendrecv`` below its limit (``Comm.exchanger``: the receive polled
+    with ``sched_yield``; older runs: a blocking ``MPI_Sendrecv``); trace events with
+    ``blocking`` set.
     Fitted on runs at 1.5 and 2 ranks per core
     by the accuracy benchmark.
 
