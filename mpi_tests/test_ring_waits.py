@@ -56,8 +56,32 @@ def test_sendrecv_flags_its_path():
         comm.mpi.Free()
 
 
+def test_napping_ring_steps_sum_right_and_are_exchanger_steps():
+    """Steps of at least ``Comm.nap_limit`` bytes poll a few times and then nap between
+    polls (many ranks per core, long steps). The sum must be the same, and each step is
+    still one traced exchanger step (``blocking``: the receive alone awaited), which the
+    cost model prices apart from a request completed by the wait policy."""
+    comm = Comm(WORLD.Dup(), name="ring")
+    try:
+        n = 3 * P + 1
+        verdicts = []
+        for nap_limit in (0, 1 << 62):
+            comm.nap_limit = nap_limit
+            comm.trace.clear()
+            x = np.full(n, float(WORLD.Get_rank() + 1))
+            y = algs.ring_allreduce(x, comm)
+            ev = comm.trace.events
+            verdicts.append(bool(np.all(y == P * (P + 1) / 2))
+                            and len(ev) == 2 * (P - 1)
+                            and all(e.blocking for e in ev))
+        parallel_assert(all(verdicts), f"{verdicts} (policy {comm.wait_policy})")
+    finally:
+        comm.mpi.Free()
+
+
+@pytest.mark.parametrize("nap", [False, True], ids=["yield", "nap"])
 @pytest.mark.parametrize("half", ["reduce_scatter", "allgather", "allreduce"])
-def test_buffers_are_free_when_a_ring_returns(half):
+def test_buffers_are_free_when_a_ring_returns(half, nap):
     """Ring steps wait for their receive only and complete their sends at the end of
     each half (``Comm.exchanger``'s ``finish``): once a half returns, no send may still
     read the caller's buffer. Each rank overwrites everything it sent with NaN straight
@@ -67,6 +91,7 @@ def test_buffers_are_free_when_a_ring_returns(half):
     n = P * (1 << 15)                                  # 256 KiB of float64 per chunk
     rank = WORLD.Get_rank()
     comm = Comm(WORLD.Dup(), name="ring")
+    comm.nap_limit = 0 if nap else 1 << 62
     try:
         ok = True
         for _ in range(5):

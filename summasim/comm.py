@@ -44,6 +44,9 @@ The steps of a ring (:meth:`Comm.exchanger`) wait differently: each waits for it
 receive only, polled with ``sched_yield`` (``MPI_Wait`` under "spin"), and completes
 its sends at the end of the ring's half, so a rank never waits for its neighbour to
 take a message and never sleeps through the arrival of its own (docs/performance.md).
+Long steps on a crowded node (chunks from 256 KiB, 4 or more ranks per core) nap
+between polls after a few yields, so that the waiters leave the cores to the ranks
+that hold data.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backends import backend_of
-from .mpiutil import WAIT_POLICIES, install_abort_hook, wait_requests
+from .mpiutil import SLEEP_S, WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
@@ -66,6 +69,12 @@ REDUCE_ALGORITHMS = ("tree", "mpi")
 # on 2 cores at 2 to 8 ranks per core (docs/performance.md), the ring's steps are as fast or
 # faster that way at every size from 10 KiB to 64 MiB.
 BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "").strip() or 1 << 62)
+# ring steps of at least NAP_BYTES, on a node with at least NAP_RANKS_PER_CORE ranks per core,
+# poll with sched_yield NAP_AFTER_POLLS times and then nap between polls (Comm.exchanger): a long
+# wait among many waiters. SUMMASIM_NAP_BYTES overrides the size (0: always; a huge value: never).
+NAP_BYTES = int(os.environ.get("SUMMASIM_NAP_BYTES", "").strip() or 256 << 10)
+NAP_RANKS_PER_CORE = 4
+NAP_AFTER_POLLS = 32
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
 
@@ -290,6 +299,8 @@ class Comm:
                              f"got {self.reduce_algorithm!r}")
         self._reduces = 0          # tree reduces started: all ranks count alike (their tags)
         self.blocking_limit = BLOCKING_SENDRECV_BYTES if self.wait_policy != "spin" else 1 << 62
+        self.nap_limit = (NAP_BYTES if local_ranks() >= NAP_RANKS_PER_CORE * cores()
+                          or "SUMMASIM_NAP_BYTES" in os.environ else 1 << 62)
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
 
@@ -496,9 +507,23 @@ class Comm:
         work (oversubscribed: the rank that holds the next message); under "spin" it is
         ``MPI_Wait``. Measured on 2 cores, p = 4, 8 and 16 (docs/performance.md): 5-34%
         faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB except at
-        p = 4 and 64 KiB (0.88x), and faster than polling with sleeps at every size. Every step is traced
-        when the trace is on, with ``blocking`` set (a wait that does not sleep, which
-        the cost model prices apart from a slept one).
+        p = 4 and 64 KiB (0.88x), and faster than polling with sleeps at every size.
+
+        Long waits among many waiters nap: when the node has at least
+        :data:`NAP_RANKS_PER_CORE` ranks per core and the loop's steps carry at least
+        :attr:`nap_limit` bytes (:data:`NAP_BYTES`, 256 KiB), a step yields for its first
+        :data:`NAP_AFTER_POLLS` polls and then sleeps between polls. Such a step lasts
+        about R times the copy and add of its chunk; every yielding waiter that the
+        scheduler picks in that time takes a turn from the rank that has the data, and a
+        nap takes the waiter off the run queue. Measured at p = 16 on 2 cores: 4, 16 and
+        64 MiB in 20.0, 47.6, 150 ms napping against 21.9, 54.3, 226 ms yielding; at
+        2 ranks per core napping gained nothing (docs/performance.md).
+
+        Every step is traced when the trace is on, with ``blocking`` set: an exchanger
+        step (the receive alone awaited, yielding first), which the cost model prices
+        apart from a request completed by the wait policy (both requests, a sleep after
+        the first failed poll). A napping step is one too: it naps only once its wait
+        has outlasted its yields, when the step's cost is its chunk's copy and add.
 
         Everything else (device arrays, messages from :attr:`blocking_limit` on) goes
         through :meth:`sendrecv` and the wait policy, and ``finish`` does nothing."""
@@ -507,12 +532,28 @@ class Comm:
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
                                            self.name, self.size)
         clock, sends = time.perf_counter, []
+        naps = self.wait_policy != "spin" and nbytes >= self.nap_limit
         if self.wait_policy == "spin":
             def complete(req):
                 req.Wait()
 
             def complete_all(reqs):
                 MPI.Request.Waitall(reqs)
+        elif naps:
+            pause, testall, nap = os.sched_yield, MPI.Request.Testall, time.sleep
+
+            def complete(req):
+                polls = 0
+                while not req.Test():
+                    polls += 1
+                    if polls <= NAP_AFTER_POLLS:
+                        pause()
+                    else:
+                        nap(SLEEP_S)
+
+            def complete_all(reqs):
+                while not testall(reqs):
+                    pause()
         else:
             pause, testall = os.sched_yield, MPI.Request.Testall
 

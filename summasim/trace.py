@@ -12,11 +12,13 @@ Every call through :class:`summasim.comm.Comm` appends one :class:`Event`:
 ``seconds``     wall time this rank spent inside MPI for the call (for a
                 non-blocking call: posting it plus waiting for it)
 ``phase``       the innermost ``with trace.phase(...)`` label ("" outside any)
-``blocking``    True when the rank waited inside a blocking MPI call (a sendrecv that took
-                ``MPI_Sendrecv``, whose wait is MPI's own progress loop); False when the
-                call was a non-blocking request completed by ``Comm``'s wait policy
-                (polled). The cost model prices the two waits apart under
-                oversubscription (:class:`summasim.costmodel.machine.SharedCore`).
+``blocking``    True for an exchanger step (:meth:`summasim.comm.Comm.exchanger`: a ring
+                step or a small sendrecv, the receive alone awaited, yielding the core
+                between polls and napping only when a long step outlasts its yields;
+                older traces: a blocking ``MPI_Sendrecv``); False when the call was a
+                non-blocking request completed by ``Comm``'s wait policy (polled, a
+                sleep after the first failed poll). The cost model prices the two waits
+                apart under oversubscription (:class:`summasim.costmodel.machine.SharedCore`).
 
 A trace belongs to one rank. Totals per op, group and phase are local; use
 :meth:`Trace.allgather_totals` to see every rank's totals.
