@@ -37,6 +37,8 @@ from .algorithms.table import PRODUCTS
 from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 
 GEMM_ALGORITHMS = PRODUCTS
+DEFAULT_REPEATS = 3
+ALLREDUCE_REPEATS = 9
 
 
 def _quiet_bcast(world, value):
@@ -127,10 +129,11 @@ def plain_ring_allreduce(x, out, comm):
 def ring_prediction(n: int, dtype, p: int, machine, blocking_limit: int = 0) -> float:
     """The cost model's time of ``ring_allreduce`` of n items on p ranks (the slowest
     rank, shared-core model), from the closed-form messages of every rank. Steps are
-    priced as waits that do not sleep (``Event.blocking``) where ``Comm`` takes that
-    path: every step when the largest chunk has fewer than ``blocking_limit`` bytes
-    (``Comm.exchanger`` decides once per loop), else each step below the limit
-    (``Comm.sendrecv`` decides per message); the others as polled waits."""
+    priced as exchanger steps (``Event.blocking``: the receive alone awaited, yielding
+    or napping) where ``Comm`` takes that path: every step when the largest chunk has
+    fewer than ``blocking_limit`` bytes (``Comm.exchanger`` decides once per loop),
+    else each step below the limit (``Comm.sendrecv`` decides per message); the others
+    as waits of the wait policy."""
     from .costmodel.accuracy import predict_result
     from .costmodel.traffic import algorithm_messages
     from .harness.cases import RingCase
@@ -155,6 +158,65 @@ def _rotated(names: list, i: int) -> list:
     return names[k:] + names[:k]
 
 
+def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
+    """How much faster ``ours`` is than ``base`` from paired timings: repeat i of each
+    ran back to back on the same machine state, so the ratios ``base[i] / ours[i]``
+    cancel the drift between repeats. Returns the median ratio, a distribution-free
+    interval for it (order statistics of the ratios, the sign test's interval:
+    ``low``/``high`` None when there are too few repeats for ``confidence``; 6 give
+    96.9%), the interval's real coverage, and a verdict: "faster" (low > 1), "slower"
+    (high < 1), "tie" (the interval holds 1: the difference is within the noise), or
+    None without an interval."""
+    from scipy.stats import binom
+
+    ratios = sorted(b / o for b, o in zip(base, ours))
+    n = len(ratios)
+    if n == 0:
+        raise ValueError("paired_ratio: no timings")
+    k = int(binom.ppf((1 - confidence) / 2, n, 0.5))   # the k-th smallest is the low end
+    low, high, coverage = None, None, None
+    if k >= 1:
+        low, high = float(ratios[k - 1]), float(ratios[n - k])
+        coverage = float(1 - 2 * binom.cdf(k - 1, n, 0.5))
+    verdict = (None if low is None else "tie" if low <= 1 <= high
+               else "faster" if low > 1 else "slower")
+    return {"median": float(statistics.median(ratios)), "low": low, "high": high,
+            "coverage": coverage, "verdict": verdict}
+
+
+#: issue 12's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
+#: from 4 MiB, the prediction within 10% from 1 MiB (at p = 16; reported at every p)
+TARGETS = {"plain_from_mib": 0.0625, "mpi_from_mib": 4.0, "prediction_from_mib": 1.0,
+           "prediction_tolerance": 0.10}
+
+
+def allreduce_targets(rows, p: int) -> dict:
+    """Which of :data:`TARGETS` the rows of one ``bench allreduce`` run meet: per target
+    the sizes it applies to and how many of them meet it. "vs plain" is met where the
+    ring is not slower (faster, or a tie within the paired interval; without an
+    interval, where the median ratio is at least 1), "vs MPI" only where it is faster
+    (the median ratio above 1)."""
+    def sizes(frm):
+        return [r for r in rows if r["mib"] >= frm]
+
+    plain = sizes(TARGETS["plain_from_mib"])
+    mpi = sizes(TARGETS["mpi_from_mib"])
+    pred = [r for r in sizes(TARGETS["prediction_from_mib"]) if r["predicted"] is not None]
+    tol = TARGETS["prediction_tolerance"]
+    return {"p": p,
+            "vs_plain": {"sizes": len(plain),
+                         "met": sum(_not_slower(r["vs_plain_paired"]) for r in plain),
+                         "faster": sum(r["vs_plain_paired"]["verdict"] == "faster"
+                                       for r in plain)},
+            "vs_mpi": {"sizes": len(mpi), "met": sum(r["ratio"] > 1 for r in mpi)},
+            "prediction": {"sizes": len(pred),
+                           "met": sum(abs(r["prediction_error"]) <= tol for r in pred)}}
+
+
+def _not_slower(r: dict) -> bool:
+    return r["median"] >= 1 if r["verdict"] is None else r["verdict"] != "slower"
+
+
 def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) -> list[dict]:
     """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
     buffers, interleaved call by call (median spans), with the cost model's prediction
@@ -171,7 +233,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) ->
     comm.trace.enabled = False
     raw = world.Dup()
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
-        f"{'vs MPI':>8} {'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
+        f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
+        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
     rows = []
     try:
         for mib in sizes_mib:
@@ -195,21 +258,38 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) ->
             nbytes = count * np.dtype(dtype).itemsize
             pred = (ring_prediction(count, dtype, p, machine, comm.blocking_limit)
                     if machine is not None else None)
+            vp, vm = paired_ratio(t["plain"], t["ring"]), paired_ratio(t["mpi"], t["ring"])
             rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
                          "mpi_seconds": tm, "ring_times": t["ring"], "plain_times": t["plain"],
                          "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
                          "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
-                         "vs_plain": tp / tr, "predicted": pred, "ok": ok,
+                         "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
+                         "predicted": pred, "ok": ok,
                          "prediction_error": None if pred is None else (pred - tr) / tr})
             say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
-                f"{tp / tr:>8.2f}x {tm / tr:>7.2f}x {nbytes / tr / 1e9:>10.2f} "
+                f"{tp / tr:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
+                f"{tm / tr:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
+                f"{nbytes / tr / 1e9:>10.2f} "
                 + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
                    else f"{'-':>9} {'-':>9}") + f"  {'OK' if ok else 'FAIL'}")
     finally:
         comm.mpi.Free()
         raw.Free()
-    say("vs plain / vs MPI: their median time over the ring's (> 1: the ring is faster)")
+    say("vs plain / vs MPI: their median time over the ring's (> 1: the ring is faster); "
+        "95% interval: of the median of the paired per-repeat ratios (faster/slower: the "
+        "interval excludes 1; tie: the difference is within the noise)")
+    tg = allreduce_targets(rows, p)
+    say(f"targets at p = {p}: not slower than the plain ring at {tg['vs_plain']['met']}/"
+        f"{tg['vs_plain']['sizes']} sizes from 64 KiB ({tg['vs_plain']['faster']} faster); "
+        f"faster than MPI at {tg['vs_mpi']['met']}/{tg['vs_mpi']['sizes']} from 4 MiB"
+        + (f"; prediction within 10% at {tg['prediction']['met']}/"
+           f"{tg['prediction']['sizes']} from 1 MiB" if tg["prediction"]["sizes"] else ""))
     return rows
+
+
+def _interval(r: dict) -> str:
+    """``[low, high]`` of a :func:`paired_ratio`, or "-" with too few repeats."""
+    return "-" if r["low"] is None else f"[{r['low']:.2f},{r['high']:.2f}]"
 
 
 def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
@@ -437,7 +517,9 @@ def build_parser():
                     metavar=("B", "S", "H", "N", "V", "L"),
                     help="mesh benchmark model: global batch, sequence, hidden, heads, vocab, "
                          "layers (default 16 32 128 16 128 4, float64)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help=f"timed repeats (default {DEFAULT_REPEATS}; allreduce "
+                         f"{ALLREDUCE_REPEATS}: enough for a 95%% interval of the paired ratios)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap
 
@@ -447,8 +529,10 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     if args.n < 1:
         raise UserError(f"--n must be positive, got {args.n}")
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    args.allreduce_repeats = args.repeats or ALLREDUCE_REPEATS
+    args.repeats = args.repeats or DEFAULT_REPEATS
     args.algorithm_list = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in args.algorithm_list if a not in GEMM_ALGORITHMS]
     if bad or not args.algorithm_list:
@@ -538,7 +622,8 @@ def _body(args, world) -> int:
             from .harness.machinefile import resolve_machine
 
             machine = resolve_machine(args.machine, world, say)
-        report["allreduce"] = bench_allreduce(world, args.sizes, dtype, args.repeats, say,
+        report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
+                                              args.allreduce_repeats, say,
                                               machine)
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":

@@ -131,6 +131,11 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
         ar["mpi_seconds"] / ar["ring_seconds"]) and ar["ok"]
     assert ar["vs_plain"] == pytest.approx(ar["plain_seconds"] / ar["ring_seconds"])
     assert ar["predicted"] > 0 and len(ar["ring_times"]) == len(ar["plain_times"]) == 2
+    # paired per-repeat ratios; 2 repeats are too few for a 95% interval, so no verdict
+    pairs = [b / o for b, o in zip(ar["plain_times"], ar["ring_times"])]
+    assert ar["vs_plain_paired"]["median"] == pytest.approx(sum(pairs) / 2)
+    assert ar["vs_plain_paired"]["low"] is None and ar["vs_plain_paired"]["verdict"] is None
+    assert "targets at p = 4: not slower than the plain ring at" in proc.stdout
     assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])

@@ -1,0 +1,64 @@
+"""The pure parts of ``bench allreduce``: the paired-ratio statistic behind its
+faster/tie/slower verdicts and the count of issue 12's targets."""
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from summasim.bench import allreduce_targets, paired_ratio
+
+
+def test_paired_ratio_interval_is_the_sign_test_interval():
+    # 9 repeats: the 2nd smallest and the 2nd largest ratio, coverage 1 - 2 * 10/512
+    base = [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    r = paired_ratio(base, [1.0] * 9)
+    assert (r["median"], r["low"], r["high"]) == (6.0, 3.0, 9.0)
+    assert r["coverage"] == pytest.approx(1 - 2 * 10 / 512)
+    assert r["verdict"] == "faster"
+
+
+def test_paired_ratio_pairs_repeats_instead_of_comparing_medians():
+    # the machine drifts 10x between repeats; the other contender is always 5% slower:
+    # unpaired medians would see noise, pairs see a clear 1.05
+    drift = [1, 10, 2, 9, 3, 8, 4, 7, 5]
+    ours = [0.01 * d for d in drift]
+    r = paired_ratio([1.05 * t for t in ours], ours)
+    assert r["verdict"] == "faster" and r["median"] == pytest.approx(1.05)
+    assert paired_ratio(ours, [1.05 * t for t in ours])["verdict"] == "slower"
+
+
+def test_paired_ratio_calls_a_difference_inside_the_noise_a_tie():
+    rng = np.random.default_rng(1)
+    ours = list(1 + 0.1 * rng.standard_normal(15))
+    r = paired_ratio(ours[::-1], ours)
+    assert r["low"] < 1 < r["high"] and r["verdict"] == "tie"
+
+
+def test_paired_ratio_coverage_holds_for_every_repeat_count():
+    for n in range(6, 40):
+        r = paired_ratio([1.0 + i for i in range(n)], [1.0] * n)
+        assert r["coverage"] >= 0.95
+        k = int(binom.ppf(0.025, n, 0.5))
+        assert r["low"] == 1.0 + (k - 1)                   # the k-th smallest ratio
+    r = paired_ratio([1.1] * 5, [1.0] * 5)                 # too few for 95%
+    assert r["low"] is None and r["verdict"] is None and r["median"] == pytest.approx(1.1)
+    with pytest.raises(ValueError):
+        paired_ratio([], [])
+
+
+def _row(mib, plain, mpi, err, verdict=None):
+    return {"mib": mib, "ratio": mpi, "predicted": None if err is None else 1.0,
+            "prediction_error": err,
+            "vs_plain_paired": {"median": plain, "verdict": verdict}}
+
+
+def test_targets_count_only_the_sizes_they_apply_to():
+    rows = [_row(0.03125, 0.5, 0.2, 0.9, "slower"),        # below every target's range
+            _row(0.0625, 0.97, 0.3, 0.5, "tie"),           # a tie is not slower
+            _row(1, 0.9, 0.8, 0.09, "slower"),
+            _row(4, 1.2, 0.99, -0.2, "faster"),            # MPI must be beaten, not tied
+            _row(64, 1.1, 1.3, -0.05, None)]               # no interval: the median decides
+    tg = allreduce_targets(rows, 16)
+    assert tg["vs_plain"] == {"sizes": 4, "met": 3, "faster": 1}
+    assert tg["vs_mpi"] == {"sizes": 2, "met": 1}
+    assert tg["prediction"] == {"sizes": 3, "met": 2}
