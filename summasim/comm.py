@@ -68,11 +68,31 @@ REDUCE_ALGORITHMS = ("tree", "mpi")
 # Unlimited unless SUMMASIM_BLOCKING_BYTES sets it (0: every step waits by the policy): measured
 # on 2 cores at 2 to 8 ranks per core (docs/performance.md), the ring's steps are as fast or
 # faster that way at every size from 10 KiB to 64 MiB.
-BLOCKING_SENDRECV_BYTES = int(os.environ.get("SUMMASIM_BLOCKING_BYTES", "").strip() or 1 << 62)
+_UNLIMITED = 1 << 62
+
+
+def _env_bytes(name: str) -> int | None:
+    """A byte count from the environment variable ``name`` (None when unset or empty)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: expected a number of bytes >= 0")
+    return value
+
+
+_BLOCKING_ENV = _env_bytes("SUMMASIM_BLOCKING_BYTES")
+BLOCKING_SENDRECV_BYTES = _UNLIMITED if _BLOCKING_ENV is None else _BLOCKING_ENV
 # ring steps of at least NAP_BYTES, on a node with at least NAP_RANKS_PER_CORE ranks per core,
 # poll with sched_yield NAP_AFTER_POLLS times and then nap between polls (Comm.exchanger): a long
-# wait among many waiters. SUMMASIM_NAP_BYTES overrides the size (0: always; a huge value: never).
-NAP_BYTES = int(os.environ.get("SUMMASIM_NAP_BYTES", "").strip() or 256 << 10)
+# wait among many waiters. SUMMASIM_NAP_BYTES sets the size at any density (0: always; a huge
+# value: never).
+_NAP_ENV = _env_bytes("SUMMASIM_NAP_BYTES")
+NAP_BYTES = 256 << 10 if _NAP_ENV is None else _NAP_ENV
 NAP_RANKS_PER_CORE = 4
 NAP_AFTER_POLLS = 32
 _NDARRAY = np.ndarray
@@ -298,9 +318,11 @@ class Comm:
             raise ValueError(f"reduce algorithm must be one of {', '.join(REDUCE_ALGORITHMS)}, "
                              f"got {self.reduce_algorithm!r}")
         self._reduces = 0          # tree reduces started: all ranks count alike (their tags)
-        self.blocking_limit = BLOCKING_SENDRECV_BYTES if self.wait_policy != "spin" else 1 << 62
-        self.nap_limit = (NAP_BYTES if local_ranks() >= NAP_RANKS_PER_CORE * cores()
-                          or "SUMMASIM_NAP_BYTES" in os.environ else 1 << 62)
+        spin = self.wait_policy == "spin"
+        self.blocking_limit = _UNLIMITED if spin else BLOCKING_SENDRECV_BYTES
+        crowded = local_ranks() >= NAP_RANKS_PER_CORE * cores()
+        self.nap_limit = (NAP_BYTES if not spin and (crowded or _NAP_ENV is not None)
+                          else _UNLIMITED)
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
 
@@ -532,38 +554,32 @@ class Comm:
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
                                            self.name, self.size)
         clock, sends = time.perf_counter, []
-        naps = self.wait_policy != "spin" and nbytes >= self.nap_limit
         if self.wait_policy == "spin":
             def complete(req):
                 req.Wait()
 
             def complete_all(reqs):
                 MPI.Request.Waitall(reqs)
-        elif naps:
+        else:
             pause, testall, nap = os.sched_yield, MPI.Request.Testall, time.sleep
 
-            def complete(req):
-                polls = 0
-                while not req.Test():
-                    polls += 1
-                    if polls <= NAP_AFTER_POLLS:
+            def complete_all(reqs):
+                while not testall(reqs):
+                    pause()
+
+            if nbytes >= self.nap_limit:
+                def complete(req):
+                    polls = 0
+                    while not req.Test():
+                        polls += 1
+                        if polls <= NAP_AFTER_POLLS:
+                            pause()
+                        else:
+                            nap(SLEEP_S)
+            else:
+                def complete(req):
+                    while not req.Test():
                         pause()
-                    else:
-                        nap(SLEEP_S)
-
-            def complete_all(reqs):
-                while not testall(reqs):
-                    pause()
-        else:
-            pause, testall = os.sched_yield, MPI.Request.Testall
-
-            def complete(req):
-                while not req.Test():
-                    pause()
-
-            def complete_all(reqs):
-                while not testall(reqs):
-                    pause()
 
         def step(sb, dest, rb, source):
             t0 = clock()
