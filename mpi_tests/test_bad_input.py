@@ -18,6 +18,8 @@ from summasim.grid import Grid, Grid1D
 from summasim.transformer import megatron, model, optimus
 
 P = WORLD.Get_size()
+#: the verb of "ranks 1-3 have ..." when the other ranks are one rank ("rank 1 has ...")
+OTHERS = "has" if P == 2 else "have"
 Q, D = grid_shapes(P)[-1] if grid_shapes(P)[-1][0] > 1 else grid_shapes(P)[0]
 
 
@@ -119,7 +121,7 @@ def test_one_rank_short_block(fn):
                             and "passed the checks" in msg, f"message: {msg!r}")
         else:                     # it conforms locally; the ranks' A block shapes differ
             parallel_assert(f"A block shape: rank 0 has ({BLK - 1}, {BLK})" in msg
-                            and f"have ({BLK}, {BLK})" in msg, f"message: {msg!r}")
+                            and f"{OTHERS} ({BLK}, {BLK})" in msg, f"message: {msg!r}")
         parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
 
 
@@ -133,7 +135,7 @@ def test_one_rank_dtype(fn):
     with Grid(WORLD, q, d) as g:
         msg = one_rank_error(TypeError, getattr(algs, fn), np.ones((BLK, BLK), dtype),
                              np.ones((BLK, BLK), dtype), g)
-        parallel_assert("dtype: rank 0 has float32" in msg and "have float64" in msg,
+        parallel_assert("dtype: rank 0 has float32" in msg and f"{OTHERS} float64" in msg,
                         f"message: {msg!r}")
         # and one operand alone: rank 0's own check fails, the others pass theirs
         b = np.ones((BLK, BLK), dtype)
@@ -147,7 +149,7 @@ def test_one_rank_ring_length():
     skip_unless(P > 1, "a one-rank error needs two ranks")
     n = 7 if RANK == 0 else 8
     msg = one_rank_error(ValueError, algs.ring_allreduce, np.ones(n), WORLD)
-    parallel_assert("shape of x: rank 0 has (7,)" in msg and "have (8,)" in msg,
+    parallel_assert("shape of x: rank 0 has (7,)" in msg and f"{OTHERS} (8,)" in msg,
                     f"message: {msg!r}")
     for fn in (algs.ring_reduce_scatter, algs.ring_allgather):
         msg = one_rank_error(ValueError, fn, np.ones(n), WORLD)

@@ -74,3 +74,81 @@ def test_staged_ring_and_reduce():
                         f"allreduce+reduce copies {(be.d2h_copies, be.h2d_copies)} != {want}")
     finally:
         comm.mpi.Free()
+
+
+@pytest.mark.parametrize("n", sorted({1, max(P - 1, 1), 1000}))
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
+def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype):
+    """A staged ring (what CuPy without a CUDA-aware MPI does) steps like the host ring:
+    every step an exchanger step (the receive polled, sends completed together at the
+    end), the same sums bit for bit, and every staging buffer back in the pool when the
+    call returns, so a second call allocates none."""
+    from summasim.comm import _staging_for
+
+    be = StagedHostBackend()
+    comm = Comm(WORLD.Dup(), name="ring", backend=be)
+    host = Comm(WORLD.Dup(), name="host")
+    try:
+        x = (np.random.default_rng(comm.rank).standard_normal(n) * 100).astype(dtype)
+        want = algs.ring_allreduce(x, host)
+        got = algs.ring_allreduce(x, comm)
+        allocs = be.pinned_allocs
+        comm.trace.clear()
+        got2 = algs.ring_allreduce(x, comm)
+        steps = [e for e in comm.trace.events if e.op == "sendrecv"]
+        chunk = -(-n // P) * x.itemsize
+        parallel_assert(np.array_equal(got, want) and np.array_equal(got2, want),
+                        "staged ring differs from the host ring")
+        parallel_assert(len(steps) == 2 * (P - 1), f"{len(steps)} steps traced")
+        parallel_assert(chunk >= comm.blocking_limit or all(e.blocking for e in steps),
+                        "staged ring steps did not take the exchanger")
+        parallel_assert(be.pinned_allocs == allocs
+                        and len(_staging_for(be).free) == allocs,
+                        f"staging buffers: {allocs} allocated by the first call, "
+                        f"{be.pinned_allocs} after the second, "
+                        f"{len(_staging_for(be).free)} back in the pool")
+    finally:
+        comm.mpi.Free()
+        host.mpi.Free()
+
+
+class _DirectHost(StagedHostBackend):
+    """NumPy arrays handed to MPI as a CUDA-aware MPI takes device arrays ("direct"):
+    no staging copies, a stream synchronization before each MPI call (counted)."""
+
+    name = "direct-host"
+    comm_mode = "direct"
+
+
+def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
+    """``bench allreduce``'s three contenders on host, staged and direct arrays: the
+    same sums, the staged baselines copy the whole vector once each way, and in direct
+    mode the plain ring synchronizes the stream before each of its 2(P-1) steps."""
+    from summasim.backends import get_backend
+    from summasim.bench import _contenders
+
+    rank = WORLD.Get_rank()
+    x = np.random.default_rng(rank).standard_normal(37)
+    want = np.empty_like(x)
+    WORLD.Allreduce(x, want)
+    for be in (get_backend("numpy"), StagedHostBackend(), _DirectHost()):
+        comm, raw = Comm(WORLD.Dup(), name="ring", backend=be), WORLD.Dup()
+        try:
+            out = np.empty_like(x)
+            calls = _contenders(be, comm, raw, x, out)
+            for name, call in calls.items():
+                out[...] = np.nan
+                if be.comm_mode != "host":
+                    be.reset_counters()
+                call()
+                parallel_assert(np.allclose(out, want, rtol=0, atol=1e-12),
+                                f"{be.name} {name}: wrong sum on rank {rank}")
+                if be.comm_mode == "staged" and name != "ring":
+                    parallel_assert((be.d2h_copies, be.h2d_copies) == (1, 1),
+                                    f"{name}: {(be.d2h_copies, be.h2d_copies)} copies")
+                if be.comm_mode == "direct" and name == "plain":
+                    parallel_assert(be.syncs == 2 * (P - 1) + 2 and be.d2h_copies == 0,
+                                    f"plain ring, direct: {be.syncs} syncs")
+        finally:
+            comm.mpi.Free()
+            raw.Free()

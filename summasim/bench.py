@@ -50,36 +50,50 @@ def _quiet_bcast(world, value):
     return world.bcast(value, root=0)
 
 
-def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None) -> float:
-    """Single-process GEMM rate (GFLOP/s) at n x n x n with ``threads`` BLAS threads."""
+def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
+                   backend=None) -> float:
+    """Single-process GEMM rate (GFLOP/s) at n x n x n: NumPy with ``threads`` BLAS
+    threads (default all cores), or the backend's own matmul on its device (CuPy: this
+    rank's GPU, each product waited for)."""
     from threadpoolctl import threadpool_limits
 
     from .comm import cores
 
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n)).astype(dtype)
-    b = rng.standard_normal((n, n)).astype(dtype)
-    c = np.empty((n, n), dtype)
+    host = [rng.standard_normal((n, n)).astype(dtype) for _ in range(2)]
+    device = backend is not None and backend.name == "cupy"
+    xp = backend.xp if device else np
+    a, b = (backend.asarray(h) for h in host) if device else host
+    c = xp.empty((n, n), dtype)
+
+    def product():
+        xp.matmul(a, b, out=c)
+        if device:
+            backend.synchronize()
+
     with threadpool_limits(limits=threads or cores()):
-        np.matmul(a, b, out=c)  # warm-up
+        product()  # warm-up (and CuPy's kernel choice)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            np.matmul(a, b, out=c)
+            product()
             times.append(time.perf_counter() - t0)
     return 2.0 * n**3 / statistics.median(times) / 1e9
 
 
-def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say) -> list[dict]:
+def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
+               backend=None) -> list[dict]:
     """Time each distributed product on the grids that fit (validated first, with the
-    harness's Freivalds check); return result rows."""
+    harness's Freivalds check) on ``backend`` (default NumPy); return result rows."""
     from .backends import get_backend
     from .harness.execute import run_product
     from .harness.plan import plan_products
 
+    backend = backend or get_backend("numpy")
     p, rank = world.Get_size(), world.Get_rank()
-    say(f"ceiling: single-process NumPy GEMM, n = {n}, {np.dtype(dtype).name}, all cores, "
-        f"measured before each algorithm")
+    say("ceiling: single-process " + ("CuPy GEMM on rank 0's GPU" if backend.name == "cupy"
+                                       else "NumPy GEMM, all cores")
+        + f", n = {n}, {np.dtype(dtype).name}, measured before each algorithm")
     say(f"{'algorithm':<14} {'grid':<9} {'n':>6} {'median s':>9} {'best s':>8} "
         f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check")
     cases, skips = plan_products(p, algorithms, (n, n, n), None, [np.dtype(dtype).name])
@@ -87,8 +101,9 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say) -> list[dict
         say(f"{sk.name:<14} skipped: {sk.reason}")
     rows = []
     for case in cases:
-        ceiling = _quiet_bcast(world, ceiling_gflops(n, dtype, repeats) if rank == 0 else None)
-        res = run_product(case, world, get_backend("numpy"), repeats=repeats, method="freivalds")
+        ceiling = _quiet_bcast(world, ceiling_gflops(n, dtype, repeats, backend=backend)
+                               if rank == 0 else None)
+        res = run_product(case, world, backend, repeats=repeats, method="freivalds")
         spans = res.timing["spans"]
         t, best = res.seconds, min(spans)
         gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
@@ -103,25 +118,31 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say) -> list[dict
     return rows
 
 
-def plain_ring_allreduce(x, out, comm):
+def plain_ring_allreduce(x, out, comm, sync=None):
     """The baseline: a 20-line ring all-reduce in plain mpi4py (``MPI_Sendrecv`` and an
-    in-place NumPy add, no workspace reuse, no wait policy, no trace), what a user
-    would write first. ``comm`` is a raw mpi4py communicator."""
+    in-place add, no workspace reuse, no wait policy, no trace), what a user would write
+    first. ``comm`` is a raw mpi4py communicator; ``x`` and ``out`` are 1-D arrays of
+    one array module (device arrays only with a CUDA-aware MPI, and then ``sync``, the
+    stream's synchronize, runs before every ``Sendrecv``)."""
     from .algorithms import chunk_bounds
+    from .backends import array_module
 
     p, r = comm.Get_size(), comm.Get_rank()
     out[...] = x
     bounds = chunk_bounds(out.size, p)
     right, left = (r + 1) % p, (r - 1) % p
-    work = np.empty(bounds[0][1] - bounds[0][0], out.dtype)
+    work = array_module(out).empty(bounds[0][1] - bounds[0][0], out.dtype)
+    sync = sync or (lambda: None)
     for s in range(p - 1):
         s0, s1 = bounds[(r - s) % p]
         r0, r1 = bounds[(r - s - 1) % p]
+        sync()
         comm.Sendrecv(out[s0:s1], right, recvbuf=work[:r1 - r0], source=left)
         out[r0:r1] += work[:r1 - r0]
     for s in range(p - 1):
         s0, s1 = bounds[(r + 1 - s) % p]
         r0, r1 = bounds[(r - s) % p]
+        sync()
         comm.Sendrecv(out[s0:s1], right, recvbuf=out[r0:r1], source=left)
     return out
 
@@ -217,21 +238,78 @@ def _not_slower(r: dict) -> bool:
     return r["median"] >= 1 if r["verdict"] is None else r["verdict"] != "slower"
 
 
-def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) -> list[dict]:
-    """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
-    buffers, interleaved call by call (median spans), with the cost model's prediction
-    for the ring. The ring's result is checked against MPI's on every size."""
+def _contenders(backend, comm, raw, x, out) -> dict:
+    """The three all-reduces of ``x`` into ``out`` as calls that return when the result
+    is there (device work waited for). On the host the plain ring and ``MPI_Allreduce``
+    get the arrays themselves; with a CUDA-aware MPI ("direct") the device arrays, the
+    stream synchronized before each MPI call; without one ("staged") what a user would
+    write first: copy the vector into a pinned host buffer, all-reduce it there, copy
+    the sum back. summasim's ring stages per step (``Comm``) and adds on the device."""
     from mpi4py import MPI
 
     from .algorithms import ring_allreduce
+
+    mode = backend.comm_mode
+    sync = backend.synchronize
+
+    def plain(a, b):
+        plain_ring_allreduce(a, b, raw, sync if mode == "direct" else None)
+
+    def mpi(a, b):
+        raw.Allreduce(a, b, op=MPI.SUM)
+
+    def done(f, a, b):
+        def call():
+            if mode != "host":
+                sync()
+            f(a, b)
+            if mode != "host":
+                sync()
+        return call
+
+    def staged(f):
+        hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
+        hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
+
+        def call():
+            sync()
+            backend.copy_to_host(x, hx)
+            f(hx, hout)
+            backend.copy_from_host(hout, out)
+            sync()
+        return call
+
+    if mode == "staged":
+        base = {"plain": staged(plain), "mpi": staged(mpi)}
+    else:
+        base = {"plain": done(plain, x, out), "mpi": done(mpi, x, out)}
+    return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out), **base}
+
+
+def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
+                    backend=None) -> list[dict]:
+    """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
+    buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`), interleaved
+    call by call (median spans), with the cost model's prediction for the ring (host
+    arrays only: the machine models have no device or staging terms). Each contender's
+    result is checked against MPI's on the host on every size."""
+    from mpi4py import MPI
+
+    from .backends import get_backend
     from .comm import Comm
     from .harness.timing import time_calls
     from .mpiutil import agreement
 
+    backend = backend or get_backend("numpy")
+    if backend.name != "numpy":
+        machine = None
     p = world.Get_size()
-    comm = Comm(world.Dup(), name="world")
+    comm = Comm(world.Dup(), name="world", backend=backend)
     comm.trace.enabled = False
     raw = world.Dup()
+    if backend.name != "numpy":
+        say(f"backend {backend.name} (MPI path: {backend.comm_mode}); no prediction: the "
+            f"cost model prices host arrays only")
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
         f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
         f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
@@ -239,17 +317,20 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None) ->
     try:
         for mib in sizes_mib:
             count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
-            x = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
-            out, ref = np.empty_like(x), np.empty_like(x)
-            ring_allreduce(x, comm, out=out)           # checked (agreed) once
-            world.Allreduce(x, ref, op=MPI.SUM)
-            tol = 8 * np.sqrt(p) * np.finfo(x.dtype).eps * max(1.0, float(np.abs(ref).max()))
-            ok = bool(world.allreduce(bool(np.allclose(out, ref, rtol=0, atol=p * tol)),
-                                      op=MPI.LAND))
+            hx = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
+            ref = np.empty_like(hx)
+            world.Allreduce(hx, ref, op=MPI.SUM)
+            tol = 8 * np.sqrt(p) * np.finfo(hx.dtype).eps * max(1.0, float(np.abs(ref).max()))
+            x = backend.asarray(hx)
+            out = backend.empty(x.shape, x.dtype)
+            calls = _contenders(backend, comm, raw, x, out)
+            good = True
+            for k in calls:                   # each checked once, the ring agreed too
+                out[...] = 0
+                calls[k]()
+                good &= bool(np.allclose(backend.to_numpy(out), ref, rtol=0, atol=p * tol))
+            ok = bool(world.allreduce(good, op=MPI.LAND))
             t = {"ring": [], "plain": [], "mpi": []}
-            calls = {"ring": lambda: ring_allreduce(x, comm, out=out),
-                     "plain": lambda: plain_ring_allreduce(x, out, raw),
-                     "mpi": lambda: raw.Allreduce(x, out, op=MPI.SUM)}
             for i in range(repeats):  # interleaved, so that all see the same machine state
                 with agreement(False):
                     for k in _rotated(list(calls), i):
@@ -433,18 +514,21 @@ def _pure_tensor(case, p: int):
     return None
 
 
-def bench_mesh(world, cases, repeats: int, say, machine=None) -> list[dict]:
+def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> list[dict]:
     """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
-    (collective). Each run is validated first (:func:`~summasim.harness.composed.run_mesh`:
-    three Adam steps against the serial model); a failed validation fails the benchmark.
-    The prediction prices each run's traced step with ``machine``."""
+    (collective), on ``backend`` (default NumPy). Each run is validated first
+    (:func:`~summasim.harness.composed.run_mesh`: three Adam steps against the serial
+    model); a failed validation fails the benchmark. The prediction prices each run's
+    traced step with ``machine`` (host arrays only)."""
     from .harness.composed import run_mesh
 
     p = world.Get_size()
     rows = []
+    if backend is not None and backend.name != "numpy":
+        machine = None
 
     def measure(case):
-        res = run_mesh(case, world, repeats=repeats)
+        res = run_mesh(case, world, backend, repeats=repeats)
         pred = None
         if machine is not None and world.Get_rank() == 0:
             from .costmodel.compose import predict_measured_mesh
@@ -491,6 +575,11 @@ def build_parser():
                     default="all", help="which benchmark (default all)")
     ap.add_argument("--n", type=int, default=4096, help="GEMM size n (default 4096)")
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--backend", choices=("numpy", "cupy", "staged-host"), default="numpy",
+                    help="array backend of gemm, allreduce and mesh: numpy (CPU), cupy (GPU; "
+                         "its GEMM ceiling is one process's CuPy rate), or staged-host (NumPy "
+                         "through the GPU staging path); transformer and ring-steps time "
+                         "NumPy (default numpy)")
     ap.add_argument("--algorithms", default=",".join(GEMM_ALGORITHMS),
                     help="comma-separated distributed products to time")
     ap.add_argument("--sizes-mib", default="0.0625,0.25,1,4,16,64",
@@ -554,6 +643,9 @@ def parse_args(argv=None):
         raise UserError("--mesh-shape values must be positive and heads must divide hidden")
     if args.microbatches < 1:
         raise UserError("--microbatches must be at least 1")
+    if args.backend != "numpy" and args.what in ("transformer", "ring-steps"):
+        raise UserError(f"--backend {args.backend}: the {args.what} benchmark times NumPy "
+                        f"only; --backend applies to gemm, allreduce and mesh")
     return args
 
 
@@ -577,7 +669,10 @@ def _preflight(args, world) -> str:
     from .harness.plan import plan_products
     from .comm import local_ranks
 
-    err = check_outputs(args.json, None if args.no_predict else args.machine)
+    from .backends import unavailable
+
+    err = (check_outputs(args.json, None if args.no_predict else args.machine)
+           or unavailable(args.backend))
     if err:
         return err
     if args.what in ("mesh", "all"):
@@ -603,32 +698,40 @@ def _body(args, world) -> int:
     from .jsonio import write_json_atomic
     from .mpiutil import limit_blas_threads
 
+    from .backends import get_backend
+
     rank, p = world.Get_rank(), world.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
+    backend = get_backend(args.backend)
     say(f"summasim.bench: p = {p} ranks on {cores()} cores, wait policy "
-        f"{default_wait_policy()}, {args.dtype}")
+        f"{default_wait_policy()}, {args.dtype}, backend {backend.name} (MPI path: "
+        f"{backend.comm_mode})")
     dtype = np.dtype(args.dtype)
     report = {"p": p, "cores": cores(), "dtype": args.dtype,
-              "wait_policy": default_wait_policy()}
+              "wait_policy": default_wait_policy(), "backend": backend.name,
+              "comm_mode": backend.comm_mode}
     ok = True
     if args.what in ("gemm", "all"):
-        report["gemm"] = bench_gemm(world, args.n, dtype, args.repeats, args.algorithm_list, say)
+        report["gemm"] = bench_gemm(world, args.n, dtype, args.repeats, args.algorithm_list, say,
+                                    backend)
         ok = all(r["ok"] for r in report["gemm"])
     if args.what in ("allreduce", "all"):
         say("")
         machine = None
-        if not args.no_predict:
+        if not args.no_predict and backend.name == "numpy":
             from .harness.machinefile import resolve_machine
 
             machine = resolve_machine(args.machine, world, say)
         report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
                                               args.allreduce_repeats, say,
-                                              machine)
+                                              machine, backend)
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":
         report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say)
-    if args.what in ("transformer", "all"):
+    if args.what == "all" and backend.name != "numpy":
+        say(f"\ntransformer: skipped with --backend {backend.name} (it times NumPy only)")
+    elif args.what in ("transformer", "all"):
         say("")
         report["transformer"] = bench_transformer(world, args.tf_shape, np.dtype(args.tf_dtype),
                                                   args.repeats, args.checkpoint, say)
@@ -636,11 +739,13 @@ def _body(args, world) -> int:
         say("")
         cases, skips, _ = plan_mesh_bench(args, p)
         machine = None
-        if not args.no_predict:
+        if not args.no_predict and backend.name == "numpy":
             from .harness.machinefile import resolve_machine
 
             machine = resolve_machine(args.machine, world, say)
-        report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine)
+        elif backend.name != "numpy":
+            say(f"backend {backend.name}: no prediction (the cost model prices host arrays)")
+        report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine, backend)
         ok = ok and all(r["ok"] for r in report["mesh"])
         for sk in skips:
             say(f"  skipped mesh {sk.name}: {sk.reason}")

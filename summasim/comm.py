@@ -58,7 +58,7 @@ from collections import OrderedDict
 import numpy as np
 from mpi4py import MPI
 
-from .backends import backend_of
+from .backends import backend_of, is_device_array
 from .mpiutil import SLEEP_S, WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
@@ -507,9 +507,9 @@ class Comm:
         return recvbuf
 
     def _blocks(self, arr, nbytes: int) -> bool:
-        """Whether a sendrecv of ``nbytes`` on host array ``arr`` takes the blocking path."""
-        return (nbytes < self.blocking_limit and type(arr) is _NDARRAY
-                and (self.backend is None or self.backend.comm_mode == "host"))
+        """Whether a sendrecv of ``nbytes`` on ``arr`` (a host or device array) takes
+        the exchanger's path."""
+        return nbytes < self.blocking_limit and (type(arr) is _NDARRAY or is_device_array(arr))
 
     def exchanger(self, like, nbytes: int, tag: int = 0):
         """``(step, finish)`` for a loop of ring steps of at most ``nbytes`` on arrays
@@ -547,13 +547,19 @@ class Comm:
         the first failed poll). A napping step is one too: it naps only once its wait
         has outlasted its yields, when the step's cost is its chunk's copy and add.
 
-        Everything else (device arrays, messages from :attr:`blocking_limit` on) goes
-        through :meth:`sendrecv` and the wait policy, and ``finish`` does nothing."""
+        Arrays that are not plain host memory (a device array, or any array of a
+        "staged" backend) take the same steps through :meth:`_outgoing` and
+        :meth:`_incoming`: the stream is synchronized, a staged send is copied into a
+        pinned buffer that is held until ``finish``, and a staged receive is copied back
+        as soon as it has arrived, before ``step`` returns.
+
+        Messages from :attr:`blocking_limit` on go through :meth:`sendrecv` and the wait
+        policy, and ``finish`` does nothing."""
         if not self._blocks(like, nbytes):
             return self.sendrecv, _nothing
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
                                            self.name, self.size)
-        clock, sends = time.perf_counter, []
+        clock, sends, held = time.perf_counter, [], []
         if self.wait_policy == "spin":
             def complete(req):
                 req.Wait()
@@ -581,19 +587,37 @@ class Comm:
                     while not req.Test():
                         pause()
 
-        def step(sb, dest, rb, source):
-            t0 = clock()
-            req = irecv(rb, source, tag)
-            sends.append(isend(sb, dest, tag))
-            complete(req)
-            if trace.enabled:
-                trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
-                             blocking=True)
+        if self._backend(like).comm_mode == "host":
+            def step(sb, dest, rb, source):
+                t0 = clock()
+                req = irecv(rb, source, tag)
+                sends.append(isend(sb, dest, tag))
+                complete(req)
+                if trace.enabled:
+                    trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
+                                 blocking=True)
+        else:
+            outgoing, incoming = self._outgoing, self._incoming
+
+            def step(sb, dest, rb, source):
+                t0 = clock()
+                back: list = []
+                req = irecv(incoming(rb, back), source, tag)
+                sends.append(isend(outgoing(sb, held), dest, tag))
+                complete(req)
+                for done in back:            # the copy back, then the buffer's release
+                    done()
+                if trace.enabled:
+                    trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
+                                 blocking=True)
 
         def finish():
             if sends:
                 complete_all(sends)
                 sends.clear()
+            for done in held:                # staged sends: their buffers back to the pool
+                done()
+            held.clear()
 
         return step, finish
 
@@ -622,7 +646,7 @@ class Comm:
         one trace record (``blocking=True``, which the cost model prices as its own kind
         of wait). Everything else goes through :meth:`isendrecv` and the wait policy.
         """
-        if self._blocks(sendbuf, sendbuf.nbytes) and type(recvbuf) is _NDARRAY:
+        if self._blocks(sendbuf, sendbuf.nbytes) and type(recvbuf) is type(sendbuf):
             if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
                 raise ValueError("sendrecv: MPI buffers must be C-contiguous arrays")
             step, finish = self.exchanger(sendbuf, sendbuf.nbytes, tag)

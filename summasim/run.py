@@ -207,6 +207,7 @@ def plan(args, p: int):
 def preflight(args, world) -> str:
     """Everything found wrong before any work, as one message ("" when all is well).
     Runs on rank 0 (reads files, probes the output path and the memory)."""
+    from .backends import unavailable
     from .comm import local_ranks
     from .harness.memory import check_fits
 
@@ -226,12 +227,9 @@ def preflight(args, world) -> str:
     err = check_outputs(args.json, None if args.no_predict else args.machine)
     if err:
         return err
-    if args.backend == "cupy":
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            return ("--backend cupy needs CuPy (pip install 'summasim[cupy]') and a GPU; "
-                    "CuPy is not installed here")
+    why = unavailable(args.backend)
+    if why:
+        return why
     ranks = local_ranks()
     for c in cases:
         why = check_fits(c, ranks, args.check, p=p)

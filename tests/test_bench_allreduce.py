@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from summasim.bench import allreduce_targets, paired_ratio
+from summasim.bench import allreduce_targets, paired_ratio, parse_args
+from summasim.harness.frontend import UserError
 
 
 def test_paired_ratio_interval_is_the_sign_test_interval():
@@ -62,3 +63,21 @@ def test_targets_count_only_the_sizes_they_apply_to():
     assert tg["vs_plain"] == {"sizes": 4, "met": 3, "faster": 1}
     assert tg["vs_mpi"] == {"sizes": 2, "met": 1}
     assert tg["prediction"] == {"sizes": 3, "met": 2}
+
+
+def test_backend_applies_to_gemm_allreduce_and_mesh_only():
+    assert parse_args(["allreduce", "--backend", "staged-host"]).backend == "staged-host"
+    assert parse_args(["all", "--backend", "cupy"]).backend == "cupy"
+    for what in ("transformer", "ring-steps"):
+        with pytest.raises(UserError, match=f"the {what} benchmark times NumPy only"):
+            parse_args([what, "--backend", "cupy"])
+
+
+def test_backend_unavailable_names_what_is_missing(monkeypatch):
+    import sys
+
+    from summasim.backends import unavailable
+
+    assert unavailable("numpy") == "" and unavailable("staged-host") == ""
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy raises ImportError
+    assert "CuPy is not installed" in unavailable("cupy")

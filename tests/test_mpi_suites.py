@@ -225,3 +225,21 @@ def test_cupy_backend_without_cupy_is_a_user_error(mpiexec):
         pass
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--backend", "cupy"], 60)
     _user_error(proc, "CuPy")
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "allreduce", "--backend", "cupy"], 60)
+    _user_error(proc, "CuPy")
+
+
+def test_bench_allreduce_through_the_staging_path(mpiexec, tmp_path):
+    """--backend staged-host: the ring, the plain ring and MPI each staged (the ring per
+    step, the baselines once around the whole vector), each checked, no prediction."""
+    path = tmp_path / "bench.json"
+    proc, _ = launch(mpiexec, 3, ["-m", "summasim.bench", "allreduce", "--backend",
+                                  "staged-host", "--sizes-mib", "0.0625,0.5", "--repeats", "2",
+                                  "--json", str(path)], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    assert (report["backend"], report["comm_mode"]) == ("staged-host", "staged")
+    assert [r["bytes"] for r in report["allreduce"]] == [2**16, 2**19]
+    assert all(r["ok"] and r["predicted"] is None and len(r["mpi_times"]) == 2
+               for r in report["allreduce"])
+    assert "no prediction: the cost model prices host arrays only" in proc.stdout

@@ -49,6 +49,24 @@ def get_backend(name: str = "numpy"):
     return _cache[name]
 
 
+def unavailable(name: str) -> str:
+    """Why backend ``name`` cannot run in this process ("" when it can): a user error for
+    a front end's preflight, found before any data moves. Only "cupy" can be missing:
+    CuPy not installed, or no CUDA device visible to it."""
+    if name != "cupy":
+        return ""
+    try:
+        import cupy
+    except ImportError:
+        return ("--backend cupy needs CuPy (pip install 'summasim[cupy]') and a GPU; "
+                "CuPy is not installed here")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CUDA's own errors (no driver, no device)
+        return f"--backend cupy needs a GPU; CUDA found none ({exc})"
+    return "" if count > 0 else "--backend cupy needs a GPU; CUDA found none"
+
+
 def is_device_array(x) -> bool:
     """True for a CuPy array (without importing CuPy when it was never loaded)."""
     cp = sys.modules.get("cupy")
@@ -71,5 +89,5 @@ def array_module(*arrays):
     return backend_of(arrays[0]).xp if arrays else get_backend("numpy").xp
 
 
-__all__ = ["get_backend", "backend_of", "array_module", "is_device_array",
+__all__ = ["get_backend", "unavailable", "backend_of", "array_module", "is_device_array",
            "NumpyBackend", "StagedHostBackend"]
