@@ -7,6 +7,11 @@ preset ``local-2core-mpich`` (library MPICH, one shared-memory node) must take t
 old code path: every collective, algorithm, scheme layer, training step,
 shared-core feature, memory figure and largest batch here is compared for EXACT
 equality (no tolerance: the path is meant to be the same arithmetic).
+
+The machine is ``tests/data/local-2core-mpich-frozen.json``, the preset as it was when
+the numbers were frozen (2026-11-23 calibration): the preset itself is recalibrated
+when the local machine changes, and the frozen numbers pin the code path, not one
+day's calibration.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import os
 import pytest
 
 from summasim.costmodel import collectives as C
-from summasim.costmodel.machine import load_preset
+from summasim.costmodel.machine import Machine, load_preset
 from summasim.costmodel.predict import (predict_algorithm, predict_features, predict_trace,
                                         trace_features)
 from summasim.costmodel.schemes import (Scheme, TransformerConfig, largest_batch, memory,
                                         model_messages, scheme_cost, step_cost, step_work)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "local_predictions.json")
+MACHINE = os.path.join(os.path.dirname(__file__), "data", "local-2core-mpich-frozen.json")
 
 with open(DATA, encoding="utf-8") as _fh:
     FROZEN = json.load(_fh)
@@ -31,7 +37,9 @@ with open(DATA, encoding="utf-8") as _fh:
 
 @pytest.fixture(scope="module")
 def local():
-    return load_preset(FROZEN["preset"])
+    machine = Machine.load(MACHINE)
+    assert machine.name == FROZEN["preset"]
+    return machine
 
 
 def test_frozen_file_covers_a_few_dozen_configurations():
@@ -41,8 +49,9 @@ def test_frozen_file_covers_a_few_dozen_configurations():
 
 
 def test_local_preset_names_mpich_on_shared_memory(local):
-    assert local.library == "mpich"
-    assert local.topology is None or local.topology.intra_kind == "shm"
+    for machine in (local, load_preset(FROZEN["preset"])):
+        assert machine.library == "mpich"
+        assert machine.topology is None or machine.topology.intra_kind == "shm"
 
 
 def test_collectives_unchanged(local):
