@@ -47,22 +47,24 @@ def test_paired_ratio_coverage_holds_for_every_repeat_count():
         paired_ratio([], [])
 
 
-def _row(mib, plain, mpi, err, verdict=None):
+def _row(mib, plain, mpi, err, verdict=None, mpi_verdict=None):
     return {"mib": mib, "ratio": mpi, "predicted": None if err is None else 1.0,
             "prediction_error": err,
-            "vs_plain_paired": {"median": plain, "verdict": verdict}}
+            "vs_plain_paired": {"median": plain, "verdict": verdict},
+            "vs_mpi_paired": {"median": mpi, "verdict": mpi_verdict}}
 
 
 def test_targets_count_only_the_sizes_they_apply_to():
     rows = [_row(0.03125, 0.5, 0.2, 0.9, "slower"),        # below every target's range
             _row(0.0625, 0.97, 0.3, 0.5, "tie"),           # a tie is not slower
             _row(1, 0.9, 0.8, 0.09, "slower"),
-            _row(4, 1.2, 0.99, -0.2, "faster"),            # MPI must be beaten, not tied
+            _row(4, 1.2, 1.05, -0.2, "faster", "tie"),     # MPI must be beaten, not tied
+            _row(16, 1.0, 0.99, 0.3, "tie", "faster"),     # the paired verdict decides
             _row(64, 1.1, 1.3, -0.05, None)]               # no interval: the median decides
     tg = allreduce_targets(rows, 16)
-    assert tg["vs_plain"] == {"sizes": 4, "met": 3, "faster": 1}
-    assert tg["vs_mpi"] == {"sizes": 2, "met": 1}
-    assert tg["prediction"] == {"sizes": 3, "met": 2}
+    assert tg["vs_plain"] == {"sizes": 5, "met": 4, "faster": 1}
+    assert tg["vs_mpi"] == {"sizes": 3, "met": 2}
+    assert tg["prediction"] == {"sizes": 4, "met": 2}
 
 
 def test_backend_applies_to_gemm_allreduce_and_mesh_only():
