@@ -59,11 +59,12 @@ def test_targets_count_only_the_sizes_they_apply_to():
             _row(0.0625, 0.97, 0.3, 0.5, "tie"),           # a tie is not slower
             _row(1, 0.9, 0.8, 0.09, "slower"),
             _row(4, 1.2, 1.05, -0.2, "faster", "tie"),     # MPI must be beaten, not tied
-            _row(16, 1.0, 0.99, 0.3, "tie", "faster"),     # the paired verdict decides
+            _row(16, 1.0, 0.99, 0.3, "tie", "faster"),     # the paired verdict decides,
+            _row(32, 1.0, 1.02, None, "tie", "slower"),    # not the ratio of the medians
             _row(64, 1.1, 1.3, -0.05, None)]               # no interval: the median decides
     tg = allreduce_targets(rows, 16)
-    assert tg["vs_plain"] == {"sizes": 5, "met": 4, "faster": 1}
-    assert tg["vs_mpi"] == {"sizes": 3, "met": 2}
+    assert tg["vs_plain"] == {"sizes": 6, "met": 5, "faster": 1}
+    assert tg["vs_mpi"] == {"sizes": 4, "met": 2}
     assert tg["prediction"] == {"sizes": 4, "met": 2}
 
 
