@@ -274,9 +274,6 @@ def _contenders(backend, comm, raw, x, out) -> dict:
         return call
 
     def staged(f):
-        hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
-        hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
-
         def call():
             sync()
             backend.copy_to_host(x, hx)
@@ -285,7 +282,9 @@ def _contenders(backend, comm, raw, x, out) -> dict:
             sync()
         return call
 
-    if mode == "staged":
+    if mode == "staged":          # one pair of pinned buffers for both baselines
+        hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
+        hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
         base = {"plain": staged(plain), "mpi": staged(mpi)}
     else:
         base = {"plain": done(plain, x, out), "mpi": done(mpi, x, out)}
@@ -296,9 +295,9 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
                     backend=None) -> list[dict]:
     """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
     buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`), interleaved
-    call by call (median spans), with the cost model's prediction for the ring (host
-    arrays only: the machine models have no device or staging terms). Each contender's
-    result is checked against MPI's on the host on every size."""
+    call by call (median spans), with the cost model's prediction for the ring when a
+    ``machine`` is given. Each contender's result is checked against MPI's on the host
+    on every size."""
     from mpi4py import MPI
 
     from .backends import get_backend
@@ -307,15 +306,10 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
     from .mpiutil import agreement
 
     backend = backend or get_backend("numpy")
-    if backend.name != "numpy":
-        machine = None
     p = world.Get_size()
     comm = Comm(world.Dup(), name="world", backend=backend)
     comm.trace.enabled = False
     raw = world.Dup()
-    if backend.name != "numpy":
-        say(f"backend {backend.name} (MPI path: {backend.comm_mode}); no prediction: the "
-            f"cost model prices host arrays only")
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
         f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
         f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
@@ -525,13 +519,11 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
     (collective), on ``backend`` (default NumPy). Each run is validated first
     (:func:`~summasim.harness.composed.run_mesh`: three Adam steps against the serial
     model); a failed validation fails the benchmark. The prediction prices each run's
-    traced step with ``machine`` (host arrays only)."""
+    traced step with ``machine`` (none given: no prediction)."""
     from .harness.composed import run_mesh
 
     p = world.Get_size()
     rows = []
-    if backend is not None and backend.name != "numpy":
-        machine = None
 
     def measure(case):
         res = run_mesh(case, world, backend, repeats=repeats)
@@ -673,9 +665,8 @@ def plan_mesh_bench(args, p: int):
 def _preflight(args, world) -> str:
     from .harness.memory import check_fits
     from .harness.plan import plan_products
-    from .comm import local_ranks
-
     from .backends import unavailable
+    from .comm import local_ranks
 
     err = (check_outputs(args.json, None if args.no_predict else args.machine)
            or unavailable(args.backend))
@@ -701,10 +692,9 @@ def main(argv=None) -> int:
 
 def _body(args, world) -> int:
     from .comm import cores, default_wait_policy
+    from .backends import get_backend
     from .jsonio import write_json_atomic
     from .mpiutil import limit_blas_threads
-
-    from .backends import get_backend
 
     rank, p = world.Get_rank(), world.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -717,6 +707,23 @@ def _body(args, world) -> int:
     report = {"p": p, "cores": cores(), "dtype": args.dtype,
               "wait_policy": default_wait_policy(), "backend": backend.name,
               "comm_mode": backend.comm_mode}
+    resolved = []
+
+    def machine():
+        """The cost-model machine of the predictions, resolved once (None: none)."""
+        if not resolved:
+            if args.no_predict:
+                resolved.append(None)
+            elif backend.name != "numpy":
+                say(f"backend {backend.name}: no prediction: the cost model prices host "
+                    f"arrays only")
+                resolved.append(None)
+            else:
+                from .harness.machinefile import resolve_machine
+
+                resolved.append(resolve_machine(args.machine, world, say))
+        return resolved[0]
+
     ok = True
     if args.what in ("gemm", "all"):
         report["gemm"] = bench_gemm(world, args.n, dtype, args.repeats, args.algorithm_list, say,
@@ -724,14 +731,9 @@ def _body(args, world) -> int:
         ok = all(r["ok"] for r in report["gemm"])
     if args.what in ("allreduce", "all"):
         say("")
-        machine = None
-        if not args.no_predict and backend.name == "numpy":
-            from .harness.machinefile import resolve_machine
-
-            machine = resolve_machine(args.machine, world, say)
         report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
                                               args.allreduce_repeats, say,
-                                              machine, backend)
+                                              machine(), backend)
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":
         report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say)
@@ -744,14 +746,7 @@ def _body(args, world) -> int:
     if args.what in ("mesh", "all"):
         say("")
         cases, skips, _ = plan_mesh_bench(args, p)
-        machine = None
-        if not args.no_predict and backend.name == "numpy":
-            from .harness.machinefile import resolve_machine
-
-            machine = resolve_machine(args.machine, world, say)
-        elif backend.name != "numpy":
-            say(f"backend {backend.name}: no prediction (the cost model prices host arrays)")
-        report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine, backend)
+        report["mesh"] = bench_mesh(world, cases, args.repeats, say, machine(), backend)
         ok = ok and all(r["ok"] for r in report["mesh"])
         for sk in skips:
             say(f"  skipped mesh {sk.name}: {sk.reason}")
