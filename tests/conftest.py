@@ -52,3 +52,20 @@ def synthetic_machine(**kw):
                 gamma_gemm={"float64": [[64, 4e-11], [1024, 2e-11]]}, gamma_reduce=1e-10)
     base.update(kw)
     return Machine(**base)
+
+
+def matmul_result(alg, q, n, p, measured):
+    """A measured-result dict of a distributed product (cost-model analysis tests): its
+    closed-form messages on every rank of the q x q grid, ``measured`` as its spans."""
+    from summasim.costmodel.traffic import algorithm_messages
+    from summasim.harness.cases import MatmulCase
+
+    events, coords = [], []
+    for i in range(q):
+        for j in range(q):
+            c = (0, i, j)
+            events.append([[mc.op, mc.group, mc.group_size, mc.nbytes, mc.count]
+                           for mc in algorithm_messages(alg, n, n, n, q, 1, 8, c)])
+            coords.append(list(c))
+    return dict(MatmulCase(alg, q, 1, n, n, n).to_dict(), p=p, spans=list(measured),
+                events=events, coords=coords)

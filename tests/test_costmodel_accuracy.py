@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import synthetic_machine
+from conftest import matmul_result as _matmul_result, synthetic_machine
 from summasim.costmodel import accuracy as A
-from summasim.harness.cases import MatmulCase, RingCase
+from summasim.harness.cases import RingCase
 from summasim.costmodel.fit import (fit_elementwise, fit_nonneg_linear, fit_regimes,
                                     fit_shared_core, library_eager_threshold, split_huge)
 from summasim.costmodel.machine import Link, Machine, SharedCore
@@ -161,18 +161,6 @@ def _ring_result(p, N, measured):
                                             itemsize=8)] for r in range(p)]
     return dict(RingCase(N).to_dict(), p=p, spans=list(measured), events=events,
                 coords=[[r] for r in range(p)])
-
-
-def _matmul_result(alg, q, n, p, measured):
-    events, coords = [], []
-    for i in range(q):
-        for j in range(q):
-            c = (0, i, j)
-            events.append([[mc.op, mc.group, mc.group_size, mc.nbytes, mc.count]
-                           for mc in algorithm_messages(alg, n, n, n, q, 1, 8, c)])
-            coords.append(list(c))
-    return dict(MatmulCase(alg, q, 1, n, n, n).to_dict(), p=p, spans=list(measured), events=events,
-                coords=coords)
 
 
 def test_analyse_recovers_the_model_that_made_the_measurements(tmp_path):

@@ -10,14 +10,15 @@ What it does
    alpha, beta per regime, gamma. Reported: the median relative error per regime
    on the fitted ping-pong points (latency regime, eager threshold to 64 KiB, 64 KiB
    and up) and, as a check that was not fitted, on the concurrent-ring points.
-2. **Run-level calibration, p <= 4.** Serial training steps (p = 1) fit the
-   machine's ``gamma_elementwise`` and ``layer_seconds`` (LayerNorm, GELU, softmax
-   and Python overheads); products, ring all-reduces and training steps at p = 3
-   and 4 (1.5 and 2 ranks per core) fit the shared-core model
+2. **Run-level calibration, p <= 4 and rings at p = 8.** Serial training steps
+   (p = 1) fit the machine's ``gamma_elementwise`` and ``layer_seconds``
+   (LayerNorm, GELU, softmax and Python overheads); products, ring all-reduces and
+   training steps at p = 3 and 4 (1.5 and 2 ranks per core), with ring all-reduces
+   at p = 8 (4 per core, where long ring steps nap), fit the shared-core model
    (:class:`~summasim.costmodel.machine.SharedCore`, :func:`~summasim.costmodel.fit.fit_shared_core`).
-3. **Held-out accuracy.** The same kinds of run at p = 8, 9 and 16 and at sizes
-   the calibration never saw, predicted from their traces: MAPE, median and worst
-   case, every run listed.
+3. **Held-out accuracy.** The same kinds of run at p = 8 (no ring), 9 and 16 and
+   at sizes the calibration never saw, predicted from their traces: MAPE, median
+   and worst case, every run listed.
 4. **Ranking.** Every group of runs that solve the same problem on the same p
    (Cannon / SUMMA / SUMMA2.5 grids for one product; Megatron / Optimus /
    SUMMA2.5-LM for one training step): is the predicted fastest the measured

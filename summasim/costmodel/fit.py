@@ -705,29 +705,39 @@ def fit_shared_core(samples) -> tuple["SharedCore", float]:
     ``samples``: ``(R, features, measured_seconds)`` per timed run with R > 1
     (ranks per core), ``features`` a
     :class:`~summasim.costmodel.predict.SharedFeatures` (per-rank CPU work, critical-path
-    hops, polled and waited for inside MPI, and hop bytes). The model is ``t / R =
+    hops and their bytes, polled and waited for inside MPI). The model is ``t / R =
     work_factor W + hop_seconds H + mpi_hop_seconds H_mpi + hop_seconds_per_byte B +
-    sync_seconds``, fitted by :func:`fit_nonneg_linear`. When no run has a hop that
-    waited inside MPI, ``mpi_hop_seconds`` cannot be fitted and is left None (such a
-    hop is then priced as a polled one). Returns the SharedCore and the fit's median
-    relative error.
+    mpi_hop_seconds_per_byte B_mpi + sync_seconds``, fitted by
+    :func:`fit_nonneg_linear`, where W leaves out the link copies of the hops that
+    waited inside MPI when their bytes have a price of their own
+    (:meth:`~summasim.costmodel.machine.SharedCore.charged_work`). When no run has a hop that waited inside MPI,
+    ``mpi_hop_seconds`` cannot be fitted and is left None (such a hop is then priced
+    as a polled one); when none carried bytes, ``mpi_hop_seconds_per_byte`` is left
+    None likewise. Returns the SharedCore and the fit's median relative error.
     """
     rows, ys = [], []
     for R, f, t in samples:
         if R <= 1:
             raise ValueError(f"shared-core samples need R > 1 ranks per core, got R = {R}")
-        rows.append([f.work, f.hops, f.hop_bytes, 1.0, f.mpi_hops])
+        rows.append([f.work, f.hops, f.hop_bytes, 1.0, f.mpi_hops, f.mpi_hop_bytes,
+                     f.work - f.mpi_copy])
         ys.append(t / R)
-    if len(rows) < 4:
-        raise ValueError(f"fit_shared_core needs at least 4 runs, got {len(rows)}")
     blocking = any(r[4] > 0 for r in rows)
-    if blocking and len(rows) < 5:
-        raise ValueError(f"fit_shared_core needs at least 5 runs when some wait inside MPI, "
-                         f"got {len(rows)}")
-    c, err = fit_nonneg_linear(rows if blocking else [r[:4] for r in rows], ys)
-    return SharedCore(work_factor=float(c[0]), hop_seconds=float(c[1]),
-                      hop_seconds_per_byte=float(c[2]), sync_seconds=float(c[3]),
-                      mpi_hop_seconds=float(c[4]) if blocking else None), err
+    blocking_bytes = any(r[5] > 0 for r in rows)
+    if blocking_bytes:         # their byte price covers their copies (SharedCore.charged_work)
+        for r in rows:
+            r[0] = r[6]
+    need = 4 + blocking + blocking_bytes
+    if len(rows) < need:
+        raise ValueError(f"fit_shared_core needs at least {need} runs"
+                         + (" when some wait inside MPI" if need > 4 else "")
+                         + f", got {len(rows)}")
+    cols = [0, 1, 2, 3] + [4] * blocking + [5] * blocking_bytes
+    c, err = fit_nonneg_linear([[r[i] for i in cols] for r in rows], ys)
+    got = dict(zip(cols, (float(v) for v in c)))
+    return SharedCore(work_factor=got[0], hop_seconds=got[1], hop_seconds_per_byte=got[2],
+                      sync_seconds=got[3], mpi_hop_seconds=got.get(4),
+                      mpi_hop_seconds_per_byte=got.get(5)), err
 
 
 def fit_elementwise(samples) -> tuple[float, float, float]:

@@ -203,7 +203,8 @@ class SharedCore:
     :mod:`~summasim.costmodel.predict`)::
 
         R * (work_factor * W + hops * hop_seconds + mpi_hops * mpi_hop_seconds
-             + hop_bytes * hop_seconds_per_byte + sync_seconds)
+             + hop_bytes * hop_seconds_per_byte
+             + mpi_hop_bytes * mpi_hop_seconds_per_byte + sync_seconds)
 
     where W is the rank's CPU work (GEMMs, additions, the copies its receives need,
     ``call_seconds`` per communication call). Every term is per unit of R: the p
@@ -219,9 +220,12 @@ class SharedCore:
     ``mpi_hops`` are messages whose rank waited without sleeping: a ring step
     or a ``Comm.sendrecv`` below its limit (``Comm.exchanger``: the receive polled
     with ``sched_yield``; older runs: a blocking ``MPI_Sendrecv``); trace events with
-    ``blocking`` set.
-    Fitted on runs at 1.5 and 2 ranks per core
-    by the accuracy benchmark.
+    ``blocking`` set. The bytes of the two kinds are priced apart too: a polled hop's
+    bytes wait for the receiver's next poll after a nap, a ring step's bytes are
+    copied and added while its neighbours yield or nap (on 2 cores the two prices
+    came out 1.5 to 3 times apart, and one price for both left the ring's
+    coefficients to whichever kind of run dominated the fit).
+    Fitted by the accuracy benchmark on runs at 1.5 to 4 ranks per core.
 
     Parameters
     ----------
@@ -237,6 +241,10 @@ class SharedCore:
         Seconds per message on the critical path whose wait is inside MPI, per unit of
         R; None (machine files from before the distinction) prices such a message as a
         polled one (``hop_seconds``).
+    mpi_hop_seconds_per_byte : float or None
+        Seconds per byte carried by such messages, per unit of R; None (machine files
+        from before the distinction) prices their bytes like a polled hop's
+        (``hop_seconds_per_byte``).
     """
 
     work_factor: float = 1.0
@@ -244,15 +252,17 @@ class SharedCore:
     hop_seconds_per_byte: float = 0.0
     sync_seconds: float = 0.0
     mpi_hop_seconds: float | None = None
+    mpi_hop_seconds_per_byte: float | None = None
 
     _FIELDS = ("work_factor", "hop_seconds", "hop_seconds_per_byte", "sync_seconds")
-    _OPTIONAL = ("mpi_hop_seconds",)
+    _OPTIONAL = ("mpi_hop_seconds", "mpi_hop_seconds_per_byte")
 
     def __post_init__(self):
         for f in self._FIELDS:
             _number("shared_core." + f, getattr(self, f))
-        if self.mpi_hop_seconds is not None:
-            _number("shared_core.mpi_hop_seconds", self.mpi_hop_seconds)
+        for f in self._OPTIONAL:
+            if getattr(self, f) is not None:
+                _number("shared_core." + f, getattr(self, f))
 
     @property
     def blocking_hop_seconds(self) -> float:
@@ -260,10 +270,26 @@ class SharedCore:
         or ``hop_seconds`` when the machine does not tell the two apart)."""
         return self.hop_seconds if self.mpi_hop_seconds is None else self.mpi_hop_seconds
 
+    @property
+    def blocking_seconds_per_byte(self) -> float:
+        """Seconds per byte and unit of R of a hop that waits inside MPI
+        (``mpi_hop_seconds_per_byte``, or ``hop_seconds_per_byte`` when the machine
+        does not tell the two apart)."""
+        return (self.hop_seconds_per_byte if self.mpi_hop_seconds_per_byte is None
+                else self.mpi_hop_seconds_per_byte)
+
+    def charged_work(self, work: float, blocking_copy: float) -> float:
+        """The CPU work that ``work_factor`` multiplies: all of ``work`` for a machine
+        without ``mpi_hop_seconds_per_byte``; without ``blocking_copy`` (the link copies
+        of the hops that wait inside MPI, within ``work``) for one that has it, whose
+        byte price covers those copies as measured on the crowded node."""
+        return work if self.mpi_hop_seconds_per_byte is None else work - blocking_copy
+
     def to_dict(self) -> dict:
         out = {f: getattr(self, f) for f in self._FIELDS}
-        if self.mpi_hop_seconds is not None:
-            out["mpi_hop_seconds"] = self.mpi_hop_seconds
+        for f in self._OPTIONAL:
+            if getattr(self, f) is not None:
+                out[f] = getattr(self, f)
         return out
 
     @classmethod

@@ -189,14 +189,16 @@ class _Pricer:
         return hit
 
     def work(self, op, group, size, nbytes):
-        """``(cpu_seconds, hops, hop_bytes)`` of one member's share of a collective
-        (the shared-core model's inputs; see :func:`shared_core_time`)."""
+        """``(cpu_seconds, hops, hop_bytes, copy_seconds)`` of one member's share of a
+        collective (the shared-core model's inputs; see :func:`shared_core_time`);
+        ``copy_seconds`` is the part of ``cpu_seconds`` that moves the bytes (the
+        link's alpha and beta, without the additions)."""
         key = ("work", op, group, size, nbytes)
         hit = self.cache.get(key)
         if hit is None:
             cost = self(op, group, size, nbytes)
             if size <= 1 or cost.algorithm == "none":
-                hit = (0.0, 0.0, 0.0)
+                hit = (0.0, 0.0, 0.0, 0.0)
             else:
                 sh = collective_shape(op, cost.algorithm, nbytes, size)
                 inter = group_spans_nodes(group, self.machine, q=self.q, d=self.d, p=self.p,
@@ -205,9 +207,8 @@ class _Pricer:
                 per = sh.nbytes / sh.msgs if sh.msgs else 0.0
                 gr = (self.machine.gamma_reduce if sh.reduce_kind == "add"
                       else self.machine.gamma_reduce_mpi)
-                cpu = sh.msgs * link.alpha(per) + sh.nbytes * link.beta(per) \
-                    + sh.reduce_bytes * gr
-                hit = (cpu, sh.hops, sh.hop_bytes)
+                copy = sh.msgs * link.alpha(per) + sh.nbytes * link.beta(per)
+                hit = (copy + sh.reduce_bytes * gr, sh.hops, sh.hop_bytes, copy)
             self.cache[key] = hit
         return hit
 
@@ -238,24 +239,28 @@ def _resolve_p(machine, p, q, d, ranks_per_node):
 
 def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm_cpu: float,
                      calls: float, hops: float, hop_bytes: float,
-                     mpi_hops: float = 0.0) -> float | None:
+                     mpi_hops: float = 0.0, mpi_hop_bytes: float = 0.0,
+                     mpi_copy: float = 0.0) -> float | None:
     """Seconds of one rank under oversubscription (see the module doc), or None when
     the machine has no shared-core model or the node is not oversubscribed.
 
     ``compute``: CPU seconds of local work; ``comm_cpu``: the rank's share of the
     copies and additions of its collectives; ``calls``: its communication calls;
-    ``hops``/``hop_bytes``: messages (and the bytes of all of them) on the critical
-    paths of its collectives, ``hops`` those completed by the wait policy (polled)
-    and ``mpi_hops`` those waited for inside a blocking MPI call.
+    ``hops``/``hop_bytes``: messages (and their bytes) on the critical paths of its
+    collectives completed by the wait policy (polled); ``mpi_hops``/``mpi_hop_bytes``:
+    those waited for inside a blocking MPI call or an exchanger step, ``mpi_copy``
+    the link copies of those (within ``comm_cpu``; see
+    :meth:`~summasim.costmodel.machine.SharedCore.charged_work`).
     """
     sc = machine.shared_core
     R = ranks_per_node / machine.cores
     if sc is None or R <= 1.0:
         return None
-    work = compute + comm_cpu + calls * machine.call_seconds
+    work = sc.charged_work(compute + comm_cpu + calls * machine.call_seconds, mpi_copy)
     return R * (sc.work_factor * work + hops * sc.hop_seconds
                 + mpi_hops * sc.blocking_hop_seconds
-                + hop_bytes * sc.hop_seconds_per_byte + sc.sync_seconds)
+                + hop_bytes * sc.hop_seconds_per_byte
+                + mpi_hop_bytes * sc.blocking_seconds_per_byte + sc.sync_seconds)
 
 
 #: Traced point-to-point ops and the collective whose one-message cost prices them.
@@ -268,8 +273,9 @@ class _Tally:
     def __init__(self, pricer):
         self.pricer = pricer
         self.crit: dict = defaultdict(float)      # (op, group) -> seconds (no slowdown)
-        # cpu, calls, polled hops, hop bytes, hops waited for inside MPI
-        self.shared: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
+        # cpu, calls, polled hops, their bytes, hops waited for inside MPI, their bytes,
+        # the copy seconds (within cpu) of the latter
+        self.shared: dict = defaultdict(lambda: [0.0] * 7)
         self.by_phase: dict = defaultdict(float)
         self.algs: dict = defaultdict(set)
         self.counts: dict = defaultdict(lambda: [0, 0])
@@ -286,28 +292,31 @@ class _Tally:
         self.counts[key][0] += count
         self.counts[key][1] += count * nbytes
         if size > 1 and self.pricer.machine.shared_core is not None and not self.pricer.nccl:
-            cpu, hops, hb = self.pricer.work(op, group, size, nbytes)
+            cpu, hops, hb, copy = self.pricer.work(op, group, size, nbytes)
             acc = self.shared[key]
             acc[0] += count * cpu
             acc[1] += count
             acc[4 if blocking else 2] += count * hops
-            acc[3] += count * hb
+            acc[5 if blocking else 3] += count * hb
+            if blocking:
+                acc[6] += count * copy
         elif size > 1:
             self.shared[key][1] += count
 
     def totals(self):
         v = list(self.shared.values())
-        return tuple(sum(x[i] for x in v) for i in range(5))
+        return tuple(sum(x[i] for x in v) for i in range(7))
 
 
 def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
     """Combine a tally and the compute into a Prediction (dedicated or shared-core)."""
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
-    cpu, calls, hops, hb, mpi_hops = tally.totals()
+    cpu, calls, hops, hb, mpi_hops, mpi_hb, mpi_copy = tally.totals()
     call_t = machine.call_seconds
     crit = {k: v + tally.shared[k][1] * call_t for k, v in tally.crit.items()}
-    shared = shared_core_time(machine, rpn, compute_base, cpu, calls, hops, hb, mpi_hops)
+    shared = shared_core_time(machine, rpn, compute_base, cpu, calls, hops, hb, mpi_hops,
+                              mpi_hb, mpi_copy)
     algs = {k: tuple(sorted(v)) for k, v in tally.algs.items()}
     counts = {k: tuple(v) for k, v in tally.counts.items()}
     if shared is None:
@@ -318,8 +327,10 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
                           {k: v * comm_slow for k, v in tally.by_phase.items()}, algs, counts,
                           slow, mode, machine.name)
     sc, R = machine.shared_core, rpn / machine.cores
-    by_op = {k: R * (sc.work_factor * (a[0] + a[1] * call_t) + a[2] * sc.hop_seconds
-                     + a[4] * sc.blocking_hop_seconds + a[3] * sc.hop_seconds_per_byte)
+    by_op = {k: R * (sc.work_factor * sc.charged_work(a[0] + a[1] * call_t, a[6])
+                     + a[2] * sc.hop_seconds
+                     + a[4] * sc.blocking_hop_seconds + a[3] * sc.hop_seconds_per_byte
+                     + a[5] * sc.blocking_seconds_per_byte)
              for k, a in tally.shared.items()}
     compute = R * sc.work_factor * compute_base
     dedicated = (sum(crit.values()) + compute_base if dedicated_total is None
@@ -432,8 +443,10 @@ class SharedFeatures:
     """The inputs of the shared-core model for one rank (all per rank, no R):
     CPU ``work`` seconds (compute, the rank's share of copies and additions, and
     ``call_seconds`` per call), ``hops`` (completed by the wait policy: polled) and
-    ``mpi_hops`` (waited for inside a blocking MPI call) on critical paths, the
-    ``hop_bytes`` of both, and the ``dedicated`` prediction (one rank per core)."""
+    ``mpi_hops`` (waited for inside a blocking MPI call or an exchanger step) on
+    critical paths, their bytes ``hop_bytes`` and ``mpi_hop_bytes``, the link copies
+    of the latter ``mpi_copy`` (seconds, within ``work``), and the ``dedicated``
+    prediction (one rank per core)."""
 
     work: float
     hops: float
@@ -441,6 +454,8 @@ class SharedFeatures:
     dedicated: float
     calls: float = 0.0
     mpi_hops: float = 0.0
+    mpi_hop_bytes: float = 0.0
+    mpi_copy: float = 0.0
 
 
 def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
@@ -463,10 +478,10 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
-    cpu, calls, hops, hb, mpi_hops = tally.totals()
+    cpu, calls, hops, hb, mpi_hops, mpi_hb, mpi_copy = tally.totals()
     dedicated = sum(tally.crit.values()) + calls * machine.call_seconds + base
     return SharedFeatures(base + cpu + calls * machine.call_seconds, hops, hb, dedicated, calls,
-                          mpi_hops)
+                          mpi_hops, mpi_hb, mpi_copy)
 
 
 def predict_features(features: Iterable[SharedFeatures], machine: Machine,
@@ -474,8 +489,8 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     """Predicted seconds of a run (the slowest rank) from every rank's
     :class:`SharedFeatures`: with the shared-core model on an oversubscribed node,
     ``R (work_factor max W + hop_seconds max H + mpi_hop_seconds max H_mpi +
-    hop_seconds_per_byte max B + sync_seconds)`` (maxima over ranks, R = ranks per
-    node / cores), never less
+    hop_seconds_per_byte max B + mpi_hop_seconds_per_byte max B_mpi + sync_seconds)``
+    (maxima over ranks, R = ranks per node / cores), never less
     than the dedicated prediction; otherwise the largest dedicated prediction
     (times the machine's plain ``slowdown`` when it has no shared-core model).
     This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
@@ -487,9 +502,11 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
         return f.dedicated
     if sc is None:
         return f.dedicated * machine.slowdown(ranks_per_node)
-    shared = R * (sc.work_factor * f.work + sc.hop_seconds * f.hops
+    shared = R * (sc.work_factor * sc.charged_work(f.work, f.mpi_copy)
+                  + sc.hop_seconds * f.hops
                   + sc.blocking_hop_seconds * f.mpi_hops
-                  + sc.hop_seconds_per_byte * f.hop_bytes + sc.sync_seconds)
+                  + sc.hop_seconds_per_byte * f.hop_bytes
+                  + sc.blocking_seconds_per_byte * f.mpi_hop_bytes + sc.sync_seconds)
     return max(shared, f.dedicated)
 
 
@@ -500,7 +517,7 @@ def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
         raise ValueError("the features of at least one rank are needed")
     return SharedFeatures(*(max(getattr(f, k) for f in feats)
                             for k in ("work", "hops", "hop_bytes", "dedicated", "calls",
-                                      "mpi_hops")))
+                                      "mpi_hops", "mpi_hop_bytes", "mpi_copy")))
 
 
 def _worst_coords(name, q, d, m, k, n, count, p):
