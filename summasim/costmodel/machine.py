@@ -220,11 +220,11 @@ class SharedCore:
     ``mpi_hops`` are messages whose rank waited without sleeping: a ring step
     or a ``Comm.sendrecv`` below its limit (``Comm.exchanger``: the receive polled
     with ``sched_yield``; older runs: a blocking ``MPI_Sendrecv``); trace events with
-    ``blocking`` set. The bytes of the two kinds are priced apart too: a polled hop's
-    bytes wait for the receiver's next poll after a nap, a ring step's bytes are
-    copied and added while its neighbours yield or nap (on 2 cores the two prices
-    came out 1.5 to 3 times apart, and one price for both left the ring's
-    coefficients to whichever kind of run dominated the fit).
+    ``blocking`` set. The bytes of the two kinds are priced apart too, and a ring
+    step's price covers its copies (:meth:`charged_work`): with one price for both,
+    fitted mostly on products, the ring's byte cost came from the 2-rank link fit
+    times the products' work factor, and its prediction at p = 16 moved by a factor
+    of 2-3 between two calibrations of the same day (docs/performance.md).
     Fitted by the accuracy benchmark on runs at 1.5 to 4 ranks per core.
 
     Parameters
