@@ -69,6 +69,13 @@ def test_blocking_events_count_as_mpi_hops_and_nothing_else_changes():
     assert got.work == pytest.approx(blocked.work, rel=1e-12)
     merged = merge_features([polled, blocked])
     assert (merged.mpi_hops, merged.mpi_hop_bytes) == (14, blocked.mpi_hop_bytes)
+    # the charged work (work less the exchanger copies) is the largest rank's, not the
+    # largest work less the largest copies of another rank
+    a = SharedFeatures(work=10.0, hops=0, hop_bytes=0, dedicated=0, mpi_copy=0.0)
+    b = SharedFeatures(work=5.0, hops=0, hop_bytes=0, dedicated=0, mpi_copy=5.0)
+    m2 = merge_features([a, b])
+    assert (m2.work, m2.work - m2.mpi_copy) == (10.0, 10.0)
+    assert merge_features([b]).mpi_copy == 5.0
 
 
 def test_a_machine_without_the_distinction_prices_both_waits_alike():

@@ -511,13 +511,19 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
 
 
 def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
-    """The run's features: the maximum over ranks of each of them."""
+    """The run's features: the maximum over ranks of each of them. ``mpi_copy`` is
+    merged so that ``work - mpi_copy`` (the work a machine with
+    ``mpi_hop_seconds_per_byte`` charges) is the maximum over ranks of that
+    difference too: a rank with more work but no exchanger copies is not charged less
+    because another rank's copies were large."""
     feats = list(features)
     if not feats:
         raise ValueError("the features of at least one rank are needed")
-    return SharedFeatures(*(max(getattr(f, k) for f in feats)
-                            for k in ("work", "hops", "hop_bytes", "dedicated", "calls",
-                                      "mpi_hops", "mpi_hop_bytes", "mpi_copy")))
+    top = {k: max(getattr(f, k) for f in feats)
+           for k in ("work", "hops", "hop_bytes", "dedicated", "calls", "mpi_hops",
+                     "mpi_hop_bytes")}
+    top["mpi_copy"] = top["work"] - max(f.work - f.mpi_copy for f in feats)
+    return SharedFeatures(**top)
 
 
 def _worst_coords(name, q, d, m, k, n, count, p):
