@@ -710,34 +710,35 @@ def fit_shared_core(samples) -> tuple["SharedCore", float]:
     mpi_hop_seconds_per_byte B_mpi + sync_seconds``, fitted by
     :func:`fit_nonneg_linear`, where W leaves out the link copies of the hops that
     waited inside MPI when their bytes have a price of their own
-    (:meth:`~summasim.costmodel.machine.SharedCore.charged_work`). When no run has a hop that waited inside MPI,
-    ``mpi_hop_seconds`` cannot be fitted and is left None (such a hop is then priced
-    as a polled one); when none carried bytes, ``mpi_hop_seconds_per_byte`` is left
-    None likewise. Returns the SharedCore and the fit's median relative error.
+    (:meth:`~summasim.costmodel.machine.SharedCore.charged_work`). When no run has a
+    hop that waited inside MPI, ``mpi_hop_seconds`` cannot be fitted and is left None
+    (such a hop is then priced as a polled one); when none carried bytes,
+    ``mpi_hop_seconds_per_byte`` is left None likewise. Returns the SharedCore and the
+    fit's median relative error.
     """
-    rows, ys = [], []
-    for R, f, t in samples:
+    samples = list(samples)
+    for R, _, _ in samples:
         if R <= 1:
             raise ValueError(f"shared-core samples need R > 1 ranks per core, got R = {R}")
-        rows.append([f.work, f.hops, f.hop_bytes, 1.0, f.mpi_hops, f.mpi_hop_bytes,
-                     f.work - f.mpi_copy])
-        ys.append(t / R)
-    blocking = any(r[4] > 0 for r in rows)
-    blocking_bytes = any(r[5] > 0 for r in rows)
-    if blocking_bytes:         # their byte price covers their copies (SharedCore.charged_work)
-        for r in rows:
-            r[0] = r[6]
+    blocking = any(f.mpi_hops > 0 for _, f, _ in samples)
+    blocking_bytes = any(f.mpi_hop_bytes > 0 for _, f, _ in samples)
     need = 4 + blocking + blocking_bytes
-    if len(rows) < need:
+    if len(samples) < need:
         raise ValueError(f"fit_shared_core needs at least {need} runs"
                          + (" when some wait inside MPI" if need > 4 else "")
-                         + f", got {len(rows)}")
-    cols = [0, 1, 2, 3] + [4] * blocking + [5] * blocking_bytes
-    c, err = fit_nonneg_linear([[r[i] for i in cols] for r in rows], ys)
-    got = dict(zip(cols, (float(v) for v in c)))
-    return SharedCore(work_factor=got[0], hop_seconds=got[1], hop_seconds_per_byte=got[2],
-                      sync_seconds=got[3], mpi_hop_seconds=got.get(4),
-                      mpi_hop_seconds_per_byte=got.get(5)), err
+                         + f", got {len(samples)}")
+    # the work term as the fitted machine will charge it (one rule: SharedCore.charged_work)
+    charged = SharedCore(mpi_hop_seconds_per_byte=0.0 if blocking_bytes else None).charged_work
+    rows = [[charged(f.work, f.mpi_copy), f.hops, f.hop_bytes, 1.0]
+            + [f.mpi_hops] * blocking + [f.mpi_hop_bytes] * blocking_bytes
+            for _, f, _ in samples]
+    c, err = fit_nonneg_linear(rows, [t / R for R, _, t in samples])
+    c = [float(v) for v in c]
+    rest = iter(c[4:])
+    return SharedCore(work_factor=c[0], hop_seconds=c[1], hop_seconds_per_byte=c[2],
+                      sync_seconds=c[3],
+                      mpi_hop_seconds=next(rest) if blocking else None,
+                      mpi_hop_seconds_per_byte=next(rest) if blocking_bytes else None), err
 
 
 def fit_elementwise(samples) -> tuple[float, float, float]:

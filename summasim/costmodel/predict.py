@@ -496,17 +496,13 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
     """
     f = merge_features(features)
-    R = ranks_per_node / machine.cores
-    sc = machine.shared_core
-    if R <= 1.0:
+    if ranks_per_node <= machine.cores:
         return f.dedicated
-    if sc is None:
+    if machine.shared_core is None:
         return f.dedicated * machine.slowdown(ranks_per_node)
-    shared = R * (sc.work_factor * sc.charged_work(f.work, f.mpi_copy)
-                  + sc.hop_seconds * f.hops
-                  + sc.blocking_hop_seconds * f.mpi_hops
-                  + sc.hop_seconds_per_byte * f.hop_bytes
-                  + sc.blocking_seconds_per_byte * f.mpi_hop_bytes + sc.sync_seconds)
+    # f.work already holds the calls' seconds: none added again
+    shared = shared_core_time(machine, ranks_per_node, f.work, 0.0, 0.0, f.hops, f.hop_bytes,
+                              f.mpi_hops, f.mpi_hop_bytes, f.mpi_copy)
     return max(shared, f.dedicated)
 
 

@@ -36,8 +36,8 @@ def default_plan(quick: bool = False) -> dict:
     rings put four ranks on each of this machine's two cores, where ring steps of
     256 KiB and more nap (``Comm.exchanger``) and a ring's 2(p - 1) steps outnumber
     the p <= 4 runs' four to six: without them the fit cannot tell the price of a
-    ring step from the per-call sync term, which is the same for every p. Ranking uses every group of candidates that solve the same
-    problem on the same p (p = 4 and 16). ``calibrate_polled``: small ring all-reduces
+    ring step from the per-call sync term, which is the same for every p. Ranking uses
+    every group of candidates that solve the same problem on the same p (p = 4 and 16). ``calibrate_polled``: small ring all-reduces
     at p = 3 and 4 run with ``SUMMASIM_BLOCKING_BYTES=0``, so that their steps sleep
     between polls (the wait policy): ring steps normally wait without sleeping
     (``Comm.exchanger``), so the calibration then sees both kinds of wait on the same
