@@ -329,6 +329,32 @@ def test_a_quiet_fit_records_its_conditions_and_is_reused(env):
     assert any("fitted earlier" in s for s in env["said"])
 
 
+def test_a_fit_composed_with_an_older_preset_is_refitted(env, monkeypatch):
+    """The saved fit carries the preset's run-level models as they were when it was
+    composed; once summasim ships a recalibrated preset, the next run refits instead of
+    predicting with the old copy (this once priced the p = 16 ring at +116 %)."""
+    first = FakeFit(_fitted())
+    got = env["resolve"](first)
+    assert first.calls == 1 and got.notes["composed"]["from_preset"]
+    assert mf.stale_composition(Machine.load(env["path"])) is None
+    ref = load_preset("local-2core-mpich")
+    newer = ref.replace(shared_core=SharedCore(**{**ref.shared_core.__dict__,
+                                                   "sync_seconds": 2e-4}))
+    monkeypatch.setattr(mf, "load_preset", lambda name: newer)
+    env["said"].clear()
+    again = FakeFit(_fitted())
+    got = env["resolve"](again)
+    assert again.calls == 1, "a fit composed with the old preset was reused"
+    assert got.shared_core.sync_seconds == 2e-4
+    assert any("out of date" in s and "older version of the preset" in s for s in env["said"])
+    # a fit saved by a summasim that did not record the digest is out of date too
+    old = Machine.load(env["path"])
+    comp = {k: v for k, v in old.notes["composed"].items() if k != "preset_digest"}
+    assert mf.stale_composition(old.replace(notes={**old.notes, "composed": comp}))
+    # a fit that took nothing from a preset never is
+    assert mf.stale_composition(old.replace(notes={})) is None
+
+
 # --------------------------------------------------------------------------- one fit at a time
 def test_a_second_job_waits_for_the_first_jobs_fit_and_uses_it(env, tmp_path):
     """Another process holds the fit lock for 1 s and saves its fit before releasing it:

@@ -11,7 +11,9 @@ on every rank:
    when it passes the sanity checks.
 3. ``results/machine.json`` (an earlier quick fit), when it passes the sanity checks.
    One fitted while the machine was busy is used with a warning, or refitted when the
-   machine is quiet now.
+   machine is quiet now. One whose borrowed parts came from the preset as it was before
+   (summasim recalibrated the preset since: :func:`preset_digest` differs) is refitted,
+   so that a new preset is never hidden behind a saved copy of the old one.
 4. Otherwise a quick fit on ranks 0 and 1 (the other ranks sleep), saved to
    ``results/machine.json``.
 
@@ -44,6 +46,8 @@ run-level models are borrowed. The run prints which parts come from where.
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import math
 import os
 import re
@@ -228,6 +232,29 @@ def preset_matches(fitted: Machine, ref: Machine,
                   f"{tolerance:.0%} of the preset's")
 
 
+def preset_digest(machine: Machine) -> str:
+    """A short fingerprint of a preset's contents (recorded by :func:`compose_with_preset`,
+    so that a saved fit knows which version of the preset it took parts from)."""
+    text = json.dumps(machine.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stale_composition(machine: Machine) -> str | None:
+    """Why a saved quick fit's preset parts are out of date, or None when they are not
+    (or it took nothing from a preset). A fit composed before the preset was recalibrated
+    (another digest), or by a summasim that did not record the digest, is stale."""
+    comp = (machine.notes or {}).get("composed")
+    if not isinstance(comp, dict) or not comp.get("from_preset"):
+        return None
+    name = comp.get("preset")
+    if name not in list_presets():
+        return f"it took parts from the preset {name!r}, which this summasim does not ship"
+    if comp.get("preset_digest") != preset_digest(load_preset(name)):
+        return (f"it took {', '.join(comp['from_preset'])} from an older version of the "
+                f"preset {name}")
+    return None
+
+
 def _merge_gemm(measured: dict, ref: dict) -> dict:
     """The measured GEMM table, extended below and above its sizes with the reference
     table's points scaled by the measured/reference ratio at the nearest measured size
@@ -276,6 +303,7 @@ def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
     parts come from where and records it in ``notes["composed"]``.
     """
     ref = load_preset(preset)
+    digest = preset_digest(ref)
     same, why = preset_matches(fitted, ref, tolerance)
     if same:
         gemm = _merge_gemm(fitted.gamma_gemm, ref.gamma_gemm)
@@ -283,7 +311,7 @@ def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
         parts = {"preset": preset, "why": why,
                  "from_preset": ["links", "reductions", "per-call", "elementwise",
                                  "per-layer", "oversubscription"],
-                 "measured": ["GEMM rates"], "gemm_vs_preset": ratio}
+                 "measured": ["GEMM rates"], "gemm_vs_preset": ratio, "preset_digest": digest}
         say(f"cost model: this is the preset {preset}'s machine ({why}): its calibrated "
             f"links, reductions, per-call, elementwise and oversubscription models; GEMM "
             f"rates measured now ({ratio:.2f}x the preset's seconds per flop at n = 1024)")
@@ -302,7 +330,7 @@ def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
                            f"another CPU: expect per-call-heavy runs to be off)" if borrowed
                            else ""))
     parts = {"preset": preset, "why": why, "from_preset": borrowed,
-             "measured": ["links", "GEMM rates", "reductions"]}
+             "measured": ["links", "GEMM rates", "reductions"], "preset_digest": digest}
     return out.replace(notes={**out.notes, "composed": parts})
 
 
@@ -346,6 +374,14 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
     try:
         if os.path.exists(path):
             m = _load_checked(path, "the saved fit", say)
+            stale = None if m is None else stale_composition(m)
+            if stale is not None and size >= FIT_RANKS:
+                say(f"cost model: the saved fit {path} is out of date ({stale}); refitting")
+                return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, lock
+            if stale is not None:
+                say(f"cost model: the saved fit {path} is out of date ({stale}) and one rank "
+                    f"cannot refit; using the preset {preset}")
+                return {"use": load_preset(preset).to_dict()}, _released(lock)
             if m is not None and not m.fitted_busy:
                 say(f"cost model: machine fitted earlier, {path} (delete it to re-fit)"
                     + _composed_line(m))
