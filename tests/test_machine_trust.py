@@ -293,6 +293,22 @@ def test_a_calibrated_file_that_fails_the_checks_is_not_used(env):
     assert any("accuracy benchmark" in s and "sanity" in s for s in env["said"])
 
 
+def test_a_calibration_without_the_ring_byte_price_is_used_with_a_note(env):
+    ref = load_preset("local-2core-mpich")
+    old = ref.replace(name="calibrated-before",
+                      shared_core=SharedCore(**{**ref.shared_core.__dict__,
+                                                "mpi_hop_seconds_per_byte": None}))
+    os.makedirs(os.path.dirname(env["calibrated"]))
+    old.save(env["calibrated"])
+    got = env["resolve"](FakeFit(error=AssertionError("a calibration is there")))
+    assert got.name == "calibrated-before"
+    assert any("no byte price of ring steps" in s for s in env["said"])
+    env["said"].clear()
+    ref.replace(name="calibrated-now").save(env["calibrated"])
+    assert env["resolve"](FakeFit()).name == "calibrated-now"
+    assert not any("byte price" in s for s in env["said"])
+
+
 # --------------------------------------------------------------------------- busy fits
 def test_a_busy_fit_is_marked_warned_about_and_replaced_when_quiet(env):
     env["state"]["foreign"] = 1.4                        # another job uses 1.4 cores

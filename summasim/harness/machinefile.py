@@ -357,6 +357,12 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
         m = _load_checked(calibrated, "the accuracy benchmark's machine", say)
         if m is not None:
             say(f"cost model: machine calibrated by the accuracy benchmark, {calibrated}")
+            sc = m.shared_core
+            if sc is not None and sc.mpi_hop_seconds_per_byte is None:
+                say("cost model: note: its oversubscription model has no byte price of ring "
+                    "steps (calibrated by a summasim before 2026-11-24, or on runs without "
+                    "such steps), so rings beyond 2 ranks per core may be priced far off; "
+                    "`python -m summasim.costmodel accuracy` recalibrates it")
             if m.fitted_busy:
                 say(_busy_line(m, calibrated))
             return {"use": m.to_dict()}, None
