@@ -285,6 +285,16 @@ class SharedCore:
         byte price covers those copies as measured on the crowded node."""
         return work if self.mpi_hop_seconds_per_byte is None else work - blocking_copy
 
+    def unit_seconds(self, work: float, hops: float, hop_bytes: float, mpi_hops: float,
+                     mpi_hop_bytes: float, mpi_copy: float) -> float:
+        """The class formula per unit of R, without ``sync_seconds`` (paid once per
+        run, not per operation): the one place it is written, for a whole rank
+        (:func:`~summasim.costmodel.predict.shared_core_time`) and per operation."""
+        return (self.work_factor * self.charged_work(work, mpi_copy)
+                + hops * self.hop_seconds + mpi_hops * self.blocking_hop_seconds
+                + hop_bytes * self.hop_seconds_per_byte
+                + mpi_hop_bytes * self.blocking_seconds_per_byte)
+
     def to_dict(self) -> dict:
         out = {f: getattr(self, f) for f in self._FIELDS}
         for f in self._OPTIONAL:

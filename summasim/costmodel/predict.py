@@ -256,11 +256,9 @@ def shared_core_time(machine: Machine, ranks_per_node: int, compute: float, comm
     R = ranks_per_node / machine.cores
     if sc is None or R <= 1.0:
         return None
-    work = sc.charged_work(compute + comm_cpu + calls * machine.call_seconds, mpi_copy)
-    return R * (sc.work_factor * work + hops * sc.hop_seconds
-                + mpi_hops * sc.blocking_hop_seconds
-                + hop_bytes * sc.hop_seconds_per_byte
-                + mpi_hop_bytes * sc.blocking_seconds_per_byte + sc.sync_seconds)
+    work = compute + comm_cpu + calls * machine.call_seconds
+    return R * (sc.unit_seconds(work, hops, hop_bytes, mpi_hops, mpi_hop_bytes, mpi_copy)
+                + sc.sync_seconds)
 
 
 #: Traced point-to-point ops and the collective whose one-message cost prices them.
@@ -327,10 +325,7 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
                           {k: v * comm_slow for k, v in tally.by_phase.items()}, algs, counts,
                           slow, mode, machine.name)
     sc, R = machine.shared_core, rpn / machine.cores
-    by_op = {k: R * (sc.work_factor * sc.charged_work(a[0] + a[1] * call_t, a[6])
-                     + a[2] * sc.hop_seconds
-                     + a[4] * sc.blocking_hop_seconds + a[3] * sc.hop_seconds_per_byte
-                     + a[5] * sc.blocking_seconds_per_byte)
+    by_op = {k: R * sc.unit_seconds(a[0] + a[1] * call_t, a[2], a[3], a[4], a[5], a[6])
              for k, a in tally.shared.items()}
     compute = R * sc.work_factor * compute_base
     dedicated = (sum(crit.values()) + compute_base if dedicated_total is None
