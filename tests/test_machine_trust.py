@@ -363,6 +363,15 @@ def test_a_fit_composed_with_an_older_preset_is_refitted(env, monkeypatch):
     assert again.calls == 1, "a fit composed with the old preset was reused"
     assert got.shared_core.sync_seconds == 2e-4
     assert any("out of date" in s and "older version of the preset" in s for s in env["said"])
+    # one rank cannot refit: it uses the (new) preset rather than the stale file
+    newest = newer.replace(shared_core=SharedCore(**{**newer.shared_core.__dict__,
+                                                     "sync_seconds": 3e-4}))
+    monkeypatch.setattr(mf, "load_preset", lambda name: newest)
+    monkeypatch.setattr(mf, "FIT_RANKS", 2)
+    env["said"].clear()
+    alone = FakeFit(error=AssertionError("one rank must not fit"))
+    assert env["resolve"](alone).shared_core.sync_seconds == 3e-4 and alone.calls == 0
+    assert any("one rank cannot refit" in s for s in env["said"])
     # a fit saved by a summasim that did not record the digest is out of date too
     old = Machine.load(env["path"])
     comp = {k: v for k, v in old.notes["composed"].items() if k != "preset_digest"}
