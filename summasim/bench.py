@@ -9,7 +9,9 @@
 ``allreduce``  ``ring_allreduce`` next to the plain mpi4py ring
                (:func:`plain_ring_allreduce`) and MPI's own ``Allreduce`` on the same
                buffers, 64 KiB to 64 MiB, with the ratios and the cost model's
-               prediction for the ring.
+               prediction for the ring, and the host memory throughput of all ranks
+               at once before and after (:func:`node_memory_gibs`; on a shared VM it
+               changes from launch to launch, and the largest sizes follow it).
 ``ring-steps`` where a ring all-reduce's time goes: per step, inside MPI and outside.
 ``transformer`` forward + backward time of each tensor-parallel scheme that fits p, on a
                one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to
@@ -39,6 +41,14 @@ from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 GEMM_ALGORITHMS = PRODUCTS
 DEFAULT_REPEATS = 3
 ALLREDUCE_REPEATS = 9
+# Peak bytes per rank of one all-reduce size, in messages: the rank's data, the reference
+# sum, the result, MPI's own temporary and the check's. Measured (peak RSS over the ~120 MiB
+# an idle rank holds) at 256 MiB: 6.3 messages on 2 ranks, 6.1 on 4; ring-steps: 2.1.
+ALLREDUCE_MESSAGES = 7
+RING_STEPS_MESSAGES = 3
+# The node-memory probe's arrays (MiB per array, two per rank): past any CPU's last-level
+# cache per rank, so that the probe measures DRAM.
+NODE_MEMORY_MIB = 32
 
 
 def _quiet_bcast(world, value):
@@ -79,6 +89,61 @@ def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
             product()
             times.append(time.perf_counter() - t0)
     return 2.0 * n**3 / statistics.median(times) / 1e9
+
+
+def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8) -> float:
+    """The memory throughput of all of ``world``'s ranks at once, now (GiB/s, collective):
+    each rank adds two float64 arrays of ``mib`` MiB into the second ``adds`` times
+    (three streams: two reads, one write), timed from the first rank's start to the last
+    rank's end. On a shared VM this changes from launch to launch by up to 1.7x while a
+    cache-resident add changes by 1.2x, and a large ring all-reduce's time follows it
+    (docs/performance.md); the all-reduce benchmark reports it before and after its
+    sizes so that a slow launch can be told from a slow ring."""
+    from .harness.timing import time_calls
+    from .mpiutil import agreement
+
+    n = max(1, int(mib * 2**20) // 8)
+    a, b = np.ones(n), np.zeros(n)
+    np.add(a, b, out=b)                     # first touch outside the timing
+
+    def work():
+        for _ in range(adds):
+            np.add(a, b, out=b)
+
+    with agreement(False):
+        span = time_calls(work, world, 1, adaptive=False)["spans"][0]
+    return 3 * a.nbytes * adds * world.Get_size() / span / 2**30
+
+
+def bench_bytes(what: str, sizes_mib) -> int:
+    """Peak bytes per rank of ``allreduce`` or ``ring-steps`` at the largest of
+    ``sizes_mib`` (:data:`ALLREDUCE_MESSAGES`, :data:`RING_STEPS_MESSAGES`; the ring's
+    receive chunk, ``1 / p`` of a message, is within them), with the node-memory probe's
+    arrays for ``allreduce``."""
+    per = ALLREDUCE_MESSAGES if what == "allreduce" else RING_STEPS_MESSAGES
+    return int(per * max(sizes_mib) * 2**20) + (2 * NODE_MEMORY_MIB << 20
+                                               if what == "allreduce" else 0)
+
+
+def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
+                     available: int | None = None) -> str:
+    """"" when ``what``'s largest message fits this node's memory, else the message
+    that says what it needs, what can be used and the largest size that would fit."""
+    from .harness.memory import HEADROOM, available_bytes
+
+    avail = available_bytes() if available is None else available
+    budget = int(HEADROOM * avail)
+    per = bench_bytes(what, sizes_mib)
+    if ranks_on_node * per <= budget:
+        return ""
+    fixed = bench_bytes(what, [0])
+    each = (ALLREDUCE_MESSAGES if what == "allreduce" else RING_STEPS_MESSAGES) * 2**20
+    most = max(0, budget // ranks_on_node - fixed) / each
+    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB per rank, "
+            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, "
+            f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
+            f"{avail / 2**30:.1f} GiB available); the largest size that fits is about "
+            f"{most:.4g} MiB")
 
 
 def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
@@ -676,6 +741,11 @@ def _preflight(args, world) -> str:
         _, _, err = plan_mesh_bench(args, world.Get_size())
         if err:
             return err
+    for what in ("allreduce", "ring-steps"):
+        if args.what == what or (what == "allreduce" and args.what == "all"):
+            why = check_bench_fits(what, args.sizes, local_ranks())
+            if why:
+                return why
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
@@ -731,9 +801,19 @@ def _body(args, world) -> int:
         ok = all(r["ok"] for r in report["gemm"])
     if args.what in ("allreduce", "all"):
         say("")
+        host = backend.name != "cupy"        # device arrays: host memory is not theirs
+        before = node_memory_gibs(world) if host else None
         report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
                                               args.allreduce_repeats, say,
                                               machine(), backend)
+        after = node_memory_gibs(world) if host else None
+        report["node_memory_gibs"] = {"before": before, "after": after,
+                                      "array_mib": NODE_MEMORY_MIB}
+        if host:
+                say(f"host memory of all {p} ranks at once (each adding {NODE_MEMORY_MIB} MiB "
+                f"arrays): {before:.1f} GiB/s before the sizes, {after:.1f} after; on a "
+                f"shared VM it changes from launch to launch and the largest sizes' times "
+                f"follow it (docs/performance.md)")
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":
         report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say)

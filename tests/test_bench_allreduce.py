@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from summasim.bench import allreduce_targets, paired_ratio, parse_args
+from summasim.bench import (allreduce_targets, bench_bytes, check_bench_fits, paired_ratio,
+                            parse_args)
 from summasim.harness.frontend import UserError
 
 
@@ -84,3 +85,18 @@ def test_backend_unavailable_names_what_is_missing(monkeypatch):
     assert unavailable("numpy") == "" and unavailable("staged-host") == ""
     monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy raises ImportError
     assert "CuPy is not installed" in unavailable("cupy")
+
+
+def test_bench_memory_check_names_a_size_that_fits():
+    """A size too large for the node is refused with the largest that fits, and that
+    size does fit while one a little larger does not (both benchmarks)."""
+    avail = 16 << 30
+    for what in ("allreduce", "ring-steps"):
+        assert check_bench_fits(what, [0.0625, 64], 16, available=avail) == ""
+        msg = check_bench_fits(what, [0.0625, 4096], 16, available=avail)
+        assert msg.startswith(f"{what} at 4096 MiB needs about"), msg
+        most = float(msg.rsplit("about ", 1)[1].split()[0])
+        assert check_bench_fits(what, [most * 0.999], 16, available=avail) == ""
+        assert check_bench_fits(what, [most * 1.01], 16, available=avail) != ""
+    # the all-reduce holds more messages per rank than the step timeline does
+    assert bench_bytes("allreduce", [64]) > bench_bytes("ring-steps", [64])

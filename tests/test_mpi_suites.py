@@ -136,6 +136,9 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     assert ar["vs_plain_paired"]["median"] == pytest.approx(sum(pairs) / 2)
     assert ar["vs_plain_paired"]["low"] is None and ar["vs_plain_paired"]["verdict"] is None
     assert "targets at p = 4: not slower than the plain ring at" in proc.stdout
+    mem = report["node_memory_gibs"]         # this launch's host memory, both ends
+    assert all(0 < mem[k] < float("inf") for k in ("before", "after")), mem
+    assert f"{mem['before']:.1f} GiB/s before the sizes, {mem['after']:.1f} after" in proc.stdout
     assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])
@@ -215,6 +218,10 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
         assert time.perf_counter() - t0 < 60
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "gemm", "--n", "0"], 60)
     _user_error(proc, "--n")
+    for what in ("allreduce", "ring-steps"):     # refused before any buffer is allocated
+        proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", what, "--sizes-mib",
+                                      "0.0625,1e7", "--no-predict"], 60)
+        _user_error(proc, f"{what} at 1e+07 MiB", "largest size that fits")
 
 
 def test_cupy_backend_without_cupy_is_a_user_error(mpiexec):
