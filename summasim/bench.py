@@ -727,8 +727,22 @@ def plan_mesh_bench(args, p: int):
     return plan_meshes(p, specs, config, b, bool(args.mesh))
 
 
+def _transformer_cases(shape, dtype, p: int) -> list:
+    """The :class:`~summasim.harness.cases.TransformerCase` of every scheme and grid that
+    ``bench transformer`` runs at p (for the memory check)."""
+    from .harness.cases import TransformerCase
+    from .transformer import model
+    from .transformer.schemes import SCHEMES
+
+    b, s, h, n, v, layers = shape
+    config = model.Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers,
+                          dtype=np.dtype(dtype).type)
+    return [TransformerCase(name, q, d, b, config) for name, spec in SCHEMES.items()
+            for q, d in spec.grids(p) if not spec.misfit(config, b, p, q, d)]
+
+
 def _preflight(args, world) -> str:
-    from .harness.memory import check_fits
+    from .harness.memory import check_fits, check_training_fits
     from .harness.plan import plan_products
     from .backends import unavailable
     from .comm import local_ranks
@@ -737,10 +751,20 @@ def _preflight(args, world) -> str:
            or unavailable(args.backend))
     if err:
         return err
+    p = world.Get_size()
     if args.what in ("mesh", "all"):
-        _, _, err = plan_mesh_bench(args, world.Get_size())
+        mcases, _, err = plan_mesh_bench(args, p)
         if err:
             return err
+        for case in mcases:
+            why = check_training_fits(case, p, local_ranks())
+            if why:
+                return why
+    if args.what in ("transformer", "all"):
+        for case in _transformer_cases(args.tf_shape, np.dtype(args.tf_dtype), p):
+            why = check_training_fits(case, p, local_ranks())
+            if why:
+                return why
     for what in ("allreduce", "ring-steps"):
         if args.what == what or (what == "allreduce" and args.what == "all"):
             why = check_bench_fits(what, args.sizes, local_ranks())

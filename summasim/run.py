@@ -209,7 +209,7 @@ def preflight(args, world) -> str:
     Runs on rank 0 (reads files, probes the output path and the memory)."""
     from .backends import unavailable
     from .comm import local_ranks
-    from .harness.memory import check_fits
+    from .harness.memory import check_fits, check_training_fits
 
     p = world.Get_size()
     cases, skips, tcases, tskips = plan(args, p)
@@ -233,6 +233,10 @@ def preflight(args, world) -> str:
     ranks = local_ranks()
     for c in cases:
         why = check_fits(c, ranks, args.check, p=p)
+        if why:
+            return why
+    for c in list(tcases) + list(mcases):
+        why = check_training_fits(c, p, ranks)
         if why:
             return why
     return ""

@@ -3,6 +3,8 @@ memory estimates, cases (serial: grid positions are given as GridNumbers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -146,6 +148,40 @@ def test_memory_estimate_grows_with_the_share_and_refuses_with_what_fits():
     assert memory.check_fits(fits, 16, available=24 * 2**30) == ""
     assert memory.check_fits(over, 16, available=24 * 2**30) != ""
     assert "largest" in memory.check_fits(RingCase(10**10), 16, available=24 * 2**30, p=16)
+
+
+def test_training_memory_check_names_a_batch_that_fits():
+    """A scheme or mesh run too large for the node is refused with the largest global
+    batch of its shape that fits; that batch fits and the next one up does not. The
+    estimate follows the share: rank 0 (the serial reference) above every other rank,
+    and a rank's share shrinking with the tensor grid."""
+    from summasim.harness.cases import MeshCase
+    from summasim.transformer.model import Config
+
+    avail = 24 * 2**30
+    opt = transformer_case("optimus", 4, 1, 4096, 256, 512, 8, 2048, 2)
+    mesh = MeshCase.parse("dp=2,pp=2,tp=optimus:2x2", 4096, Config(2048, 256, 512, 8, 2))
+    for case, step in ((opt, 4), (mesh, 4)):
+        root, other = memory.training_bytes(case, 16)
+        assert root > other > 0
+        msg = memory.check_training_fits(case, 16, 16, available=avail)
+        assert "needs about" in msg and "largest global batch that fits is about" in msg, msg
+        best = int(msg.rsplit(" ", 1)[-1])
+        assert best % step == 0 and 0 < best < case.batch
+        fit = dataclasses.replace(case, batch=best)
+        over = dataclasses.replace(case, batch=best + step)
+        assert memory.check_training_fits(fit, 16, 16, available=avail) == ""
+        assert memory.check_training_fits(over, 16, 16, available=avail) != ""
+    # Optimus on a 4x4 grid holds a quarter of the shard it holds on 2x2, next to the same
+    # whole-model reference; Megatron on 16 ranks less than on 4
+    o16 = memory.training_bytes(transformer_case("optimus", 4, 1, 64, 256, 1024, 8, 2048, 2), 16)
+    o4 = memory.training_bytes(transformer_case("optimus", 2, 1, 64, 256, 1024, 8, 2048, 2), 4)
+    assert o16[1] < 0.6 * o4[1]
+    m16 = memory.training_bytes(transformer_case("megatron", 1, 1, 64, 256, 1024, 8, 2048, 2), 16)
+    m4 = memory.training_bytes(transformer_case("megatron", 1, 1, 64, 256, 1024, 8, 2048, 2), 4)
+    assert m16[1] < m4[1] and m16[0] == m4[0]          # the serial reference is the same
+    huge = transformer_case("megatron", 1, 1, 64, 4096, 16384, 8, 64, 1)
+    assert "not even batch 1 fits" in memory.check_training_fits(huge, 2, 2, available=avail)
 
 
 def test_cases_round_trip():

@@ -218,6 +218,12 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
         assert time.perf_counter() - t0 < 60
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "gemm", "--n", "0"], 60)
     _user_error(proc, "--n")
+    huge = ["--tf-config", "64", "4096", "16384", "8", "64", "1", "2"]   # ~1 TiB a rank
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--algorithms", "none"] + huge, 60)
+    _user_error(proc, "megatron 1D p=2 b64", "not even batch 1 fits")
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "transformer", "--tf-shape"]
+                     + huge[1:-1], 60)
+    _user_error(proc, "megatron 1D p=2 b64", "not even batch 1 fits")
     for what in ("allreduce", "ring-steps"):     # refused before any buffer is allocated
         proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", what, "--sizes-mib",
                                       "0.0625,1e7", "--no-predict"], 60)

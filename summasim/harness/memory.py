@@ -13,9 +13,12 @@ allocation; the estimate is 288 MiB (``--check freivalds``, what ``auto`` picks 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
+
+import numpy as np
 
 from ..layout import local_shape
 from .check import choose_method, panel_width
@@ -112,4 +115,83 @@ def check_fits(case, ranks_on_node: int, method: str = "exact", available: int |
     return (f"{case.label()} {case.dtype} needs about {per / 2**30:.2f} GiB per rank, "
             f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, "
             f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
+            f"{avail / 2**30:.1f} GiB available); {fits}")
+
+
+# Training runs (a scheme's step or a mesh's Adam steps, validated against the serial model).
+# Every rank builds the whole model and receives the reference gradients (``rep`` below: the
+# model's parameters and gradients; with the broadcast's buffer and the gathered shards about
+# three copies at once), and holds the reference logits, [b, s, v], and its own compared with
+# them; rank 0 also runs the serial model. Peak RSS above an idle rank (~120 MiB),
+# summasim.run, float64, s = 256, v = 2048, 2 layers, measured at p = 4 (b = 16 and 32,
+# h = 512 and 1024; Megatron, Optimus, three meshes) and p = 16 (Optimus 4x4 at b = 16,
+# h = 512 and b = 8, h = 1024; dp=2,pp=2,tp=optimus:2x2 at b = 16, h = 512):
+#   rank 0: 1.26-1.43x the serial model's parameters, gradients and activations (the cost
+#     model's formula at p = 1) in scheme runs, 1.58-1.75x in mesh runs (three Adam steps);
+#   other ranks: a least-squares fit over the eight scheme runs gives 2.0 rep + 5.0 logits
+#     + 1.35x the scheme's per-rank formula (``shard``; for a mesh rank, the formula of its
+#     tensor grid on a replica's batch and a stage's layers), within -11% .. +24%.
+# The estimate takes the terms with margins: it is 1.1-1.5x the other ranks' measured growth
+# in the scheme runs (1.4x at h = 1024, p = 16, where ``rep`` dominates), more for meshes.
+SERIAL_FACTOR = {"transformer": 1.5, "mesh": 1.9}
+SHARD_FACTOR = {"transformer": 2.0, "mesh": 2.0}
+REP_FACTOR = 3.2
+LOGITS_FACTOR = 3.5
+
+
+def _formula(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
+    from ..costmodel.schemes import Scheme, TransformerConfig, memory
+
+    sch = Scheme.make("megatron", p=t) if scheme == "megatron" else Scheme.make(scheme, q=q, d=d)
+    return memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))
+
+
+def training_bytes(case, p: int) -> tuple[int, int]:
+    """``(rank 0, any other rank)`` estimated peak bytes of a transformer or mesh case
+    (see the factors above): rank 0 also runs the serial reference."""
+    config, k = case.config, case.kind
+    ser = _formula("megatron", 1, 1, 1, config, case.batch, False)
+    serial = ser.params + ser.embedding + ser.grads + ser.activations
+    rep = ser.params + ser.embedding + ser.grads
+    logits = case.batch * config.seq * config.vocab * np.dtype(config.dtype).itemsize
+    if k == "mesh":
+        stage = dataclasses.replace(config, layers=-(-config.layers // case.pp))
+        m = _formula(case.scheme, case.tensor_size, case.q, case.d, stage,
+                     -(-case.batch // case.dp), case.checkpoint)
+    else:
+        m = _formula(case.scheme, p, case.q, case.d, config, case.batch, False)
+    shard = m.params + m.grads + m.optimizer + m.activations + m.workspace + m.embedding
+    other = REP_FACTOR * rep + LOGITS_FACTOR * logits + SHARD_FACTOR[k] * shard
+    return int(max(SERIAL_FACTOR[k] * serial, other)), int(other)
+
+
+def check_training_fits(case, p: int, ranks_on_node: int, available: int | None = None) -> str:
+    """"" when a transformer or mesh case fits this node (rank 0 and the others on
+    it), else a message with what it needs, what can be used and the largest global
+    batch of the same shape that fits."""
+    avail = available_bytes() if available is None else available
+    budget = int(HEADROOM * avail)
+
+    def need(c):
+        root, other = training_bytes(c, p)
+        return root + (ranks_on_node - 1) * other
+
+    total = need(case)
+    if total <= budget:
+        return ""
+    root, other = training_bytes(case, p)
+    ok = lambda b: dataclasses.replace(case, batch=b).misfit(p) == ""  # noqa: E731
+    unit = next(b for b in range(1, case.batch + 1) if case.batch % b == 0 and ok(b))
+    lo, hi = 0, case.batch // unit       # multiples k * unit: k = lo fits, k = hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(dataclasses.replace(case, batch=mid * unit)) <= budget \
+            else (lo, mid)
+    best = lo * unit if lo and ok(lo * unit) else 0
+    fits = (f"the largest global batch that fits is about {best}" if best
+            else f"not even batch {unit} fits")
+    return (f"{case.label(p)} needs about {total / 2**30:.1f} GiB on this node "
+            f"({root / 2**30:.2f} GiB on rank 0, which also runs the serial reference, "
+            f"{other / 2**30:.2f} GiB on each other rank of {ranks_on_node}), but "
+            f"{budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
             f"{avail / 2**30:.1f} GiB available); {fits}")
