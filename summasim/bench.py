@@ -115,14 +115,20 @@ def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8) -> floa
     return 3 * a.nbytes * adds * world.Get_size() / span / 2**30
 
 
+def _bench_memory_terms(what: str) -> tuple[int, int]:
+    """``(messages held per rank, fixed bytes)`` of ``allreduce`` or ``ring-steps``."""
+    if what == "allreduce":
+        return ALLREDUCE_MESSAGES, 2 * NODE_MEMORY_MIB << 20
+    return RING_STEPS_MESSAGES, 0
+
+
 def bench_bytes(what: str, sizes_mib) -> int:
     """Peak bytes per rank of ``allreduce`` or ``ring-steps`` at the largest of
     ``sizes_mib`` (:data:`ALLREDUCE_MESSAGES`, :data:`RING_STEPS_MESSAGES`; the ring's
     receive chunk, ``1 / p`` of a message, is within them), with the node-memory probe's
     arrays for ``allreduce``."""
-    per = ALLREDUCE_MESSAGES if what == "allreduce" else RING_STEPS_MESSAGES
-    return int(per * max(sizes_mib) * 2**20) + (2 * NODE_MEMORY_MIB << 20
-                                               if what == "allreduce" else 0)
+    per, fixed = _bench_memory_terms(what)
+    return int(per * max(sizes_mib) * 2**20) + fixed
 
 
 def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
@@ -136,9 +142,8 @@ def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
     per = bench_bytes(what, sizes_mib)
     if ranks_on_node * per <= budget:
         return ""
-    fixed = bench_bytes(what, [0])
-    each = (ALLREDUCE_MESSAGES if what == "allreduce" else RING_STEPS_MESSAGES) * 2**20
-    most = max(0, budget // ranks_on_node - fixed) / each
+    messages, fixed = _bench_memory_terms(what)
+    most = max(0, budget // ranks_on_node - fixed) / (messages * 2**20)
     return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB per rank, "
             f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, "
             f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
@@ -765,11 +770,11 @@ def _preflight(args, world) -> str:
             why = check_training_fits(case, p, local_ranks())
             if why:
                 return why
-    for what in ("allreduce", "ring-steps"):
-        if args.what == what or (what == "allreduce" and args.what == "all"):
-            why = check_bench_fits(what, args.sizes, local_ranks())
-            if why:
-                return why
+    sized = {"allreduce": "allreduce", "all": "allreduce", "ring-steps": "ring-steps"}
+    if args.what in sized:
+        why = check_bench_fits(sized[args.what], args.sizes, local_ranks())
+        if why:
+            return why
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
@@ -834,7 +839,7 @@ def _body(args, world) -> int:
         report["node_memory_gibs"] = {"before": before, "after": after,
                                       "array_mib": NODE_MEMORY_MIB}
         if host:
-                say(f"host memory of all {p} ranks at once (each adding {NODE_MEMORY_MIB} MiB "
+            say(f"host memory of all {p} ranks at once (each adding {NODE_MEMORY_MIB} MiB "
                 f"arrays): {before:.1f} GiB/s before the sizes, {after:.1f} after; on a "
                 f"shared VM it changes from launch to launch and the largest sizes' times "
                 f"follow it (docs/performance.md)")

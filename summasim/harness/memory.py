@@ -139,7 +139,9 @@ REP_FACTOR = 3.2
 LOGITS_FACTOR = 3.5
 
 
-def _formula(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
+def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
+    """The cost model's per-rank :class:`~summasim.costmodel.schemes.Memory` of ``scheme``
+    on ``t`` ranks (Megatron) or a ``q x q x d`` grid, for a model ``config`` and batch."""
     from ..costmodel.schemes import Scheme, TransformerConfig, memory
 
     sch = Scheme.make("megatron", p=t) if scheme == "megatron" else Scheme.make(scheme, q=q, d=d)
@@ -150,16 +152,16 @@ def training_bytes(case, p: int) -> tuple[int, int]:
     """``(rank 0, any other rank)`` estimated peak bytes of a transformer or mesh case
     (see the factors above): rank 0 also runs the serial reference."""
     config, k = case.config, case.kind
-    ser = _formula("megatron", 1, 1, 1, config, case.batch, False)
+    ser = scheme_memory("megatron", 1, 1, 1, config, case.batch, False)
     serial = ser.params + ser.embedding + ser.grads + ser.activations
     rep = ser.params + ser.embedding + ser.grads
     logits = case.batch * config.seq * config.vocab * np.dtype(config.dtype).itemsize
     if k == "mesh":
         stage = dataclasses.replace(config, layers=-(-config.layers // case.pp))
-        m = _formula(case.scheme, case.tensor_size, case.q, case.d, stage,
+        m = scheme_memory(case.scheme, case.tensor_size, case.q, case.d, stage,
                      -(-case.batch // case.dp), case.checkpoint)
     else:
-        m = _formula(case.scheme, p, case.q, case.d, config, case.batch, False)
+        m = scheme_memory(case.scheme, p, case.q, case.d, config, case.batch, False)
     shard = m.params + m.grads + m.optimizer + m.activations + m.workspace + m.embedding
     other = REP_FACTOR * rep + LOGITS_FACTOR * logits + SHARD_FACTOR[k] * shard
     return int(max(SERIAL_FACTOR[k] * serial, other)), int(other)
@@ -174,18 +176,17 @@ def check_training_fits(case, p: int, ranks_on_node: int, available: int | None 
 
     def need(c):
         root, other = training_bytes(c, p)
-        return root + (ranks_on_node - 1) * other
+        return root + (ranks_on_node - 1) * other, root, other
 
-    total = need(case)
+    total, root, other = need(case)
     if total <= budget:
         return ""
-    root, other = training_bytes(case, p)
     ok = lambda b: dataclasses.replace(case, batch=b).misfit(p) == ""  # noqa: E731
     unit = next(b for b in range(1, case.batch + 1) if case.batch % b == 0 and ok(b))
     lo, hi = 0, case.batch // unit       # multiples k * unit: k = lo fits, k = hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(dataclasses.replace(case, batch=mid * unit)) <= budget \
+        lo, hi = (mid, hi) if need(dataclasses.replace(case, batch=mid * unit))[0] <= budget \
             else (lo, mid)
     best = lo * unit if lo and ok(lo * unit) else 0
     fits = (f"the largest global batch that fits is about {best}" if best

@@ -32,7 +32,7 @@ from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
 from .check import Check, collective
 from .inject import Fault, corrupt_entry
-from .memory import peak_rss_bytes
+from .memory import peak_rss_bytes, scheme_memory
 from .result import Result
 from .timing import reduce_max, time_calls
 
@@ -154,10 +154,7 @@ def measure_memory(module, local, tokens, targets, config, grid, checkpoint: boo
 def memory_formula(name: str, config: model.Config, batch: int, p: int, q: int, d: int,
                    checkpoint: bool) -> dict:
     """The cost model's per-rank memory formula for the same configuration (bytes)."""
-    from ..costmodel.schemes import Scheme, TransformerConfig, memory
-
-    sch = Scheme.make(name, p=p) if name == "megatron" else Scheme.make(name, q=q, d=d)
-    mem = memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))
+    mem = scheme_memory(name, p, q, d, config, batch, checkpoint)
     return {"params": mem.params + mem.embedding, "grads": mem.grads,
             "optimizer": mem.optimizer, "activations": mem.activations}
 
