@@ -34,7 +34,10 @@ What a row checks (every rank, then one collective verdict)
 
 The inputs are the harness's transformer inputs (:func:`mesh_inputs`: class labels
 [B] for a classification model). An error of the serial reference (rank 0) is raised
-on every rank.
+on every rank. The reference (inputs, every step's gradients, the final parameters and
+their per-tensor ``max |ser|``) is published once per node in shared memory
+(:class:`~summasim.harness.shared.NodeShared`); a rank copies out only its own blocks,
+so no rank but rank 0 holds a whole model.
 
 A NaN or Inf anywhere fails the row on whichever rank it sits.
 """
@@ -58,6 +61,7 @@ from ..transformer.train import Adam
 from .check import Check, collective
 from .memory import peak_rss_bytes
 from .result import Result
+from .shared import NodeShared
 from .timing import reduce_max, time_calls
 from .transformer import _inputs, layer_tp_items, table1_payload
 
@@ -292,25 +296,34 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
         bound = 1e-10 if case.dtype == "float64" else 1e-4
-    params, tokens, targets = mesh_inputs(config, batch, seed)
     ref = None
     if rank == 0:            # the serial reference, once; the other ranks sleep meanwhile
         try:
-            ref = serial_reference(params, tokens, targets, config, case.steps)
+            params, tokens, targets = mesh_inputs(config, batch, seed)
+            losses, grads, final = serial_reference(params, tokens, targets, config,
+                                                    case.steps)
+            ref = {"params": params, "tokens": tokens, "targets": targets, "losses": losses,
+                   "grads": grads, "final": final, "grad_scales": [_max_abs(g) for g in grads],
+                   "final_scales": _max_abs(final)}
+            del params, grads, final
         except (ValueError, TypeError) as e:      # raised on every rank below, not alone
             ref = e
     quiet_barrier(world)
-    ref = world.bcast(ref, root=0)
-    if isinstance(ref, BaseException):
-        raise type(ref)(f"serial reference: {ref}")
-    ref_losses, ref_grads, ref_final = ref
+    if world.bcast(isinstance(ref, BaseException), root=0):
+        err = world.bcast(ref, root=0)
+        raise type(err)(f"serial reference: {err}")
+    # one read-only copy per node (summasim.harness.shared); every rank copies out its blocks
+    shared = NodeShared(world, ref)
+    del ref
+    ref = shared.value
+    tokens, targets, ref_losses = ref["tokens"], ref["targets"], ref["losses"]
     rep = MeshReport(case.spec, case.zero, case.schedule, case.microbatches, case.checkpoint,
                      p, case.dtype, case.steps, bound)
     mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
                 backend=backend)
     item = np.dtype(config.dtype).itemsize
     try:
-        tr = Trainer(params, config, mesh, spec, zero=case.zero, schedule=case.schedule,
+        tr = Trainer(ref["params"], config, mesh, spec, zero=case.zero, schedule=case.schedule,
                      microbatches=case.microbatches, checkpoint=case.checkpoint,
                      bucket_bytes=case.bucket_bytes, lr=LR)
         module, grid = spec.module, mesh.tensor
@@ -336,12 +349,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             le = (abs(loss - ref_losses[step]) / abs(ref_losses[step])
                   if math.isfinite(loss) else math.nan)
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
-            expect = tr.pack(module.shard(ref_grads[step], config, grid))
-            ge, where = _compare(tr, tr.held_grads(), expect, _max_abs(ref_grads[step]))
+            expect = tr.pack(module.shard(ref["grads"][step], config, grid, tr.keys))
+            ge, where = _compare(tr, tr.held_grads(), expect, ref["grad_scales"][step])
             if math.isnan(ge) or ge > grad_err or not worst_grad:
                 grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
-        expect = tr.pack(module.shard(ref_final, config, grid))
-        param_err, worst_param = _compare(tr, tr.held_params(), expect, _max_abs(ref_final))
+        expect = tr.pack(module.shard(ref["final"], config, grid, tr.keys))
+        param_err, worst_param = _compare(tr, tr.held_params(), expect, ref["final_scales"])
         # replicas: bit-identical parameters over dp (ZeRO 0-2)
         replicas_ok = True
         if case.zero < 3 and mesh.dp > 1:
@@ -425,6 +438,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         coords = world.gather(list(mesh.coords) + [tr.layers.start, tr.layers.stop], root=0)
     finally:
         mesh.free()
+        ref = tokens = targets = expect = None     # views of the window, then the window
+        shared.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})

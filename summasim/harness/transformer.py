@@ -10,10 +10,15 @@ What is measured
 * forward and backward times with the harness's timer;
 * per-rank memory with ``tracemalloc`` next to the cost model's formula.
 
-The serial reference runs once, on rank 0 (the others sleep), and is broadcast:
-the model is small by construction (the transformer section validates schemes, the
-products section validates scale), and every rank compares its own unsharded
-gradients with it.
+The serial reference runs once, on rank 0 (the others sleep). Its inputs,
+parameters, gradients and logits go into one read-only shared-memory copy per node
+(:class:`~summasim.harness.shared.NodeShared`); every rank copies out only its own
+block of each (``module.shard``, ``module.local_logits``) and compares its shard with
+it, scaled by the whole tensor's ``max |ser|`` that rank 0 computed. So no rank but
+rank 0 holds a whole model, and the errors are those of the unsharded comparison:
+the worst over the ranks of ``max |par - ser|`` over a block is the ``max`` over the
+tensor. (Replicated tensors are compared on every rank that holds them; a fault on one
+rank fails that rank.)
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 
 from ..comm import FAULTS
 from ..costmodel.accuracy import event_summary
+from ..backends import backend_of
 from ..mpiutil import agreement, quiet_barrier
 from ..transformer import model
 from ..transformer.schemes import get_scheme
@@ -34,6 +40,7 @@ from .check import Check, collective
 from .inject import Fault, corrupt_entry
 from .memory import peak_rss_bytes, scheme_memory
 from .result import Result
+from .shared import NodeShared
 from .timing import reduce_max, time_calls
 
 
@@ -73,6 +80,33 @@ def rel_err(par, ser) -> float:
         return math.nan
     diff = float(np.max(np.abs(par - ser))) if ser.size else 0.0
     scale = float(np.max(np.abs(ser))) if ser.size else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def scale_of(ser) -> float:
+    """``max |ser|`` over a whole serial tensor (0 when empty; NaN when it holds a
+    non-finite value, which makes every error measured against it NaN)."""
+    ser = np.asarray(ser)
+    if not ser.size:
+        return 0.0
+    top = float(np.max(np.abs(ser)))
+    return top if math.isfinite(top) and np.isfinite(ser).all() else math.nan
+
+
+def block_err(par, ser, scale: float) -> float:
+    """``max |par - ser| / scale`` over one rank's block ``par`` (any backend) of a
+    tensor whose serial block is ``ser`` and whose whole serial tensor has ``max |.|
+    = scale`` (:func:`scale_of`): the max over the ranks' blocks is :func:`rel_err` of
+    the whole tensor. 0 for an empty block; NaN when ``par`` or the scale is not
+    finite."""
+    if math.isnan(scale):
+        return math.nan
+    par = np.asarray(backend_of(par).to_numpy(par), dtype=np.float64)
+    if not par.size:
+        return 0.0
+    if not np.isfinite(par).all():
+        return math.nan
+    diff = float(np.max(np.abs(par - np.asarray(ser, dtype=np.float64))))
     return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
 
 
@@ -187,22 +221,32 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
         bound = 1e-10 if case.dtype == "float64" else 1e-4
-    params, tokens, targets = _inputs(config, batch, seed)
     ref = None
     if rank == 0:        # the serial reference, once; the other ranks sleep meanwhile
-        ref_loss, ref_cache = model.forward(params, tokens, targets, config)
-        ref = (ref_loss, ref_cache.logits, model.backward(ref_cache))
-        del ref_cache
+        params, tokens, targets = _inputs(config, batch, seed)
+        loss, cache = model.forward(params, tokens, targets, config)
+        grads = model.backward(cache)
+        ref = {"params": params, "tokens": tokens, "targets": targets, "loss": loss,
+               "logits": cache.logits, "grads": grads, "logits_scale": scale_of(cache.logits),
+               "grad_scales": {k: scale_of(v) for k, v in grads.items()}}
+        del cache, params, grads
     quiet_barrier(world)
-    ref_loss, ref_logits, ref_grads = world.bcast(ref, root=0)
+    shared = NodeShared(world, ref)      # one read-only copy per node; ranks read blocks
+    del ref
+    ref = shared.value
+    tokens, targets, ref_loss = ref["tokens"], ref["targets"], ref["loss"]
 
     rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
                        fault=str(fault) if fault else "")
     grid = spec.make_grid(world, q, d, backend)
     itemsize = np.dtype(config.dtype).itemsize
     mine = fault is not None and fault.rank == rank
+    want_grads = want_logits = None
     try:
-        local = module.shard(params, config, grid)
+        local = module.shard(ref["params"], config, grid)
+        want_grads = module.shard(ref["grads"], config, grid)      # this rank's blocks
+        want_logits = module.local_logits(ref["logits"], config, grid)
+        scales, logits_scale = ref["grad_scales"], ref["logits_scale"]
         errs = []
         plain_events = []
         for checkpoint in (False, True):
@@ -219,13 +263,12 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
             if inject_now and fault.kind != "drop":
                 corrupt_entry(grads[_fault_key(grads)], fault.kind)
             events = list(grid.trace.events)
-            full = module.unshard(grads, config, grid)
-            logits = module.logits(cache, config, grid)
-            gerr = {k: rel_err(full[k], ref_grads[k]) for k in ref_grads}
+            gerr = {k: block_err(grads[k], want_grads[k], scales[k]) for k in want_grads}
             worst = max(gerr, key=lambda k: math.inf if math.isnan(gerr[k]) else gerr[k])
             lerr = (abs(loss - ref_loss) / abs(ref_loss) if math.isfinite(loss)
                     else math.nan)
-            errs.append((lerr, rel_err(logits, ref_logits), gerr[worst], worst))
+            errs.append((lerr, block_err(cache.logits, want_logits, logits_scale),
+                         gerr[worst], worst))
             if checkpoint:
                 rep.tp_bwd_checkpoint = int(reduce_max(
                     world, [layer_tp_items(events, 0, "bwd", itemsize)])[0])
@@ -240,11 +283,12 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
                                                                    itemsize)])[0])
                 plain_events = events
         local_errs = [_worst(e[i] for e in errs) for i in range(3)]
-        every = world.allgather(local_errs)
-        rep.loss_err, rep.logits_err, rep.grad_err = (_worst(r[i] for r in every)
+        key = lambda e: math.inf if math.isnan(e[0]) else e[0]     # noqa: E731
+        mine_worst = max(((e[2], e[3]) for e in errs), key=key)
+        every = world.allgather((local_errs, mine_worst))
+        rep.loss_err, rep.logits_err, rep.grad_err = (_worst(r[0][i] for r in every)
                                                       for i in range(3))
-        rep.worst_grad = max(errs, key=lambda e: _worst(e[:3]) if not math.isnan(
-            _worst(e[:3])) else math.inf)[3]
+        rep.worst_grad = max((r[1] for r in every), key=key)[1]
         chk = collective(world, Check(_worst(local_errs), bound, "serial model"))
         rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
         applied = world.allgather(rep.fault_applied)
@@ -282,6 +326,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     finally:
         FAULTS.drop_next_sum = False
         grid.free()
+        ref = tokens = targets = None         # views of the window, then the window
+        shared.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})

@@ -270,7 +270,8 @@ class Trainer:
         self.layers = split_layers(config.layers, mesh.pp)[mesh.s]
         self.first, self.last = mesh.first, mesh.last
         self.lm = not config.n_classes
-        local = self.module.shard(params, config, self.grid)     # agrees over the tensor grid
+        keys = model.stage_keys(config, self.layers, self.first, self.last)
+        local = self.module.shard(params, config, self.grid, keys)   # agrees over the grid
         self._layout(local)
         self.xp = array_module(local[self.keys[0]])
         dtype, n = config.dtype, self.n

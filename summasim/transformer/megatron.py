@@ -258,7 +258,7 @@ def _assemble(parts, kind: str):
     return xp.ascontiguousarray(heads).reshape(lead + (3 * p * c,))           # (..., 3h)
 
 
-def shard(params: dict, config: Config, grid) -> dict:
+def shard(params: dict, config: Config, grid, keys=None) -> dict:
     """This rank's local parameters from the serial ``params`` (same on every rank).
 
     Parameters
@@ -268,11 +268,13 @@ def shard(params: dict, config: Config, grid) -> dict:
     config : Config
     grid : Grid1D
         The tensor-parallel group.
+    keys : iterable of str, optional
+        Shard only these keys (e.g. a pipeline stage's); default all of them.
 
     Returns
     -------
     dict
-        Same keys, local shapes (:func:`local_param_shapes`), fresh C-contiguous copies
+        The keys, local shapes (:func:`local_param_shapes`), fresh C-contiguous copies
         (never views of ``params``).
 
     Raises
@@ -285,8 +287,9 @@ def shard(params: dict, config: Config, grid) -> dict:
     _check_grid(grid)          # not a group: no communicator to agree over, raise alone
     _, err = local_error(lambda: (check(config, grid), model.check_params(params, config)))
     agree("megatron.shard", grid, fields_of(config, "Config"), err)
+    wanted = None if keys is None else set(keys)
     return {name: _split(params[name], kind, grid)
-            for name, kind in param_layout(config).items()}
+            for name, kind in param_layout(config).items() if wanted is None or name in wanted}
 
 
 def unshard(local_grads: dict, config: Config, grid) -> dict:
@@ -603,6 +606,15 @@ def backward(cache: MegatronCache) -> dict:
     if dwte_head is not None:
         grads["wte"] += dwte_head                      # tied: embedding + LM head
     return {key: grads[key] for key in cache.params}
+
+
+def local_logits(full, config: Config, grid):
+    """This rank's block of the global logits ``full`` (what ``cache.logits`` holds: the
+    vocab columns ``[B, T, v/p]`` of the LM, all of ``[B, n_classes]`` for
+    classification); the inverse of :func:`logits`, and no data moves."""
+    if config.n_classes or grid.p == 1:
+        return array_module(full).array(full, copy=True)
+    return layout.split(full, grid, "col")
 
 
 def logits(cache: MegatronCache, config: Config, grid):

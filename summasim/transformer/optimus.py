@@ -297,10 +297,11 @@ def _reduce_to_row0(grid, partial, xp, what: str):
 # --------------------------------------------------------------------------- #
 # shard / unshard                                                             #
 # --------------------------------------------------------------------------- #
-def shard(params: dict, config: Config, grid) -> dict:
+def shard(params: dict, config: Config, grid, keys=None) -> dict:
     """This rank's local parameters from the serial ``params`` (no data moves).
 
-    Keys are those of ``model.param_shapes(config)``; shapes are :func:`local_shapes`.
+    Keys are those of ``model.param_shapes(config)``, or only ``keys`` when given (e.g.
+    a pipeline stage's); shapes are :func:`local_shapes`.
     ``attn.qkv.w``/``.b`` columns are permuted by :func:`qkv_permutation` first.
     Returns fresh C-contiguous copies, never views of ``params`` (an in-place
     optimizer step on the shards must not touch the serial model). A config that does
@@ -315,7 +316,10 @@ def shard(params: dict, config: Config, grid) -> dict:
     q, i, j = grid.q, grid.i, grid.j
     perm = xp.asarray(qkv_permutation(config.hidden, q))
     local = {}
+    wanted = None if keys is None else set(keys)
     for name, arr in params.items():
+        if wanted is not None and name not in wanted:
+            continue
         nc = shapes[name][-1]
         cols = slice(j * nc, (j + 1) * nc)
         if name.endswith(("attn.qkv.w", "attn.qkv.b")):
@@ -883,6 +887,13 @@ def backward(cache: OptimusCache) -> dict:
     grads["wte"], grads["wpe"] = g["wte"], g["wpe"]
     grads["wte"] += dwte_head                                              # tied: embed + head
     return {key: grads[key] for key in cache.params}
+
+
+def local_logits(full, config: Config, grid):
+    """This rank's block ``[N, v/q]`` of the global logits ``full`` ``[b, s, v]`` (what
+    ``cache.logits`` holds); the inverse of :func:`logits`, and no data moves."""
+    lay = "2d" if grid.d == 1 else "2.5d"
+    return layout.split(full.reshape(-1, config.vocab), grid, lay)
 
 
 def logits(cache: OptimusCache, config: Config, grid):
