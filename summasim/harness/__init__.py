@@ -19,6 +19,8 @@ module              what it holds
 ``memory``          per-rank memory estimate, refusal, largest size that fits
 ``execute``         executors: run_product, run_ring, run_case -> Result
 ``transformer``     the training-step executor (scheme vs the serial model)
+``composed``        the sharded-training executor (a mesh vs the serial model)
+``shared``          the serial reference as one read-only copy per node
 ``report``          tables and JSON records of results
 ``worker``          the MPI worker and its launcher (mpiexec under timeout)
 ``accuracy``        the cost model's accuracy benchmark, measuring side

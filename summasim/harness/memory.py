@@ -119,24 +119,28 @@ def check_fits(case, ranks_on_node: int, method: str = "exact", available: int |
 
 
 # Training runs (a scheme's step or a mesh's Adam steps, validated against the serial model).
-# Every rank builds the whole model and receives the reference gradients (``rep`` below: the
-# model's parameters and gradients; with the broadcast's buffer and the gathered shards about
-# three copies at once), and holds the reference logits, [b, s, v], and its own compared with
-# them; rank 0 also runs the serial model. Peak RSS above an idle rank (~120 MiB),
-# summasim.run, float64, s = 256, v = 2048, 2 layers, measured at p = 4 (b = 16 and 32,
-# h = 512 and 1024; Megatron, Optimus, three meshes) and p = 16 (Optimus 4x4 at b = 16,
-# h = 512 and b = 8, h = 1024; dp=2,pp=2,tp=optimus:2x2 at b = 16, h = 512):
-#   rank 0: 1.26-1.43x the serial model's parameters, gradients and activations (the cost
-#     model's formula at p = 1) in scheme runs, 1.58-1.75x in mesh runs (three Adam steps);
-#   other ranks: a least-squares fit over the eight scheme runs gives 2.0 rep + 5.0 logits
-#     + 1.35x the scheme's per-rank formula (``shard``; for a mesh rank, the formula of its
-#     tensor grid on a replica's batch and a stage's layers), within -11% .. +24%.
-# The estimate takes the terms with margins: it is 1.1-1.5x the other ranks' measured growth
-# in the scheme runs (1.4x at h = 1024, p = 16, where ``rep`` dominates), more for meshes.
+# Rank 0 runs the serial model, then publishes its inputs, parameters, gradients (a mesh's:
+# of every step, and the final parameters) and logits in one shared-memory copy per node
+# (``harness.shared``, the ``window`` below); every rank copies out only its own blocks
+# (about its shard's parameters and gradients again, and its block of the logits).
+# Node memory above idle (``MemAvailable`` sampled every 20 ms through summasim.run,
+# float64, s = 256, v = 2048, 2 layers; idle ~40 MiB a rank), measured at p = 16
+# (Megatron b = 16, h = 512: 9.1 GiB; SUMMA2.5 [2,2,4] b = 16, h = 512: 4.1 GiB; mesh
+# dp=2,pp=2,tp=optimus:2x2 b = 16, h = 512: 3.8 GiB) and p = 4 (Optimus 2x2 b = 32,
+# h = 1024: 10.3 GiB; Megatron the same: 12.9 GiB; mesh dp=2,pp=2,tp=megatron:1 b = 16,
+# h = 1024: 5.2 GiB):
+#   rank 0: 1.4-1.5x the serial model's parameters, gradients and activations (the cost
+#     model's formula at p = 1) in scheme runs (its peak RSS less the shared pages), more
+#     in mesh runs (it keeps every step's gradients);
+#   other ranks: up to 2.05x the scheme's per-rank formula (``shard``) once rank 0 and
+#     the window are taken off (Megatron, whose activations are replicated over the
+#     group; SUMMA2.5 1.0x); for a mesh rank (the formula of its tensor grid on a
+#     replica's batch and a stage's layers) less than 1x, because the ranks' peaks do not
+#     coincide with rank 0's.
+# The estimate adds every rank's peak with margins: 1.15-1.8x the measured node totals
+# of the scheme runs, 1.6x those of the meshes.
 SERIAL_FACTOR = {"transformer": 1.5, "mesh": 1.9}
-SHARD_FACTOR = {"transformer": 2.0, "mesh": 2.0}
-REP_FACTOR = 3.2
-LOGITS_FACTOR = 3.5
+SHARD_FACTOR = {"transformer": 2.4, "mesh": 1.6}
 
 
 def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
@@ -148,23 +152,28 @@ def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, check
     return memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))
 
 
-def training_bytes(case, p: int) -> tuple[int, int]:
-    """``(rank 0, any other rank)`` estimated peak bytes of a transformer or mesh case
-    (see the factors above): rank 0 also runs the serial reference."""
+def training_bytes(case, p: int) -> tuple[int, int, int]:
+    """``(rank 0, any other rank, the node's shared reference)`` estimated peak bytes of
+    a transformer or mesh case (see the factors above): rank 0 also runs the serial
+    model; the shared reference is one copy per node, whatever the ranks on it."""
     config, k = case.config, case.kind
+    item = np.dtype(config.dtype).itemsize
     ser = scheme_memory("megatron", 1, 1, 1, config, case.batch, False)
     serial = ser.params + ser.embedding + ser.grads + ser.activations
-    rep = ser.params + ser.embedding + ser.grads
-    logits = case.batch * config.seq * config.vocab * np.dtype(config.dtype).itemsize
+    params = ser.params + ser.embedding
+    tokens = 2 * case.batch * config.seq * 8                     # tokens and targets, int64
+    logits = case.batch * config.seq * config.vocab * item
     if k == "mesh":
         stage = dataclasses.replace(config, layers=-(-config.layers // case.pp))
         m = scheme_memory(case.scheme, case.tensor_size, case.q, case.d, stage,
-                     -(-case.batch // case.dp), case.checkpoint)
+                          -(-case.batch // case.dp), case.checkpoint)
+        window = params * (case.steps + 2) + tokens     # params, every step's grads, final
     else:
         m = scheme_memory(case.scheme, p, case.q, case.d, config, case.batch, False)
+        window = 2 * params + logits + tokens
     shard = m.params + m.grads + m.optimizer + m.activations + m.workspace + m.embedding
-    other = REP_FACTOR * rep + LOGITS_FACTOR * logits + SHARD_FACTOR[k] * shard
-    return int(max(SERIAL_FACTOR[k] * serial, other)), int(other)
+    other = SHARD_FACTOR[k] * shard + logits / p
+    return int(max(SERIAL_FACTOR[k] * serial, other)), int(other), int(window)
 
 
 def check_training_fits(case, p: int, ranks_on_node: int, available: int | None = None) -> str:
@@ -175,10 +184,10 @@ def check_training_fits(case, p: int, ranks_on_node: int, available: int | None 
     budget = int(HEADROOM * avail)
 
     def need(c):
-        root, other = training_bytes(c, p)
-        return root + (ranks_on_node - 1) * other, root, other
+        root, other, window = training_bytes(c, p)
+        return root + window + (ranks_on_node - 1) * other, root, other, window
 
-    total, root, other = need(case)
+    total, root, other, window = need(case)
     if total <= budget:
         return ""
     ok = lambda b: dataclasses.replace(case, batch=b).misfit(p) == ""  # noqa: E731
@@ -193,6 +202,7 @@ def check_training_fits(case, p: int, ranks_on_node: int, available: int | None 
             else f"not even batch {unit} fits")
     return (f"{case.label(p)} needs about {total / 2**30:.1f} GiB on this node "
             f"({root / 2**30:.2f} GiB on rank 0, which also runs the serial reference, "
+            f"{window / 2**30:.2f} GiB for the reference shared by the node's ranks, "
             f"{other / 2**30:.2f} GiB on each other rank of {ranks_on_node}), but "
             f"{budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
             f"{avail / 2**30:.1f} GiB available); {fits}")
