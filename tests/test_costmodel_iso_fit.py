@@ -1,11 +1,14 @@
 """Isoefficiency exponents under the papers' assumptions; synthetic alpha/beta fits."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from summasim.costmodel import isoefficiency, paper_machine, reference_slope
 from summasim.costmodel.fit import fit_alpha_beta, fit_regimes, log_sizes, median_rel_err
 from summasim.costmodel.isoefficiency import illinois_root, loglog_slope
+from summasim.costmodel.machine import Machine, sanity_problems
 
 P2 = [2 ** k for k in range(4, 17)]        # 16 .. 65536
 P4 = [4 ** k for k in range(2, 9)]         # 16 .. 65536, perfect squares
@@ -81,6 +84,31 @@ def test_fit_two_regimes_with_noise_and_outliers():
     # a given threshold is used as is
     assert fit_regimes(sizes, t, threshold=4096).threshold == 4096
     assert median_rel_err([1.1, 0.9, 1.0], [1.0, 1.0, 1.0]) == pytest.approx(0.1)
+
+
+def test_a_small_regime_whose_slope_latency_hides_takes_the_large_regimes():
+    """Timed on an oversubscribed machine, the few sizes below the eager threshold can
+    fall with size (noise over a flat latency): an unconstrained slope is then 0, an
+    infinite bandwidth the sanity check refuses. The small regime takes the large
+    regime's slope instead; a slope the points do resolve is kept as fitted."""
+    sizes = np.array(log_sizes(8, 64 << 20, 4), float)
+    small = sizes < 8192
+    t = np.where(small, 40e-6 * (1 - 0.02 * np.log2(sizes / 8) / 10), 6e-6 + 2.5e-10 * sizes)
+    rf = fit_regimes(sizes, t, 8192)
+    assert rf.large.beta == pytest.approx(2.5e-10, rel=1e-3)
+    assert rf.small.beta == rf.large.beta
+    assert rf.small.alpha == pytest.approx(40e-6, rel=0.05)
+    assert rf.small.median_rel_err < 0.02
+    free = fit_alpha_beta(sizes[small], t[small])
+    assert free.beta == 0.0 or 1 / free.beta > 1e12     # what the floor replaces
+    machine = Machine.simple(alpha=1e-6, beta=1e-10, gamma=1e-10, cores=2)
+    link = rf.link()
+    assert not [x for x in sanity_problems(dataclasses.replace(machine, intra=link))
+                if "link" in x]
+    # a resolved small slope, steeper or shallower than the large one, is the fit's own
+    for b in (1e-9, 1e-10):
+        t2 = np.where(small, 2e-6 + b * sizes, 6e-6 + 2.5e-10 * sizes)
+        assert fit_regimes(sizes, t2, 8192).small.beta == pytest.approx(b, rel=1e-3)
 
 
 def test_fit_rejects_bad_input():

@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .collectives import collective_time
-from .machine import Link, Machine, SharedCore, sanity_problems
+from .machine import MAX_LINK_BANDWIDTH, Link, Machine, SharedCore, sanity_problems
 
 MiB = 1 << 20
 
@@ -131,8 +131,9 @@ def _soft_l1(r, scale):
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *,
-                   f_scale: float = 0.05) -> LinearFit:
-    """Robust fit of ``t = alpha + beta m`` with relative residuals.
+                   f_scale: float = 0.05, beta: float | None = None) -> LinearFit:
+    """Robust fit of ``t = alpha + beta m`` with relative residuals (``alpha`` alone
+    when ``beta`` is given).
 
     Parameters
     ----------
@@ -167,11 +168,35 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *,
     def resid(x):
         return (x[0] * a_s + x[1] * b_s * m) / t - 1.0
 
-    res = least_squares(resid, x0, bounds=(0.0, np.inf), loss="soft_l1", f_scale=f_scale,
-                        x_scale="jac")
+    if beta is not None:                    # alpha alone, the slope given
+        fixed = float(beta)
+        res = least_squares(lambda x: resid([x[0], fixed / b_s]), x0[:1], bounds=(0.0, np.inf),
+                            loss="soft_l1", f_scale=f_scale, x_scale="jac")
+        res.x = np.array([res.x[0], fixed / b_s])
+    else:
+        res = least_squares(resid, x0, bounds=(0.0, np.inf), loss="soft_l1", f_scale=f_scale,
+                            x_scale="jac")
     alpha, beta = float(res.x[0] * a_s), float(res.x[1] * b_s)
     rel = np.abs((alpha + beta * m) / t - 1.0)
     return LinearFit(alpha, beta, float(np.median(rel)), int(m.size))
+
+
+def _unresolved(fit: LinearFit) -> bool:
+    """The fit's slope sits at the bound or implies a bandwidth no link has: latency
+    hides it at these sizes (a few small messages, timed on a noisy or oversubscribed
+    machine)."""
+    return fit.beta <= 0 or 1.0 / fit.beta > MAX_LINK_BANDWIDTH
+
+
+def _small_and_large(m, t, lo, hi, f_scale):
+    """The two regimes' fits; a small regime whose slope the latency hides takes the
+    large regime's (no message moves its bytes faster than the large-message path), so
+    the fit is not refused for an infinite bandwidth that no point measured."""
+    fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale)
+    fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale)
+    if _unresolved(fs) and not _unresolved(fl):
+        fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale, beta=fl.beta)
+    return fs, fl
 
 
 def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int | None = None,
@@ -198,8 +223,7 @@ def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int |
         best = None
         for c in cands:
             lo, hi = m < c, m >= c
-            fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale)
-            fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale)
+            fs, fl = _small_and_large(m, t, lo, hi, f_scale)
             loss = (_soft_l1(fs.predict(m[lo]) / t[lo] - 1, f_scale)
                     + _soft_l1(fl.predict(m[hi]) / t[hi] - 1, f_scale))
             if best is None or loss < best[0]:
@@ -211,8 +235,7 @@ def fit_regimes(sizes: Sequence[float], times: Sequence[float], threshold: int |
         fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale) if lo.sum() >= 2 else one
         fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale) if hi.sum() >= 2 else one
         return RegimeFit(fs, fl, int(threshold))
-    return RegimeFit(fit_alpha_beta(m[lo], t[lo], f_scale=f_scale),
-                     fit_alpha_beta(m[hi], t[hi], f_scale=f_scale), int(threshold))
+    return RegimeFit(*_small_and_large(m, t, lo, hi, f_scale), int(threshold))
 
 
 def library_eager_threshold(version: str) -> tuple[int | None, str]:
