@@ -99,6 +99,35 @@ def test_one_failing_rank_aborts_the_whole_job(mpiexec):
     print(f"abort of a 16-rank job took {seconds:.1f} s")
 
 
+@pytest.mark.parametrize("owner,attr,args", [
+    ("summasim.transformer.megatron", "backward", ["--schemes", "megatron", "--meshes", "none"]),
+    ("summasim.transformer.composed.Trainer", "step",
+     ["--schemes", "none", "--mesh", "dp=2,pp=2,tp=megatron:1"])])
+def test_one_failing_rank_in_a_training_row_aborts_the_job(mpiexec, owner, attr, args):
+    """An exception on one rank inside a scheme or mesh row (after the reference is
+    shared) ends the job with its traceback; the others must not wait in a collective
+    cleanup (the shared window's free) for a rank that will never come."""
+    mod, _, cls = owner.rpartition(".") if attr == "step" else (owner, "", "")
+    code = "\n".join([
+        "import importlib, sys",
+        "from mpi4py import MPI",
+        "import summasim.run as r",
+        f"o = importlib.import_module({mod!r})",
+        f"o = getattr(o, {cls!r})" if cls else "",
+        f"f = getattr(o, {attr!r})",
+        "def bad(*a, **k):",
+        "    if MPI.COMM_WORLD.rank == 1:",
+        "        raise RuntimeError('deliberate failure in a row')",
+        "    return f(*a, **k)",
+        f"setattr(o, {attr!r}, bad)",
+        f"sys.exit(r.main(['--algorithms', 'none', '--repeats', '1', '--no-predict', *{args!r}]))"])
+    proc, _ = launch(mpiexec, 4, ["-c", code], 120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), out[-3000:]
+    assert "[rank 1/4] unhandled exception" in out and "deliberate failure in a row" in out, \
+        out[-3000:]
+
+
 def test_failed_validation_exits_nonzero(mpiexec):
     """A run whose result is wrong must FAIL and exit 1 (the bound is not a formality)."""
     code = ("import sys, summasim.algorithms as a, summasim.run as r;"

@@ -322,6 +322,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
                 backend=backend)
     item = np.dtype(config.dtype).itemsize
+    finished = False
     try:
         tr = Trainer(ref["params"], config, mesh, spec, zero=case.zero, schedule=case.schedule,
                      microbatches=case.microbatches, checkpoint=case.checkpoint,
@@ -436,10 +437,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         # the first step and where it sits, (replica, stage, tensor rank, its layers)
         summaries = world.gather(event_summary(events), root=0)
         coords = world.gather(list(mesh.coords) + [tr.layers.start, tr.layers.stop], root=0)
+        finished = True
     finally:
         mesh.free()
         ref = tokens = targets = expect = None     # views of the window, then the window
-        shared.free()
+        if finished:    # freeing is collective: a rank that raised must reach the abort
+            shared.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})

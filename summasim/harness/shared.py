@@ -15,8 +15,10 @@ leaders (in pieces below 2 GiB); a fence on each node makes them visible. On one
 nothing crosses the network.
 
 The views live as long as the :class:`NodeShared`; :meth:`NodeShared.free` (collective
-over the node) releases the window, after which no view may be touched: keep only
-scalars and copies past it.
+over the node, and synchronizing: MPI_Win_free waits for every rank of the node)
+releases the window, after which no view may be touched: keep only scalars and copies
+past it. Free it on the path where the work finished, not in a ``finally``: a rank that
+raised alone must reach the abort hook, not wait in the free for ranks that wait for it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class NodeShared:
     leaves) on every rank of ``world``, its arrays as read-only views of one copy per
     node (collective; ``tree`` is read on the root only).
 
-    Use as a context manager, or call :meth:`free` on every rank when done.
+    Use as a context manager where nothing in the block can raise on one rank alone,
+    else call :meth:`free` on every rank once the work is done.
     """
 
     def __init__(self, world, tree=None, root: int = 0):

@@ -242,6 +242,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     itemsize = np.dtype(config.dtype).itemsize
     mine = fault is not None and fault.rank == rank
     want_grads = want_logits = None
+    finished = False
     try:
         local = module.shard(ref["params"], config, grid)
         want_grads = module.shard(ref["grads"], config, grid)      # this rank's blocks
@@ -323,11 +324,13 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         msgs = int(reduce_max(world, [len(plain_events)])[0])
         summaries = world.gather(event_summary(plain_events), root=0)
         coords = world.gather(list(getattr(grid, "coords", (grid.rank,))), root=0)
+        finished = True
     finally:
         FAULTS.drop_next_sum = False
         grid.free()
         ref = tokens = targets = None         # views of the window, then the window
-        shared.free()
+        if finished:    # freeing is collective: a rank that raised must reach the abort
+            shared.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})
