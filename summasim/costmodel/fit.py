@@ -37,7 +37,11 @@ alpha and beta are fitted per regime (small / large messages, split at the eager
 threshold: given, or chosen as the split that fits best) by robust least squares
 on relative residuals, ``scipy.optimize.least_squares(loss="soft_l1")`` on
 ``(alpha + beta m) / t - 1``, so that 8-byte and 64-MiB points weigh alike and
-outliers (a descheduled rank) do not drag the line. The fit quality printed per
+outliers (a descheduled rank) do not drag the line. When latency hides the small
+regime's slope (its few sizes, timed on a noisy or oversubscribed machine, give beta at
+the bound or a bandwidth above any link's), it takes the large regime's beta and only
+its alpha is fitted: no message moves its bytes faster than the large-message path, and
+one unresolved slope should not refuse the whole machine. The fit quality printed per
 regime is the median relative error. The collectives are then predicted with
 the fitted machine and the MPICH-selected algorithm, and their median relative
 error is printed too: a check of the whole model, not part of the fit.
