@@ -161,3 +161,26 @@ def test_a_mesh_row_holds_its_share_of_the_reference_off_rank_0():
                     f"the mesh row took {extra / 2**20:.1f} MiB more than its Trainer "
                     f"alone; a stage's share is {share / 2**20:.1f} MiB, the whole model "
                     f"{whole / 2**20:.1f} MiB")
+
+
+def test_a_row_that_fails_on_every_rank_leaves_no_window_behind(monkeypatch):
+    """An error raised on every rank alike inside a row (caught by the caller) abandons
+    the row's window; the next row on the same communicator frees it first, so a caller
+    that catches such errors row after row does not pile up copies of the reference."""
+    from summasim.harness import shared
+    from summasim.transformer import megatron
+
+    case = transformer_case("megatron", 1, 1, 2, 4, 4 * P, P, 8 * P, 1)
+
+    def refuse(*a, **k):
+        raise ValueError("refused on every rank")
+
+    monkeypatch.setattr(megatron, "forward", refuse)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="refused on every rank"):
+            run_case(case, WORLD, None, timed=False, with_memory=False)
+        parallel_assert(len(shared._ABANDONED) == 1, f"{len(shared._ABANDONED)} windows left")
+    monkeypatch.undo()
+    res = run_case(case, WORLD, None, timed=False, with_memory=False)
+    parallel_assert(res.ok and not shared._ABANDONED,
+                    f"ok {res.ok}, {len(shared._ABANDONED)} windows left")

@@ -234,3 +234,6 @@ def test_block_errors_over_the_ranks_are_the_whole_tensors_error(parts, n, seed)
     assert block_err(np.empty((0, 7)), np.empty((0, 7)), scale) == 0.0
     assert block_err(np.zeros(3), np.zeros(3), scale_of(np.zeros(3))) == 0.0
     assert block_err(np.ones(3), np.zeros(3), 0.0) == math.inf
+    # a block of the wrong shape fails, even an empty one or one that broadcasts
+    assert block_err(np.empty((0, 7)), ser, scale) == math.inf
+    assert block_err(ser[:, :1], ser, scale) == math.inf

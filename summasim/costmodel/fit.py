@@ -39,9 +39,10 @@ on relative residuals, ``scipy.optimize.least_squares(loss="soft_l1")`` on
 ``(alpha + beta m) / t - 1``, so that 8-byte and 64-MiB points weigh alike and
 outliers (a descheduled rank) do not drag the line. When latency hides the small
 regime's slope (its few sizes, timed on a noisy or oversubscribed machine, give beta at
-the bound or a bandwidth above any link's), it takes the large regime's beta and only
-its alpha is fitted: no message moves its bytes faster than the large-message path, and
-one unresolved slope should not refuse the whole machine. The fit quality printed per
+the bound or a bandwidth above any link's), it takes the large regime's beta (no message
+moves its bytes faster than the large-message path) or, where its points do not bear
+that out, the fastest link's (latency alone), whichever fits them better, and only its
+alpha is fitted: one unresolved slope should not refuse the whole machine. The fit quality printed per
 regime is the median relative error. The collectives are then predicted with
 the fitted machine and the MPICH-selected algorithm, and their median relative
 error is printed too: a check of the whole model, not part of the fit.
@@ -176,11 +177,11 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *,
         fixed = float(beta)
         res = least_squares(lambda x: resid([x[0], fixed / b_s]), x0[:1], bounds=(0.0, np.inf),
                             loss="soft_l1", f_scale=f_scale, x_scale="jac")
-        res.x = np.array([res.x[0], fixed / b_s])
     else:
         res = least_squares(resid, x0, bounds=(0.0, np.inf), loss="soft_l1", f_scale=f_scale,
                             x_scale="jac")
-    alpha, beta = float(res.x[0] * a_s), float(res.x[1] * b_s)
+    alpha = float(res.x[0] * a_s)
+    beta = fixed if beta is not None else float(res.x[1] * b_s)
     rel = np.abs((alpha + beta * m) / t - 1.0)
     return LinearFit(alpha, beta, float(np.median(rel)), int(m.size))
 
@@ -193,13 +194,17 @@ def _unresolved(fit: LinearFit) -> bool:
 
 
 def _small_and_large(m, t, lo, hi, f_scale):
-    """The two regimes' fits; a small regime whose slope the latency hides takes the
-    large regime's (no message moves its bytes faster than the large-message path), so
-    the fit is not refused for an infinite bandwidth that no point measured."""
+    """The two regimes' fits. A small regime whose slope the latency hides is given one:
+    the large regime's (no message moves its bytes faster than the large-message path)
+    or, when the small points do not bear that out, the fastest link's
+    (``MAX_LINK_BANDWIDTH``: latency alone), whichever fits its points better; so the
+    fit is not refused for an infinite bandwidth that no point measured."""
     fl = fit_alpha_beta(m[hi], t[hi], f_scale=f_scale)
     fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale)
-    if _unresolved(fs) and not _unresolved(fl):
-        fs = fit_alpha_beta(m[lo], t[lo], f_scale=f_scale, beta=fl.beta)
+    if _unresolved(fs):
+        slopes = [1.0 / MAX_LINK_BANDWIDTH] + ([fl.beta] if not _unresolved(fl) else [])
+        fits = [fit_alpha_beta(m[lo], t[lo], f_scale=f_scale, beta=b) for b in slopes]
+        fs = min(fits, key=lambda f: _soft_l1(f.predict(m[lo]) / t[lo] - 1, f_scale))
     return fs, fl
 
 

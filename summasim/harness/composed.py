@@ -319,8 +319,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     tokens, targets, ref_losses = ref["tokens"], ref["targets"], ref["losses"]
     rep = MeshReport(case.spec, case.zero, case.schedule, case.microbatches, case.checkpoint,
                      p, case.dtype, case.steps, bound)
-    mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
-                backend=backend)
+    try:
+        mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
+                    backend=backend)
+    except BaseException:
+        shared.abandon()
+        raise
     item = np.dtype(config.dtype).itemsize
     finished = False
     try:
@@ -443,6 +447,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         ref = tokens = targets = expect = None     # views of the window, then the window
         if finished:    # freeing is collective: a rank that raised must reach the abort
             shared.free()
+        else:
+            shared.abandon()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})

@@ -19,6 +19,11 @@ over the node, and synchronizing: MPI_Win_free waits for every rank of the node)
 releases the window, after which no view may be touched: keep only scalars and copies
 past it. Free it on the path where the work finished, not in a ``finally``: a rank that
 raised alone must reach the abort hook, not wait in the free for ranks that wait for it.
+On an error, :meth:`NodeShared.abandon` (local) leaves the window to the next
+:class:`NodeShared` on the same communicator, which frees it first: an error that every
+rank raised alike (an argument agreement) leaves every rank there, so the windows are
+freed in step and a caller that catches such errors row after row does not pile up
+copies; a rank that raised alone never gets there (the job aborts).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from mpi4py import MPI
 
 ALIGN = 64                 # bytes: each array starts on a cache line
 PIECE = 1 << 30            # bytes per broadcast call (MPI counts are C ints)
+_ABANDONED: list = []      # NodeShared left by an error, freed by the next on their world
 
 
 class _Slot:
@@ -80,6 +86,8 @@ class NodeShared:
     def __init__(self, world, tree=None, root: int = 0):
         if root != 0:
             raise ValueError("NodeShared publishes from rank 0 (a node leader)")
+        _free_abandoned(world)
+        self._world = world
         rank = world.Get_rank()
         arrays: list = []
         total = [0]
@@ -116,11 +124,32 @@ class NodeShared:
             self._leaders.Free()
         self._node.Free()
 
+    def abandon(self) -> None:
+        """Drop the views and leave the window to the next :class:`NodeShared` on this
+        communicator (local; for an error path, where a collective free could wait for
+        a rank that raised alone)."""
+        self.value = None
+        if self._win is not None and self not in _ABANDONED:
+            _ABANDONED.append(self)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.free()
+
+
+def _free_abandoned(world) -> None:
+    """Free, in the order they were left, the windows abandoned on ``world`` (collective
+    over ``world``: every rank that gets here left the same ones, see the module)."""
+    for sh in list(_ABANDONED):
+        try:
+            same = world.Compare(sh._world) in (MPI.IDENT, MPI.CONGRUENT)
+        except MPI.Exception:              # its communicator is gone: nothing to match
+            same = False
+        if same:
+            _ABANDONED.remove(sh)
+            sh.free()
 
 
 def _slots(skeleton):

@@ -98,10 +98,12 @@ def block_err(par, ser, scale: float) -> float:
     tensor whose serial block is ``ser`` and whose whole serial tensor has ``max |.|
     = scale`` (:func:`scale_of`): the max over the ranks' blocks is :func:`rel_err` of
     the whole tensor. 0 for an empty block; NaN when ``par`` or the scale is not
-    finite."""
+    finite; inf when ``par`` does not have the serial block's shape."""
     if math.isnan(scale):
         return math.nan
     par = np.asarray(backend_of(par).to_numpy(par), dtype=np.float64)
+    if par.shape != np.shape(ser):          # a block of the wrong shape is wrong, not 0
+        return math.inf
     if not par.size:
         return 0.0
     if not np.isfinite(par).all():
@@ -238,7 +240,11 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
 
     rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
                        fault=str(fault) if fault else "")
-    grid = spec.make_grid(world, q, d, backend)
+    try:
+        grid = spec.make_grid(world, q, d, backend)
+    except BaseException:
+        shared.abandon()
+        raise
     itemsize = np.dtype(config.dtype).itemsize
     mine = fault is not None and fault.rank == rank
     want_grads = want_logits = None
@@ -331,6 +337,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         ref = tokens = targets = None         # views of the window, then the window
         if finished:    # freeing is collective: a rank that raised must reach the abort
             shared.free()
+        else:
+            shared.abandon()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep})
