@@ -237,3 +237,22 @@ def test_block_errors_over_the_ranks_are_the_whole_tensors_error(parts, n, seed)
     # a block of the wrong shape fails, even an empty one or one that broadcasts
     assert block_err(np.empty((0, 7)), ser, scale) == math.inf
     assert block_err(ser[:, :1], ser, scale) == math.inf
+
+
+def test_mesh_comparison_keeps_a_non_finite_serial_value():
+    """The mesh rows' comparison: a NaN or Inf in the serial gradients (its scale NaN)
+    fails the key, whichever key comes first; a clean match is 0."""
+    from summasim.harness.composed import _compare, _max_abs
+
+    class Layout:                          # two keys packed in one flat vector
+        def key_ranges(self):
+            return {"a": (0, 4), "b": (4, 10)}
+
+    ser = np.arange(1.0, 11.0)
+    held = [(0, 10, ser.copy())]
+    assert _compare(Layout(), held, ser, _max_abs({"a": ser[:4], "b": ser[4:]})) == (0.0, "a")
+    for bad in (np.inf, np.nan):
+        ref = ser.copy()
+        ref[7] = bad
+        err, key = _compare(Layout(), held, ref, _max_abs({"a": ref[:4], "b": ref[4:]}))
+        assert math.isnan(err) and key == "b"

@@ -63,7 +63,7 @@ from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
 from .timing import reduce_max, time_calls
-from .transformer import _inputs, layer_tp_items, table1_payload
+from .transformer import _inputs, layer_tp_items, scale_of, table1_payload
 
 PHASES = ("dp.grads", "zero.params", "zero.gather", "embed.tie", "pp.fwd", "pp.bwd")
 LR = 1e-3
@@ -140,7 +140,7 @@ def _host(x) -> np.ndarray:
 
 def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
     """Worst ``max |par - ser| / max |ser|`` over the keys that ``held`` covers (NaN if
-    any held value is not finite), and that key."""
+    any held or serial value is not finite), and that key."""
     worst, where = 0.0, ""
     expected = _host(expected)
     for lo, hi, vals in held:
@@ -153,6 +153,8 @@ def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
                 continue
             diff = float(np.max(np.abs(vals[s - lo:e - lo] - expected[s:e])))
             scale = scales[key]
+            if math.isnan(scale) or math.isnan(diff):     # a non-finite serial value
+                return math.nan, key
             err = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
             if err > worst or not where:
                 worst, where = err, key
@@ -160,7 +162,9 @@ def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
 
 
 def _max_abs(arrays: dict) -> dict:
-    return {k: float(np.max(np.abs(v))) if v.size else 0.0 for k, v in arrays.items()}
+    """``max |v|`` of each tensor (:func:`~summasim.harness.transformer.scale_of`: NaN
+    when it holds a non-finite value, which then fails every comparison with it)."""
+    return {k: scale_of(v) for k, v in arrays.items()}
 
 
 def _phase_bytes(events) -> dict:
