@@ -63,7 +63,7 @@ from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
 from .timing import reduce_max, time_calls
-from .transformer import _inputs, layer_tp_items, scale_of, table1_payload
+from .transformer import _inputs, block_err, layer_tp_items, scale_of, table1_payload
 
 PHASES = ("dp.grads", "zero.params", "zero.gather", "embed.tie", "pp.fwd", "pp.bwd")
 LR = 1e-3
@@ -151,11 +151,9 @@ def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
             s, e = max(lo, a), min(hi, b)
             if s >= e:
                 continue
-            diff = float(np.max(np.abs(vals[s - lo:e - lo] - expected[s:e])))
-            scale = scales[key]
-            if math.isnan(scale) or math.isnan(diff):     # a non-finite serial value
+            err = block_err(vals[s - lo:e - lo], expected[s:e], scales[key])
+            if math.isnan(err):                      # a non-finite serial value
                 return math.nan, key
-            err = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
             if err > worst or not where:
                 worst, where = err, key
     return worst, where

@@ -71,18 +71,6 @@ def layer_tp_items(events, layer: int, direction: str, itemsize: int) -> int:
                and e.group in ("row", "col", "world")) // itemsize
 
 
-def rel_err(par, ser) -> float:
-    """``max |par - ser| / max |ser|`` (an exact match of zeros is 0; NaN when either
-    holds a non-finite value)."""
-    par = np.asarray(par, dtype=np.float64)
-    ser = np.asarray(ser, dtype=np.float64)
-    if not (np.isfinite(par).all() and np.isfinite(ser).all()):
-        return math.nan
-    diff = float(np.max(np.abs(par - ser))) if ser.size else 0.0
-    scale = float(np.max(np.abs(ser))) if ser.size else 0.0
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
-
-
 def scale_of(ser) -> float:
     """``max |ser|`` over a whole serial tensor (0 when empty; NaN when it holds a
     non-finite value, which makes every error measured against it NaN)."""
@@ -96,8 +84,8 @@ def scale_of(ser) -> float:
 def block_err(par, ser, scale: float) -> float:
     """``max |par - ser| / scale`` over one rank's block ``par`` (any backend) of a
     tensor whose serial block is ``ser`` and whose whole serial tensor has ``max |.|
-    = scale`` (:func:`scale_of`): the max over the ranks' blocks is :func:`rel_err` of
-    the whole tensor. 0 for an empty block; NaN when ``par`` or the scale is not
+    = scale`` (:func:`scale_of`): the max over the ranks' blocks is ``max |par - ser| /
+    max |ser|`` of the whole tensor. 0 for an empty block; NaN when ``par`` or the scale is not
     finite; inf when ``par`` does not have the serial block's shape."""
     if math.isnan(scale):
         return math.nan

@@ -272,7 +272,7 @@ class Trainer:
         self.lm = not config.n_classes
         keys = model.stage_keys(config, self.layers, self.first, self.last)
         local = self.module.shard(params, config, self.grid, keys)   # agrees over the grid
-        self._layout(local)
+        self._layout(local, keys)
         self.xp = array_module(local[self.keys[0]])
         dtype, n = config.dtype, self.n
         if zero < 3:
@@ -292,9 +292,8 @@ class Trainer:
         self._gathered = []
 
     # -- layout --------------------------------------------------------------
-    def _layout(self, local: dict) -> None:
+    def _layout(self, local: dict, keys: list) -> None:
         cfg = self.config
-        keys = model.stage_keys(cfg, self.layers, self.first, self.last)
         units = []
         if self.first:
             units += [("wte", ("wte",)), ("wpe", ("wpe",))]
