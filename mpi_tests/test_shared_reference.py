@@ -184,3 +184,21 @@ def test_a_row_that_fails_on_every_rank_leaves_no_window_behind(monkeypatch):
     res = run_case(case, WORLD, None, timed=False, with_memory=False)
     parallel_assert(res.ok and not shared._ABANDONED,
                     f"ok {res.ok}, {len(shared._ABANDONED)} windows left")
+
+
+def test_the_transformer_benchmark_holds_no_whole_model_off_rank_0():
+    """``bench transformer`` times the schemes on the model that rank 0 shares; off rank
+    0 its traced peak stays below the whole model's parameters (each rank used to build
+    the whole model and shard it)."""
+    from summasim.bench import bench_transformer
+
+    skip_unless(P >= 8, f"at p = {P} a rank's shard and its step's workspaces approach the "
+                "whole model")
+    shape = (2, 8, 256, 16, 2048, 1)                     # b, s, h, heads, vocab, layers
+    config = model.Config(vocab=2048, seq=8, hidden=256, heads=16, layers=1)
+    peak = _traced_peak(lambda: bench_transformer(WORLD, shape, "float64", 1, False,
+                                                  lambda *a, **k: None))
+    whole = _whole(config)
+    parallel_assert(RANK == 0 or peak < whole,
+                    f"bench transformer peaked at {peak / 2**20:.1f} MiB off rank 0; the "
+                    f"whole model's parameters are {whole / 2**20:.1f} MiB")

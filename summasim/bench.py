@@ -497,6 +497,7 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
     from threadpoolctl import threadpool_limits
 
     from .comm import cores
+    from .harness.shared import NodeShared
     from .harness.timing import time_calls
     from .mpiutil import agreement
     from .transformer import model
@@ -506,17 +507,18 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
     p, rank = world.Get_size(), world.Get_rank()
     config = model.Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers,
                           dtype=np.dtype(dtype).type)
-    params = model.init_params(config, seed=0)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, v, size=(b, s))
-    targets = rng.integers(0, v, size=(b, s))
+    t_serial, inputs = None, None
+    if rank == 0:                     # the serial model, on rank 0 only
+        params = model.init_params(config, seed=0)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, v, size=(b, s))
+        targets = rng.integers(0, v, size=(b, s))
 
-    def serial_step():
-        loss, cache = model.forward(params, tokens, targets, config, checkpoint=checkpoint)
-        model.backward(cache)
+        def serial_step():
+            loss, cache = model.forward(params, tokens, targets, config,
+                                        checkpoint=checkpoint)
+            model.backward(cache)
 
-    t_serial = None
-    if rank == 0:
         with threadpool_limits(limits=cores()):
             serial_step()
             ts = []
@@ -525,7 +527,13 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
                 serial_step()
                 ts.append(time.perf_counter() - t0)
         t_serial = statistics.median(ts)
+        inputs = {"params": params, "tokens": tokens, "targets": targets}
+        del params, tokens, targets
     t_serial = _quiet_bcast(world, t_serial)
+    # the model and inputs, one read-only copy per node; each rank shards its own blocks
+    shared = NodeShared(world, inputs)
+    del inputs
+    params, tokens, targets = (shared.value[k] for k in ("params", "tokens", "targets"))
     say(f"transformer: b={b} s={s} h={h} heads={n} vocab={v} layers={layers} "
         f"{np.dtype(dtype).name}, checkpoint={checkpoint}; serial forward+backward on "
         f"{cores()} cores: {t_serial:.4f} s")
@@ -562,6 +570,8 @@ def bench_transformer(world, shape, dtype, repeats: int, checkpoint: bool, say) 
                          "seconds": t, "times": times, "serial_seconds": t_serial,
                          "ratio": t / t_serial})
             say(f"{name:<9} {label:<9} {t:>9.4f} {min(times):>8.4f} {t / t_serial:>8.2f}x")
+    params = tokens = targets = None          # views of the window, then the window
+    shared.free()
     return rows
 
 
@@ -735,15 +745,14 @@ def plan_mesh_bench(args, p: int):
 def _transformer_cases(shape, dtype, p: int) -> list:
     """The :class:`~summasim.harness.cases.TransformerCase` of every scheme and grid that
     ``bench transformer`` runs at p (for the memory check)."""
-    from .harness.cases import TransformerCase
+    from .harness.plan import plan_schemes
     from .transformer import model
     from .transformer.schemes import SCHEMES
 
     b, s, h, n, v, layers = shape
     config = model.Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers,
                           dtype=np.dtype(dtype).type)
-    return [TransformerCase(name, q, d, b, config) for name, spec in SCHEMES.items()
-            for q, d in spec.grids(p) if not spec.misfit(config, b, p, q, d)]
+    return plan_schemes(p, SCHEMES, lambda _: config, b)[0]
 
 
 def _preflight(args, world) -> str:
