@@ -24,6 +24,8 @@ from mpi4py import MPI
 
 from _util import CollectiveFailure
 
+from summasim.mpiutil import abort_job
+
 settings.register_profile(
     "mpi",
     derandomize=True,
@@ -60,10 +62,8 @@ def pytest_runtest_makereport(item, call):
             and not call.excinfo.errisinstance(CollectiveFailure):
         # a failure that the ranks did not agree on: the others may be waiting for us
         tb = "".join(traceback.format_exception(call.excinfo.value))
-        sys.stderr.write(f"[rank {WORLD.Get_rank()}/{WORLD.Get_size()}] {item.nodeid} raised "
+        abort_job(WORLD, f"[rank {WORLD.Get_rank()}/{WORLD.Get_size()}] {item.nodeid} raised "
                          f"outside a collective verdict; aborting the job:\n{tb}")
-        sys.stderr.flush()
-        WORLD.Abort(1)
 
 
 @pytest.fixture

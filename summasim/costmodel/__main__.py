@@ -71,6 +71,7 @@ def _fit_main(args, prog: str) -> int:
         return cli.print_error(prog, f"argument --out: {exc}")
     from mpi4py import MPI  # only the fit needs MPI
 
+    from ..mpiutil import abort_job
     from .fit import run_fit
 
     comm = MPI.COMM_WORLD
@@ -94,9 +95,7 @@ def _fit_main(args, prog: str) -> int:
                           name=args.name, command=" ".join(["python -m summasim.costmodel"]
                                                            + sys.argv[1:]))
     except Exception as exc:  # one rank failing must not leave the others waiting
-        print(f"[fit] rank {comm.Get_rank()}: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
-        comm.Abort(1)
+        abort_job(comm, f"[fit] rank {comm.Get_rank()}: {type(exc).__name__}: {exc}\n")
         return 1
     if comm.Get_rank() == 0:
         machine.save(args.out)
