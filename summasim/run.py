@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", action="append", default=None, metavar="dp=D,pp=P,tp=SCHEME:GRID",
                     help="sharded training on a [dp, pp, tensor] mesh, validated against the "
                          "serial model (SCHEME:GRID is megatron:T, optimus:QxQ or "
-                         "summa25:QxQxD; dp and pp default to 1); repeatable. The model is "
+                         "summa25:QxQxD; dp and pp default to 1, tp to megatron:1); repeatable. The model is "
                          "--tf-config (B is the global batch). Without --mesh the job runs a "
                          "few default compositions that fit p")
     ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,

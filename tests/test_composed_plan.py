@@ -22,13 +22,17 @@ CFG = Config(vocab=64, seq=16, hidden=64, heads=16, layers=2)
     ("tp=megatron:4", dict(dp=1, pp=1, scheme="megatron", q=1, d=1, t=4)),
     (" pp=4 , tp=summa25:2x2x3 ", dict(dp=1, pp=4, scheme="summa25", q=2, d=3, t=1)),
     ("tp=MEGATRON:1,dp=16", dict(dp=16, pp=1, scheme="megatron", q=1, d=1, t=1)),
+    ("dp=2,pp=2", dict(dp=2, pp=2, scheme="megatron", q=1, d=1, t=1)),   # no tensor grid
+    ("dp=4", dict(dp=4, pp=1, scheme="megatron", q=1, d=1, t=1)),
 ])
 def test_parse_mesh(text, want):
     assert parse_mesh(text) == want
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("dp=2,pp=2", "tp=SCHEME:GRID is required"),
+    ("", "expected dp=D"),
+    ("tp=", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("tp=cannon:", "megatron:T, optimus:QxQ or summa25:QxQxD"),   # an IndexError once
     ("dp=0,tp=megatron:2", "dp must be a positive integer"),
     ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
     ("tp=optimus:2x3", "must be square"),
@@ -118,9 +122,10 @@ def test_ring_send_items_matches_the_ring(n, p, data):
         assert rs + ag == 2 * (p - 1) * n // p
 
 
-@pytest.mark.parametrize("p", [4, 8, 9, 16, 32])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8, 9, 16, 32])
 def test_default_meshes_fit_the_default_model_at_16(p):
     specs = default_meshes(p)
+    assert bool(specs) == (p > 1)         # a job of any size >= 2 has a composition to try
     cases, skips, err = plan_meshes(p, specs, CFG, 8, explicit=False)
     assert err == "" and len(cases) + len(skips) == len(specs)
     for c in cases:
@@ -129,6 +134,8 @@ def test_default_meshes_fit_the_default_model_at_16(p):
         assert {c.scheme for c in cases} == {"megatron", "optimus", "summa25"}
         assert {c.zero for c in cases} == {0, 1, 2, 3}
         assert {c.schedule for c in cases} == {"gpipe", "1f1b"}
+    if p == 2:    # plain data parallelism and a two-stage pipeline
+        assert [(c.dp, c.pp, c.tensor_size) for c in cases] == [(2, 1, 1), (1, 2, 1)]
 
 
 def test_plan_meshes_refuses_an_explicit_misfit():

@@ -148,8 +148,9 @@ def parse_mesh(text: str) -> dict:
     """``"dp=D,pp=P,tp=SCHEME:GRID"`` -> ``{"dp", "pp", "scheme", "q", "d", "t"}`` (pure).
 
     GRID is ``T`` for megatron (1D over T ranks), ``QxQ`` for optimus, ``QxQxD`` (D >= 2)
-    for summa25. ``dp`` and ``pp`` default to 1; ``tp`` is required. ``ValueError``
-    (naming the field) on anything else.
+    for summa25. ``dp`` and ``pp`` default to 1, ``tp`` to ``megatron:1`` (no tensor
+    parallelism: ``"dp=4"`` is plain data parallelism). ``ValueError`` (naming the
+    field) on anything else, and on a mesh that names no axis at all.
     """
     fields = {}
     for part in str(text).split(","):
@@ -159,19 +160,19 @@ def parse_mesh(text: str) -> dict:
             raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID, "
                              f"got {part.strip()!r}")
         fields[key] = val.strip()
-    if "tp" not in fields:
-        raise ValueError(f"mesh {text!r}: tp=SCHEME:GRID is required ({_TP_FORMS})")
+    if not fields:
+        raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID")
     out = {}
     for key in ("dp", "pp"):
         val = fields.get(key, "1")
         if not val.isdigit() or int(val) < 1:
             raise ValueError(f"mesh {text!r}: {key} must be a positive integer, got {val!r}")
         out[key] = int(val)
-    scheme, _, grid = fields["tp"].partition(":")
+    scheme, _, grid = fields.get("tp", "megatron:1").partition(":")
     scheme = scheme.strip().lower()
-    m = re.fullmatch(_TP.get(scheme, "$^"), grid.strip().lower())
+    m = re.fullmatch(_TP[scheme], grid.strip().lower()) if scheme in _TP else None
     if not m:
-        raise ValueError(f"mesh {text!r}: tp must be {_TP_FORMS}, got {fields['tp']!r}")
+        raise ValueError(f"mesh {text!r}: tp must be {_TP_FORMS}, got {fields.get('tp')!r}")
     nums = [int(g) for g in m.groups()]
     if any(n < 1 for n in nums):
         raise ValueError(f"mesh {text!r}: grid sizes must be positive, got {grid!r}")

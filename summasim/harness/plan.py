@@ -87,7 +87,9 @@ def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",)
 def default_meshes(p: int) -> list[tuple[str, dict]]:
     """A few compositions for a job of p ranks without ``--mesh``: pipeline and data
     parallelism around each tensor scheme, each ZeRO stage and both schedules once
-    (those that do not fit the model are skipped with the reason)."""
+    (those that do not fit the model are skipped with the reason). Where p is not a
+    multiple of 4, plain data parallelism over p replicas and, for even p, two pipeline
+    stages of p / 2 replicas."""
     out = []
     if p % 4 == 0:
         out.append((f"dp=2,pp=2,tp=megatron:{p // 4}",
@@ -102,6 +104,10 @@ def default_meshes(p: int) -> list[tuple[str, dict]]:
     if p % 4 == 0 and p >= 8:
         out.append((f"dp={p // 4},pp=2,tp=megatron:2",
                     dict(zero=0, schedule="gpipe", microbatches=2)))
+    if p > 1 and p % 4:   # no tensor grid above fits p: data and pipeline parallelism alone
+        out.append((f"dp={p}", dict(zero=2, schedule="1f1b", microbatches=1)))
+        if p % 2 == 0:
+            out.append((f"dp={p // 2},pp=2", dict(zero=1, schedule="1f1b", microbatches=2)))
     return out
 
 
