@@ -229,8 +229,9 @@ def test_memory_check_is_tight(backend, monkeypatch):
 
 def test_the_nominal_forms_hold_when_chunks_divide_evenly():
     """With every bucket a multiple of dp the per-rank closed form is the textbook
-    2 (dp - 1)/dp of the gradient bytes (ZeRO 0) and (dp - 1)/dp of the parameter bytes
-    for the ZeRO-1 all-gather, on every rank."""
+    2 (dp - 1)/dp of the gradient bytes (ZeRO 0); ZeRO 1 reduce-scatters the gradients
+    and all-gathers the parameters, (dp - 1)/dp each, the same total (the ZeRO paper's
+    P_os), on every rank."""
     skip_unless(P > 1, "needs dp > 1")
     dp = P
     for zero in (0, 1):
@@ -245,9 +246,11 @@ def test_the_nominal_forms_hold_when_chunks_divide_evenly():
             parallel_assert(all(n % dp == 0 for n in sizes), f"buckets {sizes}")
             item = 8
             got = tr.expected_traffic(dp, config.seq)
-            want = 2 * (dp - 1) * tr.n * item // dp
+            want = (2 if zero == 0 else 1) * (dp - 1) * tr.n * item // dp
             parallel_assert(got["dp.grads"] == want, f"zero {zero}: {got} vs {want}")
             if zero == 1:
                 parallel_assert(got["zero.params"] == (dp - 1) * tr.n * item // dp, str(got))
+                parallel_assert(got["dp.grads"] + got["zero.params"]
+                                == 2 * (dp - 1) * tr.n * item // dp, str(got))
         finally:
             mesh.free()

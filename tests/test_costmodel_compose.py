@@ -167,8 +167,10 @@ def test_traffic_per_kind_is_the_closed_form(zero, sch, kw):
     for st in r["stages"]:
         P, tr = st["params"], st["traffic"]
         want = {
-            "dp_allreduce": 2 * frac * P * bg if zero <= 1 else 0.0,
-            "zero_reduce_scatter": m * frac * P * bg if zero >= 2 else 0.0,
+            "dp_allreduce": 2 * frac * P * bg if zero == 0 else 0.0,
+            # ZeRO 1 reduce-scatters once, ZeRO 2 and 3 after every micro-batch
+            "zero_reduce_scatter": {0: 0.0, 1: frac * P * bg, 2: m * frac * P * bg,
+                                    3: m * frac * P * bg}[zero],
             "zero_allgather": {0: 0.0, 1: frac * P * bp, 2: frac * P * bp,
                                3: 2 * m * frac * P * bp}[zero],
             # pp = 2: the first stage sends activations, the last their gradients
@@ -177,9 +179,12 @@ def test_traffic_per_kind_is_the_closed_form(zero, sch, kw):
         for kind, val in want.items():
             assert tr[kind] == pytest.approx(val, rel=1e-12), (kind, st["stage"])
         assert tr["tensor"] > 0 and tr["embedding"] > 0
-    # the tied embedding all-reduce carries the wte shard's gradient (1/dp of it under 2, 3)
+        if zero == 1:   # the ZeRO paper's P_os: the data-parallel bytes of plain DP
+            assert tr["zero_reduce_scatter"] + tr["zero_allgather"] == pytest.approx(
+                2 * frac * P * bg)
+    # the tied embedding all-reduce carries the wte shard's gradient (1/dp of it under 1-3)
     wte = cfg.v * cfg.h / (T if sch == "megatron" else kw["q"] ** 2)
-    assert r["traffic"]["embedding"] == pytest.approx(wte * bg / (dp if zero >= 2 else 1))
+    assert r["traffic"]["embedding"] == pytest.approx(wte * bg / (dp if zero >= 1 else 1))
 
 
 def test_zero3_gathers_every_piece_twice_per_microbatch():

@@ -157,3 +157,27 @@ def test_layer_ops_counts():
     minor = scheme_cost(Scheme.make("optimus", q=2), cfg, Machine.simple(), include_minor=True)
     plain = scheme_cost(Scheme.make("optimus", q=2), cfg, Machine.simple())
     assert minor.forward.comm_seconds > plain.forward.comm_seconds
+
+
+@pytest.mark.parametrize("name,kw", [("megatron", dict(p=4)), ("optimus", dict(q=2)),
+                                     ("summa25", dict(q=2, d=2))])
+def test_no_vocabulary_means_no_head(name, kw):
+    """v = 0 (the CLIs' "no embedding and head") prices the layers alone: the 2D and 2.5D
+    head products were kept with a zero dimension and raised in step_work."""
+    from summasim.costmodel import load_preset
+    from summasim.costmodel.compose import price_composition
+    from summasim.costmodel.schemes import model_ops, step_work
+    sch = Scheme.make(name, **kw)
+    cfg = TransformerConfig(b=4, s=8, h=64, n=4, N=2, v=0)
+    with_head = TransformerConfig(b=4, s=8, h=64, n=4, N=2, v=64)
+    ops = model_ops(sch, cfg)
+    assert not any(op[0] in ("mm", "gemm") and 0 in op[2:5] for op in ops["forward"]
+                   + ops["backward"])
+    work, head = step_work(sch, cfg), step_work(sch, with_head)
+    flops = sum(2 * m * k * n * c for m, k, n, c in work.gemms)
+    assert 0 < flops < sum(2 * m * k * n * c for m, k, n, c in head.gemms)
+    for preset in ("local-2core-mpich", "dgx-a100"):
+        res = price_composition(cfg, name, machine=load_preset(preset),
+                                **{("t" if name == "megatron" else "q"): kw.get("p", kw.get("q")),
+                                   "d": kw.get("d", 1)})
+        assert res["step_seconds"] > 0

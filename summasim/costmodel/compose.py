@@ -36,17 +36,20 @@ pipeline         Per micro-batch, stage s takes ``t_s = f_s + b_s`` (its forward
                  sum(f + b)``. With equal stages both are ``(m + pp - 1) t`` and the
                  bubble ``(pp - 1) t`` is the fraction ``(pp-1)/(m+pp-1)`` of the
                  pipeline (:func:`bubble_fraction`); the schedules differ in memory.
-data parallel    ZeRO 0 and 1: the gradients are all-reduced over dp once per step,
+data parallel    ZeRO 0: the gradients are all-reduced over dp once per step,
                  after the last micro-batch, with summasim's ring (``2(dp-1)/dp`` of
-                 the local gradient bytes sent per rank), in buckets of
+                 the local gradient bytes sent per rank; ZeRO 1 reduce-scatters them
+                 instead, ``(dp-1)/dp``), in buckets of
                  ``bucket_bytes`` in backward order: bucket i can start once the last
                  micro-batch's backward has produced it, the buckets go one after the
                  other, and only what is left when that backward (and the drain of the
                  stages before it) ends is exposed; the last bucket is never hidden
                  (:func:`overlap_exposed`).
-ZeRO             (Rajbhandari et al. 2020.) 1: Adam state partitioned; each rank
-                 updates its 1/dp shard, then the parameters are all-gathered over dp
-                 (``(dp-1)/dp`` of the local parameter bytes). 2: gradients
+ZeRO             (Rajbhandari et al. 2020.) 1: Adam state partitioned; the gradients
+                 are reduce-scattered, each rank updates its 1/dp shard, then the
+                 parameters are all-gathered over dp (``(dp-1)/dp`` of the local
+                 parameter bytes): in all the bytes of ZeRO 0's all-reduce (the
+                 paper's P_os, section 7.2.1). 2: gradients
                  reduce-scattered over dp after every micro-batch's backward
                  (``(dp-1)/dp`` of the gradient bytes, m times per step, bucketed and
                  overlapped with that backward), Adam on the shard, all-gather after
@@ -894,7 +897,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                 ag_b = hid_b + piece_t[-1][0] - max(0.0, piece_t[-1][0] - cb)
             else:
                 ag_f = ag_b = sum(x * c for x, c in piece_t)
-        ebytes = tm.wte * sb.grad / (dp if zero >= 2 else 1) if (pp > 1 and (first or last)) \
+        ebytes = tm.wte * sb.grad / (dp if zero >= 1 else 1) if (pp > 1 and (first or last)) \
             else 0.0
         stages.append({
             "stage": s, "count": count, "layers": L, "params": P,
@@ -905,8 +908,9 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                 "tensor": m * tbytes,
                 "pipeline": m * p2p_bytes * ((not last) + (not first)),
                 "embedding": ebytes,
-                "dp_allreduce": 2 * frac * P * sb.grad if zero <= 1 else 0.0,
-                "zero_reduce_scatter": m * frac * P * sb.grad if zero >= 2 else 0.0,
+                "dp_allreduce": 2 * frac * P * sb.grad if zero == 0 else 0.0,
+                "zero_reduce_scatter": (m if zero >= 2 else 1) * frac * P * sb.grad
+                if zero >= 1 else 0.0,
                 "zero_allgather": (frac * P * sb.param if zero in (1, 2)
                                    else 2 * m * frac * P * sb.param if zero == 3 else 0.0)},
         })
@@ -928,8 +932,9 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         before += st["count"] * st["backward_seconds"]
         ar = 0.0
         if zero <= 1 and dp > 1:                  # its last backward's buckets, the drain
+            red = "allreduce" if zero == 0 else "reduce_scatter"
             left = overlap_exposed(P * sb.grad, bucket_bytes, st["backward_seconds"],
-                                   lambda nb: coll("allreduce", nb, g_dp))
+                                   lambda nb: coll(red, nb, g_dp))
             ar = max(0.0, end + left - t_pipe)
         emb = coll("allreduce", st["traffic"]["embedding"], g_emb)
         shard = dp if zero >= 1 else 1
@@ -937,6 +942,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
             opt = 0.0
         elif tp.opt_layer > 0:                    # the machine's own optimizer pricing
             ends = tm.wte + tm.wpe + tm.lnf
+            s = st["stage"]                       # (not the loop variable above)
             mine = (tm.wte + tm.wpe if s == 0 else 0.0) + (
                 tm.lnf + (tm.wte if pp > 1 else 0.0) if s == pp - 1 else 0.0)
             opt = (L * tp.opt_layer + (tp.opt_ends * mine / ends if ends else 0.0)) / shard

@@ -854,19 +854,22 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
                     else ("summa25_ab", "summa25_abt", "summa25_atb"))
     rows = _split(M, d * q)
     if q > 1:
-        fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
+        if v:
+            fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
         fwd.append(("coll", "bcast", "col", q, _split(s * h, q), 1))
     fwd += N * layer["forward"]
     if q > 1:
         fwd.append(("coll", "bcast", "col", q, _split(2 * h, q), 1))
         fwd.append(("coll", "allreduce", "row", q, rows, 2))
-    fwd.append(("mm", abt, M, h, v))
+    if v:                                            # the tied head (none without a vocabulary)
+        fwd.append(("mm", abt, M, h, v))
     if q > 1:
         fwd.append(("coll", "allreduce", "row", q, rows, 3))
         fwd.append(("coll", "allreduce", "col", q, 1, 1))
     if d > 1:
         fwd.append(("coll", "allreduce", "depth", d, 1, 1))
-    bwd += [("mm", ab, M, v, h), ("mm", atb, v, M, h)]
+    if v:
+        bwd += [("mm", ab, M, v, h), ("mm", atb, v, M, h)]
     if q > 1:
         bwd.append(("coll", "allreduce", "row", q, rows, 2))
         bwd.append(("coll", "reduce", "col", q, _split(2 * h, q), 1))
@@ -874,10 +877,12 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
         bwd.append(("ring", "depth", d, _split(2 * h, q), 1))
     bwd += N * layer["backward"]
     if q > 1:
-        bwd.append(("coll", "reduce", "col", q, _split(v * h, q * q), q))
+        if v:
+            bwd.append(("coll", "reduce", "col", q, _split(v * h, q * q), q))
         bwd.append(("coll", "reduce", "col", q, _split(s * h, q), 1))
     if d > 1:
-        bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
+        if v:
+            bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
         if row0:
             bwd.append(("ring", "depth", d, _split(s * h, q), 1))
     return {"forward": fwd, "backward": bwd}
@@ -931,7 +936,7 @@ def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
     ops = model_ops(scheme, cfg)
     gemms, red = [], 0.0
     it = cfg.itemsize
-    for op in ops["forward"] + ops["backward"]:
+    for op in filter(_nonempty, ops["forward"] + ops["backward"]):
         if op[0] == "gemm":
             gemms.append(tuple(op[1:5]))
         elif op[0] == "mm":

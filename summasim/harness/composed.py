@@ -4,7 +4,7 @@ What a row checks (every rank, then one collective verdict)
 -----------------------------------------------------------
 * **values**: over ``case.steps`` Adam steps on the same global batch, the loss of every
   step, every gradient this rank holds after every step's reduction (all of its
-  stage's tensor shards under ZeRO 0-1, its owned chunks under ZeRO 2-3) and every
+  stage's tensor shards under ZeRO 0, its owned chunks under ZeRO 1-3) and every
   parameter it holds after the last step equal the serial model trained on the whole
   batch, as ``max |par - ser| / max |ser|`` per tensor, within ``bound`` (1e-10 in
   float64: the schemes alone reach about 1e-15, the step sums ``dp * m`` partial
@@ -188,14 +188,15 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
 
     A ring reduce-scatter or all-gather of n items over p ranks sends every chunk but
     one from every rank: ``(p - 1) n`` items over the group, however n divides. So with
-    ``N`` the stage's local parameters: all-reduce ``2 (dp-1) N`` (ZeRO 0-1), one
-    reduce-scatter per micro-batch ``m (dp-1) N`` (ZeRO 2-3), one all-gather of the
+    ``N`` the stage's local parameters: all-reduce ``2 (dp-1) N`` (ZeRO 0), one
+    reduce-scatter ``(dp-1) N`` (ZeRO 1), one reduce-scatter per micro-batch
+    ``m (dp-1) N`` (ZeRO 2-3), one all-gather of the
     parameters ``(dp-1) N`` (ZeRO 1-2); ZeRO-3 all-gathers every unit before each piece
     that reads it: the embedding once per micro-batch (its backward reads no weight),
     every layer and the head twice (forward, backward), ``wte`` three times when one
     stage holds both ends. The tied-embedding all-reduce is a ring of 2, in which each
-    rank sends exactly its length: ``dp |wte|`` (ZeRO 0-1) or ``|wte|`` (its chunks,
-    ZeRO 2-3) over the group. Each stage boundary carries the global batch's
+    rank sends exactly its length: ``dp |wte|`` (ZeRO 0) or ``|wte|`` (its chunks,
+    ZeRO 1-3) over the group. Each stage boundary carries the global batch's
     activation once per step, forward and backward: ``B s h`` items per rank of a 1D
     tensor grid (replicated), ``B s h / (d q^2)`` on a 2D/2.5D grid.
     """
@@ -204,7 +205,7 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     size = {nm: u.stop - u.start for nm, u in tr.units.items()}
     n = tr.n
     out = dict.fromkeys(PHASES, 0)
-    out["dp.grads"] = (2 * (dp - 1) * n) if tr.zero < 2 else m * (dp - 1) * n
+    out["dp.grads"] = (dp - 1) * n * {0: 2, 1: 1}.get(tr.zero, m)
     if tr.zero in (1, 2):
         out["zero.params"] = (dp - 1) * n
     lm = not cfg.n_classes
@@ -216,7 +217,7 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
                 reads += 2 * size["wte"]
         out["zero.gather"] = m * (dp - 1) * reads
     if mesh.pp > 1 and lm and (tr.first or tr.last):
-        out["embed.tie"] = size["wte"] * (dp if tr.zero < 2 else 1)
+        out["embed.tie"] = size["wte"] * (dp if tr.zero == 0 else 1)
     g = tr.grid
     act = batch * seq * cfg.hidden
     if tr.spec.grid_kind != "1d":

@@ -31,8 +31,11 @@ Data parallelism (``dp`` replicas) and ZeRO
     ======  ====================================================================
     ZeRO 0  gradients accumulate over micro-batches; one ring all-reduce per bucket
             over ``mesh.dp_comm`` in backward order (phase ``dp.grads``); Adam on all
-    ZeRO 1  the same all-reduce; Adam state only for the owned chunks; then a ring
-            all-gather of each bucket's parameters (phase ``zero.params``)
+    ZeRO 1  gradients accumulate as in ZeRO 0; one ring reduce-scatter per bucket
+            (only the owned chunk's sum is needed); Adam state only for the owned
+            chunks; then a ring all-gather of each bucket's parameters (phase
+            ``zero.params``): the same bytes as ZeRO 0's all-reduce (the ZeRO paper's
+            P_os, section 7.2.1)
     ZeRO 2  after each micro-batch's backward a ring reduce-scatter per bucket into a
             gradient shard (the full gradient lives only for that micro-batch); Adam
             on the owned chunks; all-gather of the parameters
@@ -385,10 +388,11 @@ class Trainer:
 
     def held_grads(self) -> list[tuple[int, int, object]]:
         """The summed gradients this rank holds after :meth:`step` (before the update
-        they fed): all of them (ZeRO 0-1) or the owned chunks (ZeRO 2-3)."""
-        if self.zero < 2:
+        they fed): all of them (ZeRO 0) or the owned chunks (ZeRO 1-3; under ZeRO 1 the
+        rest of the full gradient buffer holds partial sums)."""
+        if self.zero == 0:
             return [(0, self.n, self.grad)]
-        return [(lo, hi, self.gshard[o:o + hi - lo])
+        return [(lo, hi, self.grad[lo:hi] if self.zero == 1 else self.gshard[o:o + hi - lo])
                 for (lo, hi), o in zip(self.owned, self.shard_offsets)]
 
     def state_bytes(self) -> dict:
@@ -566,8 +570,11 @@ class Trainer:
         if self.zero < 2:
             with self.trace.phase("dp.grads"):
                 for lo, hi in self.buckets:
-                    ring_allreduce_unchecked(self.grad[lo:hi], mesh.dp_comm,
-                                             out=self.grad[lo:hi])
+                    if self.zero == 0:
+                        ring_allreduce_unchecked(self.grad[lo:hi], mesh.dp_comm,
+                                                 out=self.grad[lo:hi])
+                    else:          # ZeRO 1 updates only the owned chunk: its sum is enough
+                        ring_reduce_scatter_unchecked(self.grad[lo:hi], mesh.dp_comm)
         self._tie()
         self._update()
         self.steps += 1
@@ -591,13 +598,13 @@ class Trainer:
             return
         u = self.units["wte"]
         with self.trace.phase("embed.tie"):
-            if self.zero < 2:
+            if self.zero == 0:
                 g = self.grad[u.start:u.stop]
-            else:
+            else:                              # only the owned chunk is summed over dp
                 idx = self.buckets.index((u.start, u.stop))
                 lo, hi = self.owned[idx]
                 o = self.shard_offsets[idx]
-                g = self.gshard[o:o + hi - lo]
+                g = self.grad[lo:hi] if self.zero == 1 else self.gshard[o:o + hi - lo]
             ring_allreduce_unchecked(g, emb, out=g)
 
     def _update(self) -> None:
@@ -640,8 +647,10 @@ class Trainer:
         sizes = [hi - lo for lo, hi in self.buckets]
         out = dict.fromkeys(("dp.grads", "zero.params", "zero.gather", "embed.tie",
                              "pp.fwd", "pp.bwd"), 0)
-        if self.zero < 2:
+        if self.zero == 0:
             out["dp.grads"] = sum(ring_send_items(n, dp, a, "ar") for n in sizes)
+        elif self.zero == 1:
+            out["dp.grads"] = sum(ring_send_items(n, dp, a, "rs") for n in sizes)
         else:
             out["dp.grads"] = m * sum(ring_send_items(n, dp, a, "rs") for n in sizes)
         if self.zero in (1, 2):
@@ -658,7 +667,7 @@ class Trainer:
         if mesh.embed is not None and self.lm:
             u = self.units["wte"]
             n = u.stop - u.start
-            if self.zero >= 2:
+            if self.zero >= 1:
                 c0, c1 = _bounds(n, dp)[(a + 1) % dp]
                 n = c1 - c0
             out["embed.tie"] = ring_send_items(n, 2, mesh.embed.rank, "ar")
