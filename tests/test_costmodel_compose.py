@@ -292,3 +292,16 @@ def test_compose_never_starts_mpi():
     code = ("import sys, summasim.costmodel.compose, summasim.costmodel.plan; "
             "sys.exit(1 if 'mpi4py.MPI' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_each_stage_prices_the_optimizer_of_its_own_parameters():
+    """On a machine with per-layer optimizer pricing, a stage's Adam share follows what
+    it holds: the first stage (wte, wpe) and the last (lnf, the tied wte) pay for the
+    ends, a middle stage for its layers alone (every stage was once priced as the last)."""
+    cfg = SMALL.replace(dtype="bfloat16", N=8)
+    r = price_composition(cfg, "megatron", machine=GPU, t=4, pp=4, microbatches=4)
+    opt = {st["stage"]: st["tail"]["optimizer"] for st in r["stages"]}
+    assert set(opt) == {0, 1, 3}
+    assert opt[1] > 0
+    assert opt[0] > opt[1] and opt[3] > opt[1]     # the ends hold wte on top of 2 layers
+    assert opt[0] != opt[3]                        # wte + wpe against lnf + wte
