@@ -160,6 +160,64 @@ def test_one_rank_ring_length():
     parallel_assert("bad input on rank 0" in msg, f"message: {msg!r}")
 
 
+@pytest.mark.parametrize("fn", ["summa_ab", "summa_abt", "summa25_atb", "cannon_ab"])
+def test_out_that_overlaps_an_operand_or_is_read_only(fn):
+    """An ``out`` that is an operand (or overlaps one) would be overwritten while it is
+    still read or sent, and a read-only ``out`` on rank 0 alone would raise there
+    mid-algorithm: both raise ValueError on every rank before anything is sent."""
+    skip_unless(grid_for(fn) is not None, f"p = {P} has no grid for {fn}")
+    q, d = grid_for(fn)
+    f = getattr(algs, fn)
+    with Grid(WORLD, q, d) as g:
+        a, b = np.ones((BLK, BLK)), np.ones((BLK, BLK))
+        msg = collective_raises(ValueError, f, a, b, g, out=a)
+        parallel_assert("out overlaps a" in msg, f"message: {msg!r}")
+        big = np.ones((BLK + 1, BLK))            # b and out share BLK - 1 rows
+        msg = collective_raises(ValueError, f, a, big[1:], g, out=big[:-1])
+        parallel_assert("out overlaps b" in msg, f"message: {msg!r}")
+        if P > 1:
+            out = np.empty((BLK, BLK))
+            out.flags.writeable = RANK != 0
+            msg = one_rank_error(ValueError, f, a, b, g, out=out)
+            parallel_assert("read-only" in msg, f"message: {msg!r}")
+        parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
+        c = np.full((BLK, BLK), np.nan)          # a separate out is still written whole
+        f(a, b, g, out=c)
+        parallel_assert(bool(np.isfinite(c).all()), "out was not written")
+
+
+def test_ring_out_overlap_read_only_and_in_place_forms():
+    """ring_allreduce: an ``out`` that overlaps ``x`` without being it, or is read-only
+    on rank 0 alone, raises everywhere before anything moves; in place through a view
+    of exactly ``x``, or on a transposed (non-contiguous) ``x``, sums correctly."""
+    n = 4 * P + 3
+    buf = np.ones(n + 1)
+    msg = collective_raises(ValueError, algs.ring_allreduce, buf[:n], WORLD, out=buf[1:])
+    parallel_assert("out overlaps x" in msg, f"message: {msg!r}")
+    if P > 1:
+        out = np.empty(n)
+        out.flags.writeable = RANK != 0
+        msg = one_rank_error(ValueError, algs.ring_allreduce, np.ones(n), WORLD, out=out)
+        parallel_assert("read-only" in msg, f"message: {msg!r}")
+        ro = np.ones(n)
+        ro.flags.writeable = RANK != 0
+        for fn in (algs.ring_reduce_scatter, algs.ring_allgather):
+            msg = one_rank_error(ValueError, fn, ro, WORLD)
+            parallel_assert("read-only" in msg, f"message: {msg!r}")
+    flat = np.ones(n)
+    msg = collective_raises(ValueError, algs.ring_reduce_scatter, flat, WORLD, work=flat[:n])
+    parallel_assert("work overlaps" in msg, f"message: {msg!r}")
+    total = P * (P + 1) / 2
+    base = np.arange(n, dtype=np.float64)
+    x = base * (RANK + 1)
+    algs.ring_allreduce(x, WORLD, out=x.view())
+    parallel_assert(np.array_equal(x, base * total), "in place through a view")
+    t = (np.arange(12.0).reshape(3, 4) * (RANK + 1)).T          # (4, 3), not contiguous
+    got = algs.ring_allreduce(t, WORLD, out=t)
+    parallel_assert(got is t and np.array_equal(t, np.arange(12.0).reshape(3, 4).T * total),
+                    "in place on a transposed x")
+
+
 def test_one_rank_bad_local_param_megatron():
     """Rank 0's local ``h0.mlp.fc.b`` is one element short: every rank raises."""
     skip_unless(P > 1, "a one-rank error needs two ranks")

@@ -91,8 +91,37 @@ def check_inner(fn: str, what: str, left: int, right: int):
         raise ValueError(f"{fn}: block shapes do not conform: {what} ({left} != {right})")
 
 
-def check_out(fn: str, out, shape: tuple, like) -> None:
-    """Raise unless ``out`` is None or a C-contiguous array of ``shape`` and ``like``'s dtype."""
+def data_address(x) -> int:
+    """Address of ``x``'s first item (host or device array)."""
+    iface = getattr(x, "__array_interface__", None) or x.__cuda_array_interface__
+    return int(iface["data"][0])
+
+
+def same_memory(x, y) -> bool:
+    """True when ``x`` and ``y`` view exactly the same items the same way."""
+    return (x is y or (tuple(x.shape) == tuple(y.shape) and x.strides == y.strides
+                       and x.dtype == y.dtype and data_address(x) == data_address(y)))
+
+
+def check_writable_apart(fn: str, out, inputs: tuple, names: tuple, allow_same=False,
+                         what: str = "out") -> None:
+    """Raise ``ValueError`` when ``out`` (called ``what``) is read-only or overlaps one of
+    ``inputs`` (bounds-based, :func:`numpy.may_share_memory`); with ``allow_same`` an
+    ``out`` that views exactly an input's items (an in-place call) passes."""
+    if not getattr(out.flags, "writeable", True):
+        raise ValueError(f"{fn}: {what} is read-only")
+    xp = array_module(out)
+    for x, name in zip(inputs, names):
+        if allow_same and same_memory(out, x):
+            continue
+        if xp.may_share_memory(out, x):
+            raise ValueError(f"{fn}: {what} overlaps {name}; it would be overwritten "
+                             f"while it is still read (pass a separate buffer)")
+
+
+def check_out(fn: str, out, shape: tuple, like, inputs: tuple = (), names: tuple = ()) -> None:
+    """Raise unless ``out`` is None or a C-contiguous, writable array of ``shape`` and
+    ``like``'s dtype that shares no memory with ``inputs`` (named ``names``)."""
     if out is None:
         return
     if not hasattr(out, "dtype") or not hasattr(out, "shape"):
@@ -105,6 +134,7 @@ def check_out(fn: str, out, shape: tuple, like) -> None:
     if not out.flags.c_contiguous:
         raise ValueError(f"{fn}: out must be C-contiguous")
     array_module(out, like)  # raises TypeError on mixed host/device arrays
+    check_writable_apart(fn, out, inputs, names)
 
 
 def contiguous(x):
@@ -146,7 +176,7 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None)
             extra()
         check_inner(fn, f"a.shape[{ia}] ({k_block}) vs b.shape[{ib}] ({k_block})",
                     a.shape[ia], b.shape[ib])
-        check_out(fn, out, (a.shape[ra], b.shape[rb]), a)
+        check_out(fn, out, (a.shape[ra], b.shape[rb]), a, (a, b), ("a", "b"))
         return be
 
     be, err = local_error(local)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..backends import array_module
 from ..comm import as_comm
-from ._common import agree, dtype_of, local_error, shape_of
+from ._common import agree, check_writable_apart, dtype_of, local_error, shape_of
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -53,11 +53,18 @@ def _xp(x):
     return np if type(x) is np.ndarray else array_module(x)
 
 
+def _kind(x) -> str:
+    """``x``'s dtype (or type) for a message."""
+    return f"dtype {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
+
+
 def _flat(x, fn):
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"{fn}: expected a numeric array, got {type(x).__name__}")
+        raise TypeError(f"{fn}: expected a numeric array, got {_kind(x)}")
     if x.ndim != 1 or not x.flags.c_contiguous:
         raise ValueError(f"{fn}: expected a contiguous 1-D buffer, got shape {tuple(x.shape)}")
+    if not getattr(x.flags, "writeable", True):
+        raise ValueError(f"{fn}: the buffer is read-only (the ring works in place)")
     return x
 
 
@@ -71,6 +78,7 @@ def _work(work, flat, p, fn):
         raise ValueError(f"{fn}: work must be a contiguous 1-D {flat.dtype} buffer of at "
                          f"least ceil(N / P) = {need} items, got {shape_of(work)} "
                          f"{dtype_of(work)}")
+    check_writable_apart(fn, work, (flat,), ("the buffer",), what="work")
 
 
 def _agree_flat(fn, flat, comm, work=None):
@@ -172,7 +180,9 @@ def ring_allreduce(x, comm, out=None):
     comm : summasim.comm.Comm or mpi4py.MPI.Comm
         The group (a plain communicator is wrapped and traced as group "ring").
     out : array, optional
-        Result buffer shaped like ``x`` (may be ``x`` itself for an in-place sum).
+        Result buffer shaped like ``x``, writable: ``x`` itself (or a view of exactly
+        its items) for an in-place sum, else sharing no memory with ``x``. It need not
+        be contiguous (a non-contiguous one gets the sum copied in at the end).
 
     Returns
     -------
@@ -193,20 +203,26 @@ def ring_allreduce(x, comm, out=None):
     _, err = local_error(_check_allreduce, x, out)
     agree("ring_allreduce", comm, lambda: {"dtype": dtype_of(x), "shape of x": shape_of(x)},
           err)
+    if out is not None and not out.flags.c_contiguous:   # e.g. in place on a transposed x
+        out[...] = ring_allreduce_unchecked(x, comm)
+        return out
     return ring_allreduce_unchecked(x, comm, out)
 
 
 def _check_allreduce(x, out):
     """The local checks of :func:`ring_allreduce`."""
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"ring_allreduce: expected a numeric array, got {type(x).__name__}")
-    if out is not None and out is not x:
+        raise TypeError(f"ring_allreduce: expected a numeric array, got {_kind(x)}")
+    if out is None:
+        return
+    if out is not x:
         if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
             raise ValueError("ring_allreduce: out must have the shape and dtype of x")
         if type(out) is not type(x):
             array_module(out, x)     # raises TypeError on mixed host/device arrays
-    if out is not None and not out.flags.c_contiguous:
-        raise ValueError("ring_allreduce: out must be C-contiguous")
+    # in place (out views exactly x's items) or apart; a partial overlap would be read
+    # after it was written
+    check_writable_apart("ring_allreduce", out, (x,), ("x",), allow_same=True)
 
 
 def ring_allreduce_unchecked(x, comm, out=None):
