@@ -254,3 +254,33 @@ def test_the_nominal_forms_hold_when_chunks_divide_evenly():
                                 == 2 * (dp - 1) * tr.n * item // dp, str(got))
         finally:
             mesh.free()
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero2_and_3_hold_a_piece_of_the_gradient_not_all_of_it(zero, monkeypatch):
+    """Each bucket is reduce-scattered as soon as the backward has finished it, so the
+    micro-batch gradient buffers alive at once stay within the largest piece (a layer,
+    or the embedding with its tied wte) plus one bucket: with 6 layers and one-parameter
+    buckets, well under the stage's whole gradient, which every micro-batch once held."""
+    config = Config(vocab=8, seq=4, hidden=8, heads=2, layers=6)
+    params, tokens, targets = mesh_inputs(config, 2 * P, 0)
+    mesh = Mesh(WORLD, P, 1, "1d", t=1)
+    live, peak = {}, [0]
+    add = composed._BucketGrads.add
+
+    def counting(self, offset, v):
+        add(self, offset, v)
+        live[id(self)] = sum(b.size for b in self.bufs.values())
+        peak[0] = max(peak[0], sum(live.values()))
+
+    monkeypatch.setattr(composed._BucketGrads, "add", counting)
+    try:
+        tr = composed.Trainer(params, config, mesh, get_scheme("megatron"), zero=zero,
+                              microbatches=2, bucket_bytes=1)
+        tr.step(tokens, targets)
+        unit = max(u.stop - u.start for u in tr.units.values())
+        parallel_assert(0 < peak[0] <= unit + max(hi - lo for lo, hi in tr.buckets)
+                        and peak[0] < tr.n / 2,
+                        f"peak {peak[0]} items live, largest unit {unit}, stage {tr.n}")
+    finally:
+        mesh.free()

@@ -305,3 +305,17 @@ def test_each_stage_prices_the_optimizer_of_its_own_parameters():
     assert opt[1] > 0
     assert opt[0] > opt[1] and opt[3] > opt[1]     # the ends hold wte on top of 2 layers
     assert opt[0] != opt[3]                        # wte + wpe against lnf + wte
+
+
+@pytest.mark.parametrize("sch,kw", GRIDS)
+@pytest.mark.parametrize("dp,pp", [(2, 1), (4, 2), (8, 4)])
+def test_memory_falls_with_the_zero_stage(sch, kw, dp, pp):
+    """Each ZeRO stage shards more and holds no more: ZeRO 2's transient is the
+    gradient of one piece and one bucket (its buckets are reduce-scattered as the
+    backward ends them), not the whole micro-batch gradient, which made it cost more
+    than ZeRO 1."""
+    cfg = TransformerConfig(b=16 * dp, s=512, h=2048, n=16, N=8, v=32768, dtype="bfloat16")
+    tot = [price_composition(cfg, sch, machine=GPU, dp=dp, pp=pp, microbatches=4, zero=z,
+                             **kw)["memory"]["total"] for z in (0, 1, 2, 3)]
+    assert all(b <= a for a, b in zip(tot, tot[1:])), tot
+    assert tot[3] < tot[0]

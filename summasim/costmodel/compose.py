@@ -80,8 +80,10 @@ Memory per device (bytes; the worst stage)
 ``P`` is the number of parameters a device holds without ZeRO (its tensor shard of
 its stage's layers, plus the embedding on the first stage and the final LayerNorm
 and the tied ``wte`` copy on the last, from ``schemes.memory``). Model states are
-:func:`model_state_bytes`; ZeRO 2 adds a transient full gradient of one micro-batch
-(``P bg``), ZeRO 3 the largest gathered piece and its gradient. Activations per
+:func:`model_state_bytes`; ZeRO 2 adds the part of one micro-batch's gradient that
+lives before its buckets are reduce-scattered (the largest piece's and one bucket's,
+at most ``P bg``: the ZeRO paper's bucketed reduction, section 5.2), ZeRO 3 the largest
+gathered piece and its gradient. Activations per
 micro-batch come from ``schemes.memory`` (per layer, or per layer's checkpoint plus
 one layer being recomputed); a stage holds ``m`` micro-batches of them under GPipe
 and ``min(m, pp - s)`` under 1F1B (stage s, from 0); the last stage also holds the
@@ -720,16 +722,18 @@ def _pieces(tm: TensorMemory, L: int, pp: int, s: int) -> list:
 
 
 def stage_memory(tm: TensorMemory, *, L: int, pp: int, s: int, dp: int, zero: int, m: int,
-                 schedule: str, checkpoint: bool, sb: StateBytes) -> dict:
+                 schedule: str, checkpoint: bool, sb: StateBytes,
+                 bucket_bytes: float = BUCKET_BYTES) -> dict:
     """Bytes per device on stage ``s`` (see the module doc): ``model_states``
     (:func:`model_state_bytes` of its pieces, each sharded on its own), ``transient``
-    (ZeRO 2: one micro-batch's full gradient; ZeRO 3: the largest piece gathered, and
-    its gradient), ``activations``, ``workspace``, ``total``, ``in_flight``."""
+    (ZeRO 2: the gradient of the largest piece and one bucket, at most the stage's;
+    ZeRO 3: the largest piece gathered, and its gradient), ``activations``,
+    ``workspace``, ``total``, ``in_flight``."""
     pieces = _pieces(tm, L, pp, s)
     full = sum(round(n) * c for n, c in pieces)
     ms = _states(full, sum(-(-round(n) // dp) * c for n, c in pieces), zero, sb)
-    if zero == 2:
-        transient = full * sb.grad
+    if zero == 2:        # buckets are reduce-scattered as soon as the backward ends them
+        transient = min(full, max(n for n, _ in pieces) + bucket_bytes / sb.grad) * sb.grad
     elif zero == 3:
         transient = max(n for n, _ in pieces) * (sb.param + sb.grad)
     else:
@@ -745,13 +749,14 @@ def stage_memory(tm: TensorMemory, *, L: int, pp: int, s: int, dp: int, zero: in
 
 
 def composition_memory(tm: TensorMemory, *, layers: int, dp: int, pp: int, zero: int, m: int,
-                       schedule: str, checkpoint: bool, sb: StateBytes) -> dict:
+                       schedule: str, checkpoint: bool, sb: StateBytes,
+                       bucket_bytes: float = BUCKET_BYTES) -> dict:
     """The worst stage's :func:`stage_memory` (with its ``stage``): what must fit."""
     L = layers // pp
     best = None
     for s, _ in _rep_stages(pp):
         mem = stage_memory(tm, L=L, pp=pp, s=s, dp=dp, zero=zero, m=m, schedule=schedule,
-                           checkpoint=checkpoint, sb=sb)
+                           checkpoint=checkpoint, sb=sb, bucket_bytes=bucket_bytes)
         if best is None or mem["total"] > best["total"]:
             best = {**mem, "stage": s}
     return best
@@ -972,7 +977,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     worst = None
     for st in stages:
         mem = stage_memory(tm, L=L, pp=pp, s=st["stage"], dp=dp, zero=zero, m=m,
-                           schedule=schedule, checkpoint=ck, sb=sb)
+                           schedule=schedule, checkpoint=ck, sb=sb, bucket_bytes=bucket_bytes)
         if worst is None or mem["total"] > worst["total"]:
             worst = {**mem, "stage": st["stage"]}
         out_stages.append({k: st[k] for k in ("stage", "count", "layers", "params",

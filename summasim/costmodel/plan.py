@@ -222,7 +222,8 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
                     for zero in (zeros if dp > 1 else (0,)):
                         counts["compositions"] += 1
                         mem = composition_memory(tm, layers=N, dp=dp, pp=pp, zero=zero, m=m,
-                                                 schedule=schedule, checkpoint=ck, sb=sb)
+                                                 schedule=schedule, checkpoint=ck, sb=sb,
+                                                 bucket_bytes=bucket_bytes)
                         if mem["total"] > budget:
                             if smallest is None or mem["total"] < smallest["memory"]:
                                 smallest = {"memory": mem["total"], "grid": sch.label,

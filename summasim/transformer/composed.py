@@ -36,9 +36,11 @@ Data parallelism (``dp`` replicas) and ZeRO
             chunks; then a ring all-gather of each bucket's parameters (phase
             ``zero.params``): the same bytes as ZeRO 0's all-reduce (the ZeRO paper's
             P_os, section 7.2.1)
-    ZeRO 2  after each micro-batch's backward a ring reduce-scatter per bucket into a
-            gradient shard (the full gradient lives only for that micro-batch); Adam
-            on the owned chunks; all-gather of the parameters
+    ZeRO 2  during each micro-batch's backward, a ring reduce-scatter of each bucket
+            into a gradient shard as soon as the backward has finished the bucket (about
+            one piece's gradient and one bucket live at once, never the whole; the
+            ZeRO paper's section 5.2); Adam on the owned chunks; all-gather of the
+            parameters
     ZeRO 3  as ZeRO 2, and the parameters are kept as the owned chunks only: each
             unit is all-gathered (phase ``zero.gather``) right before a piece that
             reads it runs, forward and backward, every micro-batch, and dropped after
@@ -66,6 +68,7 @@ Accelerating Data Parallel Training", VLDB (gradient buckets in backward order).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -213,6 +216,42 @@ class Unit:
 # --------------------------------------------------------------------------- #
 # the trainer                                                                 #
 # --------------------------------------------------------------------------- #
+class _BucketGrads:
+    """ZeRO 2-3: one micro-batch's gradient, held bucket by bucket. A bucket's buffer
+    exists from the first gradient written into it until the backward piece after which
+    all of its gradients are final (``Trainer.bucket_piece``); then it is
+    reduce-scattered over dp into the gradient shard and dropped, in bucket order, so
+    every replica reduces the same buckets in the same order. What lives at once is
+    about one piece's gradient and one bucket (the ZeRO paper's section 5.2), not the
+    stage's whole gradient."""
+
+    def __init__(self, trainer):
+        self.tr, self.bufs, self.next = trainer, {}, 0
+
+    def add(self, offset: int, v) -> None:
+        if not v.size:
+            return
+        tr = self.tr
+        i = tr._bucket_of(offset)
+        lo, hi = tr.buckets[i]
+        buf = self.bufs.get(i)
+        if buf is None:
+            buf = self.bufs[i] = tr.xp.zeros(hi - lo, dtype=tr.config.dtype)
+        buf[offset - lo:offset - lo + v.size] += v
+
+    def done(self, piece: int) -> None:
+        """Piece ``piece`` of the backward has run: reduce the buckets now final."""
+        tr = self.tr
+        while self.next < len(tr.buckets) and tr.bucket_piece[self.next] <= piece:
+            i = self.next
+            buf = self.bufs.pop(i, None)
+            if buf is None:                   # a bucket nobody wrote is still reduced
+                lo, hi = tr.buckets[i]
+                buf = tr.xp.zeros(hi - lo, dtype=tr.config.dtype)
+            tr._reduce_scatter(i, buf)
+            self.next += 1
+
+
 class Trainer:
     """One replica-stage-tensor rank of a sharded training run (collective over the
     mesh: every rank constructs it and calls :meth:`step` alike).
@@ -332,6 +371,26 @@ class Trainer:
             self.shard_offsets.append(o)
             o += hi - lo
         self.shard_len = o
+        # the backward pieces in order, and for each bucket the piece after which every
+        # gradient in it is final (wte: the embedding's backward on the first stage, the
+        # head's on a last stage that is not first; it is a bucket of its own)
+        pieces = (["head"] if self.last else []) + [f"h{l}" for l in reversed(self.layers)] \
+            + (["embed"] if self.first else [])
+        writer = {f"h{l}": f"h{l}" for l in self.layers}
+        writer.update(head="head", wpe="embed", wte="embed" if self.first else "head")
+        self._bucket_lo = sorted((lo, i) for i, (lo, _) in enumerate(self.buckets))
+        self.bucket_piece = [0] * len(self.buckets)
+        for u in self.units.values():
+            for k in u.keys:
+                if math.prod(self.shapes[k]):
+                    i = self._bucket_of(self.offsets[k])
+                    self.bucket_piece[i] = max(self.bucket_piece[i],
+                                               pieces.index(writer[u.name]))
+
+    def _bucket_of(self, offset: int) -> int:
+        """Index (in ``self.buckets``) of the bucket holding flat item ``offset``."""
+        j = bisect.bisect_right(self._bucket_lo, (offset, len(self.buckets))) - 1
+        return self._bucket_lo[j][1]
 
     def _buckets(self) -> list[tuple[int, int]]:
         """Flat ranges in backward order: units under ZeRO-3, otherwise runs of whole
@@ -482,14 +541,25 @@ class Trainer:
         return caches, loss
 
     def _backward(self, j, caches, grads, shape, sends):
+        """One micro-batch's backward, piece by piece. ``grads`` is the flat gradient
+        buffer to accumulate into (ZeRO 0-1) or a :class:`_BucketGrads` (ZeRO 2-3),
+        told after each piece which buckets are final."""
         mod, pp = self.module, self.mesh.pp_comm
         caches = list(caches)
+        piece = 0
 
         def add(g: dict, prefix: str = ""):
+            nonlocal piece
             for k, v in g.items():
                 key = prefix + k
                 o = self.offsets[key]
-                grads[o:o + v.size] += v.reshape(-1)
+                if isinstance(grads, _BucketGrads):
+                    grads.add(o, v.reshape(-1))
+                else:
+                    grads[o:o + v.size] += v.reshape(-1)
+            if isinstance(grads, _BucketGrads):
+                grads.done(piece)
+            piece += 1
 
         if self.last:
             self._refresh(caches, self._head_units())
@@ -549,7 +619,6 @@ class Trainer:
         else:
             self.gshard[...] = 0
         caches, sends, loss = {}, [], 0.0
-        transient = {}
         for op, j in schedule(self.kind, self.m, mesh.pp, mesh.s):
             rows = slice((mesh.a * self.m + j) * per, (mesh.a * self.m + j + 1) * per)
             if op == "F":
@@ -557,13 +626,10 @@ class Trainer:
                 loss += lj
                 self.max_inflight = max(self.max_inflight, len(caches))
                 continue
-            if self.zero < 2:
-                buf = self.grad
-            else:                              # this micro-batch's full gradient, transient
-                buf = transient[j] = self.xp.zeros(self.n, dtype=cfg.dtype)
+            # ZeRO 2-3: this micro-batch's gradient lives bucket by bucket, each
+            # reduce-scattered into the shard as soon as the backward has finished it
+            buf = self.grad if self.zero < 2 else _BucketGrads(self)
             self._backward(j, caches.pop(j), buf, shape, sends)
-            if self.zero >= 2:
-                self._reduce_scatter(transient.pop(j))
             sends = self._reap(sends)
         for req, _ in sends:
             req.wait()
@@ -585,11 +651,14 @@ class Trainer:
         """Drop completed sends (their buffers may go)."""
         return [(r, b) for r, b in sends if not r.test()]
 
-    def _reduce_scatter(self, full) -> None:
+    def _reduce_scatter(self, i: int, buf) -> None:
+        """Reduce-scatter bucket ``i`` (``buf``: one micro-batch's gradient of its items)
+        over dp and add the owned chunk's sum to the gradient shard."""
+        lo = self.buckets[i][0]
+        (olo, ohi), o = self.owned[i], self.shard_offsets[i]
         with self.trace.phase("dp.grads"):
-            for (lo, hi), (olo, ohi), o in zip(self.buckets, self.owned, self.shard_offsets):
-                ring_reduce_scatter_unchecked(full[lo:hi], self.mesh.dp_comm)
-                self.gshard[o:o + ohi - olo] += full[olo:ohi]
+            ring_reduce_scatter_unchecked(buf, self.mesh.dp_comm)
+            self.gshard[o:o + ohi - olo] += buf[olo - lo:ohi - lo]
 
     def _tie(self) -> None:
         """Sum the two copies of the tied embedding's gradient (first and last stage)."""
