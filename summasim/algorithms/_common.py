@@ -112,9 +112,7 @@ def check_writable_apart(fn: str, out, inputs: tuple, names: tuple, allow_same=F
         raise ValueError(f"{fn}: {what} is read-only")
     xp = array_module(out)
     for x, name in zip(inputs, names):
-        if allow_same and same_memory(out, x):
-            continue
-        if xp.may_share_memory(out, x):
+        if xp.may_share_memory(out, x) and not (allow_same and same_memory(out, x)):
             raise ValueError(f"{fn}: {what} overlaps {name}; it would be overwritten "
                              f"while it is still read (pass a separate buffer)")
 
