@@ -266,14 +266,22 @@ def test_zero2_and_3_hold_a_piece_of_the_gradient_not_all_of_it(zero, monkeypatc
     params, tokens, targets = mesh_inputs(config, 2 * P, 0)
     mesh = Mesh(WORLD, P, 1, "1d", t=1)
     live, peak = {}, [0]
-    add = composed._BucketGrads.add
+    add, done = composed._BucketGrads.add, composed._BucketGrads.done
 
-    def counting(self, offset, v):
-        add(self, offset, v)
+    def count(self):        # the items every micro-batch's buckets hold right now
         live[id(self)] = sum(b.size for b in self.bufs.values())
         peak[0] = max(peak[0], sum(live.values()))
 
-    monkeypatch.setattr(composed._BucketGrads, "add", counting)
+    def counting_add(self, offset, v):
+        add(self, offset, v)
+        count(self)
+
+    def counting_done(self, piece):
+        done(self, piece)
+        count(self)
+
+    monkeypatch.setattr(composed._BucketGrads, "add", counting_add)
+    monkeypatch.setattr(composed._BucketGrads, "done", counting_done)
     try:
         tr = composed.Trainer(params, config, mesh, get_scheme("megatron"), zero=zero,
                               microbatches=2, bucket_bytes=1)

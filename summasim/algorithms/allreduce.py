@@ -53,18 +53,12 @@ def _xp(x):
     return np if type(x) is np.ndarray else array_module(x)
 
 
-def _kind(x) -> str:
-    """``x``'s dtype (or type) for a message."""
-    return f"dtype {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
-
-
 def _flat(x, fn):
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"{fn}: expected a numeric array, got {_kind(x)}")
+        raise TypeError(f"{fn}: expected a numeric array, got {dtype_of(x)}")
     if x.ndim != 1 or not x.flags.c_contiguous:
         raise ValueError(f"{fn}: expected a contiguous 1-D buffer, got shape {tuple(x.shape)}")
-    if not getattr(x.flags, "writeable", True):
-        raise ValueError(f"{fn}: the buffer is read-only (the ring works in place)")
+    check_writable_apart(fn, x, (), (), what="the buffer (the ring works in place)")
     return x
 
 
@@ -212,7 +206,7 @@ def ring_allreduce(x, comm, out=None):
 def _check_allreduce(x, out):
     """The local checks of :func:`ring_allreduce`."""
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"ring_allreduce: expected a numeric array, got {_kind(x)}")
+        raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}")
     if out is None:
         return
     if out is not x:
