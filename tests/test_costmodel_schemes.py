@@ -39,6 +39,13 @@ def test_table1_optimus_exact(b, s, h, q):
                                                                        + 36 * h * h)
 
 
+@pytest.mark.parametrize("name", ["summa25", "2.5d", "cannon", "nope"])
+def test_table1_paper_has_two_columns_only(name):
+    # the paper prints Megatron and Optimus; SUMMA2.5 depends on d, which it has no say on
+    with pytest.raises(ValueError, match="Megatron and an Optimus column"):
+        table1_paper(name, 8, 16, 64, 16)
+
+
 def test_optimus_payload_per_rank():
     # per-rank SUMMA payload of one layer forward: (7 b s h + 12 h^2) / q items;
     # backward with checkpointing 3x that, without 2x

@@ -700,7 +700,11 @@ def table1_paper(scheme: str, b, s, h, p, ffn: float = 4) -> dict:
     an integer power of two), for an MLP ``ffn`` times h wide: the paper's f = 4
     gives the printed entries; for any f, 12 b s h^2 becomes (4 + 2f) b s h^2,
     7 b s h becomes (3 + f) b s h and 12 h^2 becomes (4 + 2f) h^2."""
-    key = _ALIASES[str(scheme).lower()]
+    key = _ALIASES.get(str(scheme).lower())
+    if key not in ("megatron", "optimus"):
+        raise ValueError(f"table1_paper: Table 1 of the Optimus paper has a Megatron and an "
+                         f"Optimus column, not {scheme!r}; for SUMMA2.5 on [q, q, d] use "
+                         f"table1(Scheme.make('summa25', q=q, d=d), ...)")
     f = Fraction(ffn)
     wide, act = 4 + 2 * f, 3 + f              # 12 and 7 for f = 4
     comp_f = (wide * b * s * h * h + 2 * b * s * s * h) / Fraction(p)
