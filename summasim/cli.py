@@ -155,8 +155,14 @@ def run_command(prog: str, run: Callable, args) -> int:
     """
     try:
         status = run(args)
+        sys.stdout.flush()
     except UsageError as exc:
         return print_error(prog, exc)
+    except BrokenPipeError:
+        # the reader went away (``... | head``): not an error of ours, and no traceback;
+        # stdout goes to devnull so that the interpreter's final flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 

@@ -60,6 +60,7 @@ BAD = [
     (["--scheme", "optimus", "--grid", "3", "--preset", "frontera-rtx", "--placement",
       "blocked", "--dtype", "float16", *FIT3], "--placement"),
     (["--scheme", "optimus", "--grid", "4", "--placement", "map:0,1"], "--placement"),
+    (["--scheme", "megatron", "--grid", "4", "--placement", "blocked:2x2"], "--placement"),
     (["--scheme", "optimus", "--grid", "4", "--preset", "nope"], "--preset"),
     (["--scheme", "optimus", "--grid", "4", "--dtype", "float64", "--preset", "dgx2h-v100",
       "--json", "/proc/nope/x.json"], "--json"),
@@ -81,6 +82,17 @@ def test_predict_bad_argument_is_a_clean_exit_from_the_shell():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
+
+
+def test_predict_into_a_closed_pipe_is_quiet():
+    # `predict ... | head -1`: the reader leaves; no BrokenPipeError traceback
+    proc = subprocess.Popen([sys.executable, "-m", "summasim.costmodel", "predict", "--scheme",
+                             "optimus", "--grid", "4", *MODEL], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()                            # nobody reads what it prints
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err, err
 
 
 def test_weak_rules_grow_batch_hidden_or_both():

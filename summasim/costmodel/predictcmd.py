@@ -109,6 +109,9 @@ def check_args(args):
         raise _arg("--grid", f"{sch.label} does not divide the model: {why}")
     try:
         placement = Placement.parse(args.placement)
+        if placement.tile and sch.q == 1:
+            raise ValueError(f"{args.placement!r} tiles a q x q grid; {sch.label} is one "
+                             f"group of {sch.p} ranks, placed in rank order")
         if machine.topology is not None:
             placement.slots_for(GridShape.of(sch.p, sch.q, sch.d),
                                 machine.topology.devices_per_node)
