@@ -181,8 +181,13 @@ def plan_mesh_cases(args, p: int):
         specs = [(m, opts) for m in args.mesh]
     else:
         specs = default_meshes(p) if args.meshes == "default" else []
-    tf = args.tf_config
-    return plan_meshes(p, specs, _tf_config(tf, "float64"), tf[0], bool(args.mesh), **kw)
+    tf, cases, skips = args.tf_config, [], []
+    for dtype in args.dtypes:                      # --dtype both: each mesh in each
+        c, s, err = plan_meshes(p, specs, _tf_config(tf, dtype), tf[0], bool(args.mesh), **kw)
+        if err:
+            return [], [], err
+        cases, skips = cases + c, skips + s
+    return cases, skips, ""
 
 
 def plan(args, p: int):

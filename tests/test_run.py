@@ -166,6 +166,11 @@ def test_cli_arguments():
     assert err == "" and [c.spec for c in cases] == ["dp=2,tp=megatron:2"]
     assert cases[0].zero == 3 and cases[0].bucket_bytes == 65536
     assert "the job has 8" in run.plan_mesh_cases(args, 8)[2]
+    # --dtype reaches the meshes: one row per mesh and dtype, in that dtype
+    for dt, want in (("float32", ["float32"]), ("both", ["float64", "float32"])):
+        args = run.parse_args(["--algorithms", "none", "--mesh", "dp=2,pp=2", "--dtype", dt])
+        cases, _, err = run.plan_mesh_cases(args, 4)
+        assert err == "" and [c.dtype for c in cases] == want
     args = run.parse_args(["--inject", "drop@3"])
     assert (args.fault.kind, args.fault.rank) == ("drop", 3)
     help_text = run.build_parser().format_help()

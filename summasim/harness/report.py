@@ -131,13 +131,13 @@ def prediction_summary(pairs) -> dict | None:
             "worst_run": wlabel, "count": len(errs)}
 
 
-MESH_HEADER = ("mesh", "zero", "sched", "m", "ckpt", "result", "loss err", "grad err",
+MESH_HEADER = ("mesh", "dtype", "zero", "sched", "m", "ckpt", "result", "loss err", "grad err",
                "param err", "bound", "step s", "pred s", "traffic KiB meas/closed",
                "state KiB meas/formula", "in flight")
 
 
 def _mesh_widths(width: int) -> tuple:
-    return (max(width, len(MESH_HEADER[0])), 4, 5, 2, 4, 6, 8, 8, 9, 7, 8, 8, 23, 22, 9)
+    return (max(width, len(MESH_HEADER[0])), 7, 4, 5, 2, 4, 6, 8, 8, 9, 7, 8, 8, 23, 22, 9)
 
 
 def format_mesh_header(width: int) -> str:
@@ -150,7 +150,7 @@ def format_mesh_row(r, width: int) -> str:
     """One mesh row, starting with the mesh as given (plus a line naming any failed
     check)."""
     kib = lambda x: f"{x / 1024:.1f}"  # noqa: E731
-    line = _line((r.mesh, str(r.zero), r.schedule, str(r.microbatches),
+    line = _line((r.mesh, r.dtype, str(r.zero), r.schedule, str(r.microbatches),
                   "yes" if r.checkpoint else "no", verdict(r.ok, r.nonfinite), _e1(r.loss_err),
                   _e1(r.grad_err), _e1(r.param_err), f"{r.bound:.0e}",
                   f"{r.step_s:.4f}" if r.step_s else "-",
