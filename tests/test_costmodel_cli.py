@@ -92,6 +92,10 @@ def test_presets_and_table1(capsys):
     assert cli_main(["table1", "--b", "8", "--s", "128", "--h", "256", "--p", "64"]) == 0
     out = capsys.readouterr().out
     assert out.count(" == ") == 9 and "!=" not in out   # header + 8 entries
+    # q = 6: log2(36) is irrational, and the model still equals the formula
+    assert cli_main(["table1", "--b", "6", "--s", "12", "--h", "72", "--p", "36"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" == ") == 9 and "!=" not in out
 
 
 def test_module_entry_point_subprocess(tmp_path):

@@ -1,5 +1,6 @@
 """Transformer schemes: Optimus Table 1 exactly, payloads, memory, largest batch."""
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -44,6 +45,19 @@ def test_table1_paper_has_two_columns_only(name):
     # the paper prints Megatron and Optimus; SUMMA2.5 depends on d, which it has no say on
     with pytest.raises(ValueError, match="Megatron and an Optimus column"):
         table1_paper(name, 8, 16, 64, 16)
+
+
+@pytest.mark.parametrize("q", [3, 5, 6, 10])
+@pytest.mark.parametrize("f", [4, 3.5])
+def test_table1_optimus_when_log_p_is_irrational(q, f):
+    # sqrt(p) not a power of two: floats, yet the model's sum equals the formula to the bit
+    p, b, s, h = q * q, 2 * q, 12, 8 * q * q
+    ours, paper = table1("optimus", b, s, h, p, n=q, ffn=f), table1_paper("optimus", b, s, h, p,
+                                                                         ffn=f)
+    assert ours == paper
+    printed = math.log2(p) / (2 * math.sqrt(p)) * ((3 + f) * b * s * h + (4 + 2 * f) * h * h)
+    assert float(paper["forward communication"]) == pytest.approx(printed, rel=1e-13)
+    assert float(paper["backward communication"]) == pytest.approx(3 * printed, rel=1e-13)
 
 
 def test_optimus_payload_per_rank():

@@ -232,15 +232,18 @@ def _table1_main(args, prog: str) -> int:
                                + ")")
     print(f"Optimus Table 1 at b={b} s={s} h={h} p={p}{f' ffn={f}' if f != 4 else ''} "
           f"(model value == paper formula)")
+    bad = False
     for scheme in ("megatron", "optimus"):
         if scheme not in results:
             print(f"  {scheme}: {notes[scheme]}")
             continue
         ours, paper = results[scheme]
         for key in paper:
+            rel = "==" if ours[key] == paper[key] else "!="
+            bad = bad or rel == "!="
             print(f"  {scheme:<9s} {key:<23s} {float(ours[key]):>16.6g}  "
-                  f"{'==' if ours[key] == paper[key] else '!='} {float(paper[key]):.6g}")
-    return 0
+                  f"{rel} {float(paper[key]):.6g}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

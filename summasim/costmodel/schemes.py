@@ -668,7 +668,7 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
     ops = layer_ops(sch, cfg)
     out = {}
     for key in ("forward", "backward"):
-        comm, mults = Fraction(0), Fraction(0)
+        comm, mults, logs = Fraction(0), Fraction(0), {}
         for op in ops[key]:
             if op[0] == "gemm":
                 mults += Fraction(op[4]) * Fraction(op[1]) * Fraction(op[2]) * Fraction(op[3])
@@ -685,11 +685,16 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
                 if P <= 1:
                     continue
                 if mc.op in ("bcast", "reduce"):
-                    comm += B * _log2_exact(P)
+                    if isinstance(_log2_exact(P), int):
+                        comm += B * _log2_exact(P)
+                    else:                 # log2 P irrational: its coefficient exactly
+                        logs[P] = logs.get(P, Fraction(0)) + B
                 elif mc.op == "allreduce":
                     comm += 2 * B * Fraction(P - 1, P)
                 else:
                     comm += B
+        for P, coef in sorted(logs.items()):  # one rounding per group size, as the paper's
+            comm = comm + float(coef) * math.log2(P)
         out[f"{key} communication"] = comm
         out[f"{key} computation"] = mults
     return out
@@ -714,10 +719,17 @@ def table1_paper(scheme: str, b, s, h, p, ffn: float = 4) -> dict:
                 "backward communication": Fraction(8 * (p - 1), p) * b * s * h,
                 "forward computation": comp_f, "backward computation": comp_b}
     sq = math.isqrt(p)
-    factor = Fraction(_log2_exact(p), 2 * sq) if sq * sq == p and isinstance(
-        _log2_exact(p), int) else math.log2(p) / (2 * math.sqrt(p))
-    return {"forward communication": factor * (act * b * s * h + wide * h * h),
-            "backward communication": factor * 3 * (act * b * s * h + wide * h * h),
+    per = act * b * s * h + wide * h * h
+    if sq * sq != p:                                   # no q x q grid: the formula in floats
+        fwd = math.log2(p) / (2 * math.sqrt(p)) * float(per)
+        bwd = 3 * fwd
+    elif isinstance(_log2_exact(p), int):              # exact
+        fwd = Fraction(_log2_exact(p), 2 * sq) * per
+        bwd = 3 * fwd
+    else:   # log(p) / (2 sqrt p) = log2(q) / q, rounded once (table1's order of operations)
+        fwd = float(Fraction(per, sq)) * math.log2(sq)
+        bwd = float(Fraction(3 * per, sq)) * math.log2(sq)
+    return {"forward communication": fwd, "backward communication": bwd,
             "forward computation": comp_f, "backward computation": comp_b}
 
 
