@@ -31,13 +31,15 @@ from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST
     plan_products, plan_schemes
 from .transformer.schemes import SCHEME_NAMES
 
+PROG = "python -m summasim.run"
+
 DEFAULT_TF = (8, 16, 64, 16, 64, 2, 4)  # b, s, h, n, v, layers, ffn_mult
 SELF_TEST_TF = (8, 16, 64, 16, 64, 1, 4)
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
-        prog="python -m summasim.run",
+        prog=PROG,
         description="Validate, time and report summasim's distributed algorithms and "
                     "tensor-parallel schemes on the grids that fit the MPI world size. Run "
                     "it under mpirun, e.g. `mpirun -n 16 python -m summasim.run`.")
@@ -248,7 +250,7 @@ def preflight(args, world) -> str:
 
 
 def main(argv=None) -> int:
-    return mpi_main(lambda: parse_args(argv), preflight, _body, prog="python -m summasim.run")
+    return mpi_main(lambda: parse_args(argv), preflight, _body, prog=PROG)
 
 
 def _body(args, world) -> int:
@@ -294,14 +296,14 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     say("error = max |C - C_ref| / (|A||B|) per entry; bound = 8 sqrt(k) (u + u_64) "
         "(summasim.validate); inputs and checks are rank-local (summasim.harness)")
     if args.fault is not None:
-        say(f"fault injection: {args.fault} (every run below should FAIL)")
+        say(f"fault injection: {args.fault} (every run it corrupts should FAIL)")
     machine = None
     if not args.no_predict:
         from .harness.machinefile import resolve_machine
 
         machine = resolve_machine(args.machine, world, say)
     say("")
-    rows, pairs = [], []
+    rows, pairs, untouched = [], [], []      # untouched: runs the fault found nothing in
     if cases:
         say(format_header(), flush=True)
     for case in cases:
@@ -311,6 +313,8 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
                        method=args.check, fault=args.fault, timed=args.repeats > 0)
         pred = _predict(res, machine) if rank == 0 else None
         rows.append(row_record(res, pred))
+        if not res.fault_applied:
+            untouched.append(f"{case.label(p)} {case.dtype}")
         if pred is not None:
             pairs.append((pred, res.seconds, f"{case.label(p)} {case.dtype}"))
         say(format_row(res, pred), flush=True)
@@ -330,6 +334,8 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
                            fault=args.fault, timed=args.repeats > 0)
             rep = res.extra["report"]
+            if not res.fault_applied:
+                untouched.append(f"{rep.scheme} {rep.grid} {rep.dtype}")
             if rank == 0:
                 rep.predicted_s = _predict(res, machine)
                 if rep.predicted_s is not None:
@@ -339,7 +345,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
         say(format_transformer(reports))
     for s in tskips:
         say(f"  skipped {s.name}{' ' + s.grid if s.grid else ''}: {s.reason}")
-    meshes = _meshes(args, world, backend, machine, say, pairs)
+    meshes = _meshes(args, world, backend, machine, say, pairs, untouched)
     mskips = plan_mesh_cases(args, p)[1]
     for s in mskips:
         say(f"  skipped mesh {s.name}: {s.reason}")
@@ -355,6 +361,11 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     failed = len(rows) + len(reports_all) - passed
     say(f"\n{passed} passed, {failed} failed, {len(skips) + len(tskips) + len(mskips)} skipped in "
         f"{elapsed:.1f} s")
+    runs = len(rows) + len(reports_all)
+    if args.fault is not None:
+        say(f"fault {args.fault} corrupted {runs - len(untouched)} of {runs} runs"
+            + (f"; rank {args.fault.rank} had nothing to corrupt in: {', '.join(untouched)} "
+               f"(their verdicts are those of the uncorrupted runs)" if untouched else ""))
     if args.json and rank == 0:
         from .comm import default_wait_policy
         from .jsonio import write_json_atomic
@@ -363,6 +374,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
             "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
             "fault": str(args.fault) if args.fault else None,
+            "fault_not_applied": untouched,
             "machine": machine.name if machine else None, "prediction": summary,
             "rows": rows,
             "skipped": [{"algorithm": s.name, "grid": s.grid, "reason": s.reason}
@@ -373,10 +385,14 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             "meshes": [mesh_record(r) for r in meshes],
             "meshes_skipped": [{"mesh": s.name, "reason": s.reason} for s in mskips]})
         say(f"report written to {args.json}")
+    if args.fault is not None and runs and len(untouched) == runs:
+        return cli.print_error(PROG, f"--inject {args.fault}: rank {args.fault.rank} had "
+                                     f"nothing to corrupt in any run (an empty block, or no "
+                                     f"sum to drop); no fault was shown to be caught")
     return 0 if ok and passed > 0 else 1
 
 
-def _meshes(args, world, backend, machine, say, pairs) -> list:
+def _meshes(args, world, backend, machine, say, pairs, untouched) -> list:
     """The sharded-training section: one validated, timed row per mesh."""
     from .harness.composed import run_mesh
     from .harness.report import format_mesh_header, format_mesh_row
@@ -398,6 +414,8 @@ def _meshes(args, world, backend, machine, say, pairs) -> list:
         res = run_mesh(case, world, backend, repeats=args.repeats, seed=args.seed,
                        timed=args.repeats > 0, fault=args.fault)
         rep = res.extra["report"]
+        if not res.fault_applied:
+            untouched.append(f"{case.spec} {case.dtype}")
         if world.Get_rank() == 0 and machine is not None and rep.step_s:
             rep.predicted_s = _predict_mesh(res, machine)
             if rep.predicted_s is not None:
@@ -446,7 +464,7 @@ def _self_test(args, world, cases, tcases, skips) -> int:
             elif case.kind == "matmul":
                 kw["method"] = args.check
             res = run_case(case, world, backend, seed=args.seed, fault=fault, **kw)
-            applied = res.extra["report"].fault_applied if "report" in res.extra else True
+            applied = res.fault_applied
             if kind == "clean":
                 cell = "OK" if res.ok else "FAIL"
                 good &= res.ok

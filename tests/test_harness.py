@@ -67,7 +67,7 @@ def test_check_passes_right_blocks_and_fails_corrupted_ones(name, method):
         for g in _positions(q, d)[:3]:
             c = _rank_output(case, g)
             assert check_product(c, case, g, 0, method).ok
-            for kind in ("nan", "inf") + (("perturb",) if dtype == "float64" else ()):
+            for kind in ("nan", "inf", "perturb"):     # perturb: 1e-6, or 1e-2 in float32
                 bad = c.copy()
                 corrupt_entry(bad, kind)
                 chk = check_product(bad, case, g, 0, method)
@@ -114,6 +114,9 @@ def test_fault_parse_and_corrupt():
     assert y[0, 1] == -3.0 * (1 + 1e-6) and np.sum(y != x) == 1
     corrupt_entry(y, "nan")
     assert np.isnan(y[0, 1])
+    z = x.astype(np.float32)
+    corrupt_entry(z, "perturb")              # 1e-6 would be below float32's round-off
+    assert z[0, 1] == np.float32(-3.0 * (1 + 1e-2)) and np.sum(z != x) == 1
 
 
 def test_inputs_match_the_split_of_the_global_matrix():
@@ -237,6 +240,16 @@ def test_block_errors_over_the_ranks_are_the_whole_tensors_error(parts, n, seed)
     # a block of the wrong shape fails, even an empty one or one that broadcasts
     assert block_err(np.empty((0, 7)), ser, scale) == math.inf
     assert block_err(ser[:, :1], ser, scale) == math.inf
+
+
+def test_loss_error_is_relative_and_survives_a_zero_reference():
+    """One class (vocab 1): every softmax is 1 and the serial loss is exactly 0; the
+    loss error then follows block_err's zero scale instead of dividing by 0."""
+    from summasim.harness.transformer import loss_error
+
+    assert loss_error(2.5, 2.0) == 0.25 and loss_error(-1.0, -2.0) == 0.5
+    assert loss_error(0.0, 0.0) == 0.0 and loss_error(1e-300, 0.0) == math.inf
+    assert math.isnan(loss_error(math.nan, 1.0)) and math.isnan(loss_error(math.inf, 0.0))
 
 
 def test_mesh_comparison_keeps_a_non_finite_serial_value():

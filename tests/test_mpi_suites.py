@@ -211,6 +211,20 @@ def test_injected_fault_fails_the_job(mpiexec, tmp_path, fault):
     assert "0 passed, 3 failed" in proc.stdout
 
 
+def test_a_fault_with_nothing_to_corrupt_is_named_not_passed_over(mpiexec):
+    # rank 1 is a middle stage of pp = 4: no sum all-reduce there for "drop" to drop
+    mesh = ["--schemes", "none", "--mesh", "pp=4", "--tf-config", "8", "16", "64", "16", "64",
+            "4", "4", "--no-predict", "--repeats", "1", "--inject", "drop@1"]
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--algorithms", "none", *mesh], 180)
+    _user_error(proc, "--inject drop@1", "nothing to corrupt in any run")
+    assert "corrupted 0 of 1 runs" in proc.stdout
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--algorithms", "summa_ab", "--sizes",
+                                  "32", "32", "32", *mesh], 180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr      # the product row FAILs
+    assert "1 passed, 1 failed" in proc.stdout
+    assert "corrupted 1 of 2 runs; rank 1 had nothing to corrupt in: pp=4 float64" in proc.stdout
+
+
 def _user_error(proc, *needles):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -63,7 +63,8 @@ from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
 from .timing import reduce_max, time_calls
-from .transformer import _inputs, block_err, layer_tp_items, scale_of, table1_payload
+from .transformer import (_inputs, block_err, layer_tp_items, loss_error, scale_of,
+                          table1_payload)
 
 PHASES = ("dp.grads", "zero.params", "zero.gather", "embed.tie", "pp.fwd", "pp.bwd")
 LR = 1e-3
@@ -354,8 +355,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                 events = list(mesh.trace.events)
                 traffic = _phase_bytes(events)
                 tp_items = layer_tp_items(events, tr.layers[0], "fwd", item)
-            le = (abs(loss - ref_losses[step]) / abs(ref_losses[step])
-                  if math.isfinite(loss) else math.nan)
+            le = loss_error(loss, ref_losses[step])
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
             expect = tr.pack(module.shard(ref["grads"][step], config, grid, tr.keys))
             ge, where = _compare(tr, tr.held_grads(), expect, ref["grad_scales"][step])
@@ -454,4 +454,5 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             shared.abandon()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
-                  str(fault) if fault else "", extra={"report": rep})
+                  str(fault) if fault else "", extra={"report": rep},
+                  fault_applied=rep.fault_applied)

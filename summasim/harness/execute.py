@@ -71,6 +71,8 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
         if mine:
             host = np.array(host, copy=True)
             _corrupt_product(host, case, g, seed, fault)
+        applied = _applied(world, fault, not mine or (host.size > 0 and (
+            fault.kind != "drop" or case.k > 0)))
         chk = collective(world, check_product(host, case, g, seed, method))
         del host
         timing = _time(lambda: fn(a, b, grid, out=c), backend, grid.trace, world, repeats,
@@ -81,7 +83,12 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
         grid.free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords_all,
-                  str(fault) if fault else "")
+                  str(fault) if fault else "", fault_applied=applied)
+
+
+def _applied(world, fault, mine_ok: bool) -> bool:
+    """Whether ``fault`` corrupted something on its rank (collective; True without one)."""
+    return fault is None or all(world.allgather(bool(mine_ok)))
 
 
 def _corrupt_product(host, case, g, seed, fault):
@@ -115,6 +122,7 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
                 host -= uniform_segment(seed, STREAM_RING + (rank + 1) % p, 0, case.n, dtype)
             else:
                 corrupt_entry(host, fault.kind)
+        applied = _applied(world, fault, host.size > 0)
         chk = collective(world, check_ring(host, case, p, seed))
         del host
         out = backend.empty(x.shape, x.dtype) if timed else None
@@ -126,7 +134,7 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
         comm.mpi.Free()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords_all,
-                  str(fault) if fault else "")
+                  str(fault) if fault else "", fault_applied=applied)
 
 
 def run_case(case, world, backend, **kw) -> Result:

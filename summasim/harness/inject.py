@@ -6,9 +6,11 @@ kind       what happens on the chosen rank
 =========  ====================================================================
 nan        one entry of the output becomes NaN
 inf        one entry becomes +Inf
-perturb    one entry is multiplied by (1 + 1e-6): a relative error far above
-           float64 round-off (in float32 it is below round-off, so the self-test
-           runs in float64)
+perturb    one entry is multiplied by (1 + 1e-6) in double precision, (1 + 1e-2)
+           in single: a relative error far above the dtype's round-off (1e-6 would
+           be below float32's bounds) and far below anything a norm-wise check sees
+           (a float32 ``freivalds`` row check, about n times looser than the
+           per-entry one, can miss it at large n; the self-test checks exactly)
 drop       one block is left unreduced: a product's block misses the summand of
            one k-panel; the all-reduce result misses another rank's input; in a
            training step, the first sum all-reduce on that rank returns the rank's
@@ -27,7 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("nan", "inf", "perturb", "drop")
-PERTURB = 1e-6
+PERTURB = 1e-6               # double precision (float64, complex128)
+PERTURB_SINGLE = 1e-2        # anything coarser (float32, complex64)
+
+
+def perturbation(dtype) -> float:
+    """The relative change ``perturb`` makes to one entry of an array of ``dtype``."""
+    return PERTURB if np.finfo(dtype).eps < 1e-10 else PERTURB_SINGLE
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ def corrupt_entry(x: np.ndarray, kind: str) -> None:
     elif kind == "inf":
         x[at] = np.inf
     elif kind == "perturb":
-        x[at] = x[at] * (1.0 + PERTURB) if x[at] != 0 else PERTURB
+        eps = perturbation(x.dtype)
+        x[at] = x[at] * (1.0 + eps) if x[at] != 0 else eps
     else:
         raise ValueError(f"corrupt_entry does not do {kind!r}")

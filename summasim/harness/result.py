@@ -23,6 +23,9 @@ class Result:
     coords: list | None = None
     fault: str = ""
     extra: dict = field(default_factory=dict)
+    # False when ``fault`` found nothing to corrupt on its rank (an empty block, a rank
+    # with no sum to drop): the verdict is then the uncorrupted run's (same on every rank)
+    fault_applied: bool = True
 
     @property
     def ok(self) -> bool:

@@ -100,6 +100,16 @@ def block_err(par, ser, scale: float) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
 
 
+def loss_error(loss: float, ref: float) -> float:
+    """``|loss - ref| / |ref|`` (NaN when ``loss`` is not finite). A reference loss of
+    exactly 0 (one class: every softmax is 1) is a scale of 0, as in :func:`block_err`:
+    0 when the loss equals it, inf otherwise."""
+    if not math.isfinite(loss):
+        return math.nan
+    diff = abs(loss - ref)
+    return diff / abs(ref) if ref != 0 else (0.0 if diff == 0 else math.inf)
+
+
 def _worst(values):
     """Max that keeps NaN (a NaN anywhere is the answer)."""
     vals = list(values)
@@ -260,8 +270,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
             events = list(grid.trace.events)
             gerr = {k: block_err(grads[k], want_grads[k], scales[k]) for k in want_grads}
             worst = max(gerr, key=lambda k: math.inf if math.isnan(gerr[k]) else gerr[k])
-            lerr = (abs(loss - ref_loss) / abs(ref_loss) if math.isfinite(loss)
-                    else math.nan)
+            lerr = loss_error(loss, ref_loss)
             errs.append((lerr, block_err(cache.logits, want_logits, logits_scale),
                          gerr[worst], worst))
             if checkpoint:
@@ -329,4 +338,5 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
             shared.abandon()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
-                  str(fault) if fault else "", extra={"report": rep})
+                  str(fault) if fault else "", extra={"report": rep},
+                  fault_applied=rep.fault_applied)
