@@ -56,15 +56,20 @@ def test_bcast_reduce_shift_are_traced(q, d):
 
 @pytest.mark.parametrize("q,d", grid_shapes(P))
 @pytest.mark.parametrize("name", ["2d", "2.5d", "row", "col", "replicated"])
-def test_split_join_round_trip(q, d, name):
+@pytest.mark.parametrize("empty", [None, 0, 1])
+def test_split_join_round_trip(q, d, name, empty):
     rng = np.random.default_rng(11)
-    M = rng.standard_normal((2 * q * d * P, 3 * q * P))
+    shape = [2 * q * d * P, 3 * q * P]
+    if empty is not None:                      # a zero-length axis (either one)
+        shape[empty] = 0
+    M = rng.standard_normal(shape)
     with Grid(WORLD, q, d) as g:
         blk = layout.split(M, g, name)
         want_shape = layout.local_shape(M.shape, name, q, d, P)
         back = layout.join(blk, g, name)
         parallel_assert(blk.shape == want_shape and blk.flags.c_contiguous
-                        and np.array_equal(back, M), f"{name} on [{q},{q},{d}]")
+                        and back.shape == M.shape and np.array_equal(back, M),
+                        f"{name} on [{q},{q},{d}], shape {tuple(shape)}")
 
 
 @pytest.mark.parametrize("name", ["row", "col", "replicated"])

@@ -166,11 +166,13 @@ def join(block, grid, name: str):
     parts = xp.empty((comm.size,) + block.shape, dtype=block.dtype)
     with comm.trace.phase("layout.join"):
         comm.allgather(block, parts)
+    # explicit lengths, not -1: a reshape cannot infer one next to a zero-length axis
     if name == "row":
-        return parts.reshape((-1,) + block.shape[1:])
+        return parts.reshape((comm.size * block.shape[0],) + block.shape[1:])
     if name == "col":
-        return xp.moveaxis(parts, 0, -2).reshape(block.shape[:-1] + (-1,)).copy() \
-            if block.ndim > 1 else parts.reshape(-1)
+        width = comm.size * block.shape[-1]
+        return xp.moveaxis(parts, 0, -2).reshape(block.shape[:-1] + (width,)).copy() \
+            if block.ndim > 1 else parts.reshape(width)
     mb, nb = block.shape
     nr, nc = block_counts(name, grid.q, grid.d, grid.p)
     # ranks are numbered row-major over (k, i, j), so (k, i) flattens to k*q + i

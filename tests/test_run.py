@@ -64,6 +64,15 @@ def test_user_sizes_that_do_not_divide_are_skipped_with_reason():
     assert "m=10 is not divisible by 8" in reasons["summa25_ab"]
 
 
+def test_the_ring_row_of_the_table_has_no_product_sizes():
+    ring = ALGORITHMS["ring_allreduce"]
+    assert not ring.is_product and ring.grids(6) == [(6, 1)]
+    for call in (lambda: ring.divisors(2, 1), lambda: ring.misfit(4, 4, 4, 2, 1),
+                 lambda: ring.round_up(3, 3, 3, 2, 1), lambda: ring.stored_shapes(2, 2, 2)):
+        with pytest.raises(ValueError, match="ring_allreduce is not a product"):
+            call()
+
+
 def test_grid_shapes_one_enumeration():
     assert grid_shapes(16, "2.5d") == [(2, 4)]
     assert grid_shapes(64, "2.5d") == [(2, 16), (4, 4)]

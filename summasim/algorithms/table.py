@@ -69,8 +69,14 @@ class AlgorithmSpec:
     def is_product(self) -> bool:
         return self.kind != "ring"
 
+    def _product_only(self, what: str) -> None:
+        if not self.is_product:
+            raise ValueError(f"{self.name} is not a product: it has no m, k, n ({what}); "
+                             f"any length on any p runs, see chunk_bounds")
+
     def stored_shapes(self, m: int, k: int, n: int):
         """Global shapes of the stored A and B."""
+        self._product_only("stored_shapes")
         return stored_shapes(self.op, m, k, n)
 
     def grids(self, p: int) -> list[tuple[int, int]]:
@@ -87,6 +93,7 @@ class AlgorithmSpec:
 
     def divisors(self, q: int, d: int) -> dict[str, int]:
         """What each of m, k, n must be divisible by on a [q, q, d] grid."""
+        self._product_only("divisors")
         need = {"m": 1, "k": 1, "n": 1}
         (ra, ca), (rb, cb) = _DIMS[self.op]
         for (r, c), lay in (((ra, ca), self.layout_a), ((rb, cb), self.layout_b),
