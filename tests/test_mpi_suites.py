@@ -60,22 +60,28 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
         assert r["tp_bwd_checkpoint"] == r["table1"]["bwd_checkpoint"]
         assert r["memory"]["params"] > 0 and r["memory_formula"]["params"] > 0
     assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25"]
-    # the default composition at p = 4: data and pipeline parallelism around Megatron
-    (mesh,) = report["meshes"]
-    assert mesh["mesh"] == "dp=2,pp=2,tp=megatron:1" and mesh["ok"] and mesh["values_ok"]
-    assert mesh["traffic"] == mesh["traffic_expected"] and mesh["traffic"]["dp.grads"] > 0
-    assert mesh["memory"]["total"] == mesh["memory_formula"]["total"] > 0
-    assert any(ln.startswith("dp=2,pp=2,tp=megatron:1 ") for ln in proc.stdout.splitlines())
-    assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf) + 1
+    # the default composition at p = 4: data and pipeline parallelism around Megatron,
+    # in each dtype of --dtype both
+    meshes = report["meshes"]
+    assert [m["dtype"] for m in meshes] == ["float64", "float32"]
+    for mesh in meshes:
+        assert mesh["mesh"] == "dp=2,pp=2,tp=megatron:1" and mesh["ok"] and mesh["values_ok"]
+        assert mesh["traffic"] == mesh["traffic_expected"] and mesh["traffic"]["dp.grads"] > 0
+        assert mesh["memory"]["total"] == mesh["memory_formula"]["total"] > 0
+    assert meshes[0]["memory"]["total"] == 2 * meshes[1]["memory"]["total"]   # 8 B and 4 B
+    assert meshes[1]["bound"] > meshes[0]["bound"]
+    assert sum(ln.startswith("dp=2,pp=2,tp=megatron:1 ") for ln in proc.stdout.splitlines()) == 2
+    assert proc.stdout.count(" OK ") == len(report["rows"]) + len(tf) + 2
     assert report["machine"] == "local-2core-mpich" and "MAPE" in proc.stdout
     errs = [abs(r["prediction_error"]) for r in report["rows"]]
     for r in tf:        # every timed training step has a prediction too
         step = r["fwd_s"] + r["bwd_s"]
         assert r["predicted_s"] > 0
         errs.append(abs(r["predicted_s"] - step) / step)
-    assert mesh["predicted_s"] > 0 and mesh["step_s"] > 0     # and the mesh step
-    errs.append(abs(mesh["predicted_s"] - mesh["step_s"]) / mesh["step_s"])
-    assert report["prediction"]["count"] == len(report["rows"]) + len(tf) + 1
+    for mesh in meshes:                                      # and the mesh steps
+        assert mesh["predicted_s"] > 0 and mesh["step_s"] > 0
+        errs.append(abs(mesh["predicted_s"] - mesh["step_s"]) / mesh["step_s"])
+    assert report["prediction"]["count"] == len(report["rows"]) + len(tf) + 2
     assert report["prediction"]["mape"] == pytest.approx(sum(errs) / len(errs))
 
 
