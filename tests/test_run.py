@@ -180,6 +180,10 @@ def test_cli_arguments():
         args = run.parse_args(["--algorithms", "none", "--mesh", "dp=2,pp=2", "--dtype", dt])
         cases, _, err = run.plan_mesh_cases(args, 4)
         assert err == "" and [c.dtype for c in cases] == want
+    # a default mesh that cannot run is skipped once, not once per dtype
+    one_layer = ["--algorithms", "none", "--tf-config", "8", "16", "64", "16", "64", "1", "4"]
+    _, skips, _ = run.plan_mesh_cases(run.parse_args(one_layer + ["--dtype", "both"]), 4)
+    assert [s.name for s in skips] == ["dp=2,pp=2,tp=megatron:1"]
     args = run.parse_args(["--inject", "drop@3"])
     assert (args.fault.kind, args.fault.rank) == ("drop", 3)
     help_text = run.build_parser().format_help()
