@@ -386,7 +386,8 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
             "meshes": [mesh_record(r) for r in meshes],
             "meshes_skipped": [{"mesh": s.name, "reason": s.reason} for s in mskips]})
         say(f"report written to {args.json}")
-    if args.fault is not None and runs and len(untouched) == runs:
+    if args.fault is not None and runs and len(untouched) == runs and ok:
+        # (a run that failed anyway is a failure, exit 1, not this user error)
         return cli.print_error(PROG, f"--inject {args.fault}: rank {args.fault.rank} had "
                                      f"nothing to corrupt in any run (an empty block, or no "
                                      f"sum to drop); no fault was shown to be caught")
