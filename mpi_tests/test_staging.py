@@ -49,6 +49,16 @@ def test_staged_ring_and_reduce():
     comm = Comm(WORLD.Dup(), name="ring", backend=be)
     try:
         X = np.random.default_rng(2).standard_normal((P, 11))
+        # a small vector is staged whole: one copy out, the host ring, one copy back
+        y = algs.ring_allreduce(X[comm.rank].copy(), comm)
+        whole = (1, 1) if P > 1 else (0, 0)
+        parallel_assert(np.allclose(y, X.sum(0), rtol=0, atol=1e-13)
+                        and (be.d2h_copies, be.h2d_copies) == whole,
+                        f"ring staged whole: copies {(be.d2h_copies, be.h2d_copies)}, "
+                        f"want {whole}")
+        # at or past the limit, every step stages its chunk: a copy each way per sendrecv
+        be.reset_counters()
+        comm.stage_whole_limit = X[0].nbytes
         y = algs.ring_allreduce(X[comm.rank].copy(), comm)
         nsr = 2 * (P - 1)
         parallel_assert(np.allclose(y, X.sum(0), rtol=0, atol=1e-13)
@@ -78,15 +88,19 @@ def test_staged_ring_and_reduce():
 
 @pytest.mark.parametrize("n", sorted({1, max(P - 1, 1), 1000}))
 @pytest.mark.parametrize("dtype", ["float64", "float32", "int64"])
-def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype):
-    """A staged ring (what CuPy without a CUDA-aware MPI does) steps like the host ring:
-    every step an exchanger step (the receive polled, sends completed together at the
-    end), the same sums bit for bit, and every staging buffer back in the pool when the
-    call returns, so a second call allocates none."""
+@pytest.mark.parametrize("whole", [True, False], ids=["staged-whole", "staged-per-step"])
+def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype, whole):
+    """A staged ring (what CuPy without a CUDA-aware MPI does), staged whole (small
+    vectors) or chunk by chunk, steps like the host ring: every step an exchanger step
+    (the receive polled, sends completed together at the end) traced on the caller's
+    communicator, the same sums bit for bit, and every staging buffer back in the pool
+    when the call returns, so a second call allocates none."""
     from summasim.comm import _staging_for
 
     be = StagedHostBackend()
     comm = Comm(WORLD.Dup(), name="ring", backend=be)
+    if not whole:
+        comm.stage_whole_limit = 0
     host = Comm(WORLD.Dup(), name="host")
     try:
         x = (np.random.default_rng(comm.rank).standard_normal(n) * 100).astype(dtype)
@@ -99,7 +113,14 @@ def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype):
         chunk = -(-n // P) * x.itemsize
         parallel_assert(np.array_equal(got, want) and np.array_equal(got2, want),
                         "staged ring differs from the host ring")
-        parallel_assert(len(steps) == 2 * (P - 1), f"{len(steps)} steps traced")
+        parallel_assert(len(steps) == 2 * (P - 1)
+                        and all(e.group == "ring" for e in steps),
+                        f"{len(steps)} steps traced ({ {e.group for e in steps} })")
+        copies = (1, 1) if whole and P > 1 else (2 * (P - 1), 2 * (P - 1))
+        before = (be.d2h_copies, be.h2d_copies)
+        algs.ring_allreduce(x, comm)
+        made = (be.d2h_copies - before[0], be.h2d_copies - before[1])
+        parallel_assert(made == copies, f"copies {made}, want {copies}")
         parallel_assert(chunk >= comm.blocking_limit or all(e.blocking for e in steps),
                         "staged ring steps did not take the exchanger")
         parallel_assert(be.pinned_allocs == allocs
@@ -152,3 +173,32 @@ def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
         finally:
             comm.mpi.Free()
             raw.Free()
+
+
+class _FakeDevice(StagedHostBackend):
+    """A device backend whose own arrays would be staged; NumPy arrays are not its own
+    (``is_device_array`` is false for them), as host arrays are not CuPy's."""
+
+    name = "fake-device"
+    on_device = True
+
+
+def test_host_arrays_on_a_device_communicator_go_to_mpi_as_they_are():
+    """A loss, a size or a host copy sent over a device backend's communicator (the
+    Grid and Mesh communicators of a CuPy run) reaches MPI as it is: no staging copy
+    (CuPy's copy would call ``.get()`` on a NumPy array and raise)."""
+    be = _FakeDevice()
+    comm = Comm(WORLD.Dup(), name="world", backend=be)
+    try:
+        buf = np.full(3, float(comm.rank + 1))
+        comm.allreduce(buf)
+        x = np.arange(7.0) * (comm.rank + 1)
+        y = algs.ring_allreduce(x, comm)
+        total = P * (P + 1) / 2
+        parallel_assert(np.array_equal(buf, np.full(3, total))
+                        and np.array_equal(y, np.arange(7.0) * total),
+                        "host sums over a device communicator are wrong")
+        parallel_assert((be.d2h_copies, be.h2d_copies, be.pinned_allocs) == (0, 0, 0),
+                        f"host arrays were staged: {(be.d2h_copies, be.h2d_copies)} copies")
+    finally:
+        comm.mpi.Free()

@@ -95,6 +95,12 @@ _NAP_ENV = _env_bytes("SUMMASIM_NAP_BYTES")
 NAP_BYTES = 256 << 10 if _NAP_ENV is None else _NAP_ENV
 NAP_RANKS_PER_CORE = 4
 NAP_AFTER_POLLS = 32
+# device all-reduces of fewer bytes than this, on a staged (not CUDA-aware) MPI, are staged
+# whole: one copy to a pinned host buffer, the ring on the host, one copy back, instead of a
+# copy each way per ring step (ring_allreduce; SUMMASIM_STAGE_WHOLE_BYTES sets it, 0: never).
+# Measured on an H200 shared by 4 ranks (docs/gpu.md).
+_STAGE_WHOLE_ENV = _env_bytes("SUMMASIM_STAGE_WHOLE_BYTES")
+STAGE_WHOLE_BYTES = 16 << 20 if _STAGE_WHOLE_ENV is None else _STAGE_WHOLE_ENV
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
 
@@ -325,13 +331,20 @@ class Comm:
                           else _UNLIMITED)
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
+        self._twin = None
+        self.stage_whole_limit = STAGE_WHOLE_BYTES
 
     def __repr__(self):
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size})"
 
     # -- buffers -------------------------------------------------------------
     def _backend(self, arr):
-        return self.backend if self.backend is not None else backend_of(arr)
+        """How ``arr`` reaches MPI: the Comm's backend, except that a host array on a
+        device backend's communicator (a loss, a size, a host copy) goes as it is."""
+        be = self.backend
+        if be is None or (getattr(be, "on_device", False) and not is_device_array(arr)):
+            return backend_of(arr)
+        return be
 
     @staticmethod
     def _check(arr, what):
@@ -378,6 +391,42 @@ class Comm:
         # copy back before the staging buffer returns to the pool
         cleanup.insert(0, lambda: be.copy_from_host(host, arr))
         return host
+
+    def staged_whole(self, arr) -> bool:
+        """Whether a ring all-reduce of ``arr`` runs on one host copy of it: its path to
+        MPI is "staged" (a device array on an MPI that is not CUDA-aware, or the
+        staged-host backend that stands in for one) and it has fewer than
+        :attr:`stage_whole_limit` bytes. Per ring step a staged sum copies a chunk each
+        way and waits for the stream, 4(P-1) copies in all, which costs more than two
+        whole copies below that size (docs/gpu.md)."""
+        if self.backend is None and type(arr) is _NDARRAY:       # the host ring's fast path
+            return False
+        return arr.nbytes < self.stage_whole_limit and self._backend(arr).comm_mode == "staged"
+
+    def host_twin(self) -> "Comm":
+        """This communicator with host arrays going to MPI as they are (same group,
+        name, trace and wait policy): the ring on a staged host copy runs on it."""
+        twin = self._twin
+        if twin is None:
+            from .backends import get_backend
+
+            twin = self._twin = Comm(self.mpi, name=self.name, trace=self.trace,
+                                     backend=get_backend("numpy"), wait=self.wait_policy,
+                                     reduce=self.reduce_algorithm)
+        return twin
+
+    def stage_in(self, arr, cleanup: list):
+        """A host copy of device array ``arr`` in a pinned staging buffer (the stream
+        waited for first); ``cleanup`` gets the buffer's release. See :meth:`stage_back`."""
+        return self._outgoing(arr, cleanup)
+
+    def stage_back(self, host, arr, cleanup: list) -> None:
+        """Copy ``host`` (from :meth:`stage_in`) into device array ``arr``, then release
+        the staging buffers that ``cleanup`` holds."""
+        self._backend(arr).copy_from_host(host, arr)
+        for fn in cleanup:
+            fn()
+        cleanup.clear()
 
     def workspace(self, tag: str, like, count: int = 2) -> tuple:
         """``count`` arrays shaped like ``like``, kept on this communicator and reused

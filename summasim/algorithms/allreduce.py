@@ -232,6 +232,13 @@ def ring_allreduce_unchecked(x, comm, out=None):
     flat = out.reshape(-1)
     src = flat if out is x else xp.ascontiguousarray(x).reshape(-1)
     p, r = comm.size, comm.rank
+    if p > 1 and comm.staged_whole(src):
+        # a small sum on a staged MPI path: the same ring on one pinned host copy
+        cleanup: list = []
+        host = comm.stage_in(src, cleanup)
+        ring_allreduce_unchecked(host, comm.host_twin(), out=host)
+        comm.stage_back(host, flat, cleanup)
+        return out
     if p == 1:
         if src is not flat:
             flat[...] = src

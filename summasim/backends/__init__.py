@@ -8,6 +8,8 @@ A backend object has:
 
 ``name``            "numpy", "cupy" or "staged-host"
 ``xp``              the array module
+``on_device``       whether its arrays live on a device (CuPy); a host array handed to a
+                    device backend's communicator goes to MPI as it is, never staged
 ``comm_mode``       how :class:`summasim.comm.Comm` hands its arrays to MPI:
                     "host" (they are host memory), "direct" (device pointers to a
                     CUDA-aware MPI) or "staged" (copied through pinned host buffers)
@@ -78,6 +80,15 @@ def backend_of(x):
     return get_backend("cupy" if is_device_array(x) else "numpy")
 
 
+def to_backend(backend, arrays: dict) -> dict:
+    """The values of ``arrays`` on ``backend``'s device: copied there for a device backend
+    (CuPy), returned unchanged (the same dict) for a host one or ``backend=None``. The
+    harness builds parameters and inputs on the host and moves a rank's shards with it."""
+    if backend is None or not getattr(backend, "on_device", False):
+        return arrays
+    return {k: backend.asarray(v) for k, v in arrays.items()}
+
+
 def array_module(*arrays):
     """The array module (``numpy`` or ``cupy``) of the given arrays.
 
@@ -89,5 +100,5 @@ def array_module(*arrays):
     return backend_of(arrays[0]).xp if arrays else get_backend("numpy").xp
 
 
-__all__ = ["get_backend", "unavailable", "backend_of", "array_module", "is_device_array",
+__all__ = ["get_backend", "unavailable", "backend_of", "array_module", "is_device_array", "to_backend",
            "NumpyBackend", "StagedHostBackend"]

@@ -58,6 +58,7 @@ class CupyBackend:
     """Device arrays on the rank's GPU (see the module docstring for the MPI path)."""
 
     name = "cupy"
+    on_device = True
 
     def __init__(self, mode: str | None = None):
         import cupy

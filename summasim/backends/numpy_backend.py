@@ -22,6 +22,7 @@ class NumpyBackend:
 
     name = "numpy"
     comm_mode = "host"
+    on_device = False      # its arrays are host memory (see :func:`summasim.backends.to_backend`)
 
     def __init__(self):
         self.xp = np
