@@ -64,9 +64,18 @@ def _target(x: np.ndarray) -> tuple:
     return np.unravel_index(idx, x.shape)
 
 
-def corrupt_entry(x: np.ndarray, kind: str) -> None:
-    """Apply ``nan``, ``inf`` or ``perturb`` in place to one entry of host array ``x``."""
+def corrupt_entry(x, kind: str) -> None:
+    """Apply ``nan``, ``inf`` or ``perturb`` in place to one entry of array ``x`` (a device
+    array is corrupted through a host copy, then written back)."""
     if x.size == 0:
+        return
+    if not isinstance(x, np.ndarray):
+        from ..backends import backend_of
+
+        be = backend_of(x)
+        host = np.array(be.to_numpy(x), copy=True)
+        corrupt_entry(host, kind)
+        x[...] = be.asarray(host)
         return
     at = _target(x)
     if kind == "nan":

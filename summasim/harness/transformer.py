@@ -31,7 +31,7 @@ import numpy as np
 
 from ..comm import FAULTS
 from ..costmodel.accuracy import event_summary
-from ..backends import backend_of
+from ..backends import array_module, backend_of, is_device_array, to_backend
 from ..mpiutil import agreement, quiet_barrier
 from ..transformer import model
 from ..transformer.schemes import get_scheme
@@ -161,23 +161,66 @@ class SchemeReport:
         return (self.predicted_s - step) / step
 
 
-def measure_memory(module, local, tokens, targets, config, grid, checkpoint: bool) -> dict:
-    """Per-rank bytes (tracemalloc): params, grads, optimizer (Adam), activations held
-    after forward, and the peak of forward + backward above what was live before."""
-    was = tracemalloc.is_tracing()
-    if not was:
-        tracemalloc.start()
-    try:
+class _HostMemory:
+    """Live and peak bytes of host arrays (tracemalloc, started if it was not on)."""
+
+    def __enter__(self):
+        self.was = tracemalloc.is_tracing()
+        if not self.was:
+            tracemalloc.start()
         tracemalloc.reset_peak()
-        before = tracemalloc.get_traced_memory()[0]
-        loss, cache = module.forward(local, tokens, targets, config, grid, checkpoint=checkpoint)
-        held = tracemalloc.get_traced_memory()[0] - before
-        grads = module.backward(cache)
-        peak = tracemalloc.get_traced_memory()[1] - before
-        del cache
-    finally:
-        if not was:
+        return self
+
+    def live(self) -> int:
+        return tracemalloc.get_traced_memory()[0]
+
+    def peak(self, live_after: int) -> int:      # noqa: ARG002 - tracemalloc keeps a peak
+        return tracemalloc.get_traced_memory()[1]
+
+    def __exit__(self, *exc):
+        if not self.was:
             tracemalloc.stop()
+
+
+class _DeviceMemory:
+    """Live bytes of a device's arrays (the array library's memory pool, after waiting
+    for the stream). The pool keeps no peak: the peak is the largest reading."""
+
+    def __init__(self, xp):
+        self.pool, self.sync = xp.get_default_memory_pool(), xp.cuda.get_current_stream().synchronize
+        self.top = 0
+
+    def __enter__(self):
+        return self
+
+    def live(self) -> int:
+        self.sync()
+        self.top = max(self.top, self.pool.used_bytes())
+        return self.pool.used_bytes()
+
+    def peak(self, live_after: int) -> int:
+        return max(self.top, live_after)
+
+    def __exit__(self, *exc):
+        pass
+
+
+def measure_memory(module, local, tokens, targets, config, grid, checkpoint: bool) -> dict:
+    """Per-rank bytes: params, grads, optimizer (Adam), activations held after forward,
+    and the peak of forward + backward above what was live before.
+
+    Host arrays are counted with tracemalloc. On a device (CuPy) the live bytes are the
+    memory pool's ``used_bytes``, read after the forward and after the backward; the pool
+    keeps no peak, so ``peak_fwd_bwd`` there is the larger reading, a lower bound."""
+    first = next(iter(local.values()))
+    probe = _DeviceMemory(array_module(first)) if is_device_array(first) else _HostMemory()
+    with probe:
+        before = probe.live()
+        loss, cache = module.forward(local, tokens, targets, config, grid, checkpoint=checkpoint)
+        held = probe.live() - before
+        grads = module.backward(cache)
+        peak = probe.peak(probe.live()) - before
+        del cache
     opt = Adam()
     opt.step({k: v.copy() for k, v in local.items()}, grads)
     state = sum(st["m"].nbytes + st["v"].nbytes for st in opt.state.values())
@@ -248,7 +291,10 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     want_grads = want_logits = None
     finished = False
     try:
-        local = module.shard(ref["params"], config, grid)
+        # the rank's shards and the batch on the backend's device (a copy for CuPy only)
+        local = to_backend(backend, module.shard(ref["params"], config, grid))
+        dev = to_backend(backend, {"tokens": tokens, "targets": targets})
+        tokens, targets = dev["tokens"], dev["targets"]
         want_grads = module.shard(ref["grads"], config, grid)      # this rank's blocks
         want_logits = module.local_logits(ref["logits"], config, grid)
         scales, logits_scale = ref["grad_scales"], ref["logits_scale"]
@@ -304,11 +350,15 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
             grid.trace.enabled = False
             holder = {}
 
-            def fwd():
+            sync = backend.synchronize if backend is not None else (lambda: None)
+
+            def fwd():          # device work is waited for inside the timed call
                 holder["cache"] = module.forward(local, tokens, targets, config, grid)[1]
+                sync()
 
             def bwd():
                 module.backward(holder["cache"])
+                sync()
 
             fwd()
             with agreement(False):      # the checked forward above agreed on the inputs
