@@ -28,6 +28,7 @@ import os
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from summasim.transformer import ops
@@ -576,3 +577,32 @@ def test_scatter_add_matches_add_at():
     np.testing.assert_allclose(ops._scatter_add_rows(np, idx, rows, 60), ref, rtol=1e-13,
                                atol=1e-13)
     assert ops._scatter_add_rows(np, idx[:0], rows[:0], 5).shape == (5, 7)
+
+
+class _NotNumpy:
+    """NumPy under another name: takes the device path of ``_scatter_add_rows``."""
+
+    __name__ = "not-numpy"
+
+    @staticmethod
+    def argsort(a, kind=None):        # like CuPy's: always stable, no other kind
+        assert kind is None
+        return np.argsort(a, kind="stable")
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize("n, vocab", [(1, 3), (1000, 50), (400, 2), (64, 64)])
+def test_scatter_add_device_path_is_add_at_bit_for_bit(n, vocab):
+    """The path CuPy takes (passes of distinct indices, no atomics) sums each row in
+    the order of a sequential loop: exactly ``np.add.at``, whatever the repeats."""
+    rng = np.random.default_rng(n)
+    idx = rng.integers(0, vocab, n)
+    idx[: n // 3] = 0                              # one index repeated many times
+    rows = rng.standard_normal((n, 7))
+    ref = np.zeros((vocab + 3, 7))
+    np.add.at(ref, idx, rows)
+    got = ops._scatter_add_rows(_NotNumpy(), idx, rows, vocab + 3)
+    np.testing.assert_array_equal(got, ref)
+    assert ops._scatter_add_rows(_NotNumpy(), idx[:0], rows[:0], 5).shape == (5, 7)

@@ -401,10 +401,13 @@ class EmbeddingCache(NamedTuple):
 
 
 def _scatter_add_rows(xp, index, rows, nrows):
-    """``out[index[i]] += rows[i]`` into zeros (nrows, C), deterministic order.
+    """``out[index[i]] += rows[i]`` into zeros (nrows, C), in a fixed order.
 
-    NumPy: stable sort + ``add.reduceat`` (``np.add.at`` is slow on older NumPy);
-    other array modules: their ``add.at`` (atomic adds on CuPy).
+    NumPy: stable sort + ``add.reduceat`` (``np.add.at`` is slow on older NumPy).
+    Other array modules (CuPy): :func:`_scatter_add_passes`, not their ``add.at``,
+    whose atomic adds sum a repeated row in whatever order the threads arrive, so
+    that the same gradient could differ in its last bits from run to run (a
+    checkpointed backward against a plain one, one replica against another).
     """
     out = xp.zeros((nrows, rows.shape[-1]), dtype=rows.dtype)   # (V, C)
     if index.size == 0:
@@ -418,8 +421,32 @@ def _scatter_add_rows(xp, index, rows, nrows):
         starts = xp.flatnonzero(first)                  # (U,)
         out[sidx[starts]] = xp.add.reduceat(rows[order], starts, axis=0)  # (U, C)
     else:
-        xp.add.at(out, index, rows)
+        _scatter_add_passes(xp, index, rows, out)
     return out
+
+
+def _scatter_add_passes(xp, index, rows, out):
+    """``out[index[i]] += rows[i]`` for every i, in order of i for each target row,
+    without atomics: pass k adds the k-th occurrence of every index at once (the
+    indices of one pass are distinct, so a gather-add-scatter is exact). As many
+    passes as the most frequent index has occurrences; the sums are those of a
+    sequential loop over i (``np.add.at``), bit for bit."""
+    # stable sorts: CuPy's argsort is always stable (and takes no kind), NumPy's on request
+    stable = {"kind": "stable"} if getattr(xp, "__name__", "") == "numpy" else {}
+    order = xp.argsort(index, **stable)                 # (N,)
+    sidx = index[order]                                 # (N,)
+    first = xp.empty(sidx.shape, dtype=bool)            # (N,) start of each run
+    first[0] = True
+    xp.not_equal(sidx[1:], sidx[:-1], out=first[1:])
+    starts = xp.flatnonzero(first)                      # (U,)
+    run = xp.cumsum(first) - 1                          # (N,) run of each sorted item
+    pos = xp.arange(sidx.shape[0]) - starts[run]        # (N,) occurrence number
+    by = order[xp.argsort(pos, **stable)]               # (N,) pass by pass
+    lo = 0
+    for count in xp.bincount(pos).tolist():             # items per pass (one host read)
+        sel = by[lo:lo + count]
+        out[index[sel]] += rows[sel]
+        lo += count
 
 
 def embedding_forward(tokens, wte, wpe=None, *, vocab_start=0,
