@@ -299,7 +299,10 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     if args.fault is not None:
         say(f"fault injection: {args.fault} (every run it corrupts should FAIL)")
     machine = None
-    if not args.no_predict:
+    if not args.no_predict and backend.on_device:
+        say(f"backend {backend.name}: no predictions: the machine models price host arrays "
+            f"(this node's fit and the presets), not device arrays staged through the host")
+    elif not args.no_predict:
         from .harness.machinefile import resolve_machine
 
         machine = resolve_machine(args.machine, world, say)
