@@ -122,3 +122,40 @@ def test_buffers_are_free_when_a_ring_returns(half, nap):
         parallel_assert(ok, f"{half}: a buffer was still being read after the ring returned")
     finally:
         comm.mpi.Free()
+
+
+@pytest.mark.parametrize("wait", ["spin", "sleep", "yield"])
+def test_ring_sums_and_traces_alike_under_every_wait_policy(wait):
+    """Each policy takes its own step ("spin": one blocking MPI_Sendrecv; "sleep" and
+    "yield": the receive polled, the sends completed at the end of each half): the same
+    sums, in place and out of place, through the halves too, and the same trace, one
+    blocking sendrecv per step carrying exactly its chunk's bytes."""
+    comm = Comm(WORLD.Dup(), name="ring", wait=wait)
+    try:
+        ok = []
+        for n in sorted({0, 1, P + 1, 5000}):
+            x = np.arange(n, dtype=np.int64) * (comm.rank + 1)
+            want = np.arange(n, dtype=np.int64) * (P * (P + 1) // 2)
+            comm.trace.clear()
+            out = algs.ring_allreduce(x, comm, out=np.empty_like(x))
+            ev = comm.trace.events
+            sent = [e.nbytes for e in ev]
+            bounds = algs.chunk_bounds(n, P)
+            r = comm.rank
+            chunks = ([(bounds[(r - s) % P][1] - bounds[(r - s) % P][0]) * 8
+                       for s in range(P - 1)]
+                      + [(bounds[(r + 1 - s) % P][1] - bounds[(r + 1 - s) % P][0]) * 8
+                         for s in range(P - 1)])
+            inplace = x.copy()
+            algs.ring_allreduce(inplace, comm, out=inplace)
+            flat = x.copy()
+            own = algs.ring_reduce_scatter(flat, comm)
+            lo, hi = bounds[own]
+            half_ok = np.array_equal(flat[lo:hi], want[lo:hi])
+            algs.ring_allgather(flat, comm)
+            ok.append(np.array_equal(out, want) and np.array_equal(inplace, want) and half_ok
+                      and np.array_equal(flat, want) and sent == chunks
+                      and all(e.op == "sendrecv" and e.blocking for e in ev))
+        parallel_assert(all(ok), f"wait={wait}: {ok}")
+    finally:
+        comm.mpi.Free()

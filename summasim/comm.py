@@ -40,9 +40,9 @@ node has at least as many cores as ranks and ``"sleep"`` otherwise; the environm
 variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Test`` then
 ``sched_yield``); all three are :func:`summasim.mpiutil.wait_requests`.
 
-The steps of a ring (:meth:`Comm.exchanger`) wait differently: each waits for its
-receive only, polled with ``sched_yield`` (``MPI_Wait`` under "spin"), and completes
-its sends at the end of the ring's half, so a rank never waits for its neighbour to
+The steps of a ring (:meth:`Comm.exchanger`) wait differently: under "spin" each is one
+blocking ``MPI_Sendrecv``; otherwise each waits for its receive only, polled with
+``sched_yield``, and completes its sends at the end of the ring's half, so a rank never waits for its neighbour to
 take a message and never sleeps through the arrival of its own (docs/performance.md).
 Long steps on a crowded node (chunks from 256 KiB, 4 or more ranks per core) nap
 between polls after a few yields, so that the waiters leave the cores to the ranks
@@ -568,15 +568,20 @@ class Comm:
         completed. Until then the caller must not write to a buffer it has sent. The
         ring's inner loops use it.
 
-        Host arrays below :attr:`blocking_limit`: each step posts ``MPI_Irecv`` and
-        ``MPI_Isend`` and waits for the receive only; the sends are completed together
+        Host arrays under the "spin" policy (a core for every rank): each step is one
+        blocking ``MPI_Sendrecv``. Posting the two requests and completing the sends at
+        the end buys nothing when no rank waits for a core, and costs two request
+        objects a step: at p = 2 on 2 cores, 64 KiB in 59-61 us against 69-70 with the
+        requests (the plain ring 58-62), the same from 256 KiB to 16 MiB.
+
+        Host arrays below :attr:`blocking_limit` under the other policies: each step posts
+        ``MPI_Irecv`` and ``MPI_Isend`` and waits for the receive only; the sends are completed together
         by ``finish``. A step therefore does not wait for its right neighbour to take
         the message (a rendezvous, from 8 KiB in MPICH, completes the send only when
         the receiver has copied it and answered), so a rank goes on as soon as its own
         data is in. Under the "sleep" and "yield" policies the receive is polled with
         ``MPI_Test`` and ``sched_yield``, which hands the core at once to a rank that has
-        work (oversubscribed: the rank that holds the next message); under "spin" it is
-        ``MPI_Wait``. Measured on 2 cores, p = 4, 8 and 16 (docs/performance.md): 5-34%
+        work (oversubscribed: the rank that holds the next message). Measured on 2 cores, p = 4, 8 and 16 (docs/performance.md): 5-34%
         faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB except at
         p = 4 and 64 KiB (0.88x), and faster than polling with sleeps at every size.
 
@@ -636,7 +641,17 @@ class Comm:
                     while not req.Test():
                         pause()
 
-        if self._backend(like).comm_mode == "host":
+        host = self._backend(like).comm_mode == "host"
+        if host and self.wait_policy == "spin":
+            sendrecv = self.mpi.Sendrecv
+
+            def step(sb, dest, rb, source):    # every rank has a core: one blocking call
+                t0 = clock()
+                sendrecv(sb, dest, tag, rb, source, tag)
+                if trace.enabled:
+                    trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
+                                 blocking=True)
+        elif host:
             def step(sb, dest, rb, source):
                 t0 = clock()
                 req = irecv(rb, source, tag)
