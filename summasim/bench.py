@@ -320,7 +320,8 @@ def _contenders(backend, comm, raw, x, out) -> dict:
     get the arrays themselves; with a CUDA-aware MPI ("direct") the device arrays, the
     stream synchronized before each MPI call; without one ("staged") what a user would
     write first: copy the vector into a pinned host buffer, all-reduce it there, copy
-    the sum back. summasim's ring stages per step (``Comm``) and adds on the device."""
+    the sum back. summasim's ring does the same below ``STAGE_WHOLE_BYTES`` (16 MiB), with
+    its own host ring, and from there stages per step (``Comm``) and adds on the device."""
     from mpi4py import MPI
 
     from .algorithms import ring_allreduce

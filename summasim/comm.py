@@ -413,6 +413,9 @@ class Comm:
             twin = self._twin = Comm(self.mpi, name=self.name, trace=self.trace,
                                      backend=get_backend("numpy"), wait=self.wait_policy,
                                      reduce=self.reduce_algorithm)
+        # the waits as set on this communicator now (a caller may have changed them)
+        twin.wait_policy, twin.blocking_limit = self.wait_policy, self.blocking_limit
+        twin.nap_limit = self.nap_limit
         return twin
 
     def stage_in(self, arr, cleanup: list):

@@ -292,8 +292,9 @@ def test_cupy_backend_without_cupy_is_a_user_error(mpiexec):
 
 
 def test_bench_allreduce_through_the_staging_path(mpiexec, tmp_path):
-    """--backend staged-host: the ring, the plain ring and MPI each staged (the ring per
-    step, the baselines once around the whole vector), each checked, no prediction."""
+    """--backend staged-host: the ring, the plain ring and MPI each staged (at these sizes
+    all three once around the whole vector, the ring with its own host ring inside), each
+    checked, no prediction."""
     path = tmp_path / "bench.json"
     proc, _ = launch(mpiexec, 3, ["-m", "summasim.bench", "allreduce", "--backend",
                                   "staged-host", "--sizes-mib", "0.0625,0.5", "--repeats", "2",

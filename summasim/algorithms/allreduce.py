@@ -235,9 +235,13 @@ def ring_allreduce_unchecked(x, comm, out=None):
     if p > 1 and comm.staged_whole(src):
         # a small sum on a staged MPI path: the same ring on one pinned host copy
         cleanup: list = []
-        host = comm.stage_in(src, cleanup)
-        ring_allreduce_unchecked(host, comm.host_twin(), out=host)
-        comm.stage_back(host, flat, cleanup)
+        try:
+            host = comm.stage_in(src, cleanup)
+            ring_allreduce_unchecked(host, comm.host_twin(), out=host)
+            comm.stage_back(host, flat, cleanup)
+        finally:
+            for fn in cleanup:        # the staging buffer back to the pool, even on error
+                fn()
         return out
     if p == 1:
         if src is not flat:
