@@ -132,10 +132,12 @@ def bench_bytes(what: str, sizes_mib) -> int:
 
 
 def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
-                     available: int | None = None) -> str:
+                     available: int | None = None, device: bool = False) -> str:
     """"" when ``what``'s largest message fits this node's memory, else the message
-    that says what it needs, what can be used and the largest size that would fit."""
-    from .harness.memory import HEADROOM, available_bytes
+    that says what it needs, what can be used and the largest size that would fit.
+    ``device=True``: one GPU's free memory (``available``) shared by ``ranks_on_node``
+    ranks instead."""
+    from .harness.memory import HEADROOM, places, available_bytes
 
     avail = available_bytes() if available is None else available
     budget = int(HEADROOM * avail)
@@ -144,10 +146,11 @@ def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
         return ""
     messages, fixed = _bench_memory_terms(what)
     most = max(0, budget // ranks_on_node - fixed) / (messages * 2**20)
-    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB per rank, "
-            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, "
+    each, where, pool = places(device)
+    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB {each}, "
+            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks {where}, "
             f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
-            f"{avail / 2**30:.1f} GiB available); the largest size that fits is about "
+            f"{avail / 2**30:.1f} GiB {pool}); the largest size that fits is about "
             f"{most:.4g} MiB")
 
 
@@ -759,7 +762,7 @@ def _transformer_cases(shape, dtype, p: int) -> list:
 def _preflight(args, world) -> str:
     from .harness.memory import check_fits, check_training_fits
     from .harness.plan import plan_products
-    from .backends import unavailable
+    from .backends import device_share, unavailable
     from .comm import local_ranks
 
     err = (check_outputs(args.json, None if args.no_predict else args.machine)
@@ -767,12 +770,14 @@ def _preflight(args, world) -> str:
     if err:
         return err
     p = world.Get_size()
+    gpu = device_share(args.backend, local_ranks())     # (free bytes, ranks per GPU) or None
     if args.what in ("mesh", "all"):
         mcases, _, err = plan_mesh_bench(args, p)
         if err:
             return err
         for case in mcases:
-            why = check_training_fits(case, p, local_ranks())
+            why = check_training_fits(case, p, local_ranks()) or (gpu and check_training_fits(
+                case, p, gpu[1], available=gpu[0], device=True))
             if why:
                 return why
     if args.what in ("transformer", "all"):
@@ -782,14 +787,17 @@ def _preflight(args, world) -> str:
                 return why
     sized = {"allreduce": "allreduce", "all": "allreduce", "ring-steps": "ring-steps"}
     if args.what in sized:
-        why = check_bench_fits(sized[args.what], args.sizes, local_ranks())
+        why = check_bench_fits(sized[args.what], args.sizes, local_ranks()) or (
+            gpu and check_bench_fits(sized[args.what], args.sizes, gpu[1], available=gpu[0],
+                                     device=True))
         if why:
             return why
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
         for case in cases:
-            why = check_fits(case, local_ranks(), "freivalds")
+            why = check_fits(case, local_ranks(), "freivalds") or (gpu and check_fits(
+                case, gpu[1], "freivalds", available=gpu[0], device=True))
             if why:
                 return why
     return ""

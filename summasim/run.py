@@ -215,7 +215,7 @@ def plan(args, p: int):
 def preflight(args, world) -> str:
     """Everything found wrong before any work, as one message ("" when all is well).
     Runs on rank 0 (reads files, probes the output path and the memory)."""
-    from .backends import unavailable
+    from .backends import device_share, unavailable
     from .comm import local_ranks
     from .harness.memory import check_fits, check_training_fits
 
@@ -239,12 +239,15 @@ def preflight(args, world) -> str:
     if why:
         return why
     ranks = local_ranks()
+    gpu = device_share(args.backend, ranks)       # (free bytes, ranks per GPU) or None
     for c in cases:
-        why = check_fits(c, ranks, args.check, p=p)
+        why = check_fits(c, ranks, args.check, p=p) or (gpu and check_fits(
+            c, gpu[1], args.check, available=gpu[0], p=p, device=True))
         if why:
             return why
     for c in list(tcases) + list(mcases):
-        why = check_training_fits(c, p, ranks)
+        why = check_training_fits(c, p, ranks) or (gpu and check_training_fits(
+            c, p, gpu[1], available=gpu[0], device=True))
         if why:
             return why
     return ""

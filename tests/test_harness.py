@@ -187,6 +187,46 @@ def test_training_memory_check_names_a_batch_that_fits():
     assert "not even batch 1 fits" in memory.check_training_fits(huge, 2, 2, available=avail)
 
 
+def test_device_memory_checks_count_a_gpu_share_and_name_what_fits():
+    """With a device backend the preflight also checks one GPU: the ranks that share it
+    times a rank's device share (a product's blocks and workspaces, not the check's
+    host buffers; a training rank's shard, not the serial reference, which stays on
+    the host), against the GPU's free memory, and names the largest size that fits."""
+    from summasim.bench import check_bench_fits
+
+    gib = 2**30
+    case = MatmulCase("summa_ab", 2, 1, 8192, 8192, 8192)
+    dev, host = memory.product_device_bytes(case), memory.product_bytes(case)
+    blocks = 3 * (4096 * 4096 * 8)                      # A, B and C blocks of a 2x2 grid
+    assert blocks <= dev < host and host - dev >= 4096 * 4096 * 8   # C's host copy stays out
+    big = MatmulCase("summa_ab", 2, 1, 60000, 60000, 60000)
+    msg = memory.check_fits(big, 4, available=140 * gib, device=True)
+    assert "per rank on its GPU" in msg and "4 ranks sharing one GPU" in msg
+    assert "GiB free on the GPU" in msg, msg
+    n = int(msg.rsplit(" ", 1)[-1].split("x")[0])
+    assert memory.check_fits(MatmulCase("summa_ab", 2, 1, n, n, n), 4, available=140 * gib,
+                             device=True) == ""
+    assert memory.check_fits(MatmulCase("summa_ab", 2, 1, n + 2, n + 2, n + 2), 4,
+                             available=140 * gib, device=True) != ""
+    # four ranks on one GPU fit a quarter of what one rank alone does (cube side ~ 1/2)
+    huge = MatmulCase("summa_ab", 2, 1, 150000, 150000, 150000)
+    one = memory.check_fits(huge, 1, available=140 * gib, device=True)
+    n1 = int(one.rsplit(" ", 1)[-1].split("x")[0])
+    assert 1.8 < n1 / n < 2.2
+    # training: the device need is the shard ranks' alone, below the node's (serial
+    # reference and its shared copy included)
+    opt = transformer_case("optimus", 2, 1, 4096, 256, 512, 8, 2048, 2)
+    root, other, window = memory.training_bytes(opt, 4)
+    avail = int((4 * other + 1) / memory.HEADROOM) + 1
+    assert memory.check_training_fits(opt, 4, 4, available=avail, device=True) == ""
+    assert memory.check_training_fits(opt, 4, 4, available=avail) != ""       # host: more
+    msg = memory.check_training_fits(opt, 4, 4, available=avail // 2, device=True)
+    assert "sharing one GPU" in msg and "largest global batch that fits" in msg, msg
+    # the benchmark's messages on a GPU
+    msg = check_bench_fits("allreduce", [4096.0], 4, available=8 * gib, device=True)
+    assert "sharing one GPU" in msg and "free on the GPU" in msg, msg
+
+
 def test_cases_round_trip():
     for case in (MatmulCase("summa_abt", 2, 1, 8, 4, 6, "float32"), RingCase(77),
                  transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2)):

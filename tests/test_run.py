@@ -217,3 +217,29 @@ def test_scheme_arguments():
     assert run.parse_args(["--schemes", "none"]).scheme_list == []
     with pytest.raises(UserError, match="unknown scheme"):
         run.parse_args(["--schemes", "tesseract"])
+
+
+class _World:
+    def __init__(self, p):
+        self.p = p
+
+    def Get_size(self):
+        return self.p
+
+
+def test_preflight_checks_the_gpu_with_a_device_backend(monkeypatch):
+    """--backend cupy: the preflight checks a GPU's free memory shared by its ranks too,
+    so a product that fits the host but not the GPU is one message before any work,
+    naming the cube that fits (here a stand-in GPU: 4 ranks share 2 GiB)."""
+    import summasim.backends as backends
+
+    monkeypatch.setattr(backends, "unavailable", lambda name: "")
+    monkeypatch.setattr(backends, "device_share", lambda name, ranks: (
+        (2 * 2**30, 4) if name == "cupy" else None))
+    monkeypatch.setattr("summasim.comm.local_ranks", lambda: 4)
+    args = ["--sizes", "8192", "8192", "8192", "--algorithms", "summa_ab", "--schemes", "none"]
+    assert run.preflight(run.parse_args(args), _World(4)) == ""          # host backend
+    msg = run.preflight(run.parse_args(args + ["--backend", "cupy"]), _World(4))
+    assert "sharing one GPU" in msg and "the largest cube that fits is" in msg, msg
+    small = ["--sizes", "1024", "1024", "1024", "--algorithms", "summa_ab", "--schemes", "none"]
+    assert run.preflight(run.parse_args(small + ["--backend", "cupy"]), _World(4)) == ""

@@ -69,6 +69,17 @@ def unavailable(name: str) -> str:
     return "" if count > 0 else "--backend cupy needs a GPU; CUDA found none"
 
 
+def device_share(name: str, ranks_on_node: int):
+    """For a device backend, ``(free bytes, ranks sharing it)`` of this rank's GPU, what
+    a preflight checks a run's device memory against; ``None`` for a host backend.
+    Call it only where :func:`unavailable` says the backend can run."""
+    if name != "cupy":
+        return None
+    from .cupy_backend import gpu_share
+
+    return gpu_share(ranks_on_node)
+
+
 def is_device_array(x) -> bool:
     """True for a CuPy array (without importing CuPy when it was never loaded)."""
     cp = sys.modules.get("cupy")
@@ -100,5 +111,5 @@ def array_module(*arrays):
     return backend_of(arrays[0]).xp if arrays else get_backend("numpy").xp
 
 
-__all__ = ["get_backend", "unavailable", "backend_of", "array_module", "is_device_array", "to_backend",
+__all__ = ["get_backend", "unavailable", "device_share", "backend_of", "array_module", "is_device_array", "to_backend",
            "NumpyBackend", "StagedHostBackend"]

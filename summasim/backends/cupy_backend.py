@@ -54,6 +54,17 @@ def _local_rank() -> int:
     return 0
 
 
+def gpu_share(ranks_on_node: int) -> tuple[int, int]:
+    """``(free bytes, ranks that share it)`` of this rank's GPU: the ranks of a node go
+    round its GPUs (``local rank % device count``)."""
+    import cupy
+
+    ndev = cupy.cuda.runtime.getDeviceCount()
+    with cupy.cuda.Device(_local_rank() % ndev):
+        free, _ = cupy.cuda.runtime.memGetInfo()
+    return int(free), -(-ranks_on_node // ndev)
+
+
 class CupyBackend:
     """Device arrays on the rank's GPU (see the module docstring for the MPI path)."""
 

@@ -46,6 +46,18 @@ def peak_rss_bytes() -> int:
 def product_bytes(case, method: str = "exact") -> int:
     """Estimated peak bytes per rank of a harness product run (see the module doc);
     ``method`` as given to the check ("auto" is resolved the way the check does)."""
+    return sum(_product_parts(case, method))
+
+
+def product_device_bytes(case, method: str = "exact") -> int:
+    """The part of :func:`product_bytes` that a device backend (CuPy) holds on the
+    rank's GPU: the blocks and the algorithm's workspaces. The check's host copy of C
+    and its float64 reference stay on the host, which :func:`product_bytes` counts."""
+    return _product_parts(case, method)[0]
+
+
+def _product_parts(case, method: str) -> tuple[int, int]:
+    """``(blocks and workspaces, the check's host buffers)`` of a product run."""
     spec, q, d, p = case.spec, case.q, case.d, case.p
     it = 8 if case.dtype == "float64" else 4
     sa, sb = spec.stored_shapes(case.m, case.k, case.n)
@@ -64,7 +76,7 @@ def product_bytes(case, method: str = "exact") -> int:
     width = panel_width(case)
     panels = 2 * (mb * width + width * nb) * 8          # float64 panels and their abs
     check = (2 * nc * 8 if method == "exact" else 4 * mb * 8 * 4) + panels
-    return blocks + work + host + check
+    return blocks + work, host + check
 
 
 def ring_bytes(case, p: int) -> int:
@@ -72,13 +84,15 @@ def ring_bytes(case, p: int) -> int:
     return 2 * case.n * it + (case.n // max(p, 1) + 1) * it + 4 * (1 << 18) * 8
 
 
-def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact") -> int:
+def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact",
+                 size=product_bytes) -> int:
     """The largest n such that the case at n x n x n (rounded to fit the grid) fits
-    ``budget`` bytes on a node running ``ranks_on_node`` ranks (0 if none does)."""
+    ``budget`` bytes on a node running ``ranks_on_node`` ranks (0 if none does);
+    ``size`` gives a rank's bytes (:func:`product_device_bytes` for a GPU's share)."""
     spec = case.spec
     step = math.lcm(*spec.divisors(case.q, case.d).values())
     lo, hi = 0, 1
-    fits = lambda n: ranks_on_node * product_bytes(  # noqa: E731
+    fits = lambda n: ranks_on_node * size(  # noqa: E731
         type(case)(case.algorithm, case.q, case.d, n, n, n, case.dtype), method) <= budget
     while fits(hi * step):
         lo, hi = hi, hi * 2
@@ -88,34 +102,47 @@ def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact") -
     return lo * step
 
 
+def places(device: bool) -> tuple[str, str, str]:
+    """``(per rank, the ranks' place, what the budget is a share of)`` in messages."""
+    if device:
+        return "per rank on its GPU", "sharing one GPU", "free on the GPU"
+    return "per rank", "on this node", "available"
+
+
 def check_fits(case, ranks_on_node: int, method: str = "exact", available: int | None = None,
-               p: int | None = None) -> str:
+               p: int | None = None, device: bool = False) -> str:
     """"" when the case fits this node's available memory, else a message that says
     how much it needs, what is available and the largest cube that fits. It runs
     after every rank has started, so what they hold already (the interpreter, MPI)
-    is outside ``MemAvailable``."""
+    is outside ``MemAvailable``.
+
+    ``device=True``: the check of one GPU instead, for a device backend:
+    ``ranks_on_node`` is the number of ranks that share it and ``available`` its free
+    memory; a rank's share is :func:`product_device_bytes` (a ring: its vectors)."""
     avail = available_bytes() if available is None else available
     budget = int(HEADROOM * avail)
+    each, where, pool = places(device)
     if case.kind == "ring":
         need = ranks_on_node * ring_bytes(case, p or ranks_on_node)
         if need <= budget:
             return ""
         per = ring_bytes(case, p or ranks_on_node)
         most = int(case.n * budget / need)
-        return (f"{case.label(p)} needs about {per / 2**30:.2f} GiB per rank, "
-                f"{need / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, but "
+        return (f"{case.label(p)} needs about {per / 2**30:.2f} GiB {each}, "
+                f"{need / 2**30:.1f} GiB for {ranks_on_node} ranks {where}, but "
                 f"{budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
-                f"{avail / 2**30:.1f} GiB available); the largest that fits is about "
+                f"{avail / 2**30:.1f} GiB {pool}); the largest that fits is about "
                 f"N = {most}")
-    per = product_bytes(case, method)
+    size = product_device_bytes if device else product_bytes
+    per = size(case, method)
     if ranks_on_node * per <= budget:
         return ""
-    n = largest_cube(case, ranks_on_node, budget, method)
+    n = largest_cube(case, ranks_on_node, budget, method, size)
     fits = f"the largest cube that fits is {n}x{n}x{n}" if n else "not even the smallest fits"
-    return (f"{case.label()} {case.dtype} needs about {per / 2**30:.2f} GiB per rank, "
-            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks on this node, "
+    return (f"{case.label()} {case.dtype} needs about {per / 2**30:.2f} GiB {each}, "
+            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks {where}, "
             f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
-            f"{avail / 2**30:.1f} GiB available); {fits}")
+            f"{avail / 2**30:.1f} GiB {pool}); {fits}")
 
 
 # Training runs (a scheme's step or a mesh's Adam steps, validated against the serial model).
@@ -176,15 +203,22 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
     return int(max(SERIAL_FACTOR[k] * serial, other)), int(other), int(window)
 
 
-def check_training_fits(case, p: int, ranks_on_node: int, available: int | None = None) -> str:
+def check_training_fits(case, p: int, ranks_on_node: int, available: int | None = None,
+                        device: bool = False) -> str:
     """"" when a transformer or mesh case fits this node (rank 0 and the others on
     it), else a message with what it needs, what can be used and the largest global
-    batch of the same shape that fits."""
+    batch of the same shape that fits.
+
+    ``device=True``: the check of one GPU that ``ranks_on_node`` ranks share, with
+    ``available`` its free memory. The serial reference and its shared copy stay on
+    the host, so each of them holds a shard rank's share there, rank 0 included."""
     avail = available_bytes() if available is None else available
     budget = int(HEADROOM * avail)
 
     def need(c):
         root, other, window = training_bytes(c, p)
+        if device:
+            return ranks_on_node * other, root, other, window
         return root + window + (ranks_on_node - 1) * other, root, other, window
 
     total, root, other, window = need(case)
@@ -200,6 +234,11 @@ def check_training_fits(case, p: int, ranks_on_node: int, available: int | None 
     best = lo * unit if lo and ok(lo * unit) else 0
     fits = (f"the largest global batch that fits is about {best}" if best
             else f"not even batch {unit} fits")
+    if device:
+        return (f"{case.label(p)} needs about {other / 2**30:.2f} GiB per rank on its GPU, "
+                f"{total / 2**30:.1f} GiB for {ranks_on_node} ranks sharing one GPU, but "
+                f"{budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
+                f"{avail / 2**30:.1f} GiB free on the GPU); {fits}")
     return (f"{case.label(p)} needs about {total / 2**30:.1f} GiB on this node "
             f"({root / 2**30:.2f} GiB on rank 0, which also runs the serial reference, "
             f"{window / 2**30:.2f} GiB for the reference shared by the node's ranks, "
