@@ -42,8 +42,9 @@ variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Tes
 
 The steps of a ring (:meth:`Comm.exchanger`) wait differently: under "spin" each is one
 blocking ``MPI_Sendrecv``; otherwise each waits for its receive only, polled with
-``sched_yield``, and completes its sends at the end of the ring's half, so a rank never waits for its neighbour to
-take a message and never sleeps through the arrival of its own (docs/performance.md).
+``sched_yield``, and completes its sends at the end of the ring's half, so a rank never
+waits for its neighbour to take a message and never sleeps through the arrival of its
+own (docs/performance.md).
 Long steps on a crowded node (chunks from 256 KiB, 4 or more ranks per core) nap
 between polls after a few yields, so that the waiters leave the cores to the ranks
 that hold data.
@@ -420,16 +421,13 @@ class Comm:
 
     def stage_in(self, arr, cleanup: list):
         """A host copy of device array ``arr`` in a pinned staging buffer (the stream
-        waited for first); ``cleanup`` gets the buffer's release. See :meth:`stage_back`."""
+        waited for first); ``cleanup`` gets the buffer's release, which the caller runs
+        once it is done with the copy (after :meth:`stage_back`)."""
         return self._outgoing(arr, cleanup)
 
-    def stage_back(self, host, arr, cleanup: list) -> None:
-        """Copy ``host`` (from :meth:`stage_in`) into device array ``arr``, then release
-        the staging buffers that ``cleanup`` holds."""
+    def stage_back(self, host, arr) -> None:
+        """Copy ``host`` (from :meth:`stage_in`) into device array ``arr``."""
         self._backend(arr).copy_from_host(host, arr)
-        for fn in cleanup:
-            fn()
-        cleanup.clear()
 
     def workspace(self, tag: str, like, count: int = 2) -> tuple:
         """``count`` arrays shaped like ``like``, kept on this communicator and reused
@@ -575,18 +573,20 @@ class Comm:
         blocking ``MPI_Sendrecv``. Posting the two requests and completing the sends at
         the end buys nothing when no rank waits for a core, and costs two request
         objects a step: at p = 2 on 2 cores, 64 KiB in 59-61 us against 69-70 with the
-        requests (the plain ring 58-62), the same from 256 KiB to 16 MiB.
+        requests (two launches each, alternated; the plain ring 58-62 in the same
+        launches), the same from 256 KiB to 16 MiB.
 
         Host arrays below :attr:`blocking_limit` under the other policies: each step posts
-        ``MPI_Irecv`` and ``MPI_Isend`` and waits for the receive only; the sends are completed together
-        by ``finish``. A step therefore does not wait for its right neighbour to take
-        the message (a rendezvous, from 8 KiB in MPICH, completes the send only when
-        the receiver has copied it and answered), so a rank goes on as soon as its own
-        data is in. Under the "sleep" and "yield" policies the receive is polled with
+        ``MPI_Irecv`` and ``MPI_Isend`` and waits for the receive only; the sends are
+        completed together by ``finish``. A step therefore does not wait for its right
+        neighbour to take the message (a rendezvous, from 8 KiB in MPICH, completes the send
+        only when the receiver has copied it and answered), so a rank goes on as soon as its
+        own data is in. Under the "sleep" and "yield" policies the receive is polled with
         ``MPI_Test`` and ``sched_yield``, which hands the core at once to a rank that has
-        work (oversubscribed: the rank that holds the next message). Measured on 2 cores, p = 4, 8 and 16 (docs/performance.md): 5-34%
-        faster than a plain ring of ``MPI_Sendrecv`` from 64 KiB to 64 MiB except at
-        p = 4 and 64 KiB (0.88x), and faster than polling with sleeps at every size.
+        work (oversubscribed: the rank that holds the next message). Measured on 2 cores,
+        p = 4, 8 and 16 (docs/performance.md): 5-34% faster than a plain ring of
+        ``MPI_Sendrecv`` from 64 KiB to 64 MiB except at p = 4 and 64 KiB (0.88x), and
+        faster than polling with sleeps at every size.
 
         Long waits among many waiters nap: when the node has at least
         :data:`NAP_RANKS_PER_CORE` ranks per core and the loop's steps carry at least

@@ -238,7 +238,7 @@ def ring_allreduce_unchecked(x, comm, out=None):
         try:
             host = comm.stage_in(src, cleanup)
             ring_allreduce_unchecked(host, comm.host_twin(), out=host)
-            comm.stage_back(host, flat, cleanup)
+            comm.stage_back(host, flat)
         finally:
             for fn in cleanup:        # the staging buffer back to the pool, even on error
                 fn()

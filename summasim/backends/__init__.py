@@ -111,5 +111,5 @@ def array_module(*arrays):
     return backend_of(arrays[0]).xp if arrays else get_backend("numpy").xp
 
 
-__all__ = ["get_backend", "unavailable", "device_share", "backend_of", "array_module", "is_device_array", "to_backend",
-           "NumpyBackend", "StagedHostBackend"]
+__all__ = ["get_backend", "unavailable", "device_share", "backend_of", "array_module",
+           "is_device_array", "to_backend", "NumpyBackend", "StagedHostBackend"]

@@ -174,7 +174,7 @@ class _HostMemory:
     def live(self) -> int:
         return tracemalloc.get_traced_memory()[0]
 
-    def peak(self, live_after: int) -> int:      # noqa: ARG002 - tracemalloc keeps a peak
+    def peak(self) -> int:
         return tracemalloc.get_traced_memory()[1]
 
     def __exit__(self, *exc):
@@ -187,7 +187,8 @@ class _DeviceMemory:
     for the stream). The pool keeps no peak: the peak is the largest reading."""
 
     def __init__(self, xp):
-        self.pool, self.sync = xp.get_default_memory_pool(), xp.cuda.get_current_stream().synchronize
+        self.pool = xp.get_default_memory_pool()
+        self.sync = xp.cuda.get_current_stream().synchronize
         self.top = 0
 
     def __enter__(self):
@@ -195,11 +196,12 @@ class _DeviceMemory:
 
     def live(self) -> int:
         self.sync()
-        self.top = max(self.top, self.pool.used_bytes())
-        return self.pool.used_bytes()
+        used = self.pool.used_bytes()
+        self.top = max(self.top, used)
+        return used
 
-    def peak(self, live_after: int) -> int:
-        return max(self.top, live_after)
+    def peak(self) -> int:
+        return self.top
 
     def __exit__(self, *exc):
         pass
@@ -219,7 +221,8 @@ def measure_memory(module, local, tokens, targets, config, grid, checkpoint: boo
         loss, cache = module.forward(local, tokens, targets, config, grid, checkpoint=checkpoint)
         held = probe.live() - before
         grads = module.backward(cache)
-        peak = probe.peak(probe.live()) - before
+        probe.live()
+        peak = probe.peak() - before
         del cache
     opt = Adam()
     opt.step({k: v.copy() for k, v in local.items()}, grads)

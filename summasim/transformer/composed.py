@@ -76,7 +76,7 @@ import numpy as np
 
 from ..algorithms.allreduce import (_bounds, ring_allgather_unchecked,
                                     ring_allreduce_unchecked, ring_reduce_scatter_unchecked)
-from ..backends import array_module, is_device_array, to_backend
+from ..backends import array_module, to_backend
 from ..mpiutil import agree, fields_of, fingerprint, local_error
 from . import model
 from .ops import BLOCK_KEYS
@@ -314,7 +314,7 @@ class Trainer:
         self.lm = not config.n_classes
         keys = model.stage_keys(config, self.layers, self.first, self.last)
         local = self.module.shard(params, config, self.grid, keys)   # agrees over the grid
-        local = to_backend(getattr(mesh, "backend", None), local)  # on the mesh's device (CuPy); else as is
+        local = to_backend(getattr(mesh, "backend", None), local)   # CuPy: on the device
         self._layout(local, keys)
         self.xp = array_module(local[self.keys[0]])
         dtype, n = config.dtype, self.n
@@ -611,7 +611,7 @@ class Trainer:
         _, err = local_error(local)
         agree("composed.step", mesh.world, lambda: {"tokens": fingerprint(tokens),
                                                     "targets": fingerprint(targets)}, err)
-        if is_device_array(self.flat if self.flat is not None else self.shard):
+        if self.xp is not np:                  # the batch on the parameters' device
             tokens, targets = self.xp.asarray(tokens), self.xp.asarray(targets)
         B, seq = tokens.shape[0], tokens.shape[1]
         per = B // (mesh.dp * self.m)

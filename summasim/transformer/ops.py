@@ -413,16 +413,28 @@ def _scatter_add_rows(xp, index, rows, nrows):
     if index.size == 0:
         return out
     if getattr(xp, "__name__", "") == "numpy":
-        order = xp.argsort(index, kind="stable")       # (N,)
-        sidx = index[order]                             # (N,)
-        first = xp.empty(sidx.shape, dtype=bool)        # (N,) start of each run
-        first[0] = True
-        xp.not_equal(sidx[1:], sidx[:-1], out=first[1:])
-        starts = xp.flatnonzero(first)                  # (U,)
+        order, sidx, first, starts = _sorted_runs(xp, index)
         out[sidx[starts]] = xp.add.reduceat(rows[order], starts, axis=0)  # (U, C)
     else:
         _scatter_add_passes(xp, index, rows, out)
     return out
+
+
+def _stable(xp) -> dict:
+    """argsort's keyword for a stable sort: NumPy's on request; CuPy's argsort is always
+    stable and takes no kind."""
+    return {"kind": "stable"} if getattr(xp, "__name__", "") == "numpy" else {}
+
+
+def _sorted_runs(xp, index):
+    """``(order, sorted index, run-start mask, run starts)`` of a stable sort of the
+    1-D ``index``: equal values form runs, in their original order within a run."""
+    order = xp.argsort(index, **_stable(xp))            # (N,)
+    sidx = index[order]                                 # (N,)
+    first = xp.empty(sidx.shape, dtype=bool)            # (N,) start of each run
+    first[0] = True
+    xp.not_equal(sidx[1:], sidx[:-1], out=first[1:])
+    return order, sidx, first, xp.flatnonzero(first)    # starts: (U,)
 
 
 def _scatter_add_passes(xp, index, rows, out):
@@ -432,17 +444,10 @@ def _scatter_add_passes(xp, index, rows, out):
     passes as the most frequent index has occurrences (each a few kernel launches: a
     token that fills a tenth of a 16k-token batch costs about 1,600 passes, tens of ms);
     the sums are those of a sequential loop over i (``np.add.at``), bit for bit."""
-    # stable sorts: CuPy's argsort is always stable (and takes no kind), NumPy's on request
-    stable = {"kind": "stable"} if getattr(xp, "__name__", "") == "numpy" else {}
-    order = xp.argsort(index, **stable)                 # (N,)
-    sidx = index[order]                                 # (N,)
-    first = xp.empty(sidx.shape, dtype=bool)            # (N,) start of each run
-    first[0] = True
-    xp.not_equal(sidx[1:], sidx[:-1], out=first[1:])
-    starts = xp.flatnonzero(first)                      # (U,)
+    order, sidx, first, starts = _sorted_runs(xp, index)
     run = xp.cumsum(first) - 1                          # (N,) run of each sorted item
     pos = xp.arange(sidx.shape[0]) - starts[run]        # (N,) occurrence number
-    by = order[xp.argsort(pos, **stable)]               # (N,) pass by pass
+    by = order[xp.argsort(pos, **_stable(xp))]          # (N,) pass by pass
     lo = 0
     for count in xp.bincount(pos).tolist():             # items per pass (one host read)
         sel = by[lo:lo + count]
