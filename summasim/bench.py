@@ -40,7 +40,9 @@ from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 
 GEMM_ALGORITHMS = PRODUCTS
 DEFAULT_REPEATS = 3
-ALLREDUCE_REPEATS = 9
+ALLREDUCE_REPEATS = 9          # the least: a 96.1% interval of the paired ratios
+ALLREDUCE_MAX_REPEATS = 41     # the most a size gets when --repeats is not given ...
+ALLREDUCE_BUDGET_S = 3.0       # ... within about this many seconds of timed calls
 # Peak bytes per rank of one all-reduce size, in messages: the rank's data, the reference
 # sum, the result, MPI's own temporary and the check's. Measured (peak RSS over the ~120 MiB
 # an idle rank holds) at 256 MiB: 6.3 messages on 2 ranks, 6.1 on 4; ring-steps: 2.1.
@@ -365,13 +367,46 @@ def _contenders(backend, comm, raw, x, out) -> dict:
     return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out), **base}
 
 
-def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
-                    backend=None) -> list[dict]:
+def allreduce_repeats(seconds_per_repeat: float, least: int = ALLREDUCE_REPEATS,
+                      most: int = ALLREDUCE_MAX_REPEATS,
+                      budget: float = ALLREDUCE_BUDGET_S) -> int:
+    """Repeats of one size of ``bench allreduce`` when ``--repeats`` is not given (pure):
+    as many as fit ``budget`` seconds at ``seconds_per_repeat`` (one call of each
+    contender), at least ``least`` and at most ``most``. A short call is noisy here (its
+    paired ratios spread by 20-40% at 8 ranks per core) but cheap, so it gets more
+    repeats: the sign-test interval of 9 repeats runs from the 2nd to the 8th of the
+    sorted ratios, that of 41 from the 14th to the 28th. The count depends on the
+    call's duration only, never on the ratios measured, so stopping cannot bias the
+    verdict."""
+    if least < 1 or most < least or budget < 0:
+        raise ValueError(f"allreduce_repeats: need 1 <= least <= most and budget >= 0, "
+                         f"got least={least}, most={most}, budget={budget}")
+    if not seconds_per_repeat > 0:
+        return most
+    return max(least, min(most, int(budget / seconds_per_repeat)))
+
+
+def _message_buffers(backend, hx, huge: bool = True):
+    """``(x, out)``: ``hx``'s values and an output buffer, as ``backend``'s arrays;
+    with ``huge``, host arrays from a huge page up lie on transparent huge pages from
+    end to end (:func:`~summasim.backends.numpy_backend.empty_huge`), so that their page
+    backing, worth 15-45% of a memory-bound all-reduce here, is the same in every
+    launch."""
+    make = backend.empty_huge if huge else backend.empty
+    x = make(hx.shape, hx.dtype)
+    x[...] = backend.asarray(hx)
+    return x, make(hx.shape, hx.dtype)
+
+
+def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=None,
+                    backend=None, huge: bool = True) -> list[dict]:
     """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
-    buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`), interleaved
+    buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`; on huge
+    pages unless ``huge`` is false: :func:`_message_buffers`), interleaved
     call by call (median spans), with the cost model's prediction for the ring when a
     ``machine`` is given. Each contender's result is checked against MPI's on the host
-    on every size."""
+    on every size. ``repeats`` None: per size by :func:`allreduce_repeats`, from the
+    median duration of its first :data:`ALLREDUCE_REPEATS` repeats."""
     from mpi4py import MPI
 
     from .backends import get_backend
@@ -386,7 +421,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
     raw = world.Dup()
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
         f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
-        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9}  check")
+        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'reps':>5}  check")
     rows = []
     try:
         for mib in sizes_mib:
@@ -395,8 +430,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
             ref = np.empty_like(hx)
             world.Allreduce(hx, ref, op=MPI.SUM)
             tol = 8 * np.sqrt(p) * np.finfo(hx.dtype).eps * max(1.0, float(np.abs(ref).max()))
-            x = backend.asarray(hx)
-            out = backend.empty(x.shape, x.dtype)
+            x, out = _message_buffers(backend, hx, huge)
             calls = _contenders(backend, comm, raw, x, out)
             good = True
             for k in calls:                   # each checked once, the ring agreed too
@@ -405,10 +439,18 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
                 good &= bool(np.allclose(backend.to_numpy(out), ref, rtol=0, atol=p * tol))
             ok = bool(world.allreduce(good, op=MPI.LAND))
             t = {"ring": [], "plain": [], "mpi": []}
-            for i in range(repeats):  # interleaved, so that all see the same machine state
+            # interleaved, so that all see the same machine state; without --repeats, the
+            # first ALLREDUCE_REPEATS size the rest by their duration (the same spans on
+            # every rank, so every rank takes the same count)
+            reps, i = repeats or ALLREDUCE_REPEATS, 0
+            while i < reps:
                 with agreement(False):
                     for k in _rotated(list(calls), i):
                         t[k] += time_calls(calls[k], world, 1, adaptive=False)["spans"]
+                i += 1
+                if repeats is None and i == ALLREDUCE_REPEATS:
+                    reps = allreduce_repeats(statistics.median(
+                        sum(t[k][j] for k in t) for j in range(i)))
             tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
             nbytes = count * np.dtype(dtype).itemsize
             pred = (ring_prediction(count, dtype, p, machine, comm.blocking_limit)
@@ -419,14 +461,14 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int, say, machine=None,
                          "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
                          "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
                          "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
-                         "predicted": pred, "ok": ok,
+                         "predicted": pred, "ok": ok, "repeats": reps,
                          "prediction_error": None if pred is None else (pred - tr) / tr})
             say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
                 f"{tp / tr:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
                 f"{tm / tr:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
                 f"{nbytes / tr / 1e9:>10.2f} "
                 + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
-                   else f"{'-':>9} {'-':>9}") + f"  {'OK' if ok else 'FAIL'}")
+                   else f"{'-':>9} {'-':>9}") + f" {reps:>5}  {'OK' if ok else 'FAIL'}")
     finally:
         comm.mpi.Free()
         raw.Free()
@@ -447,10 +489,14 @@ def _interval(r: dict) -> str:
     return "-" if r["low"] is None else f"[{r['low']:.2f},{r['high']:.2f}]"
 
 
-def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
+def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say,
+                     huge: bool = True) -> list[dict]:
     """Where a ring all-reduce's time goes: one traced call split into each step's
     seconds inside MPI (the trace's sendrecv events) and the time outside them (adds,
-    copies, Python), median over ``repeats`` calls and then over the ranks."""
+    copies, Python), median over ``repeats`` calls and then over the ranks (buffers as
+    in :func:`bench_allreduce`)."""
+    from .backends import get_backend
+
     from .algorithms import ring_allreduce
     from .comm import Comm
     from .mpiutil import agreement, quiet_barrier
@@ -463,8 +509,8 @@ def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say) -> list[dict]:
     try:
         for mib in sizes_mib:
             count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
-            x = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
-            out = np.empty_like(x)
+            x, out = _message_buffers(get_backend("numpy"), np.random.default_rng(
+                world.Get_rank()).standard_normal(count).astype(dtype), huge)
             ring_allreduce(x, comm, out=out)
             calls, steps = [], []
             with agreement(False):
@@ -670,6 +716,10 @@ def build_parser():
                     help="cost-model machine for the ring's predicted time (default: as "
                          "summasim.run chooses)")
     ap.add_argument("--no-predict", action="store_true", help="skip the prediction")
+    ap.add_argument("--np-empty", action="store_true",
+                    help="allreduce and ring-steps: message buffers as np.empty returns "
+                         "them (partly on huge pages, by the luck of their alignment) "
+                         "instead of on huge pages from end to end")
     ap.add_argument("--tf-shape", nargs=6, type=int, default=[16, 128, 512, 8, 64, 1],
                     metavar=("B", "S", "H", "N", "V", "L"),
                     help="transformer benchmark: batch, sequence, hidden, heads, vocab, layers "
@@ -689,8 +739,10 @@ def build_parser():
                     help="mesh benchmark model: global batch, sequence, hidden, heads, vocab, "
                          "layers (default 16 32 128 16 128 4, float64)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help=f"timed repeats (default {DEFAULT_REPEATS}; allreduce "
-                         f"{ALLREDUCE_REPEATS}: enough for a 95%% interval of the paired ratios)")
+                    help=f"timed repeats (default {DEFAULT_REPEATS}; allreduce: per size, "
+                         f"as many as about {ALLREDUCE_BUDGET_S:g} s of calls allow, "
+                         f"{ALLREDUCE_REPEATS} to {ALLREDUCE_MAX_REPEATS}, for the 95%% "
+                         f"interval of the paired ratios)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return ap
 
@@ -702,7 +754,7 @@ def parse_args(argv=None):
         raise UserError(f"--n must be positive, got {args.n}")
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
-    args.allreduce_repeats = args.repeats or ALLREDUCE_REPEATS
+    args.allreduce_repeats = args.repeats          # None: per size (allreduce_repeats)
     args.repeats = args.repeats or DEFAULT_REPEATS
     args.algorithm_list = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in args.algorithm_list if a not in GEMM_ALGORITHMS]
@@ -824,6 +876,14 @@ def _body(args, world) -> int:
     report = {"p": p, "cores": cores(), "dtype": args.dtype,
               "wait_policy": default_wait_policy(), "backend": backend.name,
               "comm_mode": backend.comm_mode}
+    if args.what in ("allreduce", "ring-steps", "all") and backend.name != "cupy":
+        from .backends.numpy_backend import transparent_huge_pages
+
+        mode, page = transparent_huge_pages()
+        report["buffers"] = {"huge_pages": not args.np_empty, "thp": mode, "page_bytes": page}
+        say("message buffers: " + ("as np.empty returns them (--np-empty)" if args.np_empty
+                                  else f"from {page >> 20} MiB on, on huge pages from end "
+                                  f"to end") + f"; transparent huge pages: {mode}")
     resolved = []
 
     def machine():
@@ -852,7 +912,7 @@ def _body(args, world) -> int:
         before = node_memory_gibs(world) if host else None
         report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
                                               args.allreduce_repeats, say,
-                                              machine(), backend)
+                                              machine(), backend, not args.np_empty)
         after = node_memory_gibs(world) if host else None
         report["node_memory_gibs"] = {"before": before, "after": after,
                                       "array_mib": NODE_MEMORY_MIB}
@@ -863,7 +923,8 @@ def _body(args, world) -> int:
                 f"follow it (docs/performance.md)")
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":
-        report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say)
+        report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say,
+                                                not args.np_empty)
     if args.what == "all" and backend.name != "numpy":
         say(f"\ntransformer: skipped with --backend {backend.name} (it times NumPy only)")
     elif args.what in ("transformer", "all"):

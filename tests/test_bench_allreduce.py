@@ -100,3 +100,90 @@ def test_bench_memory_check_names_a_size_that_fits():
         assert check_bench_fits(what, [most * 1.01], 16, available=avail) != ""
     # the all-reduce holds more messages per rank than the step timeline does
     assert bench_bytes("allreduce", [64]) > bench_bytes("ring-steps", [64])
+
+
+def _thp(monkeypatch, mode, page=2 << 20):
+    from summasim.backends import numpy_backend
+
+    monkeypatch.setattr(numpy_backend, "transparent_huge_pages", lambda: (mode, page))
+    return numpy_backend
+
+
+def _allocation(a):
+    """(start, end) of the NumPy allocation under view ``a``."""
+    base = a
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base.ctypes.data, base.ctypes.data + base.nbytes
+
+
+@pytest.mark.parametrize("mode", ["madvise", "always"])
+def test_huge_page_buffers_lie_inside_whole_huge_pages_at_staggered_offsets(monkeypatch,
+                                                                            mode):
+    nb = _thp(monkeypatch, mode)
+    page = 2 << 20
+    offsets = []
+    for shape, dtype in [(((2 << 20) // 8,), np.float64), ((3, 1 << 20), np.float32),
+                         ((5_000_001,), np.float64), ((1 << 20,), np.float64)]:
+        a = nb.empty_huge(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype
+        assert a.flags.c_contiguous and a.flags.writeable
+        lo, hi = _allocation(a)
+        first = a.ctypes.data // page * page              # the huge pages it touches
+        last = -(-(a.ctypes.data + a.nbytes) // page) * page
+        assert lo <= first and last <= hi, (shape, dtype)  # all inside its allocation
+        offsets.append(a.ctypes.data % page)
+        a[...] = 7                                # every byte is its own memory
+        assert a.sum() == 7 * a.size
+    # consecutive buffers start at different offsets within a huge page, a known step
+    # apart (equal offsets put the operands of an add on the same cache sets)
+    assert len(set(offsets)) == len(offsets)
+    steps = {(b - a) % page for a, b in zip(offsets, offsets[1:])}
+    assert steps == {nb.STAGGER_BYTES % page}
+
+
+def test_huge_page_buffers_follow_the_kernels_page_size(monkeypatch):
+    nb = _thp(monkeypatch, "madvise", 1 << 30)
+    a = nb.empty_huge((1 << 27,), np.float64)                   # 1 GiB, never touched
+    lo, hi = _allocation(a)
+    assert lo <= a.ctypes.data // (1 << 30) * (1 << 30)
+    assert -(-(a.ctypes.data + a.nbytes) // (1 << 30)) * (1 << 30) <= hi
+
+
+def test_buffers_below_a_huge_page_or_without_thp_are_plain(monkeypatch):
+    nb = _thp(monkeypatch, "madvise")
+    small = nb.empty_huge(((2 << 20) // 8 - 1,), np.float64)
+    assert small.base is None                     # np.empty's own array, no slack
+    for mode in ("never", None):
+        a = _thp(monkeypatch, mode).empty_huge((1 << 20,), np.float64)
+        assert a.base is None and a.shape == (1 << 20,)
+
+
+def test_bench_buffers_hold_the_values_and_honour_np_empty(monkeypatch):
+    from summasim.backends import get_backend
+    from summasim.bench import _message_buffers
+
+    _thp(monkeypatch, "madvise")
+    hx = np.random.default_rng(0).standard_normal((4 << 20) // 8)
+    x, out = _message_buffers(get_backend("numpy"), hx)
+    assert np.array_equal(x, hx) and x is not hx and not np.shares_memory(x, out)
+    assert x.base is not None and out.base is not None         # views of huge buffers
+    x, out = _message_buffers(get_backend("numpy"), hx, huge=False)
+    assert np.array_equal(x, hx) and x.base is None and out.base is None
+    assert parse_args(["allreduce", "--np-empty"]).np_empty
+    assert not parse_args(["allreduce"]).np_empty
+
+
+def test_repeats_follow_the_call_time_within_their_bounds():
+    from summasim.bench import ALLREDUCE_MAX_REPEATS, ALLREDUCE_REPEATS, allreduce_repeats
+
+    assert allreduce_repeats(0.010, budget=3.0) == min(ALLREDUCE_MAX_REPEATS, 300)
+    assert allreduce_repeats(0.1, least=9, most=41, budget=3.0) == 30
+    assert allreduce_repeats(1.2, least=9, most=41, budget=3.0) == 9      # the floor
+    assert allreduce_repeats(0.0) == ALLREDUCE_MAX_REPEATS               # a free call
+    assert ALLREDUCE_REPEATS <= allreduce_repeats(0.2) <= ALLREDUCE_MAX_REPEATS
+    with pytest.raises(ValueError):
+        allreduce_repeats(0.1, least=10, most=9)
+    # no --repeats: the allreduce benchmark sizes each run; --repeats N is exactly N
+    assert parse_args(["allreduce"]).allreduce_repeats is None
+    assert parse_args(["allreduce", "--repeats", "5"]).allreduce_repeats == 5

@@ -106,6 +106,10 @@ class CupyBackend:
     def zeros(self, shape, dtype):
         return self.xp.zeros(shape, dtype=dtype)
 
+    def empty_huge(self, shape, dtype):
+        """:meth:`empty`: device memory has no page backing to choose."""
+        return self.xp.empty(shape, dtype=dtype)
+
     def synchronize(self):
         """Wait for the current stream (before MPI touches a buffer it produced)."""
         self.xp.cuda.get_current_stream().synchronize()

@@ -2,11 +2,67 @@
 
 from __future__ import annotations
 
+import functools
 import resource
 import tracemalloc
 
 import numpy as np
 from scipy.linalg import blas as _blas
+
+_THP = "/sys/kernel/mm/transparent_hugepage/"
+
+
+@functools.lru_cache(maxsize=1)
+def transparent_huge_pages() -> tuple[str | None, int]:
+    """``(mode, page bytes)`` of the kernel's transparent huge pages: mode "always",
+    "madvise" or "never" (None where the kernel does not say: not Linux, or no THP)
+    and the huge page's size (2 MiB on x86-64; that size where the kernel does not say)."""
+    try:
+        with open(_THP + "enabled") as f:
+            text = f.read()
+        mode = text[text.index("[") + 1:text.index("]")]
+    except (OSError, ValueError):
+        return None, 2 << 20
+    try:
+        with open(_THP + "hpage_pmd_size") as f:
+            size = int(f.read())
+    except (OSError, ValueError):
+        size = 2 << 20
+    return mode, size
+
+
+# successive huge-page buffers start this many bytes further past a huge-page boundary
+# (modulo the page): 33 small pages and a cache line, so that no two of the first 15
+# share their offset within a huge page (STREAM's OFFSET, for the same reason)
+STAGGER_BYTES = 33 * 4096 + 64
+_huge_buffers = 0
+
+
+def empty_huge(shape, dtype):
+    """``np.empty(shape, dtype)`` that the kernel can back with transparent huge pages
+    from end to end, when it spans at least one huge page and the kernel offers them
+    ("always", or "madvise": NumPy advises huge pages for allocations from 4 MiB).
+
+    ``np.empty`` aligns to 64 bytes, so the kernel backs only the whole huge pages
+    inside an array: a 4 MiB array almost always gets one 2 MiB page and 2 MiB of 4 KiB
+    pages, and which part a ring chunk falls in is the luck of the allocation. Here the
+    allocation is three huge pages longer than the array, so every huge page the array
+    touches lies inside it (the slack is never touched: virtual only), and the array
+    starts :data:`STAGGER_BYTES` further past a huge-page boundary than the previous
+    one did: buffers that all start on a boundary put equal offsets of two operands on
+    the same cache sets and memory banks, which slowed a 64 MiB ring at p = 4 from 50
+    to 75 ms and ``MPI_Allreduce`` from 100 to 130 ms (docs/performance.md)."""
+    global _huge_buffers
+    dtype = np.dtype(dtype)
+    shape = tuple(shape) if np.ndim(shape) else (int(shape),)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    mode, page = transparent_huge_pages()
+    if mode in (None, "never") or nbytes < page:
+        return np.empty(shape, dtype)
+    _huge_buffers += 1
+    raw = np.empty(nbytes + 3 * page, dtype=np.uint8)
+    start = (-raw.ctypes.data) % page + (_huge_buffers * STAGGER_BYTES) % page
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _gemm_routine(dtype):
@@ -39,6 +95,12 @@ class NumpyBackend:
 
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype=dtype)
+
+    def empty_huge(self, shape, dtype):
+        """:meth:`empty` on transparent huge pages from end to end (:func:`empty_huge`):
+        the message buffers of the benchmarks and of the accuracy runs, whose times
+        should not depend on how malloc aligned them."""
+        return empty_huge(shape, dtype)
 
     def synchronize(self):
         """Nothing to wait for on the host."""
