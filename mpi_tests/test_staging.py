@@ -202,3 +202,52 @@ def test_host_arrays_on_a_device_communicator_go_to_mpi_as_they_are():
                         f"host arrays were staged: {(be.d2h_copies, be.h2d_copies)} copies")
     finally:
         comm.mpi.Free()
+
+
+@pytest.mark.parametrize("n", sorted({1, max(P - 1, 1), 1000}))
+@pytest.mark.parametrize("whole", [True, False], ids=["staged-whole", "staged-per-step"])
+def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
+    """ZeRO's reduce-scatter and all-gather on a staged path: below the limit each half
+    runs on one host copy (one copy out, one back), at or past it every step stages its
+    chunk (a copy each way per sendrecv); either way the same values as the host halves
+    bit for bit, P - 1 exchanger steps traced per half, and the staging buffers back in
+    the pool."""
+    from summasim.algorithms.allreduce import (ring_allgather_unchecked,
+                                               ring_reduce_scatter_unchecked)
+    from summasim.comm import _staging_for
+
+    be = StagedHostBackend()
+    comm = Comm(WORLD.Dup(), name="ring", backend=be)
+    if not whole:
+        comm.stage_whole_limit = 0
+    host = Comm(WORLD.Dup(), name="host")
+    try:
+        x = np.random.default_rng(comm.rank).standard_normal(n)
+        want_rs, got_rs = x.copy(), x.copy()
+        own = ring_reduce_scatter_unchecked(want_rs, host)
+        comm.trace.clear()
+        got_own = ring_reduce_scatter_unchecked(got_rs, comm)
+        rs_copies, rs_steps = (be.d2h_copies, be.h2d_copies), len(comm.trace.events)
+        allocs = be.pinned_allocs
+        want_ag, got_ag = want_rs.copy(), want_rs.copy()
+        ring_allgather_unchecked(want_ag, host)
+        comm.trace.clear()
+        be.reset_counters()
+        ring_allgather_unchecked(got_ag, comm)
+        ag_copies, ag_steps = (be.d2h_copies, be.h2d_copies), len(comm.trace.events)
+        parallel_assert(got_own == own and np.array_equal(got_rs, want_rs)
+                        and np.array_equal(got_ag, want_ag),
+                        "staged halves differ from the host halves")
+        want = ((1, 1) if whole else (P - 1, P - 1)) if P > 1 else (0, 0)
+        parallel_assert(rs_copies == want and ag_copies == want,
+                        f"copies: reduce-scatter {rs_copies}, all-gather {ag_copies}, "
+                        f"want {want} each")
+        parallel_assert(rs_steps == P - 1 and ag_steps == P - 1,
+                        f"{rs_steps} and {ag_steps} steps traced, want {P - 1} each")
+        allocs += be.pinned_allocs
+        parallel_assert(len(_staging_for(be).free) == allocs,
+                        f"{allocs} staging buffers, {len(_staging_for(be).free)} back "
+                        f"in the pool")
+    finally:
+        comm.mpi.Free()
+        host.mpi.Free()

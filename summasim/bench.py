@@ -390,7 +390,7 @@ def _message_buffers(backend, hx, huge: bool = True):
     """``(x, out)``: ``hx``'s values and an output buffer, as ``backend``'s arrays;
     with ``huge``, host arrays from a huge page up lie on transparent huge pages from
     end to end (:func:`~summasim.backends.numpy_backend.empty_huge`), so that their page
-    backing, worth 15-45% of a memory-bound all-reduce here, is the same in every
+    backing, worth 15-55% of a memory-bound all-reduce here, is the same in every
     launch."""
     make = backend.empty_huge if huge else backend.empty
     x = make(hx.shape, hx.dtype)

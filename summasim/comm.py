@@ -394,8 +394,8 @@ class Comm:
         return host
 
     def staged_whole(self, arr) -> bool:
-        """Whether a ring all-reduce of ``arr`` runs on one host copy of it: its path to
-        MPI is "staged" (a device array on an MPI that is not CUDA-aware, or the
+        """Whether a ring all-reduce of ``arr`` (or an in-place reduce-scatter or
+        all-gather) runs on one host copy of it: its path to MPI is "staged" (a device array on an MPI that is not CUDA-aware, or the
         staged-host backend that stands in for one) and it has fewer than
         :attr:`stage_whole_limit` bytes. Per ring step a staged sum copies a chunk each
         way and waits for the stream, 4(P-1) copies in all, which costs more than two

@@ -103,6 +103,8 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
     ``src`` and the partial sums are written to ``flat``, which need not be
     initialised: every chunk but this rank's own is written (its first write fuses
     the copy into the add), so an out-of-place all-reduce makes no separate copy.
+    In place on a staged path (:meth:`~summasim.comm.Comm.staged_whole`), the steps run
+    on one host copy of ``flat``, copied back whole.
     """
     comm = as_comm(comm, name="ring")
     p, r = comm.size, comm.rank
@@ -111,6 +113,9 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
         if src is not flat:
             flat[...] = src
         return 0
+    if src is flat and comm.staged_whole(flat):
+        _on_host_copy(flat, flat, comm, ring_reduce_scatter_unchecked)
+        return (r + 1) % p
     bounds = _bounds(flat.shape[0], p)
     if work is None:
         work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
@@ -118,6 +123,21 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, _xp(flat).add)
     finish()
     return (r + 1) % p
+
+
+def _on_host_copy(src, dst, comm, run) -> None:
+    """``run(host, twin)`` on one pinned host copy of the staged array ``src``, then the
+    copy back into ``dst`` whole, on the communicator's host twin: below
+    :attr:`~summasim.comm.Comm.stage_whole_limit`, two whole copies cost less than a
+    copy each way and a stream wait at every ring step (docs/gpu.md)."""
+    cleanup: list = []
+    try:
+        host = comm.stage_in(src, cleanup)
+        run(host, comm.host_twin())
+        comm.stage_back(host, dst)
+    finally:
+        for fn in cleanup:            # the staging buffer back to the pool, even on error
+            fn()
 
 
 def _reduce_scatter_steps(flat, src, bounds, r, p, work, sendrecv, add):
@@ -152,10 +172,14 @@ def ring_allgather(flat, comm):
 
 
 def ring_allgather_unchecked(flat, comm):
-    """:func:`ring_allgather` without the checks and the agreement (library use)."""
+    """:func:`ring_allgather` without the checks and the agreement (library use); on a
+    staged path below the limit, on one host copy like the reduce-scatter."""
     comm = as_comm(comm, name="ring")
     p, r = comm.size, comm.rank
     if p == 1:
+        return flat
+    if comm.staged_whole(flat):
+        _on_host_copy(flat, flat, comm, ring_allgather_unchecked)
         return flat
     bounds = _bounds(flat.shape[0], p)
     step, finish = comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
@@ -234,14 +258,7 @@ def ring_allreduce_unchecked(x, comm, out=None):
     p, r = comm.size, comm.rank
     if p > 1 and comm.staged_whole(src):
         # a small sum on a staged MPI path: the same ring on one pinned host copy
-        cleanup: list = []
-        try:
-            host = comm.stage_in(src, cleanup)
-            ring_allreduce_unchecked(host, comm.host_twin(), out=host)
-            comm.stage_back(host, flat)
-        finally:
-            for fn in cleanup:        # the staging buffer back to the pool, even on error
-                fn()
+        _on_host_copy(src, flat, comm, lambda h, twin: ring_allreduce_unchecked(h, twin, out=h))
         return out
     if p == 1:
         if src is not flat:
