@@ -7,6 +7,8 @@ each MPI call, and no new buffers once the pool is warm.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,22 @@ from summasim.comm import Comm
 from summasim.grid import Grid
 
 P = WORLD.Get_size()
+
+
+@contextlib.contextmanager
+def _staged_and_host(whole: bool):
+    """``(backend, staged communicator, host communicator)`` over WORLD; the staged one
+    stages small vectors whole (``whole``) or every step's chunk (limit 0)."""
+    be = StagedHostBackend()
+    comm = Comm(WORLD.Dup(), name="ring", backend=be)
+    if not whole:
+        comm.stage_whole_limit = 0
+    host = Comm(WORLD.Dup(), name="host")
+    try:
+        yield be, comm, host
+    finally:
+        comm.mpi.Free()
+        host.mpi.Free()
 
 
 @pytest.mark.parametrize("q,d", grid_shapes(P))
@@ -97,12 +115,7 @@ def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype, who
     when the call returns, so a second call allocates none."""
     from summasim.comm import _staging_for
 
-    be = StagedHostBackend()
-    comm = Comm(WORLD.Dup(), name="ring", backend=be)
-    if not whole:
-        comm.stage_whole_limit = 0
-    host = Comm(WORLD.Dup(), name="host")
-    try:
+    with _staged_and_host(whole) as (be, comm, host):
         x = (np.random.default_rng(comm.rank).standard_normal(n) * 100).astype(dtype)
         want = algs.ring_allreduce(x, host)
         got = algs.ring_allreduce(x, comm)
@@ -128,9 +141,6 @@ def test_staged_ring_takes_exchanger_steps_and_returns_its_buffers(n, dtype, who
                         f"staging buffers: {allocs} allocated by the first call, "
                         f"{be.pinned_allocs} after the second, "
                         f"{len(_staging_for(be).free)} back in the pool")
-    finally:
-        comm.mpi.Free()
-        host.mpi.Free()
 
 
 class _DirectHost(StagedHostBackend):
@@ -216,12 +226,7 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
                                                ring_reduce_scatter_unchecked)
     from summasim.comm import _staging_for
 
-    be = StagedHostBackend()
-    comm = Comm(WORLD.Dup(), name="ring", backend=be)
-    if not whole:
-        comm.stage_whole_limit = 0
-    host = Comm(WORLD.Dup(), name="host")
-    try:
+    with _staged_and_host(whole) as (be, comm, host):
         x = np.random.default_rng(comm.rank).standard_normal(n)
         want_rs, got_rs = x.copy(), x.copy()
         own = ring_reduce_scatter_unchecked(want_rs, host)
@@ -248,6 +253,3 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
         parallel_assert(len(_staging_for(be).free) == allocs,
                         f"{allocs} staging buffers, {len(_staging_for(be).free)} back "
                         f"in the pool")
-    finally:
-        comm.mpi.Free()
-        host.mpi.Free()
