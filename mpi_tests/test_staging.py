@@ -238,10 +238,10 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
         ring_allgather_unchecked(want_ag, host)
         comm.trace.clear()
         be.reset_counters()
-        ring_allgather_unchecked(got_ag, comm)
+        returned = ring_allgather_unchecked(got_ag, comm)
         ag_copies, ag_steps = (be.d2h_copies, be.h2d_copies), len(comm.trace.events)
         parallel_assert(got_own == own and np.array_equal(got_rs, want_rs)
-                        and np.array_equal(got_ag, want_ag),
+                        and np.array_equal(got_ag, want_ag) and returned is got_ag,
                         "staged halves differ from the host halves")
         want = ((1, 1) if whole else (P - 1, P - 1)) if P > 1 else (0, 0)
         parallel_assert(rs_copies == want and ag_copies == want,
@@ -253,3 +253,26 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
         parallel_assert(len(_staging_for(be).free) == allocs,
                         f"{allocs} staging buffers, {len(_staging_for(be).free)} back "
                         f"in the pool")
+
+
+@pytest.mark.parametrize("budget", [0.0, 1e-9, 60.0])
+def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budget):
+    """Without --repeats, ``bench allreduce`` times 9 repeats and then sizes the rest by
+    their duration: every rank must take the same count (a rank that stopped early would
+    leave the others waiting in a collective), each contender timed that many times, in
+    steps of the three contenders; an explicit count is exactly that count."""
+    from summasim import bench
+
+    monkeypatch.setattr(bench, "ALLREDUCE_BUDGET_S", budget)
+    monkeypatch.setattr(bench, "ALLREDUCE_MAX_REPEATS", 16)
+    rows = bench.bench_allreduce(WORLD, [1 / 64], "float64", None, lambda *a, **k: None)
+    fixed = bench.bench_allreduce(WORLD, [1 / 64], "float64", 4, lambda *a, **k: None)
+    n = rows[0]["repeats"]
+    counts = WORLD.allgather(n)
+    parallel_assert(len(set(counts)) == 1, f"ranks took different counts: {counts}")
+    want = 15 if budget == 60.0 else 9
+    timed = [len(rows[0][k + "_times"]) for k in ("ring", "plain", "mpi")]
+    parallel_assert(n == want and timed == [n] * 3,
+                    f"{n} repeats ({timed} timed), want {want}")
+    parallel_assert(fixed[0]["repeats"] == 4 and len(fixed[0]["ring_times"]) == 4
+                    and rows[0]["ok"] and fixed[0]["ok"], "--repeats 4 not honoured")

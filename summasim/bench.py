@@ -41,11 +41,13 @@ from .harness.frontend import Parser, UserError, check_outputs, mpi_main
 GEMM_ALGORITHMS = PRODUCTS
 DEFAULT_REPEATS = 3
 ALLREDUCE_REPEATS = 9          # the least: a 96.1% interval of the paired ratios
-ALLREDUCE_MAX_REPEATS = 41     # the most a size gets when --repeats is not given ...
+ALLREDUCE_MAX_REPEATS = 39     # the most a size gets when --repeats is not given ...
 ALLREDUCE_BUDGET_S = 3.0       # ... within about this many seconds of timed calls
 # Peak bytes per rank of one all-reduce size, in messages: the rank's data, the reference
 # sum, the result, MPI's own temporary and the check's. Measured (peak RSS over the ~120 MiB
-# an idle rank holds) at 256 MiB: 6.3 messages on 2 ranks, 6.1 on 4; ring-steps: 2.1.
+# an idle rank holds) at 256 MiB: 6.3 messages on 2 ranks, 6.1 on 4; ring-steps: 2.1. With
+# the huge-page buffers (whose slack is never touched) 6.8 messages on 2 ranks counting the
+# idle rank and the node-memory probe's arrays, the same with --np-empty (2026-11-26).
 ALLREDUCE_MESSAGES = 7
 RING_STEPS_MESSAGES = 3
 # The node-memory probe's arrays (MiB per array, two per rank): past any CPU's last-level
@@ -367,23 +369,30 @@ def _contenders(backend, comm, raw, x, out) -> dict:
     return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out), **base}
 
 
-def allreduce_repeats(seconds_per_repeat: float, least: int = ALLREDUCE_REPEATS,
-                      most: int = ALLREDUCE_MAX_REPEATS,
-                      budget: float = ALLREDUCE_BUDGET_S) -> int:
+def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
+                      most: int | None = None, budget: float | None = None,
+                      step: int = 3) -> int:
     """Repeats of one size of ``bench allreduce`` when ``--repeats`` is not given (pure):
-    as many as fit ``budget`` seconds at ``seconds_per_repeat`` (one call of each
-    contender), at least ``least`` and at most ``most``. A short call is noisy here (its
-    paired ratios spread by 20-40% at 8 ranks per core) but cheap, so it gets more
-    repeats: the sign-test interval of 9 repeats runs from the 2nd to the 8th of the
-    sorted ratios, that of 41 from the 14th to the 28th. The count depends on the
-    call's duration only, never on the ratios measured, so stopping cannot bias the
-    verdict."""
-    if least < 1 or most < least or budget < 0:
-        raise ValueError(f"allreduce_repeats: need 1 <= least <= most and budget >= 0, "
-                         f"got least={least}, most={most}, budget={budget}")
-    if not seconds_per_repeat > 0:
-        return most
-    return max(least, min(most, int(budget / seconds_per_repeat)))
+    as many as fit ``budget`` seconds (:data:`ALLREDUCE_BUDGET_S`) at
+    ``seconds_per_repeat`` (one call of each contender), at least ``least``
+    (:data:`ALLREDUCE_REPEATS`) and at most ``most`` (:data:`ALLREDUCE_MAX_REPEATS`), in
+    steps of ``step`` from ``least`` (the contenders, so that each takes each place in
+    the rotated order equally often). A short call is noisy here (its paired ratios
+    spread by 20-40% at 8 ranks per core) but cheap, so it gets more repeats: the
+    sign-test interval of 9 repeats runs from the 2nd to the 8th of the sorted ratios,
+    that of 39 from the 13th to the 27th. The count depends on the calls' total duration
+    only, which is the same whichever contender was faster in each pair, so stopping
+    does not bias the verdict."""
+    least = ALLREDUCE_REPEATS if least is None else least
+    most = ALLREDUCE_MAX_REPEATS if most is None else most
+    budget = ALLREDUCE_BUDGET_S if budget is None else budget
+    if least < 1 or most < least or budget < 0 or step < 1:
+        raise ValueError(f"allreduce_repeats: need 1 <= least <= most, budget >= 0 and "
+                         f"step >= 1, got least={least}, most={most}, budget={budget}, "
+                         f"step={step}")
+    fit = most if not seconds_per_repeat > 0 else int(budget / seconds_per_repeat)
+    fit = max(least, min(most, fit))
+    return fit - (fit - least) % step
 
 
 def _message_buffers(backend, hx, huge: bool = True):
@@ -431,6 +440,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             world.Allreduce(hx, ref, op=MPI.SUM)
             tol = 8 * np.sqrt(p) * np.finfo(hx.dtype).eps * max(1.0, float(np.abs(ref).max()))
             x, out = _message_buffers(backend, hx, huge)
+            del hx                            # its values are in x: one message less held
             calls = _contenders(backend, comm, raw, x, out)
             good = True
             for k in calls:                   # each checked once, the ring agreed too
@@ -442,7 +452,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             # interleaved, so that all see the same machine state; without --repeats, the
             # first ALLREDUCE_REPEATS size the rest by their duration (the same spans on
             # every rank, so every rank takes the same count)
-            reps, i = repeats or ALLREDUCE_REPEATS, 0
+            reps, i = ALLREDUCE_REPEATS if repeats is None else repeats, 0
             while i < reps:
                 with agreement(False):
                     for k in _rotated(list(calls), i):
@@ -450,7 +460,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                 i += 1
                 if repeats is None and i == ALLREDUCE_REPEATS:
                     reps = allreduce_repeats(statistics.median(
-                        sum(t[k][j] for k in t) for j in range(i)))
+                        sum(t[k][j] for k in t) for j in range(i)), step=len(calls))
             tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
             nbytes = count * np.dtype(dtype).itemsize
             pred = (ring_prediction(count, dtype, p, machine, comm.blocking_limit)
@@ -495,9 +505,8 @@ def bench_ring_steps(world, sizes_mib, dtype, repeats: int, say,
     seconds inside MPI (the trace's sendrecv events) and the time outside them (adds,
     copies, Python), median over ``repeats`` calls and then over the ranks (buffers as
     in :func:`bench_allreduce`)."""
-    from .backends import get_backend
-
     from .algorithms import ring_allreduce
+    from .backends import get_backend
     from .comm import Comm
     from .mpiutil import agreement, quiet_barrier
 

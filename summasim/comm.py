@@ -395,11 +395,11 @@ class Comm:
 
     def staged_whole(self, arr) -> bool:
         """Whether a ring all-reduce of ``arr`` (or an in-place reduce-scatter or
-        all-gather) runs on one host copy of it: its path to MPI is "staged" (a device array on an MPI that is not CUDA-aware, or the
-        staged-host backend that stands in for one) and it has fewer than
-        :attr:`stage_whole_limit` bytes. Per ring step a staged sum copies a chunk each
-        way and waits for the stream, 4(P-1) copies in all, which costs more than two
-        whole copies below that size (docs/gpu.md)."""
+        all-gather) runs on one host copy of it: its path to MPI is "staged" (a device
+        array on an MPI that is not CUDA-aware, or the staged-host backend that stands
+        in for one) and it has fewer than :attr:`stage_whole_limit` bytes. Per ring step
+        a staged sum copies a chunk each way and waits for the stream, 4(P-1) copies in
+        all, which costs more than two whole copies below that size (docs/gpu.md)."""
         if self.backend is None and type(arr) is _NDARRAY:       # the host ring's fast path
             return False
         return arr.nbytes < self.stage_whole_limit and self._backend(arr).comm_mode == "staged"

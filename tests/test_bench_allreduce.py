@@ -143,11 +143,13 @@ def test_huge_page_buffers_lie_inside_whole_huge_pages_at_staggered_offsets(monk
 
 
 def test_huge_page_buffers_follow_the_kernels_page_size(monkeypatch):
-    nb = _thp(monkeypatch, "madvise", 1 << 30)
-    a = nb.empty_huge((1 << 27,), np.float64)                   # 1 GiB, never touched
+    page = 64 << 20                                # a stand-in kernel's huge page
+    nb = _thp(monkeypatch, "madvise", page)
+    a = nb.empty_huge((page // 8 + 5,), np.float64)              # never touched
     lo, hi = _allocation(a)
-    assert lo <= a.ctypes.data // (1 << 30) * (1 << 30)
-    assert -(-(a.ctypes.data + a.nbytes) // (1 << 30)) * (1 << 30) <= hi
+    assert lo <= a.ctypes.data // page * page
+    assert -(-(a.ctypes.data + a.nbytes) // page) * page <= hi
+    assert nb.empty_huge((page // 8 - 1,), np.float64).base is None    # below one page
 
 
 def test_buffers_below_a_huge_page_or_without_thp_are_plain(monkeypatch):
@@ -177,11 +179,17 @@ def test_bench_buffers_hold_the_values_and_honour_np_empty(monkeypatch):
 def test_repeats_follow_the_call_time_within_their_bounds():
     from summasim.bench import ALLREDUCE_MAX_REPEATS, ALLREDUCE_REPEATS, allreduce_repeats
 
-    assert allreduce_repeats(0.010, budget=3.0) == min(ALLREDUCE_MAX_REPEATS, 300)
-    assert allreduce_repeats(0.1, least=9, most=41, budget=3.0) == 30
+    assert allreduce_repeats(0.010, budget=3.0) == ALLREDUCE_MAX_REPEATS
+    assert allreduce_repeats(0.1, least=9, most=41, budget=3.0, step=1) == 30
+    assert allreduce_repeats(0.1, least=9, most=41, budget=3.0, step=3) == 30
+    assert allreduce_repeats(0.1, least=9, most=41, budget=3.2, step=3) == 30  # 32 -> 30
+    assert allreduce_repeats(0.001, least=9, most=41, step=3) == 39            # <= most
     assert allreduce_repeats(1.2, least=9, most=41, budget=3.0) == 9      # the floor
     assert allreduce_repeats(0.0) == ALLREDUCE_MAX_REPEATS               # a free call
-    assert ALLREDUCE_REPEATS <= allreduce_repeats(0.2) <= ALLREDUCE_MAX_REPEATS
+    for t in (0.001, 0.05, 0.09, 0.2, 0.33, 1.0):
+        n = allreduce_repeats(t)
+        assert ALLREDUCE_REPEATS <= n <= ALLREDUCE_MAX_REPEATS
+        assert (n - ALLREDUCE_REPEATS) % 3 == 0           # each contender first alike
     with pytest.raises(ValueError):
         allreduce_repeats(0.1, least=10, most=9)
     # no --repeats: the allreduce benchmark sizes each run; --repeats N is exactly N

@@ -129,7 +129,8 @@ def _on_host_copy(src, dst, comm, run) -> None:
     """``run(host, twin)`` on one pinned host copy of the staged array ``src``, then the
     copy back into ``dst`` whole, on the communicator's host twin: below
     :attr:`~summasim.comm.Comm.stage_whole_limit`, two whole copies cost less than a
-    copy each way and a stream wait at every ring step (docs/gpu.md)."""
+    copy each way and a stream wait at every ring step (docs/gpu.md). Should the ring
+    raise, ``dst`` is left as it was (the per-step path would leave partial sums)."""
     cleanup: list = []
     try:
         host = comm.stage_in(src, cleanup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import mmap
 import resource
 import tracemalloc
 
@@ -41,17 +42,20 @@ _huge_buffers = 0
 def empty_huge(shape, dtype):
     """``np.empty(shape, dtype)`` that the kernel can back with transparent huge pages
     from end to end, when it spans at least one huge page and the kernel offers them
-    ("always", or "madvise": NumPy advises huge pages for allocations from 4 MiB).
+    ("always", or "madvise").
 
     ``np.empty`` aligns to 64 bytes, so the kernel backs only the whole huge pages
     inside an array: a 4 MiB array almost always gets one 2 MiB page and 2 MiB of 4 KiB
-    pages, and which part a ring chunk falls in is the luck of the allocation. Here the
-    allocation is three huge pages longer than the array, so every huge page the array
-    touches lies inside it (the slack is never touched: virtual only), and the array
-    starts :data:`STAGGER_BYTES` further past a huge-page boundary than the previous
-    one did: buffers that all start on a boundary put equal offsets of two operands on
-    the same cache sets and memory banks, which slowed a 64 MiB ring at p = 4 from 50
-    to 75 ms and ``MPI_Allreduce`` from 100 to 130 ms (docs/performance.md)."""
+    pages, and which part a ring chunk falls in is the luck of the allocation (and
+    malloc may hand out reused heap instead of fresh pages). Here the array is a view of
+    a fresh anonymous mapping advised ``MADV_HUGEPAGE``, three huge pages longer than
+    the array, so every huge page the array touches lies inside it (the slack is never
+    touched: virtual only). Each array starts :data:`STAGGER_BYTES` further past a
+    huge-page boundary than the previous one did: buffers that all start on a boundary
+    put equal offsets of two operands on the same cache sets and memory banks, which
+    slowed a 64 MiB ring at p = 4 from 50 to 75 ms and ``MPI_Allreduce`` from 100 to
+    130 ms (docs/performance.md). The mapping lives as long as the array (and views of
+    it); tracemalloc does not see it."""
     global _huge_buffers
     dtype = np.dtype(dtype)
     shape = tuple(shape) if np.ndim(shape) else (int(shape),)
@@ -60,7 +64,10 @@ def empty_huge(shape, dtype):
     if mode in (None, "never") or nbytes < page:
         return np.empty(shape, dtype)
     _huge_buffers += 1
-    raw = np.empty(nbytes + 3 * page, dtype=np.uint8)
+    region = mmap.mmap(-1, nbytes + 3 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(region, dtype=np.uint8)
     start = (-raw.ctypes.data) % page + (_huge_buffers * STAGGER_BYTES) % page
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
