@@ -821,7 +821,7 @@ def _transformer_cases(shape, dtype, p: int) -> list:
 
 
 def _preflight(args, world) -> str:
-    from .harness.memory import check_fits, check_training_fits
+    from .harness.memory import check_fits, check_node_and_gpu, check_training_fits
     from .harness.plan import plan_products
     from .backends import device_share, unavailable
     from .comm import local_ranks
@@ -837,8 +837,8 @@ def _preflight(args, world) -> str:
         if err:
             return err
         for case in mcases:
-            why = check_training_fits(case, p, local_ranks()) or (gpu and check_training_fits(
-                case, p, gpu[1], available=gpu[0], device=True))
+            why = check_node_and_gpu(
+                lambda n, c=case, **kw: check_training_fits(c, p, n, **kw), local_ranks(), gpu)
             if why:
                 return why
     if args.what in ("transformer", "all"):
@@ -848,17 +848,17 @@ def _preflight(args, world) -> str:
                 return why
     sized = {"allreduce": "allreduce", "all": "allreduce", "ring-steps": "ring-steps"}
     if args.what in sized:
-        why = check_bench_fits(sized[args.what], args.sizes, local_ranks()) or (
-            gpu and check_bench_fits(sized[args.what], args.sizes, gpu[1], available=gpu[0],
-                                     device=True))
+        why = check_node_and_gpu(
+            lambda n, **kw: check_bench_fits(sized[args.what], args.sizes, n, **kw),
+            local_ranks(), gpu)
         if why:
             return why
     if args.what in ("gemm", "all"):
         cases, _ = plan_products(world.Get_size(), args.algorithm_list, (args.n,) * 3, None,
                                  [args.dtype])
         for case in cases:
-            why = check_fits(case, local_ranks(), "freivalds") or (gpu and check_fits(
-                case, gpu[1], "freivalds", available=gpu[0], device=True))
+            why = check_node_and_gpu(
+                lambda n, c=case, **kw: check_fits(c, n, "freivalds", **kw), local_ranks(), gpu)
             if why:
                 return why
     return ""

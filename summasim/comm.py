@@ -96,9 +96,10 @@ _NAP_ENV = _env_bytes("SUMMASIM_NAP_BYTES")
 NAP_BYTES = 256 << 10 if _NAP_ENV is None else _NAP_ENV
 NAP_RANKS_PER_CORE = 4
 NAP_AFTER_POLLS = 32
-# device all-reduces of fewer bytes than this, on a staged (not CUDA-aware) MPI, are staged
-# whole: one copy to a pinned host buffer, the ring on the host, one copy back, instead of a
-# copy each way per ring step (ring_allreduce; SUMMASIM_STAGE_WHOLE_BYTES sets it, 0: never).
+# device all-reduces (and in-place reduce-scatters and all-gathers) of fewer bytes than this,
+# on a staged (not CUDA-aware) MPI, are staged whole: one copy to a pinned host buffer, the
+# ring on the host, one copy back, instead of a copy each way per ring step
+# (Comm.staged_whole; SUMMASIM_STAGE_WHOLE_BYTES sets it, 0: never).
 # Measured on an H200 shared by 4 ranks (docs/gpu.md).
 _STAGE_WHOLE_ENV = _env_bytes("SUMMASIM_STAGE_WHOLE_BYTES")
 STAGE_WHOLE_BYTES = 16 << 20 if _STAGE_WHOLE_ENV is None else _STAGE_WHOLE_ENV

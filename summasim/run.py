@@ -217,7 +217,7 @@ def preflight(args, world) -> str:
     Runs on rank 0 (reads files, probes the output path and the memory)."""
     from .backends import device_share, unavailable
     from .comm import local_ranks
-    from .harness.memory import check_fits, check_training_fits
+    from .harness.memory import check_fits, check_node_and_gpu, check_training_fits
 
     p = world.Get_size()
     cases, skips, tcases, tskips = plan(args, p)
@@ -241,13 +241,13 @@ def preflight(args, world) -> str:
     ranks = local_ranks()
     gpu = device_share(args.backend, ranks)       # (free bytes, ranks per GPU) or None
     for c in cases:
-        why = check_fits(c, ranks, args.check, p=p) or (gpu and check_fits(
-            c, gpu[1], args.check, available=gpu[0], p=p, device=True))
+        why = check_node_and_gpu(
+            lambda n, c=c, **kw: check_fits(c, n, args.check, p=p, **kw), ranks, gpu)
         if why:
             return why
     for c in list(tcases) + list(mcases):
-        why = check_training_fits(c, p, ranks) or (gpu and check_training_fits(
-            c, p, gpu[1], available=gpu[0], device=True))
+        why = check_node_and_gpu(
+            lambda n, c=c, **kw: check_training_fits(c, p, n, **kw), ranks, gpu)
         if why:
             return why
     return ""

@@ -187,6 +187,22 @@ def test_training_memory_check_names_a_batch_that_fits():
     assert "not even batch 1 fits" in memory.check_training_fits(huge, 2, 2, available=avail)
 
 
+def test_node_then_gpu_check_asks_the_gpu_only_when_the_node_fits():
+    calls = []
+
+    def fits(ranks, **kw):
+        calls.append((ranks, kw))
+        return "node too small" if not kw and ranks > 8 else ("gpu too small" if kw else "")
+
+    assert memory.check_node_and_gpu(fits, 16, (5, 2)) == "node too small"
+    assert calls == [(16, {})]                            # the GPU is not asked
+    calls.clear()
+    assert memory.check_node_and_gpu(fits, 4, None) == "" and calls == [(4, {})]
+    calls.clear()
+    assert memory.check_node_and_gpu(fits, 4, (5, 2)) == "gpu too small"
+    assert calls == [(4, {}), (2, {"available": 5, "device": True})]
+
+
 def test_device_memory_checks_count_a_gpu_share_and_name_what_fits():
     """With a device backend the preflight also checks one GPU: the ranks that share it
     times a rank's device share (a product's blocks and workspaces, not the check's

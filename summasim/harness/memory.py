@@ -102,6 +102,18 @@ def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact",
     return lo * step
 
 
+def check_node_and_gpu(fits, ranks_on_node: int, gpu) -> str:
+    """The node's check, then the GPU's: ``fits(ranks, **kw)`` is one of the checks
+    here (``check_fits``, ``check_training_fits``, ``bench.check_bench_fits``) with its
+    other arguments bound; ``gpu`` is ``(free bytes, ranks sharing it)`` from
+    :func:`summasim.backends.device_share`, or None for a host backend."""
+    why = fits(ranks_on_node)
+    if why or gpu is None:
+        return why
+    free, sharing = gpu
+    return fits(sharing, available=free, device=True)
+
+
 def places(device: bool) -> tuple[str, str, str]:
     """``(per rank, the ranks' place, what the budget is a share of)`` in messages."""
     if device:
