@@ -255,6 +255,34 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
                         f"in the pool")
 
 
+def test_staged_halves_cross_over_at_their_own_limits():
+    """Each half has its own share of the all-reduce's staging limit (half for the
+    reduce-scatter, an eighth for the all-gather, as measured on a GPU): a vector at a
+    quarter of the limit is staged whole by the all-reduce and the reduce-scatter but
+    step by step by the all-gather, with the same values as the host halves."""
+    from summasim.algorithms.allreduce import (ring_allgather_unchecked,
+                                               ring_reduce_scatter_unchecked)
+
+    with _staged_and_host(True) as (be, comm, host):
+        x = np.random.default_rng(comm.rank).standard_normal(1000)
+        comm.stage_whole_limit = 4 * x.nbytes
+        copies = {}
+        for name, run in (("allreduce", lambda v: algs.ring_allreduce(v, comm, out=v)),
+                          ("reduce_scatter", lambda v: ring_reduce_scatter_unchecked(v, comm)),
+                          ("allgather", lambda v: ring_allgather_unchecked(v, comm))):
+            be.reset_counters()
+            got = x.copy()
+            run(got)
+            copies[name] = (be.d2h_copies, be.h2d_copies)
+        want_ag = x.copy()
+        ring_allgather_unchecked(want_ag, host)
+        parallel_assert(np.array_equal(got, want_ag), "staged all-gather differs from the host's")
+        steps = (P - 1, P - 1) if P > 1 else (0, 0)
+        want = {"allreduce": (1, 1) if P > 1 else (0, 0),
+                "reduce_scatter": (1, 1) if P > 1 else (0, 0), "allgather": steps}
+        parallel_assert(copies == want, f"copies {copies}, want {want}")
+
+
 @pytest.mark.parametrize("budget", [0.0, 1e-9, 60.0])
 def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budget):
     """Without --repeats, ``bench allreduce`` times 9 repeats and then sizes the rest by

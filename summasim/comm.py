@@ -103,6 +103,13 @@ NAP_AFTER_POLLS = 32
 # Measured on an H200 shared by 4 ranks (docs/gpu.md).
 _STAGE_WHOLE_ENV = _env_bytes("SUMMASIM_STAGE_WHOLE_BYTES")
 STAGE_WHOLE_BYTES = 16 << 20 if _STAGE_WHOLE_ENV is None else _STAGE_WHOLE_ENV
+# Each half of the ring alone pays both whole copies for half the steps, and an all-gather
+# step adds nothing on the device, so the halves cross over sooner. Measured on the same
+# H200 (2026-11-26, third session, scripts/ring-halves.py, two launches): in place, the
+# reduce-scatter staged whole took 1.64-1.73 ms at 4 MiB against 2.38-2.42 per step, and
+# 3.51-3.53 against 3.15-3.26 at 8 MiB; the all-gather 0.96-1.03 against 0.98-0.99 at
+# 2 MiB and 1.50-1.54 against 1.23-1.31 at 4 MiB. Their limits: these shares of the limit.
+STAGE_WHOLE_SHARES = {"allreduce": 1.0, "reduce_scatter": 0.5, "allgather": 0.125}
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
 
@@ -394,16 +401,19 @@ class Comm:
         cleanup.insert(0, lambda: be.copy_from_host(host, arr))
         return host
 
-    def staged_whole(self, arr) -> bool:
-        """Whether a ring all-reduce of ``arr`` (or an in-place reduce-scatter or
-        all-gather) runs on one host copy of it: its path to MPI is "staged" (a device
-        array on an MPI that is not CUDA-aware, or the staged-host backend that stands
-        in for one) and it has fewer than :attr:`stage_whole_limit` bytes. Per ring step
-        a staged sum copies a chunk each way and waits for the stream, 4(P-1) copies in
-        all, which costs more than two whole copies below that size (docs/gpu.md)."""
+    def staged_whole(self, arr, op: str = "allreduce") -> bool:
+        """Whether a ring all-reduce of ``arr`` (``op`` "allreduce"), or an in-place
+        "reduce_scatter" or "allgather", runs on one host copy of it: its path to MPI
+        is "staged" (a device array on an MPI that is not CUDA-aware, or the staged-host
+        backend that stands in for one) and it has fewer bytes than
+        :attr:`stage_whole_limit` times the op's share (:data:`STAGE_WHOLE_SHARES`). Per
+        ring step a staged sum copies a chunk each way and waits for the stream, 4(P-1)
+        copies in all, which costs more than two whole copies below that size
+        (docs/gpu.md)."""
         if self.backend is None and type(arr) is _NDARRAY:       # the host ring's fast path
             return False
-        return arr.nbytes < self.stage_whole_limit and self._backend(arr).comm_mode == "staged"
+        return (arr.nbytes < self.stage_whole_limit * STAGE_WHOLE_SHARES[op]
+                and self._backend(arr).comm_mode == "staged")
 
     def host_twin(self) -> "Comm":
         """This communicator with host arrays going to MPI as they are (same group,

@@ -103,8 +103,9 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
     ``src`` and the partial sums are written to ``flat``, which need not be
     initialised: every chunk but this rank's own is written (its first write fuses
     the copy into the add), so an out-of-place all-reduce makes no separate copy.
-    In place on a staged path (:meth:`~summasim.comm.Comm.staged_whole`), the steps run
-    on one host copy of ``flat``, copied back whole.
+    In place on a staged path below half the all-reduce's limit
+    (:meth:`~summasim.comm.Comm.staged_whole`), the steps run on one host copy of
+    ``flat``, copied back whole.
     """
     comm = as_comm(comm, name="ring")
     p, r = comm.size, comm.rank
@@ -113,7 +114,7 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
         if src is not flat:
             flat[...] = src
         return 0
-    if src is flat and comm.staged_whole(flat):
+    if src is flat and comm.staged_whole(flat, "reduce_scatter"):
         _on_host_copy(flat, flat, comm, ring_reduce_scatter_unchecked)
         return (r + 1) % p
     bounds = _bounds(flat.shape[0], p)
@@ -174,12 +175,13 @@ def ring_allgather(flat, comm):
 
 def ring_allgather_unchecked(flat, comm):
     """:func:`ring_allgather` without the checks and the agreement (library use); on a
-    staged path below the limit, on one host copy like the reduce-scatter."""
+    staged path below its limit (an eighth of the all-reduce's), on one host copy like
+    the reduce-scatter."""
     comm = as_comm(comm, name="ring")
     p, r = comm.size, comm.rank
     if p == 1:
         return flat
-    if comm.staged_whole(flat):
+    if comm.staged_whole(flat, "allgather"):
         _on_host_copy(flat, flat, comm, ring_allgather_unchecked)
         return flat
     bounds = _bounds(flat.shape[0], p)
