@@ -188,7 +188,7 @@ def test_out_that_overlaps_an_operand_or_is_read_only(fn):
 
 def test_ring_out_overlap_read_only_and_in_place_forms():
     """ring_allreduce: an ``out`` that overlaps ``x`` without being it, or is read-only
-    on rank 0 alone, raises everywhere before anything moves; in place through a view
+    on rank 0 alone (``x`` itself too, in place), raises everywhere before anything moves; in place through a view
     of exactly ``x``, or on a transposed (non-contiguous) ``x``, sums correctly."""
     n = 4 * P + 3
     buf = np.ones(n + 1)
@@ -201,6 +201,8 @@ def test_ring_out_overlap_read_only_and_in_place_forms():
         parallel_assert("read-only" in msg, f"message: {msg!r}")
         ro = np.ones(n)
         ro.flags.writeable = RANK != 0
+        msg = one_rank_error(ValueError, algs.ring_allreduce, ro, WORLD, out=ro)
+        parallel_assert("read-only" in msg, f"in place on a read-only x: {msg!r}")
         for fn in (algs.ring_reduce_scatter, algs.ring_allgather):
             msg = one_rank_error(ValueError, fn, ro, WORLD)
             parallel_assert("read-only" in msg, f"message: {msg!r}")

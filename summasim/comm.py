@@ -340,6 +340,7 @@ class Comm:
                           else _UNLIMITED)
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
+        self._exchangers: dict = {}     # exchanger's (step, finish) pairs by kind of loop
         self._twin = None
         self.stage_whole_limit = STAGE_WHOLE_BYTES
 
@@ -622,7 +623,23 @@ class Comm:
         as soon as it has arrived, before ``step`` returns.
 
         Messages from :attr:`blocking_limit` on go through :meth:`sendrecv` and the wait
-        policy, and ``finish`` does nothing."""
+        policy, and ``finish`` does nothing.
+
+        The pair is built once per kind of loop (array type, backend, wait policy, which
+        side of the blocking and nap limits ``nbytes`` lies, tag, trace) and kept: a
+        ring call then costs one dict lookup here instead of building its closures (cold,
+        between barriers, each call's set-up Python cost several microseconds, part of a
+        64 KiB ring's lead over the plain loop). Loops of one kind share the list of
+        pending sends, so a loop must ``finish`` before another of its kind starts."""
+        key = (type(like), self.backend, self.wait_policy, nbytes < self.blocking_limit,
+               nbytes >= self.nap_limit, tag, self.trace)
+        pair = self._exchangers.get(key)
+        if pair is None:
+            pair = self._exchangers[key] = self._new_exchanger(like, nbytes, tag)
+        return pair
+
+    def _new_exchanger(self, like, nbytes: int, tag: int):
+        """A fresh ``(step, finish)`` pair of :meth:`exchanger`."""
         if not self._blocks(like, nbytes):
             return self.sendrecv, _nothing
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,

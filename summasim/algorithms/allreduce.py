@@ -236,12 +236,15 @@ def _check_allreduce(x, out):
         raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}")
     if out is None:
         return
-    if out is not x:
-        if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
-            raise ValueError("ring_allreduce: out must have the shape and dtype of x")
-        if type(out) is not type(x):
-            array_module(out, x)     # raises TypeError on mixed host/device arrays
-    # in place (out views exactly x's items) or apart; a partial overlap would be read
+    if out is x:                       # in place: nothing to overlap, only the flag
+        if not getattr(out.flags, "writeable", True):
+            raise ValueError("ring_allreduce: out is read-only")
+        return
+    if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
+        raise ValueError("ring_allreduce: out must have the shape and dtype of x")
+    if type(out) is not type(x):
+        array_module(out, x)         # raises TypeError on mixed host/device arrays
+    # a view of exactly x's items (in place) or apart; a partial overlap would be read
     # after it was written
     check_writable_apart("ring_allreduce", out, (x,), ("x",), allow_same=True)
 

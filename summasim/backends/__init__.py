@@ -23,6 +23,7 @@ and, for staged backends, ``pinned_empty(nbytes)``, ``copy_to_host(src, dst)``,
 from __future__ import annotations
 
 import sys
+import numpy as np
 
 from .numpy_backend import NumpyBackend
 from .staged import StagedHostBackend
@@ -105,6 +106,12 @@ def array_module(*arrays):
 
     Raises ``TypeError`` when host and device arrays are mixed.
     """
+    for a in arrays:                    # plain host arrays, the common case, looked up fast
+        if type(a) is not np.ndarray:
+            break
+    else:
+        if arrays:
+            return np
     kinds = {is_device_array(a) for a in arrays}
     if len(kinds) > 1:
         raise TypeError("mixed host (NumPy) and device (CuPy) arrays in one call")
