@@ -159,3 +159,59 @@ def test_ring_sums_and_traces_alike_under_every_wait_policy(wait):
         parallel_assert(all(ok), f"wait={wait}: {ok}")
     finally:
         comm.mpi.Free()
+
+
+@pytest.mark.parametrize("kind", ["host-spin", "host-yield", "policy-path", "staged"])
+def test_a_dropped_comm_is_freed_after_a_ring(kind):
+    """``Comm.exchanger`` keeps its host-array pairs on the Comm; they must not refer
+    back to it, nor may any other path leave a cycle: a Comm dropped after a ring call
+    (``ring_allreduce(x, MPI.COMM_WORLD)`` wraps a fresh one each call) is freed at once
+    by reference counting, with its workspaces, not whenever the cycle collector runs."""
+    import gc
+    import weakref
+
+    from summasim.backends import StagedHostBackend
+
+    wait = "spin" if kind == "host-spin" else "yield"
+    be = StagedHostBackend() if kind == "staged" else None
+    gc.disable()
+    try:
+        comm = Comm(WORLD.Dup(), name="ring", backend=be, wait=wait)
+        if kind == "policy-path":
+            comm.blocking_limit = 0
+        comm.stage_whole_limit = 0                  # staged: every step through the Comm
+        x = np.arange(5000.0) * (comm.rank + 1)
+        y = algs.ring_allreduce(x, comm)
+        own = algs.ring_reduce_scatter(x.copy(), comm)
+        mpi, ref = comm.mpi, weakref.ref(comm)
+        del comm
+        alive = ref() is not None
+        mpi.Free()
+    finally:
+        gc.enable()
+    parallel_assert(np.array_equal(y, np.arange(5000.0) * P * (P + 1) / 2) and own == (WORLD.Get_rank() + 1) % P,
+                    f"{kind}: wrong sum")
+    parallel_assert(not alive, f"{kind}: the Comm outlived its last reference (a cycle)")
+
+
+def test_a_kept_exchanger_whose_loop_never_finished_is_replaced():
+    """A loop that raised between ``step`` and ``finish`` leaves sends pending in its
+    pair; the next loop of that kind gets a fresh pair (and keeps it), so it never waits
+    on another loop's sends."""
+    skip = P < 2
+    comm = Comm(WORLD.Dup(), name="ring", wait="yield")
+    try:
+        right, left = (comm.rank + 1) % P, (comm.rank - 1) % P
+        buf, recv = np.full(4, float(comm.rank)), np.empty(4)
+        step, finish = comm.exchanger(buf, buf.nbytes)
+        same = comm.exchanger(buf, buf.nbytes)[0] is step      # kept while nothing pends
+        if not skip:
+            step(buf, right, recv, left)                       # its send still pending
+        step2, finish2 = comm.exchanger(buf, buf.nbytes)
+        finish()
+        again = comm.exchanger(buf, buf.nbytes)[0]
+        parallel_assert(same and (skip or (step2 is not step and again is step2
+                                           and recv[0] == left)),
+                        f"kept {same}, fresh {step2 is not step}, then kept {again is step2}")
+    finally:
+        comm.mpi.Free()

@@ -255,32 +255,39 @@ def test_staged_ring_halves_equal_the_host_halves_and_count_copies(n, whole):
                         f"in the pool")
 
 
-def test_staged_halves_cross_over_at_their_own_limits():
-    """Each half has its own share of the all-reduce's staging limit (half for the
-    reduce-scatter, an eighth for the all-gather, as measured on a GPU): a vector at a
-    quarter of the limit is staged whole by the all-reduce and the reduce-scatter but
-    step by step by the all-gather, with the same values as the host halves."""
-    from summasim.algorithms.allreduce import (ring_allgather_unchecked,
-                                               ring_reduce_scatter_unchecked)
-
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
+def test_staged_ring_ops_cross_over_at_their_own_limits(monkeypatch, op):
+    """Each staged ring op runs on one host copy below its own share of the staging
+    limit (the all-reduce all of it, the reduce-scatter half, the all-gather an eighth,
+    as measured on a GPU: ``comm.STAGE_WHOLE_SHARES``) and step by step from there: one
+    item below the op's limit it takes the whole copy, at the limit it does not (seen by
+    a spy on the whole-copy path, which tells at any P), with the host op's values either
+    way."""
+    from summasim.algorithms import allreduce as ar
+    wholes = []
+    real = ar._on_host_copy
+    monkeypatch.setattr(ar, "_on_host_copy", lambda *a: (wholes.append(1), real(*a)))
+    run = {"allreduce": lambda v, c: algs.ring_allreduce(v, c, out=v),
+           "reduce_scatter": ar.ring_reduce_scatter_unchecked,
+           "allgather": ar.ring_allgather_unchecked}[op]
+    limit = 1 << 16
+    want_share = {"allreduce": 1.0, "reduce_scatter": 0.5, "allgather": 0.125}[op]
+    n_at = int(limit * want_share) // 8
+    took, same = [], []
     with _staged_and_host(True) as (be, comm, host):
-        x = np.random.default_rng(comm.rank).standard_normal(1000)
-        comm.stage_whole_limit = 4 * x.nbytes
-        copies = {}
-        for name, run in (("allreduce", lambda v: algs.ring_allreduce(v, comm, out=v)),
-                          ("reduce_scatter", lambda v: ring_reduce_scatter_unchecked(v, comm)),
-                          ("allgather", lambda v: ring_allgather_unchecked(v, comm))):
-            be.reset_counters()
-            got = x.copy()
-            run(got)
-            copies[name] = (be.d2h_copies, be.h2d_copies)
-        want_ag = x.copy()
-        ring_allgather_unchecked(want_ag, host)
-        parallel_assert(np.array_equal(got, want_ag), "staged all-gather differs from the host's")
-        steps = (P - 1, P - 1) if P > 1 else (0, 0)
-        want = {"allreduce": (1, 1) if P > 1 else (0, 0),
-                "reduce_scatter": (1, 1) if P > 1 else (0, 0), "allgather": steps}
-        parallel_assert(copies == want, f"copies {copies}, want {want}")
+        comm.stage_whole_limit = limit
+        for n in (n_at - 1, n_at):
+            x = np.random.default_rng(comm.rank).standard_normal(n)
+            got, want = x.copy(), x.copy()
+            wholes.clear()
+            run(got, comm)
+            took.append(len(wholes))
+            run(want, host)
+            same.append(bool(np.array_equal(got, want)))
+    expect = [1, 0] if P > 1 else [0, 0]
+    parallel_assert(took == expect and all(same),
+                    f"{op}: whole-copy path taken {took} (want {expect}) below and at "
+                    f"{n_at} items; values equal to the host op's: {same}")
 
 
 @pytest.mark.parametrize("budget", [0.0, 1e-9, 60.0])

@@ -625,23 +625,33 @@ class Comm:
         Messages from :attr:`blocking_limit` on go through :meth:`sendrecv` and the wait
         policy, and ``finish`` does nothing.
 
-        The pair is built once per kind of loop (array type, backend, wait policy, which
+        Host-array pairs are built once per kind of loop (backend, wait policy, which
         side of the blocking and nap limits ``nbytes`` lies, tag, trace) and kept: a
         ring call then costs one dict lookup here instead of building its closures (cold,
-        between barriers, each call's set-up Python cost several microseconds, part of a
-        64 KiB ring's lead over the plain loop). Loops of one kind share the list of
-        pending sends, so a loop must ``finish`` before another of its kind starts."""
+        between barriers, a call's set-up Python costs several microseconds, part of a
+        64 KiB ring's lead over the plain loop). They hold nothing of the Comm itself, so
+        keeping them keeps no Comm alive; the pairs of other arrays (staged steps call
+        the Comm's methods) and of the wait policy's path are built per call. A kept pair
+        whose last loop never finished (an exception between ``step`` and ``finish``) is
+        replaced by a fresh one."""
         key = (type(like), self.backend, self.wait_policy, nbytes < self.blocking_limit,
                nbytes >= self.nap_limit, tag, self.trace)
-        pair = self._exchangers.get(key)
-        if pair is None:
-            pair = self._exchangers[key] = self._new_exchanger(like, nbytes, tag)
-        return pair
+        kept = self._exchangers.get(key)
+        if kept is not None and not kept[2]:
+            return kept[0], kept[1]
+        step, finish, pending, keep = self._new_exchanger(like, nbytes, tag)
+        if keep:
+            if len(self._exchangers) >= 16:            # e.g. sendrecvs with many tags
+                self._exchangers.clear()
+            self._exchangers[key] = (step, finish, pending)
+        return step, finish
 
     def _new_exchanger(self, like, nbytes: int, tag: int):
-        """A fresh ``(step, finish)`` pair of :meth:`exchanger`."""
+        """A fresh pair of :meth:`exchanger`: ``(step, finish, pending, keep)``, with
+        ``pending`` the list of sends not yet completed and ``keep`` whether the pair
+        may be kept (host arrays: no reference to this Comm)."""
         if not self._blocks(like, nbytes):
-            return self.sendrecv, _nothing
+            return self.sendrecv, _nothing, (), False
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
                                            self.name, self.size)
         clock, sends, held = time.perf_counter, [], []
@@ -714,7 +724,7 @@ class Comm:
                 done()
             held.clear()
 
-        return step, finish
+        return step, finish, sends, host
 
     def isendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0) -> Request:
         """Non-blocking send of ``sendbuf`` to ``dest`` and receive into ``recvbuf``
