@@ -7,7 +7,8 @@ For each size: the in-place ``ring_reduce_scatter`` and ``ring_allgather`` of a 
 of that many MiB (float64), on a communicator that stages whole vectors (one pinned host
 copy each way, the host ring on it) and on one that stages every ring step, and MPI's
 ``Reduce_scatter_block`` / ``Allgather`` on one pinned host copy (what a user without a
-CUDA-aware MPI writes first). Interleaved call by call; median of the spans (slowest
+CUDA-aware MPI writes first). Interleaved call by call, with the collective agreement on
+the arguments switched off as in ``bench allreduce``; median of the spans (slowest
 rank's end minus first rank's start). Each path's result is checked against NumPy once
 per size. On a device backend this finds where ``Comm.stage_whole_limit`` (the
 all-reduce's 16 MiB) should sit for the halves (docs/gpu.md).
@@ -25,6 +26,7 @@ from summasim.algorithms import chunk_bounds, ring_allgather, ring_reduce_scatte
 from summasim.backends import get_backend
 from summasim.comm import Comm
 from summasim.harness.timing import time_calls
+from summasim.mpiutil import agreement
 
 
 def main() -> int:
@@ -116,12 +118,13 @@ def main() -> int:
         ok = world.allreduce(bool(ok), op=MPI.LAND)
         bad += not ok
         t = {k: [] for k in cases}
-        for i in range(args.repeats):
-            names = list(cases)
-            for k in names[i % len(names):] + names[:i % len(names)]:
-                reset, call = cases[k]
-                reset()
-                t[k] += time_calls(call, world, 1, adaptive=False)["spans"]
+        with agreement(False):     # as in bench allreduce: the calls, not the arguments' check
+            for i in range(args.repeats):
+                names = list(cases)
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    reset, call = cases[k]
+                    reset()
+                    t[k] += time_calls(call, world, 1, adaptive=False)["spans"]
         say(f"{mib:>8g} " + " ".join(f"{1e3 * statistics.median(t[k]):>9.3f}" for k in cases)
             + f"  {'OK' if ok else 'FAIL'}")
     for c in comms.values():
