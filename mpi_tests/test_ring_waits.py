@@ -189,8 +189,8 @@ def test_a_dropped_comm_is_freed_after_a_ring(kind):
         mpi.Free()
     finally:
         gc.enable()
-    parallel_assert(np.array_equal(y, np.arange(5000.0) * P * (P + 1) / 2) and own == (WORLD.Get_rank() + 1) % P,
-                    f"{kind}: wrong sum")
+    parallel_assert(np.array_equal(y, np.arange(5000.0) * P * (P + 1) / 2)
+                    and own == (WORLD.Get_rank() + 1) % P, f"{kind}: wrong sum")
     parallel_assert(not alive, f"{kind}: the Comm outlived its last reference (a cycle)")
 
 

@@ -37,6 +37,13 @@ def main() -> int:
     ap.add_argument("--sizes-mib", default="0.0625,0.25,1,4,16,64")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
+    try:
+        sizes = [float(v) for v in args.sizes_mib.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0 or args.repeats < 1:
+        ap.error(f"--sizes-mib takes positive numbers, comma-separated (got "
+                 f"{args.sizes_mib!r}), and --repeats at least 1 (got {args.repeats})")
     world = MPI.COMM_WORLD
     p, r = world.Get_size(), world.Get_rank()
     be = get_backend(args.backend)
@@ -52,7 +59,7 @@ def main() -> int:
     say(f"{'MiB':>8} {'RS whole':>9} {'RS steps':>9} {'RS MPI':>9} "
         f"{'AG whole':>9} {'AG steps':>9} {'AG MPI':>9}  check")
     bad = 0
-    for mib in (float(s) for s in args.sizes_mib.split(",")):
+    for mib in sizes:
         n = max(p, int(mib * 2**20) // 8 // p * p)
         hx = np.random.default_rng(r).standard_normal(n)
         ref = np.empty_like(hx)

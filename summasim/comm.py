@@ -340,7 +340,7 @@ class Comm:
                           else _UNLIMITED)
         self._scratch_free: list = []
         self._workspaces: OrderedDict = OrderedDict()
-        self._exchangers: dict = {}     # exchanger's (step, finish) pairs by kind of loop
+        self._exchangers: dict = {}     # kept host-loop (step, finish, pending sends), by kind
         self._twin = None
         self.stage_whole_limit = STAGE_WHOLE_BYTES
 

@@ -336,11 +336,11 @@ def agree(fn: str, comm, signature: dict, error: BaseException | None = None) ->
     -----
     Switched off (:func:`set_agreement`), or on one rank, it only raises ``error``.
     """
-    if not _AGREE or raw_mpi(comm).Get_size() == 1:
+    raw = raw_mpi(comm) if _AGREE else None
+    if raw is None or raw.Get_size() == 1:
         if error is not None:
             raise error
         return
-    raw = raw_mpi(comm)
     if callable(signature):
         signature = signature()
     policy = _wait_policy(comm)

@@ -23,6 +23,7 @@ and, for staged backends, ``pinned_empty(nbytes)``, ``copy_to_host(src, dst)``,
 from __future__ import annotations
 
 import sys
+
 import numpy as np
 
 from .numpy_backend import NumpyBackend
