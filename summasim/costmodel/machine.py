@@ -415,6 +415,18 @@ class Machine:
         Nodes, devices per node, intra-node links, NICs
         (:class:`~summasim.costmodel.topology.Topology`); None: the two-link model
         (``intra``, ``inter``, ``node_size``).
+    memory_bandwidth : float or None
+        Bytes per second that all of a node's cores move through host memory at once
+        (a STREAM-like add over arrays far larger than the caches, every core busy),
+        measured, never taken from a datasheet for a shared VM: on this project's VM it
+        changes from launch to launch (docs/performance.md). With it, a prediction is
+        never below the node's memory floor (:meth:`memory_floor`): the bytes its
+        ranks' copies and additions stream, over this bandwidth. None: no floor (nor
+        on an NCCL machine: its collectives do not use host memory).
+    cache_bytes : float or None
+        The node's last-level cache, bytes (all its instances; from Linux's sysfs).
+        With it, the memory floor leaves out runs whose ranks' data fits in it
+        together (they stream from the cache); None: every run outgrows it.
     device : Device or None
         Roofline parameters of one device (:class:`~summasim.costmodel.roofline.Device`):
         with one, a training step prices every non-GEMM kernel as max(flops / peak,
@@ -448,6 +460,8 @@ class Machine:
     library: str = "mpich"
     topology: Topology | None = None
     device: Device | None = None
+    memory_bandwidth: float | None = None
+    cache_bytes: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -465,6 +479,9 @@ class Machine:
         if self.shared_core is not None and not isinstance(self.shared_core, SharedCore):
             raise ValueError("machine field 'shared_core' must be a SharedCore or None")
         _number("memory_bytes", self.memory_bytes)
+        for f in ("memory_bandwidth", "cache_bytes"):
+            if getattr(self, f) is not None:
+                _number(f, getattr(self, f), positive=True)
         if self.node_size is not None:
             _number("node_size", self.node_size, integer=True, positive=True)
         if not isinstance(self.intra, Link):
@@ -525,6 +542,21 @@ class Machine:
         """``max(1, ranks_per_node / cores)``: the time-sharing factor (see module doc)."""
         return max(1.0, ranks_per_node / self.cores)
 
+    def memory_floor(self, ranks_per_node: int, traffic_bytes: float,
+                     working_set: float | None = None) -> float:
+        """Seconds the node's memory needs to stream ``traffic_bytes`` for each of its
+        ``ranks_per_node`` ranks (a roofline's memory bound: the ranks of a node share
+        one memory, so their streams add up); 0 without ``memory_bandwidth``, on an
+        NCCL machine (its messages and additions stay in device memory), and when the
+        ranks' data (``working_set`` bytes each; None: unknown, taken as too large)
+        fits in the node's ``cache_bytes`` together."""
+        if self.memory_bandwidth is None or traffic_bytes <= 0 or self.library == "nccl":
+            return 0.0
+        if (self.cache_bytes is not None and working_set is not None
+                and ranks_per_node * working_set <= self.cache_bytes):
+            return 0.0
+        return ranks_per_node * traffic_bytes / self.memory_bandwidth
+
     def gamma(self, n: float, dtype="float64") -> float:
         """Seconds per flop of a local GEMM of block size ``n`` in ``dtype``.
 
@@ -569,7 +601,7 @@ class Machine:
     _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
             "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "call_seconds",
             "gamma_elementwise", "layer_seconds", "shared_core", "notes", "fit_conditions",
-            "library", "topology", "device")
+            "library", "topology", "device", "memory_bandwidth", "cache_bytes")
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine.
@@ -595,6 +627,9 @@ class Machine:
         }
         if self.fit_conditions is not None:
             d["fit_conditions"] = self.fit_conditions
+        for f in ("memory_bandwidth", "cache_bytes"):
+            if getattr(self, f) is not None:
+                d[f] = getattr(self, f)
         d["library"] = self.library
         if self.topology is not None or self.device is not None:
             d["topology"] = None if self.topology is None else self.topology.to_dict()
@@ -631,6 +666,8 @@ class Machine:
         if node_size is not None:
             node_size = _number("node_size", node_size, integer=True, positive=True)
         memory = _number("memory_bytes", d.get("memory_bytes", 0.0))
+        host = {f: (None if d.get(f) is None else _number(f, d[f], positive=True))
+                for f in ("memory_bandwidth", "cache_bytes")}
         return cls(name=name, source=source, cores=cores, intra=intra, inter=inter,
                    gamma_gemm=gamma_gemm, gamma_reduce=gamma_reduce,
                    gamma_reduce_mpi=gamma_reduce_mpi, call_seconds=call_seconds,
@@ -643,7 +680,8 @@ class Machine:
                    library=d.get("library", "mpich"),
                    topology=(None if d.get("topology") is None
                              else Topology.from_dict(d["topology"])),
-                   device=None if d.get("device") is None else Device.from_dict(d["device"]))
+                   device=None if d.get("device") is None else Device.from_dict(d["device"]),
+                   **host)
 
     def save(self, path) -> None:
         """Write JSON atomically (temp file in the same folder, then ``os.replace``)."""

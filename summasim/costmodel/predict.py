@@ -50,6 +50,25 @@ from .topology import GridShape, Placement, group_path
 
 _UNIT_SHARED = SharedCore()
 
+#: Memory streams per byte: the traffic count of the memory floor
+#: (:meth:`~summasim.costmodel.machine.Machine.memory_floor`, a machine with
+#: ``memory_bandwidth``). A copy between ranks reads its source and writes its
+#: destination, whose cache lines are read first (write-allocate): 3 (MPICH moves a
+#: large shared-memory message in one copy, CMA's ``process_vm_readv``). An in-place
+#: add ``a += b`` reads two streams and writes one: 3. An add into an output it has
+#: not read (``out = x + recv``: the first add of each chunk of an out-of-place ring)
+#: reads that output's lines first too: 4. GEMMs and elementwise work are not counted,
+#: so the floor is a lower bound; it binds where messages and additions stream more
+#: than the caches hold, and a machine with ``cache_bytes`` leaves it out where the
+#: ranks' data (their ``working_set``, where known) fits in the node's cache. At
+#: p = 16 on this VM the 64 MiB out-of-place ring streams 16 x 10 x 15/16 x 64 MiB =
+#: 9.4 GiB by this count; its time times the memory throughput of the launch came to
+#: 9.1-10.4 GiB in 18 of 19 launches over three sessions, and in place (9 streams per
+#: step: 8.4 GiB) to 8.0 (docs/performance.md).
+COPY_STREAMS = 3
+ADD_STREAMS = 3
+ADD_OUT_STREAMS = 4
+
 #: (stride, size) of each named group on a [q, q, d] grid in Cartesian rank order.
 _GROUP_SHAPES = {"row": lambda q, d, p: (1, q), "col": lambda q, d, p: (q, q),
                  "layer": lambda q, d, p: (1, q * q), "depth": lambda q, d, p: (q * q, d),
@@ -212,6 +231,22 @@ class _Pricer:
             self.cache[key] = hit
         return hit
 
+    def traffic(self, op, group, size, nbytes):
+        """Bytes one member's share of a collective streams through host memory
+        (:data:`COPY_STREAMS` per byte copied, :data:`ADD_STREAMS` per byte added);
+        0 on an NCCL machine, whose messages do not use the host's memory."""
+        key = ("traffic", op, group, size, nbytes)
+        hit = self.cache.get(key)
+        if hit is None:
+            cost = self(op, group, size, nbytes)
+            if self.nccl or size <= 1 or cost.algorithm == "none":
+                hit = 0.0
+            else:
+                sh = collective_shape(op, cost.algorithm, nbytes, size)
+                hit = COPY_STREAMS * sh.nbytes + ADD_STREAMS * sh.reduce_bytes
+            self.cache[key] = hit
+        return hit
+
 
 def make_pricer(machine: Machine, *, mode: str = "mpich",
                 algorithms: Mapping[str, str] | None = None,
@@ -277,6 +312,7 @@ class _Tally:
         self.by_phase: dict = defaultdict(float)
         self.algs: dict = defaultdict(set)
         self.counts: dict = defaultdict(lambda: [0, 0])
+        self.traffic = 0.0      # bytes streamed through host memory (the memory floor)
 
     def add(self, op, group, size, nbytes, count=1, phase="", blocking=False):
         # a point-to-point send or receive (a pipeline's activations) is one message of
@@ -289,6 +325,8 @@ class _Tally:
         self.algs[key].add(cost.algorithm)
         self.counts[key][0] += count
         self.counts[key][1] += count * nbytes
+        if size > 1 and not self.pricer.nccl:
+            self.traffic += count * self.pricer.traffic(op, group, size, nbytes)
         if size > 1 and self.pricer.machine.shared_core is not None and not self.pricer.nccl:
             cpu, hops, hb, copy = self.pricer.work(op, group, size, nbytes)
             acc = self.shared[key]
@@ -306,8 +344,24 @@ class _Tally:
         return tuple(sum(x[i] for x in v) for i in range(7))
 
 
-def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None):
-    """Combine a tally and the compute into a Prediction (dedicated or shared-core)."""
+def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None,
+            local_traffic=0.0, working_set=None):
+    """Combine a tally and the compute into a Prediction (dedicated or shared-core),
+    never below the node's memory floor (the tally's traffic plus ``local_traffic``,
+    the bytes the rank's own additions stream, over a rank's ``working_set``;
+    ``breakdown["memory_floor_seconds"]`` when the machine has a ``memory_bandwidth``)."""
+    pred = _combine(machine, tally, rpn, compute_base, mode, dedicated_total)
+    if machine.memory_bandwidth is not None:
+        floor = machine.memory_floor(rpn, tally.traffic + local_traffic, working_set)
+        pred.breakdown["memory_floor_seconds"] = floor
+        if floor > pred.seconds:
+            pred.comm_seconds += floor - pred.seconds
+            pred.seconds = floor
+    return pred
+
+
+def _combine(machine, tally, rpn, compute_base, mode, dedicated_total=None):
+    """A tally and the compute as a Prediction (dedicated or shared-core)."""
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
     cpu, calls, hops, hb, mpi_hops, mpi_hb, mpi_copy = tally.totals()
@@ -372,7 +426,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   thresholds: Thresholds | None = None,
                   itemsize: int | None = None, reduce_impl: str | None = None,
                   elementwise_items: float = 0.0, layers: float = 0.0,
-                  placement: Placement | None = None) -> Prediction:
+                  placement: Placement | None = None,
+                  working_set: float | None = None) -> Prediction:
     """Predicted time of one rank's recorded events plus its compute.
 
     Parameters
@@ -412,6 +467,9 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         Transformer layers in the run (each costs the machine's ``layer_seconds``).
     placement : Placement, optional
         How the ranks sit on nodes (NCCL machines; default row-major).
+    working_set : float, optional
+        Bytes of data the rank touches (its buffers), for the memory floor's cache
+        test (``Machine.memory_floor``); None: unknown, taken as outgrowing the cache.
 
     Returns
     -------
@@ -430,7 +488,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
     base = (compute_seconds if compute_seconds is not None
             else _compute_seconds(machine, gemms, dtype, reduce_bytes))
     base += machine.gamma_elementwise * elementwise_items + machine.layer_seconds * layers
-    return _finish(machine, tally, rpn, base, mode)
+    return _finish(machine, tally, rpn, base, mode, local_traffic=ADD_STREAMS * reduce_bytes,
+                   working_set=working_set)
 
 
 @dataclass
@@ -440,8 +499,10 @@ class SharedFeatures:
     ``call_seconds`` per call), ``hops`` (completed by the wait policy: polled) and
     ``mpi_hops`` (waited for inside a blocking MPI call or an exchanger step) on
     critical paths, their bytes ``hop_bytes`` and ``mpi_hop_bytes``, the link copies
-    of the latter ``mpi_copy`` (seconds, within ``work``), and the ``dedicated``
-    prediction (one rank per core)."""
+    of the latter ``mpi_copy`` (seconds, within ``work``), the ``dedicated``
+    prediction (one rank per core), the bytes ``memory_traffic`` its messages and
+    additions stream through host memory and the bytes ``working_set`` of data it
+    touches (None: unknown), the memory floor's inputs."""
 
     work: float
     hops: float
@@ -451,15 +512,22 @@ class SharedFeatures:
     mpi_hops: float = 0.0
     mpi_hop_bytes: float = 0.0
     mpi_copy: float = 0.0
+    memory_traffic: float = 0.0
+    working_set: float | None = None
 
 
 def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
                    q: int | None = None, d: int = 1, gemms: Iterable = (), dtype="float64",
                    reduce_bytes: float = 0.0, compute_seconds: float | None = None,
                    itemsize: int | None = None, reduce_impl: str | None = None,
-                   elementwise_items: float = 0.0, layers: float = 0.0) -> SharedFeatures:
+                   elementwise_items: float = 0.0, layers: float = 0.0,
+                   reduce_streams: int = ADD_STREAMS,
+                   working_set: float | None = None) -> SharedFeatures:
     """:class:`SharedFeatures` of one rank's events and compute (arguments as in
-    :func:`predict_trace`); what :func:`~summasim.costmodel.fit.fit_shared_core` fits."""
+    :func:`predict_trace`); what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
+    ``reduce_streams``: memory streams per byte of ``reduce_bytes`` (:data:`ADD_STREAMS`
+    in place, :data:`ADD_OUT_STREAMS` into a separate output); ``working_set`` as in
+    :func:`predict_trace`."""
     events = getattr(events, "events", events)
     p, _ = _resolve_p(machine, p, q, d, None)
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
@@ -476,7 +544,8 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     cpu, calls, hops, hb, mpi_hops, mpi_hb, mpi_copy = tally.totals()
     dedicated = sum(tally.crit.values()) + calls * machine.call_seconds + base
     return SharedFeatures(base + cpu + calls * machine.call_seconds, hops, hb, dedicated, calls,
-                          mpi_hops, mpi_hb, mpi_copy)
+                          mpi_hops, mpi_hb, mpi_copy,
+                          tally.traffic + reduce_streams * reduce_bytes, working_set)
 
 
 def predict_features(features: Iterable[SharedFeatures], machine: Machine,
@@ -488,17 +557,19 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     (maxima over ranks, R = ranks per node / cores), never less
     than the dedicated prediction; otherwise the largest dedicated prediction
     (times the machine's plain ``slowdown`` when it has no shared-core model).
-    This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits.
+    This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits. Either is raised
+    to the node's memory floor (``machine.memory_floor``) where that is larger.
     """
     f = merge_features(features)
+    floor = machine.memory_floor(ranks_per_node, f.memory_traffic, f.working_set)
     if ranks_per_node <= machine.cores:
-        return f.dedicated
+        return max(f.dedicated, floor)
     if machine.shared_core is None:
-        return f.dedicated * machine.slowdown(ranks_per_node)
+        return max(f.dedicated * machine.slowdown(ranks_per_node), floor)
     # f.work already holds the calls' seconds: none added again
     shared = shared_core_time(machine, ranks_per_node, f.work, 0.0, 0.0, f.hops, f.hop_bytes,
                               f.mpi_hops, f.mpi_hop_bytes, f.mpi_copy)
-    return max(shared, f.dedicated)
+    return max(shared, f.dedicated, floor)
 
 
 def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
@@ -512,8 +583,10 @@ def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
         raise ValueError("the features of at least one rank are needed")
     top = {k: max(getattr(f, k) for f in feats)
            for k in ("work", "hops", "hop_bytes", "dedicated", "calls", "mpi_hops",
-                     "mpi_hop_bytes")}
+                     "mpi_hop_bytes", "memory_traffic")}
     top["mpi_copy"] = top["work"] - max(f.work - f.mpi_copy for f in feats)
+    sets = [f.working_set for f in feats]
+    top["working_set"] = None if None in sets else max(sets)
     return SharedFeatures(**top)
 
 
@@ -594,9 +667,12 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     Prediction
     """
     itemsize = itemsize_of(dtype)
+    ring_set = None      # a ring's data: its vector (in place) and a receive chunk
     if name in _traffic.RING_NAMES:
         ranks = p
         q_, d_ = 1, 1
+        items = count if count is not None else m
+        ring_set = (items + -(-items // p)) * itemsize
     else:
         ranks = d * q * q
         q_, d_ = q, d
@@ -628,7 +704,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
             g_step = (compute - machine.gamma_reduce * work.reduce_bytes) / steps
             dedicated = (c_step + (steps - 1) * max(c_step, g_step) + g_step) * slow \
                 + (tail * comm_slow + machine.gamma_reduce * work.reduce_bytes * slow)
-        pred = _finish(machine, tally, rpn, compute, mode, dedicated)
+        pred = _finish(machine, tally, rpn, compute, mode, dedicated,
+                       local_traffic=ADD_STREAMS * work.reduce_bytes, working_set=ring_set)
         pred.counts = _traffic.summarize_events(msgs)
         if best is None or pred.seconds > best.seconds:
             best = pred
