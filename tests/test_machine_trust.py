@@ -32,7 +32,9 @@ def _fitted(**kw) -> Machine:
                 li.eager_threshold)
     m = base.replace(name="fit-test", shared_core=None, gamma_elementwise=0.0, layer_seconds=0.0,
                      source="summasim.costmodel fit on test, 2 ranks, MPICH Version:  5.0.2",
-                     intra=slow, notes={"quick": True})
+                     intra=slow, memory_bandwidth=4.0e10, cache_bytes=32.0 * 2**20,
+                     notes={"quick": True, "memory_bandwidth": 4.0e10,
+                            "cache_bytes": 32.0 * 2**20})
     return m.replace(**kw)
 
 
@@ -378,6 +380,39 @@ def test_a_fit_composed_with_an_older_preset_is_refitted(env, monkeypatch):
     assert mf.stale_composition(old.replace(notes={**old.notes, "composed": comp}))
     # a fit that took nothing from a preset never is
     assert mf.stale_composition(old.replace(notes={})) is None
+
+
+
+@pytest.mark.parametrize("note", ["memory_bandwidth", "cache_bytes"])
+def test_a_fit_without_the_memory_floor_s_inputs_is_refitted_and_they_are_carried(env, note):
+    """The memory floor of the predictions needs the node's memory bandwidth and cache:
+    a fit saved by a summasim that did not measure them is refitted, and the composed
+    machine keeps the measured values (from the preset branch, whose notes are the
+    preset's, too)."""
+    first = FakeFit(_fitted())
+    got = env["resolve"](first)
+    assert first.calls == 1 and got.memory_bandwidth == 4.0e10
+    assert got.cache_bytes == 32 * 2**20
+    assert {"memory bandwidth", "cache"} <= set(got.notes["composed"]["measured"])
+    assert mf.stale_fit(Machine.load(env["path"])) is None
+    old = Machine.load(env["path"])
+    notes = {k: v for k, v in old.notes.items() if k != note}
+    old.replace(**{note: None}, notes=notes).save(env["path"])
+    env["said"].clear()
+    again = FakeFit(_fitted())
+    got = env["resolve"](again)
+    assert again.calls == 1 and got.memory_bandwidth == 4.0e10
+    assert got.cache_bytes == 32 * 2**20
+    assert any("no measurement of the node's memory bandwidth and cache" in s
+               for s in env["said"])
+    # the fit matching the preset: the preset's machine, with the measured values
+    ref = load_preset("local-2core-mpich")
+    same = mf.compose_with_preset(
+        ref.replace(name="fit-same", memory_bandwidth=3.0e10, cache_bytes=1.0e7,
+                    notes={"memory_bandwidth": 3.0e10, "cache_bytes": 1.0e7}),
+        lambda line: None)
+    assert same.name.endswith("+gemm") and same.memory_bandwidth == 3.0e10
+    assert same.cache_bytes == 1.0e7 and mf.stale_fit(same) is None
 
 
 # --------------------------------------------------------------------------- one fit at a time

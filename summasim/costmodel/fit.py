@@ -438,6 +438,94 @@ def _reduce_seconds_per_byte(nbytes, reps):
     return float(np.min(samples)) / x.nbytes
 
 
+class MemoryProbe:
+    """Two float64 arrays of ``nbytes`` each, touched once: :meth:`read` times ``adds``
+    additions of one into the other (three streams: two reads, one write) on all of a
+    communicator's ranks at once. Kept between readings, so that a reading taken between
+    the calls of a benchmark faults in no pages."""
+
+    def __init__(self, nbytes: int = 32 * MiB):
+        self.a = np.ones(max(1, int(nbytes) // 8))
+        self.b = np.zeros_like(self.a)
+        np.add(self.a, self.b, out=self.b)          # first touch outside the timing
+
+    def read(self, comm, adds: int = 8) -> float:
+        """Bytes per second all of ``comm``'s ranks stream at once (collective; the same
+        value on every rank), timed from the first rank's start to the last rank's end
+        (``perf_counter`` is the node's monotonic clock, so ``comm`` should be one node's
+        ranks)."""
+        from mpi4py import MPI
+
+        from ..mpiutil import quiet_barrier
+
+        a, b = self.a, self.b
+        quiet_barrier(comm)
+        t0 = time.perf_counter()
+        for _ in range(adds):
+            np.add(a, b, out=b)
+        t1 = time.perf_counter()
+        span = comm.allreduce(t1, op=MPI.MAX) - comm.allreduce(t0, op=MPI.MIN)
+        return 3.0 * a.nbytes * adds * comm.Get_size() / span
+
+
+def node_memory_throughput(comm, nbytes: int = 32 * MiB, adds: int = 8) -> float:
+    """One :meth:`MemoryProbe.read` of fresh arrays of ``nbytes`` (bytes per second)."""
+    return MemoryProbe(nbytes).read(comm, adds)
+
+
+def node_memory_bandwidth(comm, cores: int, say, readings: int = 3) -> float | None:
+    """The ``memory_bandwidth`` of a Machine (collective): the best of ``readings``
+    :func:`node_memory_throughput` on each node's ranks at once, the slowest node's;
+    None (said) when a node has fewer ranks than ``cores``: fewer streams than cores
+    may not reach the node's memory bandwidth, and a floor priced with less would be
+    too high."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        full = comm.allreduce(node.Get_size() >= cores, op=MPI.LAND)
+        if not full:
+            say(f"memory bandwidth: not measured (a node has fewer ranks than its {cores} "
+                f"cores); predictions have no memory floor")
+            return None
+        probe = MemoryProbe()
+        best = max(probe.read(node) for _ in range(readings))
+    finally:
+        node.Free()
+    bw = comm.allreduce(best, op=MPI.MIN)
+    say(f"  memory: all ranks of a node adding 32 MiB arrays at once: {bw / 2**30:.1f} GiB/s "
+        f"(best of {readings}; the memory floor of the predictions)")
+    return bw
+
+
+def node_cache_bytes(root: str = "/sys/devices/system/cpu") -> float | None:
+    """The node's last-level cache in bytes: the highest-level data or unified cache of
+    its CPUs, each instance (a distinct ``shared_cpu_list``) counted once, from Linux's
+    sysfs under ``root``; None where it cannot be read."""
+    import glob
+
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    found = {}
+    for index in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
+        try:
+            with open(os.path.join(index, "type")) as fh:
+                if fh.read().strip() not in ("Data", "Unified"):
+                    continue
+            with open(os.path.join(index, "level")) as fh:
+                level = int(fh.read())
+            with open(os.path.join(index, "size")) as fh:
+                text = fh.read().strip()
+            with open(os.path.join(index, "shared_cpu_list")) as fh:
+                shared = fh.read().strip()
+            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        except (OSError, ValueError):
+            continue
+        found.setdefault(level, {})[shared] = size
+    if not found:
+        return None
+    return float(sum(found[max(found)].values()))
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -586,6 +674,11 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
         gr = float(np.median(comm.allgather(gr)))
         say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
+    bandwidth = node_memory_bandwidth(comm, cores, say)
+    cache = node_cache_bytes()
+    if cache is not None:
+        say(f"  last-level cache of the node: {cache / 2**20:.0f} MiB (the memory floor leaves "
+            f"out runs whose data fits in it)")
 
     if rank != 0:
         problems = comm.bcast(None, root=0)
@@ -613,6 +706,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                 f"{MPI.Get_library_version().splitlines()[0].strip()}"),
         cores=cores, intra=rf.link(), gamma_gemm=gamma_gemm, gamma_reduce=gr,
         memory_bytes=_phys_mem() / max(cores, 1), shared_comm=True,
+        memory_bandwidth=bandwidth, cache_bytes=cache,
         notes={"date": date, "command": command or " ".join([sys.executable] + sys.argv),
                "ranks": size, "cores": cores, "quick": quick,
                "fit": {"threshold": rf.threshold,
@@ -624,6 +718,9 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                "ring": [[s, t] for s, t in zip(ring_sizes, ring)],
                "collectives": [list(c) for c in colls],
                "gemm_single": {"dtype": dt1, "n": n1, "seconds_per_flop": g1},
+               "memory_bandwidth": (bandwidth if bandwidth is not None else
+                                    "not measured: a node had fewer ranks than cores"),
+               "cache_bytes": cache if cache is not None else "not found in sysfs",
                "seconds": round(time.time() - t_start, 1)})
     # MPI's own reductions (temporary buffers, MPI_SUM loops) can be much slower per
     # byte than numpy's a += b; estimate them as seen inside MPI_Reduce / MPI_Allreduce

@@ -255,6 +255,18 @@ def stale_composition(machine: Machine) -> str | None:
     return None
 
 
+def stale_fit(machine: Machine) -> str | None:
+    """Why a saved quick fit is out of date, or None: its preset parts are
+    (:func:`stale_composition`), or it was made by a summasim that did not yet measure
+    the node's memory bandwidth and cache (no ``memory_bandwidth`` and ``cache_bytes``
+    notes), so its predictions would have no memory floor."""
+    stale = stale_composition(machine)
+    notes = machine.notes or {}
+    if stale is None and not {"memory_bandwidth", "cache_bytes"} <= set(notes):
+        stale = "it has no measurement of the node's memory bandwidth and cache"
+    return stale
+
+
 def _merge_gemm(measured: dict, ref: dict) -> dict:
     """The measured GEMM table, extended below and above its sizes with the reference
     table's points scaled by the measured/reference ratio at the nearest measured size
@@ -305,23 +317,30 @@ def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
     ref = load_preset(preset)
     digest = preset_digest(ref)
     same, why = preset_matches(fitted, ref, tolerance)
+    bandwidth = (["memory bandwidth"] if fitted.memory_bandwidth is not None else []) + \
+        (["cache"] if fitted.cache_bytes is not None else [])
     if same:
         gemm = _merge_gemm(fitted.gamma_gemm, ref.gamma_gemm)
         ratio = fitted.gamma(1024) / ref.gamma(1024) if "float64" in fitted.gamma_gemm else math.nan
         parts = {"preset": preset, "why": why,
                  "from_preset": ["links", "reductions", "per-call", "elementwise",
                                  "per-layer", "oversubscription"],
-                 "measured": ["GEMM rates"], "gemm_vs_preset": ratio, "preset_digest": digest}
+                 "measured": ["GEMM rates"] + bandwidth, "gemm_vs_preset": ratio,
+                 "preset_digest": digest}
         say(f"cost model: this is the preset {preset}'s machine ({why}): its calibrated "
             f"links, reductions, per-call, elementwise and oversubscription models; GEMM "
             f"rates measured now ({ratio:.2f}x the preset's seconds per flop at n = 1024)")
         quick = {k: fitted.notes[k] for k in ("date", "command", "fit", "seconds")
                  if k in fitted.notes}
         notes = {**ref.notes, "quick_fit": quick, "composed": parts}
+        notes.update({k: fitted.notes[k] for k in ("memory_bandwidth", "cache_bytes")
+                      if k in fitted.notes})
         if "gemm_single" in fitted.notes:
             notes["gemm_single"] = fitted.notes["gemm_single"]
         return ref.replace(name=f"{preset}+gemm", source=f"{ref.source}; GEMM: {fitted.source}",
                            gamma_gemm=gemm, memory_bytes=fitted.memory_bytes or ref.memory_bytes,
+                           memory_bandwidth=fitted.memory_bandwidth,
+                           cache_bytes=fitted.cache_bytes,
                            notes=notes, fit_conditions=fitted.fit_conditions)
     out = borrow_run_models(fitted, lambda line: None, preset)
     borrowed = ["elementwise", "per-layer", "oversubscription"] if out is not fitted else []
@@ -330,7 +349,8 @@ def compose_with_preset(fitted: Machine, say, preset: str = FALLBACK_PRESET,
                            f"another CPU: expect per-call-heavy runs to be off)" if borrowed
                            else ""))
     parts = {"preset": preset, "why": why, "from_preset": borrowed,
-             "measured": ["links", "GEMM rates", "reductions"], "preset_digest": digest}
+             "measured": ["links", "GEMM rates", "reductions"] + bandwidth,
+             "preset_digest": digest}
     return out.replace(notes={**out.notes, "composed": parts})
 
 
@@ -380,7 +400,7 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
     try:
         if os.path.exists(path):
             m = _load_checked(path, "the saved fit", say)
-            stale = None if m is None else stale_composition(m)
+            stale = None if m is None else stale_fit(m)
             if stale is not None and size >= FIT_RANKS:
                 say(f"cost model: the saved fit {path} is out of date ({stale}); refitting")
                 return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, lock
