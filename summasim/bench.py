@@ -11,7 +11,9 @@
                buffers, 64 KiB to 64 MiB, with the ratios and the cost model's
                prediction for the ring, and the host memory throughput of all ranks
                at once before and after (:func:`node_memory_gibs`; on a shared VM it
-               changes from launch to launch, and the largest sizes follow it).
+               changes from launch to launch, and the largest sizes follow it). Each
+               size's prediction prices its memory floor at the throughput read in
+               every round of its repeats (the median).
 ``ring-steps`` where a ring all-reduce's time goes: per step, inside MPI and outside.
 ``transformer`` forward + backward time of each tensor-parallel scheme that fits p, on a
                one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to
@@ -53,6 +55,9 @@ RING_STEPS_MESSAGES = 3
 # The node-memory probe's arrays (MiB per array, two per rank): past any CPU's last-level
 # cache per rank, so that the probe measures DRAM.
 NODE_MEMORY_MIB = 32
+#: additions of the memory reading in each round of an all-reduce size's repeats
+#: (about 75 ms at p = 16 on this VM)
+MEMORY_ROUND_ADDS = 2
 
 
 def _quiet_bcast(world, value):
@@ -95,28 +100,16 @@ def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
     return 2.0 * n**3 / statistics.median(times) / 1e9
 
 
-def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8) -> float:
-    """The memory throughput of all of ``world``'s ranks at once, now (GiB/s, collective):
-    each rank adds two float64 arrays of ``mib`` MiB into the second ``adds`` times
-    (three streams: two reads, one write), timed from the first rank's start to the last
-    rank's end. On a shared VM this changes from launch to launch by up to 1.7x while a
-    cache-resident add changes by 1.2x, and a large ring all-reduce's time follows it
-    (docs/performance.md); the all-reduce benchmark reports it before and after its
-    sizes so that a slow launch can be told from a slow ring."""
-    from .harness.timing import time_calls
-    from .mpiutil import agreement
+def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=None) -> float:
+    """The memory throughput of all of ``world``'s ranks at once, now (GiB/s, collective;
+    :func:`~summasim.costmodel.fit.node_memory_throughput`). On a shared VM this changes
+    from launch to launch by up to 1.7x while a cache-resident add changes by 1.2x, and
+    a large ring all-reduce's time follows it (docs/performance.md); the all-reduce
+    benchmark reports it before and after its sizes so that a slow launch can be told
+    from a slow ring, and prices the prediction's memory floor with it."""
+    from .costmodel.fit import MemoryProbe
 
-    n = max(1, int(mib * 2**20) // 8)
-    a, b = np.ones(n), np.zeros(n)
-    np.add(a, b, out=b)                     # first touch outside the timing
-
-    def work():
-        for _ in range(adds):
-            np.add(a, b, out=b)
-
-    with agreement(False):
-        span = time_calls(work, world, 1, adaptive=False)["spans"][0]
-    return 3 * a.nbytes * adds * world.Get_size() / span / 2**30
+    return (probe or MemoryProbe(int(mib * 2**20))).read(world, adds) / 2**30
 
 
 def _bench_memory_terms(what: str) -> tuple[int, int]:
@@ -408,14 +401,22 @@ def _message_buffers(backend, hx, huge: bool = True):
 
 
 def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=None,
-                    backend=None, huge: bool = True) -> list[dict]:
+                    backend=None, huge: bool = True, memory=None) -> list[dict]:
     """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
     buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`; on huge
     pages unless ``huge`` is false: :func:`_message_buffers`), interleaved
     call by call (median spans), with the cost model's prediction for the ring when a
     ``machine`` is given. Each contender's result is checked against MPI's on the host
     on every size. ``repeats`` None: per size by :func:`allreduce_repeats`, from the
-    median duration of its first :data:`ALLREDUCE_REPEATS` repeats."""
+    median duration of its first :data:`ALLREDUCE_REPEATS` repeats.
+
+    ``memory``: a short collective reading of the node's memory throughput (GiB/s),
+    taken in every round of the interleaved repeats, after the three contenders. Each
+    size's prediction then prices its memory floor at the median of its rounds'
+    readings (the memory the size ran on: on a shared VM it drifts within a launch;
+    priced with readings taken only before and after the sizes, the 64 MiB ring at
+    p = 16 came out 11% and 14% low in two launches), and its row keeps them
+    (``memory_gibs``: the median; ``memory_readings``)."""
     from mpi4py import MPI
 
     from .backends import get_backend
@@ -430,7 +431,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     raw = world.Dup()
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
         f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
-        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'reps':>5}  check")
+        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  "
+        f"check")
     rows = []
     try:
         for mib in sizes_mib:
@@ -453,17 +455,24 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             # first ALLREDUCE_REPEATS size the rest by their duration (the same spans on
             # every rank, so every rank takes the same count)
             reps, i = ALLREDUCE_REPEATS if repeats is None else repeats, 0
+            readings = []
             while i < reps:
                 with agreement(False):
                     for k in _rotated(list(calls), i):
                         t[k] += time_calls(calls[k], world, 1, adaptive=False)["spans"]
+                if memory is not None:
+                    readings.append(memory())
                 i += 1
                 if repeats is None and i == ALLREDUCE_REPEATS:
                     reps = allreduce_repeats(statistics.median(
                         sum(t[k][j] for k in t) for j in range(i)), step=len(calls))
             tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
             nbytes = count * np.dtype(dtype).itemsize
-            pred = (ring_prediction(count, dtype, p, machine, comm.blocking_limit)
+            mem = statistics.median(readings) if readings else None
+            priced = machine
+            if machine is not None and mem is not None:
+                priced = machine.replace(memory_bandwidth=mem * 2**30)
+            pred = (ring_prediction(count, dtype, p, priced, comm.blocking_limit)
                     if machine is not None else None)
             vp, vm = paired_ratio(t["plain"], t["ring"]), paired_ratio(t["mpi"], t["ring"])
             rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
@@ -471,14 +480,17 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                          "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
                          "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
                          "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
-                         "predicted": pred, "ok": ok, "repeats": reps,
+                         "predicted": pred, "ok": ok, "repeats": reps, "memory_gibs": mem,
+                         "memory_readings": readings,
                          "prediction_error": None if pred is None else (pred - tr) / tr})
             say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
                 f"{tp / tr:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
                 f"{tm / tr:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
                 f"{nbytes / tr / 1e9:>10.2f} "
                 + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
-                   else f"{'-':>9} {'-':>9}") + f" {reps:>5}  {'OK' if ok else 'FAIL'}")
+                   else f"{'-':>9} {'-':>9}")
+                + (f" {mem:>10.1f}" if mem is not None else f" {'-':>10}")
+                + f" {reps:>5}  {'OK' if ok else 'FAIL'}")
     finally:
         comm.mpi.Free()
         raw.Free()
@@ -918,11 +930,21 @@ def _body(args, world) -> int:
     if args.what in ("allreduce", "all"):
         say("")
         host = backend.name != "cupy"        # device arrays: host memory is not theirs
-        before = node_memory_gibs(world) if host else None
-        report["allreduce"] = bench_allreduce(world, args.sizes, dtype,
-                                              args.allreduce_repeats, say,
-                                              machine(), backend, not args.np_empty)
-        after = node_memory_gibs(world) if host else None
+        from .costmodel.fit import MemoryProbe
+
+        probe = MemoryProbe(NODE_MEMORY_MIB << 20) if host else None
+        before = node_memory_gibs(world, probe=probe) if host else None
+        if machine() is not None and host:
+            say(f"cost model: each size's memory floor at the node's memory throughput "
+                f"while it ran (mem GiB/s: all {p} ranks adding {NODE_MEMORY_MIB} MiB arrays "
+                f"{MEMORY_ROUND_ADDS} times at once, in every round of the repeats; the "
+                f"median)")
+        report["allreduce"] = bench_allreduce(
+            world, args.sizes, dtype, args.allreduce_repeats, say, machine(), backend,
+            not args.np_empty,
+            memory=((lambda: node_memory_gibs(world, adds=MEMORY_ROUND_ADDS, probe=probe))
+                    if host and machine() is not None else None))
+        after = node_memory_gibs(world, probe=probe) if host else None
         report["node_memory_gibs"] = {"before": before, "after": after,
                                       "array_mib": NODE_MEMORY_MIB}
         if host:

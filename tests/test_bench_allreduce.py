@@ -195,3 +195,24 @@ def test_repeats_follow_the_call_time_within_their_bounds():
     # no --repeats: the allreduce benchmark sizes each run; --repeats N is exactly N
     assert parse_args(["allreduce"]).allreduce_repeats is None
     assert parse_args(["allreduce", "--repeats", "5"]).allreduce_repeats == 5
+
+
+def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
+    """The prediction's memory floor uses the median of the readings taken in the size's
+    rounds of repeats (the node's memory drifts within a launch), and each row keeps
+    them."""
+    from mpi4py import MPI
+
+    import summasim.bench as B
+    from summasim.costmodel.machine import load_preset
+
+    seen = []
+    monkeypatch.setattr(B, "ring_prediction",
+                        lambda n, dt, p, m, limit: seen.append(m.memory_bandwidth) or 1.0)
+    readings = iter([30.0, 50.0, 20.0, 44.0, 40.0, 10.0])
+    rows = B.bench_allreduce(MPI.COMM_SELF, [0.0625, 0.25], np.float64, 3, lambda s: None,
+                             load_preset("local-2core-mpich"), memory=lambda: next(readings))
+    assert [r["memory_readings"] for r in rows] == [[30.0, 50.0, 20.0], [44.0, 40.0, 10.0]]
+    assert [r["memory_gibs"] for r in rows] == [30.0, 40.0]
+    assert seen == [30.0 * 2**30, 40.0 * 2**30]
+    assert all(r["predicted"] == 1.0 and r["ok"] for r in rows)

@@ -173,7 +173,13 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     assert "targets at p = 4: not slower than the plain ring at" in proc.stdout
     mem = report["node_memory_gibs"]         # this launch's host memory, both ends
     assert all(0 < mem[k] < float("inf") for k in ("before", "after")), mem
-    assert f"{mem['before']:.1f} GiB/s before the sizes, {mem['after']:.1f} after" in proc.stdout
+    assert f"{mem['before']:.1f} GiB/s before the sizes, {mem['after']:.1f} after" \
+        in proc.stdout
+    # the prediction's memory floor is priced at the memory read in the size's rounds
+    assert len(ar["memory_readings"]) == 2 and all(r > 0 for r in ar["memory_readings"])
+    assert ar["memory_gibs"] == pytest.approx(sum(ar["memory_readings"]) / 2)
+    assert "each size's memory floor at the node's memory throughput while it ran" \
+        in proc.stdout
     assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])
