@@ -1,15 +1,17 @@
-"""The node's memory bandwidth the fit measures for the predictions' memory floor
-(``costmodel.fit.node_memory_bandwidth``): one value on every rank, from every rank of
-the node streaming at once, and none where too few ranks share a node to reach it."""
+"""The node's memory bandwidth and cache the fit records for the predictions' memory
+floor (``costmodel.fit.node_memory``): one value on every rank, from every rank of a
+node streaming at once, and no bandwidth where a node has fewer ranks than CPUs."""
 
 from __future__ import annotations
 
 import math
+import os
 
 from mpi4py import MPI
 
 from _util import WORLD, parallel_assert
-from summasim.costmodel.fit import node_memory_bandwidth, node_memory_throughput
+from summasim.costmodel import fit
+from summasim.costmodel.fit import MemoryProbe, node_memory
 
 
 def _node_size() -> int:
@@ -20,20 +22,30 @@ def _node_size() -> int:
         node.Free()
 
 
-def test_the_bandwidth_is_agreed_and_counts_every_rank_s_streams():
-    said = []
-    bw = node_memory_bandwidth(WORLD, _node_size(), said.append)
-    got = WORLD.allgather(bw)
-    parallel_assert(bw is not None and math.isfinite(bw) and bw > 0, f"bandwidth {bw}")
-    parallel_assert(len(set(got)) == 1, f"ranks disagree: {got}")
-    parallel_assert(any("GiB/s" in s and "best of 3" in s for s in said), f"said {said}")
-    # one span, from the first rank's start to the last rank's end: the same on every rank
-    one = node_memory_throughput(WORLD, 1 << 20, 8)
-    parallel_assert(len(set(WORLD.allgather(one))) == 1, "readings differ between ranks")
+def test_the_bandwidth_is_agreed_and_measured_only_with_every_cpu_streaming(monkeypatch):
+    size = _node_size()
+    for cpus in (size, size + 1):                 # every CPU has a rank / one has none
+        monkeypatch.setattr(os, "cpu_count", lambda c=cpus: c)
+        said = []
+        bw, cache = node_memory(WORLD, said.append)
+        parallel_assert(len({(bw, cache)} | set(WORLD.allgather((bw, cache)))) == 1,
+                        "ranks disagree")
+        if cpus == size:
+            parallel_assert(bw is not None and math.isfinite(bw) and bw > 0, f"bw {bw}")
+            parallel_assert(any("GiB/s" in s and "best of 3" in s for s in said), f"{said}")
+        else:
+            parallel_assert(bw is None, f"measured {bw} with a CPU left idle")
+            parallel_assert(any("not measured" in s for s in said), f"said {said}")
+        # the cache of the CPUs the ranks may use, as sysfs gives it
+        want = fit.node_cache_bytes(cpus=os.sched_getaffinity(0))
+        parallel_assert(cache is None or (want is not None and cache >= want),
+                        f"cache {cache}, this rank's CPUs alone {want}")
 
 
-def test_fewer_ranks_than_cores_measure_nothing():
-    said = []
-    bw = node_memory_bandwidth(WORLD, _node_size() + 1, said.append)
-    parallel_assert(bw is None, f"measured {bw} with fewer ranks than cores")
-    parallel_assert(any("not measured" in s for s in said), f"said {said}")
+def test_a_reading_is_the_same_on_every_rank():
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        one = MemoryProbe(1 << 20).read_nodes(WORLD, node, 2)
+    finally:
+        node.Free()
+    parallel_assert(one > 0 and len(set(WORLD.allgather(one))) == 1, "readings differ")

@@ -100,16 +100,28 @@ def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
     return 2.0 * n**3 / statistics.median(times) / 1e9
 
 
-def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=None) -> float:
-    """The memory throughput of all of ``world``'s ranks at once, now (GiB/s, collective;
-    :func:`~summasim.costmodel.fit.node_memory_throughput`). On a shared VM this changes
+def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=None,
+                     node=None) -> float:
+    """The memory throughput of a node's ranks all at once, now, the slowest node's
+    (GiB/s, collective; :meth:`~summasim.costmodel.fit.MemoryProbe.read_nodes`, on
+    ``probe``'s arrays, else new ones of ``mib`` MiB; ``node``: ``world`` split by
+    shared memory, else split here). On a shared VM this changes
     from launch to launch by up to 1.7x while a cache-resident add changes by 1.2x, and
     a large ring all-reduce's time follows it (docs/performance.md); the all-reduce
     benchmark reports it before and after its sizes so that a slow launch can be told
     from a slow ring, and prices the prediction's memory floor with it."""
+    from mpi4py import MPI
+
     from .costmodel.fit import MemoryProbe
 
-    return (probe or MemoryProbe(int(mib * 2**20))).read(world, adds) / 2**30
+    probe = probe or MemoryProbe(int(mib * 2**20))
+    if node is not None:
+        return probe.read_nodes(world, node, adds) / 2**30
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return probe.read_nodes(world, node, adds) / 2**30
+    finally:
+        node.Free()
 
 
 def _bench_memory_terms(what: str) -> tuple[int, int]:
@@ -411,12 +423,14 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     median duration of its first :data:`ALLREDUCE_REPEATS` repeats.
 
     ``memory``: a short collective reading of the node's memory throughput (GiB/s),
-    taken in every round of the interleaved repeats, after the three contenders. Each
-    size's prediction then prices its memory floor at the median of its rounds'
-    readings (the memory the size ran on: on a shared VM it drifts within a launch;
-    priced with readings taken only before and after the sizes, the 64 MiB ring at
-    p = 16 came out 11% and 14% low in two launches), and its row keeps them
-    (``memory_gibs``: the median; ``memory_readings``)."""
+    taken in every round of the interleaved repeats, after the three contenders, at
+    the sizes whose data (x, out and a receive chunk on every rank of a node) outgrows
+    ``machine.cache_bytes`` (where the floor can count). Each such size's prediction
+    then prices its memory floor at the median of its rounds' readings (the memory the
+    size ran on: on a shared VM it drifts within a launch; priced with readings taken
+    only before and after the sizes, the 64 MiB ring at p = 16 came out 11% and 14% low
+    in two launches), and its row keeps them (``memory_gibs``: the median;
+    ``memory_readings``)."""
     from mpi4py import MPI
 
     from .backends import get_backend
@@ -456,11 +470,14 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             # every rank, so every rank takes the same count)
             reps, i = ALLREDUCE_REPEATS if repeats is None else repeats, 0
             readings = []
+            spill = machine is not None and (
+                machine.cache_bytes is None or machine.ranks_per_node(p)
+                * (2 * count + -(-count // p)) * np.dtype(dtype).itemsize > machine.cache_bytes)
             while i < reps:
                 with agreement(False):
                     for k in _rotated(list(calls), i):
                         t[k] += time_calls(calls[k], world, 1, adaptive=False)["spans"]
-                if memory is not None:
+                if memory is not None and spill:
                     readings.append(memory())
                 i += 1
                 if repeats is None and i == ALLREDUCE_REPEATS:
@@ -930,28 +947,35 @@ def _body(args, world) -> int:
     if args.what in ("allreduce", "all"):
         say("")
         host = backend.name != "cupy"        # device arrays: host memory is not theirs
+        from mpi4py import MPI
+
         from .costmodel.fit import MemoryProbe
 
         probe = MemoryProbe(NODE_MEMORY_MIB << 20) if host else None
-        before = node_memory_gibs(world, probe=probe) if host else None
-        if machine() is not None and host:
-            say(f"cost model: each size's memory floor at the node's memory throughput "
-                f"while it ran (mem GiB/s: all {p} ranks adding {NODE_MEMORY_MIB} MiB arrays "
-                f"{MEMORY_ROUND_ADDS} times at once, in every round of the repeats; the "
-                f"median)")
-        report["allreduce"] = bench_allreduce(
-            world, args.sizes, dtype, args.allreduce_repeats, say, machine(), backend,
-            not args.np_empty,
-            memory=((lambda: node_memory_gibs(world, adds=MEMORY_ROUND_ADDS, probe=probe))
-                    if host and machine() is not None else None))
-        after = node_memory_gibs(world, probe=probe) if host else None
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            before = node_memory_gibs(world, probe=probe, node=node) if host else None
+            if machine() is not None and host:
+                say(f"cost model: each size's memory floor at the node's memory throughput "
+                    f"while it ran (mem GiB/s: all of a node's ranks adding {NODE_MEMORY_MIB} "
+                    f"MiB arrays {MEMORY_ROUND_ADDS} times at once, in every round of the "
+                    f"repeats, the median; at the sizes whose data outgrows the node's cache)")
+            report["allreduce"] = bench_allreduce(
+                world, args.sizes, dtype, args.allreduce_repeats, say, machine(), backend,
+                not args.np_empty,
+                memory=((lambda: node_memory_gibs(world, adds=MEMORY_ROUND_ADDS, probe=probe,
+                                                  node=node))
+                        if host and machine() is not None else None))
+            after = node_memory_gibs(world, probe=probe, node=node) if host else None
+        finally:
+            node.Free()
         report["node_memory_gibs"] = {"before": before, "after": after,
                                       "array_mib": NODE_MEMORY_MIB}
         if host:
-            say(f"host memory of all {p} ranks at once (each adding {NODE_MEMORY_MIB} MiB "
-                f"arrays): {before:.1f} GiB/s before the sizes, {after:.1f} after; on a "
-                f"shared VM it changes from launch to launch and the largest sizes' times "
-                f"follow it (docs/performance.md)")
+            say(f"host memory of a node's ranks all at once (the slowest node; each adding "
+                f"{NODE_MEMORY_MIB} MiB arrays): {before:.1f} GiB/s before the sizes, "
+                f"{after:.1f} after; on a shared VM it changes from launch to launch and the "
+                f"largest sizes' times follow it (docs/performance.md)")
         ok = ok and all(r["ok"] for r in report["allreduce"])
     if args.what == "ring-steps":
         report["ring_steps"] = bench_ring_steps(world, args.sizes, dtype, args.repeats, say,

@@ -216,3 +216,10 @@ def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
     assert [r["memory_gibs"] for r in rows] == [30.0, 40.0]
     assert seen == [30.0 * 2**30, 40.0 * 2**30]
     assert all(r["predicted"] == 1.0 and r["ok"] for r in rows)
+    # where the data fits in the node's cache the floor cannot count: nothing is read
+    seen.clear()
+    rows = B.bench_allreduce(MPI.COMM_SELF, [0.0625], np.float64, 3, lambda s: None,
+                             load_preset("local-2core-mpich").replace(cache_bytes=2**20),
+                             memory=lambda: 1 / 0)
+    assert rows[0]["memory_readings"] == [] and rows[0]["memory_gibs"] is None
+    assert seen == [None]

@@ -54,10 +54,14 @@ def test_the_floor_is_the_node_s_streams_over_its_bandwidth_unless_its_data_is_c
 
 @pytest.mark.parametrize("p", [2, 4, 16])
 def test_a_closed_form_ring_on_a_slow_memory_is_priced_at_its_streams(p):
-    """In place (the closed form's reading): 3 streams per byte copied and per byte added."""
+    """``ring_allreduce(x, comm)`` writes a new output: 3 streams per byte copied, 4 per
+    byte added; its in-place half ``ring_reduce_scatter`` 3 per byte added."""
     n = 16 * MiB // 8
     copied, added = _ring_bytes(n * 8, p)
-    want = p * (COPY_STREAMS * copied + ADD_STREAMS * added) / SLOW
+    half = predict_algorithm("ring_reduce_scatter", count=n, p=p,
+                             machine=LOCAL.replace(memory_bandwidth=SLOW))
+    assert half.seconds == pytest.approx(p * 3 * (copied / 2 + added) / SLOW, rel=1e-9)
+    want = p * (COPY_STREAMS * copied + ADD_OUT_STREAMS * added) / SLOW
     got = predict_algorithm("ring_allreduce", count=n, p=p,
                             machine=LOCAL.replace(memory_bandwidth=SLOW))
     assert got.seconds == pytest.approx(want, rel=1e-9)
@@ -116,7 +120,7 @@ def test_gpu_collectives_do_not_stream_host_memory():
 def test_a_ring_whose_data_fits_the_cache_has_no_floor():
     """x, out and a receive chunk of every rank against the node's cache: at p = 4 a
     4 MiB ring (4 x 9 MiB) outgrows 32 MiB and 3 MiB (4 x 6.75 MiB) does not; the
-    closed form (in place: x and a chunk) fits at 4 MiB."""
+    in-place half ``ring_reduce_scatter`` (x and a chunk) fits at 4 MiB."""
     m = LOCAL.replace(memory_bandwidth=SLOW, cache_bytes=32 * MiB)
     limit = BLOCKING_SENDRECV_BYTES
     assert ring_prediction(3 * MiB // 8, np.float64, 4, m, limit) == \
@@ -125,10 +129,13 @@ def test_a_ring_whose_data_fits_the_cache_has_no_floor():
     copied, added = _ring_bytes(n * 8, 4)
     assert ring_prediction(n, np.float64, 4, m, limit) == pytest.approx(
         4 * (COPY_STREAMS * copied + ADD_OUT_STREAMS * added) / SLOW, rel=1e-9)
-    closed = predict_algorithm("ring_allreduce", count=n, p=4, machine=m)
-    assert closed.seconds == predict_algorithm("ring_allreduce", count=n, p=4,
+    closed = predict_algorithm("ring_reduce_scatter", count=n, p=4, machine=m)
+    assert closed.seconds == predict_algorithm("ring_reduce_scatter", count=n, p=4,
                                                machine=LOCAL).seconds
     assert closed.breakdown["memory_floor_seconds"] == 0.0
+    whole = predict_algorithm("ring_allreduce", count=n, p=4, machine=m)
+    assert whole.breakdown["memory_floor_seconds"] > 0 and \
+        whole.breakdown["memory_floor_excess_seconds"] > 0
 
 
 def test_the_node_s_cache_is_read_from_sysfs(tmp_path):
@@ -149,3 +156,39 @@ def test_the_node_s_cache_is_read_from_sysfs(tmp_path):
         cache(cpu, 2, 2, "Unified", "1024K", str(cpu))
         cache(cpu, 3, 3, "Unified", "16384K", "0-1" if cpu < 2 else "2-3")
     assert node_cache_bytes(str(tmp_path)) == 32 * MiB
+    assert node_cache_bytes(str(tmp_path), cpus={0, 1}) == 16 * MiB    # a cpuset's share
+    assert node_cache_bytes(str(tmp_path), cpus={1, 2}) == 32 * MiB
+
+
+def test_a_message_streams_once_and_the_node_sums_its_ranks():
+    """A point-to-point message is one copy, counted at its receiver; the node's
+    streams are its ranks' mean times ranks per node, not the busiest rank's."""
+    from summasim.costmodel.predict import SharedFeatures, predict_features
+    from summasim.costmodel.traffic import MessageClass
+
+    m = LOCAL.replace(memory_bandwidth=SLOW)
+    B = 8 * MiB
+    send = predict_trace([MessageClass("send", "pipe", 2, B, 1)], m, p=2)
+    recv = predict_trace([MessageClass("recv", "pipe", 2, B, 1)], m, p=2)
+    assert send.breakdown["memory_floor_seconds"] == 0.0
+    assert recv.breakdown["memory_floor_seconds"] == pytest.approx(2 * 3 * B / SLOW)
+    feats = [SharedFeatures(0.0, 0, 0, 0.0, memory_traffic=t) for t in (4e6, 0.0, 0.0, 0.0)]
+    assert predict_features(feats, m, 4) == pytest.approx(4e6 / SLOW)
+
+
+def test_paper_mode_and_training_steps():
+    """The papers' formulas stay as published (no floor); a training step's breakdown
+    keeps the floor it was raised to."""
+    from summasim.costmodel.schemes import Scheme, TransformerConfig, step_cost
+
+    m = LOCAL.replace(memory_bandwidth=SLOW)
+    n = 16 * MiB // 8
+    paper = predict_algorithm("ring_allreduce", count=n, p=4, machine=m, mode="paper")
+    assert paper.seconds == predict_algorithm("ring_allreduce", count=n, p=4, machine=LOCAL,
+                                              mode="paper").seconds
+    assert "memory_floor_seconds" not in paper.breakdown
+    cfg = TransformerConfig(b=8, s=64, h=256, n=8, N=2, v=512, dtype="float64")
+    step = step_cost(Scheme.make("megatron", p=4), cfg, m)
+    b = step.breakdown
+    assert b["memory_floor_excess_seconds"] > 0 and step.seconds == pytest.approx(
+        b["memory_floor_seconds"])

@@ -382,9 +382,8 @@ def test_a_fit_composed_with_an_older_preset_is_refitted(env, monkeypatch):
     assert mf.stale_composition(old.replace(notes={})) is None
 
 
-
 @pytest.mark.parametrize("note", ["memory_bandwidth", "cache_bytes"])
-def test_a_fit_without_the_memory_floor_s_inputs_is_refitted_and_they_are_carried(env, note):
+def test_a_fit_without_the_floor_s_inputs_is_refitted(env, note, monkeypatch):
     """The memory floor of the predictions needs the node's memory bandwidth and cache:
     a fit saved by a summasim that did not measure them is refitted, and the composed
     machine keeps the measured values (from the preset branch, whose notes are the
@@ -405,6 +404,16 @@ def test_a_fit_without_the_memory_floor_s_inputs_is_refitted_and_they_are_carrie
     assert got.cache_bytes == 32 * 2**20
     assert any("no measurement of the node's memory bandwidth and cache" in s
                for s in env["said"])
+    # one rank cannot refit, and needs no floor: it keeps the saved fit, not the preset
+    old = Machine.load(env["path"])
+    notes = {k: v for k, v in old.notes.items() if k != note}
+    old.replace(**{note: None}, notes=notes).save(env["path"])
+    monkeypatch.setattr(mf, "FIT_RANKS", 2)
+    env["said"].clear()
+    alone = FakeFit(error=AssertionError("one rank must not fit"))
+    got = env["resolve"](alone)
+    assert alone.calls == 0 and got.name == old.name and got.intra == old.intra
+    assert any("predates the memory floor" in s for s in env["said"])
     # the fit matching the preset: the preset's machine, with the measured values
     ref = load_preset("local-2core-mpich")
     same = mf.compose_with_preset(

@@ -467,46 +467,71 @@ class MemoryProbe:
         span = comm.allreduce(t1, op=MPI.MAX) - comm.allreduce(t0, op=MPI.MIN)
         return 3.0 * a.nbytes * adds * comm.Get_size() / span
 
+    def read_nodes(self, comm, node, adds: int = 8) -> float:
+        """The slowest node's :meth:`read` (collective over ``comm``): every node reads
+        on its own ranks (``node``: ``comm`` split by shared memory) at the same time."""
+        from mpi4py import MPI
+
+        return comm.allreduce(self.read(node, adds), op=MPI.MIN)
+
 
 def node_memory_throughput(comm, nbytes: int = 32 * MiB, adds: int = 8) -> float:
     """One :meth:`MemoryProbe.read` of fresh arrays of ``nbytes`` (bytes per second)."""
     return MemoryProbe(nbytes).read(comm, adds)
 
 
-def node_memory_bandwidth(comm, cores: int, say, readings: int = 3) -> float | None:
-    """The ``memory_bandwidth`` of a Machine (collective): the best of ``readings``
-    :func:`node_memory_throughput` on each node's ranks at once, the slowest node's;
-    None (said) when a node has fewer ranks than ``cores``: fewer streams than cores
-    may not reach the node's memory bandwidth, and a floor priced with less would be
-    too high."""
+def node_memory(comm, say, readings: int = 3) -> tuple[float | None, float | None]:
+    """``(memory_bandwidth, cache_bytes)`` of a Machine (collective; the same on every
+    rank), the slowest node's of each:
+
+    * the best of ``readings`` :meth:`MemoryProbe.read_nodes`; None (said) when a node
+      has fewer ranks than logical CPUs (``os.cpu_count``): fewer streams may not reach
+      its memory bandwidth, and a floor priced with less would be too high;
+    * the last-level cache of the CPUs the node's ranks may run on
+      (:func:`node_cache_bytes`; a cpuset or core binding leaves out the others).
+    """
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        full = comm.allreduce(node.Get_size() >= cores, op=MPI.LAND)
-        if not full:
-            say(f"memory bandwidth: not measured (a node has fewer ranks than its {cores} "
-                f"cores); predictions have no memory floor")
-            return None
-        probe = MemoryProbe()
-        best = max(probe.read(node) for _ in range(readings))
+        mine = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                else range(os.cpu_count() or 1))
+        cpus = set().union(*node.allgather(sorted(mine)))
+        caches = comm.allgather(node_cache_bytes(cpus=cpus))
+        cache = None if None in caches else min(caches)
+        logical = os.cpu_count() or 1
+        full = comm.allreduce(node.Get_size() >= logical, op=MPI.LAND)
+        bw = None
+        if full:
+            probe = MemoryProbe()
+            bw = max(probe.read_nodes(comm, node) for _ in range(readings))
     finally:
         node.Free()
-    bw = comm.allreduce(best, op=MPI.MIN)
-    say(f"  memory: all ranks of a node adding 32 MiB arrays at once: {bw / 2**30:.1f} GiB/s "
-        f"(best of {readings}; the memory floor of the predictions)")
-    return bw
+    if bw is None:
+        say(f"memory bandwidth: not measured (a node has fewer ranks than its {logical} "
+            f"logical CPUs); predictions have no memory floor")
+    else:
+        say(f"  memory: all ranks of a node adding 32 MiB arrays at once: {bw / 2**30:.1f} "
+            f"GiB/s (best of {readings}; the memory floor of the predictions)")
+    if cache is not None:
+        say(f"  last-level cache of the node: {cache / 2**20:.0f} MiB (the memory floor "
+            f"leaves out runs whose data fits in it)")
+    return bw, cache
 
 
-def node_cache_bytes(root: str = "/sys/devices/system/cpu") -> float | None:
+def node_cache_bytes(root: str = "/sys/devices/system/cpu", cpus=None) -> float | None:
     """The node's last-level cache in bytes: the highest-level data or unified cache of
-    its CPUs, each instance (a distinct ``shared_cpu_list``) counted once, from Linux's
-    sysfs under ``root``; None where it cannot be read."""
+    its CPUs (those in ``cpus`` when given), each instance (a distinct
+    ``shared_cpu_list``) counted once, from Linux's sysfs under ``root``; None where it
+    cannot be read."""
     import glob
 
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     found = {}
     for index in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
+        cpu = int(os.path.basename(os.path.dirname(os.path.dirname(index)))[3:])
+        if cpus is not None and cpu not in cpus:
+            continue
         try:
             with open(os.path.join(index, "type")) as fh:
                 if fh.read().strip() not in ("Data", "Unified"):
@@ -674,11 +699,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
         gr = float(np.median(comm.allgather(gr)))
         say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
-    bandwidth = node_memory_bandwidth(comm, cores, say)
-    cache = node_cache_bytes()
-    if cache is not None:
-        say(f"  last-level cache of the node: {cache / 2**20:.0f} MiB (the memory floor leaves "
-            f"out runs whose data fits in it)")
+    bandwidth, cache = node_memory(comm, say)
 
     if rank != 0:
         problems = comm.bcast(None, root=0)
@@ -719,7 +740,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
                "collectives": [list(c) for c in colls],
                "gemm_single": {"dtype": dt1, "n": n1, "seconds_per_flop": g1},
                "memory_bandwidth": (bandwidth if bandwidth is not None else
-                                    "not measured: a node had fewer ranks than cores"),
+                                    "not measured: a node had fewer ranks than CPUs"),
                "cache_bytes": cache if cache is not None else "not found in sysfs",
                "seconds": round(time.time() - t_start, 1)})
     # MPI's own reductions (temporary buffers, MPI_SUM loops) can be much slower per

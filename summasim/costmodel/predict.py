@@ -124,7 +124,10 @@ class Prediction:
     breakdown : dict
         Whole training steps (:func:`~summasim.costmodel.schemes.step_cost`):
         ``gemm_seconds``, ``memory_bound_seconds`` (elementwise and optimizer work,
-        launches included), ``comm_seconds`` and ``comm_exposed_seconds``.
+        launches included), ``comm_seconds`` and ``comm_exposed_seconds``. A machine
+        with ``memory_bandwidth`` adds ``memory_floor_seconds`` and
+        ``memory_floor_excess_seconds`` (what the floor added; counted in
+        ``comm_seconds``, so ``by_op`` and ``by_phase`` then sum to less).
     """
 
     seconds: float
@@ -317,6 +320,7 @@ class _Tally:
     def add(self, op, group, size, nbytes, count=1, phase="", blocking=False):
         # a point-to-point send or receive (a pipeline's activations) is one message of
         # nbytes on this rank's path: priced like a sendrecv step of that size
+        sent_only = op == "send"      # the receiver's copy streams its bytes: counted there
         op = _POINT_TO_POINT.get(op, op)
         cost = self.pricer(op, group, size, nbytes)
         key = (op, group)
@@ -325,7 +329,7 @@ class _Tally:
         self.algs[key].add(cost.algorithm)
         self.counts[key][0] += count
         self.counts[key][1] += count * nbytes
-        if size > 1 and not self.pricer.nccl:
+        if size > 1 and not self.pricer.nccl and not sent_only:
             self.traffic += count * self.pricer.traffic(op, group, size, nbytes)
         if size > 1 and self.pricer.machine.shared_core is not None and not self.pricer.nccl:
             cpu, hops, hb, copy = self.pricer.work(op, group, size, nbytes)
@@ -351,13 +355,21 @@ def _finish(machine, tally, rpn, compute_base, mode, dedicated_total=None,
     the bytes the rank's own additions stream, over a rank's ``working_set``;
     ``breakdown["memory_floor_seconds"]`` when the machine has a ``memory_bandwidth``)."""
     pred = _combine(machine, tally, rpn, compute_base, mode, dedicated_total)
-    if machine.memory_bandwidth is not None:
-        floor = machine.memory_floor(rpn, tally.traffic + local_traffic, working_set)
-        pred.breakdown["memory_floor_seconds"] = floor
-        if floor > pred.seconds:
-            pred.comm_seconds += floor - pred.seconds
-            pred.seconds = floor
+    if machine.memory_bandwidth is not None and mode != "paper":
+        _raise_to_floor(pred, machine.memory_floor(rpn, tally.traffic + local_traffic,
+                                                   working_set))
     return pred
+
+
+def _raise_to_floor(pred, floor: float) -> None:
+    """Record the memory floor in ``pred.breakdown`` and raise ``pred`` to it: the
+    excess (``memory_floor_excess_seconds``) counts as communication, the time the
+    node's memory keeps its ranks waiting."""
+    excess = max(0.0, floor - pred.seconds)
+    pred.breakdown["memory_floor_seconds"] = floor
+    pred.breakdown["memory_floor_excess_seconds"] = excess
+    pred.comm_seconds += excess
+    pred.seconds += excess
 
 
 def _combine(machine, tally, rpn, compute_base, mode, dedicated_total=None):
@@ -558,10 +570,14 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     than the dedicated prediction; otherwise the largest dedicated prediction
     (times the machine's plain ``slowdown`` when it has no shared-core model).
     This is what :func:`~summasim.costmodel.fit.fit_shared_core` fits. Either is raised
-    to the node's memory floor (``machine.memory_floor``) where that is larger.
+    to the node's memory floor (``machine.memory_floor`` of the ranks' mean streamed
+    bytes: the node's total over its ranks) where that is larger.
     """
-    f = merge_features(features)
-    floor = machine.memory_floor(ranks_per_node, f.memory_traffic, f.working_set)
+    feats = list(features)
+    f = merge_features(feats)
+    # the node's streams: its ranks' mean (not the largest rank's) times ranks per node
+    mean = sum(x.memory_traffic for x in feats) / len(feats)
+    floor = machine.memory_floor(ranks_per_node, mean, f.working_set)
     if ranks_per_node <= machine.cores:
         return max(f.dedicated, floor)
     if machine.shared_core is None:
@@ -667,12 +683,17 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     Prediction
     """
     itemsize = itemsize_of(dtype)
-    ring_set = None      # a ring's data: its vector (in place) and a receive chunk
+    # a ring's data: its vector, a receive chunk and, for ring_allreduce called as by
+    # default (out=None), the output its adds write (4 streams per added byte); the
+    # ZeRO halves run in place
+    ring_set, add_streams = None, ADD_STREAMS
     if name in _traffic.RING_NAMES:
         ranks = p
         q_, d_ = 1, 1
         items = count if count is not None else m
-        ring_set = (items + -(-items // p)) * itemsize
+        out = name == "ring_allreduce"
+        ring_set = ((2 if out else 1) * items + -(-items // p)) * itemsize
+        add_streams = ADD_OUT_STREAMS if out else ADD_STREAMS
     else:
         ranks = d * q * q
         q_, d_ = q, d
@@ -705,7 +726,7 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
             dedicated = (c_step + (steps - 1) * max(c_step, g_step) + g_step) * slow \
                 + (tail * comm_slow + machine.gamma_reduce * work.reduce_bytes * slow)
         pred = _finish(machine, tally, rpn, compute, mode, dedicated,
-                       local_traffic=ADD_STREAMS * work.reduce_bytes, working_set=ring_set)
+                       local_traffic=add_streams * work.reduce_bytes, working_set=ring_set)
         pred.counts = _traffic.summarize_events(msgs)
         if best is None or pred.seconds > best.seconds:
             best = pred

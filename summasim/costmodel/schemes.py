@@ -1024,9 +1024,10 @@ def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
              + machine.gamma_elementwise * work.elementwise_items
              + machine.layer_seconds * work.layers)
     scale = pred.compute_seconds / (gemm + other) if gemm + other > 0 else 0.0
+    floor = {k: v for k, v in pred.breakdown.items() if k.startswith("memory_floor")}
     pred.breakdown = {"gemm_seconds": gemm * scale, "memory_bound_seconds": other * scale,
                       "optimizer_seconds": 0.0, "comm_seconds": pred.comm_seconds,
-                      "comm_exposed_seconds": pred.seconds - pred.compute_seconds}
+                      "comm_exposed_seconds": pred.seconds - pred.compute_seconds, **floor}
     return pred
 
 

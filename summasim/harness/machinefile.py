@@ -404,6 +404,11 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
             if stale is not None and size >= FIT_RANKS:
                 say(f"cost model: the saved fit {path} is out of date ({stale}); refitting")
                 return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, lock
+            if stale is not None and stale_composition(m) is None:
+                # only the memory floor's inputs are missing: one rank needs no floor
+                say(f"cost model: the saved fit {path} predates the memory floor ({stale}); "
+                    f"one rank cannot refit and needs none: using it")
+                return {"use": m.to_dict()}, _released(lock)
             if stale is not None:
                 say(f"cost model: the saved fit {path} is out of date ({stale}) and one rank "
                     f"cannot refit; using the preset {preset}")
