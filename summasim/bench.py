@@ -115,13 +115,13 @@ def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=N
     from .costmodel.fit import MemoryProbe
 
     probe = probe or MemoryProbe(int(mib * 2**20))
-    if node is not None:
-        return probe.read_nodes(world, node, adds) / 2**30
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = node is None
+    node = world.Split_type(MPI.COMM_TYPE_SHARED) if mine else node
     try:
         return probe.read_nodes(world, node, adds) / 2**30
     finally:
-        node.Free()
+        if mine:
+            node.Free()
 
 
 def _bench_memory_terms(what: str) -> tuple[int, int]:
@@ -435,6 +435,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
 
     from .backends import get_backend
     from .comm import Comm
+    from .costmodel.traffic import ring_working_set
     from .harness.timing import time_calls
     from .mpiutil import agreement
 
@@ -470,9 +471,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             # every rank, so every rank takes the same count)
             reps, i = ALLREDUCE_REPEATS if repeats is None else repeats, 0
             readings = []
-            spill = machine is not None and (
-                machine.cache_bytes is None or machine.ranks_per_node(p)
-                * (2 * count + -(-count // p)) * np.dtype(dtype).itemsize > machine.cache_bytes)
+            spill = machine is not None and not machine.fits_cache(
+                machine.ranks_per_node(p), ring_working_set(count, p, np.dtype(dtype).itemsize))
             while i < reps:
                 with agreement(False):
                     for k in _rotated(list(calls), i):

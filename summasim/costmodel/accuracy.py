@@ -185,7 +185,7 @@ def rank_features(res: dict, machine) -> list:
     :func:`~summasim.costmodel.schemes.step_work`)."""
     from .machine import itemsize_of
     from .predict import ADD_OUT_STREAMS, summary_messages, trace_features
-    from .traffic import algorithm_compute
+    from .traffic import algorithm_compute, ring_working_set
 
     p, kind, dtype = res["p"], res["kind"], res["dtype"]
     it = itemsize_of(dtype)
@@ -202,11 +202,10 @@ def rank_features(res: dict, machine) -> list:
                                   res["d"], it, tuple(coords))
             extra = dict(gemms=w.gemms, reduce_bytes=w.reduce_bytes, q=res["q"], d=res["d"])
         elif kind == "ring":
-            # timed out of place (the harness and the bench): each add writes ``out``, and
-            # a rank's data is x, out and a receive chunk
+            # timed out of place (the harness and the bench): each add writes ``out``
             w = algorithm_compute("ring_allreduce", count=res["N"], p=p, coords=r, itemsize=it)
             extra = dict(reduce_bytes=w.reduce_bytes, reduce_streams=ADD_OUT_STREAMS,
-                         working_set=(2 * res["N"] + -(-res["N"] // p)) * it)
+                         working_set=ring_working_set(res["N"], p, it))
         else:
             extra = dict(gemms=work.gemms, reduce_bytes=work.reduce_bytes,
                          elementwise_items=work.elementwise_items, layers=work.layers,

@@ -475,11 +475,6 @@ class MemoryProbe:
         return comm.allreduce(self.read(node, adds), op=MPI.MIN)
 
 
-def node_memory_throughput(comm, nbytes: int = 32 * MiB, adds: int = 8) -> float:
-    """One :meth:`MemoryProbe.read` of fresh arrays of ``nbytes`` (bytes per second)."""
-    return MemoryProbe(nbytes).read(comm, adds)
-
-
 def node_memory(comm, say, readings: int = 3) -> tuple[float | None, float | None]:
     """``(memory_bandwidth, cache_bytes)`` of a Machine (collective; the same on every
     rank), the slowest node's of each:

@@ -552,10 +552,15 @@ class Machine:
         fits in the node's ``cache_bytes`` together."""
         if self.memory_bandwidth is None or traffic_bytes <= 0 or self.library == "nccl":
             return 0.0
-        if (self.cache_bytes is not None and working_set is not None
-                and ranks_per_node * working_set <= self.cache_bytes):
+        if self.fits_cache(ranks_per_node, working_set):
             return 0.0
         return ranks_per_node * traffic_bytes / self.memory_bandwidth
+
+    def fits_cache(self, ranks_per_node: int, working_set: float | None) -> bool:
+        """Whether ``ranks_per_node`` ranks' data of ``working_set`` bytes each fits in
+        the node's ``cache_bytes`` together (False when either is unknown)."""
+        return (self.cache_bytes is not None and working_set is not None
+                and ranks_per_node * working_set <= self.cache_bytes)
 
     def gamma(self, n: float, dtype="float64") -> float:
         """Seconds per flop of a local GEMM of block size ``n`` in ``dtype``.

@@ -573,11 +573,8 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
     to the node's memory floor (``machine.memory_floor`` of the ranks' mean streamed
     bytes: the node's total over its ranks) where that is larger.
     """
-    feats = list(features)
-    f = merge_features(feats)
-    # the node's streams: its ranks' mean (not the largest rank's) times ranks per node
-    mean = sum(x.memory_traffic for x in feats) / len(feats)
-    floor = machine.memory_floor(ranks_per_node, mean, f.working_set)
+    f = merge_features(features)
+    floor = machine.memory_floor(ranks_per_node, f.memory_traffic, f.working_set)
     if ranks_per_node <= machine.cores:
         return max(f.dedicated, floor)
     if machine.shared_core is None:
@@ -589,7 +586,9 @@ def predict_features(features: Iterable[SharedFeatures], machine: Machine,
 
 
 def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
-    """The run's features: the maximum over ranks of each of them. ``mpi_copy`` is
+    """The run's features: the maximum over ranks of each of them, but
+    ``memory_traffic``, their mean (times ranks per node, the node's streams: the ranks
+    share one memory) and ``working_set`` (None if any rank's is unknown). ``mpi_copy`` is
     merged so that ``work - mpi_copy`` (the work a machine with
     ``mpi_hop_seconds_per_byte`` charges) is the maximum over ranks of that
     difference too: a rank with more work but no exchanger copies is not charged less
@@ -599,7 +598,8 @@ def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
         raise ValueError("the features of at least one rank are needed")
     top = {k: max(getattr(f, k) for f in feats)
            for k in ("work", "hops", "hop_bytes", "dedicated", "calls", "mpi_hops",
-                     "mpi_hop_bytes", "memory_traffic")}
+                     "mpi_hop_bytes")}
+    top["memory_traffic"] = sum(f.memory_traffic for f in feats) / len(feats)
     top["mpi_copy"] = top["work"] - max(f.work - f.mpi_copy for f in feats)
     sets = [f.working_set for f in feats]
     top["working_set"] = None if None in sets else max(sets)
@@ -690,9 +690,9 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     if name in _traffic.RING_NAMES:
         ranks = p
         q_, d_ = 1, 1
-        items = count if count is not None else m
         out = name == "ring_allreduce"
-        ring_set = ((2 if out else 1) * items + -(-items // p)) * itemsize
+        ring_set = _traffic.ring_working_set(count if count is not None else m, p, itemsize,
+                                             out)
         add_streams = ADD_OUT_STREAMS if out else ADD_STREAMS
     else:
         ranks = d * q * q

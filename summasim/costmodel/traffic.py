@@ -210,6 +210,13 @@ def _ring_half_messages(count, p, skip, group, itemsize) -> list[MessageClass]:
     return out
 
 
+def ring_working_set(count: int, p: int, itemsize: int, out_of_place: bool = True) -> int:
+    """Bytes of data one rank of a ring all-reduce of ``count`` items over ``p`` ranks
+    touches: its vector, a receive chunk and, out of place, the output its adds write
+    (the memory floor's cache test, ``Machine.memory_floor``)."""
+    return ((2 if out_of_place else 1) * count + -(-count // p)) * itemsize
+
+
 def _ring_messages(kind, count, p, r, group, itemsize, strict=True) -> list[MessageClass]:
     count, p, r = _ring_check(count, p, r, strict)
     if not strict:
