@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from summasim.grid import grid_shapes as summasim_grid_shapes
+from summasim.spec import grid_shapes as summasim_grid_shapes
 
 WORLD = MPI.COMM_WORLD
 

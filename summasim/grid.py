@@ -24,39 +24,14 @@ from __future__ import annotations
 import math
 import numbers
 
+from .spec import grid_coords, grid_shapes, mesh_coords, positive_int  # noqa: F401 (grid_shapes: until its importers move to spec)
 from .trace import Trace
 
-# mpi4py (and so MPI_Init) is imported only when a grid is built: the grid-shape
-# functions below are pure and serve the cost model, which never needs MPI.
+# mpi4py (and so MPI_Init) is imported only when a grid is built. Which grids exist and
+# where each rank sits are spec's pure answers (spec.grids, spec.grid_coords,
+# spec.mesh_coords); this module builds communicators on that order and checks it.
 
-GRID_KINDS = ("2d", "2.5d", "any")
-
-
-def grid_shapes(p: int, kind: str = "any") -> list[tuple[int, int]]:
-    """The ``(q, d)`` grids with ``d * q * q == p`` of one kind (pure; the one
-    enumeration every front-end, test and the cost model use).
-
-    ``"any"``   every ``(q, d)``, q ascending (q = 1 included: a [1, 1, p] grid);
-    ``"2d"``    ``[(q, 1)]`` when p is a perfect square, else ``[]``;
-    ``"2.5d"``  every grid with ``d >= 2`` and ``q >= 2``; when none exists, the
-                degenerate ``[(1, p)]`` (a depth-only grid; ``[(1, 1)]`` at p = 1).
-    """
-    p = _positive_int("p", p)
-    if kind not in GRID_KINDS:
-        raise ValueError(f"grid kind must be one of {', '.join(GRID_KINDS)}, got {kind!r}")
-    every = [(q, p // (q * q)) for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
-    if kind == "any":
-        return every
-    if kind == "2d":
-        return [(q, d) for q, d in every if d == 1]
-    deep = [(q, d) for q, d in every if d >= 2 and q >= 2]
-    return deep or [(1, p)]
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+_positive_int = positive_int
 
 
 def _raw(comm):
@@ -161,6 +136,7 @@ class Grid(_Groups):
         self.row, self.col, self.depth, self.layer = (
             make(c, name) for c, name in zip(self._mpi_comms[1:], subs))
         assert self.row.rank == self.j and self.col.rank == self.i and self.depth.rank == self.k
+        assert (self.i, self.j, self.k) == grid_coords(self.rank, self.q)   # spec's order
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -285,6 +261,7 @@ class Mesh(_Groups):
             self.tensor = Grid(t_c, q, d, trace=self.trace, backend=backend, wait=wait)
         self._nested = (self.tensor,)     # freed first by free()
         assert self.dp_comm.rank == self.a and self.pp_comm.rank == self.s
+        assert (self.a, self.s, self.r) == mesh_coords(self.rank, self.pp, self.T)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -22,19 +22,21 @@ import time
 
 import numpy as np
 
-from . import cli
+from . import cli, options
 from .algorithms.table import ALGORITHMS
+from .cli import UsageError
 from .harness.check import METHODS
-from .harness.frontend import Parser, UserError, check_outputs, mpi_main
+from .harness.frontend import Parser, check_outputs, mpi_main
 from .harness.inject import KINDS, Fault
 from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST_SIZES, \
     plan_products, plan_schemes
-from .transformer.schemes import SCHEME_NAMES
+from .spec import MODELS, SCHEME_NAMES
 
 PROG = "python -m summasim.run"
 
-DEFAULT_TF = (8, 16, 64, 16, 64, 2, 4)  # b, s, h, n, v, layers, ffn_mult
-SELF_TEST_TF = (8, 16, 64, 16, 64, 1, 4)
+#: The transformer and mesh sections' model: every scheme shards it at p = 16.
+DEFAULT_MODEL = MODELS["tiny"]
+SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"Default {' '.join(map(str, DEFAULT_SIZES))}, rounded up per grid.")
     ap.add_argument("--ring-size", type=int, default=None, metavar="N",
                     help=f"length of the ring_allreduce vector (default {DEFAULT_RING})")
-    ap.add_argument("--dtype", choices=("float64", "float32", "both"), default="float64",
-                    help="element type (default float64)")
+    options.add_dtype(ap, ("float64", "float32", "both"), "float64")
     ap.add_argument("--backend", choices=("numpy", "cupy", "staged-host"), default="numpy",
                     help="array backend: numpy (CPU), cupy (GPU), or staged-host (NumPy through "
                          "the GPU staging path, for testing it on a CPU)")
@@ -69,34 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH "
                     "(atomically), e.g. results/run.json")
-    ap.add_argument("--machine", metavar="FILE|PRESET",
-                    help="cost-model machine for the predicted times: a JSON file from "
-                         "`python -m summasim.costmodel fit` or a preset name (default: the "
-                         "calibrated or fitted machine under results/, else a quick fit)")
+    options.add_machine(ap, help_more=" (default: the calibrated or fitted machine under "
+                        "results/, else a quick fit)")
     ap.add_argument("--no-predict", action="store_true",
                     help="skip the cost-model predictions")
     ap.add_argument("--schemes", default="all",
                     help="tensor-parallel transformer schemes to validate: comma-separated "
                          "subset of " + ", ".join(SCHEME_NAMES) + ", or 'none' (default all)")
-    ap.add_argument("--tf-config", nargs=7, type=int, default=list(DEFAULT_TF),
-                    metavar=("B", "S", "H", "N", "V", "L", "F"),
-                    help="transformer section: batch, sequence, hidden, heads, vocab, layers, "
-                         "ffn multiplier (default " + " ".join(map(str, DEFAULT_TF)) + ", which "
-                         "every scheme can shard at p = 16)")
-    ap.add_argument("--mesh", action="append", default=None, metavar="dp=D,pp=P,tp=SCHEME:GRID",
-                    help="sharded training on a [dp, pp, tensor] mesh, validated against the "
-                         "serial model (SCHEME:GRID is megatron:T, optimus:QxQ or "
-                         "summa25:QxQxD; dp and pp default to 1, tp to megatron:1); repeatable. The model is "
-                         "--tf-config (B is the global batch). Without --mesh the job runs a "
-                         "few default compositions that fit p")
-    ap.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
-                    help="ZeRO stage of the --mesh runs (default 0)")
-    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
-                    help="pipeline schedule of the --mesh runs (default 1f1b)")
-    ap.add_argument("--microbatches", type=int, default=2, metavar="M",
-                    help="micro-batches per replica of the --mesh runs (default 2)")
-    ap.add_argument("--checkpoint", action="store_true",
-                    help="activation checkpointing in the --mesh runs")
+    options.add_model(ap, default=None, help_more=f"; the transformer and mesh sections' "
+                      f"model (default {DEFAULT_MODEL}, which every scheme can shard at p = 16)")
+    options.add_batch(ap, help_more=" of the transformer and mesh sections (default: the "
+                      "model's)")
+    options.add_mesh(ap, repeat=True, help_more="; sharded training validated against the "
+                     "serial model on --model and --batch. Without --mesh the job runs a few "
+                     "default compositions that fit p")
+    options.add_composition(ap, zero=0, schedule="1f1b", microbatches=2)
     ap.add_argument("--bucket", type=cli.byte_size, default=None, metavar="BYTES",
                     help="gradient bucket of the --mesh runs (e.g. 64k; default 25 MiB, "
                          "PyTorch DDP's)")
@@ -118,7 +106,7 @@ def _names(text: str, valid, what: str) -> list[str]:
     names = list(valid) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in valid]
     if bad or (not names and text != "none"):
-        raise UserError(f"unknown {what}(s) {', '.join(bad) or '(none given)'}; choose from "
+        raise UsageError(f"unknown {what}(s) {', '.join(bad) or '(none given)'}; choose from "
                         + ", ".join(valid))
     return names
 
@@ -128,45 +116,42 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     args.algorithm_list = _names(args.algorithms, ALGORITHMS, "algorithm")
     args.scheme_list = _names(args.schemes, SCHEME_NAMES, "scheme")
-    if min(args.tf_config) < 1:
-        raise UserError("--tf-config values must be positive")
     if args.repeats < 0:
-        raise UserError("--repeats must be 0 (validate only) or more")
+        raise UsageError("--repeats must be 0 (validate only) or more")
     if args.sizes and min(args.sizes) < 1:
-        raise UserError("--sizes must be positive")
+        raise UsageError("--sizes must be positive")
     if args.ring_size is not None and args.ring_size < 1:
-        raise UserError("--ring-size must be positive")
+        raise UsageError("--ring-size must be positive")
     if args.threads is not None and args.threads < 1:
-        raise UserError("--threads must be at least 1")
+        raise UsageError("--threads must be at least 1")
     if args.seed < 0:
-        raise UserError("--seed must be non-negative")
+        raise UsageError("--seed must be non-negative")
     args.fault = None
     if args.inject is not None:
         try:
             args.fault = Fault.parse(args.inject)
         except ValueError as e:
-            raise UserError(str(e)) from None
+            raise UsageError(str(e)) from None
     if args.self_test and args.inject:
-        raise UserError("--self-test injects every fault itself; leave out --inject")
-    try:
-        args.tf = _tf_config(args.tf_config, "float64")
-    except ValueError as e:
-        raise UserError(f"--tf-config: {e}") from None
+        raise UsageError("--self-test injects every fault itself; leave out --inject")
+    if args.self_test and (args.model or args.batch or args.mesh):
+        raise UsageError("--self-test runs its own small model and meshes; leave out "
+                         "--model, --batch and --mesh")
+    args.model = args.model or DEFAULT_MODEL
+    args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
-    if args.microbatches < 1:
-        raise UserError("--microbatches must be at least 1")
     if not args.algorithm_list and not args.scheme_list and not args.mesh \
             and args.meshes == "none":
-        raise UserError("nothing to run: --algorithms none, --schemes none and no mesh")
+        raise UsageError("nothing to run: --algorithms none, --schemes none and no mesh")
+    args.job = None           # planned once per rank, on first use (see job())
+    args.machine_loaded = None    # --machine, loaded once by rank 0's preflight
     return args
 
 
-def _tf_config(values, dtype):
+def _config(model, dtype):
     from .transformer.model import Config
 
-    b, s, h, n, v, layers, ffn = values
-    return Config(vocab=v, seq=s, hidden=h, heads=n, layers=layers, ffn_mult=ffn,
-                  dtype=np.dtype(dtype).type)
+    return Config.of(model, np.dtype(dtype).type)
 
 
 def plan_mesh_cases(args, p: int):
@@ -174,8 +159,8 @@ def plan_mesh_cases(args, p: int):
     from .harness.plan import default_meshes, plan_meshes
 
     if args.self_test:             # the default compositions on the default model
-        return plan_meshes(p, default_meshes(p), _tf_config(DEFAULT_TF, "float64"),
-                           DEFAULT_TF[0], False)
+        return plan_meshes(p, default_meshes(p), _config(DEFAULT_MODEL, "float64"),
+                           DEFAULT_MODEL.batch, False)
     kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
     if args.mesh:
         opts = dict(zero=args.zero, schedule=args.schedule, microbatches=args.microbatches,
@@ -183,9 +168,10 @@ def plan_mesh_cases(args, p: int):
         specs = [(m, opts) for m in args.mesh]
     else:
         specs = default_meshes(p) if args.meshes == "default" else []
-    tf, cases, skips = args.tf_config, [], []
+    cases, skips = [], []
     for dtype in args.dtypes:                      # --dtype both: each mesh in each
-        c, s, err = plan_meshes(p, specs, _tf_config(tf, dtype), tf[0], bool(args.mesh), **kw)
+        c, s, err = plan_meshes(p, specs, _config(args.model, dtype), args.batch,
+                                bool(args.mesh), **kw)
         if err:
             return [], [], err
         cases += c
@@ -200,16 +186,32 @@ def plan(args, p: int):
         m, k, n = SELF_TEST_SIZES
         cases = [type(c)(c.algorithm, c.q, c.d, *c.spec.round_up(m, k, n, c.q, c.d), c.dtype)
                  if c.kind == "matmul" else c for c in cases]
-        tf = SELF_TEST_TF
-        tcases, tskips = plan_schemes(p, args.scheme_list, lambda dt: _tf_config(tf, dt), tf[0],
-                                      ["float64"])
+        tcases, tskips = plan_schemes(p, args.scheme_list,
+                                      lambda dt: _config(SELF_TEST_MODEL, dt),
+                                      SELF_TEST_MODEL.batch, ["float64"])
         return cases, skips, tcases, tskips
     cases, skips = plan_products(p, args.algorithm_list, args.sizes, args.ring_size,
                                  args.dtypes)
-    tf = args.tf_config
-    tcases, tskips = plan_schemes(p, args.scheme_list, lambda dt: _tf_config(tf, dt), tf[0],
-                                  args.dtypes)
+    tcases, tskips = plan_schemes(p, args.scheme_list, lambda dt: _config(args.model, dt),
+                                  args.batch, args.dtypes)
     return cases, skips, tcases, tskips
+
+
+class Job:
+    """Everything this run does on p ranks, planned once (pure): the product and ring
+    cases, the scheme cases, the mesh cases, what is skipped and why, and a mesh error."""
+
+    def __init__(self, args, p: int):
+        self.p = p
+        self.cases, self.skips, self.tcases, self.tskips = plan(args, p)
+        self.mcases, self.mskips, self.mesh_error = plan_mesh_cases(args, p)
+
+
+def job(args, p: int) -> Job:
+    """The run's :class:`Job`, planned on first use and kept on ``args``."""
+    if args.job is None or args.job.p != p:
+        args.job = Job(args, p)
+    return args.job
 
 
 def preflight(args, world) -> str:
@@ -220,21 +222,28 @@ def preflight(args, world) -> str:
     from .harness.memory import check_fits, check_node_and_gpu, check_training_fits
 
     p = world.Get_size()
-    cases, skips, tcases, tskips = plan(args, p)
-    mcases, mskips, err = plan_mesh_cases(args, p)
-    if err:
-        return err
+    jb = job(args, p)
+    cases, tcases, mcases = jb.cases, jb.tcases, jb.mcases
+    if jb.mesh_error:
+        return jb.mesh_error
     if not cases and not tcases and not mcases:
         why = "; ".join(f"{s.name}{' ' + s.grid if s.grid else ''}: {s.reason}"
-                        for s in skips + tskips + mskips) or "no run fits"
+                        for s in jb.skips + jb.tskips + jb.mskips) or "no run fits"
         return f"nothing would be checked at p = {p}: {why}"
     if args.fault is not None and args.fault.rank >= p:
         return f"--inject {args.inject}: rank {args.fault.rank} does not exist (p = {p})"
     if args.fail_on_rank is not None and not 0 <= args.fail_on_rank < p:
         return f"--fail-on-rank {args.fail_on_rank}: no such rank (p = {p})"
-    err = check_outputs(args.json, None if args.no_predict else args.machine)
+    err = check_outputs(args.json, None)
     if err:
         return err
+    if not args.no_predict:
+        from .harness.machinefile import check_machine_spec
+
+        try:   # loaded once, here; the body hands rank 0's copy to the other ranks
+            args.machine_loaded = check_machine_spec(args.machine)
+        except ValueError as e:
+            return f"--machine: {e}"
     why = unavailable(args.backend)
     if why:
         return why
@@ -258,11 +267,11 @@ def main(argv=None) -> int:
 
 
 def _body(args, world) -> int:
-    cases, skips, tcases, tskips = plan(args, world.Get_size())
+    jb = job(args, world.Get_size())
     if args.self_test:
-        mcases, mskips, _ = plan_mesh_cases(args, world.Get_size())
-        return _self_test(args, world, cases, list(tcases) + mcases, skips + tskips + mskips)
-    return _main(args, world, cases, skips, tcases, tskips)
+        return _self_test(args, world, jb.cases, list(jb.tcases) + jb.mcases,
+                          jb.skips + jb.tskips + jb.mskips)
+    return _main(args, world, jb)
 
 
 def _banner(args, world, backend, say):
@@ -284,7 +293,7 @@ def _predict(res, machine):
     return predict_result(res.measured(), machine)
 
 
-def _main(args, world, cases, skips, tcases, tskips) -> int:
+def _main(args, world, jb: Job) -> int:
     from .backends import get_backend
     from .harness.execute import run_case
     from .harness.report import (format_header, format_row, format_transformer, mesh_record,
@@ -292,6 +301,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     from .mpiutil import limit_blas_threads
 
     t_start = time.perf_counter()
+    cases, skips, tcases, tskips, mskips = jb.cases, jb.skips, jb.tcases, jb.tskips, jb.mskips
     p, rank = world.Get_size(), world.Get_rank()
     _threads = limit_blas_threads(args.threads)  # noqa: F841 - keep the limit alive
     backend = get_backend(args.backend)
@@ -308,7 +318,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     elif not args.no_predict:
         from .harness.machinefile import resolve_machine
 
-        machine = resolve_machine(args.machine, world, say)
+        machine = resolve_machine(args.machine, world, say, loaded=args.machine_loaded)
     say("")
     rows, pairs, untouched = [], [], []      # untouched: runs the fault found nothing in
     if cases:
@@ -352,8 +362,7 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
         say(format_transformer(reports))
     for s in tskips:
         say(f"  skipped {s.name}{' ' + s.grid if s.grid else ''}: {s.reason}")
-    meshes = _meshes(args, world, backend, machine, say, pairs, untouched)
-    mskips = plan_mesh_cases(args, p)[1]
+    meshes = _meshes(jb.mcases, args, world, backend, machine, say, pairs, untouched)
     for s in mskips:
         say(f"  skipped mesh {s.name}: {s.reason}")
     reports_all = reports + meshes
@@ -400,12 +409,11 @@ def _main(args, world, cases, skips, tcases, tskips) -> int:
     return 0 if ok and passed > 0 else 1
 
 
-def _meshes(args, world, backend, machine, say, pairs, untouched) -> list:
+def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> list:
     """The sharded-training section: one validated, timed row per mesh."""
     from .harness.composed import run_mesh
     from .harness.report import format_mesh_header, format_mesh_row
 
-    mcases = plan_mesh_cases(args, world.Get_size())[0]
     if not mcases:
         return []
     c0 = mcases[0].config

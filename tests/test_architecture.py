@@ -1,29 +1,41 @@
-"""The house rules of DESIGN.md, read off the source: data flows down the floors, no
-module imports one on a floor above it (function-level imports included), no import
+"""The house rules, read off docs/architecture.md and checked against the source: data
+flows down the floors, no module imports one on a floor above it (function-level imports
+included), the siblings on one floor (the transformer runtime and the cost model) do not
+import each other, the cost model imports only the ground floor, there are no import
 cycles, and the cost model predicts without MPI."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "summasim"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "summasim"
+PAGE = ROOT / "docs" / "architecture.md"
+
+
+def _page_floors() -> list[set[str]]:
+    """The floor table of docs/architecture.md: the fenced block whose every line is
+    ``N: name, name, ...``, lowest floor first."""
+    for block in re.findall(r"```[^\n]*\n(.*?)```", PAGE.read_text(), re.S):
+        lines = [ln.strip() for ln in block.strip().splitlines()]
+        rows = [re.fullmatch(r"(\d+):\s*(.+)", ln) for ln in lines]
+        if lines and all(rows):
+            assert [int(r.group(1)) for r in rows] == list(range(len(rows))), lines
+            return [{n.strip() for n in r.group(2).split(",")} for r in rows]
+    raise AssertionError(f"{PAGE} has no floor table (a fenced block of 'N: name, ...' lines)")
+
 
 # lowest first; a module may import its own floor and those below
-FLOORS = [
-    {"jsonio", "cli", "trace", "validate", "backends"},
-    {"layout", "comm", "mpiutil"},
-    {"grid"},
-    {"algorithms"},
-    {"transformer"},
-    {"costmodel"},
-    {"harness"},
-    {"run", "bench", "costmodel.__main__"},       # front-ends
-]
+FLOORS = _page_floors()
+#: Floors shared by siblings that must not import each other.
+SIBLINGS = [f for f in FLOORS if len({n.split(".")[0] for n in f} & {"transformer",
+                                                                      "costmodel"}) == 2]
 
 
 def _floor(mod: str) -> int:
@@ -84,6 +96,25 @@ def test_no_module_imports_a_floor_above_it():
     assert not bad, "\n".join(bad)
 
 
+def test_every_module_has_a_floor():
+    assert all(_floor(mod) >= 0 for mod in GRAPH)
+
+
+def test_the_transformer_and_the_cost_model_are_siblings():
+    assert SIBLINGS, "transformer and costmodel should share a floor"
+    bad = [f"{mod} imports {dep}" for mod, deps in GRAPH.items() for dep in deps
+           if {mod.split(".")[0], dep.split(".")[0]} == {"transformer", "costmodel"}
+           and _floor(mod) == _floor(dep)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_cost_model_imports_only_the_ground_floor():
+    bad = [f"{mod} imports {dep}" for mod, deps in GRAPH.items() for dep in deps
+           if mod.split(".")[0] == "costmodel" and _floor(mod) == _floor("costmodel")
+           and dep.split(".")[0] != "costmodel" and _floor(dep) != 0]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycles():
     # package __init__ modules re-export their children lazily; edges into a package
     # are edges to the package only
@@ -117,13 +148,13 @@ def test_pure_modules_do_not_start_mpi(mod):
 
 
 def test_registries_are_the_only_lists():
-    """No code outside the two registries spells out the algorithms (four or more) or
+    """No code outside spec's registries spells out the algorithms (four or more) or
     all the schemes as a literal tuple or list (docstrings may name them; a scheme's
     own three SUMMA forms are not a list of the algorithms)."""
-    from summasim.algorithms.table import ALGORITHMS
-    from summasim.transformer.schemes import SCHEMES
+    from summasim.spec import ALGORITHM_KINDS as ALGORITHMS
+    from summasim.spec import SCHEME_KINDS as SCHEMES
 
-    homes = {PKG / "algorithms" / "table.py", PKG / "transformer" / "schemes.py"}
+    homes = {PKG / "spec.py"}
     bad = []
     for path in PKG.rglob("*.py"):
         if path in homes:

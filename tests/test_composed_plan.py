@@ -1,4 +1,4 @@
-"""The pure parts of sharded training: mesh specs, layer splits, schedules, ring closed
+"""The pure parts of sharded training: mesh cases, layer splits, schedules, ring closed
 forms and the default compositions (no MPI)."""
 
 from __future__ import annotations
@@ -9,43 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from summasim.algorithms.allreduce import chunk_bounds
-from summasim.harness.cases import MeshCase, case_from_dict, parse_mesh
+from summasim.harness.cases import MeshCase, case_from_dict
 from summasim.harness.plan import default_meshes, plan_meshes
 from summasim.transformer.composed import ring_send_items, schedule, split_layers
 from summasim.transformer.model import Config
 
 CFG = Config(vocab=64, seq=16, hidden=64, heads=16, layers=2)
-
-
-@pytest.mark.parametrize("text,want", [
-    ("dp=2,pp=2,tp=optimus:2x2", dict(dp=2, pp=2, scheme="optimus", q=2, d=1, t=1)),
-    ("tp=megatron:4", dict(dp=1, pp=1, scheme="megatron", q=1, d=1, t=4)),
-    (" pp=4 , tp=summa25:2x2x3 ", dict(dp=1, pp=4, scheme="summa25", q=2, d=3, t=1)),
-    ("tp=MEGATRON:1,dp=16", dict(dp=16, pp=1, scheme="megatron", q=1, d=1, t=1)),
-    ("dp=2,pp=2", dict(dp=2, pp=2, scheme="megatron", q=1, d=1, t=1)),   # no tensor grid
-    ("dp=4", dict(dp=4, pp=1, scheme="megatron", q=1, d=1, t=1)),
-])
-def test_parse_mesh(text, want):
-    assert parse_mesh(text) == want
-
-
-@pytest.mark.parametrize("text,fragment", [
-    ("", "expected dp=D"),
-    ("tp=", "megatron:T, optimus:QxQ or summa25:QxQxD"),
-    ("tp=cannon:", "megatron:T, optimus:QxQ or summa25:QxQxD"),   # an IndexError once
-    ("dp=0,tp=megatron:2", "dp must be a positive integer"),
-    ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
-    ("tp=optimus:2x3", "must be square"),
-    ("tp=optimus:4", "optimus:QxQ"),
-    ("tp=summa25:2x2x1", "depth D >= 2"),
-    ("tp=cannon:2x2", "megatron:T, optimus:QxQ or summa25:QxQxD"),
-    ("dp=2;pp=2,tp=megatron:1", "positive integer"),
-    ("tp=megatron:0", "positive"),
-])
-def test_parse_mesh_refuses(text, fragment):
-    with pytest.raises(ValueError, match=None) as e:
-        parse_mesh(text)
-    assert fragment in str(e.value)
 
 
 def test_mesh_case_round_trips_and_explains_misfits():

@@ -10,10 +10,10 @@ import pytest
 
 from summasim import run
 from summasim.algorithms.table import ALGORITHMS, PRODUCTS
-from summasim.grid import grid_shapes
+from summasim.spec import grid_shapes
 from summasim.harness.check import Check
 from summasim.harness.result import Result
-from summasim.harness.frontend import UserError
+from summasim.cli import UsageError
 from summasim.harness.plan import DEFAULT_SIZES, plan_products
 from summasim.harness.report import format_header, format_row, format_transformer, \
     prediction_summary, row_record
@@ -154,25 +154,27 @@ def test_json_written_atomically_and_valid_with_nan(tmp_path):
 def test_cli_arguments():
     args = run.parse_args(["--algorithms", "summa_ab,ring_allreduce", "--sizes", "8", "8", "4"])
     assert args.algorithm_list == ["summa_ab", "ring_allreduce"] and args.sizes == [8, 8, 4]
-    with pytest.raises(UserError, match="unknown algorithm"):
+    with pytest.raises(UsageError, match="unknown algorithm"):
         run.parse_args(["--algorithms", "summa_xyz"])
     assert run.parse_args(["--repeats", "0"]).repeats == 0
     for bad in (["--repeats", "-1"], ["--sizes", "0", "4", "4"], ["--ring-size", "-1"],
-                ["--inject", "nan"], ["--inject", "boom@1"], ["--tf-config", "8", "16", "64",
-                                                                "5", "64", "2", "4"],
+                ["--inject", "nan"], ["--inject", "boom@1"],
+                ["--model", "h=64,heads=5,layers=2,seq=16,vocab=64"], ["--model", "gpt9"],
+                ["--batch", "0"], ["--self-test", "--model", "tiny"],
                 ["--self-test", "--inject", "nan@1"], ["--algorithms", "none",
                                                        "--schemes", "none", "--meshes", "none"],
                 ["--microbatches", "0"], ["--zero", "4"], ["--schedule", "zb"],
                 ["--bucket", "0"]):
-        with pytest.raises(UserError):
+        with pytest.raises(UsageError):
             run.parse_args(bad)
     # the products and schemes off, the default meshes still run
     assert run.parse_args(["--algorithms", "none", "--schemes", "none"]).meshes == "default"
     args = run.parse_args(["--algorithms", "none", "--mesh", "dp=2,tp=megatron:2", "--zero",
                            "3", "--bucket", "64k"])
-    assert args.mesh == ["dp=2,tp=megatron:2"] and args.zero == 3 and args.bucket == 65536
+    assert [str(m) for m in args.mesh] == ["dp=2,pp=1,tp=megatron:2"]
+    assert args.zero == 3 and args.bucket == 65536
     cases, skips, err = run.plan_mesh_cases(args, 4)
-    assert err == "" and [c.spec for c in cases] == ["dp=2,tp=megatron:2"]
+    assert err == "" and [c.spec for c in cases] == ["dp=2,pp=1,tp=megatron:2"]
     assert cases[0].zero == 3 and cases[0].bucket_bytes == 65536
     assert "the job has 8" in run.plan_mesh_cases(args, 8)[2]
     # --dtype reaches the meshes: one row per mesh and dtype, in that dtype
@@ -181,9 +183,17 @@ def test_cli_arguments():
         cases, _, err = run.plan_mesh_cases(args, 4)
         assert err == "" and [c.dtype for c in cases] == want
     # a default mesh that cannot run is skipped once, not once per dtype
-    one_layer = ["--algorithms", "none", "--tf-config", "8", "16", "64", "16", "64", "1", "4"]
+    one_layer = ["--algorithms", "none", "--model", "tiny,layers=1", "--batch", "8"]
     _, skips, _ = run.plan_mesh_cases(run.parse_args(one_layer + ["--dtype", "both"]), 4)
     assert [s.name for s in skips] == ["dp=2,pp=2,tp=megatron:1"]
+    # the model and batch: a preset (with its batch) or sizes, parsed once into a Model
+    args = run.parse_args([])
+    assert str(args.model) == "tiny" and args.batch == 8
+    args = run.parse_args(["--model", "h=32,heads=4,layers=3,seq=8,vocab=16", "--batch", "4"])
+    assert (args.model.hidden, args.model.layers, args.batch) == (32, 3, 4)
+    tcases = run.job(args, 4).tcases
+    assert tcases and all(c.batch == 4 and c.config.hidden == 32 for c in tcases)
+    assert run.job(args, 4) is run.job(args, 4)          # planned once
     args = run.parse_args(["--inject", "drop@3"])
     assert (args.fault.kind, args.fault.rank) == ("drop", 3)
     help_text = run.build_parser().format_help()
@@ -215,7 +225,7 @@ def test_scheme_arguments():
     args = run.parse_args(["--schemes", "megatron,summa25"])
     assert args.scheme_list == ["megatron", "summa25"]
     assert run.parse_args(["--schemes", "none"]).scheme_list == []
-    with pytest.raises(UserError, match="unknown scheme"):
+    with pytest.raises(UsageError, match="unknown scheme"):
         run.parse_args(["--schemes", "tesseract"])
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..grid import grid_shapes
 from ..layout import block_counts
+from ..spec import ALGORITHM_KINDS, grid_shapes
 
 OPS = ("ab", "abt", "atb")
 
@@ -117,16 +117,19 @@ class AlgorithmSpec:
                      for name, size in zip("mkn", (m, k, n)))
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {s.name: s for s in (
-    AlgorithmSpec("cannon_ab", "2d", "ab", "2d", "2d", "2d"),
-    AlgorithmSpec("summa_ab", "2d", "ab", "2d", "2d", "2d"),
-    AlgorithmSpec("summa_abt", "2d", "abt", "2d", "2d", "2d"),
-    AlgorithmSpec("summa_atb", "2d", "atb", "2d", "2d", "2d"),
-    AlgorithmSpec("summa25_ab", "2.5d", "ab", "2.5d", "2d", "2.5d"),
-    AlgorithmSpec("summa25_abt", "2.5d", "abt", "2.5d", "2d", "2.5d"),
-    AlgorithmSpec("summa25_atb", "2.5d", "atb", "2.5d", "2.5d", "2d"),
-    AlgorithmSpec("ring_allreduce", "ring"),
-)}
+# op and layouts of A, B and C per algorithm; the names and grid kinds are spec's registry
+_ROWS = {
+    "cannon_ab": ("ab", "2d", "2d", "2d"),
+    "summa_ab": ("ab", "2d", "2d", "2d"),
+    "summa_abt": ("abt", "2d", "2d", "2d"),
+    "summa_atb": ("atb", "2d", "2d", "2d"),
+    "summa25_ab": ("ab", "2.5d", "2d", "2.5d"),
+    "summa25_abt": ("abt", "2.5d", "2d", "2.5d"),
+    "summa25_atb": ("atb", "2.5d", "2.5d", "2d"),
+    "ring_allreduce": (None, None, None, None),
+}
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    name: AlgorithmSpec(name, kind, *_ROWS[name]) for name, kind in ALGORITHM_KINDS.items()}
 PRODUCTS = tuple(name for name, s in ALGORITHMS.items() if s.is_product)
 
 

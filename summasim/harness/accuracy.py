@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+from .. import options
 from ..cli import finite_positive_float, positive_int
 from ..costmodel.accuracy import STATISTICS, analyse, report_text
 from ..jsonio import write_json_atomic
@@ -125,8 +126,7 @@ def _fit_machine(path: str, timeout: float, say) -> None:
 
 def build_parser(ap):
     """Arguments of ``python -m summasim.costmodel accuracy``."""
-    ap.add_argument("--machine", default=None,
-                    help="a fitted machine JSON (default: fit one at p=2 first)")
+    options.add_machine(ap, help_more=" (default: fit one at p = 2 first)")
     ap.add_argument("--out", default=os.path.join("results", "accuracy"),
                     help="folder for the measurements, machines and report (default %(default)s)")
     ap.add_argument("--from", dest="reuse", action="store_true",
@@ -153,11 +153,7 @@ def run(args) -> int:
 
     try:                                # every argument and file, before any work
         check_writable_dir(args.out)
-        if args.machine:
-            check_machine_spec(args.machine)
-            if not os.path.isfile(args.machine):
-                raise UsageError(f"--machine {args.machine!r}: the accuracy benchmark needs a "
-                                 f"fitted machine file, not a preset")
+        given = check_machine_spec(args.machine)     # --machine FILE|PRESET, loaded once
     except (UsageError, ValueError) as e:
         print(f"python -m summasim.costmodel accuracy: error: {e}", file=sys.stderr)
         return 2
@@ -172,10 +168,10 @@ def run(args) -> int:
             return 2
         with open(mpath, encoding="utf-8") as fh:
             measured = json.load(fh)
-        machine = Machine.load(args.machine or mfile)
+        machine = given or Machine.load(mfile)
     else:
-        if args.machine:
-            machine = Machine.load(args.machine)
+        if given is not None:
+            machine = given
             machine.save(mfile)
         else:
             say("[accuracy] 1/3 fitting the machine at p=2 (no oversubscription)")

@@ -9,17 +9,17 @@ shape spelled ``b, s, h, heads, v, layers, ffn``).
 ``MatmulCase(algorithm, q, d, m, k, n, dtype)``   C[m, n] = op(A) op(B) on [q, q, d]
 ``RingCase(n, dtype)``                            ring_allreduce of n items, all ranks
 ``TransformerCase(scheme, q, d, batch, config)``  one training step of a scheme
-``MeshCase(spec, dp, pp, scheme, q, d, t, ...)``  sharded training on a [dp, pp, tensor] mesh
+``MeshCase(mesh, batch, config, ...)``             sharded training on a spec.Mesh
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..algorithms.table import get_algorithm
+from ..spec import SCHEDULES, ZERO_STAGES, Mesh
 from ..transformer.model import Config
 from ..transformer.schemes import get_scheme
 
@@ -139,73 +139,16 @@ class TransformerCase:
                 "layers": c.layers, "ffn": c.ffn_mult, "dtype": self.dtype}
 
 
-MESH_SCHEDULES = ("gpipe", "1f1b")
-_TP = {"megatron": r"(\d+)", "optimus": r"(\d+)x(\d+)", "summa25": r"(\d+)x(\d+)x(\d+)"}
-_TP_FORMS = "megatron:T, optimus:QxQ or summa25:QxQxD"
-
-
-def parse_mesh(text: str) -> dict:
-    """``"dp=D,pp=P,tp=SCHEME:GRID"`` -> ``{"dp", "pp", "scheme", "q", "d", "t"}`` (pure).
-
-    GRID is ``T`` for megatron (1D over T ranks), ``QxQ`` for optimus, ``QxQxD`` (D >= 2)
-    for summa25. ``dp`` and ``pp`` default to 1, ``tp`` to ``megatron:1`` (no tensor
-    parallelism: ``"dp=4"`` is plain data parallelism). ``ValueError`` (naming the
-    field) on anything else, and on a mesh that names no axis at all.
-    """
-    fields = {}
-    for part in str(text).split(","):
-        key, eq, val = part.strip().partition("=")
-        key = key.strip().lower()
-        if not eq or key not in ("dp", "pp", "tp") or key in fields:
-            raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID, "
-                             f"got {part.strip()!r}")
-        fields[key] = val.strip()
-    if not fields:
-        raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID")
-    out = {}
-    for key in ("dp", "pp"):
-        val = fields.get(key, "1")
-        if not val.isdigit() or int(val) < 1:
-            raise ValueError(f"mesh {text!r}: {key} must be a positive integer, got {val!r}")
-        out[key] = int(val)
-    scheme, _, grid = fields.get("tp", "megatron:1").partition(":")
-    scheme = scheme.strip().lower()
-    m = re.fullmatch(_TP[scheme], grid.strip().lower()) if scheme in _TP else None
-    if not m:
-        raise ValueError(f"mesh {text!r}: tp must be {_TP_FORMS}, got {fields.get('tp')!r}")
-    nums = [int(g) for g in m.groups()]
-    if any(n < 1 for n in nums):
-        raise ValueError(f"mesh {text!r}: grid sizes must be positive, got {grid!r}")
-    q = d = t = 1
-    if scheme == "megatron":
-        t = nums[0]
-    elif nums[0] != nums[1]:
-        raise ValueError(f"mesh {text!r}: the {scheme} grid must be square (QxQ), got {grid!r}")
-    elif scheme == "optimus":
-        q = nums[0]
-    else:
-        q, d = nums[0], nums[2]
-        if d < 2:
-            raise ValueError(f"mesh {text!r}: summa25 needs depth D >= 2 (QxQx1 is optimus)")
-    return dict(out, scheme=scheme, q=q, d=d, t=t)
-
-
 @dataclass(frozen=True)
 class MeshCase:
-    """Sharded training on a ``[dp, pp, tensor grid]`` mesh, validated against the serial
-    model over ``steps`` Adam steps.
+    """Sharded training on a :class:`summasim.spec.Mesh` ``[dp, pp, tensor grid]``,
+    validated against the serial model over ``steps`` Adam steps.
 
-    ``spec`` is the mesh as the user wrote it (reports start with it); ``batch`` is the
-    GLOBAL batch, cut into ``dp`` replicas of ``microbatches`` micro-batches each.
+    ``batch`` is the GLOBAL batch, cut into ``dp`` replicas of ``microbatches``
+    micro-batches each. Reports name the mesh as ``str(mesh)`` (``dp=2,pp=1,tp=...``).
     """
 
-    spec: str
-    dp: int
-    pp: int
-    scheme: str
-    q: int
-    d: int
-    t: int
+    mesh: Mesh
     batch: int
     config: Config
     zero: int = 0
@@ -217,20 +160,51 @@ class MeshCase:
     kind = "mesh"
 
     def __post_init__(self):
-        spec = get_scheme(self.scheme)
-        if self.zero not in (0, 1, 2, 3):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a summasim.spec.Mesh, got {type(self.mesh).__name__}")
+        if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule not in MESH_SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(MESH_SCHEDULES)}, "
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
                              f"got {self.schedule!r}")
         if self.microbatches < 1 or self.steps < 1 or self.bucket_bytes < 1:
             raise ValueError("microbatches, steps and bucket_bytes must be positive")
-        if spec.grid_kind == "1d" and (self.q, self.d) != (1, 1):
-            raise ValueError("a megatron tensor grid has no q or d")
 
     @classmethod
-    def parse(cls, text: str, batch: int, config: Config, **kw) -> "MeshCase":
-        return cls(spec=str(text), batch=int(batch), config=config, **parse_mesh(text), **kw)
+    def parse(cls, mesh: "str | Mesh", batch: int, config: Config, **kw) -> "MeshCase":
+        """The case of ``mesh`` (a :class:`Mesh` or its text) with this model and batch."""
+        return cls(mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), int(batch), config,
+                   **kw)
+
+    @property
+    def spec(self) -> str:
+        """The mesh's canonical text, ``str(self.mesh)``."""
+        return str(self.mesh)
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
+
+    @property
+    def scheme(self) -> str:
+        return self.mesh.tp.name
+
+    @property
+    def q(self) -> int:
+        return self.mesh.tp.q
+
+    @property
+    def d(self) -> int:
+        return self.mesh.tp.d
+
+    @property
+    def t(self) -> int:
+        """Ranks of a Megatron tensor group (1 for a 2D/2.5D grid, whose size is d q^2)."""
+        return self.mesh.tp.p if self.mesh.tp.kind == "1d" else 1
 
     @property
     def dtype(self) -> str:
@@ -238,11 +212,11 @@ class MeshCase:
 
     @property
     def grid_kind(self) -> str:
-        return get_scheme(self.scheme).grid_kind
+        return self.mesh.tp.kind
 
     @property
     def tensor_size(self) -> int:
-        return self.t if self.grid_kind == "1d" else self.d * self.q * self.q
+        return self.mesh.tp.p
 
     @property
     def p(self) -> int:
@@ -265,8 +239,7 @@ class MeshCase:
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
         else:
-            why = get_scheme(self.scheme).misfit(self.config, self.micro_batch,
-                                                  self.tensor_size, self.q, self.d)
+            why = self.mesh.tp.misfit(self.config, self.micro_batch)
             if why:
                 bad.append(f"{why} (micro-batch of {self.micro_batch} sequences)")
         return "; ".join(bad)

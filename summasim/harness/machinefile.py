@@ -53,7 +53,7 @@ import os
 import re
 import time
 
-from ..costmodel.machine import (Machine, get_machine, list_presets, load_preset,
+from ..costmodel.machine import (Machine, list_presets, load_machine, load_preset,
                                  sanity_problems)
 from . import load
 
@@ -77,26 +77,29 @@ REFIT_HINT = ("delete {path} on a quiet machine to refit, or run `OMP_NUM_THREAD
 
 
 # --------------------------------------------------------------------------- spec
-def check_machine_spec(spec) -> None:
-    """Raise ValueError unless ``spec`` (a ``--machine`` value) is None, a readable valid
-    machine JSON file, or a preset name. Pure: no MPI, nothing written."""
+def check_machine_spec(spec) -> Machine | None:
+    """The machine of ``spec`` (a ``--machine`` value): None for None, else the machine
+    JSON file or preset it names (:func:`~summasim.costmodel.machine.load_machine`, THE
+    resolver), loaded once. ``ValueError`` naming the problem otherwise. Pure: no MPI,
+    nothing written."""
     if spec is None:
-        return
+        return None
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"--machine must be a file or a preset name, got {spec!r}")
-    if os.path.exists(spec):
-        if os.path.isdir(spec):
-            raise ValueError(f"--machine {spec!r} is a directory, not a machine JSON file")
-        try:
-            Machine.load(spec)
-        except ValueError as exc:
-            raise ValueError(f"--machine {spec!r}: {exc}") from None
-        except OSError as exc:
-            raise ValueError(f"--machine {spec!r}: cannot read it ({exc.strerror})") from None
-        return
-    if spec not in list_presets():
-        raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
-                         f"({', '.join(list_presets())})")
+    if os.path.isdir(spec):
+        raise ValueError(f"--machine {spec!r} is a directory, not a machine JSON file")
+    try:
+        return load_machine(spec)
+    except OSError as exc:
+        if not os.path.exists(spec):
+            raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
+                             f"({', '.join(list_presets())})") from None
+        raise ValueError(f"--machine {spec!r}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        if not os.path.exists(spec) and spec not in list_presets():
+            raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
+                             f"({', '.join(list_presets())})") from None
+        raise ValueError(f"--machine {spec!r}: {exc}") from None
 
 
 def _busy_line(machine: Machine, path: str) -> str:
@@ -115,8 +118,7 @@ def _composed_line(machine: Machine) -> str:
             f"; measured: {', '.join(comp.get('measured', []))}")
 
 
-def _explicit(spec: str, say) -> Machine:
-    machine = get_machine(spec) if os.path.exists(spec) else get_machine(preset=spec)
+def _explicit(spec: str, machine: Machine, say) -> Machine:
     say(f"cost model: machine {machine.name!r} from {spec}")
     problems = sanity_problems(machine)
     if problems:
@@ -471,7 +473,8 @@ def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save)
 
 
 def resolve_machine(spec, world, say, *, path: str | None = None,
-                    calibrated: str | None = None, preset: str = FALLBACK_PRESET) -> Machine:
+                    calibrated: str | None = None, preset: str = FALLBACK_PRESET,
+                    loaded: Machine | None = None) -> Machine:
     """The cost-model Machine on every rank (see the module doc for the order and the
     trust rules).
 
@@ -489,6 +492,9 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
         benchmark's machine (default :data:`CALIBRATED_MACHINE_FILE`).
     preset : str
         The fallback preset, and the source of what a quick fit cannot measure.
+    loaded : Machine, optional
+        On rank 0: ``spec``'s machine as the preflight already loaded it (so a run loads
+        its machine file once).
 
     Raises
     ------
@@ -496,9 +502,16 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
         ``spec`` is neither a valid machine file nor a preset; raised on every rank
         before any communication.
     """
-    check_machine_spec(spec)
     if spec is not None:
-        return _explicit(spec, say)
+        # one load per run: rank 0's (the preflight's, when it passes it as ``loaded``),
+        # handed to the others; a bad spec raises on every rank before any communication
+        if loaded is None and not (os.path.exists(spec) or spec in list_presets()):
+            check_machine_spec(spec)                # raises, naming the problem
+        rank = world.Get_rank()
+        machine = (loaded if loaded is not None else check_machine_spec(spec)) \
+            if rank == 0 else None
+        data = world.bcast(machine.to_dict() if rank == 0 else None, root=0)
+        return _explicit(spec, machine or Machine.from_dict(data), say)
     from ..costmodel import fit as _fit
 
     path = DEFAULT_MACHINE_FILE if path is None else path

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..algorithms.table import ALGORITHMS
 from ..transformer.schemes import SCHEMES
+from ..spec import Mesh
 from .cases import MatmulCase, MeshCase, RingCase, TransformerCase
 
 DEFAULT_SIZES = (1536, 1024, 1280)
@@ -84,7 +85,7 @@ def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",)
     return cases, skips
 
 
-def default_meshes(p: int) -> list[tuple[str, dict]]:
+def default_meshes(p: int) -> list[tuple[Mesh, dict]]:
     """A few compositions for a job of p ranks without ``--mesh``: pipeline and data
     parallelism around each tensor scheme, each ZeRO stage and both schedules once
     (those that do not fit the model are skipped with the reason). Where p is not a
@@ -108,12 +109,12 @@ def default_meshes(p: int) -> list[tuple[str, dict]]:
         out.append((f"dp={p}", dict(zero=2, schedule="1f1b", microbatches=1)))
         if p % 2 == 0:
             out.append((f"dp={p // 2},pp=2", dict(zero=1, schedule="1f1b", microbatches=2)))
-    return out
+    return [(Mesh.parse(text), opts) for text, opts in out]
 
 
 def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
                 ) -> tuple[list, list[Skip], str]:
-    """Mesh cases for ``specs`` (``[(text, options)]``). Returns ``(cases, skips, err)``:
+    """Mesh cases for ``specs`` (``[(mesh, options)]``, a mesh a :class:`Mesh` or its text). Returns ``(cases, skips, err)``:
     a mesh the user asked for that cannot run is an error (``err``), a default one that
     cannot is skipped with the reason."""
     cases, skips = [], []
@@ -126,7 +127,7 @@ def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
         if why:
             if explicit:
                 return [], [], f"--mesh {text}: {why}"
-            skips.append(Skip(text, why))
+            skips.append(Skip(str(case.mesh), why))
             continue
         cases.append(case)
     return cases, skips, ""

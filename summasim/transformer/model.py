@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from summasim.backends import array_module
+from summasim.spec import Model
 
 from . import ops
 from .ops import BLOCK_KEYS
@@ -35,35 +36,24 @@ INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
-class Config:
-    """Model shape. Validates itself; errors name the offending field.
+class Config(Model):
+    """A :class:`summasim.spec.Model` (vocab, seq, hidden, heads, layers, ffn_mult) as the
+    runtime trains it: with its element type and an optional classification head.
 
-    vocab, seq (the longest sequence, rows of ``wpe``), hidden, heads, layers,
-    ffn_mult (MLP width = ffn_mult * hidden), dtype (float32 or float64),
-    n_classes (0: language model; k > 0: classify each sequence from its last
-    token into k classes with ``cls.w``/``cls.b``).
+    dtype (float32 or float64), n_classes (0: language model; k > 0: classify each
+    sequence from its last token into k classes with ``cls.w``/``cls.b``). Validates
+    itself; errors name the offending field. ``Config.of(model, dtype)`` builds one from
+    a model.
     """
 
-    vocab: int
-    seq: int
-    hidden: int
-    heads: int
-    layers: int
-    ffn_mult: int = 4
     dtype: Any = np.float64
     n_classes: int = 0
 
     def __post_init__(self):
-        for name in ("vocab", "seq", "hidden", "heads", "layers", "ffn_mult"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-                raise ValueError(f"Config.{name} must be a positive integer, got {val!r}")
+        super().__post_init__()
         nc = self.n_classes
         if isinstance(nc, bool) or not isinstance(nc, (int, np.integer)) or nc < 0:
             raise ValueError(f"Config.n_classes must be a non-negative integer, got {nc!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"Config.hidden={self.hidden} is not divisible by "
-                             f"Config.heads={self.heads}")
         try:
             dt = np.dtype(self.dtype)
         except TypeError:
@@ -72,13 +62,23 @@ class Config:
             raise ValueError(f"Config.dtype must be float32 or float64, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dt)
 
+    @classmethod
+    def of(cls, model: Model, dtype=np.float64, n_classes: int = 0) -> "Config":
+        """The runtime's configuration of ``model`` in ``dtype``."""
+        return cls(model.vocab, model.seq, model.hidden, model.heads, model.layers,
+                   model.ffn_mult, dtype, n_classes, name=model.name, batch=model.batch,
+                   source=model.source)
+
     @property
-    def head_size(self) -> int:
-        return self.hidden // self.heads
+    def model(self) -> Model:
+        """The sizes alone, as a :class:`summasim.spec.Model`."""
+        return Model(self.vocab, self.seq, self.hidden, self.heads, self.layers,
+                     self.ffn_mult, name=self.name, batch=self.batch, source=self.source)
 
     @property
     def ffn(self) -> int:
-        return self.ffn_mult * self.hidden
+        """The MLP width f h (:attr:`ffn_width`)."""
+        return self.ffn_width
 
 
 def param_shapes(config: Config) -> dict:

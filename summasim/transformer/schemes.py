@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..grid import grid_shapes
+from ..spec import SCHEME_KINDS, TensorGrid, grids
 
 
 @dataclass(frozen=True)
@@ -33,36 +33,28 @@ class SchemeSpec:
         return importlib.import_module(f"summasim.transformer.{self.module_name}")
 
     def grids(self, p: int) -> list[tuple[int, int]]:
-        """The ``(q, d)`` grids on p ranks (Megatron: ``[(1, 1)]``, meaning 1D over p)."""
-        if self.grid_kind == "1d":
-            return [(1, 1)]
-        if self.grid_kind == "2d":
-            return grid_shapes(p, "2d")
-        return [(q, d) for q, d in grid_shapes(p, "2.5d") if q >= 2 and d >= 2]
+        """The ``(q, d)`` grids on p ranks (Megatron: ``[(1, 1)]``, meaning 1D over p):
+        :func:`summasim.spec.grids`, the one enumeration."""
+        return [(g.q, g.d) for g in grids(p, self.name)]
 
     def needs(self) -> str:
         """What the process count must be, in words."""
         return {"1d": "any p", "2d": "p = q*q",
                 "2.5d": "p = d*q*q with q >= 2, d >= 2"}[self.grid_kind]
 
+    def tensor_grid(self, p: int | None, q: int = 1, d: int = 1) -> TensorGrid:
+        """This scheme's :class:`summasim.spec.TensorGrid` on p ranks (or [q, q, d])."""
+        return TensorGrid.of(self.name, q, d, p=p)
+
     def grid_label(self, p, q: int, d: int) -> str:
-        if self.grid_kind == "1d":
-            return f"1D p={p if p is not None else '?'}"
-        return f"{q}x{q}" if self.grid_kind == "2d" else f"[{q},{q},{d}]"
+        if self.grid_kind == "1d" and p is None:
+            return "1D p=?"
+        return self.tensor_grid(p, q, d).grid_label
 
     def misfit(self, config, batch: int, p: int, q: int = 1, d: int = 1) -> str:
         """Why the scheme cannot shard ``config`` with ``batch`` on this grid ("" when
-        it can)."""
-        if self.grid_kind == "1d":
-            checks = [("heads", config.heads, p), ("vocab", config.vocab, p),
-                      ("ffn width", config.ffn, p)]
-        else:
-            checks = [("batch", batch, d * q), ("hidden", config.hidden, q),
-                      ("heads", config.heads, q), ("vocab", config.vocab, q),
-                      ("ffn width", config.ffn, q)]
-        bad = [f"{what} = {size} is not divisible by {by}" for what, size, by in checks
-               if size % by]
-        return "; ".join(bad)
+        it can): :meth:`summasim.spec.TensorGrid.misfit`, the one rule."""
+        return self.tensor_grid(p, q, d).misfit(config, batch)
 
     def make_grid(self, world, q: int, d: int, backend=None):
         """The grid the scheme runs on (collective over ``world``)."""
@@ -73,11 +65,9 @@ class SchemeSpec:
         return Grid(world, q, d, backend=backend)
 
 
-SCHEMES: dict[str, SchemeSpec] = {s.name: s for s in (
-    SchemeSpec("megatron", "megatron", "1d"),
-    SchemeSpec("optimus", "optimus", "2d"),
-    SchemeSpec("summa25", "optimus", "2.5d"),
-)}
+SCHEMES: dict[str, SchemeSpec] = {   # names and grid kinds: spec's registry
+    name: SchemeSpec(name, "megatron" if kind == "1d" else "optimus", kind)
+    for name, kind in SCHEME_KINDS.items()}
 SCHEME_NAMES = tuple(SCHEMES)
 
 

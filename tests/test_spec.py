@@ -1,0 +1,171 @@
+"""The shared nouns (summasim.spec): each parses what it prints, the one grid
+enumeration is what the runtime and the cost model both use, and the rank order is
+the one the grids are built on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from summasim import spec
+from summasim.spec import MODELS, Mesh, Model, TensorGrid, grids
+
+
+def test_spec_is_pure():
+    code = ("import sys, summasim.spec, summasim.options; "
+            "sys.exit(1 if {'numpy', 'mpi4py'} & set(sys.modules) else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# -- Model ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_preset_round_trips_and_names_its_source(name):
+    m = MODELS[name]
+    assert Model.parse(name) == m and str(m) == name and Model.parse(str(m)) == m
+    assert m.source and m.batch and m.hidden % m.heads == 0
+
+
+def test_model_from_sizes_round_trips():
+    m = Model.parse("h=64,heads=16,layers=2,seq=16,vocab=64")
+    assert (m.hidden, m.heads, m.layers, m.seq, m.vocab, m.ffn_mult) == (64, 16, 2, 16, 64, 4)
+    assert Model.parse(str(m)) == m == MODELS["tiny"]          # equality ignores the name
+    assert str(m) == "h=64,heads=16,layers=2,seq=16,vocab=64,ffn=4"
+    assert Model.parse("hidden=64,heads=16,layers=2,seq=16,vocab=64,ffn=2").ffn_width == 128
+
+
+def test_preset_with_overrides_is_a_new_model():
+    m = Model.parse("gpt3-175b,layers=8")
+    assert m.layers == 8 and m.hidden == 12288 and m.name == "" and str(m).startswith("h=")
+    assert Model.parse(str(m)) == m
+
+
+@given(h=st.integers(1, 64), heads=st.integers(1, 8), layers=st.integers(1, 9),
+       seq=st.integers(1, 99), vocab=st.integers(1, 999), ffn=st.integers(1, 8))
+def test_any_model_round_trips(h, heads, layers, seq, vocab, ffn):
+    m = Model(vocab, seq, h * heads, heads, layers, ffn)
+    assert Model.parse(str(m)) == m
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("gpt9", "unknown model"),
+    ("h=64,heads=16,layers=2,seq=16", "missing vocab"),
+    ("h=64,heads=15,layers=2,seq=16,vocab=64", "not divisible"),
+    ("h=64,heads=16,layers=0,seq=16,vocab=64", "positive integer"),
+    ("h=64,heads=16,layers=2,seq=16,vocab=64,depth=3", "expected h=H"),
+    ("h=64,h=64,heads=16,layers=2,seq=16,vocab=64", "given twice"),
+    ("gpt3-175b,layers=x", "positive integer"),
+])
+def test_model_refuses(text, fragment):
+    with pytest.raises(ValueError) as e:
+        Model.parse(text)
+    assert fragment in str(e.value)
+
+
+# -- TensorGrid and Mesh -----------------------------------------------------------------
+@pytest.mark.parametrize("text,shape,label", [
+    ("megatron:4", (4, 1, 1), "Megatron p=4"),
+    ("optimus:2x2", (4, 2, 1), "Optimus [2,2]"),
+    ("summa25:2x2x4", (16, 2, 4), "SUMMA2.5 [2,2,4]"),
+])
+def test_tensor_grid_round_trips(text, shape, label):
+    g = TensorGrid.parse(text)
+    assert (g.p, g.q, g.d) == shape and g.label == label and str(g) == text
+    assert TensorGrid.parse(str(g)) == g
+
+
+@pytest.mark.parametrize("text,want", [
+    ("dp=2,pp=2,tp=optimus:2x2", (2, 2, "optimus", 2, 1, 4)),
+    ("tp=megatron:4", (1, 1, "megatron", 1, 1, 4)),
+    (" pp=4 , tp=summa25:2x2x3 ", (1, 4, "summa25", 2, 3, 12)),
+    ("tp=MEGATRON:1,dp=16", (16, 1, "megatron", 1, 1, 1)),
+    ("dp=2,pp=2", (2, 2, "megatron", 1, 1, 1)),   # no tensor grid
+    ("dp=4", (4, 1, "megatron", 1, 1, 1)),
+])
+def test_parse_mesh(text, want):
+    m = Mesh.parse(text)
+    assert (m.dp, m.pp, m.tp.name, m.tp.q, m.tp.d, m.tp.p) == want
+    assert Mesh.parse(str(m)) == m and m.devices == m.dp * m.pp * m.tp.p
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("", "expected dp=D"),
+    ("tp=", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("tp=cannon:", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("dp=0,tp=megatron:2", "dp must be a positive integer"),
+    ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
+    ("tp=optimus:2x3", "must be square"),
+    ("tp=optimus:4", "optimus:QxQ"),
+    ("tp=summa25:2x2x1", "depth D >= 2"),
+    ("tp=cannon:2x2", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("dp=2;pp=2,tp=megatron:1", "positive integer"),
+    ("tp=megatron:0", "positive"),
+])
+def test_parse_mesh_refuses(text, fragment):
+    with pytest.raises(ValueError) as e:
+        Mesh.parse(text)
+    assert fragment in str(e.value)
+
+
+# -- the one enumeration -------------------------------------------------------------------
+def test_summa25_admits_depth_past_q():
+    assert [str(g) for g in grids(16, "summa25")] == ["summa25:2x2x4"]
+    assert [str(g) for g in grids(64, "summa25")] == ["summa25:2x2x16", "summa25:4x4x4"]
+    assert grids(32, "optimus") == [] and [str(g) for g in grids(36, "optimus")] == \
+        ["optimus:6x6"]
+    assert [str(g) for g in grids(8, "summa25")] == ["summa25:2x2x2"]
+    assert grids(6, "summa25") == [] and grids(4, "summa25") == []
+    # the 2.5D products also run on a depth-only grid where no [q, q, d >= 2] exists
+    assert [(g.q, g.d) for g in grids(6, "summa25_ab")] == [(1, 6)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8, 9, 12, 16, 32, 64, 128])
+def test_runtime_and_cost_model_enumerate_the_same_grids(p):
+    from summasim.algorithms.table import ALGORITHMS
+    from summasim.transformer.schemes import SCHEMES
+
+    for name, s in SCHEMES.items():
+        assert s.grids(p) == [(g.q, g.d) for g in grids(p, name)]
+    for name, a in ALGORITHMS.items():
+        if a.is_product:
+            assert a.grids(p) == [(g.q, g.d) for g in grids(p, name)]
+
+
+def test_grids_filter_by_model():
+    tiny = MODELS["tiny"]                         # heads 16, hidden 64, vocab 64
+    assert [str(g) for g in grids(16, "megatron", tiny)] == ["megatron:16"]
+    assert grids(32, "megatron", tiny) == []      # 16 heads on 32 ranks
+    assert [str(g) for g in grids(16, "summa25", tiny, batch=8)] == ["summa25:2x2x4"]
+    assert grids(16, "summa25", tiny, batch=4) == []   # 4 sequences on d q = 8
+    why = TensorGrid.parse("megatron:3").misfit(tiny)
+    assert "heads = 16 is not divisible by 3" in why and "vocab = 64" in why
+
+
+# -- rank order --------------------------------------------------------------------------
+@pytest.mark.parametrize("q,d", [(1, 1), (2, 1), (2, 3), (3, 2), (4, 1)])
+def test_grid_groups_follow_coordinates(q, d):
+    p = d * q * q
+    for r in range(p):
+        i, j, k = spec.grid_coords(r, q)
+        assert spec.grid_rank(i, j, k, q) == r
+    for kind, free in (("row", 1), ("col", 0), ("depth", 2)):
+        groups = spec.grid_groups(kind, q, d)
+        assert sorted(r for g in groups for r in g) == list(range(p))
+        for g in groups:     # a rank's position in its group is its free coordinate
+            assert [spec.grid_coords(r, q)[free] for r in g] == list(range(len(g)))
+    assert spec.grid_groups("layer", q, d) == [list(range(k * q * q, (k + 1) * q * q))
+                                               for k in range(d)]
+
+
+@pytest.mark.parametrize("dp,pp,t", [(1, 1, 1), (2, 2, 4), (3, 2, 1), (1, 4, 2)])
+def test_mesh_groups_follow_coordinates(dp, pp, t):
+    for r in range(dp * pp * t):
+        assert spec.mesh_rank(*spec.mesh_coords(r, pp, t), pp, t) == r
+    for kind, free in (("dp", 0), ("pp", 1), ("tensor", 2)):
+        groups = spec.mesh_groups(kind, dp, pp, t)
+        assert sorted(r for g in groups for r in g) == list(range(dp * pp * t))
+        for g in groups:
+            assert [spec.mesh_coords(r, pp, t)[free] for r in g] == list(range(len(g)))
