@@ -4,11 +4,15 @@ NaN whichever rank holds it, and every injected fault is caught on every rank.""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
+import numpy as np
 import pytest
+from mpi4py import MPI
 
 from _util import WORLD, parallel_assert, skip_unless
 from summasim.algorithms.table import ALGORITHMS
+from summasim.comm import Comm
 from summasim.harness.cases import MatmulCase, RingCase, transformer_case
 from summasim.harness.execute import run_case
 from summasim.harness.inject import KINDS, Fault
@@ -86,3 +90,35 @@ def test_training_step_faults_are_caught(name, q, d):
             continue
         parallel_assert(rep.fault_applied and not res.ok and not rep.ok,
                         f"{kind}@{LAST} on {case.label(P)} was not caught: {rep}")
+
+
+def test_the_drop_hook_leaves_one_block_unreduced():
+    """``Comm.drop_next_sum`` armed on the last rank: its next sum all-reduce keeps its
+    own contribution (x = rank + 1), every other rank gets ``P (P + 1) / 2``; the hook
+    is one-shot; a group filter that does not name the group, a group of one and a
+    max all-reduce leave it armed and the results exact."""
+    comm = Comm(WORLD.Dup(), name="world")
+    alone = Comm(MPI.COMM_SELF.Dup(), name="world")
+    try:
+        r, mine = comm.rank, comm.rank == LAST
+        x = np.full(4, r + 1.0)
+        total = np.full(4, P * (P + 1) / 2)
+        arm = Comm.drop_next_sum
+        with (arm(groups=("dp",)) if mine else nullcontext()) as skipped:
+            other = comm.allreduce(x.copy())
+        skipped = skipped.applied if mine else False     # the hook is one object: read now
+        with (arm() if mine else nullcontext()) as drop:
+            solo = alone.allreduce(x.copy())
+            peak = comm.allreduce(x.copy(), op="max")
+            first = comm.allreduce(x.copy())
+            second = comm.allreduce(x.copy())
+        ok = np.array_equal(other, total) and np.array_equal(second, total)
+        ok &= np.array_equal(solo, x) and np.array_equal(peak, np.full(4, float(P)))
+        ok &= np.array_equal(first, x if mine and P > 1 else total)
+        if mine:
+            ok &= not skipped and drop.applied == (P > 1) and not alone.take_drop()
+        parallel_assert(ok, f"rank {r}: {other[0]} {solo[0]} {peak[0]} {first[0]} "
+                            f"{second[0]}")
+    finally:
+        comm.mpi.Free()
+        alone.mpi.Free()

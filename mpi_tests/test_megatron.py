@@ -22,6 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from _util import WORLD, collective_raises, parallel_assert, skip_unless
 from summasim.costmodel.schemes import table1_paper
@@ -120,6 +121,30 @@ def test_agrees_with_serial(backend, dtype, checkpoint):
     parallel_assert(shapes_ok, "unsharded grads/logits do not have the serial keys, shapes, dtype")
     parallel_assert(not bad, f"{np.dtype(dtype).name} checkpoint={checkpoint}: relative "
                              f"error above {tol:g} in {bad}")
+
+
+@pytest.mark.parametrize("group", ["world", "self"])
+def test_f_and_g_pair_up_in_closed_form(group):
+    """f and g on ``x = rank + 1`` everywhere: each all-reduce direction (g_forward,
+    f_backward, vocab_reduce_forward) gives ``P (P + 1) / 2`` (max: ``P``) on every
+    rank as one traced all-reduce; each identity direction (f_forward, g_backward)
+    returns ``x`` itself. A group of one returns ``x`` itself and sends nothing."""
+    comm = WORLD if group == "world" else MPI.COMM_SELF
+    with Grid1D(comm) as grid:
+        n, r = grid.p, grid.rank
+        x = np.full((3, 2), r + 1.0)
+        grid.trace.clear()
+        ok = megatron.f_forward(x, grid) is x and megatron.g_backward(x, grid) is x
+        sums = [megatron.g_forward(x.copy(), grid), megatron.f_backward(x.copy(), grid),
+                megatron.vocab_reduce_forward(x.copy(), grid)]
+        ok &= all(np.array_equal(y, np.full((3, 2), n * (n + 1) / 2)) for y in sums)
+        ok &= np.array_equal(megatron.vocab_reduce_forward(x.copy(), grid, "max"),
+                             np.full((3, 2), float(n)))
+        ops = [e.op for e in grid.trace.events]
+        ok &= ops == (["allreduce"] * 4 if n > 1 else [])
+        if n == 1:
+            ok &= megatron.g_forward(x, grid) is x and megatron.f_backward(x, grid) is x
+        parallel_assert(ok, f"{group}: rank {r} of {n}: {[y[0, 0] for y in sums]}, {ops}")
 
 
 def test_classifier_head_agrees_with_serial():

@@ -55,6 +55,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -118,17 +119,24 @@ def _nothing() -> None:
     """``finish`` of an exchanger whose steps complete their sends themselves."""
 
 
-class _Faults:
-    """One-shot hooks armed by the harness's fault injection (:mod:`summasim.harness.inject`).
+class DropFault:
+    """The ``drop`` fault's one hook, at the reduction (:mod:`summasim.harness.inject`).
 
-    ``drop_next_sum``: the next sum all-reduce over more than one rank on this process
-    returns this rank's own contribution instead of the sum (one block left unreduced).
+    Armed on one rank by :meth:`Comm.drop_next_sum`, the next sum reduction over more
+    than one rank on this process (over a group named in ``groups``, when given) leaves
+    one block unreduced: this rank keeps its own contribution where the sum should be.
+    :meth:`Comm.allreduce` asks for it itself; a reduction built from point-to-point
+    steps asks :meth:`Comm.take_drop` and keeps its own contribution in the block it
+    owns. One-shot: ``applied`` says whether a reduction took it.
     """
 
-    drop_next_sum = False
+    __slots__ = ("armed", "applied", "groups")
+
+    def __init__(self):
+        self.armed, self.applied, self.groups = False, False, None
 
 
-FAULTS = _Faults()
+_DROP = DropFault()         # the process's one hook; armed only through Comm.drop_next_sum
 
 
 def local_ranks() -> int:
@@ -535,9 +543,8 @@ class Comm:
         if op not in self._OPS:
             raise ValueError(f"allreduce: op must be one of {', '.join(self._OPS)}, got {op!r}")
         mop = self._OPS[op]
-        drop = op == "sum" and FAULTS.drop_next_sum and self.size > 1
+        drop = op == "sum" and self.take_drop()
         if drop:                   # fault injection: keep this rank's own block
-            FAULTS.drop_next_sum = False
             mine = buf.copy()
         cleanup: list = []
         if out is None:
@@ -553,6 +560,30 @@ class Comm:
         if drop:
             result[...] = mine
         return result
+
+    # -- fault injection: the drop hook (DropFault) --------------------------
+    @staticmethod
+    @contextmanager
+    def drop_next_sum(groups=None):
+        """Arm the ``drop`` fault on this process for the ``with`` block: the next sum
+        reduction over more than one rank (over a group whose :attr:`name` is in
+        ``groups``, when given) keeps this rank's own contribution. Yields the
+        :class:`DropFault`, whose ``applied`` says whether one did; disarmed on exit."""
+        _DROP.armed, _DROP.applied = True, False
+        _DROP.groups = None if groups is None else frozenset(groups)
+        try:
+            yield _DROP
+        finally:
+            _DROP.armed, _DROP.groups = False, None
+
+    def take_drop(self) -> bool:
+        """Whether this sum reduction is the one an armed ``drop`` leaves unreduced
+        (it then disarms the hook); never on a group of one."""
+        if not _DROP.armed or self.size == 1 or (
+                _DROP.groups is not None and self.name not in _DROP.groups):
+            return False
+        _DROP.armed, _DROP.applied = False, True
+        return True
 
     def allgather(self, sendbuf, recvbuf):
         """Gather ``sendbuf`` from every rank into ``recvbuf`` (leading axis = rank)."""

@@ -208,7 +208,7 @@ def test_device_memory_checks_count_a_gpu_share_and_name_what_fits():
     times a rank's device share (a product's blocks and workspaces, not the check's
     host buffers; a training rank's shard, not the serial reference, which stays on
     the host), against the GPU's free memory, and names the largest size that fits."""
-    from summasim.bench import check_bench_fits
+    from summasim.bench.allreduce import check_bench_fits
 
     gib = 2**30
     case = MatmulCase("summa_ab", 2, 1, 8192, 8192, 8192)
@@ -325,3 +325,32 @@ def test_mesh_comparison_keeps_a_non_finite_serial_value():
         ref[7] = bad
         err, key = _compare(Layout(), held, ref, _max_abs({"a": ref[:4], "b": ref[4:]}))
         assert math.isnan(err) and key == "b"
+
+
+def test_the_drop_hook_is_armed_for_its_block_only():
+    """``Comm.drop_next_sum`` arms the one ``drop`` hook for its ``with`` block only (an
+    exception included), :func:`drop_at_rings` puts the trainer's ring reductions back
+    on exit, and a group of one never takes the hook (it has no sum to drop)."""
+    from mpi4py import MPI
+
+    from summasim.algorithms import allreduce
+    from summasim.comm import Comm
+    from summasim.harness.inject import drop_at_rings
+    from summasim.transformer import composed
+
+    alone = Comm(MPI.COMM_SELF.Dup(), name="dp")
+    try:
+        x = np.arange(4.0)
+        with Comm.drop_next_sum() as drop:
+            assert drop.armed and np.array_equal(alone.allreduce(x.copy()), x)
+            assert not alone.take_drop() and drop.armed
+        assert not drop.armed and not drop.applied
+        with pytest.raises(RuntimeError, match="inside"):
+            with Comm.drop_next_sum(groups=("dp",)) as drop, drop_at_rings(composed):
+                assert composed.ring_allreduce_unchecked is not allreduce.ring_allreduce_unchecked
+                raise RuntimeError("inside")
+        assert not drop.armed and drop.groups is None
+        assert composed.ring_allreduce_unchecked is allreduce.ring_allreduce_unchecked
+        assert composed.ring_reduce_scatter_unchecked is allreduce.ring_reduce_scatter_unchecked
+    finally:
+        alone.mpi.Free()

@@ -51,14 +51,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends import backend_of
+from ..comm import Comm
 from ..costmodel.accuracy import event_summary
 from ..grid import Mesh
 from ..mpiutil import agreement, quiet_barrier
-from ..transformer import model
+from ..transformer import composed, model
 from ..transformer.composed import Trainer
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
 from .check import Check, collective
+from .inject import corrupt_entry, drop_at_rings
 from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
@@ -228,54 +230,8 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     return {k: v * item for k, v in out.items()}
 
 
-class _DropOnce:
-    """``drop`` fault: the first ring reduction of the step on the faulty rank (a
-    data-parallel bucket, else the tied embedding) leaves that rank's own contribution
-    in the chunk it would own, as if the other replicas' summands were lost. The
-    messages are unchanged, so no rank waits; every rank that reads the chunk later
-    (the all-gather) sees the error."""
-
-    def __init__(self):
-        from ..transformer import composed
-
-        self.mod, self.applied = composed, False
-        self.ar, self.rs = composed.ring_allreduce_unchecked, composed.ring_reduce_scatter_unchecked
-
-    def allreduce(self, x, comm, out=None):
-        if self.applied or comm.size == 1:
-            return self.ar(x, comm, out=out)
-        mine = x.copy()
-        res = self.ar(x, comm, out=out)
-        res[...] = mine
-        self.applied = True
-        return res
-
-    def reduce_scatter(self, flat, comm, work=None, src=None):
-        if self.applied or comm.size == 1:
-            return self.rs(flat, comm, work, src)
-        mine = (flat if src is None else src).copy()
-        own = self.rs(flat, comm, work, src)
-        from ..algorithms.allreduce import chunk_bounds
-
-        lo, hi = chunk_bounds(flat.shape[0], comm.size)[own]
-        flat[lo:hi] = mine[lo:hi]
-        self.applied = True
-        return own
-
-    def __enter__(self):
-        self.mod.ring_allreduce_unchecked = self.allreduce
-        self.mod.ring_reduce_scatter_unchecked = self.reduce_scatter
-        return self
-
-    def __exit__(self, *exc):
-        self.mod.ring_allreduce_unchecked = self.ar
-        self.mod.ring_reduce_scatter_unchecked = self.rs
-
-
 def _corrupt_held(tr, kind: str) -> bool:
     """``nan``/``inf``/``perturb`` in the first non-empty gradient the rank holds."""
-    from .inject import corrupt_entry
-
     for _, _, vals in tr.held_grads():
         if vals.size:
             corrupt_entry(vals, kind)             # a device array: through the host
@@ -339,7 +295,11 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         for step in range(case.steps):
             mesh.trace.clear()
             if mine and step == 0 and fault.kind == "drop":
-                with _DropOnce() as drop:
+                # drop: the first ring reduction of the step on this rank (a data-parallel
+                # bucket, else the tied embedding) keeps this rank's own contribution in
+                # the chunk it would own, through the one hook (comm.DropFault)
+                with Comm.drop_next_sum(groups=("dp", "embed")) as drop, \
+                        drop_at_rings(composed):
                     loss = tr.step(tokens, targets)
                 applied = drop.applied
             else:

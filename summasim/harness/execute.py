@@ -17,10 +17,9 @@ from ..costmodel.accuracy import event_summary
 from ..grid import Grid
 from ..layout import block_slices, grid_numbers
 from ..mpiutil import agreement
-from .check import check_product, check_ring, collective, op_panels, \
-    product_block_slices, ring_input
-from .data import STREAM_A, STREAM_B, STREAM_RING, uniform_block, uniform_segment
-from .inject import Fault, corrupt_entry
+from .check import check_product, check_ring, collective, ring_input
+from .data import STREAM_A, STREAM_B, uniform_block
+from .inject import Fault, corrupt_entry, drop_panel, drop_summand
 from .memory import peak_rss_bytes
 from .result import Result
 from .timing import reduce_max, time_calls
@@ -92,15 +91,10 @@ def _applied(world, fault, mine_ok: bool) -> bool:
 
 
 def _corrupt_product(host, case, g, seed, fault):
-    if fault.kind != "drop":
+    if fault.kind == "drop":      # the block misses the summand of its first k-panel
+        drop_panel(host, case, g, seed)
+    else:
         corrupt_entry(host, fault.kind)
-        return
-    # the block misses the summand of its first k-panel
-    rows, cols = product_block_slices(case, g)
-    kc = slice(0, max(1, case.k // max(case.q, 1)))
-    a, b = op_panels(case.spec, case.m, case.k, case.n, rows, cols, kc, seed,
-                     np.dtype(case.dtype))
-    host -= (a @ b).astype(host.dtype)
 
 
 def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
@@ -120,7 +114,7 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
         host = np.array(backend.to_numpy(y), copy=True)
         if fault is not None and fault.rank == rank:
             if fault.kind == "drop":          # the result misses the next rank's input
-                host -= uniform_segment(seed, STREAM_RING + (rank + 1) % p, 0, case.n, dtype)
+                drop_summand(host, seed, rank, p)
             else:
                 corrupt_entry(host, fault.kind)
         applied = _applied(world, fault, host.size > 0)

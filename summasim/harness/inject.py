@@ -20,13 +20,27 @@ drop       one block is left unreduced: a product's block misses the summand of
 The entry is the one of largest magnitude in the rank's output (for a training
 step: in the rank's local gradient of the first weight), so ``perturb`` is not lost
 next to a larger entry.
+
+Where each is applied: ``nan``, ``inf`` and ``perturb`` by :func:`corrupt_entry`, after
+the run computes, on every path. ``drop`` in a training step (the tensor schemes, the
+composed meshes) by the one hook at the reduction, :class:`summasim.comm.DropFault`,
+armed with :meth:`Comm.drop_next_sum <summasim.comm.Comm.drop_next_sum>`:
+:meth:`Comm.allreduce <summasim.comm.Comm.allreduce>` takes it, and so do the
+trainer's ring reductions, through :func:`drop_at_rings`. The product and ring runs
+keep their ``drop`` written on the result, :func:`drop_panel` and :func:`drop_summand`:
+a SUMMA AB or Cannon block sums its k-panels locally, with no reduction to hook, and
+a ring run at p = 1 has no sum to drop, where this form still corrupts it.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..algorithms.allreduce import chunk_bounds
+from .check import op_panels, product_block_slices, ring_input
 
 KINDS = ("nan", "inf", "perturb", "drop")
 PERTURB = 1e-6               # double precision (float64, complex128)
@@ -87,3 +101,56 @@ def corrupt_entry(x, kind: str) -> None:
         x[at] = x[at] * (1.0 + eps) if x[at] != 0 else eps
     else:
         raise ValueError(f"corrupt_entry does not do {kind!r}")
+
+
+def drop_panel(host, case, g, seed: int) -> None:
+    """``drop`` on a product's block ``host`` (in place): it misses the summand of its
+    first k-panel."""
+    rows, cols = product_block_slices(case, g)
+    kc = slice(0, max(1, case.k // max(case.q, 1)))
+    a, b = op_panels(case.spec, case.m, case.k, case.n, rows, cols, kc, seed,
+                     np.dtype(case.dtype))
+    host -= (a @ b).astype(host.dtype)
+
+
+def drop_summand(host, seed: int, rank: int, p: int) -> None:
+    """``drop`` on a ring all-reduce result ``host`` (in place) of world rank ``rank``:
+    it misses the next rank's input."""
+    host -= ring_input(seed, (rank + 1) % p, host.shape[0], host.dtype)
+
+
+@contextmanager
+def drop_at_rings(namespace):
+    """Route the ring reductions that ``namespace`` (a module) calls,
+    ``ring_allreduce_unchecked`` and ``ring_reduce_scatter_unchecked``, through the
+    ``drop`` hook for the ``with`` block: the one the armed hook picks
+    (:meth:`~summasim.comm.Comm.take_drop`) keeps this rank's own contribution in
+    what it returns (an all-reduce) or in the chunk it owns (a reduce-scatter). The
+    messages are unchanged, so no rank waits; every rank that reads the chunk later
+    sees the error."""
+    ar, rs = namespace.ring_allreduce_unchecked, namespace.ring_reduce_scatter_unchecked
+
+    def allreduce(x, comm, out=None):
+        if not comm.take_drop():
+            return ar(x, comm, out=out)
+        mine = x.copy()
+        res = ar(x, comm, out=out)
+        res[...] = mine
+        return res
+
+    def reduce_scatter(flat, comm, work=None, src=None):
+        if not comm.take_drop():
+            return rs(flat, comm, work, src)
+        mine = (flat if src is None else src).copy()
+        own = rs(flat, comm, work, src)
+        lo, hi = chunk_bounds(flat.shape[0], comm.size)[own]
+        flat[lo:hi] = mine[lo:hi]
+        return own
+
+    namespace.ring_allreduce_unchecked = allreduce
+    namespace.ring_reduce_scatter_unchecked = reduce_scatter
+    try:
+        yield
+    finally:
+        namespace.ring_allreduce_unchecked = ar
+        namespace.ring_reduce_scatter_unchecked = rs

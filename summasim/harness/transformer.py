@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..comm import FAULTS
+from ..comm import Comm
 from ..costmodel.accuracy import event_summary
 from ..backends import array_module, backend_of, is_device_array, to_backend
 from ..mpiutil import agreement, quiet_barrier
@@ -306,14 +307,14 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         for checkpoint in (False, True):
             grid.trace.clear()
             inject_now = mine and not checkpoint
-            if inject_now and fault.kind == "drop":
-                FAULTS.drop_next_sum = True
-            loss, cache = module.forward(local, tokens, targets, config, grid,
-                                         checkpoint=checkpoint)
-            grads = module.backward(cache)
-            if inject_now and fault.kind == "drop":
-                rep.fault_applied = not FAULTS.drop_next_sum
-                FAULTS.drop_next_sum = False
+            dropping = inject_now and fault.kind == "drop"
+            # drop: the first sum reduction of the step on this rank (comm.DropFault)
+            with (Comm.drop_next_sum() if dropping else nullcontext()) as drop:
+                loss, cache = module.forward(local, tokens, targets, config, grid,
+                                             checkpoint=checkpoint)
+                grads = module.backward(cache)
+            if dropping:
+                rep.fault_applied = drop.applied
             if inject_now and fault.kind != "drop":
                 corrupt_entry(grads[_fault_key(grads)], fault.kind)
             events = list(grid.trace.events)
@@ -382,7 +383,6 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         coords = world.gather(list(getattr(grid, "coords", (grid.rank,))), root=0)
         finished = True
     finally:
-        FAULTS.drop_next_sum = False
         grid.free()
         ref = tokens = targets = None         # views of the window, then the window
         if finished:    # freeing is collective: a rank that raised must reach the abort

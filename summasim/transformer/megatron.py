@@ -20,12 +20,21 @@ split along its first dimension to match ``Y = [Y_1, ..., Y_p]``, so
 ONE all-reduce (``g``) of the ``[b*s, h]`` partials gives ``Z - c`` on every rank,
 and the bias ``c`` (replicated) is added once, after it.
 
-The conjugate operators of Megatron's ``mappings.py``:
+The conjugate operators of Megatron's ``mappings.py``, one function per direction:
 
-* ``f`` (before a column-parallel linear): identity in forward; in backward
-  ``dX = sum_r dY_r A_r^T`` is a partial sum on each rank: all-reduce.
-* ``g`` (after a row-parallel linear): all-reduce in forward; identity in backward
-  (``dZ`` is replicated, ``dY_r = dZ B_r^T`` is local).
+* ``f`` (before a column-parallel linear; Megatron's
+  ``copy_to_tensor_model_parallel_region``): :func:`f_forward` is the identity;
+  :func:`f_backward` all-reduces, since ``dX = sum_r dY_r A_r^T`` is a partial sum on
+  each rank.
+* ``g`` (after a row-parallel linear; ``reduce_from_tensor_model_parallel_region``):
+  :func:`g_forward` all-reduces; :func:`g_backward` is the identity (``dZ`` is
+  replicated, ``dY_r = dZ B_r^T`` is local).
+* The vocabulary-parallel pieces pair up the same way: the masked embedding lookup is
+  summed by ``g`` (its backward, the masked scatter-add, is local); the tied LM head's
+  input passes ``f`` (its backward sums ``dx = sum_r dZ_r E_r``); the cross-entropy's
+  max and sums go through :func:`vocab_reduce_forward`, which has no backward
+  collective (each shard's logit gradient is local, as in Megatron's
+  ``_VocabParallelCrossEntropy``).
 
 Parameter gradients need no communication: ``dA_r = X^T dY_r``, ``db_r = sum dY_r``,
 ``dB_r = Y_r^T dZ`` are this rank's blocks; ``dc = sum dZ`` and the LayerNorm
@@ -46,7 +55,8 @@ forward 2 all-reduces of ``b*s*h`` items (the two ``g``); backward 2 (the two
 ``f`` conjugates), plus the 2 ``g`` of the recomputed forward when checkpointing.
 Outside Table 1 ("aux"): 1 all-reduce of ``b*s*h`` in the embedding, 3 of ``b*s``
 in the loss, 1 of ``b*s*h`` for the LM head's input gradient. As in Megatron's
-``_reduce``, every all-reduce is skipped on a group of one, so ``p == 1`` runs the
+``_reduce``, every all-reduce (:func:`f_backward`, :func:`g_forward`,
+:func:`vocab_reduce_forward`) is skipped on a group of one, so ``p == 1`` runs the
 same code and communicates nothing.
 
 Trace phases
@@ -197,12 +207,42 @@ def check_local_params(local_params: dict, config: Config, grid) -> None:
 # --------------------------------------------------------------------------- #
 # the collectives                                                             #
 # --------------------------------------------------------------------------- #
-def _reduce(buf, grid, op: str = "sum"):
-    """All-reduce ``buf`` in place over ``grid.comm``; skipped on a group of one
-    (Megatron's ``_reduce``: ``if group.size() == 1: return input_``)."""
+# Megatron-core's mappings.py, one function per direction: f =
+# copy_to_tensor_model_parallel_region, g = reduce_from_tensor_model_parallel_region.
+# Each skips the work on a group of one, so p == 1 runs the same code and sends nothing.
+def f_forward(x, grid):
+    """f, forward: identity (backward: all-reduce over ``grid.comm``, :func:`f_backward`)."""
+    return x
+
+
+def f_backward(dx, grid):
+    """f, backward: all-reduce of the partial ``dx`` in place over ``grid.comm``
+    (forward: identity, :func:`f_forward`)."""
     if grid.p == 1:
-        return buf
-    return grid.comm.allreduce(buf, op=op)
+        return dx
+    return grid.comm.allreduce(dx)
+
+
+def g_forward(x, grid):
+    """g, forward: all-reduce of the partial ``x`` in place over ``grid.comm``
+    (backward: identity, :func:`g_backward`)."""
+    if grid.p == 1:
+        return x
+    return grid.comm.allreduce(x)
+
+
+def g_backward(dx, grid):
+    """g, backward: identity (forward: all-reduce over ``grid.comm``, :func:`g_forward`)."""
+    return dx
+
+
+def vocab_reduce_forward(x, grid, op: str = "sum"):
+    """Vocab-parallel cross-entropy statistic, forward: all-reduce (``op`` "max" or
+    "sum") in place over ``grid.comm`` (backward: none; as in Megatron's
+    ``_VocabParallelCrossEntropy``, each shard's logit gradient is local)."""
+    if grid.p == 1:
+        return x
+    return grid.comm.allreduce(x, op=op)
 
 
 def _vocab_hooks(grid):
@@ -212,17 +252,17 @@ def _vocab_hooks(grid):
 
     def combine_vocab(x):          # (B, T, h) masked lookup -> full lookup
         with trace.phase("aux.vocab"):
-            return _reduce(x, grid)
+            return g_forward(x, grid)      # g: all-reduce (backward: g_backward, identity)
 
     def max_vocab(a):              # (N, v/p) -> (N, 1)
         m = ops.local_max(a)
         with trace.phase("aux.max"):
-            return _reduce(m, grid, "max")
+            return vocab_reduce_forward(m, grid, "max")    # backward: none (local)
 
     def sum_vocab(a):              # (N, k) -> (N, 1)
         s = ops.local_sum(a)
         with trace.phase("aux.sum"):
-            return _reduce(s, grid)
+            return vocab_reduce_forward(s, grid)           # backward: none (local)
 
     return combine_vocab, max_vocab, sum_vocab
 
@@ -347,20 +387,20 @@ def _block_forward(x, p, config: Config, grid, recompute: bool = False):
     tag = "tp.recompute." if recompute else "tp."
     heads = config.heads // grid.p
     a, ln1 = ops.layernorm_forward(x, p["ln1.g"], p["ln1.b"])            # (B, T, h) replicated
-    # f: identity in forward (backward: all-reduce over grid.comm of the input gradient)
+    a = f_forward(a, grid)         # f: identity (backward: f_backward, all-reduce)
     a, attn = ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
                                     p["attn.proj.w"], None, heads)       # (B, T, h) partial sum
     with trace.phase(tag + "attn.proj"):
-        _reduce(a, grid)           # g: all-reduce over grid.comm (f: identity in forward)
+        g_forward(a, grid)         # g: all-reduce (backward: g_backward, identity)
     a += p["attn.proj.b"]                               # bias once, after the reduction
     a += x                                              # residual 1
     m, ln2 = ops.layernorm_forward(a, p["ln2.g"], p["ln2.b"])            # (B, T, h) replicated
-    # f: identity in forward (backward: all-reduce over grid.comm of the input gradient)
+    m = f_forward(m, grid)         # f: identity (backward: f_backward, all-reduce)
     m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])         # (B, T, f/p)
     m, gelu = ops.gelu_forward(m)                                        # (B, T, f/p)
     m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (B, T, h) partial sum
     with trace.phase(tag + "mlp.proj"):
-        _reduce(m, grid)           # g: all-reduce over grid.comm (f: identity in forward)
+        g_forward(m, grid)         # g: all-reduce (backward: g_backward, identity)
     m += p["mlp.proj.b"]                                # bias once, after the reduction
     m += a                                              # residual 2
     return m, ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
@@ -371,24 +411,27 @@ def _block_backward(dout, cache: ops.BlockCache, grid):
     trace = grid.trace
     h = dout.shape[-1]
     grads = {}
-    # g's backward is the identity: dout (replicated) feeds every rank's row block as is
+    # g (mlp.proj), backward: identity (forward: g_forward, all-reduce); dout is
+    # replicated and feeds every rank's row block as is
+    dm = g_backward(dout, grid)                                          # (B, T, h)
     grads["mlp.proj.b"] = dout.reshape(-1, h).sum(axis=0)               # (h,) replicated
-    dm, g = ops.linear_backward(dout, cache.proj)                        # (B, T, f/p)
+    dm, g = ops.linear_backward(dm, cache.proj)                          # (B, T, f/p)
     grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
     dm, _ = ops.gelu_backward(dm, cache.gelu)                            # (B, T, f/p)
     dm, g = ops.linear_backward(dm, cache.fc)                            # (B, T, h) partial sum
     grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
     with trace.phase("tp.mlp.fc"):
-        _reduce(dm, grid)          # f (backward): all-reduce over grid.comm (g: identity)
+        f_backward(dm, grid)       # f: all-reduce (forward: f_forward, identity)
     dx1, g = ops.layernorm_backward(dm, cache.ln2)                       # (B, T, h)
     grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]
     dx1 += dout                                         # residual 2
     grads["attn.proj.b"] = dx1.reshape(-1, h).sum(axis=0)               # (h,) replicated
-    da, g = ops.attention_backward(dx1, cache.attn)                      # (B, T, h) partial sum
+    da = g_backward(dx1, grid)     # g (attn.proj): identity (forward: g_forward, all-reduce)
+    da, g = ops.attention_backward(da, cache.attn)                       # (B, T, h) partial sum
     grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, 3h/p), (3h/p,)
     grads["attn.proj.w"] = g["proj.w"]                                   # (h/p, h)
     with trace.phase("tp.attn.qkv"):
-        _reduce(da, grid)          # f (backward): all-reduce over grid.comm (g: identity)
+        f_backward(da, grid)       # f: all-reduce (forward: f_forward, identity)
     dx, g = ops.layernorm_backward(da, cache.ln1)                        # (B, T, h)
     grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
     dx += dx1                                           # residual 1
@@ -420,6 +463,7 @@ def embed_forward(p: dict, tokens, config: Config, grid):
 def embed_backward(dx, cache: EmbedCache) -> dict:
     """``{"wte": (v/p, h), "wpe": (s, h)}``: the embedding's part of the tied ``wte``
     gradient (this shard's rows) and the replicated ``wpe`` gradient. No communication."""
+    dx = g_backward(dx, cache.grid)    # g (the lookup's): identity (forward: all-reduce)
     with cache.grid.trace.phase("embed.bwd"):
         _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
     return {"wte": g["wte"], "wpe": g["wpe"]}
@@ -489,6 +533,7 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
             logits, head = ops.classifier_forward(x, p["cls.w"], p["cls.b"])   # (B, k)
             reductions = {}
         else:
+            x = f_forward(x, grid)     # f: identity (backward: f_backward, all-reduce)
             logits, head = ops.lm_head_forward(x, p["wte"])                  # (B, T, v/p)
             reductions = dict(vocab_start=grid.rank * (config.vocab // grid.p),
                               max_vocab=max_vocab, sum_vocab=sum_vocab)
@@ -522,7 +567,7 @@ def head_backward(cache: HeadCache):
             dx, g = ops.lm_head_backward(dlogits, cache.head)         # (B, T, h) partial sum
             grads["wte"] = g["wte"]                                   # (v/p, h)
             with grid.trace.phase("aux.lm_head"):
-                _reduce(dx, grid)  # f (backward) of the vocab-parallel head: all-reduce
+                f_backward(dx, grid)   # f: all-reduce (forward: f_forward, identity)
         dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T, h)
         grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
     return dx, grads

@@ -53,6 +53,14 @@ reduce of the packed gradients per layer backward, then (d > 1) one ring all-red
 over ``grid.depth`` among the row-0 ranks. Groups of one rank (q = 1 or d = 1)
 communicate nothing.
 
+Conjugates (each collective call site names its pair in a comment): a product ``ab``
+in forward is ``abt`` and ``atb`` in backward; a broadcast down the column from row 0
+(:func:`_bcast_from_row0`, the embedding's ``wte`` blocks from row l) is a reduce onto
+that row in backward (:func:`_reduce_to_row0`, ``ireduce(root=l)``), plus the depth
+all-reduce of what is replicated over k when d > 1; a LayerNorm's row all-reduces of
+its statistics are row all-reduces again in backward; the cross-entropy's row
+all-reduces and the loss's column/depth sums have no backward collective.
+
 Trace phases (each event's phase is ``"<top>/<sub>"``; sub starts with "tp." or "aux.")
 --------------------------------------------------------------------------------
 ``h{l}.fwd``   ``aux.params.bcast``, ``aux.ln1``, ``tp.attn.qkv``, ``tp.attn.proj``,
@@ -254,20 +262,24 @@ def _allreduce(comm, a, op="sum"):
 
 
 def _row_hooks(grid):
-    """Reductions over the hidden / vocab axis, split along ``grid.row``."""
+    """Reductions over the hidden / vocab axis, split along ``grid.row``: all-reduces
+    in forward. Their conjugates: a LayerNorm's backward calls ``sum_row`` again for
+    its two means (the statistics' gradient is a row sum too); the cross-entropy's
+    backward is local (this vocab block's logit gradient), so it has none."""
     row = grid.row
 
     def sum_row(a):         # (N, C) -> (N, 1), summed over the whole row
-        return _allreduce(row, ops.local_sum(a))
+        return _allreduce(row, ops.local_sum(a))     # all-reduce over grid.row
 
     def max_row(a):         # (N, C) -> (N, 1), max over the whole row
-        return _allreduce(row, ops.local_max(a), op="max")
+        return _allreduce(row, ops.local_max(a), op="max")   # all-reduce over grid.row
 
     return sum_row, max_row
 
 
 def _bcast_from_row0(grid, local, size, xp, dtype, out=None):
-    """Column broadcast from row 0 of a packed 1-D buffer (``local`` on row 0)."""
+    """Forward: column broadcast from row 0 of a packed 1-D buffer (``local`` on row 0)
+    (backward: :func:`_reduce_to_row0`, the column sum onto row 0 of its gradient)."""
     buf = out if out is not None else xp.empty(size, dtype=dtype)        # (size,)
     if grid.i == 0:
         buf[...] = local
@@ -277,8 +289,9 @@ def _bcast_from_row0(grid, local, size, xp, dtype, out=None):
 
 
 def _reduce_to_row0(grid, partial, xp, what: str):
-    """Sum ``partial`` over the column onto row 0 (phase ``aux.<what>.reduce``) and,
-    d > 1, over the depth among the row-0 ranks (phase ``aux.<what>.depth``).
+    """Backward of :func:`_bcast_from_row0` (forward: broadcast down the column from
+    row 0): sum ``partial`` over the column onto row 0 (phase ``aux.<what>.reduce``)
+    and, d > 1, over the depth among the row-0 ranks (phase ``aux.<what>.depth``).
 
     Returns the sum on row 0, None on the other rows.
     """
@@ -414,7 +427,7 @@ def _broadcast_vectors(p: dict, config: Config, grid, xp):
     sizes = _vec_sizes(config, grid.q)
     total = sum(sizes.values())
     local = xp.concatenate([p[key] for key in VEC_KEYS]) if grid.i == 0 else None  # (total,)
-    with grid.trace.phase("aux.params.bcast"):
+    with grid.trace.phase("aux.params.bcast"):  # (bwd: _reduce_to_row0 of the grads)
         buf = _bcast_from_row0(grid, local, total, xp, config.dtype)      # (total,)
     vec, o = {}, 0
     for key in VEC_KEYS:
@@ -433,10 +446,10 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
     sum_row, _ = _row_hooks(grid)
     tr = grid.trace
     vec = _broadcast_vectors(p, config, grid, xp)
-    with tr.phase("aux.ln1"):
+    with tr.phase("aux.ln1"):      # row all-reduces (bwd: row all-reduces, sum_row)
         a, ln1 = ops.layernorm_forward(x, vec["ln1.g"], vec["ln1.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
-    with tr.phase("tp.attn.qkv"):
+    with tr.phase("tp.attn.qkv"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, 3h/q)
     qkv += vec["attn.qkv.b"]
     qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, 3 * hq), nh)           # 3 x (bl, nh, t, hd)
@@ -444,18 +457,18 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
     y_heads = y.reshape(bl, t, nh, hq // nh).transpose(0, 2, 1, 3)         # (bl, nh, t, hd) view
     _, core = ops.attention_core_forward(qh, kh, vh, out=y_heads)
     y = y.reshape(bl * t, hq)                                              # (N, h/q)
-    with tr.phase("tp.attn.proj"):
+    with tr.phase("tp.attn.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         x1 = ab(y, p["attn.proj.w"], grid)                                 # (N, h/q)
     x1 += vec["attn.proj.b"]
     x1 += x                                                                # residual 1
-    with tr.phase("aux.ln2"):
+    with tr.phase("aux.ln2"):      # row all-reduces (bwd: row all-reduces, sum_row)
         m, ln2 = ops.layernorm_forward(x1, vec["ln2.g"], vec["ln2.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
-    with tr.phase("tp.mlp.fc"):
+    with tr.phase("tp.mlp.fc"):    # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         f = ab(m, p["mlp.fc.w"], grid)                                     # (N, f/q)
     f += vec["mlp.fc.b"]
     g, gelu = ops.gelu_forward(f)                                          # (N, f/q)
-    with tr.phase("tp.mlp.proj"):
+    with tr.phase("tp.mlp.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         out = ab(g, p["mlp.proj.w"], grid)                                 # (N, h/q)
     out += vec["mlp.proj.b"]
     out += x1                                                              # residual 2
@@ -479,25 +492,25 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     grads = {}
 
     dout.sum(axis=0, out=view["mlp.proj.b"])                               # (h/q,)
-    with tr.phase("tp.mlp.proj.dX"):
+    with tr.phase("tp.mlp.proj.dX"):   # abt (fwd: ab(g, W))
         dg = abt(dout, p["mlp.proj.w"], grid)                              # (N, f/q)
-    with tr.phase("tp.mlp.proj.dW"):
+    with tr.phase("tp.mlp.proj.dW"):   # atb (fwd: ab(g, W)); d > 1: + depth all-reduce
         grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (f/q, h/q)
     df, _ = ops.gelu_backward(dg, c.gelu)                                  # (N, f/q)
     df.sum(axis=0, out=view["mlp.fc.b"])                                   # (f/q,)
-    with tr.phase("tp.mlp.fc.dX"):
+    with tr.phase("tp.mlp.fc.dX"):     # abt (fwd: ab(m, W))
         dm = abt(df, p["mlp.fc.w"], grid)                                  # (N, h/q)
-    with tr.phase("tp.mlp.fc.dW"):
+    with tr.phase("tp.mlp.fc.dW"):     # atb (fwd: ab(m, W)); d > 1: + depth all-reduce
         grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, f/q)
-    with tr.phase("aux.ln2"):
+    with tr.phase("aux.ln2"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx1, gl = ops.layernorm_backward(dm, c.ln2)                        # (N, h/q)
     view["ln2.g"][...] = gl["g"]
     view["ln2.b"][...] = gl["b"]
     dx1 += dout                                                            # residual 2
     dx1.sum(axis=0, out=view["attn.proj.b"])                               # (h/q,)
-    with tr.phase("tp.attn.proj.dX"):
+    with tr.phase("tp.attn.proj.dX"):  # abt (fwd: ab(y, W))
         dy = abt(dx1, p["attn.proj.w"], grid)                              # (N, h/q)
-    with tr.phase("tp.attn.proj.dW"):
+    with tr.phase("tp.attn.proj.dW"):  # atb (fwd: ab(y, W)); d > 1: + depth all-reduce
         grads["attn.proj.w"] = atb(c.y, dx1, grid)                         # (h/q, h/q)
     hd = hq // nh
     dy_heads = dy.reshape(bl, t, nh, hd).transpose(0, 2, 1, 3)             # (bl, nh, t, hd) view
@@ -506,17 +519,17 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     ops.attention_core_backward(dy_heads, c.core, out=(views[0], views[1], views[2]))
     dqkv = dqkv.reshape(bl * t, 3 * hq)                                    # (N, 3h/q) [dQ|dK|dV]
     dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (3h/q,)
-    with tr.phase("tp.attn.qkv.dX"):
+    with tr.phase("tp.attn.qkv.dX"):   # abt (fwd: ab(a, W))
         da = abt(dqkv, p["attn.qkv.w"], grid)                              # (N, h/q)
-    with tr.phase("tp.attn.qkv.dW"):
+    with tr.phase("tp.attn.qkv.dW"):   # atb (fwd: ab(a, W)); d > 1: + depth all-reduce
         grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, 3h/q)
-    with tr.phase("aux.ln1"):
+    with tr.phase("aux.ln1"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx, gl = ops.layernorm_backward(da, c.ln1)                         # (N, h/q)
     view["ln1.g"][...] = gl["g"]
     view["ln1.b"][...] = gl["b"]
     dx += dx1                                                              # residual 1
     # the vectors' gradients: column sums of every rank, onto row 0 (and over depth)
-    total = _reduce_to_row0(grid, vgrad, xp, "grads")
+    total = _reduce_to_row0(grid, vgrad, xp, "grads")     # (fwd: _broadcast_vectors)
     for key in VEC_KEYS:
         grads[key] = (total[offs[key]:offs[key] + sizes[key]] if grid.i == 0
                       else xp.empty((0,), dtype=dout.dtype))
@@ -543,7 +556,7 @@ def _embed_forward(params: dict, tok, config: Config, grid):
         blk = wte if grid.i == l else bufs[l % 2]
         if q == 1:
             return blk, None
-        with tr.phase("aux.wte.bcast"):
+        with tr.phase("aux.wte.bcast"):   # bcast down grid.col (bwd: ireduce onto row l)
             return blk, col.ibcast(blk, root=l)
 
     nxt = post(0)
@@ -558,7 +571,7 @@ def _embed_forward(params: dict, tok, config: Config, grid):
         x += xl
         caches.append(cache)
     wpe_local = params["wpe"][:t].reshape(-1) if grid.i == 0 else None
-    with tr.phase("aux.wpe.bcast"):
+    with tr.phase("aux.wpe.bcast"):  # (bwd: _reduce_to_row0 of dwpe)
         wpe = _bcast_from_row0(grid, wpe_local, t * hq, xp, wte.dtype)     # (t*h/q,)
     x += wpe.reshape(t, hq)
     return x.reshape(bl * t, hq), caches                                   # (N, h/q)
@@ -580,15 +593,15 @@ def _embed_backward(dx, caches, wpe_shape: tuple, grid, bl: int, t: int):
             dwte = g["wte"]
             continue
         parts.append(g["wte"])  # alive until its reduce completes
-        with tr.phase("aux.wte.reduce"):
+        with tr.phase("aux.wte.reduce"):  # reduce onto row l (fwd: bcast down grid.col)
             reqs.append(col.ireduce(g["wte"], dwte if grid.i == l else None, root=l))
     for r in reqs:
         r.wait()
     if grid.depth.size > 1:
-        with tr.phase("aux.wte.depth"):
+        with tr.phase("aux.wte.depth"):   # all-reduce over grid.depth (fwd: replicated)
             ring_allreduce(dwte, grid.depth, out=dwte)
     dwpe_t = dx3.sum(axis=0).reshape(-1)                                   # (t*h/q,)
-    total = _reduce_to_row0(grid, dwpe_t, xp, "wpe")
+    total = _reduce_to_row0(grid, dwpe_t, xp, "wpe")        # (fwd: _bcast_from_row0)
     if grid.i == 0:
         dwpe = xp.zeros(wpe_shape, dtype=dx.dtype)                         # (s, h/q)
         dwpe[:t] = total.reshape(t, hq)
@@ -601,10 +614,10 @@ def _lnf_forward(x, params: dict, config: Config, grid):
     xp = array_module(x)
     hq = config.hidden // grid.q
     local = xp.concatenate([params["lnf.g"], params["lnf.b"]]) if grid.i == 0 else None
-    with grid.trace.phase("aux.params.bcast"):
+    with grid.trace.phase("aux.params.bcast"):  # (bwd: _reduce_to_row0 of the grads)
         buf = _bcast_from_row0(grid, local, 2 * hq, xp, x.dtype)           # (2h/q,)
     sum_row, _ = _row_hooks(grid)
-    with grid.trace.phase("aux.ln"):
+    with grid.trace.phase("aux.ln"):   # row all-reduces (bwd: row all-reduces, sum_row)
         return ops.layernorm_forward(x, buf[:hq], buf[hq:], sum_hidden=sum_row,
                                      hidden=config.hidden)                  # (N, h/q)
 
@@ -612,10 +625,10 @@ def _lnf_forward(x, params: dict, config: Config, grid):
 def _lnf_backward(dx, cache, config: Config, grid):
     xp = array_module(dx)
     hq = config.hidden // grid.q
-    with grid.trace.phase("aux.ln"):
+    with grid.trace.phase("aux.ln"):   # row all-reduces (fwd: row all-reduces, sum_row)
         dx, g = ops.layernorm_backward(dx, cache)                          # (N, h/q)
     total = _reduce_to_row0(grid, xp.concatenate([g["g"], g["b"]]), xp,
-                            "grads")                                       # row 0: (2h/q,)
+                            "grads")      # row 0: (2h/q,) (fwd: _bcast_from_row0)
     if grid.i == 0:
         return dx, {"lnf.g": total[:hq], "lnf.b": total[hq:]}
     empty = xp.empty((0,), dtype=dx.dtype)
@@ -736,7 +749,7 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
     with tr.phase("lnf.fwd"):
         xf, lnf = _lnf_forward(x.reshape(bl * t, hq), p, config, grid)   # (N, h/q)
     _, abt, _ = _products(grid)
-    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
+    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):  # abt (bwd: ab and atb)
         lg = abt(xf, p["wte"], grid)                                       # (N, v/q)
     loss, ce = None, None
     if targets is not None:
@@ -745,12 +758,12 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
         tgt = _local_rows(targets, grid, xp).reshape(-1)                   # (N,)
         sum_row, max_row = _row_hooks(grid)
         with tr.phase("loss"):
-            with tr.phase("aux.ce"):
+            with tr.phase("aux.ce"):   # row all-reduces (bwd: none, dlogits is local)
                 losses, ce = ops.cross_entropy_forward(
                     lg, tgt, vocab_start=grid.j * (config.vocab // grid.q),
                     max_vocab=max_row, sum_vocab=sum_row)                  # (N,)
             total = losses.sum().reshape(1)                                # (1,) this row block
-            with tr.phase("aux.mean"):
+            with tr.phase("aux.mean"):  # col, depth all-reduces (bwd: none, 1/n_items seed)
                 total = _allreduce(grid.col, total)
                 total = _allreduce(grid.depth, total)
         loss = float(total[0]) / n_items
@@ -772,9 +785,9 @@ def head_backward(cache: HeadCache):
                       dtype=cache.logits.dtype)                            # (N,) 1/n_items
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
     with tr.phase("lmhead.bwd"):
-        with tr.phase("aux.logits.dX"):
+        with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
             dx = ab(dlogits, cache.params["wte"], grid)                    # (N, h/q)
-        with tr.phase("aux.logits.dW"):
+        with tr.phase("aux.logits.dW"):    # atb (fwd: abt(xf, wte))
             dwte_head = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
     with tr.phase("lnf.bwd"):
         dx, grads = _lnf_backward(dx, cache.lnf, config, grid)             # (N, h/q)
