@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import matmul_result as _matmul_result, synthetic_machine
-from summasim.costmodel import accuracy as A
+from summasim.costmodel.tools import accuracy as A
 from summasim.harness.cases import RingCase
 from summasim.costmodel.fit import (fit_elementwise, fit_nonneg_linear, fit_regimes,
                                     fit_shared_core, library_eager_threshold, split_huge)
@@ -241,3 +241,59 @@ def test_reanalysis_without_measurements_says_what_is_missing(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "measured.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- typed records
+def _transformer_result(p=4):
+    from summasim.harness.cases import transformer_case
+
+    case = transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, dtype="float64")
+    events = [[["bcast", "row", 2, 512, 6, True], ["bcast", "col", 2, 256, 4, False]]
+              for _ in range(p)]
+    coords = [[r // 2, r % 2, 0] for r in range(p)]
+    return dict(case.to_dict(), p=p, spans=[0.02, 0.01, 0.03], rank_max=[0.01, 0.01, 0.02],
+                events=events, coords=coords)
+
+
+def test_measured_runs_read_the_harness_dicts_and_write_them_back():
+    """MeasuredRun.from_dict(d).to_dict() == d (with every field present) for every kind
+    of run the harness measures (old five-field event lines included), and the record is what the
+    analysis reads: same label, key, seconds and prediction as from the dict."""
+    from summasim.costmodel.tools.measured import EventCount, MeasuredRun
+
+    m = _machine()
+    ring = _ring_result(4, 1 << 12, [1.0, 2.0, 3.0])            # five-field events
+    for res in (ring, _matmul_result("summa_ab", 2, 256, 4, [1.0, 1.5]),
+                _transformer_result()):
+        run = MeasuredRun.from_dict(res)
+        assert run.to_dict() == {"rank_max": [], **res} and MeasuredRun.from_dict(run) is run
+        assert all(isinstance(e, EventCount) for rank in run.events for e in rank)
+        assert run.kind == res["kind"] and run.p == res["p"] and run.dtype == res["dtype"]
+        assert A.predict_result(run, m) == A.predict_result(res, m)
+        assert A.case_label(run) == A.case_label(res) == run.label
+        assert A.ranking_key(run) == A.ranking_key(res) == run.ranking_key
+        assert A.measured_seconds(run, "min") == min(res["spans"])
+        assert run.seconds() == __import__("statistics").median(res["spans"])
+    assert not MeasuredRun.from_dict(ring).polled               # no flag: not marked polled
+    tf = MeasuredRun.from_dict(_transformer_result())
+    assert tf.label == "optimus 2x2 b4 s8 h16 v32 L2" and tf.model().hidden == 16
+    assert tf.events[0][1] == EventCount("bcast", "col", 2, 256, 4, False)
+    with pytest.raises(ValueError, match="lacks"):
+        MeasuredRun.from_dict({"kind": "matmul", "p": 4, "algorithm": "summa_ab"})
+    with pytest.raises(ValueError, match="unknown kind"):
+        MeasuredRun.from_dict({"kind": "fft", "p": 4})
+
+
+def test_mesh_runs_round_trip_for_the_composition_pricer():
+    from summasim.costmodel.tools.measured import MeasuredRun
+
+    res = {"kind": "mesh", "mesh": "dp=2,pp=1,tp=megatron:2", "dp": 2, "pp": 1,
+           "scheme": "megatron", "q": 1, "d": 1, "t": 2, "zero": 1, "schedule": "1f1b",
+           "m": 2, "checkpoint": False, "bucket_bytes": 1 << 20, "steps": 1, "b": 8, "s": 8,
+           "h": 16, "heads": 4, "v": 32, "layers": 2, "ffn": 4, "dtype": "float64", "p": 4,
+           "spans": [0.1], "rank_max": [], "events": [[] for _ in range(4)],
+           "coords": [[r // 2, 0, r % 2, 0, 2] for r in range(4)]}
+    run = MeasuredRun.from_dict(res)
+    assert run.microbatches == 2 and run.m == 0 and run.to_dict() == res
+    assert run.label == "dp=2,pp=1,tp=megatron:2 zero=1 1f1b m=2 b8 s8 h16 L2"
+    assert run.ranking_key.startswith("p=4 sharded step b8")

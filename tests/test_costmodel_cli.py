@@ -1,4 +1,7 @@
-"""The command line: explore tables, CSV/JSON outputs, plots, presets, table1."""
+"""The command line: explore tables, CSV/JSON outputs, plots, presets, table1; one
+spelling in every cost-model command (``--model``, ``--batch``, ``--mesh``, ``--machine``);
+``predict --mesh`` of a whole composition equals the planner's row for it; every grid of
+``spec.grids`` is priced."""
 
 import csv
 import json
@@ -8,14 +11,14 @@ import sys
 import pytest
 
 from summasim.costmodel.__main__ import main as cli_main
-from summasim.costmodel.explore import PLOT_HINT
+from summasim.costmodel.tools.explore import PLOT_HINT
 
-SMALL = ["--p-max", "256", "--b", "16", "--s", "256", "--h", "1024", "--heads", "16",
-         "--layers", "4", "--matmul-n", "4096"]
+SMALL = ["--p-max", "256", "--model", "h=1024,heads=16,layers=4,seq=256,vocab=2048",
+         "--batch", "16", "--matmul-n", "4096"]
 
 
 def test_explore_writes_csv_and_json(tmp_path, capsys):
-    rc = cli_main(["explore", *SMALL, "--preset", "h100-dgx-ndr", "--outdir", str(tmp_path),
+    rc = cli_main(["explore", *SMALL, "--machine", "h100-dgx-ndr", "--outdir", str(tmp_path),
                    "--csv", "--json", "--mem-budget", "1"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -58,8 +61,8 @@ def test_explore_explicit_paths_and_machine_file(tmp_path, capsys):
 
 
 def test_explore_bad_input(capsys):
-    assert cli_main(["explore", "--preset", "nope"]) == 2
-    assert "unknown machine preset 'nope'" in capsys.readouterr().err
+    assert cli_main(["explore", "--machine", "nope"]) == 2
+    assert "'nope' is neither a machine file nor a preset" in capsys.readouterr().err
     assert cli_main(["explore", "--schemes", "megatron,fox"]) == 2
     assert "unknown scheme 'fox'" in capsys.readouterr().err
 
@@ -111,4 +114,137 @@ def test_module_entry_point_subprocess(tmp_path):
     assert json.loads((tmp_path / "explore.json").read_text())["tables"]["strong"]
     res = subprocess.run([sys.executable, "-m", "summasim.costmodel", "explore", "--help"],
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and "--preset" in res.stdout and "--plot" in res.stdout
+    assert res.returncode == 0 and "--machine" in res.stdout and "--plot" in res.stdout
+    assert "--preset" not in res.stdout and "--model" in res.stdout
+
+
+# -- one spelling: predict and plan ---------------------------------------------------------
+def _run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "summasim.costmodel", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("cmd", ["predict", "plan", "explore"])
+def test_every_command_speaks_the_shared_options(cmd):
+    """--model, --batch, --machine FILE|PRESET and --dtype in each; the old spellings
+    are gone (and --mesh / --zero / --schedule / --microbatches in predict)."""
+    from summasim.costmodel.tools import explore, plan, predict
+
+    ap = {"predict": predict, "plan": plan, "explore": explore}[cmd].build_parser()
+    flags = {f for a in ap._actions for f in a.option_strings}
+    assert {"--model", "--batch", "--machine", "--dtype"} <= flags
+    assert not flags & {"--preset", "--hidden", "--heads", "--layers", "--seq", "--vocab",
+                        "--ffn", "--b", "--s", "--h", "--grid", "--scheme", "--global-batch"}
+    if cmd == "predict":
+        assert {"--mesh", "--zero", "--schedule", "--microbatches", "--checkpoint"} <= flags
+
+
+def test_predict_prices_the_summa25_grid_past_the_cube_the_main_job_runs(capsys):
+    """The main job's tiny model on [2,2,4] (d > q) at p = 16, on this machine's preset."""
+    rc = cli_main(["predict", "--model", "tiny", "--batch", "8", "--mesh", "tp=summa25:2x2x4",
+                   "--machine", "local-2core-mpich"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "SUMMA2.5 [2,2,4]" in out and "step time" in out
+
+
+def test_predict_prices_every_grid_of_spec_grids(tmp_path):
+    """Every grid spec.grids(16, scheme) lists is priced by predict (tiny fits them all)."""
+    from summasim import spec
+    from summasim.costmodel.tools import predict
+
+    ap = predict.build_parser()
+    seen = []
+    for scheme in spec.SCHEME_NAMES:
+        for g in spec.grids(16, scheme, spec.MODELS["tiny"], 8):
+            path = tmp_path / f"{scheme}-{g.q}-{g.d}.json"
+            args = ap.parse_args(["--model", "tiny", "--batch", "8", "--mesh", f"tp={g}",
+                                  "--machine", "local-2core-mpich", "--json", str(path)])
+            doc = predict.run(args, out=__import__("io").StringIO())
+            assert doc["seconds"] > 0 and json.loads(path.read_text())["seconds"] == \
+                doc["seconds"]
+            seen.append(str(g))
+    assert "summa25:2x2x4" in seen and "optimus:4x4" in seen and "megatron:16" in seen
+
+
+def test_predict_mesh_equals_the_plan_row_exactly():
+    """predict --mesh prices one fixed composition with the pricer plan ranks with: its
+    step time and memory are the plan search's row for the same composition, exactly."""
+    import io
+
+    from summasim.costmodel.tools import plan, predict
+
+    pargs = plan.build_parser().parse_args(
+        ["--model", "h=1024,heads=16,layers=8,seq=512,vocab=2048", "--batch", "64",
+         "--devices", "64", "--machine", "h100-dgx-ndr", "--mem-gib", "1000"])
+    p = plan.check_args(pargs)
+    res = plan.search(p.cfg, p.devices, p.global_batch, p.machine, budget=p.budget,
+                      schemes=p.schemes, zeros=p.zeros, checkpoints=p.checkpoints,
+                      schedule=p.schedule, state_bytes=p.state_bytes)
+    rows = res.rows
+    picks = [rows[0], rows[len(rows) // 2], rows[-1]]
+    picks += [r for r in rows if r["scheme"] == "summa25" and r["d"] > r["q"]][:1]
+    picks += [r for r in rows if r["pp"] > 1 and r["zero"] == 3][:1]
+    assert len(picks) == 5
+    ap = predict.build_parser()
+    for r in picks:
+        argv = ["--model", "h=1024,heads=16,layers=8,seq=512,vocab=2048", "--batch", "64",
+                "--machine", "h100-dgx-ndr",
+                "--mesh", f"dp={r['dp']},pp={r['pp']},tp={plan._short_grid(r)}",
+                "--zero", str(r["zero"]), "--microbatches", str(r["microbatches"]),
+                "--dtype", p.cfg.dtype] + (["--checkpoint"] if r["checkpoint"] else [])
+        doc = predict.run(ap.parse_args(argv), out=io.StringIO())
+        assert doc["step_seconds"] == r["step_seconds"], (argv, doc["step_seconds"], r)
+        assert doc["memory"]["total"] / plan.GiB == r["memory_gib"]
+        assert doc["composition"]["micro_batch"] == r["micro_batch"]
+
+
+def test_predict_composition_output_and_user_errors(capsys):
+    rc = cli_main(["predict", "--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
+                   "dp=8,pp=8,tp=megatron:8", "--zero", "1", "--microbatches", "48",
+                   "--checkpoint"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for part in ("step time", "exposed dp comm", "bubble", "memory per device (worst stage)",
+                 "512 devices", "m = 48 micro-batches of 4"):
+        assert part in out
+    for argv, mention in (
+            (["--mesh", "dp=8,pp=7,tp=megatron:8"], "not divisible by pp = 7"),
+            (["--mesh", "dp=8,pp=8,tp=megatron:8", "--microbatches", "7"], "--microbatches"),
+            (["--mesh", "dp=2,tp=optimus:4x4", "--placement", "blocked"], "--placement"),
+            (["--mesh", "tp=megatron:7"], "not divisible"),
+            ([], "--mesh")):
+        rc = cli_main(["predict", "--model", "gpt3-175b", *argv])
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert rc == 2 and len(lines) == 1 and mention in lines[0], (argv, err)
+
+
+def test_plan_lists_the_grids_spec_grids_runs():
+    """plan at 16 devices searches every tensor grid spec.grids lists, [2,2,4] included."""
+    from summasim import spec
+    from summasim.costmodel.tools import plan
+
+    p = plan.check_args(plan.build_parser().parse_args(
+        ["--model", "tiny", "--devices", "16", "--machine", "local-2core-mpich"]))
+    got = {(s.name, s.p, s.q, s.d) for s in plan.tensor_grids(p.cfg, 16)}
+    want = {(g.name, g.p, g.q, g.d) for t in (1, 2, 4, 8, 16) for name in spec.SCHEME_NAMES
+            for g in spec.grids(t, name, spec.MODELS["tiny"])
+            if g.name == "megatron" or g.q >= 2}
+    assert got == want and ("summa25", 16, 2, 4) in got
+    res = _run_cli("plan", "--model", "tiny", "--devices", "16", "--machine",
+                   "local-2core-mpich", "--schemes", "summa25", "--top", "50")
+    assert res.returncode == 0, res.stderr
+    assert "summa25:2x2x4" in res.stdout and "summa25:2x2x2" in res.stdout
+
+
+def test_byte_size_is_the_cli_one():
+    """fit's --max-bytes and --threshold parse with summasim.cli.byte_size."""
+    import argparse
+
+    import summasim.costmodel.__main__ as m
+
+    assert not hasattr(m, "_bytes")
+    assert m._max_bytes("64MiB") == 64 << 20 and m._threshold("8k") == 8192
+    assert m._threshold("auto") == "auto"
+    with pytest.raises(argparse.ArgumentTypeError):
+        m._max_bytes("32")

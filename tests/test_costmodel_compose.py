@@ -13,10 +13,14 @@ import pytest
 
 from summasim.costmodel import list_presets, load_preset
 from summasim.costmodel.collectives import collective_time
-from summasim.costmodel.compose import (StateBytes, bubble_fraction, check_composition,
-                                        in_flight, model_state_bytes, overlap_exposed,
-                                        pipeline_time, predict_case, price_composition)
-from summasim.costmodel.schemes import Scheme, TransformerConfig, memory, step_cost
+from summasim.costmodel.workload.composition import predict_case, price_composition
+from summasim.costmodel.workload.footprint import memory
+from summasim.costmodel.workload.pipeline import (bubble_fraction, in_flight, overlap_exposed,
+                                                  pipeline_time)
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+from summasim.costmodel.workload.step import step_cost
+from summasim.costmodel.workload.tensor import check_composition
+from summasim.costmodel.workload.zero import StateBytes, model_state_bytes
 
 LOCAL = load_preset("local-2core-mpich")
 GPU = load_preset("dgx-a100" if "dgx-a100" in list_presets() else "h100-dgx-ndr")
@@ -319,3 +323,14 @@ def test_memory_falls_with_the_zero_stage(sch, kw, dp, pp):
                              **kw)["memory"]["total"] for z in (0, 1, 2, 3)]
     assert all(b <= a for a, b in zip(tot, tot[1:])), tot
     assert tot[3] < tot[0]
+
+
+@pytest.mark.parametrize("dp, pp, t", [(2, 4, 4), (3, 2, 1), (1, 3, 2)])
+def test_mesh_groups_are_the_meshs_rank_order(dp, pp, t):
+    """The priced data-parallel and pipeline groups are spec's, in spec's order."""
+    from summasim import spec
+    from summasim.costmodel.workload.mesh import MeshGroup
+
+    n = dp * pp * t
+    assert MeshGroup(pp * t, dp, n, pp * t).groups(n) == spec.mesh_groups("dp", dp, pp, t)
+    assert MeshGroup(t, pp, pp * t, t).groups(n) == spec.mesh_groups("pp", dp, pp, t)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from summasim.costmodel import devset
+from summasim.costmodel.tools import devset
 from summasim.costmodel.compose import model_flops, price_composition
 from summasim.costmodel.machine import load_preset
 from summasim.costmodel.schemes import Scheme, TransformerConfig

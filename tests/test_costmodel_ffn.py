@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from summasim.costmodel import Machine, Scheme, TransformerConfig, memory
-from summasim.costmodel.schemes import (elementwise_items, grid_shapes, layer_ops, misfit,
-                                        model_messages, scheme_cost, step_work, table1,
-                                        table1_paper)
+from summasim.costmodel.workload.layer import layer_ops, scheme_cost
+from summasim.costmodel.workload.scheme import grid_shapes, misfit
+from summasim.costmodel.workload.step import elementwise_items, model_messages, step_work
+from summasim.costmodel.workload.table1 import table1, table1_paper
 from summasim.transformer import model
 
 
@@ -188,12 +189,12 @@ def test_config_rejects_impossible_sizes(field, value):
 def test_explore_takes_ffn(tmp_path, capsys):
     from summasim.costmodel.__main__ import main
 
-    args = ["explore", "--no-iso", "--p-max", "16", "--b", "16", "--s", "128", "--h", "512",
-            "--heads", "8", "--layers", "2", "--matmul-n", "1024", "--json", "--outdir",
-            str(tmp_path)]
-    assert main(args + ["--ffn", "2"]) == 0
+    args = ["explore", "--no-iso", "--p-max", "16", "--batch", "16", "--matmul-n", "1024",
+            "--json", "--outdir", str(tmp_path), "--model"]
+    model = "h=512,heads=8,layers=2,seq=128,vocab=512"
+    assert main(args + [model + ",ffn=2"]) == 0
     two = json.loads((tmp_path / "explore.json").read_text())
-    assert main(args) == 0
+    assert main(args + [model]) == 0
     four = json.loads((tmp_path / "explore.json").read_text())
     assert "ffn=2" in capsys.readouterr().out
     assert two["config"]["ffn"] == 2 and four["config"]["ffn"] == 4

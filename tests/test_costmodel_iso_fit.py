@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from summasim.costmodel import isoefficiency, paper_machine, reference_slope
-from summasim.costmodel.fit import fit_alpha_beta, fit_regimes, log_sizes, median_rel_err
-from summasim.costmodel.isoefficiency import illinois_root, loglog_slope
+from summasim.costmodel.tools.isoefficiency import illinois_root, loglog_slope
 from summasim.costmodel.machine import MAX_LINK_BANDWIDTH, Machine, sanity_problems
+from summasim.costmodel.machine.regression import (fit_alpha_beta, fit_regimes, log_sizes,
+                                                   median_rel_err)
 
 P2 = [2 ** k for k in range(4, 17)]        # 16 .. 65536
 P4 = [4 ** k for k in range(2, 9)]         # 16 .. 65536, perfect squares
@@ -132,3 +133,21 @@ def test_fit_module_does_not_import_mpi_at_import_time():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_summa25_isoefficiency_solves_on_the_grids_spec_lists():
+    """The SUMMA2.5 problems run on spec.grids' grids: a depth past the cube (d > q) is
+    solved when asked for, and the default at each p is the deepest grid with d <= q,
+    else the one nearest a cube ([2,2,4] at p = 16, where it is the only grid)."""
+    from summasim import spec
+
+    r = isoefficiency("summa25", 0.5, [16, 64], d=4)
+    assert r.p == [16, 64] and r.grid == ["SUMMA2.5 [2,2,4]", "SUMMA2.5 [4,4,4]"]
+    r = isoefficiency("summa25", 0.5, [8, 16, 32, 64, 256], solver="illinois")
+    assert r.grid == ["SUMMA2.5 [2,2,2]", "SUMMA2.5 [2,2,4]", "SUMMA2.5 [4,4,2]",
+                       "SUMMA2.5 [4,4,4]", "SUMMA2.5 [8,8,4]"]
+    for p, label in zip(r.p, r.grid):
+        assert label in {g.label for g in spec.grids(p, "summa25")}
+    assert isoefficiency("summa25", 0.5, [4, 9], d=None).p == []   # no [q,q,d], q, d >= 2
+    mm = isoefficiency("summa25_mm", 0.5, [16], d=4, mode="mpich")
+    assert mm.grid == ["[2,2,4]"]

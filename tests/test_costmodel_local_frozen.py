@@ -23,10 +23,12 @@ import pytest
 
 from summasim.costmodel import collectives as C
 from summasim.costmodel.machine import Machine, load_preset
-from summasim.costmodel.predict import (predict_algorithm, predict_features, predict_trace,
-                                        trace_features)
-from summasim.costmodel.schemes import (Scheme, TransformerConfig, largest_batch, memory,
-                                        model_messages, scheme_cost, step_cost, step_work)
+from summasim.costmodel.workload.footprint import largest_batch, memory
+from summasim.costmodel.workload.layer import scheme_cost
+from summasim.costmodel.workload.predict import (predict_algorithm, predict_features,
+                                                 predict_trace, trace_features)
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+from summasim.costmodel.workload.step import model_messages, step_cost, step_work
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "local_predictions.json")
 MACHINE = os.path.join(os.path.dirname(__file__), "data", "local-2core-mpich-frozen.json")

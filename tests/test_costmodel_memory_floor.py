@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from summasim.bench import ring_prediction
 from summasim.comm import BLOCKING_SENDRECV_BYTES
 from summasim.costmodel.accuracy import predict_result
+from summasim.costmodel.bench_predictions import ring_prediction
 from summasim.costmodel.machine import Machine, load_preset
-from summasim.costmodel.predict import (ADD_OUT_STREAMS, ADD_STREAMS, COPY_STREAMS,
-                                        predict_algorithm, predict_trace)
-from summasim.costmodel.traffic import algorithm_messages
+from summasim.costmodel.workload.predict import predict_algorithm, predict_trace
+from summasim.costmodel.workload.pricer import ADD_OUT_STREAMS, ADD_STREAMS, COPY_STREAMS
+from summasim.costmodel.workload.traffic import algorithm_messages
 from summasim.harness.cases import RingCase
 
 LOCAL = load_preset("local-2core-mpich")
@@ -140,7 +140,7 @@ def test_a_ring_whose_data_fits_the_cache_has_no_floor():
 
 def test_the_node_s_cache_is_read_from_sysfs(tmp_path):
     """The highest level's data or unified caches, each instance once."""
-    from summasim.costmodel.fit import node_cache_bytes
+    from summasim.harness.fitbench import node_cache_bytes
 
     def cache(cpu, index, level, kind, size, shared):
         d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
@@ -163,8 +163,8 @@ def test_the_node_s_cache_is_read_from_sysfs(tmp_path):
 def test_a_message_streams_once_and_the_node_sums_its_ranks():
     """A point-to-point message is one copy, counted at its receiver; the node's
     streams are its ranks' mean times ranks per node, not the busiest rank's."""
-    from summasim.costmodel.predict import SharedFeatures, predict_features
-    from summasim.costmodel.traffic import MessageClass
+    from summasim.costmodel.workload.predict import SharedFeatures, predict_features
+    from summasim.costmodel.workload.traffic import MessageClass
 
     m = LOCAL.replace(memory_bandwidth=SLOW)
     B = 8 * MiB
@@ -179,7 +179,8 @@ def test_a_message_streams_once_and_the_node_sums_its_ranks():
 def test_paper_mode_and_training_steps():
     """The papers' formulas stay as published (no floor); a training step's breakdown
     keeps the floor it was raised to."""
-    from summasim.costmodel.schemes import Scheme, TransformerConfig, step_cost
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+    from summasim.costmodel.workload.step import step_cost
 
     m = LOCAL.replace(memory_bandwidth=SLOW)
     n = 16 * MiB // 8

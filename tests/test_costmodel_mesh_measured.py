@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from summasim.costmodel.accuracy import rank_features
-from summasim.costmodel.compose import ADAM_PASSES, mesh_features, predict_measured_mesh
 from summasim.costmodel.machine import load_preset
+from summasim.costmodel.workload.measured import ADAM_PASSES, mesh_features, predict_measured_mesh
 
 MACHINE = load_preset("local-2core-mpich")
 MODEL = dict(b=8, s=32, h=64, heads=8, v=128, layers=4, ffn=4, dtype="float64")

@@ -13,12 +13,12 @@ import math
 import pytest
 
 from summasim.costmodel import collectives as C
+from summasim.costmodel.collectives.nccl import (_latency, bus_factor, candidate_time, nccl_time,
+                                                 predicted_bus_bandwidth)
 from summasim.costmodel.machine import load_preset
-from summasim.costmodel.nccl import (_latency, bus_factor, candidate_time, nccl_time,
-                                     predicted_bus_bandwidth)
-from summasim.costmodel.predict import predict_trace
-from summasim.costmodel.topology import GridShape, GroupPath, group_path
-from summasim.costmodel.traffic import MessageClass
+from summasim.costmodel.machine.topology import GridShape, GroupPath, group_path
+from summasim.costmodel.workload.predict import predict_trace
+from summasim.costmodel.workload.traffic import MessageClass
 
 GB = 1e9
 

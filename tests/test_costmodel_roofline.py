@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from summasim.costmodel.compute.roofline import (ADAM_BYTES, Device, gemm_roofline,
+                                                 kernels_seconds, layer_kernels, model_kernels)
 from summasim.costmodel.machine import Machine, load_preset
-from summasim.costmodel.roofline import (ADAM_BYTES, Device, gemm_roofline, kernels_seconds,
-                                         layer_kernels, model_kernels)
-from summasim.costmodel.schemes import (Scheme, TransformerConfig, memory, scheme_cost,
-                                        step_breakdown, step_cost)
+from summasim.costmodel.workload.footprint import memory
+from summasim.costmodel.workload.layer import scheme_cost
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+from summasim.costmodel.workload.step import step_breakdown, step_cost
 
 CFG = TransformerConfig(b=8, s=1024, h=2048, n=16, N=4, v=32000, dtype="bfloat16",
                         checkpoint=False)

@@ -5,9 +5,12 @@ from fractions import Fraction
 
 import pytest
 
+from summasim import spec
 from summasim.costmodel import (Machine, Scheme, TransformerConfig, largest_batch, memory,
                                 scheme_cost, table1, table1_paper)
-from summasim.costmodel.schemes import batch_step, best_grid, grid_shapes, layer_ops
+from summasim.costmodel.workload.footprint import batch_step
+from summasim.costmodel.workload.layer import best_grid, layer_ops
+from summasim.costmodel.workload.scheme import grid_shapes
 
 KEYS = ("forward communication", "backward communication", "forward computation",
         "backward computation")
@@ -155,8 +158,14 @@ def test_largest_batch():
 
 
 def test_grids_and_best():
-    assert [(s.q, s.d) for s in grid_shapes(64, "summa25")] == [(8, 1), (4, 4)]
-    assert [(s.q, s.d) for s in grid_shapes(32, "summa25")] == [(4, 2)]
+    # THE enumeration (summasim.spec.grids), q ascending: SUMMA2.5 runs on every [q, q, d]
+    # with q, d >= 2, d > q included ([2,2,16]); d = 1 is Optimus, not SUMMA2.5 (until the
+    # cost model was arranged by concept it kept d <= q and d = 1: [(8, 1), (4, 4)])
+    assert [(s.q, s.d) for s in grid_shapes(64, "summa25")] == [(2, 16), (4, 4)]
+    assert [(s.q, s.d) for s in grid_shapes(16, "summa25")] == [(2, 4)]
+    assert [(s.q, s.d) for s in grid_shapes(32, "summa25")] == [(2, 8), (4, 2)]
+    assert grid_shapes(4, "summa25") == []
+    assert grid_shapes(64, "summa25") == [Scheme.of_grid(g) for g in spec.grids(64, "summa25")]
     assert grid_shapes(32, "optimus") == [] and grid_shapes(36, "optimus")[0].q == 6
     assert Scheme.make("2.5d", p=128, d=2).q == 8
     with pytest.raises(ValueError, match="p = d\\*q\\*q"):
@@ -167,6 +176,29 @@ def test_grids_and_best():
     best, costs = best_grid(64, cfg, Machine.simple(alpha=1e-5, beta=1e-10, gamma=1e-12))
     assert best is min(costs, key=lambda c: c.step_seconds)
     assert {c.scheme.name for c in costs} == {"megatron", "optimus", "summa25"}
+
+
+@pytest.mark.parametrize("q, d", [(2, 4), (2, 16)])
+def test_every_pricer_takes_a_grid_deeper_than_wide(q, d):
+    """SUMMA2.5 on [2,2,4] (p = 16) and [2,2,16] (p = 64): d > q, which the runtime runs."""
+    from summasim.costmodel import load_preset, step_breakdown, step_cost
+    from summasim.costmodel.workload.composition import price_composition
+    from summasim.costmodel.workload.predict import predict_algorithm
+
+    sch = Scheme.make("summa25", q=q, d=d)
+    assert sch in grid_shapes(d * q * q, "summa25") and sch.label == f"SUMMA2.5 [{q},{q},{d}]"
+    cfg = TransformerConfig(b=2 * q * d, s=64, h=128, n=4, N=2, v=256, dtype="float32")
+    for name in ("local-2core-mpich", "h100-dgx-ndr"):
+        machine = load_preset(name)
+        times = [scheme_cost(sch, cfg, machine).step_seconds, step_cost(sch, cfg, machine).seconds,
+                 step_breakdown(sch, cfg, machine).seconds,
+                 price_composition(cfg.replace(b=4 * q * d), sch, machine=machine, dp=2,
+                                   microbatches=2, zero=1)["step_seconds"],
+                 predict_algorithm("summa25_ab", 64 * q * d, 64 * q, 64 * q, q, d,
+                                   machine=machine, dtype="float32").seconds]
+        assert all(math.isfinite(t) and t > 0 for t in times), (name, times)
+    assert memory(sch, cfg).total > 0 and largest_batch(sch, cfg, 2 ** 34) > 0
+    assert table1(sch, b=cfg.b, s=cfg.s, h=cfg.h, p=sch.p, n=cfg.n)
 
 
 def test_layer_ops_counts():
@@ -186,8 +218,8 @@ def test_no_vocabulary_means_no_head(name, kw):
     """v = 0 (the CLIs' "no embedding and head") prices the layers alone: the 2D and 2.5D
     head products were kept with a zero dimension and raised in step_work."""
     from summasim.costmodel import load_preset
-    from summasim.costmodel.compose import price_composition
-    from summasim.costmodel.schemes import model_ops, step_work
+    from summasim.costmodel.workload.composition import price_composition
+    from summasim.costmodel.workload.step import model_ops, step_work
     sch = Scheme.make(name, **kw)
     cfg = TransformerConfig(b=4, s=8, h=64, n=4, N=2, v=0)
     with_head = TransformerConfig(b=4, s=8, h=64, n=4, N=2, v=64)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from summasim.costmodel.compute.roofline import Device
 from summasim.costmodel.machine import Machine, load_preset
-from summasim.costmodel.roofline import Device
-from summasim.costmodel.topology import (GridShape, Placement, Topology, blocked_tile,
-                                         group_path)
+from summasim.costmodel.machine.topology import (GridShape, Placement, Topology, blocked_tile,
+                                                 group_path)
 
 GB = 1e9
 

@@ -9,12 +9,12 @@ import pytest
 
 from conftest import matmul_result, synthetic_machine
 from summasim.costmodel import accuracy as A
-from summasim.costmodel.fit import fit_shared_core
 from summasim.costmodel.machine import Machine, SharedCore
-from summasim.costmodel.predict import (Messages, SharedFeatures, merge_features,
-                                        predict_features, predict_trace, summary_messages,
-                                        trace_features)
-from summasim.costmodel.traffic import algorithm_messages
+from summasim.costmodel.machine.regression import fit_shared_core
+from summasim.costmodel.workload.predict import (SharedFeatures, merge_features, predict_features,
+                                                 predict_trace, trace_features)
+from summasim.costmodel.workload.pricer import Messages, summary_messages
+from summasim.costmodel.workload.traffic import algorithm_messages
 from summasim.harness.cases import RingCase
 from summasim.trace import Event, Trace
 

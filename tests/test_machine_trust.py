@@ -496,7 +496,7 @@ def test_mpi_library_names():
 RUN_FIT_REFUSES = """
 import sys
 from mpi4py import MPI
-from summasim.costmodel import fit
+from summasim.harness import fitbench as fit
 
 real = fit.fit_regimes
 def broken(*a, **k):                      # a fit that hit the bound: infinite bandwidth

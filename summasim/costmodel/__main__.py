@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from .. import cli
@@ -25,21 +24,9 @@ FIT_MIN_BYTES = 64
 FIT_DTYPES = ("float64", "float32", "float16", "complex128", "complex64")
 
 
-def _bytes(text: str) -> int:
-    """"4M", "64MiB", "512k", "1048576" -> bytes (at least 1)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4M, 64MiB, 8192)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-    val = int(float(m.group(1)) * scale)
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return val
-
-
 def _max_bytes(text: str) -> int:
     """argparse type of ``fit --max-bytes``: a byte size of at least 64 B."""
-    val = _bytes(text)
+    val = cli.byte_size(text)
     if val < FIT_MIN_BYTES:
         raise argparse.ArgumentTypeError(f"must be at least {FIT_MIN_BYTES} B (the collective "
                                          f"benchmarks start there), got {text!r}")
@@ -51,7 +38,7 @@ def _threshold(text: str):
     if text.strip().lower() == "auto":
         return "auto"
     try:
-        return _bytes(text)
+        return cli.byte_size(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a byte size (e.g. 8192, 64k), "
                                          f"got {text!r}") from None
@@ -104,14 +91,16 @@ def _fit_main(args, prog: str) -> int:
 
 
 def main(argv=None) -> int:
-    from . import devset, explore, plan, predictcmd
+    from .tools import devset, explore, plan
+    from .tools import predict as predictcmd
     from .machine import get_machine, list_presets
 
     ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
                             description="summasim cost model: predict, explore, fit, presets")
     sub = ap.add_subparsers(dest="cmd", required=True)
     prp = predictcmd.build_parser(sub.add_parser(
-        "predict", help="one configuration: step time, breakdown, memory (no MPI)",
+        "predict", help="one tensor grid or one composition (--mesh): step time, breakdown, "
+                        "memory (no MPI)",
         description=predictcmd.__doc__.splitlines()[0]))
     plp = plan.build_parser(sub.add_parser(
         "plan", help="the fastest dp x pp x tensor x ZeRO compositions that fit (no MPI)",

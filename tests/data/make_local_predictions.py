@@ -22,11 +22,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from summasim.costmodel import collectives as C  # noqa: E402
 from summasim.costmodel.machine import load_preset  # noqa: E402
-from summasim.costmodel.predict import (predict_algorithm, predict_features,  # noqa: E402
-                                        predict_trace, trace_features)
-from summasim.costmodel.schemes import (Scheme, TransformerConfig, largest_batch,  # noqa: E402
-                                        memory, model_messages, scheme_cost, step_cost,
-                                        step_work)
+from summasim.costmodel.workload.footprint import largest_batch, memory  # noqa: E402
+from summasim.costmodel.workload.layer import scheme_cost  # noqa: E402
+from summasim.costmodel.workload.predict import (predict_algorithm, predict_features,
+                                                 predict_trace, trace_features)  # noqa: E402
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig  # noqa: E402
+from summasim.costmodel.workload.step import model_messages, step_cost, step_work  # noqa: E402
 
 PRESET = "local-2core-mpich"
 
@@ -75,7 +76,7 @@ def scheme_cases():
     for ci, cfg in enumerate(cfgs):
         for name, kw in grids:
             sch = Scheme.make(name, **kw)
-            from summasim.costmodel.schemes import misfit
+            from summasim.costmodel.workload.scheme import misfit
 
             c = TransformerConfig(**cfg)
             if misfit(sch, c) is not None:

@@ -40,277 +40,23 @@ and a rank waiting in MPI spins on a core that another rank needs; MPICH polls
 ``MPIR_CVAR_POLLS_BEFORE_YIELD`` = 1000 times before it yields). This is the
 simplest model that conserves core-seconds; it does not capture who waits for whom.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, Mapping
+from typing import Mapping
 
-from ..jsonio import write_json_atomic
-from .roofline import Device
+from ...jsonio import write_json_atomic
+from ..compute.roofline import Device
+from .link import DTYPE_SIZES, Link, SharedCore, _dtype_name, _no_extra, _number, _require
 from .topology import Topology
 
 FORMAT = "summasim.machine/1"
 #: Collective libraries a machine can name: MPICH's algorithms (this VM, any MPI
 #: cluster) or NCCL's (GPU clusters; needs a topology).
 LIBRARIES = ("mpich", "nccl")
-
-#: Bytes per item of the dtype names the cost model knows.
-DTYPE_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
-               "complex128": 16, "complex64": 8}
-
-
-def itemsize_of(dtype) -> int:
-    """Bytes per item of ``dtype`` (a name such as "float32" or a NumPy dtype)."""
-    name = getattr(dtype, "name", dtype)
-    name = str(name)
-    if name not in DTYPE_SIZES:
-        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_SIZES)}")
-    return DTYPE_SIZES[name]
-
-
-def _dtype_name(dtype) -> str:
-    return str(getattr(dtype, "name", dtype))
-
-
-def _number(path: str, value, *, integer: bool = False, positive: bool = False) -> float:
-    """Validate one numeric field; raise ValueError naming ``path``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"machine field {path!r} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"machine field {path!r} must be finite, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"machine field {path!r} must be {bound}, got {value!r}")
-    if integer:
-        if int(value) != value:
-            raise ValueError(f"machine field {path!r} must be an integer, got {value!r}")
-        return int(value)
-    return value
-
-
-def _require(d: Mapping, key: str, prefix: str = ""):
-    if not isinstance(d, Mapping):
-        raise ValueError(f"machine field {prefix.rstrip('.') or 'machine'!r} must be an "
-                         f"object, got {type(d).__name__}")
-    if key not in d:
-        raise ValueError(f"machine field {prefix + key!r} is missing")
-    return d[key]
-
-
-def _no_extra(d: Mapping, allowed, prefix: str = ""):
-    extra = sorted(set(d) - set(allowed))
-    if extra:
-        raise ValueError(f"unknown machine field(s) {', '.join(repr(prefix + e) for e in extra)}"
-                         f"; allowed: {', '.join(allowed)}")
-
-
-@dataclass(frozen=True)
-class Link:
-    """One network link with a small-message and a large-message regime, and
-    optionally a third regime for very large messages.
-
-    Parameters
-    ----------
-    alpha_small, alpha_large : float
-        Latency per message, seconds, for ``nbytes < eager_threshold`` and above.
-    beta_small, beta_large : float
-        Inverse bandwidth, seconds/byte, in the same two regimes.
-    eager_threshold : int
-        Bytes at which the large-message regime starts (MPICH ch4 shared memory:
-        8 KiB, its eager cell and the start of the CMA single-copy protocol).
-    huge_threshold : int or None
-        Bytes at which the third regime starts (None: no third regime). On Linux
-        hosts NumPy backs arrays of 4 MiB and more with transparent huge pages,
-        which a single-copy ``process_vm_readv`` moves measurably faster.
-    alpha_huge, beta_huge : float
-        Latency and inverse bandwidth of the third regime.
-    """
-
-    alpha_small: float
-    beta_small: float
-    alpha_large: float
-    beta_large: float
-    eager_threshold: int
-    huge_threshold: int | None = None
-    alpha_huge: float = 0.0
-    beta_huge: float = 0.0
-
-    _FIELDS = ("alpha_small", "beta_small", "alpha_large", "beta_large", "eager_threshold")
-    _HUGE = ("huge_threshold", "alpha_huge", "beta_huge")
-
-    def __post_init__(self):
-        for f in self._FIELDS + self._HUGE[1:]:
-            _number(f, getattr(self, f), integer=(f == "eager_threshold"))
-        if self.huge_threshold is not None:
-            _number("huge_threshold", self.huge_threshold, integer=True)
-            if self.huge_threshold <= self.eager_threshold:
-                raise ValueError(f"huge_threshold ({self.huge_threshold}) must be above "
-                                 f"eager_threshold ({self.eager_threshold})")
-
-    def _huge(self, nbytes: float) -> bool:
-        return self.huge_threshold is not None and nbytes >= self.huge_threshold
-
-    def alpha(self, nbytes: float) -> float:
-        """Latency (seconds) of one message of ``nbytes`` bytes."""
-        if nbytes < self.eager_threshold:
-            return self.alpha_small
-        return self.alpha_huge if self._huge(nbytes) else self.alpha_large
-
-    def beta(self, nbytes: float) -> float:
-        """Inverse bandwidth (seconds/byte) for a message of ``nbytes`` bytes."""
-        if nbytes < self.eager_threshold:
-            return self.beta_small
-        return self.beta_huge if self._huge(nbytes) else self.beta_large
-
-    def time(self, nbytes: float) -> float:
-        """Point-to-point time ``alpha + beta * nbytes`` (seconds) of one message."""
-        return self.alpha(nbytes) + self.beta(nbytes) * nbytes
-
-    def to_dict(self) -> dict:
-        d = {f: getattr(self, f) for f in self._FIELDS}
-        if self.huge_threshold is not None:
-            d.update({f: getattr(self, f) for f in self._HUGE})
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping, prefix: str = "intra.") -> "Link":
-        """Build from a dict; ValueError names a missing, extra or negative field.
-        The three ``huge`` fields are optional, but all or none."""
-        vals = {}
-        for f in cls._FIELDS:
-            vals[f] = _number(prefix + f, _require(d, f, prefix),
-                              integer=(f == "eager_threshold"))
-        present = [f for f in cls._HUGE if f in d]
-        if present and len(present) != len(cls._HUGE):
-            raise ValueError(f"machine link {prefix.rstrip('.')!r}: give all of "
-                             f"{', '.join(cls._HUGE)} or none, got {', '.join(present)}")
-        for f in present:
-            vals[f] = _number(prefix + f, d[f], integer=(f == "huge_threshold"))
-        _no_extra(d, cls._FIELDS + cls._HUGE, prefix)
-        return cls(**vals)
-
-
-@dataclass(frozen=True)
-class SharedCore:
-    """How ranks behave when more of them share a node than it has cores.
-
-    With ``R = ranks_per_node / cores > 1`` a rank's time is (see
-    :mod:`~summasim.costmodel.predict`)::
-
-        R * (work_factor * W + hops * hop_seconds + mpi_hops * mpi_hop_seconds
-             + hop_bytes * hop_seconds_per_byte
-             + mpi_hop_bytes * mpi_hop_seconds_per_byte + sync_seconds)
-
-    where W is the rank's CPU work (GEMMs, additions, the copies its receives need,
-    ``call_seconds`` per communication call). Every term is per unit of R: the p
-    ranks time-share the cores, so the work of all of them is done at ``cores``
-    ranks' speed (``work_factor`` - 1 is what waiting ranks cost: each polls MPI
-    every 20 us and the wakeups take the cores from the ranks that compute), and a
-    message on the critical path waits for its receiver to be scheduled and does its
-    copy at 1/R speed.
-
-    Two kinds of wait are told apart, because they cost differently: ``hops`` are
-    messages completed by summasim's wait policy (``MPI_Test`` and a sleep of 20 us
-    that Linux stretches to 60-80 us, so most hops cost at least one nap), and
-    ``mpi_hops`` are messages whose rank waited without sleeping: a ring step
-    or a ``Comm.sendrecv`` below its limit (``Comm.exchanger``: the receive polled
-    with ``sched_yield``; older runs: a blocking ``MPI_Sendrecv``); trace events with
-    ``blocking`` set. The bytes of the two kinds are priced apart too, and a ring
-    step's price covers its copies (:meth:`charged_work`): with one price for both,
-    fitted mostly on products, the ring's byte cost came from the 2-rank link fit
-    times the products' work factor, and its prediction at p = 16 moved by a factor
-    of 2-3 between two calibrations of the same day (docs/performance.md).
-    Fitted by the accuracy benchmark on runs at 1.5 to 4 ranks per core.
-
-    Parameters
-    ----------
-    work_factor : float
-        Multiplies the CPU work (>= 0; 1 = perfect time sharing).
-    hop_seconds : float
-        Seconds per polled message on the critical path, per unit of R.
-    hop_seconds_per_byte : float
-        Seconds per byte carried on the critical path, per unit of R.
-    sync_seconds : float
-        Seconds per call (start and end synchronization), per unit of R.
-    mpi_hop_seconds : float or None
-        Seconds per message on the critical path whose wait is inside MPI, per unit of
-        R; None (machine files from before the distinction) prices such a message as a
-        polled one (``hop_seconds``).
-    mpi_hop_seconds_per_byte : float or None
-        Seconds per byte carried by such messages, per unit of R; None (machine files
-        from before the distinction) prices their bytes like a polled hop's
-        (``hop_seconds_per_byte``).
-    """
-
-    work_factor: float = 1.0
-    hop_seconds: float = 0.0
-    hop_seconds_per_byte: float = 0.0
-    sync_seconds: float = 0.0
-    mpi_hop_seconds: float | None = None
-    mpi_hop_seconds_per_byte: float | None = None
-
-    _FIELDS = ("work_factor", "hop_seconds", "hop_seconds_per_byte", "sync_seconds")
-    _OPTIONAL = ("mpi_hop_seconds", "mpi_hop_seconds_per_byte")
-
-    def __post_init__(self):
-        for f in self._FIELDS:
-            _number("shared_core." + f, getattr(self, f))
-        for f in self._OPTIONAL:
-            if getattr(self, f) is not None:
-                _number("shared_core." + f, getattr(self, f))
-
-    @property
-    def blocking_hop_seconds(self) -> float:
-        """Seconds per unit of R of a hop that waits inside MPI (``mpi_hop_seconds``,
-        or ``hop_seconds`` when the machine does not tell the two apart)."""
-        return self.hop_seconds if self.mpi_hop_seconds is None else self.mpi_hop_seconds
-
-    @property
-    def blocking_seconds_per_byte(self) -> float:
-        """Seconds per byte and unit of R of a hop that waits inside MPI
-        (``mpi_hop_seconds_per_byte``, or ``hop_seconds_per_byte`` when the machine
-        does not tell the two apart)."""
-        return (self.hop_seconds_per_byte if self.mpi_hop_seconds_per_byte is None
-                else self.mpi_hop_seconds_per_byte)
-
-    def charged_work(self, work: float, blocking_copy: float) -> float:
-        """The CPU work that ``work_factor`` multiplies: all of ``work`` for a machine
-        without ``mpi_hop_seconds_per_byte``; without ``blocking_copy`` (the link copies
-        of the hops that wait inside MPI, within ``work``) for one that has it, whose
-        byte price covers those copies as measured on the crowded node."""
-        return work if self.mpi_hop_seconds_per_byte is None else work - blocking_copy
-
-    def unit_seconds(self, work: float, hops: float, hop_bytes: float, mpi_hops: float,
-                     mpi_hop_bytes: float, mpi_copy: float) -> float:
-        """The class formula per unit of R, without ``sync_seconds`` (paid once per
-        run, not per operation): the one place it is written, for a whole rank
-        (:func:`~summasim.costmodel.predict.shared_core_time`) and per operation."""
-        return (self.work_factor * self.charged_work(work, mpi_copy)
-                + hops * self.hop_seconds + mpi_hops * self.blocking_hop_seconds
-                + hop_bytes * self.hop_seconds_per_byte
-                + mpi_hop_bytes * self.blocking_seconds_per_byte)
-
-    def to_dict(self) -> dict:
-        out = {f: getattr(self, f) for f in self._FIELDS}
-        for f in self._OPTIONAL:
-            if getattr(self, f) is not None:
-                out[f] = getattr(self, f)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "SharedCore":
-        vals = {f: _number("shared_core." + f, _require(d, f, "shared_core."))
-                for f in cls._FIELDS}
-        for f in cls._OPTIONAL:
-            if d.get(f) is not None:
-                vals[f] = _number("shared_core." + f, d[f])
-        _no_extra(d, cls._FIELDS + cls._OPTIONAL, "shared_core.")
-        return cls(**vals)
 
 
 def _gamma_table(table: Mapping, path: str = "gamma_gemm") -> dict:
@@ -398,7 +144,7 @@ class Machine:
     gamma_elementwise : float
         Seconds per activation item of one transformer layer's elementwise work
         (LayerNorm, GELU, softmax, residuals; forward + backward), see
-        :func:`summasim.costmodel.schemes.step_cost`.
+        :func:`summasim.costmodel.workload.step.step_cost`.
     layer_seconds : float
         Fixed seconds per transformer layer of a training step (forward + backward:
         the NumPy and Python call overheads that do not shrink with the arrays).
@@ -409,11 +155,11 @@ class Machine:
     library : {"mpich", "nccl"}
         The collective library whose algorithms price the messages. "mpich" (the
         default) is the alpha-beta model of :mod:`~summasim.costmodel.collectives`
-        on ``intra``/``inter``; "nccl" uses :mod:`~summasim.costmodel.nccl` on the
+        on ``intra``/``inter``; "nccl" uses :mod:`~summasim.costmodel.collectives.nccl` on the
         links of ``topology`` (required then).
     topology : Topology or None
         Nodes, devices per node, intra-node links, NICs
-        (:class:`~summasim.costmodel.topology.Topology`); None: the two-link model
+        (:class:`~summasim.costmodel.machine.topology.Topology`); None: the two-link model
         (``intra``, ``inter``, ``node_size``).
     memory_bandwidth : float or None
         Bytes per second that all of a node's cores move through host memory at once
@@ -428,7 +174,7 @@ class Machine:
         With it, the memory floor leaves out runs whose ranks' data fits in it
         together (they stream from the cache); None: every run outgrows it.
     device : Device or None
-        Roofline parameters of one device (:class:`~summasim.costmodel.roofline.Device`):
+        Roofline parameters of one device (:class:`~summasim.costmodel.compute.roofline.Device`):
         with one, a training step prices every non-GEMM kernel as max(flops / peak,
         bytes / memory bandwidth) plus a launch, instead of ``gamma_elementwise``.
     fit_conditions : dict or None
@@ -701,207 +447,3 @@ class Machine:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(d)
-
-
-def _preset_dir():
-    return resources.files("summasim.costmodel").joinpath("presets")
-
-
-def list_presets() -> list[str]:
-    """Names of the machine presets shipped with summasim."""
-    return sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".json"))
-
-
-def load_preset(name: str) -> Machine:
-    """The shipped preset called ``name``; ValueError lists the known names."""
-    names = list_presets()
-    if name not in names:
-        raise ValueError(f"unknown machine preset {name!r}; known presets: {', '.join(names)}")
-    d = json.loads(_preset_dir().joinpath(name + ".json").read_text(encoding="utf-8"))
-    return Machine.from_dict(d)
-
-
-def get_machine(machine: Any = None, preset: str | None = None) -> Machine:
-    """Resolve a Machine from an instance, a JSON path, or a preset name."""
-    if isinstance(machine, Machine):
-        return machine
-    if machine is not None and preset is not None:
-        raise ValueError("give a machine file or a preset name, not both")
-    if machine is not None:
-        return Machine.load(machine)
-    return load_preset(preset or DEFAULT_PRESET)
-
-
-def machine_from_args(machine: str | None, preset: str | None) -> Machine:
-    """The machine of a command's ``--machine FILE`` or ``--preset NAME`` (the caller
-    puts its default preset in ``preset``); a :class:`summasim.cli.UsageError` naming
-    the argument when the file or preset cannot be read."""
-    from ..cli import argument_error
-
-    if machine is not None:
-        try:
-            return get_machine(machine)
-        except (OSError, ValueError) as exc:
-            raise argument_error("--machine", exc) from None
-    try:
-        return get_machine(None, preset)
-    except ValueError as exc:
-        raise argument_error("--preset", exc) from None
-
-
-# --------------------------------------------------------------------------- sanity
-#: Fastest link any machine summasim models can have, bytes/s per direction (NVLink 5
-#: is 900 GB/s; shared memory on a CPU box copies at a few tens of GB/s).
-MAX_LINK_BANDWIDTH = 1e12
-#: Slowest believable link, bytes/s (1 MB/s: slower than any network since the 1980s).
-MIN_LINK_BANDWIDTH = 1e6
-#: Longest believable per-message latency, seconds.
-MAX_ALPHA = 0.1
-#: Fastest believable local reduction, bytes/s of one operand (HBM3e reads 8 TB/s).
-MAX_REDUCE_BANDWIDTH = 1e13
-#: Fastest believable GEMM per compute unit, flop/s (a B200 does 2.2 PFLOP/s dense fp16).
-MAX_FLOPS = 1e16
-#: Slowest believable GEMM per compute unit, flop/s.
-MIN_FLOPS = 1e7
-#: Largest median relative error of a fitted link regime on its own points
-#: (``notes["fit"]``): quiet fits here miss by 0.2-5 %; one taken while other jobs
-#: ran missed by 28 % (and had a 46 us latency, 34x the quiet one).
-MAX_FIT_ERROR = 0.15
-#: All ranks' GEMM may be at most this many times slower than one process alone
-#: (``notes["gemm_single"]``): on the 2-core VM two ranks at once ran as fast as one
-#: alone (ratio 0.93-1.00 at n = 256 and 1024, 2026-11-23); one core busy with other
-#: work would make it about 1.5 (3 processes on 2 cores vs 2 on 2).
-MAX_GEMM_SHARING = 1.5
-
-
-def _bad(value) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float)) \
-        or not math.isfinite(value)
-
-
-def _link_problems(link: Link, tag: str) -> list[str]:
-    """What is impossible in one link's reachable regimes."""
-    out = []
-    regimes = []
-    if link.eager_threshold > 0:
-        regimes.append(("small", link.alpha_small, link.beta_small))
-    regimes.append(("large", link.alpha_large, link.beta_large))
-    if link.huge_threshold is not None:
-        regimes.append(("huge", link.alpha_huge, link.beta_huge))
-    for name, alpha, beta in regimes:
-        where = f"{tag} {name}-message regime"
-        if _bad(alpha) or alpha <= 0:
-            out.append(f"{where}: latency alpha = {alpha!r} s (must be finite and > 0: "
-                       f"no message is free)")
-        elif alpha > MAX_ALPHA:
-            out.append(f"{where}: latency alpha = {alpha:.3g} s is above {MAX_ALPHA:g} s")
-        if _bad(beta) or beta <= 0:
-            out.append(f"{where}: beta = {beta!r} s/B, an infinite bandwidth (must be "
-                       f"finite and > 0)")
-        elif 1.0 / beta > MAX_LINK_BANDWIDTH:
-            out.append(f"{where}: bandwidth {1 / beta / 1e9:.3g} GB/s is above the "
-                       f"ceiling of {MAX_LINK_BANDWIDTH / 1e9:g} GB/s")
-        elif 1.0 / beta < MIN_LINK_BANDWIDTH:
-            out.append(f"{where}: bandwidth {1 / beta / 1e6:.3g} MB/s is below "
-                       f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s")
-    sizes = {1, max(1, link.eager_threshold - 1), link.eager_threshold, 1 << 26}
-    if link.huge_threshold is not None:
-        sizes |= {link.huge_threshold - 1, link.huge_threshold}
-    for m in sorted(x for x in sizes if x >= 1):
-        t = link.time(m)
-        if _bad(t) or t <= 0:
-            out.append(f"{tag}: a {m}-byte message costs {t!r} s (must be finite and > 0)")
-    return out
-
-
-def sanity_problems(machine) -> list[str]:
-    """What is physically impossible or suspicious in a measured machine.
-
-    A fit that hits a bound (``beta = 0``: infinite bandwidth) or was distorted by
-    other work (GEMM much slower than one process alone) predicts nonsense that
-    nothing downstream notices; check a fitted machine with this before using or
-    saving it. Synthetic machines (``Machine.simple(alpha=0)``, the papers'
-    assumptions) are allowed to fail it: they are not measurements.
-
-    Parameters
-    ----------
-    machine : Machine or dict
-        A Machine, or its JSON dict (a dict that :meth:`Machine.from_dict` refuses,
-        e.g. a negative alpha, gives that refusal as its one problem).
-
-    Returns
-    -------
-    list of str
-        One line per problem; empty when the machine is plausible. Checked: every
-        reachable link regime (intra and inter) has finite alpha in (0, ``MAX_ALPHA``]
-        and a bandwidth 1/beta within [``MIN_LINK_BANDWIDTH``, ``MAX_LINK_BANDWIDTH``];
-        messages cost a finite positive time; every GEMM rate is finite and within
-        [``MIN_FLOPS``, ``MAX_FLOPS``]; reductions finite and not faster than
-        ``MAX_REDUCE_BANDWIDTH``; the per-call, elementwise, per-layer and shared-core
-        terms finite and >= 0 (shared-core work factor > 0); each fitted link regime
-        within ``MAX_FIT_ERROR`` of its own points (``notes["fit"]``); and, when the
-        fit recorded one process's GEMM alone (``notes["gemm_single"]``), all ranks' GEMM
-        at that size is at most ``MAX_GEMM_SHARING`` times slower.
-    """
-    if not isinstance(machine, Machine):
-        try:
-            machine = Machine.from_dict(machine)
-        except ValueError as exc:
-            return [f"not a valid machine: {exc}"]
-    m = machine
-    out = []
-    if _bad(m.cores) or m.cores < 1:
-        out.append(f"cores = {m.cores!r} (must be a positive integer)")
-    out += _link_problems(m.intra, "intra-node link")
-    if m.inter is not None:
-        out += _link_problems(m.inter, "inter-node link")
-    for dt, pts in m.gamma_gemm.items():
-        for n, g in pts:
-            if _bad(g) or g <= 0:
-                out.append(f"GEMM {dt} n={n:g}: gamma = {g!r} s/flop (must be finite, > 0)")
-            elif not MIN_FLOPS <= 1.0 / g <= MAX_FLOPS:
-                out.append(f"GEMM {dt} n={n:g}: {1 / g / 1e9:.4g} GFLOP/s per compute unit "
-                           f"is outside [{MIN_FLOPS / 1e9:g}, {MAX_FLOPS / 1e9:g}] GFLOP/s")
-    for name in ("gamma_reduce", "gamma_reduce_mpi"):
-        g = getattr(m, name)
-        if _bad(g) or g < 0:
-            out.append(f"{name} = {g!r} s/B (must be finite and >= 0)")
-        elif g > 0 and 1.0 / g > MAX_REDUCE_BANDWIDTH:
-            out.append(f"{name}: {1 / g / 1e9:.4g} GB/s of reduction is above "
-                       f"{MAX_REDUCE_BANDWIDTH / 1e9:g} GB/s")
-    for name in ("call_seconds", "gamma_elementwise", "layer_seconds", "memory_bytes"):
-        v = getattr(m, name)
-        if _bad(v) or v < 0:
-            out.append(f"{name} = {v!r} (must be finite and >= 0)")
-    if m.shared_core is not None:
-        for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
-            v = getattr(m.shared_core, name)
-            if v is None and name in SharedCore._OPTIONAL:
-                continue
-            if _bad(v) or v < 0:
-                out.append(f"shared_core.{name} = {v!r} (must be finite and >= 0)")
-        wf = m.shared_core.work_factor
-        if not _bad(wf) and wf <= 0:
-            out.append("shared_core.work_factor = 0: oversubscribed work would be free")
-    fitted = (m.notes or {}).get("fit")
-    if isinstance(fitted, Mapping):
-        for regime in ("small", "large", "huge"):
-            row = fitted.get(regime)
-            if isinstance(row, (list, tuple)) and len(row) == 3 and not _bad(row[2]) \
-                    and row[2] > MAX_FIT_ERROR:
-                out.append(f"the {regime}-message fit misses its own points by {row[2]:.0%} "
-                           f"(median; at most {MAX_FIT_ERROR:.0%}): the timings were noisy")
-    single = (m.notes or {}).get("gemm_single")
-    if isinstance(single, Mapping):
-        dt, n, g1 = single.get("dtype"), single.get("n"), single.get("seconds_per_flop")
-        if dt in m.gamma_gemm and not _bad(n) and not _bad(g1) and g1 > 0 and n > 0:
-            ratio = m.gamma(n, dt) / g1
-            if ratio > MAX_GEMM_SHARING:
-                out.append(f"GEMM {dt} n={n:g} with all ranks at once is {ratio:.2f}x slower "
-                           f"than one process alone (at most {MAX_GEMM_SHARING:g}x when the "
-                           f"ranks have the cores to themselves): other work shared them")
-    return out
-
-
-#: The preset used when none is named: this project's CPU VM.
-DEFAULT_PRESET = "local-2core-mpich"

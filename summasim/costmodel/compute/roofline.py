@@ -1,0 +1,233 @@
+"""Roofline pricing of the memory-bound work of a training step (GPU devices).
+
+On a GPU the work of a transformer step that is not a GEMM (LayerNorm, the softmax
+over the ``b n s^2`` attention scores, GELU, dropout, bias and residual adds, the
+embedding, the loss, the optimizer update) is limited by memory bandwidth, not by
+arithmetic, and every kernel pays a launch. Each such kernel is priced as
+
+    t = max(flops / vector_flops, bytes / memory_bandwidth) + launch_seconds
+
+(Williams, Waterman and Patterson's roofline), with the device's non-tensor-core
+(vector) rate for the flops, its achievable memory bandwidth (STREAM-like) and a
+per-kernel launch cost. GEMMs use the machine's ``gamma_gemm`` table (tensor-core
+rates for float16/bfloat16) and the same roofline with their operand bytes.
+
+Kernels of one layer, per rank (``it`` bytes per item; X the local activation
+items of a ``[b s, h]`` tensor, Q of the QKV output, S of the attention scores,
+F of the MLP's ``[b s, f h]`` hidden; Megatron runs LayerNorm, residuals and hidden
+dropout replicated over ``b s h`` on every rank, the rest split over p; Optimus and
+SUMMA2.5-LM split everything over p)
+
+=========================  ===============================  ========================
+kernel                     forward bytes (flops)            backward bytes
+=========================  ===============================  ========================
+LayerNorm (x2)             2 X it  (8 X)                    3 X it  (+ dgamma, dbeta)
+QKV bias                   2 Q it                           Q it (bias gradient)
+scale+mask+softmax         2 S it  (5 S)                    3 S it
+attention dropout          S (2 it + 1)  [dropout > 0]      S (2 it + 1)
+proj bias+dropout+residual 3 X it (+ X mask bytes)          3 X it (+ X)
+fc1 bias + GELU            2 F it  (10 F)                   3 F it  (15 F)
+fc2 bias+dropout+residual  3 X it (+ X mask bytes)          3 X it (+ X)
+=========================  ===============================  ========================
+
+With activation checkpointing the forward kernels run again in backward. Per step
+add the embedding (gather and position add, 3 X it; backward scatter-add 3 X it),
+the final LayerNorm, the vocabulary-parallel cross-entropy over the local logits
+``L = b s v / p`` (forward 3 L it: max, sum of exponentials, loss; backward 2 L it)
+and Adam over the local parameters P: one fused multi-tensor update reading the
+gradient, the float32 master weight and both moments and writing them back (plus
+the low-precision copy when ``it < 4``): ``(28 + 2 it if it < 4 else 28) P`` bytes,
+12 flops per parameter, one launch per parameter tensor.
+
+References
+----------
+S. Williams, A. Waterman, D. Patterson, "Roofline: an insightful visual performance
+model for multicore architectures", CACM 52(4), 2009.
+J. D. McCalpin, "STREAM: sustainable memory bandwidth in high performance
+computers" (the memory-bandwidth microbenchmark the presets cite).
+V. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022, section 4 (the per-layer activation tensors of Megatron's layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
+
+from .._fields import nested_from_dict
+
+#: Flops per element assumed for each elementwise kernel (LayerNorm: mean, variance,
+#: normalize, scale, shift; softmax: max, exp, sum, divide, scale/mask; GELU tanh form).
+LN_FLOPS, SOFTMAX_FLOPS, GELU_FLOPS, GELU_BWD_FLOPS = 8.0, 5.0, 10.0, 15.0
+#: Bytes per parameter of a fused Adam step (see the module docstring), without the
+#: low-precision copy.
+ADAM_BYTES = 28.0
+ADAM_FLOPS = 12.0
+
+
+def _num(path, value, positive=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"machine field {path!r} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"machine field {path!r} must be {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Device:
+    """The memory-bound side of one device (a GPU).
+
+    Parameters
+    ----------
+    name : str
+        E.g. "A100-SXM4-80GB".
+    memory_bandwidth : float
+        Achievable device-memory bandwidth, bytes/s (a STREAM-like copy).
+    vector_flops : dict
+        ``{dtype: flop/s}`` of the non-tensor-core units (elementwise math).
+    launch_seconds : float
+        Cost of one kernel launch, seconds.
+    sources : dict
+        ``{field: public source}``.
+    """
+
+    name: str
+    memory_bandwidth: float
+    vector_flops: dict
+    launch_seconds: float = 0.0
+    sources: dict = field(default_factory=dict)
+
+    _FIELDS = ("name", "memory_bandwidth", "vector_flops", "launch_seconds", "sources")
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("machine field 'device.name' must be a non-empty string")
+        _num("device.memory_bandwidth", self.memory_bandwidth, positive=True)
+        _num("device.launch_seconds", self.launch_seconds)
+        if not isinstance(self.vector_flops, Mapping) or not self.vector_flops:
+            raise ValueError("machine field 'device.vector_flops' must be a non-empty object "
+                             "{dtype: flop/s}")
+        for dt, v in self.vector_flops.items():
+            _num(f"device.vector_flops.{dt}", v, positive=True)
+        object.__setattr__(self, "vector_flops", dict(self.vector_flops))
+        if not isinstance(self.sources, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.sources.items()):
+            raise ValueError("machine field 'device.sources' must be an object of strings")
+        object.__setattr__(self, "sources", dict(self.sources))
+
+    def flops_rate(self, dtype: str) -> float:
+        """Vector flop/s for ``dtype`` (float32's when the dtype is not listed)."""
+        return self.vector_flops.get(dtype) or self.vector_flops.get("float32") or max(
+            self.vector_flops.values())
+
+    def kernel_time(self, flops: float, nbytes: float, dtype: str = "float32") -> float:
+        """``max(flops / vector_flops, bytes / memory_bandwidth) + launch_seconds``."""
+        return max(flops / self.flops_rate(dtype), nbytes / self.memory_bandwidth) \
+            + self.launch_seconds
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self._FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Device":
+        return nested_from_dict(cls, d, "device", ("name", "memory_bandwidth", "vector_flops"))
+
+
+class Kernel(NamedTuple):
+    """One memory-bound kernel on one rank: flops and bytes moved."""
+
+    name: str
+    flops: float
+    nbytes: float
+
+
+def _local_sizes(scheme, cfg):
+    """``(X_whole, X_split, Q, S, F, tokens)``: local items of one rank."""
+    b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
+    p = scheme.p
+    bsh = b * s * h
+    f = cfg.ffn * h
+    if scheme.name == "megatron":
+        x_rep = bsh                      # LayerNorm, residual, hidden dropout: replicated
+    else:
+        x_rep = bsh / p
+    return x_rep, bsh / p, 3 * bsh / p, b * n * s * s / p, b * s * f / p
+
+
+def layer_kernels(scheme, cfg) -> dict:
+    """``{"forward": [Kernel], "backward": [Kernel]}`` of one layer on one rank (see
+    the module docstring); backward includes the recomputed forward when
+    ``cfg.checkpoint``."""
+    it = cfg.itemsize
+    drop = getattr(cfg, "dropout", 0.0) > 0
+    X, Xs, Q, S, F = _local_sizes(scheme, cfg)
+    mask = 1.0 if drop else 0.0
+    fwd = [Kernel("ln1", LN_FLOPS * X, 2 * X * it),
+           Kernel("qkv_bias", Q, 2 * Q * it),
+           Kernel("softmax", SOFTMAX_FLOPS * S, 2 * S * it)]
+    if drop:
+        fwd.append(Kernel("attn_dropout", 2 * S, S * (2 * it + 1)))
+    fwd += [Kernel("proj_bias_dropout_residual", 3 * X, 3 * X * it + mask * X),
+            Kernel("ln2", LN_FLOPS * X, 2 * X * it),
+            Kernel("fc1_bias_gelu", GELU_FLOPS * F, 2 * F * it),
+            Kernel("fc2_bias_dropout_residual", 3 * X, 3 * X * it + mask * X)]
+    bwd = [Kernel("fc2_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
+           Kernel("fc2_bias_grad", X, X * it),
+           Kernel("fc1_gelu_bwd", GELU_BWD_FLOPS * F, 3 * F * it),
+           Kernel("fc1_bias_grad", F, F * it),
+           Kernel("ln2_bwd", 2 * LN_FLOPS * X, 3 * X * it),
+           Kernel("proj_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
+           Kernel("proj_bias_grad", X, X * it)]
+    if drop:
+        bwd.append(Kernel("attn_dropout_bwd", S, S * (2 * it + 1)))
+    bwd += [Kernel("softmax_bwd", 4 * S, 3 * S * it),
+            Kernel("qkv_bias_grad", Q, Q * it),
+            Kernel("ln1_bwd", 2 * LN_FLOPS * X, 3 * X * it)]
+    if cfg.checkpoint:
+        bwd = list(fwd) + bwd
+    return {"forward": fwd, "backward": bwd}
+
+
+def model_kernels(scheme, cfg, local_params: float, param_tensors: float) -> dict:
+    """``{"forward", "backward", "optimizer"}`` kernels of one training step on one rank:
+    N layers (:func:`layer_kernels`), embedding, final LayerNorm, the loss over the
+    local logits, and Adam over ``local_params`` parameters in ``param_tensors``
+    tensors."""
+    it = cfg.itemsize
+    X, Xs, Q, S, F = _local_sizes(scheme, cfg)
+    layer = layer_kernels(scheme, cfg)
+    L = cfg.b * cfg.s * cfg.v / scheme.p
+    fwd = [Kernel("embedding", X, 3 * X * it)] + cfg.N * layer["forward"] + [
+        Kernel("lnf", LN_FLOPS * X, 2 * X * it)]
+    bwd = []
+    if cfg.v:
+        fwd.append(Kernel("cross_entropy", 4 * L, 3 * L * it))
+        bwd.append(Kernel("cross_entropy_bwd", 2 * L, 2 * L * it))
+    bwd += [Kernel("lnf_bwd", 2 * LN_FLOPS * X, 3 * X * it)] + cfg.N * layer["backward"] + [
+        Kernel("embedding_bwd", X, 3 * X * it)]
+    per_param = ADAM_BYTES + (2 * it if it < 4 else 0)
+    opt = []
+    if local_params > 0:
+        tensors = max(1, int(round(param_tensors)))
+        # one launch per parameter tensor; the bytes spread over them
+        opt = [Kernel("adam", ADAM_FLOPS * local_params / tensors,
+                      per_param * local_params / tensors)] * tensors
+    return {"forward": fwd, "backward": bwd, "optimizer": opt}
+
+
+def kernels_seconds(kernels, device: Device, dtype: str = "float32") -> float:
+    """Sum of :meth:`Device.kernel_time` over ``kernels``."""
+    return sum(device.kernel_time(k.flops, k.nbytes, dtype) for k in kernels)
+
+
+def gemm_roofline(machine, device: Device, m: float, k: float, n: float, dtype: str,
+                  itemsize: int) -> float:
+    """One GEMM ``[m, k] @ [k, n]``: ``max(2 m k n gamma, operand bytes / bandwidth)``
+    plus one launch (``gamma`` from the machine's table for ``dtype``)."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0
+    compute = machine.gemm_time(m, k, n, dtype)
+    memory = (m * k + k * n + m * n) * itemsize / device.memory_bandwidth
+    return max(compute, memory) + device.launch_seconds

@@ -1,0 +1,45 @@
+"""The cost model's tools: the commands and analyses built on the pricers (pure, no MPI).
+
+predict        ``costmodel predict``: one tensor grid, or one whole composition
+               (``--mesh dp=..,pp=..,tp=..``), its step time, breakdown and memory
+plan           ``costmodel plan``: the fastest dp x pp x tensor x ZeRO compositions that fit
+explore        ``costmodel explore``: scaling sweeps, isoefficiency, what-ifs
+devset         ``costmodel devset``: the model against published GPU-cluster numbers
+isoefficiency  W(p) at fixed efficiency and its growth exponent
+accuracy       the pure analysis of the accuracy benchmark (predicted against measured)
+measured       the typed records the harness hands the cost model (:class:`MeasuredRun`)
+
+Every tool enumerates grids with :func:`summasim.spec.grids` (THE enumeration: the grids
+the main job runs), through :func:`scheme_grids` here.
+"""
+
+from __future__ import annotations
+
+from summasim import spec
+
+
+def scheme_of(grid: "spec.TensorGrid"):
+    """The cost model's :class:`~summasim.costmodel.schemes.Scheme` of a
+    :class:`summasim.spec.TensorGrid`."""
+    from summasim.costmodel.schemes import Scheme
+
+    if grid.kind == "1d":
+        return Scheme("megatron", grid.p)
+    return Scheme(grid.name, grid.p, grid.q, grid.d)
+
+
+def scheme_grids(p: int, name: str, cfg=None, *, batch: bool = True) -> list:
+    """The grids of ``p`` ranks for scheme ``name`` (:func:`summasim.spec.grids`) as
+    cost-model Schemes, in spec's order (q ascending);
+    with ``cfg`` (a TransformerConfig) only those that divide it
+    (:func:`~summasim.costmodel.schemes.misfit`, the batch too unless ``batch=False``).
+
+    SUMMA2.5-LM is every [q, q, d] with q >= 2 and d >= 2, d > q included; [q, q, 1]
+    is Optimus and no longer listed as a SUMMA2.5 grid.
+    """
+    from summasim.costmodel.schemes import misfit
+
+    out = [scheme_of(g) for g in spec.grids(p, name)]
+    if cfg is not None:
+        out = [sch for sch in out if misfit(sch, cfg, batch=batch) is None]
+    return out

@@ -1,0 +1,269 @@
+"""``python -m summasim.costmodel predict``: one tensor grid or one composition, one step.
+
+    python -m summasim.costmodel predict --model gpt3-6.7b --batch 64 --dtype bfloat16 \\
+        --mesh tp=optimus:8x8 --checkpoint --machine dgx-a100 [--placement blocked]
+    python -m summasim.costmodel predict --model gpt3-175b --machine dgx-a100 \\
+        --mesh dp=8,pp=8,tp=megatron:8 --zero 1 --microbatches 48 --checkpoint
+
+``--mesh tp=SCHEME:GRID`` (dp = pp = 1, no ``--microbatches``) prices the tensor scheme
+alone (:func:`~summasim.costmodel.schemes.step_breakdown`): the step time with its
+breakdown (GEMM, memory-bound kernels, optimizer, exposed communication), the model
+TFLOP/s per device, the collective algorithms the model assumed per group (NCCL's
+algorithm and protocol on GPU presets), the memory per device and the largest batch
+that fits. A whole composition (``dp``, ``pp`` > 1, or ``--microbatches``) is priced by
+:func:`~summasim.costmodel.compose.price_composition`, the pricer ``plan`` ranks with, so
+its step time is exactly the plan's row for the same composition: step time, breakdown
+(GEMM, memory-bound, exposed tensor / dp / pp / ZeRO communication, bubble, optimizer),
+memory per device on the worst stage and traffic. A user error (a grid that does not
+divide the model, a composition that cannot exist, a placement that does not fit, an
+unknown machine, an unwritable ``--json``) is one line and exit status 2
+(:mod:`summasim.cli`), found before anything is priced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from summasim import cli, options, spec
+from summasim.jsonio import write_json_atomic
+from summasim.costmodel.compose import StateBytes, check_composition, price_composition
+from summasim.costmodel.machine import DTYPE_SIZES, list_presets, load_machine
+from summasim.costmodel.schemes import (TransformerConfig, batch_step, largest_batch, misfit,
+                                        step_breakdown)
+from summasim.costmodel.topology import GridShape, Placement
+
+from . import scheme_of
+
+GiB = float(1 << 30)
+PREDICT_PRESET = "dgx-a100"
+#: Dtypes tried for --dtype's default, in order, among those the machine has GEMM rates for.
+DEFAULT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def parse_grid(scheme: str, text: str):
+    """A devset point's ``scheme`` and ``grid`` (``"8"``, ``"2x2"``, ``"2x2x4"``) as a
+    cost-model Scheme, through :meth:`summasim.spec.TensorGrid.parse`; ValueError says
+    what is expected."""
+    return scheme_of(spec.TensorGrid.parse(f"{scheme}:{text}"))
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The predict arguments, added to ``parser`` (a sub-parser) or a new one."""
+    ap = parser or cli.ArgumentParser(prog="python -m summasim.costmodel predict",
+                                      description=__doc__.splitlines()[0])
+    options.add_model(ap, help_more=" (required)")
+    options.add_batch(ap)
+    options.add_mesh(ap, help_more=" (required); dp = pp = 1 and no --microbatches prices "
+                                   "the tensor grid alone")
+    options.add_composition(ap)
+    options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
+                      help_more=" of parameters, activations and messages (default: the "
+                                f"first of {', '.join(DEFAULT_DTYPES)} the machine has)")
+    options.add_machine(ap, default=PREDICT_PRESET,
+                        help_more=f"; presets: {', '.join(list_presets())}")
+    ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
+                    help="dropout probability (default 0)")
+    ap.add_argument("--placement", default="row-major",
+                    help="tensor grid alone: row-major (default), blocked, blocked:AxB, or "
+                         "map:SLOT,SLOT,...")
+    ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
+                    help="GiB per device for the largest batch (default: the machine's)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    return ap
+
+
+_arg = cli.argument_error
+
+
+def resolve_machine(text: str, flag: str = "--machine"):
+    """:func:`~summasim.costmodel.machine.load_machine` of ``--machine FILE|PRESET``, a
+    :class:`summasim.cli.UsageError` naming ``flag`` when it cannot be read."""
+    try:
+        return load_machine(text)
+    except (OSError, ValueError) as exc:
+        raise _arg(flag, exc) from None
+
+
+def pick_dtype(machine, dtype: str | None) -> str:
+    """``--dtype``, or the first of :data:`DEFAULT_DTYPES` the machine has GEMM rates
+    for; a UsageError when the machine has none for it."""
+    dtype = dtype or next((dt for dt in DEFAULT_DTYPES if dt in machine.gamma_gemm), None)
+    if dtype is None or dtype not in machine.gamma_gemm:
+        raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for "
+                              f"{dtype or 'any default dtype'} (it has "
+                              f"{', '.join(machine.gamma_gemm)})")
+    return dtype
+
+
+def model_batch(args) -> tuple:
+    """``(model, batch)`` of ``--model`` and ``--batch`` (default: the preset's
+    published batch); UsageError when either is missing."""
+    if args.model is None:
+        raise _arg("--model", f"required: a preset ({', '.join(spec.MODELS)}) or "
+                              f"{spec.MODEL_FORM}")
+    batch = args.batch if args.batch is not None else args.model.batch
+    if batch is None:
+        raise _arg("--batch", f"required for model {args.model} (it has no published batch)")
+    return args.model, batch
+
+
+def is_composition(args) -> bool:
+    """Whether ``args`` name a whole composition (dp or pp > 1, --microbatches or a ZeRO
+    stage), not the tensor grid alone."""
+    mesh = args.mesh
+    return mesh.dp > 1 or mesh.pp > 1 or args.microbatches is not None or args.zero != 0
+
+
+def check_args(args):
+    """``(machine, scheme, cfg, placement, budget)`` or :class:`cli.UsageError`."""
+    machine = resolve_machine(args.machine)
+    model, batch = model_batch(args)
+    if args.mesh is None:
+        raise _arg("--mesh", "required: dp=D,pp=P,tp=SCHEME:GRID (e.g. tp=optimus:4x4)")
+    dtype = pick_dtype(machine, args.dtype)
+    sch = scheme_of(args.mesh.tp)
+    cfg = TransformerConfig.from_model(model, batch, checkpoint=args.checkpoint, dtype=dtype)
+    if args.dropout:
+        cfg = cfg.replace(dropout=args.dropout)
+    if args.json is not None:
+        try:
+            cli.check_writable_path(args.json)
+        except cli.UsageError as exc:
+            raise _arg("--json", exc) from None
+    if is_composition(args):
+        if args.placement.strip() != "row-major":
+            raise _arg("--placement", "places a tensor grid alone (dp = pp = 1); a "
+                                      "composition is priced in rank order")
+        m = args.microbatches if args.microbatches is not None else args.mesh.pp
+        try:
+            check_composition(cfg, sch, args.mesh.dp, args.mesh.pp, m, batch)
+        except ValueError as exc:
+            flag = "--microbatches" if args.microbatches is not None else "--mesh"
+            raise _arg(flag, f"{args.mesh} cannot run {model} at batch {batch}: "
+                             f"{exc}") from None
+        return machine, sch, cfg, m, None
+    why = misfit(sch, cfg)
+    if why:
+        raise _arg("--mesh", f"{sch.label} does not divide the model: {why}")
+    try:
+        placement = Placement.parse(args.placement)
+        if placement.tile and sch.q == 1:
+            raise ValueError(f"{args.placement!r} tiles a q x q grid; {sch.label} is one "
+                             f"group of {sch.p} ranks, placed in rank order")
+        if machine.topology is not None:
+            placement.slots_for(GridShape.of(sch.p, sch.q, sch.d),
+                                machine.topology.devices_per_node)
+    except ValueError as exc:
+        raise _arg("--placement", exc) from None
+    budget = args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes
+    return machine, sch, cfg, placement, budget
+
+
+def price_fixed_composition(args, machine, sch, cfg, m) -> dict:
+    """:func:`~summasim.costmodel.compose.price_composition` of the composition of
+    ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it
+    (state bytes of the dtype, the default bucket, no ZeRO 3 prefetch)."""
+    mesh = args.mesh
+    return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
+                             microbatches=m, global_batch=int(cfg.b), zero=args.zero,
+                             schedule=args.schedule, checkpoint=args.checkpoint,
+                             devices=mesh.devices,
+                             state_bytes=StateBytes.for_dtype(cfg.dtype))
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:10.2f} ms"
+
+
+def run(args, out=None) -> dict:
+    """Price the configuration of ``args``, print it, return it as a dict."""
+    out = out or sys.stdout
+    machine, sch, cfg, placement, budget = check_args(args)
+    if is_composition(args):
+        return _run_composition(args, out, machine, sch, cfg, placement)
+    sb = step_breakdown(sch, cfg, machine, placement=placement)
+    mem = sb.memory
+    step = batch_step(sch)
+    best_b = largest_batch(sch, cfg, budget) if budget > 0 else None
+    w = out.write
+    w(f"machine:   {machine.name} (library {machine.library}"
+      f"{', ' + machine.device.name if machine.device else ''})\n")
+    w(f"scheme:    {sch.label}, placement {placement.describe()}\n")
+    w(f"model:     b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} "
+      f"ffn={cfg.ffn} {cfg.dtype}{' checkpointing' if cfg.checkpoint else ''}"
+      f"{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}\n\n")
+    w(f"step time            {_s(sb.seconds)}   ({sb.tflops_per_device:.1f} model TFLOP/s per "
+      f"device, {sb.model_flops / 1e15:.3g} PFLOP per step)\n")
+    for label, val in (("  GEMM", sb.gemm_seconds),
+                       ("  memory-bound", sb.memory_bound_seconds - sb.optimizer_seconds),
+                       ("  optimizer", sb.optimizer_seconds),
+                       ("  exposed comm", sb.comm_exposed_seconds)):
+        share = val / sb.seconds if sb.seconds else 0.0
+        w(f"{label:<20s} {_s(val)}   {share:6.1%}\n")
+    w(f"  (kernel launches   {_s(sb.launch_seconds)}, {sb.kernels} kernels, inside GEMM and "
+      f"memory-bound)\n\ncommunication by group\n")
+    for (op, grp), secs in sorted(sb.by_op.items(), key=lambda kv: -kv[1]):
+        algs = ", ".join(sb.algorithms.get((op, grp), ()))
+        w(f"  {op + '/' + grp:<22s} {_s(secs)}   {algs}\n")
+    w("\nmemory per device\n")
+    for key, val in mem.to_dict().items():
+        w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
+    if best_b is not None:
+        fits = "fits" if mem.total <= budget else "does NOT fit"
+        w(f"\n{fits} in {budget / GiB:.3g} GiB per device; largest batch that fits: "
+          f"{best_b} (a multiple of {step})\n")
+    result = {**sb.to_dict(), "budget_bytes": budget, "fits": mem.total <= budget,
+              "largest_batch": best_b}
+    if args.json is not None:
+        write_json_atomic(args.json, result)
+        w(f"wrote {args.json}\n")
+    return result
+
+
+def _run_composition(args, out, machine, sch, cfg, m) -> dict:
+    """Price, print and return one fixed composition (:func:`price_fixed_composition`)."""
+    res = price_fixed_composition(args, machine, sch, cfg, m)
+    c, mem, bd = res["composition"], res["memory"], res["breakdown"]
+    w = out.write
+    w(f"machine:   {machine.name} (library {machine.library}"
+      f"{', ' + machine.device.name if machine.device else ''})\n")
+    w(f"mesh:      {args.mesh} ({sch.label}), {args.mesh.devices} devices, m = "
+      f"{c['microbatches']} micro-batches of {c['micro_batch']}, ZeRO {c['zero']}, {c['schedule']}{', checkpointing' if c['checkpoint'] else ''}\n")
+    w(f"model:     {args.model}: b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} "
+      f"ffn={cfg.ffn} {cfg.dtype}{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}\n\n")
+    step = res["step_seconds"]
+    w(f"step time            {_s(step)}   ({res['flops_per_device'] / 1e12:.1f} model TFLOP/s "
+      f"per device, bubble {100 * res['bubble_fraction']:.1f}%)\n")
+    parts = [("  GEMM", bd["gemm"]), ("  memory-bound", bd["memory_bound"])]
+    parts += [(f"  exposed {k} comm", v) for k, v in bd["exposed_comm"].items()]
+    parts += [("  bubble", bd["bubble"]), ("  optimizer", bd["optimizer"])]
+    for label, val in parts:
+        share = val / step if step else 0.0
+        w(f"{label:<20s} {_s(val)}   {share:6.1%}\n")
+    w("\nmemory per device (worst stage)\n")
+    for key in ("model_states", "transient", "activations", "workspace", "total"):
+        val = mem.get(key)
+        if isinstance(val, dict):
+            val = val.get("total")
+        if val is not None:
+            w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
+    traffic = res.get("traffic") or {}
+    if traffic:
+        w("\ntraffic per rank per step\n")
+        for key, val in traffic.items():
+            if isinstance(val, (int, float)):
+                w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
+    if args.json is not None:
+        write_json_atomic(args.json, res)
+        w(f"wrote {args.json}\n")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    return cli.run_command(ap.prog, run, ap.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""Price a training step of data x pipeline x ZeRO x tensor parallelism composed.
+
+A composition runs ``devices = dp * pp * t`` ranks on the mesh ``[dp, pp, tensor
+grid]`` (ranks in that Cartesian order, the tensor grid fastest: a tensor group is
+``t`` consecutive ranks, a pipeline group has stride ``t``, a data-parallel group
+stride ``pp t``). The tensor grid is one of today's schemes: Megatron 1D over ``t``
+ranks, Optimus ``q x q``, SUMMA2.5-LM ``[q, q, d]``. The N layers are split into
+``pp`` equal contiguous stages (N not divisible by pp is refused: uneven stages are
+not priced); the first stage also holds the embedding (``wte``, ``wpe``), the last
+the final LayerNorm and, when pp > 1, a tied copy of ``wte`` for the LM head. The
+global batch B is split over dp and into ``m`` micro-batches of ``b = B/(dp m)``
+sequences, which must be a multiple of the scheme's batch divisor (d q).
+
+What a step costs (seconds; every piece below is in the result's breakdown)
+---------------------------------------------------------------------------
+tensor part      One micro-batch on one stage is priced with the per-scheme step
+                 pricing of :mod:`~summasim.costmodel.workload.step` (``step_cost``: GEMMs,
+                 every tensor-parallel collective, memory-bound kernels; on GPU
+                 presets the roofline and NCCL on the topology), read as ``layers x
+                 (per-layer cost) + embedding (first stage) + head and loss (last
+                 stage)``. The per-layer cost is ``step_cost(N=2) - step_cost(N=1)``,
+                 the rest of ``step_cost(N=1)`` is the embedding and head, split by
+                 pricing the embedding's own collectives (``schemes.model_ops``); the
+                 GEMM / memory-bound / communication split is the prediction's
+                 ``breakdown``, with its optimizer taken out (priced below, sharded).
+                 So at ``dp = pp = m = 1`` and ZeRO 0 the step is today's
+                 ``step_cost`` (to float rounding; plus the Adam update on machines
+                 whose ``step_cost`` leaves it out; the shared-core CPU model is linear
+                 in N only approximately). Checkpointing adds each layer's forward
+                 again (``scheme_cost``'s forward pass) to its backward.
+pipeline         Per micro-batch, stage s takes ``t_s = f_s + b_s`` (its forward and
+                 backward, plus the point-to-point sends of the activation to s+1
+                 and of its gradient to s-1). GPipe (Huang et al. 2019) runs all
+                 forwards then all backwards, ``T = (m-1)(max f + max b) + sum(f + b)``;
+                 1F1B (Narayanan et al. 2021, section 2.2) ``T = (m-1) max(f + b) +
+                 sum(f + b)``. With equal stages both are ``(m + pp - 1) t`` and the
+                 bubble ``(pp - 1) t`` is the fraction ``(pp-1)/(m+pp-1)`` of the
+                 pipeline (:func:`bubble_fraction`); the schedules differ in memory.
+data parallel    ZeRO 0: the gradients are all-reduced over dp once per step,
+                 after the last micro-batch, with summasim's ring (``2(dp-1)/dp`` of
+                 the local gradient bytes sent per rank; ZeRO 1 reduce-scatters them
+                 instead, ``(dp-1)/dp``), in buckets of
+                 ``bucket_bytes`` in backward order: bucket i can start once the last
+                 micro-batch's backward has produced it, the buckets go one after the
+                 other, and only what is left when that backward (and the drain of the
+                 stages before it) ends is exposed; the last bucket is never hidden
+                 (:func:`overlap_exposed`).
+ZeRO             (Rajbhandari et al. 2020.) 1: Adam state partitioned; the gradients
+                 are reduce-scattered, each rank updates its 1/dp shard, then the
+                 parameters are all-gathered over dp (``(dp-1)/dp`` of the local
+                 parameter bytes): in all the bytes of ZeRO 0's all-reduce (the
+                 paper's P_os, section 7.2.1). 2: gradients
+                 reduce-scattered over dp after every micro-batch's backward
+                 (``(dp-1)/dp`` of the gradient bytes, m times per step, bucketed and
+                 overlapped with that backward), Adam on the shard, all-gather after
+                 the update. 3: as 2, and each piece (embedding, each layer, final
+                 LayerNorm/head) is all-gathered right before its forward and again
+                 before its backward in every micro-batch (``2m`` all-gathers of
+                 ``(dp-1)/dp`` of the local parameter bytes), without prefetching
+                 (``zero3_prefetch=True`` hides each gather behind the previous
+                 piece's compute); no all-gather after the update.
+tied embedding   With pp > 1 the first and last stages all-reduce the ``wte``
+                 gradient between them (Megatron; a ring of 2: the shard's bytes),
+                 after the data-parallel reduction, on the 1/dp shard under ZeRO 2/3.
+optimizer        The Adam update of the parameters a rank updates (P at ZeRO 0, P/dp
+                 from ZeRO 1 on): at the rate ``step_cost`` prices it per parameter
+                 when it does (GPU presets: roofline kernels), else Adam's bytes
+                 (read params, grads, m, v, master; write params, m, v, master: ``2 bp
+                 + bg + 4 bo + 2 bm`` per parameter) at the memory bandwidth
+                 (``3 / gamma_reduce``: ``a += b`` streams 3 bytes per operand byte).
+
+Collectives over dp and pp: on MPICH machines summasim's ring algorithms (what the
+engine runs) on the inter-node link when a group of the kind spans nodes; on NCCL
+machines NCCL's own choice on the topology, the concurrent groups of a kind sharing
+each node's NICs (``topology.group_path``). Tensor-parallel communication is not
+overlapped (as in today's model).
+
+Memory per device (bytes; the worst stage)
+------------------------------------------
+``P`` is the number of parameters a device holds without ZeRO (its tensor shard of
+its stage's layers, plus the embedding on the first stage and the final LayerNorm
+and the tied ``wte`` copy on the last, from ``schemes.memory``). Model states are
+:func:`model_state_bytes`; ZeRO 2 adds the part of one micro-batch's gradient that
+lives before its buckets are reduce-scattered (the largest piece's and one bucket's,
+at most ``P bg``: the ZeRO paper's bucketed reduction, section 5.2), ZeRO 3 the largest
+gathered piece and its gradient. Activations per
+micro-batch come from ``schemes.memory`` (per layer, or per layer's checkpoint plus
+one layer being recomputed); a stage holds ``m`` micro-batches of them under GPipe
+and ``min(m, pp - s)`` under 1F1B (stage s, from 0); the last stage also holds the
+logits and their gradient per micro-batch in flight. Add the two activation-gradient
+buffers and the SUMMA workspaces.
+
+Traffic per rank (bytes per step, what its trace records: summed ``nbytes``)
+---------------------------------------------------------------------------
+``tensor``: the tensor-parallel collectives' payload (as ``schemes`` reports it,
+recomputation included); ``pipeline``: activations sent forward and gradients sent
+backward, per micro-batch (Megatron sends the replicated ``b s h`` activation, the
+2D/2.5D schemes their ``b s h / t`` block); ``embedding``: the tied-``wte``
+all-reduce; ``dp_allreduce``, ``zero_reduce_scatter``, ``zero_allgather``: the ring
+closed forms above (for the ring collectives the trace's summed ``nbytes`` is the
+bytes sent).
+
+References
+----------
+S. Rajbhandari, J. Rasley, O. Ruwase, Y. He, "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", SC 2020 (section 5: 4P + 12P/dp, 2P + 14P/dp,
+16P/dp with mixed-precision Adam).
+Y. Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism", NeurIPS 2019 (bubble (K-1)/(M+K-1)).
+D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", SC 2021 (1F1B and the interleaved schedule, section 2.2; model
+FLOPs, section 5.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..machine import Machine
+from .mesh import MeshGroup, _Coll, _memory_bandwidth, model_flops
+from .pipeline import _check_schedule, overlap_exposed
+from .scheme import Scheme, TransformerConfig
+from .stage_memory import _pieces, _rep_stages, stage_memory
+from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
+                     tensor_memory, tensor_price)
+from .zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
+
+@dataclass(frozen=True)
+class Stage:
+    """One representative pipeline stage: its share of the model and the cost of one
+    micro-batch on it (seconds per rank; ``work`` the tensor-parallel part)."""
+
+    stage: int
+    count: int                  # the stages it stands for
+    layers: int
+    params: float               # parameters of the stage on one rank of its tensor grid
+    work: Part                  # forward + backward of one micro-batch (and the recompute)
+    sends: float                # pipeline hand-offs of one micro-batch
+    zero_per_mb: float          # ZeRO 2/3 collectives of one micro-batch, exposed
+    forward_seconds: float
+    backward_seconds: float
+    traffic: dict               # bytes per rank per step by kind
+
+    @property
+    def seconds(self) -> float:
+        """One micro-batch, forward and backward."""
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every stage of one composition shares (see :func:`price_composition`)."""
+
+    cfg: TransformerConfig
+    sch: Scheme
+    machine: Machine
+    dp: int
+    pp: int
+    m: int                      # micro-batches per step
+    b: int                      # sequences per micro-batch
+    B: int                      # global batch
+    zero: int
+    schedule: str
+    ck: bool
+    sb: StateBytes
+    n_dev: int
+    slow: float
+    tm: TensorMemory
+    tp: TensorPrice
+    coll: _Coll
+    L: int                      # layers per stage
+    g_dp: MeshGroup
+    g_emb: MeshGroup
+    p2p_bytes: float
+    t_p2p: float
+    bucket_bytes: float
+    optimizer: bool
+    zero3_prefetch: bool
+
+
+def _cached(cache: dict, key: tuple, make):
+    """``cache[key]``, made by ``make()`` the first time."""
+    val = cache.get(key)
+    if val is None:
+        val = cache[key] = make()
+    return val
+
+
+def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
+           schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
+           zero3_prefetch, cache) -> _Setup:
+    """Check the composition and price what its stages share (cached per grid and
+    micro-batch in ``cache``)."""
+    sch = make_scheme(scheme, t=t, q=q, d=d)
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of 0, 1, 2, 3, got {zero!r}")
+    _check_schedule(schedule)
+    B = cfg.b if global_batch is None else global_batch
+    if isinstance(B, float) and B.is_integer():
+        B = int(B)
+    m = microbatches
+    cache = {} if cache is None else cache
+    b = _cached(cache, ("ok", cfg, sch, dp, pp, m, B, devices),
+                lambda: check_composition(cfg, sch, dp, pp, m, B, devices))
+    T = sch.p
+    n_dev = dp * pp * T
+    rpn = machine.ranks_per_node(n_dev)
+    slow = machine.slowdown(rpn)
+    tm = _cached(cache, ("mem", cfg, sch, b), lambda: tensor_memory(sch, cfg, b))
+    tp = _cached(cache, ("tp", cfg, machine.name, sch, b, rpn),
+                 lambda: tensor_price(sch, cfg, b, machine, ranks_per_node=rpn, cache=cache))
+    coll = _cached(cache, ("coll", machine.name, rpn, n_dev),
+                   lambda: _Coll(machine, slow if machine.shared_comm else 1.0, n_dev))
+    g_pp = MeshGroup(T, pp, pp * T, T)                  # pipeline neighbours
+    # the pipeline hand-off: Megatron's activations are replicated over its t ranks and
+    # each sends its copy; the 2D/2.5D schemes' are distributed and each sends its block
+    p2p_bytes = b * cfg.s * cfg.h * cfg.itemsize / (1 if sch.name == "megatron" else T)
+    return _Setup(
+        cfg=cfg, sch=sch, machine=machine, dp=dp, pp=pp, m=m, b=b, B=B, zero=zero,
+        schedule=schedule, ck=cfg.checkpoint if checkpoint is None else bool(checkpoint),
+        sb=state_bytes or StateBytes.for_dtype(cfg.dtype), n_dev=n_dev, slow=slow, tm=tm,
+        tp=tp, coll=coll, L=cfg.N // pp,
+        g_dp=MeshGroup(pp * T, dp, n_dev, pp * T),      # data parallel
+        g_emb=MeshGroup((pp - 1) * T, 2, pp * T, T),     # first and last stage
+        p2p_bytes=p2p_bytes, t_p2p=coll("p2p", p2p_bytes, g_pp) if pp > 1 else 0.0,
+        bucket_bytes=bucket_bytes, optimizer=optimizer, zero3_prefetch=zero3_prefetch)
+
+
+def _zero3_gathers(c: _Setup, pieces, fwd: Part, bwd: Part) -> tuple[float, float]:
+    """Exposed ZeRO-3 all-gathers of one micro-batch, before its forward and backward."""
+    piece_t = [(c.coll("allgather", n * c.sb.param / c.dp, c.g_dp), cnt)
+               for n, cnt in pieces]
+    if not c.zero3_prefetch:
+        total = sum(x * cnt for x, cnt in piece_t)
+        return total, total
+    k = sum(cnt for _, cnt in pieces)             # hidden behind the previous piece
+    cf, cb = fwd.total / k, bwd.total / k
+    hid_f = sum(cnt * max(0.0, x - cf) for x, cnt in piece_t)
+    hid_b = sum(cnt * max(0.0, x - cb) for x, cnt in piece_t)
+    return (hid_f + piece_t[0][0] - max(0.0, piece_t[0][0] - cf),
+            hid_b + piece_t[-1][0] - max(0.0, piece_t[-1][0] - cb))
+
+
+def stage_cost(c: _Setup, s: int, count: int) -> Stage:
+    """Stage ``s`` (standing for ``count`` stages): one micro-batch's tensor-parallel
+    work, its pipeline sends and ZeRO 2/3 collectives, and the stage's traffic."""
+    first, last = s == 0, s == c.pp - 1
+    tp, L, dp, zero, sb, m = c.tp, c.L, c.dp, c.zero, c.sb, c.m
+    pieces = _pieces(c.tm, L, c.pp, s)
+    P = sum(n * k for n, k in pieces)
+    # tensor-parallel work of one micro-batch on this stage
+    fwd = tp.layer_f.scale(L)
+    bwd = tp.layer_b.scale(L) + (tp.layer_f.scale(L) if c.ck else Part())
+    tbytes = L * (tp.layer_bytes_f + tp.layer_bytes_b + (tp.layer_bytes_f if c.ck else 0.0))
+    if first:
+        fwd, bwd, tbytes = fwd + tp.emb_f, bwd + tp.emb_b, tbytes + tp.emb_bytes
+    if last:
+        fwd, bwd, tbytes = fwd + tp.head_f, bwd + tp.head_b, tbytes + tp.head_bytes
+    send_f = 0.0 if last else c.t_p2p             # activation to s + 1
+    send_b = 0.0 if first else c.t_p2p            # its gradient to s - 1
+    rs = ag_f = ag_b = 0.0
+    if zero >= 2 and dp > 1:                      # every micro-batch, under its backward
+        rs = overlap_exposed(P * sb.grad, c.bucket_bytes, bwd.total,
+                             lambda nb: c.coll("reduce_scatter", nb, c.g_dp))
+    if zero == 3 and dp > 1:                      # before each piece's forward and backward
+        ag_f, ag_b = _zero3_gathers(c, pieces, fwd, bwd)
+    ebytes = c.tm.wte * sb.grad / (dp if zero >= 1 else 1) if (c.pp > 1 and (first or last)) \
+        else 0.0
+    frac = (dp - 1) / dp
+    return Stage(
+        stage=s, count=count, layers=L, params=P, work=fwd + bwd, sends=send_f + send_b,
+        zero_per_mb=rs + ag_f + ag_b, forward_seconds=fwd.total + send_f + ag_f,
+        backward_seconds=bwd.total + send_b + rs + ag_b,
+        traffic={
+            "tensor": m * tbytes,
+            "pipeline": m * c.p2p_bytes * ((not last) + (not first)),
+            "embedding": ebytes,
+            "dp_allreduce": 2 * frac * P * sb.grad if zero == 0 else 0.0,
+            "zero_reduce_scatter": (m if zero >= 2 else 1) * frac * P * sb.grad
+            if zero >= 1 else 0.0,
+            "zero_allgather": (frac * P * sb.param if zero in (1, 2)
+                               else 2 * m * frac * P * sb.param if zero == 3 else 0.0)})
+
+
+def pipeline_seconds(c: _Setup, stages: list[Stage]) -> float:
+    """The pipeline of m micro-batches over the stages (:func:`pipeline_time`'s closed
+    form over the representative stages)."""
+    per = [st.seconds for st in stages]
+    steady = (max(st.forward_seconds for st in stages)
+              + max(st.backward_seconds for st in stages) if c.schedule == "gpipe"
+              else max(per))
+    return (c.m - 1) * steady + sum(st.count * x for st, x in zip(stages, per))
+
+
+def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
+    """What stage ``st`` does after its last backward (which ends at ``end``): the
+    drain of the dp all-reduce (ZeRO 0/1), the tied embedding's all-reduce, the
+    optimizer, the all-gather of the updated parameters (ZeRO 1/2); seconds."""
+    P, zero, dp, sb, tm, tp, pp = st.params, c.zero, c.dp, c.sb, c.tm, c.tp, c.pp
+    ar = 0.0
+    if zero <= 1 and dp > 1:                      # its last backward's buckets, the drain
+        red = "allreduce" if zero == 0 else "reduce_scatter"
+        left = overlap_exposed(P * sb.grad, c.bucket_bytes, st.backward_seconds,
+                               lambda nb: c.coll(red, nb, c.g_dp))
+        ar = max(0.0, end + left - t_pipe)
+    emb = c.coll("allreduce", st.traffic["embedding"], c.g_emb)
+    shard = dp if zero >= 1 else 1
+    if not c.optimizer:
+        opt = 0.0
+    elif tp.opt_layer > 0:                        # the machine's own optimizer pricing
+        ends = tm.wte + tm.wpe + tm.lnf
+        mine = (tm.wte + tm.wpe if st.stage == 0 else 0.0) + (
+            tm.lnf + (tm.wte if pp > 1 else 0.0) if st.stage == pp - 1 else 0.0)
+        opt = (c.L * tp.opt_layer + (tp.opt_ends * mine / ends if ends else 0.0)) / shard
+    else:                                         # Adam streams its bytes once
+        opt = (P / shard * (2 * sb.param + sb.grad + 4 * sb.optim + 2 * sb.master)
+               / _memory_bandwidth(c.machine) * c.slow)
+    gath = (c.coll("allgather", P * sb.param / dp, c.g_dp)
+            if zero in (1, 2) and dp > 1 else 0.0)
+    return {"dp": ar, "embedding": emb, "optimizer": opt, "allgather": gath}
+
+
+def composition_breakdown(c: _Setup, crit: Stage, tail: dict, t_pipe: float) -> dict:
+    """The step in parts (seconds, summing to it): the critical stage's m micro-batches,
+    the bubble, and the tail of the stage that finishes last."""
+    m, work = c.m, crit.work
+    return {
+        "gemm": m * work.gemm,
+        "memory_bound": m * work.membound,
+        "exposed_comm": {"tensor": m * work.comm, "dp": tail["dp"],
+                         "pp": m * crit.sends + tail["embedding"],
+                         "zero": m * crit.zero_per_mb + tail["allgather"]},
+        "bubble": t_pipe - m * crit.seconds,
+        "optimizer": tail["optimizer"],
+    }
+
+
+def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
+                      t: int | None = None, q: int | None = None, d: int = 1, dp: int = 1,
+                      pp: int = 1, microbatches: int = 1, global_batch: int | None = None,
+                      zero: int = 0, schedule: str = "1f1b", checkpoint: bool | None = None,
+                      devices: int | None = None, bucket_bytes: float = BUCKET_BYTES,
+                      state_bytes: StateBytes | None = None, optimizer: bool = True,
+                      zero3_prefetch: bool = False, cache: dict | None = None) -> dict:
+    """Predicted step time, memory and traffic per device of one composition.
+
+    Parameters
+    ----------
+    cfg : TransformerConfig
+        The model (``b`` is the global batch unless ``global_batch`` is given;
+        ``checkpoint`` the default for ``checkpoint``; ``dtype`` the activations',
+        messages' and GEMMs').
+    scheme : str or Scheme
+        "megatron", "optimus" or "summa25"; its grid from ``t`` (Megatron) or ``q``, ``d``.
+    machine : Machine
+    t, q, d : int, optional
+        The tensor grid: Megatron over ``t`` ranks, Optimus ``q x q``, SUMMA2.5-LM
+        ``[q, q, d]`` (ignored when ``scheme`` is a Scheme).
+    dp, pp, microbatches : int
+        Data-parallel ranks, pipeline stages, micro-batches per step (m).
+    global_batch : int, optional
+        Sequences per step over all replicas (default ``cfg.b``).
+    zero : {0, 1, 2, 3}
+    schedule : {"1f1b", "gpipe"}
+    checkpoint : bool, optional
+        Activation checkpointing of every layer.
+    devices : int, optional
+        When given, ``dp * pp * t`` must equal it.
+    bucket_bytes : float
+        Gradient bucket of the data-parallel all-reduce / ZeRO reduce-scatter.
+    state_bytes : StateBytes, optional
+        Bytes per parameter of the model states (default
+        ``StateBytes.for_dtype(cfg.dtype)``: mixed precision for 16-bit dtypes).
+    optimizer : bool
+        Price the Adam update (today's single-scheme prediction does not).
+    zero3_prefetch : bool
+        ZeRO 3: hide each piece's all-gather behind the previous piece's compute.
+    cache : dict, optional
+        Reused across calls for the per-(grid, micro-batch) prices (the planner's).
+
+    Returns
+    -------
+    dict
+        ``step_seconds``; ``breakdown`` (seconds, summing to the step: ``gemm``,
+        ``memory_bound``, ``exposed_comm`` {tensor, dp, pp, zero}, ``bubble``,
+        ``optimizer``), all of the critical stage's m micro-batches and the tail of
+        the stage that finishes last; ``memory`` (bytes per device on the worst stage:
+        ``model_states`` {params, grads, optimizer, total}, ``transient``,
+        ``activations``, ``workspace``, ``total``, ``stage``); ``traffic`` (bytes per
+        rank per step by kind, the maximum over stages); ``stages`` (the first, first
+        middle and last stage, each with ``count``, the stages it stands for);
+        ``composition``; ``params_per_device``; ``model_flops`` and
+        ``flops_per_device`` (achieved model flop/s per device).
+
+    Raises
+    ------
+    ValueError
+        For a composition that cannot exist (see :func:`check_composition`), an
+        unknown schedule or ZeRO stage.
+
+    Notes
+    -----
+    Middle stages are identical in time and differ in memory only by what 1F1B keeps
+    in flight, so the cost is O(1) in pp.
+    """
+    c = _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
+               schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
+               zero3_prefetch, cache)
+    m, sch, L = c.m, c.sch, c.L
+    stages = [stage_cost(c, s, count) for s, count in _rep_stages(pp)]
+    t_pipe = pipeline_seconds(c, stages)
+    per = [st.seconds for st in stages]
+    crit = stages[max(range(len(stages)), key=per.__getitem__)]
+    tails, finish = [], []
+    before = 0.0                                  # backward time of the stages before it
+    for st in stages:
+        tails.append(stage_tail(c, st, t_pipe - before, t_pipe))
+        before += st.count * st.backward_seconds
+        tl = tails[-1]
+        finish.append(t_pipe + tl["dp"] + tl["embedding"] + tl["optimizer"] + tl["allgather"])
+    last = max(range(len(stages)), key=finish.__getitem__)
+    step = finish[last]
+    breakdown = composition_breakdown(c, crit, tails[last], t_pipe)
+    out_stages = []
+    worst = None
+    for st, tail, fin in zip(stages, tails, finish):
+        mem = stage_memory(c.tm, L=L, pp=pp, s=st.stage, dp=dp, zero=zero, m=m,
+                           schedule=schedule, checkpoint=c.ck, sb=c.sb,
+                           bucket_bytes=bucket_bytes)
+        if worst is None or mem["total"] > worst["total"]:
+            worst = {**mem, "stage": st.stage}
+        out_stages.append({"stage": st.stage, "count": st.count, "layers": st.layers,
+                           "params": st.params, "forward_seconds": st.forward_seconds,
+                           "backward_seconds": st.backward_seconds, "tail": tail,
+                           "finish_seconds": fin, "traffic": st.traffic, "memory": mem})
+    traffic = {kind: max(st.traffic[kind] for st in stages) for kind in stages[0].traffic}
+    flops = model_flops(cfg, c.B)
+    n_dev = c.n_dev
+    return {
+        "composition": {"scheme": sch.name, "grid": sch.label, "t": sch.p, "q": sch.q,
+                        "d": sch.d, "dp": dp, "pp": pp, "devices": n_dev, "microbatches": m,
+                        "micro_batch": c.b, "global_batch": c.B, "zero": zero,
+                        "schedule": schedule, "checkpoint": c.ck, "layers_per_stage": L,
+                        "bucket_bytes": bucket_bytes, "state_bytes": c.sb.to_dict(),
+                        "dtype": cfg.dtype, "zero3_prefetch": bool(zero3_prefetch),
+                        "optimizer": bool(optimizer)},
+        "step_seconds": step,
+        "pipeline_seconds": t_pipe,
+        "critical_stage": crit.stage,
+        "bubble_fraction": (t_pipe - m * crit.seconds) / t_pipe if t_pipe else 0.0,
+        "breakdown": breakdown,
+        "memory": worst,
+        "traffic": traffic,
+        "stages": out_stages,
+        "params_per_device": max(st.params for st in stages),
+        "model_flops": flops,
+        "flops_per_device": flops / (step * n_dev) if step > 0 else 0.0,
+        "machine": machine.name,
+    }
+
+
+def predict_case(case: dict, machine: Machine, **kw) -> float | None:
+    """Predicted seconds of one training step of a mesh case as the harness writes it
+    (``MeshCase.to_dict()``: ``dp, pp, scheme, q, d, t, zero, schedule, m,
+    checkpoint, bucket_bytes, b`` (the global batch), ``s, h, heads, v, layers, ffn,
+    dtype``), or None when it cannot be priced (a missing key, a composition that
+    cannot exist). The engine trains in its own dtype, so the model states are plain
+    (``StateBytes.for_dtype(dtype, mixed=False)``) and the Adam update is priced;
+    ``kw`` goes to :func:`price_composition`."""
+    try:
+        dtype = str(case.get("dtype", "float64"))
+        cfg = TransformerConfig(b=int(case["b"]), s=int(case["s"]), h=int(case["h"]),
+                                n=int(case["heads"]), N=int(case["layers"]),
+                                v=int(case.get("v", 0)), dtype=dtype,
+                                checkpoint=bool(case.get("checkpoint", False)),
+                                ffn=case.get("ffn", 4))
+        name = str(case["scheme"])
+        if name == "megatron":
+            sch = Scheme.make(name, p=int(case["t"]))
+        else:
+            sch = Scheme.make(name, q=int(case["q"]), d=int(case.get("d", 1)))
+        kw.setdefault("state_bytes", StateBytes.for_dtype(dtype, mixed=False))
+        res = price_composition(cfg, sch, machine=machine, dp=int(case["dp"]),
+                                pp=int(case["pp"]), microbatches=int(case.get("m", 1)),
+                                global_batch=int(case["b"]), zero=int(case.get("zero", 0)),
+                                schedule=str(case.get("schedule", "1f1b")),
+                                bucket_bytes=float(case.get("bucket_bytes", BUCKET_BYTES)),
+                                **kw)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return res["step_seconds"]
+
+
+def flatten_breakdown(breakdown: dict) -> dict:
+    """``{"gemm", "memory_bound", "comm_tensor", "comm_dp", "comm_pp", "comm_zero",
+    "bubble", "optimizer"}`` from a :func:`price_composition` breakdown."""
+    out = {k: v for k, v in breakdown.items() if k != "exposed_comm"}
+    out.update({f"comm_{k}": v for k, v in breakdown["exposed_comm"].items()})
+    return out
+
+
+__all__ = ["Stage", "composition_breakdown", "flatten_breakdown", "pipeline_seconds",
+           "predict_case", "price_composition", "stage_cost", "stage_tail"]

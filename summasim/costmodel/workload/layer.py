@@ -1,0 +1,420 @@
+"""Cost of one transformer layer under Megatron (1D), Optimus (2D) and SUMMA2.5-LM.
+
+Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
+N layers, f the MLP multiplier (``ffn``: the MLP is f h wide; GPT-2 has f = 4), p
+ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on [q, q, d]
+(p = d q^2). One layer is attention (QKV [h, 3h], scores, projection [h, h]) and
+an MLP ([h, f h], [f h, h]); activations are [b s, h]. The formulas below are
+written for any f, with the GPT-2 values (f = 4) in brackets where the papers
+print them.
+
+A grid must divide the model it runs (:func:`misfit`): Megatron splits the heads,
+h, the MLP width f h and the vocabulary over p; Optimus and SUMMA2.5-LM split h,
+the heads, f h and v over q and the batch over d q. :func:`grid_shapes` with a
+config lists only the grids that do, so a sweep never prices a model that cannot
+run on its grid.
+
+What each scheme does per layer (what :func:`layer_ops` lists)
+--------------------------------------------------------------
+Megatron (p)        local GEMMs on column/row slices of the weights; 2 all-reduces
+                    of b s h items on the whole group per forward (after attention,
+                    after the MLP) and 2 in backward (the f operator's conjugate).
+Optimus (q x q)     each linear C = X W is ``summa_ab(bs, in, out)``; backward is
+                    ``summa_abt(dC, W)`` for dX and ``summa_atb(X, dC)`` for dW
+                    (Optimus eqs. 1-3); attention is local to (b/q) sequences and
+                    n/q heads. Per rank that is ((3+f)bsh + (4+2f)h^2)/q items
+                    [(7bsh + 12h^2)/q] of broadcast and reduce payload forward and
+                    twice that backward.
+SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split into
+                    d q row blocks, weights 2D and replicated over depth; dW is
+                    all-reduced over the depth (ring, 2(d-1) sendrecvs).
+
+With activation checkpointing the backward pass first recomputes the forward
+(its communication included), so backward = 3x forward for Optimus and 2x for
+Megatron (Optimus section 4). Megatron sends nothing at p = 1 (it skips groups of
+one). ``include_minor=True`` adds the non-SUMMA traffic that the paper calls
+negligible, as :mod:`summasim.transformer.optimus` sends it: per layer forward ONE
+packed column broadcast of the eight row-0 vectors (``(9h + f h)/q`` items) and 4
+row all-reduces of ``b s/(d q)`` LayerNorm statistics (2 per LayerNorm: mean, then
+variance); backward 4 such all-reduces, ONE packed column reduce of the vector
+gradients and, for d > 1, a ring all-reduce of them over the depth among the row-0
+ranks. Elementwise work (GELU, softmax, LayerNorm) is not in :func:`scheme_cost`'s
+compute time; :func:`step_cost` prices a whole training step with it.
+
+Table 1 of the Optimus paper
+----------------------------
+:func:`table1` prices these ops with the paper's formulas (broadcast = reduce =
+log2(q) beta B, all-reduce = 2 beta (p-1) B / p, alpha = 0, beta = 1 per scalar,
+checkpointing on) and counts multiplications; with integer b, s, h and q a power of
+two it returns exact Fractions equal to (f = 4; :func:`table1_paper` gives the same
+entries for any f: 12 becomes 4 + 2f, 7 becomes 3 + f)
+
+=======================  ======================  =================================
+item                     Megatron                Optimus
+=======================  ======================  =================================
+forward communication    4 (p-1)/p b s h         log(p)/(2 sqrt p) (7bsh + 12h^2)
+backward communication   8 (p-1)/p b s h         log(p)/(2 sqrt p) (21bsh + 36h^2)
+forward computation      (12bsh^2 + 2bs^2h)/p    (12bsh^2 + 2bs^2h)/p
+backward computation     (36bsh^2 + 6bs^2h)/p    (36bsh^2 + 6bs^2h)/p
+=======================  ======================  =================================
+
+Memory per rank (bytes = items x item size)
+-------------------------------------------
+Following Optimus section 3.1.1. Parameters per layer are (4+2f)h^2 + (9+f)h
+[12h^2 + 13h] (weights and biases of QKV, projection and MLP, two LayerNorms).
+Megatron splits the weights and the QKV/fc biases ((3+f)h) over p and replicates
+the rest (6h); Optimus splits weights over p and keeps vectors on grid row 0
+((9+f)h/q on those ranks); SUMMA2.5-LM stores
+weights over q^2 (replicated over depth) and vectors over q; both host ``wpe`` on
+row 0 as ``[s, h/q]`` (s h / q items on those ranks) and ``wte`` in q x q blocks.
+Gradients equal the
+parameters; the optimizer adds ``optimizer_states`` x parameters (Adam: 2).
+
+Activations kept for backward, per layer, in items of the unsplit model:
+``(8+2f) b s h + b n s^2 + 4 b s`` [16 b s h + ...] (LN1 input and output, QKV 3bsh,
+attention probabilities b n s^2, attention output, residual, LN2 output, fc1 and
+GELU outputs f bsh each, LayerNorm mean and rstd). Megatron keeps the LayerNorm
+inputs and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; Optimus
+and SUMMA2.5-LM split everything over p (statistics over q or dq). Without
+checkpointing all N layers' activations are kept; with it, each layer's input
+(b s h / p, distributed checkpoints as in the paper) plus one layer's activations
+while it is recomputed. Add two activation-gradient buffers of the layer input
+size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums of
+the widest linear, w = max(3h, f h): (4 b s w + 2 h w)/p for Optimus [(16 b s h +
+8 h^2)/p]), and with a vocabulary the embedding table and
+the logits with their gradient (2 b s v / p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import traffic as _traffic
+from ..compute.gemm import gemm_seconds as _gemm_seconds
+from ..collectives import MPICH, Thresholds
+from ..compute.roofline import kernels_seconds, layer_kernels
+from ..machine import Machine
+from ..machine.topology import Placement
+from .footprint import Memory, memory
+from .predict import price_messages
+from .pricer import make_pricer
+from .scheme import SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes
+
+
+# -- the ops of one layer -----------------------------------------------------------------
+# ("mm", algorithm, m, k, n)           distributed matmul priced by traffic + collectives
+# ("gemm", m, k, n, count)             local GEMMs
+# ("coll", op, group, size, items, count)  a collective priced directly
+# ("ring", group, size, items, count)  summasim's ring_allreduce (2(size-1) sendrecvs)
+def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = False,
+              checkpoint: bool | None = None, row0: bool = True) -> dict[str, list]:
+    """``{"forward": [...], "backward": [...]}`` ops of one layer (see module doc).
+
+    The backward list includes the recomputed forward when checkpointing. ``row0``:
+    the rank is on grid row 0 (only those run the depth ring of the vector gradients).
+    """
+    ck = cfg.checkpoint if checkpoint is None else checkpoint
+    b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
+    M, hd = b * s, _split(h, n)
+    p, q, d = scheme.p, scheme.q, scheme.d
+    fwd, bwd = [], []
+    if scheme.name == "megatron":
+        for name, fin, fout in _linears(cfg):
+            # qkv and fc1 are split by columns, proj and fc2 by rows (Megatron's f and g)
+            fin, fout = ((fin, _split(fout, p)) if _LINEARS_COL[name]
+                         else (_split(fin, p), fout))
+            fwd.append(("gemm", M, fin, fout, 1))
+            bwd += [("gemm", M, fout, fin, 1), ("gemm", fin, M, fout, 1)]
+        seqs = _split(b * n, p)
+        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
+        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        if p > 1:  # Megatron skips the all-reduce on a group of one (its _reduce)
+            fwd.append(("coll", "allreduce", "world", p, M * h, 2))
+            bwd.append(("coll", "allreduce", "world", p, M * h, 2))
+    else:
+        ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
+                        else ("summa25_ab", "summa25_abt", "summa25_atb"))
+        rows = d * q
+        for _, fin, fout in _linears(cfg):
+            fwd.append(("mm", ab, M, fin, fout))
+            bwd += [("mm", abt, M, fout, fin), ("mm", atb, fin, M, fout)]
+        seqs = _split(b, rows) * _split(n, q)
+        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
+        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        if include_minor:
+            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, ffn=cfg.ffn, row0=row0)
+            fwd += fwd_aux
+            bwd += bwd_aux
+    if ck:
+        bwd = list(fwd) + bwd
+    return {"forward": fwd, "backward": bwd}
+
+
+_LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
+
+
+def _linears(cfg: TransformerConfig) -> tuple:
+    """``(name, in, out)`` of the layer's four linears, in items: QKV [h, 3h],
+    projection [h, h], fc1 [h, f h], fc2 [f h, h]."""
+    h, f = cfg.h, cfg.ffn_width
+    return (("qkv", h, 3 * h), ("proj", h, h), ("fc1", h, f), ("fc2", f, h))
+
+
+def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
+    """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer, as the code sends it.
+
+    Forward: the eight row-0 vectors (LayerNorm g and b, four biases: ``(9h + f)/q``
+    items) as ONE packed column broadcast; LayerNorm statistics as 4 row all-reduces
+    of ``b s/(d q)`` items (2 LayerNorms, each all-reducing the mean and then the
+    variance). Backward: 4 row all-reduces (each LayerNorm backward all-reduces two
+    means), ONE packed column reduce of the vector gradients onto row 0, and for
+    d > 1 a ring all-reduce of that buffer over the depth among the row-0 ranks.
+    Groups of one send nothing.
+    """
+    fwd, bwd = [], []
+    vec = _split(9 * h + _whole(ffn * h), q)
+    stats = _split(M, d * q)
+    if q > 1:
+        fwd.append(("coll", "bcast", "col", q, vec, 1))
+        fwd.append(("coll", "allreduce", "row", q, stats, 4))
+        bwd.append(("coll", "allreduce", "row", q, stats, 4))
+        bwd.append(("coll", "reduce", "col", q, vec, 1))
+    if d > 1 and row0:
+        bwd.append(("ring", "depth", d, vec, 1))
+    return fwd, bwd
+
+
+def _split(x, by):
+    """x / by, exact for integers that divide, else real."""
+    if isinstance(x, int) and isinstance(by, int) and x % by == 0:
+        return x // by
+    return x / by
+
+
+# -- pricing ------------------------------------------------------------------------------
+@dataclass
+class PassCost:
+    """One pass (forward or backward) of one layer on one rank.
+
+    ``payload`` is in items (the summed ``nbytes / itemsize`` of the trace events),
+    ``mults`` in scalar multiplications, times in seconds (slowdown included).
+    On a machine with a roofline ``device``, ``compute_seconds`` includes the
+    memory-bound kernels of the pass, ``memory_seconds`` of them.
+    """
+
+    comm_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    payload: float = 0.0
+    mults: float = 0.0
+    by_op: dict = field(default_factory=dict)
+    algorithms: dict = field(default_factory=dict)
+    memory_seconds: float = 0.0
+
+    @property
+    def gemm_seconds(self) -> float:
+        return self.compute_seconds - self.memory_seconds
+
+    @property
+    def seconds(self) -> float:
+        return self.comm_seconds + self.compute_seconds
+
+
+@dataclass
+class SchemeCost:
+    """Per-rank cost of a scheme: one layer's passes, the N-layer step, memory."""
+
+    scheme: Scheme
+    config: TransformerConfig
+    forward: PassCost
+    backward: PassCost
+    memory: Memory
+    slowdown: float
+    mode: str
+
+    @property
+    def layer_seconds(self) -> float:
+        """Forward + backward of one layer, seconds."""
+        return self.forward.seconds + self.backward.seconds
+
+    @property
+    def step_seconds(self) -> float:
+        """Forward + backward of all N layers (one training step), seconds."""
+        return self.config.N * self.layer_seconds
+
+    @property
+    def step_comm_seconds(self) -> float:
+        """Communication of all N layers, forward + backward, seconds."""
+        return self.config.N * (self.forward.comm_seconds + self.backward.comm_seconds)
+
+    @property
+    def step_compute_seconds(self) -> float:
+        """Compute of all N layers, forward + backward, seconds."""
+        return self.config.N * (self.forward.compute_seconds + self.backward.compute_seconds)
+
+    @property
+    def step_payload(self) -> float:
+        """Items this rank passes to collectives over all N layers, forward + backward."""
+        return self.config.N * (self.forward.payload + self.backward.payload)
+
+    @property
+    def comm_fraction(self) -> float:
+        c = self.forward.comm_seconds + self.backward.comm_seconds
+        return c / self.layer_seconds if self.layer_seconds else 0.0
+
+    def algorithms(self) -> str:
+        algs: dict = {}
+        for ps in (self.forward, self.backward):
+            for key, names in ps.algorithms.items():
+                algs.setdefault(key, set()).update(names)
+        return "; ".join(f"{op}/{g}: {'+'.join(sorted(a))}" for (op, g), a in sorted(algs.items()))
+
+    def to_dict(self) -> dict:
+        s = self.scheme
+        return {"scheme": s.name, "label": s.label, "p": s.p, "q": s.q, "d": s.d,
+                "mode": self.mode, "slowdown": self.slowdown,
+                "forward_seconds": self.forward.seconds, "backward_seconds": self.backward.seconds,
+                "forward_comm_seconds": self.forward.comm_seconds,
+                "backward_comm_seconds": self.backward.comm_seconds,
+                "forward_payload_items": self.forward.payload,
+                "backward_payload_items": self.backward.payload,
+                "layer_seconds": self.layer_seconds, "step_seconds": self.step_seconds,
+                "step_comm_seconds": self.step_comm_seconds,
+                "step_compute_seconds": self.step_compute_seconds,
+                "step_payload_items": self.step_payload,
+                "comm_fraction": self.comm_fraction, "memory": self.memory.to_dict(),
+                "algorithms": self.algorithms()}
+
+
+def _ring_allreduce_messages(items, size, group, itemsize, count, strict):
+    """Sendrecv message classes of ``count`` ring all-reduces of ``items`` (rank 0)."""
+    if size <= 1:
+        return []
+    exact = float(items) == int(items)           # integral: exact chunks; else equal real ones
+    msgs = _traffic.algorithm_messages("ring_allreduce", count=int(items) if exact else items,
+                                       p=size, coords=0, group=group, itemsize=itemsize,
+                                       strict=exact)
+    return [mc._replace(count=mc.count * count) for mc in msgs]
+
+
+def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
+    it = cfg.itemsize
+    out = PassCost()
+    by_op: dict = {}
+    algs: dict = {}
+    q, d = scheme.q, scheme.d
+    for op in ops:
+        if op[0] == "gemm":
+            if compute:
+                _, m_, k_, n_, cnt = op
+                out.compute_seconds += _gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it,
+                                                     batched=True)
+                out.mults += cnt * m_ * k_ * n_
+            continue
+        if op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            msgs = _traffic.algorithm_messages(alg, m_, k_, n_, q, d, it, None, strict=strict)
+            if compute:
+                work = _traffic.algorithm_compute(alg, m_, k_, n_, q, d, it, None, strict=strict)
+                for a, b_, c, cnt in work.gemms:
+                    out.compute_seconds += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
+                    out.mults += cnt * a * b_ * c
+                out.compute_seconds += machine.gamma_reduce * work.reduce_bytes
+        elif op[0] == "ring":
+            _, grp, size, items, cnt = op
+            msgs = _ring_allreduce_messages(items, size, grp, it, cnt, strict)
+            if compute and size > 1:
+                exact = float(items) == int(items)
+                red = _traffic.algorithm_compute("ring_allreduce",
+                                                 count=int(items) if exact else items, p=size,
+                                                 coords=0, itemsize=it, strict=exact)
+                out.compute_seconds += cnt * machine.gamma_reduce * red.reduce_bytes
+        else:
+            _, cop, grp, size, items, cnt = op
+            msgs = [_traffic.MessageClass(cop, grp, size, items * it, cnt)] if size > 1 else []
+        secs, by, al = price_messages(msgs, machine, pricer=pricer)
+        out.comm_seconds += secs
+        out.payload += sum(mc.count * mc.nbytes for mc in msgs) / it
+        for key, v in by.items():
+            by_op[key] = by_op.get(key, 0.0) + v
+        for key, v in al.items():
+            algs.setdefault(key, set()).update(v)
+    out.by_op = by_op
+    out.algorithms = {k: tuple(sorted(v)) for k, v in algs.items()}
+    return out
+
+
+def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+                mode: str = "mpich", algorithms: Mapping[str, str] | None = None,
+                thresholds: Thresholds | None = None, include_minor: bool = False,
+                checkpoint: bool | None = None, ranks_per_node: int | None = None,
+                strict: bool = False, compute: bool = True,
+                placement: Placement | None = None) -> SchemeCost:
+    """Per-rank communication, compute and memory of ``scheme`` on ``cfg``.
+
+    Parameters
+    ----------
+    scheme : Scheme
+    cfg : TransformerConfig
+    machine : Machine
+    mode : {"mpich", "paper"}
+        Collective formulas (see :mod:`~summasim.costmodel.collectives`).
+    algorithms : dict, optional
+        Force collective algorithms per op.
+    thresholds : Thresholds, optional
+    include_minor : bool
+        Add the LayerNorm and bias traffic (see module doc).
+    checkpoint : bool, optional
+        Overrides ``cfg.checkpoint``.
+    ranks_per_node : int, optional
+        Overrides ``machine.ranks_per_node(p)`` for the shared-core slowdown.
+    strict : bool
+        Require every dimension to divide (False: real-valued blocks).
+    compute : bool
+        False skips the compute model (zero compute times; faster).
+    placement : Placement, optional
+        How the ranks sit on nodes (NCCL machines; default row-major).
+
+    Returns
+    -------
+    SchemeCost
+        Times in seconds, payloads in items, memory in bytes per rank. On a machine
+        with a roofline ``device`` the compute includes the layer's memory-bound
+        kernels (:func:`~summasim.costmodel.compute.roofline.layer_kernels`).
+    """
+    ck = cfg.checkpoint if checkpoint is None else checkpoint
+    cfg = cfg.replace(checkpoint=ck)
+    ops = layer_ops(scheme, cfg, include_minor=include_minor)
+    rpn = ranks_per_node if ranks_per_node is not None else machine.ranks_per_node(scheme.p)
+    slow = machine.slowdown(rpn)
+    comm_slow = slow if machine.shared_comm else 1.0
+    pricer = make_pricer(machine, mode=mode, algorithms=algorithms,
+                         thresholds=thresholds or MPICH, itemsize=cfg.itemsize, q=scheme.q,
+                         d=scheme.d, p=scheme.p, placement=placement)
+    kernels = (layer_kernels(scheme, cfg) if compute and machine.device is not None
+               else None)
+    passes = []
+    for key in ("forward", "backward"):
+        pc = _price_ops(ops[key], scheme, cfg, machine, pricer, strict, compute)
+        if kernels is not None:
+            pc.memory_seconds = kernels_seconds(kernels[key], machine.device, cfg.dtype)
+            pc.compute_seconds += pc.memory_seconds
+        pc.comm_seconds *= comm_slow
+        pc.compute_seconds *= slow
+        pc.memory_seconds *= slow
+        pc.by_op = {k: v * comm_slow for k, v in pc.by_op.items()}
+        passes.append(pc)
+    return SchemeCost(scheme, cfg, passes[0], passes[1], memory(scheme, cfg), slow, mode)
+
+
+def best_grid(p: int, cfg: TransformerConfig, machine: Machine, *,
+              schemes=SCHEMES, **kw) -> tuple[SchemeCost | None, list[SchemeCost]]:
+    """The fastest scheme and grid for ``p`` ranks, and every candidate's cost
+    (only grids that divide ``cfg``: see :func:`misfit`)."""
+    costs = [scheme_cost(sch, cfg, machine, **kw) for name in schemes
+             for sch in grid_shapes(p, name, cfg)]
+    best = min(costs, key=lambda c: c.step_seconds) if costs else None
+    return best, costs
+
+
+# -- a whole training step ------------------------------------------------------------------

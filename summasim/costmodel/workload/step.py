@@ -1,0 +1,375 @@
+"""A whole training step of one scheme: its ops (layers, embedding, head, loss, optimizer),
+their messages and work, the step's time (:func:`step_cost`) and its breakdown into GEMM,
+memory-bound kernels and exposed communication (:func:`step_breakdown`). Seconds, bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from . import traffic as _traffic
+from ..compute.gemm import gemm_seconds as _gemm_seconds
+from ..compute.roofline import kernels_seconds, model_kernels
+from ..machine import Machine
+from ..machine.topology import Placement
+from .layer import _ring_allreduce_messages, _split, layer_ops
+from .footprint import Memory, _layer_activations, memory
+from .predict import price_messages
+from .pricer import Prediction, make_pricer
+from .scheme import Scheme, TransformerConfig
+
+def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> dict[str, list]:
+    """``{"forward": [...], "backward": [...]}`` ops of one training step of the whole
+    language model (embedding, N layers, final LayerNorm, tied LM head, loss), every
+    collective included, as :mod:`summasim.transformer.megatron` and
+    :mod:`summasim.transformer.optimus` send them (no checkpointing).
+
+    Megatron: the embedding all-reduce of ``b s h`` items, the layers, the LM head's
+    local GEMM, 3 all-reduces of ``b s`` items in the loss (max, sum of exponentials,
+    target logit); backward the LM head's input-gradient all-reduce of ``b s h``.
+    Optimus / SUMMA2.5-LM: the embedding as q column broadcasts of the ``wte`` blocks
+    and one column broadcast of ``wpe[:s, H_j]``; the final LayerNorm's packed
+    column broadcast (2h/q) and 2 row all-reduces; the head ``abt(x, wte)``; the loss's
+    3 row all-reduces of ``b s/(d q)`` items and the column (and depth) all-reduce of
+    one item. Backward: ``ab`` and ``atb`` of the head, the final LayerNorm's 2 row
+    all-reduces, packed column reduce and (d > 1, ``row0``) depth ring, the layers,
+    q column reduces of the ``dwte`` blocks and their depth ring, and the ``dwpe``
+    column reduce and (``row0``) depth ring. ``row0=False`` leaves out the depth
+    rings only row 0 runs.
+    """
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    M = b * s
+    p, q, d = scheme.p, scheme.q, scheme.d
+    layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False, row0=row0)
+    fwd, bwd = [], []
+    if scheme.name == "megatron":
+        if p > 1:
+            fwd.append(("coll", "allreduce", "world", p, M * h, 1))
+        fwd += N * layer["forward"]
+        if v:
+            fwd.append(("gemm", M, h, _split(v, p), 1))
+            bwd += [("gemm", M, _split(v, p), h, 1), ("gemm", _split(v, p), M, h, 1)]
+        if p > 1:
+            fwd.append(("coll", "allreduce", "world", p, M, 3))
+            bwd.append(("coll", "allreduce", "world", p, M * h, 1))
+        bwd += N * layer["backward"]
+        return {"forward": fwd, "backward": bwd}
+    ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
+                    else ("summa25_ab", "summa25_abt", "summa25_atb"))
+    rows = _split(M, d * q)
+    if q > 1:
+        if v:
+            fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
+        fwd.append(("coll", "bcast", "col", q, _split(s * h, q), 1))
+    fwd += N * layer["forward"]
+    if q > 1:
+        fwd.append(("coll", "bcast", "col", q, _split(2 * h, q), 1))
+        fwd.append(("coll", "allreduce", "row", q, rows, 2))
+    if v:                                            # the tied head (none without a vocabulary)
+        fwd.append(("mm", abt, M, h, v))
+    if q > 1:
+        fwd.append(("coll", "allreduce", "row", q, rows, 3))
+        fwd.append(("coll", "allreduce", "col", q, 1, 1))
+    if d > 1:
+        fwd.append(("coll", "allreduce", "depth", d, 1, 1))
+    if v:
+        bwd += [("mm", ab, M, v, h), ("mm", atb, v, M, h)]
+    if q > 1:
+        bwd.append(("coll", "allreduce", "row", q, rows, 2))
+        bwd.append(("coll", "reduce", "col", q, _split(2 * h, q), 1))
+    if d > 1 and row0:
+        bwd.append(("ring", "depth", d, _split(2 * h, q), 1))
+    bwd += N * layer["backward"]
+    if q > 1:
+        if v:
+            bwd.append(("coll", "reduce", "col", q, _split(v * h, q * q), q))
+        bwd.append(("coll", "reduce", "col", q, _split(s * h, q), 1))
+    if d > 1:
+        if v:
+            bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
+        if row0:
+            bwd.append(("ring", "depth", d, _split(s * h, q), 1))
+    return {"forward": fwd, "backward": bwd}
+
+
+@dataclass
+class StepWork:
+    """One rank's local work in a training step: GEMMs ``(m, k, n, count)``, bytes
+    added by summasim's ring all-reduces, elementwise activation items, and
+    ``layers`` (N + 1: the layers and the embedding/head, each with the machine's
+    fixed ``layer_seconds`` of call overhead)."""
+
+    gemms: list
+    reduce_bytes: float
+    elementwise_items: float
+    layers: float
+
+
+def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
+    """Activation items whose elementwise work (LayerNorm, GELU, softmax, residuals,
+    embedding lookup, cross-entropy) one rank does in a training step: per layer the
+    activation items of :func:`memory` (Megatron keeps the LayerNorms whole), plus the
+    local logits ``b s v / p`` and the embedding output."""
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    p = scheme.p
+    bsh = b * s * h
+    layer = _layer_activations(scheme, cfg)
+    emb = bsh if scheme.name == "megatron" else bsh / p
+    return N * layer + b * s * v / p + emb
+
+
+
+def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
+    """:class:`StepWork` of one training step (forward + backward, no checkpointing) on
+    the busiest rank (row 0) of ``scheme``."""
+    ops = model_ops(scheme, cfg)
+    gemms, red = [], 0.0
+    it = cfg.itemsize
+    for op in filter(_nonempty, ops["forward"] + ops["backward"]):
+        if op[0] == "gemm":
+            gemms.append(tuple(op[1:5]))
+        elif op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
+                                              strict=False)
+            gemms += list(work.gemms)
+            red += work.reduce_bytes
+        elif op[0] == "ring" and op[2] > 1:
+            _, grp, size, items, cnt = op
+            red += cnt * (size - 1) / size * items * it
+    return StepWork(gemms, red, elementwise_items(scheme, cfg), cfg.N + 1)
+
+
+def _ops_messages(ops, scheme: Scheme, itemsize: int) -> list:
+    """:class:`~summasim.costmodel.workload.traffic.MessageClass` entries of a list of ops."""
+    out = []
+    for op in ops:
+        if op[0] == "mm":
+            _, alg, m_, k_, n_ = op
+            out += _traffic.algorithm_messages(alg, m_, k_, n_, scheme.q, scheme.d, itemsize,
+                                               None, strict=False)
+        elif op[0] == "ring":
+            _, grp, size, items, cnt = op
+            out += _ring_allreduce_messages(items, size, grp, itemsize, cnt, False)
+        elif op[0] == "coll" and op[3] > 1:
+            _, cop, grp, size, items, cnt = op
+            out.append(_traffic.MessageClass(cop, grp, size, items * itemsize, cnt))
+    return out
+
+
+def model_messages(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> list:
+    """The :class:`~summasim.costmodel.workload.traffic.MessageClass` entries of one training
+    step on one rank (what its trace records; origin of the grid, or ``row0=False``)."""
+    ops = model_ops(scheme, cfg, row0=row0)
+    return _ops_messages(ops["forward"] + ops["backward"], scheme, cfg.itemsize)
+
+
+def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+              reduce_impl: str | None = None, ranks_per_node: int | None = None,
+              placement: Placement | None = None):
+    """Predicted seconds of one training step of the whole model on ``machine``, as a
+    :class:`~summasim.costmodel.workload.pricer.Prediction` whose ``breakdown`` holds
+    ``gemm_seconds``, ``memory_bound_seconds``, ``comm_seconds`` and
+    ``comm_exposed_seconds`` (they add up to ``seconds``).
+
+    On a machine without a roofline ``device`` (this VM): forward + backward without
+    checkpointing, :func:`model_messages` priced like a trace plus :func:`step_work`
+    (GEMMs, the ring additions, and ``gamma_elementwise`` per elementwise item); the
+    shared-core model applies when the node is oversubscribed. On a GPU machine
+    (``device`` set, or library "nccl"): :func:`step_breakdown` (checkpointing as
+    ``cfg.checkpoint`` says, roofline kernels, the optimizer, NCCL collectives on the
+    topology under ``placement``)."""
+    from .predict import predict_trace
+
+    if machine.device is not None or machine.library == "nccl":
+        sb = step_breakdown(scheme, cfg, machine, placement=placement, reduce_impl=reduce_impl)
+        return Prediction(sb.seconds, sb.comm_seconds, sb.seconds - sb.comm_exposed_seconds,
+                          dict(sb.by_op), {}, dict(sb.algorithms), {}, 1.0, "mpich",
+                          machine.name, breakdown=sb.breakdown())
+    work = step_work(scheme, cfg)
+    pred = predict_trace(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
+                         d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
+                         elementwise_items=work.elementwise_items, layers=work.layers,
+                         dtype=cfg.dtype,
+                         reduce_impl=reduce_impl, ranks_per_node=ranks_per_node)
+    gemm = sum(c * machine.gemm_time(a, b_, k, cfg.dtype) for a, b_, k, c in work.gemms)
+    other = (machine.gamma_reduce * work.reduce_bytes
+             + machine.gamma_elementwise * work.elementwise_items
+             + machine.layer_seconds * work.layers)
+    scale = pred.compute_seconds / (gemm + other) if gemm + other > 0 else 0.0
+    floor = {k: v for k, v in pred.breakdown.items() if k.startswith("memory_floor")}
+    pred.breakdown = {"gemm_seconds": gemm * scale, "memory_bound_seconds": other * scale,
+                      "optimizer_seconds": 0.0, "comm_seconds": pred.comm_seconds,
+                      "comm_exposed_seconds": pred.seconds - pred.compute_seconds, **floor}
+    return pred
+
+
+# -- a whole training step on a GPU cluster --------------------------------------------------
+@dataclass
+class StepBreakdown:
+    """One training step on one rank (the busiest: grid row 0), split up.
+
+    Times in seconds: ``gemm_seconds`` (local GEMMs, tensor cores for 16-bit
+    dtypes), ``memory_bound_seconds`` (every non-GEMM kernel: LayerNorm, softmax,
+    GELU, dropout, bias and residual adds, embedding, loss, local reductions, and
+    the optimizer, which is also ``optimizer_seconds``), ``comm_seconds`` (every
+    collective) and ``comm_exposed_seconds`` (the part not hidden under compute:
+    all of it here, the schemes' collectives block the compute that needs their
+    result). ``seconds`` = GEMM + memory-bound + exposed communication.
+    ``launch_seconds`` is the kernel-launch share of GEMM and memory-bound time.
+    ``model_flops`` is 6 x (forward GEMM flops) over all ranks, the useful work of
+    a step without recomputation; ``tflops_per_device`` = model_flops / (p seconds).
+    """
+
+    scheme: Scheme
+    config: TransformerConfig
+    machine: str
+    placement: str
+    seconds: float
+    gemm_seconds: float
+    memory_bound_seconds: float
+    optimizer_seconds: float
+    comm_seconds: float
+    comm_exposed_seconds: float
+    launch_seconds: float
+    kernels: int
+    by_op: dict
+    algorithms: dict
+    memory: Memory
+    model_flops: float
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / (self.scheme.p * self.seconds) / 1e12 if self.seconds else 0.0
+
+    def breakdown(self) -> dict:
+        """The four parts (what :func:`step_cost` puts in ``Prediction.breakdown``)."""
+        return {"gemm_seconds": self.gemm_seconds,
+                "memory_bound_seconds": self.memory_bound_seconds,
+                "optimizer_seconds": self.optimizer_seconds,
+                "comm_seconds": self.comm_seconds,
+                "comm_exposed_seconds": self.comm_exposed_seconds,
+                "launch_seconds": self.launch_seconds}
+
+    def to_dict(self) -> dict:
+        key = lambda k: f"{k[0]}/{k[1]}" if isinstance(k, tuple) else str(k)  # noqa: E731
+        sch = self.scheme
+        return {"scheme": sch.name, "grid": sch.label, "p": sch.p, "q": sch.q, "d": sch.d,
+                "machine": self.machine, "placement": self.placement,
+                "config": dict(self.config.__dict__), "seconds": self.seconds,
+                **self.breakdown(), "kernels": self.kernels,
+                "model_flops": self.model_flops, "tflops_per_device": self.tflops_per_device,
+                "by_op": {key(k): v for k, v in self.by_op.items()},
+                "algorithms": {key(k): list(v) for k, v in self.algorithms.items()},
+                "memory": self.memory.to_dict()}
+
+
+def _nonempty(op) -> bool:
+    """False for a GEMM or product with a zero dimension (no vocabulary: no head)."""
+    if op[0] == "gemm":
+        return all(x != 0 for x in op[1:4])
+    if op[0] == "mm":
+        return all(x != 0 for x in op[2:5])
+    return True
+
+
+def step_ops(scheme: Scheme, cfg: TransformerConfig) -> dict[str, list]:
+    """:func:`model_ops` of one training step with ``cfg.checkpoint`` honoured (the
+    backward pass first recomputes every layer's forward, its collectives included)
+    and no head when ``cfg.v == 0``."""
+    ops = model_ops(scheme, cfg)
+    fwd = [op for op in ops["forward"] if _nonempty(op)]
+    bwd = [op for op in ops["backward"] if _nonempty(op)]
+    if cfg.checkpoint:
+        layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False)
+        bwd = cfg.N * layer["forward"] + bwd
+    return {"forward": fwd, "backward": bwd}
+
+
+def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
+                   placement: Placement | None = None, mode: str = "mpich",
+                   reduce_impl: str | None = None,
+                   algorithms: Mapping[str, str] | None = None) -> StepBreakdown:
+    """Price one training step of ``scheme`` on ``cfg`` (see :class:`StepBreakdown`).
+
+    Parameters
+    ----------
+    scheme : Scheme
+    cfg : TransformerConfig
+        ``cfg.checkpoint`` adds the recomputed forward (GEMMs, kernels, collectives).
+    machine : Machine
+        NCCL machines price collectives on their topology; machines with a
+        ``device`` price GEMMs and kernels with the roofline (others: ``gamma``
+        tables and ``gamma_elementwise``, no optimizer).
+    placement : Placement, optional
+        Ranks on nodes (default row-major).
+    mode, reduce_impl, algorithms
+        As in :func:`scheme_cost` (NCCL: ``algorithms={"allreduce": "ring/Simple"}``
+        forces an algorithm and protocol).
+
+    Returns
+    -------
+    StepBreakdown
+    """
+    placement = placement or Placement()
+    it = cfg.itemsize
+    ops = step_ops(scheme, cfg)
+    pricer = make_pricer(machine, mode=mode, algorithms=algorithms, itemsize=it, q=scheme.q,
+                         d=scheme.d, p=scheme.p, reduce_impl=reduce_impl, placement=placement)
+    dev = machine.device
+    gemm = red_bytes = fwd_flops = 0.0
+    launches = 0
+    for key in ("forward", "backward"):
+        for op in ops[key]:
+            if op[0] == "gemm":
+                _, m_, k_, n_, cnt = op
+                gemm += _gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it, batched=True)
+                launches += 1
+                if key == "forward":
+                    fwd_flops += 2.0 * cnt * m_ * k_ * n_
+            elif op[0] == "mm":
+                _, alg, m_, k_, n_ = op
+                work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
+                                                  strict=False)
+                for a, b_, c, cnt in work.gemms:
+                    gemm += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
+                    launches += cnt
+                    if key == "forward":
+                        fwd_flops += 2.0 * cnt * a * b_ * c
+                red_bytes += work.reduce_bytes
+            elif op[0] == "ring" and op[2] > 1:
+                _, grp, size, items, cnt = op
+                red_bytes += cnt * (size - 1) / size * items * it
+    msgs = _ops_messages(ops["forward"] + ops["backward"], scheme, it)
+    comm, by_op, algs = price_messages(msgs, machine, pricer=pricer)
+    mem = memory(scheme, cfg)
+    if dev is not None:
+        local_params = (mem.params + mem.embedding) / it
+        tensors = 12 * cfg.N + (4 if cfg.v else 2)
+        kern = model_kernels(scheme, cfg, local_params, tensors)
+        elementwise = kernels_seconds(kern["forward"] + kern["backward"], dev, cfg.dtype)
+        # local additions (a += b: 3 bytes moved per operand byte), one kernel per op
+        elementwise += 3.0 * red_bytes / dev.memory_bandwidth
+        optimizer = kernels_seconds(kern["optimizer"], dev, cfg.dtype)
+        n_kern = len(kern["forward"]) + len(kern["backward"]) + len(kern["optimizer"])
+        launch = (n_kern + launches) * dev.launch_seconds
+    else:
+        work = step_work(scheme, cfg)
+        elementwise = (machine.gamma_reduce * red_bytes
+                       + machine.gamma_elementwise * work.elementwise_items
+                       + machine.layer_seconds * work.layers)
+        optimizer = launch = 0.0
+        n_kern = 0
+    slow = machine.slowdown(machine.ranks_per_node(scheme.p))
+    comm_slow = slow if machine.shared_comm else 1.0
+    gemm, elementwise, optimizer, launch = (x * slow for x in (gemm, elementwise, optimizer,
+                                                                launch))
+    comm *= comm_slow
+    mem_bound = elementwise + optimizer
+    total = gemm + mem_bound + comm
+    # useful model flops: forward + backward (2 x forward) without recomputation, all ranks
+    model_flops = 3.0 * fwd_flops * scheme.p
+    return StepBreakdown(scheme, cfg, machine.name, placement.describe(), total, gemm,
+                         mem_bound, optimizer, comm, comm, launch, n_kern + launches,
+                         {k: v * comm_slow for k, v in by_op.items()}, algs, mem, model_flops)

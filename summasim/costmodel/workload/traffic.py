@@ -1,0 +1,418 @@
+"""Exact per-rank communication of each summasim algorithm, in closed form.
+
+These functions say, without MPI, which trace events one rank records when it runs
+an algorithm of :mod:`summasim.algorithms`. The MPI tests compare a rank's
+:class:`~summasim.trace.Trace` with them, and the cost model prices them.
+
+Conventions
+-----------
+An event is ``(op, group, group_size, root, nbytes)`` as in
+:class:`summasim.trace.Event`: ``nbytes`` is the broadcast or reduce buffer on
+every member, or the bytes this rank sends in a sendrecv; ``root`` is the root's
+rank inside the group, -1 for sendrecv. Global shapes: ``A [m, k]``, ``B [k, n]``
+for ``*_ab``; ``A [m, k]``, ``B [n, k]`` for ``*_abt``; ``A [k, m]``, ``B [k, n]``
+for ``*_atb``. ``itemsize`` is bytes per item. Dimensions must divide evenly
+(ValueError names the one that does not).
+
+=================  =============================================================
+algorithm          events on every rank of the ``[q, q, d]`` grid
+=================  =============================================================
+``summa_ab``       q bcasts on "row" of (m/q)(k/q) items (root l = 0..q-1) and
+                   q bcasts on "col" of (k/q)(n/q) items
+``summa_abt``      q bcasts on "col" of (n/q)(k/q) items, q reduces on "row" of
+                   (m/q)(n/q) items (root l)
+``summa_atb``      q bcasts on "row" of (k/q)(m/q) items, q reduces on "col" of
+                   (m/q)(n/q) items
+``summa25_ab``     q row bcasts of (m/(dq))(k/q), q col bcasts of (k/q)(n/q)
+``summa25_abt``    q col bcasts of (n/q)(k/q), q row reduces of (m/(dq))(n/q)
+``summa25_atb``    q row bcasts of (k/(dq))(m/q), q col reduces of (m/q)(n/q),
+                   then a ring all-reduce over "depth" (d ranks, depth rank =
+                   coordinate k) of (m/q)(n/q) items: 2(d-1) sendrecvs
+``cannon_ab``      (d = 1; rank (i, j)) skew: 1 sendrecv on "row" of the
+                   (m/q)(k/q) A block if i % q != 0, 1 sendrecv on "col" of the
+                   (k/q)(n/q) B block if j % q != 0; then q-1 sendrecvs on "row"
+                   of the A block and q-1 on "col" of the B block
+``ring_allreduce`` N items over P ranks at group rank r: chunk c has
+                   N//P + (1 if c < N%P else 0) items; reduce-scatter step
+                   s = 0..P-2 sends chunk (r - s) mod P, allgather step
+                   s = 0..P-2 sends chunk (r + 1 - s) mod P; all "sendrecv" on
+                   the group; nothing when P == 1. ``ring_reduce_scatter`` and
+                   ``ring_allgather`` are the two halves.
+=================  =============================================================
+
+Groups of one rank (q == 1) send nothing. Broadcast and reduce events are listed
+step by step (bcast l, then reduce l); the implementation overlaps steps, so a
+trace may record them in another order: compare with :func:`summarize_events`.
+
+Public functions
+----------------
+``algorithm_events(name, m, k, n, q, d=1, itemsize=8, coords=None)``
+    the list of :class:`EventSpec` of one rank.
+``algorithm_traffic(name, m, k, n, q, d=1, itemsize=8, coords=None)``
+    ``{(op, group): (count, nbytes)}``: number of events and their total bytes.
+``algorithm_messages(...)``
+    the same as a short list of :class:`MessageClass` (identical events grouped),
+    computed without enumerating events (what the cost model prices).
+``ring_allreduce_events(N, P, r, group="ring", itemsize=8)``,
+``ring_reduce_scatter_events``, ``ring_allgather_events``
+    the ring on its own (``algorithm_*("ring_allreduce", count=N, p=P, coords=r)``
+    is the same).
+``summarize_events(events)``
+    the ``{(op, group): (count, nbytes)}`` of any events (e.g. a Trace's), to compare.
+``algorithm_compute(name, m, k, n, q, d=1, itemsize=8, coords=None)``
+    the local GEMMs ``[(m_, k_, n_, count)]`` and locally reduced bytes of one rank.
+
+For ``summa25_atb`` the depth coordinate ``k`` (from ``coords = (i, j, k)``)
+decides the ring chunks; for ``cannon_ab`` ``coords = (i, j)`` decides the skew.
+``coords`` defaults to the origin.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, NamedTuple
+
+from ...spec import PRODUCTS
+
+MATMUL_NAMES = PRODUCTS            # the algorithm table's products
+RING_NAMES = ("ring_allreduce", "ring_reduce_scatter", "ring_allgather")
+ALGORITHM_NAMES = MATMUL_NAMES + RING_NAMES
+
+
+class EventSpec(NamedTuple):
+    """One expected trace event (the fields of :class:`summasim.trace.Event` that a
+    closed form can know)."""
+
+    op: str
+    group: str
+    group_size: int
+    root: int
+    nbytes: int
+
+
+class MessageClass(NamedTuple):
+    """``count`` identical events."""
+
+    op: str
+    group: str
+    group_size: int
+    nbytes: int
+    count: int
+
+
+class Compute(NamedTuple):
+    """Local work of one rank: GEMMs ``(m, k, n, count)`` and bytes added locally."""
+
+    gemms: tuple
+    reduce_bytes: int
+
+
+# -- checks ---------------------------------------------------------------------
+def _pos(name: str, value) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _div(fn: str, dim: str, size, by: int, what: str) -> int:
+    size = _pos(f"{fn}: {dim}", size)
+    if size % by:
+        raise ValueError(f"{fn}: {dim}={size} is not divisible by {what}={by}")
+    return size // by
+
+
+def _real(fn: str, dim: str, size, by: int, what: str) -> float:
+    if size is None or size <= 0:
+        raise ValueError(f"{fn}: {dim} must be > 0, got {size!r}")
+    return size / by
+
+
+def _blocks(name, m, k, n, q, d, strict=True):
+    """Per-rank block extents of the operands of ``name`` (raises on bad shapes).
+
+    ``strict=False`` allows real-valued extents (scaling studies), no divisibility.
+    """
+    q, d = _pos("q", q), _pos("d", d)
+    div = _div if strict else _real
+    if name == "cannon_ab" and d != 1:
+        raise ValueError(f"cannon_ab needs d == 1 (p = q*q), got d={d}")
+    rows, what = (d * q, "d*q") if name.startswith("summa25") else (q, "q")
+    if name in ("summa_atb", "summa25_atb"):       # A [k, m] and B [k, n]: k is split in rows
+        return (div(name, "k", k, rows, what), div(name, "m", m, q, "q"),
+                div(name, "n", n, q, "q"))
+    return (div(name, "m", m, rows, what), div(name, "k", k, q, "q"), div(name, "n", n, q, "q"))
+
+
+def _coords(coords, n: int) -> tuple:
+    if coords is None:
+        return (0,) * n
+    if isinstance(coords, int):
+        coords = (coords,)
+    coords = tuple(int(c) for c in coords)
+    if len(coords) < n:
+        coords = coords + (0,) * (n - len(coords))
+    return coords
+
+
+# -- ring ---------------------------------------------------------------------------
+def _chunk(c: int, count: int, p: int) -> int:
+    base, extra = divmod(count, p)
+    return base + (1 if c < extra else 0)
+
+
+def _ring_check(count, p, r, strict=True):
+    if isinstance(count, bool) or count is None or count < 0 or (
+            strict and int(count) != count):
+        raise ValueError(f"ring: count N must be an integer >= 0, got {count!r}")
+    p = _pos("ring: P", p)
+    if not 0 <= int(r) < p:
+        raise ValueError(f"ring: rank r={r} is outside 0..{p - 1}")
+    return (int(count) if strict else count), p, int(r)
+
+
+def ring_reduce_scatter_events(count: int, p: int, r: int, group: str = "ring",
+                               itemsize: int = 8) -> list[EventSpec]:
+    """Sendrecvs of the ring reduce-scatter at group rank ``r``: step s sends chunk
+    (r - s) mod P (P-1 events; none when P == 1)."""
+    count, p, r = _ring_check(count, p, r)
+    return [EventSpec("sendrecv", group, p, -1, _chunk((r - s) % p, count, p) * itemsize)
+            for s in range(p - 1)]
+
+
+def ring_allgather_events(count: int, p: int, r: int, group: str = "ring",
+                          itemsize: int = 8) -> list[EventSpec]:
+    """Sendrecvs of the ring allgather at group rank ``r``: step s sends chunk
+    (r + 1 - s) mod P (P-1 events; none when P == 1)."""
+    count, p, r = _ring_check(count, p, r)
+    return [EventSpec("sendrecv", group, p, -1, _chunk((r + 1 - s) % p, count, p) * itemsize)
+            for s in range(p - 1)]
+
+
+def ring_allreduce_events(count: int, p: int, r: int, group: str = "ring",
+                          itemsize: int = 8) -> list[EventSpec]:
+    """Reduce-scatter then allgather: 2(P-1) sendrecvs at group rank ``r``."""
+    return (ring_reduce_scatter_events(count, p, r, group, itemsize)
+            + ring_allgather_events(count, p, r, group, itemsize))
+
+
+def _ring_half_messages(count, p, skip, group, itemsize) -> list[MessageClass]:
+    """All chunks but ``skip`` are sent once: group them by size (O(1))."""
+    if isinstance(count, float):  # real-valued (strict=False): equal chunks
+        return [MessageClass("sendrecv", group, p, count / p * itemsize, p - 1)]
+    base, extra = divmod(count, p)
+    big = extra - (1 if skip < extra else 0)
+    small = (p - 1) - big
+    out = []
+    if big:
+        out.append(MessageClass("sendrecv", group, p, (base + 1) * itemsize, big))
+    if small:
+        out.append(MessageClass("sendrecv", group, p, base * itemsize, small))
+    return out
+
+
+def ring_working_set(count: int, p: int, itemsize: int, out_of_place: bool = True) -> int:
+    """Bytes of data one rank of a ring all-reduce of ``count`` items over ``p`` ranks
+    touches: its vector, a receive chunk and, out of place, the output its adds write
+    (the memory floor's cache test, ``Machine.memory_floor``)."""
+    return ((2 if out_of_place else 1) * count + -(-count // p)) * itemsize
+
+
+def _ring_messages(kind, count, p, r, group, itemsize, strict=True) -> list[MessageClass]:
+    count, p, r = _ring_check(count, p, r, strict)
+    if not strict:
+        count = float(count)
+    if p == 1:
+        return []
+    out = []
+    if kind in ("ring_allreduce", "ring_reduce_scatter"):
+        # steps s = 0..P-2 send chunks (r - s): every chunk except (r + 1)
+        out += _ring_half_messages(count, p, (r + 1) % p, group, itemsize)
+    if kind in ("ring_allreduce", "ring_allgather"):
+        # steps send chunks (r + 1 - s): every chunk except (r + 2)
+        out += _ring_half_messages(count, p, (r + 2) % p, group, itemsize)
+    return out
+
+
+# -- matmul algorithms ----------------------------------------------------------------
+def _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict=True):
+    """Block extents and the per-step ``[(op, group, nbytes)]`` of a matmul algorithm."""
+    if name not in MATMUL_NAMES:
+        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(ALGORITHM_NAMES)}")
+    b0, b1, b2 = _blocks(name, m, k, n, q, d, strict)
+    it = int(itemsize)
+    if it < 1:
+        raise ValueError(f"itemsize must be >= 1, got {itemsize}")
+    if q == 1:
+        plan = []
+    elif name in ("summa_ab", "summa25_ab"):        # blocks: (m/q or m/dq, k/q, n/q)
+        plan = [("bcast", "row", b0 * b1 * it), ("bcast", "col", b1 * b2 * it)]
+    elif name in ("summa_abt", "summa25_abt"):      # B block (n/q, k/q), C (m/., n/q)
+        plan = [("bcast", "col", b2 * b1 * it), ("reduce", "row", b0 * b2 * it)]
+    elif name in ("summa_atb", "summa25_atb"):      # A block (k/., m/q), C (m/q, n/q)
+        plan = [("bcast", "row", b0 * b1 * it), ("reduce", "col", b1 * b2 * it)]
+    else:                                            # cannon_ab
+        plan = []
+    return (b0, b1, b2), plan
+
+
+def algorithm_events(name: str, m: int | None = None, k: int | None = None,
+                     n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
+                     coords=None, *, count: int | None = None, p: int | None = None,
+                     group: str | None = None) -> list[EventSpec]:
+    """The events one rank records when it runs algorithm ``name``.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`ALGORITHM_NAMES`.
+    m, k, n : int
+        Global dimensions (see the module docstring for each algorithm's shapes).
+    q, d : int
+        Grid ``[q, q, d]``.
+    itemsize : int
+        Bytes per item.
+    coords : tuple or int, optional
+        ``(i, j, k)`` grid coordinates (Cannon: ``(i, j)``; rings: the group rank r).
+    count, p, group : optional
+        For the ring algorithms: N items, P ranks and the group name ("ring").
+
+    Returns
+    -------
+    list of EventSpec
+        In the algorithm's logical order.
+    """
+    if name in RING_NAMES:
+        n_items, size, r = _ring_args(name, count, p, coords, m)
+        grp = group or "ring"
+        if name == "ring_reduce_scatter":
+            return ring_reduce_scatter_events(n_items, size, r, grp, itemsize)
+        if name == "ring_allgather":
+            return ring_allgather_events(n_items, size, r, grp, itemsize)
+        return ring_allreduce_events(n_items, size, r, grp, itemsize)
+    (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords)
+    q = int(q)
+    events: list[EventSpec] = []
+    if name == "cannon_ab":
+        if q == 1:
+            return events
+        i, j = _coords(coords, 2)[:2]
+        a_bytes, b_bytes = b0 * b1 * itemsize, b1 * b2 * itemsize
+        # skew: row i rotates A left by i, column j rotates B up by j
+        if i % q:
+            events.append(EventSpec("sendrecv", "row", q, -1, a_bytes))
+        if j % q:
+            events.append(EventSpec("sendrecv", "col", q, -1, b_bytes))
+        # q-1 single-step shifts of both blocks
+        for _ in range(q - 1):
+            events.append(EventSpec("sendrecv", "row", q, -1, a_bytes))
+            events.append(EventSpec("sendrecv", "col", q, -1, b_bytes))
+        return events
+    for l in range(q if plan else 0):
+        for op, grp, nbytes in plan:
+            events.append(EventSpec(op, grp, q, l, nbytes))
+    if name == "summa25_atb" and int(d) > 1:
+        depth_rank = _coords(coords, 3)[2]
+        events += ring_allreduce_events(b1 * b2, int(d), depth_rank, "depth", itemsize)
+    return events
+
+
+def _ring_args(name, count, p, coords, m):
+    if count is None:
+        count = m
+    if count is None or p is None:
+        raise ValueError(f"{name}: give count=N (items) and p=P (ranks)")
+    return count, p, _coords(coords, 1)[0]
+
+
+def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
+                       n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
+                       coords=None, *, count: int | None = None, p: int | None = None,
+                       group: str | None = None, strict: bool = True) -> list[MessageClass]:
+    """The events of :func:`algorithm_events` grouped into :class:`MessageClass`
+    entries, computed in O(1) per class (no enumeration; fast for q, P ~ 10^5).
+
+    ``strict=False`` accepts dimensions that do not divide (real-valued block
+    sizes and equal ring chunks): the continuous relaxation used in scaling studies.
+    """
+    if name in RING_NAMES:
+        n_items, size, r = _ring_args(name, count, p, coords, m)
+        return _ring_messages(name, n_items, size, r, group or "ring", itemsize, strict)
+    (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
+    q = int(q)
+    out: list[MessageClass] = []
+    if name == "cannon_ab":
+        if q == 1:
+            return out
+        i, j = _coords(coords, 2)[:2]
+        rows = (q - 1) + (1 if i % q else 0)
+        cols = (q - 1) + (1 if j % q else 0)
+        return [MessageClass("sendrecv", "row", q, b0 * b1 * itemsize, rows),
+                MessageClass("sendrecv", "col", q, b1 * b2 * itemsize, cols)]
+    out = [MessageClass(op, grp, q, nbytes, q) for op, grp, nbytes in plan]
+    if name == "summa25_atb" and int(d) > 1:
+        depth_rank = _coords(coords, 3)[2]
+        out += _ring_messages("ring_allreduce", b1 * b2, int(d), depth_rank, "depth", itemsize,
+                              strict)
+    return out
+
+
+def summarize_events(events: Iterable) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(op, group): (count, total nbytes)}`` of any events with ``op``, ``group``
+    and ``nbytes`` attributes (EventSpec, summasim.trace.Event, MessageClass)."""
+    acc: dict = defaultdict(lambda: [0, 0])
+    for e in getattr(events, "events", events):
+        c = getattr(e, "count", 1) if isinstance(e, MessageClass) else 1
+        a = acc[(e.op, e.group)]
+        a[0] += c
+        a[1] += c * e.nbytes
+    return {key: (v[0], v[1]) for key, v in acc.items()}
+
+
+def algorithm_traffic(name: str, m: int | None = None, k: int | None = None,
+                      n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
+                      coords=None, *, count: int | None = None, p: int | None = None,
+                      group: str | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(op, group): (number of events, total nbytes)}`` of one rank running ``name``.
+
+    Same arguments as :func:`algorithm_events`. Example: ``summa_ab`` with
+    m = k = n = 8, q = 2, float64 gives ``{("bcast", "row"): (2, 256),
+    ("bcast", "col"): (2, 256)}``.
+    """
+    return summarize_events(algorithm_messages(name, m, k, n, q, d, itemsize, coords,
+                                               count=count, p=p, group=group))
+
+
+def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
+                      n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
+                      coords=None, *, count: int | None = None, p: int | None = None,
+                      group: str | None = None, strict: bool = True) -> Compute:
+    """Local work of one rank: GEMM shapes ``(m_, k_, n_, count)`` (flops = 2 m_ k_ n_
+    each) and bytes added locally (the ring reduce-scatter's ``+=``; SUMMA's reduce
+    sums happen inside MPI and are priced with the reduce)."""
+    if name in RING_NAMES:
+        n_items, size, r = _ring_args(name, count, p, coords, m)
+        if name == "ring_allgather":
+            return Compute((), 0)
+        # step s adds the received chunk (r - s - 1) mod P: every chunk except r
+        rs = _ring_messages("ring_reduce_scatter", n_items, size, (r - 1) % size, "ring",
+                            itemsize, strict)
+        return Compute((), sum(mc.nbytes * mc.count for mc in rs))
+    (b0, b1, b2), _ = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
+    q = int(q)
+    if name == "summa25_atb":                        # A block (k/(dq), m/q): C += A^T B
+        gemm = (b1, b0, b2, q)
+        red = 0
+        if int(d) > 1:
+            red = algorithm_compute("ring_reduce_scatter", count=b1 * b2, p=int(d),
+                                    coords=_coords(coords, 3)[2], itemsize=itemsize,
+                                    strict=strict).reduce_bytes
+        return Compute((gemm,), red)
+    if name == "summa_atb":
+        return Compute(((b1, b0, b2, q),), 0)
+    return Compute(((b0, b1, b2, q),), 0)
+
+
+def algorithm_flops(name: str, m: int, k: int, n: int, q: int = 1, d: int = 1) -> int:
+    """Flops of one rank's GEMMs (2 per multiply-add): ``2 m k n / (d q^2)`` for the
+    2.5D forms, ``2 m k n / q^2`` otherwise."""
+    return sum(2 * a * b * c * cnt for a, b, c, cnt in algorithm_compute(name, m, k, n, q, d).gemms)
