@@ -22,6 +22,7 @@ argparse ``type=`` callables
 
     ========================  =====================================================
     positive_int              integer >= 1 ("8", also integral "1e3"; not "1.5")
+    byte_size                 bytes: "4M", "64MiB", "512k", "0.5M", "1048576" (>= 1)
     nonnegative_int           integer >= 0
     int_at_least(m)           factory: integer >= m
     finite_float              any finite number (not nan, inf)
@@ -85,7 +86,7 @@ from typing import Callable, Iterable, NoReturn
 
 __all__ = [
     "ArgumentParser", "UsageError", "require", "print_error", "launcher_rank", "one_line",
-    "positive_int", "nonnegative_int", "int_at_least", "int_list", "choice_list",
+    "positive_int", "nonnegative_int", "byte_size", "int_at_least", "int_list", "choice_list",
     "finite_float", "finite_positive_float", "finite_nonnegative_float", "float_range",
     "existing_file", "writable_path", "writable_dir",
     "check_existing_file", "check_writable_path", "check_writable_dir", "module_available",
@@ -98,10 +99,13 @@ RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WOR
 
 
 class UsageError(ValueError):
-    """A user error found after parsing (cross-argument, file content, model shape).
+    """THE user error of every summasim command: a mistake in the arguments or files
+    (cross-argument, file content, model shape), found before any work.
 
     The message names the offending argument(s) and fits on one line; front-ends
-    print it as ``<prog>: error: <message>`` and exit with status 2.
+    print it as ``<prog>: error: <message>`` and exit with status 2 (the MPI
+    front-ends through :func:`summasim.harness.frontend.mpi_main`, whose ``UserError``
+    is this class under its old name).
     """
 
 
@@ -220,8 +224,9 @@ def positive_int(text) -> int:
 
 
 def byte_size(text) -> int:
-    """argparse type: a byte count, ``"4M"``, ``"64MiB"``, ``"512k"`` or ``"1048576"``
-    (at least 1)."""
+    """argparse type: a byte count, ``"4M"``, ``"64MiB"``, ``"512k"``, ``"1048576"`` or
+    a decimal ``"0.5M"`` (k, M, G are powers of 1024, with an optional ``B`` or ``iB``;
+    at least 1 byte). The one byte parser of every command."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
     if not m:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4M, 64MiB, 8192)")

@@ -1,13 +1,15 @@
 """The pure parts of ``bench allreduce``: the paired-ratio statistic behind its
-faster/tie/slower verdicts and the count of issue 12's targets."""
+faster/tie/slower verdicts and the count of issue 12's targets; the bench's command
+line (every subcommand's spelling) and the one timer's serial and interleaved loops."""
 
 import numpy as np
 import pytest
 from scipy.stats import binom
 
-from summasim.bench import (allreduce_targets, bench_bytes, check_bench_fits, paired_ratio,
-                            parse_args)
-from summasim.harness.frontend import UserError
+from summasim.bench.__main__ import parse_args
+from summasim.bench.allreduce import (allreduce_targets, check_bench_fits, paired_ratio)
+from summasim.cli import UsageError
+from summasim.costmodel.bench_predictions import bench_bytes
 
 
 def test_paired_ratio_interval_is_the_sign_test_interval():
@@ -72,9 +74,61 @@ def test_targets_count_only_the_sizes_they_apply_to():
 def test_backend_applies_to_gemm_allreduce_and_mesh_only():
     assert parse_args(["allreduce", "--backend", "staged-host"]).backend == "staged-host"
     assert parse_args(["all", "--backend", "cupy"]).backend == "cupy"
+    assert parse_args(["mesh", "--backend", "cupy"]).backend == "cupy"
     for what in ("transformer", "ring-steps"):
-        with pytest.raises(UserError, match=f"the {what} benchmark times NumPy only"):
+        with pytest.raises(UsageError, match="unrecognized arguments: --backend"):
             parse_args([what, "--backend", "cupy"])
+
+
+def test_every_subcommand_speaks_the_shared_spelling():
+    """--model, --batch, --mesh (repeatable), --zero/--schedule/--microbatches/
+    --checkpoint, --machine and --dtype arrive parsed; the defaults are the sizes the
+    benchmarks always ran."""
+    from summasim.spec import Mesh, Model
+
+    t = parse_args(["transformer"])
+    assert t.model == Model(vocab=64, seq=128, hidden=512, heads=8, layers=1)
+    assert (t.batch, t.dtype, t.checkpoint) == (None, "float32", False)
+    from summasim.bench.transformer import model_of
+
+    assert model_of(t)[1:] == (16, np.dtype("float32"))
+    t = parse_args(["transformer", "--model", "tiny", "--dtype", "float64", "--checkpoint"])
+    assert model_of(t) == (Model.parse("tiny"), 8, np.dtype("float64")) and t.checkpoint
+    m = parse_args(["mesh", "--mesh", "dp=2,pp=2", "--mesh", "tp=optimus:2x2", "--zero",
+                    "2", "--schedule", "gpipe", "--microbatches", "4", "--checkpoint",
+                    "--machine", "local-2core-mpich", "--batch", "32"])
+    assert m.mesh == [Mesh.parse("dp=2,pp=2"), Mesh.parse("tp=optimus:2x2")]
+    assert (m.zero, m.schedule, m.microbatches, m.checkpoint, m.batch, m.machine) == \
+        (2, "gpipe", 4, True, 32, "local-2core-mpich")
+    assert parse_args(["mesh"]).model == Model(vocab=128, seq=32, hidden=128, heads=16,
+                                                layers=4)
+    from summasim.bench.mesh import plan_mesh_bench
+
+    cases, _, err = plan_mesh_bench(parse_args(["mesh", "--mesh", "dp=2,pp=2",
+                                                "--checkpoint"]), 4)
+    assert err == "" and cases[0].checkpoint and cases[0].batch == 16
+    a = parse_args([])                                          # no benchmark: all
+    assert a.what == "all" and a.model is None and a.dtype is None
+    assert parse_args(["--n", "64"]).n == 64
+    g = parse_args(["gemm", "--algorithms", "summa_ab,cannon_ab", "--dtype", "float32"])
+    assert g.algorithms == ["summa_ab", "cannon_ab"] and g.dtype == "float32"
+    lay = parse_args(["layer"])
+    assert lay.model == Model.parse("h=1024,heads=16,layers=4,seq=256,vocab=512")
+    assert (lay.repeats, lay.blocks, lay.no_memory) == (3, 2, False)
+    for bad, flag in ((["transformer", "--tf-shape", "1"], "--tf-shape"),
+                      (["mesh", "--mesh-shape", "1"], "--mesh-shape"),
+                      (["transformer", "--tf-dtype", "float32"], "--tf-dtype"),
+                      (["transformer", "--model", "h=30,heads=4,layers=1,seq=4,vocab=8"],
+                       "--model"),
+                      (["mesh", "--mesh", "dp=2,tp=optimus:3x2"], "--mesh"),
+                      (["gemm", "--n", "0"], "--n"),
+                      (["gemm", "--algorithms", "fox"], "--algorithms"),
+                      (["allreduce", "--sizes-mib", "1,-2"], "--sizes-mib"),
+                      (["allreduce", "--repeats", "0"], "--repeats"),
+                      (["mesh", "--microbatches", "0"], "--microbatches"),
+                      (["gem"], "gem")):
+        with pytest.raises(UsageError, match=flag):
+            parse_args(bad)
 
 
 def test_backend_unavailable_names_what_is_missing(monkeypatch):
@@ -163,21 +217,22 @@ def test_buffers_below_a_huge_page_or_without_thp_are_plain(monkeypatch):
 
 def test_bench_buffers_hold_the_values_and_honour_np_empty(monkeypatch):
     from summasim.backends import get_backend
-    from summasim.bench import _message_buffers
+    from summasim.bench.common import message_buffers
 
     _thp(monkeypatch, "madvise")
     hx = np.random.default_rng(0).standard_normal((4 << 20) // 8)
-    x, out = _message_buffers(get_backend("numpy"), hx)
+    x, out = message_buffers(get_backend("numpy"), hx)
     assert np.array_equal(x, hx) and x is not hx and not np.shares_memory(x, out)
     assert x.base is not None and out.base is not None         # views of huge buffers
-    x, out = _message_buffers(get_backend("numpy"), hx, huge=False)
+    x, out = message_buffers(get_backend("numpy"), hx, huge=False)
     assert np.array_equal(x, hx) and x.base is None and out.base is None
     assert parse_args(["allreduce", "--np-empty"]).np_empty
     assert not parse_args(["allreduce"]).np_empty
 
 
 def test_repeats_follow_the_call_time_within_their_bounds():
-    from summasim.bench import ALLREDUCE_MAX_REPEATS, ALLREDUCE_REPEATS, allreduce_repeats
+    from summasim.bench.allreduce import (ALLREDUCE_MAX_REPEATS, ALLREDUCE_REPEATS,
+                                          allreduce_repeats)
 
     assert allreduce_repeats(0.010, budget=3.0) == ALLREDUCE_MAX_REPEATS
     assert allreduce_repeats(0.1, least=9, most=41, budget=3.0, step=1) == 30
@@ -193,8 +248,8 @@ def test_repeats_follow_the_call_time_within_their_bounds():
     with pytest.raises(ValueError):
         allreduce_repeats(0.1, least=10, most=9)
     # no --repeats: the allreduce benchmark sizes each run; --repeats N is exactly N
-    assert parse_args(["allreduce"]).allreduce_repeats is None
-    assert parse_args(["allreduce", "--repeats", "5"]).allreduce_repeats == 5
+    assert parse_args(["allreduce"]).repeats is None
+    assert parse_args(["allreduce", "--repeats", "5"]).repeats == 5
 
 
 def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
@@ -203,12 +258,13 @@ def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
     them."""
     from mpi4py import MPI
 
-    import summasim.bench as B
+    import summasim.bench.allreduce as B
+    from summasim.costmodel import bench_predictions
     from summasim.costmodel.machine import load_preset
 
     seen = []
-    monkeypatch.setattr(B, "ring_prediction",
-                        lambda n, dt, p, m, limit: seen.append(m.memory_bandwidth) or 1.0)
+    monkeypatch.setattr(bench_predictions, "predict_result",
+                        lambda res, m: seen.append(m.memory_bandwidth) or 1.0)
     readings = iter([30.0, 50.0, 20.0, 44.0, 40.0, 10.0])
     rows = B.bench_allreduce(MPI.COMM_SELF, [0.0625, 0.25], np.float64, 3, lambda s: None,
                              load_preset("local-2core-mpich"), memory=lambda: next(readings))
@@ -223,3 +279,38 @@ def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
                              memory=lambda: 1 / 0)
     assert rows[0]["memory_readings"] == [] and rows[0]["memory_gibs"] is None
     assert seen == [None]
+
+
+def test_the_one_timer_times_serial_calls_with_warm_ups_and_hooks():
+    """world=None: no MPI; warm-ups untimed; before/after around every call; the call's
+    own time is its span; returns kept on request; adaptive=False is exact."""
+    from summasim.harness.timing import time_calls
+
+    log = []
+    res = time_calls(lambda: log.append("call") or len(log), None, 3, adaptive=False,
+                     warmup=2, before=lambda: log.append("before"),
+                     after=lambda: log.append("after"), returns=True)
+    assert log == ["before", "call", "after"] * 5
+    assert len(res["spans"]) == len(res["times"]) == len(res["rank_max"]) == 3
+    assert res["spans"] == res["times"] == res["rank_max"]
+    assert res["returns"] == [8, 11, 14] and res["median"] == sorted(res["spans"])[1]
+    assert len(time_calls(lambda: None, None, 2, budget=1e-9)["spans"]) == 2
+    assert "returns" not in time_calls(lambda: None, None, 1)
+
+
+def test_contenders_rotate_or_alternate_in_blocks_and_may_resize_the_rounds():
+    from summasim.harness.timing import rotated, time_contenders
+
+    assert [rotated(list("abc"), i) for i in range(4)] == [
+        list("abc"), list("bca"), list("cab"), list("abc")]
+    order = []
+    calls = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    out = time_contenders(calls, None, 2)
+    assert order == list("abcbca") and all(len(out[k]["spans"]) == 2 for k in "abc")
+    order.clear()
+    seen = []
+    out = time_contenders(calls, None, 1, repeats=2, warmup=1, rotate=False,
+                          before=seen.append,
+                          after_round=lambda i, spans: 2 if i == 1 else None)
+    assert order == list("aaabbbccc") * 2 and seen == order
+    assert all(len(out[k]["spans"]) == 4 for k in "abc")

@@ -27,9 +27,8 @@ EXPLORE = ("summasim.costmodel", "explore", "--no-iso", "--p-max", "16")
 TABLE1 = ("summasim.costmodel", "table1")
 FIT = ("summasim.costmodel", "fit")
 TRAIN = ("summasim.transformer.train", "--steps", "3")
-BENCH = ("summasim.transformer.bench", "--batch", "1", "--seq", "4", "--hidden", "8",
-         "--heads", "2", "--repeat", "1", "--blocks", "1", "--mem-layers", "1",
-         "--mem-vocab", "8")
+BENCH = ("summasim.bench", "layer", "--batch", "1", "--model",
+         "h=8,heads=2,layers=1,seq=4,vocab=8", "--repeats", "1", "--blocks", "1")
 
 
 def run(module, *args, timeout=120, env=None):
@@ -61,19 +60,28 @@ def files(tmp_path_factory):
 
 
 # -- explore --------------------------------------------------------------------------------
+EXPLORE_MODEL = "h={h},heads={heads},layers=4,seq={seq},vocab={vocab}{ffn}"
+
+
+def _model(h="1024", heads="16", seq="256", vocab="2048", ffn=""):
+    return ["--model", EXPLORE_MODEL.format(h=h, heads=heads, seq=seq, vocab=vocab,
+                                            ffn=f",ffn={ffn}" if ffn else "")]
+
+
 EXPLORE_CASES = [
-    (["--b", "0"], "--b"),
-    (["--b", "-3"], "--b"),
-    (["--b", "1.5"], "--b"),
-    (["--s", "nan"], "--s"),
-    (["--h", "inf"], "--h"),
-    (["--h", "0"], "--h"),
-    (["--h", "1000", "--heads", "64"], "--heads"),           # heads must divide hidden
-    (["--heads", "0"], "--heads"),
-    (["--heads", "-64"], "--heads"),
-    (["--vocab", "-5"], "--vocab"),
-    (["--vocab", "nan"], "--vocab"),
-    (["--layers", "0"], "--layers"),
+    (["--batch", "0"], "--batch"),
+    (["--batch", "-3"], "--batch"),
+    (["--batch", "1.5"], "--batch"),
+    (_model(seq="nan"), "--model"),
+    (_model(h="inf"), "--model"),
+    (_model(h="0"), "--model"),
+    (_model(h="1000", heads="64"), "--model"),                 # heads must divide hidden
+    (_model(heads="0"), "--model"),
+    (_model(heads="-64"), "--model"),
+    (_model(vocab="-5"), "--model"),
+    (_model(vocab="nan"), "--model"),
+    (["--model", "h=64,heads=4,layers=0,seq=8,vocab=8"], "--model"),
+    (["--model", "gpt9"], "--model"),
     (["--p-min", "0"], "--p-min"),
     (["--p-min", "8", "--p-max", "4"], "--p-max"),
     (["--p-max", "1e30"], "--p-max"),
@@ -84,12 +92,12 @@ EXPLORE_CASES = [
     (["--mem-budget", "-1"], "--mem-budget"),
     (["--mem-budget", "nan"], "--mem-budget"),
     (["--dtype", "float8"], "--dtype"),
-    (["--ffn", "0"], "--ffn"),
-    (["--ffn", "nan"], "--ffn"),
-    (["--h", "1000", "--heads", "8", "--ffn", "2.7183"], "--ffn"),   # ffn * h not whole
+    (_model(ffn="0"), "--model"),
+    (_model(ffn="nan"), "--model"),
+    (_model(h="1000", heads="8", ffn="2.7183"), "--model"),   # ffn is a whole multiplier
     (["--schemes", "megatron,fox"], "--schemes"),
     (["--schemes", ","], "--schemes"),
-    (["--preset", "nope"], "--preset"),
+    (["--machine", "nope"], "--machine"),
     (["--machine", "missing.json"], "--machine"),
 ]
 
@@ -128,7 +136,8 @@ def test_explore_machine_without_float64(tmp_path):
 def test_explore_megatron_on_a_billion_ranks_does_not_fit():
     """64 heads cannot be split over 2^30 ranks: nothing to price is a user error."""
     res = run("summasim.costmodel", "explore", "--no-iso", "--schemes", "megatron",
-              "--p-min", 2 ** 30, "--p-max", 2 ** 30)
+              "--p-min", 2 ** 30, "--p-max", 2 ** 30, "--model",
+              "h=8192,heads=64,layers=24,seq=1024,vocab=51200")
     assert_user_error(res, "heads", str(2 ** 30))
 
 
@@ -139,24 +148,59 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
 
     from summasim.costmodel.__main__ import main
 
-    rc = main(["explore", "--no-iso", "--p-max", "64", "--b", "2", "--s", "64", "--h", "256",
-               "--heads", "16", "--layers", "2", "--matmul-n", "1020", "--json",
+    rc = main(["explore", "--no-iso", "--p-max", "64", "--batch", "2", "--model",
+               "h=256,heads=16,layers=2,seq=64,vocab=256", "--matmul-n", "1020", "--json",
                "--outdir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     doc = json.loads((tmp_path / "explore.json").read_text())
     strong = doc["tables"]["strong"]
     assert max(r["p"] for r in strong if r["scheme"] == "megatron") == 16
-    for name in ("optimus", "summa25"):             # b = 2: only [1,1,1] and [2,2,1]
-        assert {r["p"] for r in strong if r["scheme"] == name} == {1, 4}
+    # b = 2: Optimus on [1,1] and [2,2] only; no SUMMA2.5 grid (q, d >= 2: d q >= 4)
+    assert {r["p"] for r in strong if r["scheme"] == "optimus"} == {1, 4}
+    assert not [r for r in strong if r["scheme"] == "summa25"]
     weak = doc["tables"]["weak"]                      # b = 2 p: every [q, q] fits
     assert {r["p"] for r in weak if r["scheme"] == "optimus"} == {1, 4, 16, 64}
     for r in doc["tables"]["largest_batch"]:
         assert r["scheme"] != "megatron" or r["p"] <= 16
     matmul = doc["tables"]["matmul"]                  # 1020 % 8 != 0, 1020 % 16 != 0
     assert {r["p"] for r in matmul if r["algorithm"] == "cannon_ab"} == {1, 4, 16}
+    # spec.grids: [1,1,p] where p has no [q,q,d] with q, d >= 2; [2,2,2] at 8 (1020 % 4 == 0)
+    assert {(r["p"], r["grid"]) for r in matmul if r["algorithm"] == "summa25_ab"} == {
+        (1, "[1,1,1]"), (2, "[1,1,2]"), (4, "[1,1,4]"), (8, "[2,2,2]")}
     assert not [r for r in matmul if r["p"] == 64]
     assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
+
+
+# -- predict and plan -----------------------------------------------------------------------
+PREDICT = ("summasim.costmodel", "predict", "--machine", "local-2core-mpich")
+PREDICT_CASES = [
+    ([], "--model"),                                             # required
+    (["--model", "tiny"], "--mesh"),                             # required
+    (["--model", "gpt9", "--mesh", "tp=optimus:2x2"], "--model"),
+    (["--model", "tiny", "--mesh", "tp=optimus:2x3"], "--mesh"),
+    (["--model", "tiny", "--mesh", "tp=summa25:2x2x1"], "--mesh"),
+    (["--model", "tiny", "--mesh", "dp=0"], "--mesh"),
+    (["--model", "tiny", "--mesh", "tp=megatron:3"], "heads"),   # no grid of 3 shards it
+    (["--model", "tiny", "--batch", "4", "--mesh", "tp=summa25:2x2x4"], "batch"),
+    (["--model", "tiny", "--mesh", "dp=2,pp=3"], "pp = 3"),
+    (["--model", "tiny", "--mesh", "dp=2", "--microbatches", "3"], "--microbatches"),
+    (["--model", "tiny", "--mesh", "dp=2", "--zero", "4"], "--zero"),
+    (["--model", "tiny", "--mesh", "tp=optimus:2x2", "--dtype", "bfloat16"], "--dtype"),
+    (["--model", "tiny", "--mesh", "tp=optimus:2x2", "--machine", "nope"], "--machine"),
+]
+
+
+@pytest.mark.parametrize("args,flag", PREDICT_CASES, ids=[" ".join(a) for a, _ in PREDICT_CASES])
+def test_predict_bad_arguments(args, flag):
+    assert_user_error(run(*PREDICT, *args), flag)
+
+
+def test_plan_with_a_model_no_composition_runs_says_why():
+    """A model no grid of the devices can run: one line naming why, status 2."""
+    res = run("summasim.costmodel", "plan", "--model", "h=63,heads=3,layers=3,seq=8,vocab=7",
+              "--batch", "5", "--devices", "6", "--machine", "local-2core-mpich")
+    assert_user_error(res, "no composition of 6 devices exists")
 
 
 # -- table1 ---------------------------------------------------------------------------------
@@ -265,17 +309,19 @@ def test_train_loss_becoming_nonfinite_fails():
     assert "loss nan" not in res.stdout
 
 
-# -- transformer bench ----------------------------------------------------------------------
+# -- bench ----------------------------------------------------------------------------------
 BENCH_CASES = [
     (["--batch", "0"], "--batch"),
-    (["--seq", "-4"], "--seq"),
-    (["--hidden", "30", "--heads", "4"], "--heads"),
-    (["--repeat", "0"], "--repeat"),
+    (["--model", "h=8,heads=2,layers=1,seq=-4,vocab=8"], "--model"),
+    (["--model", "h=30,heads=4,layers=1,seq=4,vocab=8"], "--model"),   # heads divide h
+    (["--model", "nope"], "--model"),
+    (["--repeats", "0"], "--repeats"),
     (["--blocks", "0"], "--blocks"),
     (["--threads", "0"], "--threads"),
     (["--threads", "1", "-2"], "--threads"),
-    (["--mem-layers", "-1"], "--mem-layers"),
-    (["--mem-vocab", "0"], "--mem-vocab"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--mem-layers", "1"], "--mem-layers"),            # the old spellings are gone
+    (["--hidden", "8"], "--hidden"),
 ]
 
 
@@ -289,6 +335,26 @@ def test_bench_bad_json_path_and_missing_torch(files):
     assert_user_error(run(*BENCH, "--json", files / "folder"), "--json")
     if not cli.module_available("torch"):
         assert_user_error(run(*BENCH, "--torch"), "--torch")
+
+
+MPI_BENCH_CASES = [
+    (["gemm", "--n", "0"], "--n"),
+    (["gem"], "gem"),
+    (["transformer", "--tf-shape", "4", "8", "16", "4", "16", "1"], "--tf-shape"),
+    (["transformer", "--model", "h=30,heads=4,layers=1,seq=4,vocab=8"], "--model"),
+    (["mesh", "--mesh", "dp=2,tp=optimus:3x2"], "--mesh"),
+    (["mesh", "--zero", "4"], "--zero"),
+    (["allreduce", "--sizes-mib", "x"], "--sizes-mib"),
+    (["ring-steps", "--backend", "cupy"], "--backend"),
+]
+
+
+@pytest.mark.parametrize("args,flag", MPI_BENCH_CASES,
+                         ids=[" ".join(a) for a, _ in MPI_BENCH_CASES])
+def test_mpi_bench_bad_arguments(args, flag):
+    """The MPI benchmarks (one process here): one line, status 2, before any work."""
+    pytest.importorskip("mpi4py")
+    assert_user_error(run("summasim.bench", *args), flag)
 
 
 # -- the helpers themselves -----------------------------------------------------------------
@@ -327,6 +393,24 @@ def test_path_types(tmp_path):
                      (cli.writable_dir, str(f)), (cli.writable_dir, str(f / "sub"))):
         with pytest.raises(argparse.ArgumentTypeError):
             fn(text)
+
+
+def test_byte_size_accepts_every_spelling_of_the_costmodel():
+    """The one byte parser: what ``costmodel fit --max-bytes`` took, decimals included."""
+    assert [cli.byte_size(t) for t in ("4M", "64MiB", "512k", "1048576", "0.5M", "2 GB",
+                                       "8kib", "1")] == \
+        [4 << 20, 64 << 20, 512 << 10, 1 << 20, 1 << 19, 2 << 30, 8 << 10, 1]
+    for bad in ("0", "0.1", "12x", "-4M", "M", "", "1e6", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.byte_size(bad)
+
+
+def test_one_user_error_class():
+    from summasim.harness import frontend
+
+    assert frontend.UserError is cli.UsageError
+    with pytest.raises(cli.UsageError):
+        frontend.Parser(prog="x").parse_args(["--nope"])
 
 
 def test_parser_error_is_one_line_and_rank0_only(capsys, monkeypatch):

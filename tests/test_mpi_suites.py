@@ -150,8 +150,9 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     """All three benchmarks at toy sizes: every row is there and self-consistent."""
     path = tmp_path / "bench.json"
     proc, _ = launch(mpiexec, 4, ["-m", "summasim.bench", "all", "--n", "128", "--repeats", "2",
-                                  "--sizes-mib", "0.25", "--tf-shape", "4", "8", "16", "4",
-                                  "16", "1", "--machine", "local-2core-mpich",
+                                  "--sizes-mib", "0.25", "--model",
+                                  "h=16,heads=4,layers=1,seq=8,vocab=16", "--batch", "4",
+                                  "--machine", "local-2core-mpich",
                                   "--json", str(path)], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
@@ -225,8 +226,8 @@ def test_injected_fault_fails_the_job(mpiexec, tmp_path, fault):
 
 def test_a_fault_with_nothing_to_corrupt_is_named_not_passed_over(mpiexec):
     # rank 1 is a middle stage of pp = 4: no sum all-reduce there for "drop" to drop
-    mesh = ["--schemes", "none", "--mesh", "pp=4", "--tf-config", "8", "16", "64", "16", "64",
-            "4", "4", "--no-predict", "--repeats", "1", "--inject", "drop@1"]
+    mesh = ["--schemes", "none", "--mesh", "pp=4", "--model", "tiny,layers=4", "--batch", "8",
+            "--no-predict", "--repeats", "1", "--inject", "drop@1"]
     proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--algorithms", "none", *mesh], 180)
     _user_error(proc, "--inject drop@1", "nothing to corrupt in any run")
     assert "corrupted 0 of 1 runs" in proc.stdout
@@ -234,7 +235,7 @@ def test_a_fault_with_nothing_to_corrupt_is_named_not_passed_over(mpiexec):
                                   "32", "32", "32", *mesh], 180)
     assert proc.returncode == 1, proc.stdout + proc.stderr      # the product row FAILs
     assert "1 passed, 1 failed" in proc.stdout
-    assert "corrupted 1 of 2 runs; rank 1 had nothing to corrupt in: pp=4 float64" in proc.stdout
+    assert "corrupted 1 of 2 runs; rank 1 had nothing to corrupt in: dp=1,pp=4,tp=megatron:1 float64" in proc.stdout
 
 
 def _user_error(proc, *needles):
@@ -262,7 +263,7 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
             (["--inject", "nan@9"], ["rank 9 does not exist"]),
             (["--sizes", "100000", "100000", "100000", "--algorithms", "summa_ab"],
              ["largest cube that fits is"]),
-            (["--tf-config", "8", "16", "64", "5", "64", "2", "4"], ["--tf-config"]),
+            (["--model", "h=64,heads=5,layers=2,seq=16,vocab=64"], ["--model", "not divisible"]),
             (["--repeats", "-1"], ["--repeats"]),
             (["--mesh", "dp=2,pp=2,tp=megatron:4"], ["--mesh dp=2,pp=2,tp=megatron:4",
                                                      "16 ranks, the job has 4"]),
@@ -273,15 +274,15 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
         assert time.perf_counter() - t0 < 60
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "gemm", "--n", "0"], 60)
     _user_error(proc, "--n")
-    huge = ["--tf-config", "64", "4096", "16384", "8", "64", "1", "2"]   # ~1 TiB a rank
+    huge = ["--model", "h=16384,heads=8,layers=1,seq=4096,vocab=64,ffn=2",   # ~1 TiB a rank
+            "--batch", "64"]
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--algorithms", "none"] + huge, 60)
     _user_error(proc, "megatron 1D p=2 b64", "not even batch 1 fits")
-    proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "transformer", "--tf-shape"]
-                     + huge[1:-1], 60)
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "transformer"] + huge, 60)
     _user_error(proc, "megatron 1D p=2 b64", "not even batch 1 fits")
     for what in ("allreduce", "ring-steps"):     # refused before any buffer is allocated
         proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", what, "--sizes-mib",
-                                      "0.0625,1e7", "--no-predict"], 60)
+                                      "0.0625,1e7"], 60)
         _user_error(proc, f"{what} at 1e+07 MiB", "largest size that fits")
 
 

@@ -337,10 +337,12 @@ def test_matches_torch_autograd():
 
 def test_bench_smoke(capsys):
     """The benchmark CLI runs (tiny shapes) and reports checkpointing's memory drop."""
-    from summasim.transformer import bench
+    from summasim.bench import layer
+    from summasim.bench.__main__ import parse_args
 
-    res = bench.main(["--batch", "2", "--seq", "8", "--hidden", "16", "--heads", "2",
-                      "--repeat", "1", "--blocks", "1", "--mem-layers", "3", "--mem-vocab", "8"])
+    res = layer.run(parse_args(["layer", "--batch", "2", "--model",
+                                "h=16,heads=2,layers=3,seq=8,vocab=8", "--repeats", "1",
+                                "--blocks", "1"]))
     out = capsys.readouterr().out
     assert "numpy" in out and "checkpointing: peak" in out
     off, on = res["memory"]

@@ -4,7 +4,8 @@ before any work; everything else aborts the whole job with its traceback.
     def main(argv=None):
         return mpi_main(lambda: parse(argv), preflight, body, prog="python -m summasim.x")
 
-``parse()`` runs on every rank (pure: arguments only) and raises :class:`UserError`;
+``parse()`` runs on every rank (pure: arguments only) and raises
+:class:`summasim.cli.UsageError` (the one user-error exception);
 ``preflight(args, world)`` runs on rank 0 only (files, memory, paths) and returns an
 error message or ""; rank 0's answer is broadcast, so every rank stops alike.
 ``body(args, world)`` is the work, under :func:`summasim.mpiutil.abort_on_error`.
@@ -15,22 +16,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import UsageError
 
-class UserError(Exception):
-    """A mistake in the arguments or files: one message, exit status 2."""
+#: The old name of :class:`summasim.cli.UsageError`, kept importable for ``run.py`` until
+#: it says ``cli.UsageError``; new code raises and catches ``cli.UsageError``.
+UserError = UsageError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`UserError` instead of printing on every rank."""
+    """argparse that raises :class:`~summasim.cli.UsageError` instead of printing on
+    every rank."""
 
     def error(self, message):
-        raise UserError(message)
+        raise UsageError(message)
 
 
 def check_outputs(json_path: str | None, machine: str | None) -> str:
     """The preflight every front-end shares (rank 0): the ``--json`` path can be
     written and the ``--machine`` file or preset loads. An error message, or ""."""
-    from ..cli import UsageError, check_writable_path
+    from ..cli import check_writable_path
     from .machinefile import check_machine_spec
 
     if json_path:
@@ -50,7 +54,7 @@ def mpi_main(parse, preflight, body, prog: str) -> int:
     """Run a front-end (see the module doc); returns the exit status."""
     try:
         args, err = parse(), ""
-    except UserError as e:
+    except UsageError as e:
         args, err = None, str(e)
     from mpi4py import MPI
 

@@ -7,6 +7,13 @@ steals the cores of the ranks still computing). Its time is the *span*
 rank's start to the last rank's end. Short calls are repeated more (up to 5x
 ``repeats``, about ``budget`` seconds in all), since their spread is the largest.
 The median span is what every front-end reports.
+
+With ``world=None`` the same timer times a serial call (no barrier, no reduction: the
+span is the call's own time), so serial and parallel benchmarks share one loop.
+
+:func:`time_contenders` times several calls against each other on the same machine
+state: in rounds, each contender timed in turn (in an order rotated by one each round,
+or in blocks in a fixed order), each turn by :func:`time_calls`.
 """
 
 from __future__ import annotations
@@ -29,23 +36,93 @@ def reduce_max(world, values) -> np.ndarray:
     return recv
 
 
-def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True) -> dict:
-    """Time ``fn()`` (collective): ``{"spans", "rank_max", "median"}`` in seconds:
-    per-call spans, per-call slowest-rank times and the median span."""
-    spans, rank_max = [], []
+def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True, *,
+               warmup: int = 0, before=None, after=None, returns: bool = False) -> dict:
+    """Time ``fn()`` (collective over ``world``; ``world=None``: serial): a dict of
+    seconds, ``"spans"`` (per call), ``"rank_max"`` (per call, the slowest rank's own
+    time), ``"times"`` (per call, this rank's own time) and ``"median"`` (of the spans).
 
-    def once():
-        quiet_barrier(world)
+    ``adaptive``: the first timed call sizes the rest (up to 5x ``repeats`` within about
+    ``budget`` seconds) and counts as one; else exactly ``repeats`` calls. ``warmup``
+    untimed calls come first. ``before()`` (before the barrier) and ``after()`` (right
+    after the call, before the reduction) run around every call, warm-ups included,
+    outside the timed region. ``returns``: also ``"returns"``, ``fn``'s value of each
+    timed call.
+    """
+    spans, rank_max, own, values = [], [], [], []
+
+    def once(keep: bool):
+        if before is not None:
+            before()
+        if world is not None:
+            quiet_barrier(world)
         t0 = time.perf_counter()
-        fn()
+        value = fn()
         t1 = time.perf_counter()
-        mx = reduce_max(world, [-t0, t1, t1 - t0])
-        spans.append(float(mx[1] + mx[0]))
-        rank_max.append(float(mx[2]))
+        if after is not None:
+            after()
+        if not keep:
+            return
+        if world is not None:
+            mx = reduce_max(world, [-t0, t1, t1 - t0])
+            span, slowest = float(mx[1] + mx[0]), float(mx[2])
+        else:
+            span = slowest = t1 - t0
+        spans.append(span)
+        rank_max.append(slowest)
+        own.append(t1 - t0)
+        if returns:
+            values.append(value)
 
-    once()                          # the first call sizes the rest and counts as one
+    for _ in range(warmup):
+        once(False)
+    once(True)                      # the first call sizes the rest and counts as one
     if adaptive:
         repeats = max(repeats, min(5 * repeats, int(budget / max(spans[0], 1e-6))))
     for _ in range(repeats - 1):
-        once()
-    return {"spans": spans, "rank_max": rank_max, "median": statistics.median(spans)}
+        once(True)
+    out = {"spans": spans, "rank_max": rank_max, "times": own,
+           "median": statistics.median(spans)}
+    if returns:
+        out["returns"] = values
+    return out
+
+
+def rotated(names: list, i: int) -> list:
+    """``names`` rotated by ``i``: round i of an interleaved benchmark starts with the
+    i-th entry, so that each contender takes each place in the order equally often (the
+    first call after the timing barrier measured 2-10% slower than the same call in
+    second place, at p = 2 and 4 below 1 MiB)."""
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
+def time_contenders(calls: dict, world, rounds: int, *, repeats: int = 1, warmup: int = 0,
+                    rotate: bool = True, before=None, after_round=None,
+                    returns: bool = False) -> dict:
+    """Time the calls of ``{name: fn}`` against each other (collective; ``world=None``:
+    serial): ``rounds`` rounds, in each every contender's turn of ``warmup`` untimed and
+    ``repeats`` timed calls (:func:`time_calls`, not adaptive). ``rotate``: round i
+    starts with the i-th contender (:func:`rotated`: repeat i of each pairs with repeat
+    i of the others, on the same machine state); else every round in the given order
+    (blocks A B A B). ``before(name)`` runs before each call of ``name``.
+    ``after_round(i, spans)`` runs after round i (1-based) with the spans so far and
+    may return a new number of rounds.
+
+    Returns ``{name: {"spans", "times", "rank_max"[, "returns"]}}``, each list over all
+    the rounds' timed calls in order.
+    """
+    keys = ("spans", "times", "rank_max") + (("returns",) if returns else ())
+    out = {k: {key: [] for key in keys} for k in calls}
+    i = 0
+    while i < rounds:
+        for k in (rotated(list(calls), i) if rotate else list(calls)):
+            res = time_calls(calls[k], world, repeats, adaptive=False, warmup=warmup,
+                             before=None if before is None else (lambda k=k: before(k)),
+                             returns=returns)
+            for key in keys:
+                out[k][key] += res[key]
+        i += 1
+        if after_round is not None:
+            rounds = after_round(i, {k: v["spans"] for k, v in out.items()}) or rounds
+    return out

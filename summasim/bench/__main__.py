@@ -1,0 +1,154 @@
+"""``mpirun -n P python -m summasim.bench BENCHMARK [options]``: the benchmarks (see
+:data:`HELP`; ``python -m summasim.bench BENCHMARK --help`` for each one's options).
+
+Every command spells the shared things alike (``--model``, ``--batch``, ``--mesh``,
+``--machine FILE|PRESET``, ``--dtype``; :mod:`summasim.options`). Speed goals live here,
+not in timed tests. Results go to the terminal and, with ``--json``, to a file (written
+atomically). A user error is one line from rank 0 and exit status 2, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import cli
+from ..harness.frontend import Parser, check_outputs, mpi_main
+from . import allreduce, gemm, layer, mesh, ring_steps, transformer
+from .common import (Run, add_backend, add_json, add_predict, add_repeats, given,
+                     say_buffers)
+
+PROG = "python -m summasim.bench"
+HELP = {
+    "gemm": "distributed products' GFLOP/s next to the single-process GEMM ceiling",
+    "allreduce": "ring_allreduce vs a plain mpi4py ring and MPI_Allreduce, with the cost "
+                 "model's prediction (from -n 2)",
+    "ring-steps": "where a ring all-reduce's time goes, per step, inside MPI and outside",
+    "transformer": "each tensor-parallel scheme's forward + backward vs the serial model",
+    "mesh": "sharded-training compositions' step vs pure tensor parallelism",
+    "all": "gemm, allreduce, transformer and mesh in one run (the default)",
+    "layer": "one serial layer vs PyTorch eager, and checkpointing's memory (no MPI)",
+}
+BENCHMARKS = {"gemm": gemm, "allreduce": allreduce, "ring-steps": ring_steps,
+              "transformer": transformer, "mesh": mesh, "layer": layer}
+#: what ``all`` runs, in order
+ALL = ("gemm", "allreduce", "transformer", "mesh")
+#: the order of the memory checks (the largest first, as before)
+PREFLIGHT = ("mesh", "transformer", "allreduce", "ring-steps", "gemm")
+
+
+def _add_all(ap):
+    """``all``: the options of the benchmarks it runs, each declared once; the shared
+    ``--model`` and ``--dtype`` default to each benchmark's own."""
+    from ..options import add_dtype, add_model
+
+    gemm.add_arguments(ap, every=True)
+    allreduce.add_arguments(ap, every=True)
+    add_model(ap, help_more=f" (default: the transformer benchmark's "
+                            f"{transformer.DEFAULT_MODEL}, the mesh benchmark's "
+                            f"{mesh.DEFAULT_MODEL})")
+    mesh.add_training(ap)
+    add_dtype(ap, default=None, help_more=" (default float64; the transformer benchmark's "
+                                          "float32; mesh trains in float64)")
+    add_backend(ap, "gemm, allreduce and mesh (transformer times NumPy only)")
+    add_predict(ap, "the ring and the training steps")
+    add_repeats(ap, allreduce.REPEATS_HELP)
+    add_json(ap)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = Parser(prog=PROG, formatter_class=raw,
+                description="summasim's benchmarks: mpirun -n P python -m summasim.bench "
+                            "BENCHMARK [options] (BENCHMARK --help: its options; none "
+                            "named: all). Speed goals live here, not in timed tests.")
+    sub = ap.add_subparsers(dest="what", metavar="BENCHMARK", required=True)
+    for name, module in BENCHMARKS.items():
+        module.add_arguments(sub.add_parser(name, help=HELP[name], description=module.__doc__,
+                                            formatter_class=raw))
+    _add_all(sub.add_parser("all", help=HELP["all"], description=HELP["all"]))
+    return ap
+
+
+def parse_args(argv=None):
+    """Parse and check the arguments (pure, every rank); :class:`~summasim.cli.UsageError`
+    on a mistake. No benchmark named (only options, or nothing): ``all``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "all")
+    args = build_parser().parse_args(argv)
+    if args.what == "layer":
+        layer.check(args)
+    return args
+
+
+def _preflight(args, world) -> str:
+    """Rank 0: the outputs, the backend, and each benchmark's memory on this node."""
+    from ..backends import device_share, unavailable
+    from ..comm import local_ranks
+
+    machine = None if getattr(args, "no_predict", True) else args.machine
+    backend = getattr(args, "backend", "numpy")
+    err = check_outputs(args.json, machine) or unavailable(backend)
+    if err:
+        return err
+    gpu = device_share(backend, local_ranks())     # (free bytes, ranks per GPU) or None
+    runs = ALL if args.what == "all" else (args.what,)
+    for name in PREFLIGHT:
+        if name in runs:
+            why = BENCHMARKS[name].preflight(args, world, gpu)
+            if why:
+                return why
+    return ""
+
+
+def _body(args, world) -> int:
+    from ..backends import get_backend
+    from ..comm import cores, default_wait_policy
+    from ..jsonio import write_json_atomic
+    from ..mpiutil import limit_blas_threads
+
+    p = world.Get_size()
+    _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
+    backend = get_backend(getattr(args, "backend", "numpy"))
+    dtype = given(args, "dtype", "float64")
+    report = {"p": p, "cores": cores(), "dtype": dtype,
+              "wait_policy": default_wait_policy(), "backend": backend.name,
+              "comm_mode": backend.comm_mode}
+    bench = Run(args, world, backend, report)
+    say = bench.say
+    say(f"summasim.bench: p = {p} ranks on {cores()} cores, wait policy "
+        f"{default_wait_policy()}, {dtype}, backend {backend.name} (MPI path: "
+        f"{backend.comm_mode})")
+    runs = ALL if args.what == "all" else (args.what,)
+    if {"allreduce", "ring-steps"} & set(runs) and backend.name != "cupy":
+        say_buffers(bench, not args.np_empty)
+    ok = True
+    for name in runs:
+        if name in ("allreduce", "transformer", "mesh"):
+            say("")
+        if name == "transformer" and backend.name != "numpy":
+            say(f"transformer: skipped with --backend {backend.name} (it times NumPy only)")
+            continue
+        ok = BENCHMARKS[name].run(bench) and ok
+    if args.json and bench.rank == 0:
+        write_json_atomic(args.json, report)
+    if not ok:
+        say("a benchmarked result failed its check")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    """Run the benchmarks; the exit status (2: a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["layer"]:                   # serial: no MPI
+        try:
+            args = parse_args(argv)
+        except cli.UsageError as e:
+            return cli.print_error(PROG, e)
+        return cli.run_command(PROG, layer.run, args)
+    return mpi_main(lambda: parse_args(argv), _preflight, _body, prog=PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""``bench allreduce``: ``ring_allreduce`` next to the plain mpi4py ring
+(:func:`plain_ring_allreduce`) and MPI's own ``Allreduce`` on the same buffers, 64 KiB to
+64 MiB, with the ratios and the cost model's prediction for the ring, and the host memory
+throughput of all ranks at once before and after (:func:`node_memory_gibs`; on a shared VM
+it changes from launch to launch, and the largest sizes follow it). Each size's prediction
+prices its memory floor at the throughput read in every round of its repeats (the
+median)."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from ..costmodel import bench_predictions as bp
+from ..costmodel.bench_predictions import NODE_MEMORY_MIB, bench_bytes
+from .common import (add_backend, add_json, add_predict, add_repeats, add_sizes, given,
+                     message_buffers)
+
+ALLREDUCE_REPEATS = 9          # the least: a 96.1% interval of the paired ratios
+ALLREDUCE_MAX_REPEATS = 39     # the most a size gets when --repeats is not given ...
+ALLREDUCE_BUDGET_S = 3.0       # ... within about this many seconds of timed calls
+#: additions of the memory reading in each round of an all-reduce size's repeats
+#: (about 75 ms at p = 16 on this VM)
+MEMORY_ROUND_ADDS = 2
+REPEATS_HELP = (f"; allreduce: per size, as many as about {ALLREDUCE_BUDGET_S:g} s of calls "
+                f"allow, {ALLREDUCE_REPEATS} to {ALLREDUCE_MAX_REPEATS}, for the 95%% "
+                f"interval of the paired ratios")
+
+
+def add_arguments(ap, every: bool = False):
+    """allreduce's own options (``every``: as ``bench all`` shares them)."""
+    add_sizes(ap)
+    if not every:
+        from ..options import add_dtype
+
+        add_dtype(ap)
+        add_backend(ap, "the all-reduces")
+        add_predict(ap, "the ring")
+        add_repeats(ap, REPEATS_HELP)
+        add_json(ap)
+
+
+def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=None,
+                     node=None) -> float:
+    """The memory throughput of a node's ranks all at once, now, the slowest node's
+    (GiB/s, collective; :meth:`~summasim.costmodel.fit.MemoryProbe.read_nodes`, on
+    ``probe``'s arrays, else new ones of ``mib`` MiB; ``node``: ``world`` split by
+    shared memory, else split here). On a shared VM this changes
+    from launch to launch by up to 1.7x while a cache-resident add changes by 1.2x, and
+    a large ring all-reduce's time follows it (docs/performance.md); the all-reduce
+    benchmark reports it before and after its sizes so that a slow launch can be told
+    from a slow ring, and prices the prediction's memory floor with it."""
+    from mpi4py import MPI
+
+    from ..costmodel.fit import MemoryProbe
+
+    probe = probe or MemoryProbe(int(mib * 2**20))
+    mine = node is None
+    node = world.Split_type(MPI.COMM_TYPE_SHARED) if mine else node
+    try:
+        return probe.read_nodes(world, node, adds) / 2**30
+    finally:
+        if mine:
+            node.Free()
+
+
+def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
+                     available: int | None = None, device: bool = False) -> str:
+    """"" when ``what``'s (``allreduce`` or ``ring-steps``) largest message fits this
+    node's memory (:func:`~summasim.costmodel.bench_predictions.bench_bytes`), else the
+    message that says what it needs, what can be used and the largest size that would
+    fit. ``device=True``: one GPU's free memory (``available``) shared by
+    ``ranks_on_node`` ranks instead."""
+    from ..harness.memory import HEADROOM, available_bytes, places
+
+    avail = available_bytes() if available is None else available
+    budget = int(HEADROOM * avail)
+    per = bench_bytes(what, sizes_mib)
+    if ranks_on_node * per <= budget:
+        return ""
+    most = bp.largest_fitting_mib(what, budget, ranks_on_node)
+    each, where, pool = places(device)
+    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB {each}, "
+            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks {where}, "
+            f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
+            f"{avail / 2**30:.1f} GiB {pool}); the largest size that fits is about "
+            f"{most:.4g} MiB")
+
+
+def preflight_sizes(what: str, args, gpu) -> str:
+    """:func:`check_bench_fits` on this node (and GPU), rank 0."""
+    from ..comm import local_ranks
+    from ..harness.memory import check_node_and_gpu
+
+    return check_node_and_gpu(
+        lambda n, **kw: check_bench_fits(what, args.sizes_mib, n, **kw), local_ranks(), gpu)
+
+
+def preflight(args, world, gpu) -> str:
+    return preflight_sizes("allreduce", args, gpu)
+
+
+def plain_ring_allreduce(x, out, comm, sync=None):
+    """The baseline: a 20-line ring all-reduce in plain mpi4py (``MPI_Sendrecv`` and an
+    in-place add, no workspace reuse, no wait policy, no trace), what a user would write
+    first. ``comm`` is a raw mpi4py communicator; ``x`` and ``out`` are 1-D arrays of
+    one array module (device arrays only with a CUDA-aware MPI, and then ``sync``, the
+    stream's synchronize, runs before every ``Sendrecv``)."""
+    from ..algorithms import chunk_bounds
+    from ..backends import array_module
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    out[...] = x
+    bounds = chunk_bounds(out.size, p)
+    right, left = (r + 1) % p, (r - 1) % p
+    work = array_module(out).empty(bounds[0][1] - bounds[0][0], out.dtype)
+    sync = sync or (lambda: None)
+    for s in range(p - 1):
+        s0, s1 = bounds[(r - s) % p]
+        r0, r1 = bounds[(r - s - 1) % p]
+        sync()
+        comm.Sendrecv(out[s0:s1], right, recvbuf=work[:r1 - r0], source=left)
+        out[r0:r1] += work[:r1 - r0]
+    for s in range(p - 1):
+        s0, s1 = bounds[(r + 1 - s) % p]
+        r0, r1 = bounds[(r - s) % p]
+        sync()
+        comm.Sendrecv(out[s0:s1], right, recvbuf=out[r0:r1], source=left)
+    return out
+
+
+def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
+    """How much faster ``ours`` is than ``base`` from paired timings: repeat i of each
+    ran back to back on the same machine state, so the ratios ``base[i] / ours[i]``
+    cancel the drift between repeats. Returns the median ratio, a distribution-free
+    interval for it (order statistics of the ratios, the sign test's interval:
+    ``low``/``high`` None when there are too few repeats for ``confidence``; 6 give
+    96.9%), the interval's real coverage, and a verdict: "faster" (low > 1), "slower"
+    (high < 1), "tie" (the interval holds 1: the difference is within the noise), or
+    None without an interval."""
+    from scipy.stats import binom
+
+    ratios = sorted(b / o for b, o in zip(base, ours))
+    n = len(ratios)
+    if n == 0:
+        raise ValueError("paired_ratio: no timings")
+    k = int(binom.ppf((1 - confidence) / 2, n, 0.5))   # the k-th smallest is the low end
+    low, high, coverage = None, None, None
+    if k >= 1:
+        low, high = float(ratios[k - 1]), float(ratios[n - k])
+        coverage = float(1 - 2 * binom.cdf(k - 1, n, 0.5))
+    verdict = (None if low is None else "tie" if low <= 1 <= high
+               else "faster" if low > 1 else "slower")
+    return {"median": float(statistics.median(ratios)), "low": low, "high": high,
+            "coverage": coverage, "verdict": verdict}
+
+
+#: issue 12's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
+#: from 4 MiB, the prediction within 10% from 1 MiB (at p = 16; reported at every p; the
+#: prediction's target is the cost model's, :mod:`summasim.costmodel.bench_predictions`)
+TARGETS = {"plain_from_mib": 0.0625, "mpi_from_mib": 4.0,
+           "prediction_from_mib": bp.PREDICTION_FROM_MIB,
+           "prediction_tolerance": bp.PREDICTION_TOLERANCE}
+
+
+def allreduce_targets(rows, p: int) -> dict:
+    """Which of :data:`TARGETS` the rows of one ``bench allreduce`` run meet: per target
+    the sizes it applies to and how many of them meet it. "vs plain" is met where the
+    ring is not slower (faster, or a tie within the paired interval; without an
+    interval, where the median ratio is at least 1), "vs MPI" only where it is faster
+    (the paired interval above 1; without an interval, the median paired ratio above
+    1): both judged on the paired per-repeat ratios, which cancel the drift between
+    repeats that the ratio of the two medians keeps. The prediction's count is
+    :func:`~summasim.costmodel.bench_predictions.prediction_target`."""
+    def sizes(frm):
+        return [r for r in rows if r["mib"] >= frm]
+
+    plain = sizes(TARGETS["plain_from_mib"])
+    mpi = sizes(TARGETS["mpi_from_mib"])
+    return {"p": p,
+            "vs_plain": {"sizes": len(plain),
+                         "met": sum(_not_slower(r["vs_plain_paired"]) for r in plain),
+                         "faster": sum(r["vs_plain_paired"]["verdict"] == "faster"
+                                       for r in plain)},
+            "vs_mpi": {"sizes": len(mpi), "met": sum(_faster(r["vs_mpi_paired"]) for r in mpi)},
+            "prediction": bp.prediction_target(rows)}
+
+
+def _not_slower(r: dict) -> bool:
+    return r["median"] >= 1 if r["verdict"] is None else r["verdict"] != "slower"
+
+
+def _faster(r: dict) -> bool:
+    return r["median"] > 1 if r["verdict"] is None else r["verdict"] == "faster"
+
+
+def _contenders(backend, comm, raw, x, out) -> dict:
+    """The three all-reduces of ``x`` into ``out`` as calls that return when the result
+    is there (device work waited for). On the host the plain ring and ``MPI_Allreduce``
+    get the arrays themselves; with a CUDA-aware MPI ("direct") the device arrays, the
+    stream synchronized before each MPI call; without one ("staged") what a user would
+    write first: copy the vector into a pinned host buffer, all-reduce it there, copy
+    the sum back. summasim's ring does the same below ``STAGE_WHOLE_BYTES`` (16 MiB), with
+    its own host ring, and from there stages per step (``Comm``) and adds on the device."""
+    from mpi4py import MPI
+
+    from ..algorithms import ring_allreduce
+
+    mode = backend.comm_mode
+    sync = backend.synchronize
+
+    def plain(a, b):
+        plain_ring_allreduce(a, b, raw, sync if mode == "direct" else None)
+
+    def mpi(a, b):
+        raw.Allreduce(a, b, op=MPI.SUM)
+
+    def done(f, a, b):
+        def call():
+            if mode != "host":
+                sync()
+            f(a, b)
+            if mode != "host":
+                sync()
+        return call
+
+    def staged(f):
+        def call():
+            sync()
+            backend.copy_to_host(x, hx)
+            f(hx, hout)
+            backend.copy_from_host(hout, out)
+            sync()
+        return call
+
+    if mode == "staged":          # one pair of pinned buffers for both baselines
+        hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
+        hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
+        base = {"plain": staged(plain), "mpi": staged(mpi)}
+    else:
+        base = {"plain": done(plain, x, out), "mpi": done(mpi, x, out)}
+    return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out), **base}
+
+
+def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
+                      most: int | None = None, budget: float | None = None,
+                      step: int = 3) -> int:
+    """Repeats of one size of ``bench allreduce`` when ``--repeats`` is not given (pure):
+    as many as fit ``budget`` seconds (:data:`ALLREDUCE_BUDGET_S`) at
+    ``seconds_per_repeat`` (one call of each contender), at least ``least``
+    (:data:`ALLREDUCE_REPEATS`) and at most ``most`` (:data:`ALLREDUCE_MAX_REPEATS`), in
+    steps of ``step`` from ``least`` (the contenders, so that each takes each place in
+    the rotated order equally often). A short call is noisy here (its paired ratios
+    spread by 20-40% at 8 ranks per core) but cheap, so it gets more repeats: the
+    sign-test interval of 9 repeats runs from the 2nd to the 8th of the sorted ratios,
+    that of 39 from the 13th to the 27th. The count depends on the calls' total duration
+    only, which is the same whichever contender was faster in each pair, so stopping
+    does not bias the verdict."""
+    least = ALLREDUCE_REPEATS if least is None else least
+    most = ALLREDUCE_MAX_REPEATS if most is None else most
+    budget = ALLREDUCE_BUDGET_S if budget is None else budget
+    if least < 1 or most < least or budget < 0 or step < 1:
+        raise ValueError(f"allreduce_repeats: need 1 <= least <= most, budget >= 0 and "
+                         f"step >= 1, got least={least}, most={most}, budget={budget}, "
+                         f"step={step}")
+    fit = most if not seconds_per_repeat > 0 else int(budget / seconds_per_repeat)
+    fit = max(least, min(most, fit))
+    return fit - (fit - least) % step
+
+
+def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=None,
+                    backend=None, huge: bool = True, memory=None) -> list[dict]:
+    """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
+    buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`; on huge
+    pages unless ``huge`` is false: :func:`~summasim.bench.common.message_buffers`),
+    interleaved call by call (:func:`~summasim.harness.timing.time_contenders`, median
+    spans), with the cost model's prediction for the ring
+    (:func:`~summasim.costmodel.bench_predictions.ring_prediction`) when a ``machine``
+    is given. Each contender's result is checked against MPI's on the host on every
+    size. ``repeats`` None: per size by :func:`allreduce_repeats`, from the median
+    duration of its first :data:`ALLREDUCE_REPEATS` repeats.
+
+    ``memory``: a short collective reading of the node's memory throughput (GiB/s),
+    taken in every round of the interleaved repeats, after the three contenders, at
+    the sizes whose data (x, out and a receive chunk on every rank of a node) outgrows
+    ``machine.cache_bytes`` (where the floor can count:
+    :func:`~summasim.costmodel.bench_predictions.memory_floor_counts`). Each such size's
+    prediction then prices its memory floor at the median of its rounds' readings (the
+    memory the size ran on: on a shared VM it drifts within a launch; priced with
+    readings taken only before and after the sizes, the 64 MiB ring at p = 16 came out
+    11% and 14% low in two launches), and its row keeps them (``memory_gibs``: the
+    median; ``memory_readings``)."""
+    from mpi4py import MPI
+
+    from ..backends import get_backend
+    from ..comm import Comm
+    from ..harness.timing import time_contenders
+    from ..mpiutil import agreement
+
+    backend = backend or get_backend("numpy")
+    p = world.Get_size()
+    comm = Comm(world.Dup(), name="world", backend=backend)
+    comm.trace.enabled = False
+    raw = world.Dup()
+    say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
+        f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
+        f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  "
+        f"check")
+    rows = []
+    try:
+        for mib in sizes_mib:
+            count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
+            hx = np.random.default_rng(world.Get_rank()).standard_normal(count).astype(dtype)
+            ref = np.empty_like(hx)
+            world.Allreduce(hx, ref, op=MPI.SUM)
+            tol = 8 * np.sqrt(p) * np.finfo(hx.dtype).eps * max(1.0, float(np.abs(ref).max()))
+            x, out = message_buffers(backend, hx, huge)
+            del hx                            # its values are in x: one message less held
+            calls = _contenders(backend, comm, raw, x, out)
+            good = True
+            for k in calls:                   # each checked once, the ring agreed too
+                out[...] = 0
+                calls[k]()
+                good &= bool(np.allclose(backend.to_numpy(out), ref, rtol=0, atol=p * tol))
+            ok = bool(world.allreduce(good, op=MPI.LAND))
+            readings = []
+            spill = machine is not None and bp.memory_floor_counts(machine, count, p, dtype)
+
+            reps = [ALLREDUCE_REPEATS if repeats is None else repeats]
+
+            def after_round(i, spans):
+                """A memory reading per round; without --repeats, the first
+                ALLREDUCE_REPEATS rounds size the rest by their duration (the same spans
+                on every rank, so every rank takes the same count)."""
+                if memory is not None and spill:
+                    readings.append(memory())
+                if repeats is None and i == ALLREDUCE_REPEATS:
+                    reps[0] = allreduce_repeats(statistics.median(
+                        sum(spans[k][j] for k in spans) for j in range(i)), step=len(calls))
+                return reps[0]
+
+            with agreement(False):    # interleaved, so that all see the same machine state
+                timed = time_contenders(calls, world, reps[0], after_round=after_round)
+            t = {k: timed[k]["spans"] for k in calls}
+            reps = reps[0]
+            tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
+            nbytes = count * np.dtype(dtype).itemsize
+            mem = statistics.median(readings) if readings else None
+            pred = (bp.ring_prediction(count, dtype, p, machine, comm.blocking_limit, mem)
+                    if machine is not None else None)
+            vp, vm = paired_ratio(t["plain"], t["ring"]), paired_ratio(t["mpi"], t["ring"])
+            rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
+                         "mpi_seconds": tm, "ring_times": t["ring"], "plain_times": t["plain"],
+                         "mpi_times": t["mpi"], "ring_gbps": nbytes / tr / 1e9,
+                         "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
+                         "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
+                         "predicted": pred, "ok": ok, "repeats": reps, "memory_gibs": mem,
+                         "memory_readings": readings,
+                         "prediction_error": bp.prediction_error(pred, tr)})
+            say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
+                f"{tp / tr:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
+                f"{tm / tr:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
+                f"{nbytes / tr / 1e9:>10.2f} "
+                + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
+                   else f"{'-':>9} {'-':>9}")
+                + (f" {mem:>10.1f}" if mem is not None else f" {'-':>10}")
+                + f" {reps:>5}  {'OK' if ok else 'FAIL'}")
+    finally:
+        comm.mpi.Free()
+        raw.Free()
+    say("vs plain / vs MPI: their median time over the ring's (> 1: the ring is faster); "
+        "95% interval: of the median of the paired per-repeat ratios (faster/slower: the "
+        "interval excludes 1; tie: the difference is within the noise)")
+    tg = allreduce_targets(rows, p)
+    say(f"targets at p = {p}: not slower than the plain ring at {tg['vs_plain']['met']}/"
+        f"{tg['vs_plain']['sizes']} sizes from 64 KiB ({tg['vs_plain']['faster']} faster); "
+        f"faster than MPI at {tg['vs_mpi']['met']}/{tg['vs_mpi']['sizes']} from 4 MiB"
+        + (f"; prediction within 10% at {tg['prediction']['met']}/"
+           f"{tg['prediction']['sizes']} from 1 MiB" if tg["prediction"]["sizes"] else ""))
+    return rows
+
+
+def _interval(r: dict) -> str:
+    """``[low, high]`` of a :func:`paired_ratio`, or "-" with too few repeats."""
+    return "-" if r["low"] is None else f"[{r['low']:.2f},{r['high']:.2f}]"
+
+
+def run(bench) -> bool:
+    """Time the sizes, with the node's memory before and after; rows under
+    ``report["allreduce"]``; True when every contender's result checked OK."""
+    from mpi4py import MPI
+
+    from ..costmodel.fit import MemoryProbe
+
+    args, world, say = bench.args, bench.world, bench.say
+    host = bench.backend.name != "cupy"        # device arrays: host memory is not theirs
+    machine = bench.machine()
+    probe = MemoryProbe(NODE_MEMORY_MIB << 20) if host else None
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        before = node_memory_gibs(world, probe=probe, node=node) if host else None
+        if machine is not None and host:
+            say(f"cost model: each size's memory floor at the node's memory throughput "
+                f"while it ran (mem GiB/s: all of a node's ranks adding {NODE_MEMORY_MIB} "
+                f"MiB arrays {MEMORY_ROUND_ADDS} times at once, in every round of the "
+                f"repeats, the median; at the sizes whose data outgrows the node's cache)")
+        rows = bench_allreduce(
+            world, args.sizes_mib, np.dtype(given(args, "dtype", "float64")), args.repeats,
+            say, machine, bench.backend, not args.np_empty,
+            memory=((lambda: node_memory_gibs(world, adds=MEMORY_ROUND_ADDS, probe=probe,
+                                              node=node))
+                    if host and machine is not None else None))
+        after = node_memory_gibs(world, probe=probe, node=node) if host else None
+    finally:
+        node.Free()
+    bench.report["allreduce"] = rows
+    bench.report["node_memory_gibs"] = {"before": before, "after": after,
+                                        "array_mib": NODE_MEMORY_MIB}
+    if host:
+        say(f"host memory of a node's ranks all at once (the slowest node; each adding "
+            f"{NODE_MEMORY_MIB} MiB arrays): {before:.1f} GiB/s before the sizes, "
+            f"{after:.1f} after; on a shared VM it changes from launch to launch and the "
+            f"largest sizes' times follow it (docs/performance.md)")
+    return all(r["ok"] for r in rows)

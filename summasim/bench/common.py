@@ -1,0 +1,141 @@
+"""What the benchmarks share: their options, the run's context (who speaks, the report,
+the backend, the cost-model machine) and the message buffers."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from .. import cli
+
+DEFAULT_REPEATS = 3
+DEFAULT_SIZES_MIB = "0.0625,0.25,1,4,16,64"
+BACKENDS = ("numpy", "cupy", "staged-host")
+
+
+def quiet_bcast(world, value):
+    """Broadcast rank 0's value after a barrier that waits without spinning (the
+    other ranks idle while rank 0 measures with all cores)."""
+    from ..mpiutil import quiet_barrier
+
+    quiet_barrier(world)
+    return world.bcast(value, root=0)
+
+
+def mib_list(text) -> list[float]:
+    """argparse type: comma-separated positive message sizes in MiB."""
+    try:
+        sizes = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers, got {text!r}") \
+            from None
+    if not sizes or not all(math.isfinite(x) and x > 0 for x in sizes):
+        raise argparse.ArgumentTypeError(f"must be positive numbers, got {text!r}")
+    return sizes
+
+
+# -- options ----------------------------------------------------------------------------
+def add_repeats(ap, help_more: str = ""):
+    ap.add_argument("--repeats", type=cli.positive_int, default=None, metavar="N",
+                    help=f"timed repeats (default {DEFAULT_REPEATS}{help_more})")
+
+
+def add_json(ap):
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON "
+                                                    "(atomically)")
+
+
+def add_backend(ap, what: str):
+    ap.add_argument("--backend", choices=BACKENDS, default="numpy",
+                    help=f"array backend of {what}: numpy (CPU), cupy (GPU), or staged-host "
+                         f"(NumPy through the GPU staging path) (default numpy)")
+
+
+def add_predict(ap, what: str):
+    from ..options import add_machine
+
+    add_machine(ap, help_more=f"; prices {what} (default: as summasim.run chooses)")
+    ap.add_argument("--no-predict", action="store_true", help="skip the prediction")
+
+
+def add_sizes(ap):
+    ap.add_argument("--sizes-mib", type=mib_list, default=mib_list(DEFAULT_SIZES_MIB),
+                    metavar="MIB,...",
+                    help=f"all-reduce message sizes in MiB (default {DEFAULT_SIZES_MIB})")
+    ap.add_argument("--np-empty", action="store_true",
+                    help="message buffers as np.empty returns them (partly on huge pages, "
+                         "by the luck of their alignment) instead of on huge pages from end "
+                         "to end")
+
+
+def repeats(args) -> int:
+    """``--repeats``, or :data:`DEFAULT_REPEATS` when not given."""
+    return args.repeats or DEFAULT_REPEATS
+
+
+def given(args, name: str, default):
+    """``args.<name>``, or ``default`` where the command left it unset (``all``, whose
+    shared options default to each benchmark's own)."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def runtime_config(model, dtype):
+    """The runtime's :class:`~summasim.transformer.model.Config` of a ``--model``."""
+    from ..transformer.model import Config
+
+    return Config.of(model, np.dtype(dtype).type)
+
+
+# -- the run ----------------------------------------------------------------------------
+class Run:
+    """One benchmark run on ``world``: who speaks (``say``: rank 0), the report, the
+    backend and the cost-model machine of the predictions (resolved once, on demand)."""
+
+    def __init__(self, args, world, backend, report: dict):
+        self.args, self.world, self.backend, self.report = args, world, backend, report
+        self.p, self.rank = world.Get_size(), world.Get_rank()
+        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        self._machine = []
+
+    def machine(self):
+        """The cost-model machine of the predictions (None: ``--no-predict``, or a
+        backend the cost model does not price)."""
+        if not self._machine:
+            if self.args.no_predict:
+                self._machine.append(None)
+            elif self.backend.name != "numpy":
+                self.say(f"backend {self.backend.name}: no prediction: the cost model "
+                         f"prices host arrays only")
+                self._machine.append(None)
+            else:
+                from ..harness.machinefile import resolve_machine
+
+                self._machine.append(resolve_machine(self.args.machine, self.world,
+                                                     self.say))
+        return self._machine[0]
+
+
+def message_buffers(backend, hx, huge: bool = True):
+    """``(x, out)``: ``hx``'s values and an output buffer, as ``backend``'s arrays;
+    with ``huge``, host arrays from a huge page up lie on transparent huge pages from
+    end to end (:func:`~summasim.backends.numpy_backend.empty_huge`), so that their page
+    backing, worth 15-55% of a memory-bound all-reduce here, is the same in every
+    launch."""
+    make = backend.empty_huge if huge else backend.empty
+    x = make(hx.shape, hx.dtype)
+    x[...] = backend.asarray(hx)
+    return x, make(hx.shape, hx.dtype)
+
+
+def say_buffers(run: Run, huge: bool) -> None:
+    """Report how the message buffers are backed (host backends)."""
+    from ..backends.numpy_backend import transparent_huge_pages
+
+    mode, page = transparent_huge_pages()
+    run.report["buffers"] = {"huge_pages": huge, "thp": mode, "page_bytes": page}
+    run.say("message buffers: " + (f"from {page >> 20} MiB on, on huge pages from end to end"
+                                   if huge else "as np.empty returns them (--np-empty)")
+            + f"; transparent huge pages: {mode}")

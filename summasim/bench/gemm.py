@@ -1,0 +1,123 @@
+"""``bench gemm``: GFLOP/s of every distributed product that fits p, on n x n x n, next to
+the ceiling: the single-process GEMM rate on this machine with all its cores, measured in
+the same run by rank 0 while the other ranks sleep (they wait without spinning, so they
+do not steal its cores). The ceiling is re-measured right before each algorithm and the
+ratio uses that adjacent value, because the machine's speed drifts (it is shared)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import cli
+from ..algorithms.table import PRODUCTS
+from .common import add_backend, add_json, add_repeats, given, quiet_bcast, repeats
+
+GEMM_ALGORITHMS = PRODUCTS
+DEFAULT_N = 4096
+
+
+def add_arguments(ap, every: bool = False):
+    """gemm's own options (``every``: as ``bench all`` shares them)."""
+    ap.add_argument("--n", type=cli.positive_int, default=DEFAULT_N,
+                    help=f"GEMM size n (default {DEFAULT_N})")
+    ap.add_argument("--algorithms", type=cli.choice_list(GEMM_ALGORITHMS, "algorithm"),
+                    default=list(GEMM_ALGORITHMS), metavar="NAME,...",
+                    help="comma-separated distributed products to time (default all)")
+    if not every:
+        from ..options import add_dtype
+
+        add_dtype(ap)
+        add_backend(ap, "the products (cupy: the ceiling is one process's CuPy rate)")
+        add_repeats(ap)
+        add_json(ap)
+
+
+def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
+                   backend=None) -> float:
+    """Single-process GEMM rate (GFLOP/s) at n x n x n: NumPy with ``threads`` BLAS
+    threads (default all cores), or the backend's own matmul on its device (CuPy: this
+    rank's GPU, each product waited for); one warm-up product, then the median of
+    ``repeats`` (:func:`~summasim.harness.timing.time_calls`, serial)."""
+    from threadpoolctl import threadpool_limits
+
+    from ..comm import cores
+    from ..harness.timing import time_calls
+
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((n, n)).astype(dtype) for _ in range(2)]
+    device = backend is not None and backend.name == "cupy"
+    xp = backend.xp if device else np
+    a, b = (backend.asarray(h) for h in host) if device else host
+    c = xp.empty((n, n), dtype)
+
+    def product():
+        xp.matmul(a, b, out=c)
+        if device:
+            backend.synchronize()
+
+    with threadpool_limits(limits=threads or cores()):   # warm-up: also CuPy's kernel choice
+        median = time_calls(product, None, repeats, adaptive=False, warmup=1)["median"]
+    return 2.0 * n**3 / median / 1e9
+
+
+def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
+               backend=None) -> list[dict]:
+    """Time each distributed product on the grids that fit (validated first, with the
+    harness's Freivalds check) on ``backend`` (default NumPy); return result rows."""
+    from ..backends import get_backend
+    from ..harness.execute import run_product
+    from ..harness.plan import plan_products
+
+    backend = backend or get_backend("numpy")
+    p, rank = world.Get_size(), world.Get_rank()
+    say("ceiling: single-process " + ("CuPy GEMM on rank 0's GPU" if backend.name == "cupy"
+                                       else "NumPy GEMM, all cores")
+        + f", n = {n}, {np.dtype(dtype).name}, measured before each algorithm")
+    say(f"{'algorithm':<14} {'grid':<9} {'n':>6} {'median s':>9} {'best s':>8} "
+        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check")
+    cases, skips = plan_products(p, algorithms, (n, n, n), None, [np.dtype(dtype).name])
+    for sk in skips:
+        say(f"{sk.name:<14} skipped: {sk.reason}")
+    rows = []
+    for case in cases:
+        ceiling = quiet_bcast(world, ceiling_gflops(n, dtype, repeats, backend=backend)
+                              if rank == 0 else None)
+        res = run_product(case, world, backend, repeats=repeats, method="freivalds")
+        spans = res.timing["spans"]
+        t, best = res.seconds, min(spans)
+        gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
+        label = case.grid_label()
+        rows.append({"algorithm": case.algorithm, "grid": label, "n": n,
+                     "dtype": case.dtype, "seconds": t, "times": spans, "ok": res.ok,
+                     "gflops": gf, "ceiling_gflops": ceiling, "fraction": gf / ceiling,
+                     "best_fraction": gf_best / ceiling})
+        say(f"{case.algorithm:<14} {label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
+            f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}%  "
+            f"{'OK' if res.ok else 'FAIL'}")
+    return rows
+
+
+def preflight(args, world, gpu) -> str:
+    """Each product's memory on this node (and GPU), rank 0."""
+    from ..comm import local_ranks
+    from ..harness.memory import check_fits, check_node_and_gpu
+    from ..harness.plan import plan_products
+
+    cases, _ = plan_products(world.Get_size(), args.algorithms, (args.n,) * 3, None,
+                             [given(args, "dtype", "float64")])
+    for case in cases:
+        why = check_node_and_gpu(
+            lambda n, c=case, **kw: check_fits(c, n, "freivalds", **kw), local_ranks(), gpu)
+        if why:
+            return why
+    return ""
+
+
+def run(bench) -> bool:
+    """Time the products; rows under ``report["gemm"]``; True when all checked OK."""
+    args = bench.args
+    dtype = np.dtype(given(args, "dtype", "float64"))
+    rows = bench_gemm(bench.world, args.n, dtype, repeats(args), args.algorithms, bench.say,
+                      bench.backend)
+    bench.report["gemm"] = rows
+    return all(r["ok"] for r in rows)

@@ -1,0 +1,275 @@
+"""``bench layer``: one transformer layer (block) of the serial reference, next to
+PyTorch eager (serial: no MPI).
+
+    python -m summasim.bench layer                          # b=8 s=256 h=1024 n=16 float32
+    python -m summasim.bench layer --threads 1 2 --torch    # also PyTorch eager, same threads
+
+Times ``block_forward`` and ``block_backward`` (best of ``--repeats`` steps in each of
+``--blocks`` blocks), and measures with ``tracemalloc`` the peak memory of the whole
+``--model`` (its layers and vocabulary) forward + backward with and without activation
+checkpointing (``--no-memory``: skip).
+
+``--torch`` times the same layer in PyTorch eager (imported lazily; torch is not a
+summasim dependency: run this under a Python that has torch and summasim on its path).
+NumPy and torch run in alternating blocks of steps in one process, so the ratio is fair
+on a shared machine; the torch layer gets the same weights, and its output and gradients
+are compared with ours.
+
+Every argument is checked before anything is timed (``--torch`` needs torch importable,
+the ``--json`` file can be written); a user error is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import tracemalloc
+
+import numpy as np
+
+from .. import cli
+from .common import add_json, given
+
+#: the default model: the timed layer is h=1024 n=16 at s=256 (b=8); the memory model
+#: has 4 such layers and a vocabulary of 512
+DEFAULT_MODEL = "h=1024,heads=16,layers=4,seq=256,vocab=512"
+DEFAULT_BATCH = 8
+DEFAULT_REPEATS = 3
+
+
+def add_arguments(ap):
+    from ..options import add_batch, add_dtype, add_model
+
+    add_model(ap, default=DEFAULT_MODEL,
+              help_more="; the layer is timed at its h, heads and seq, the memory "
+                        "measured on the whole model")
+    add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
+    add_dtype(ap, choices=("float32", "float64"), default="float32")
+    ap.add_argument("--threads", type=cli.positive_int, nargs="+", default=[1],
+                    help="BLAS / torch thread counts to time (default 1)")
+    ap.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_REPEATS,
+                    help=f"timed steps per block, after one warm-up step (default "
+                         f"{DEFAULT_REPEATS})")
+    ap.add_argument("--blocks", type=cli.positive_int, default=2,
+                    help="blocks per framework, alternated NumPy, torch, NumPy, torch, ... "
+                         "(default 2)")
+    ap.add_argument("--torch", action="store_true", help="also time PyTorch eager (needs torch)")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the peak-memory measurement of the whole model")
+    add_json(ap)
+
+
+def check(args) -> None:
+    """What the parser cannot tell; raises :class:`summasim.cli.UsageError`."""
+    cli.require(not args.torch or cli.module_available("torch"),
+                "argument --torch: PyTorch is not installed in this Python (pip install "
+                "torch, or run under a Python that has torch and summasim on its path)")
+    if args.json:
+        try:
+            cli.check_writable_path(args.json)
+        except cli.UsageError as e:
+            raise cli.argument_error("--json", e) from None
+
+
+def _layer(model, dtype, seed=0):
+    """Layer-0 parameters of a 1-layer model of ``model``'s width under the block keys."""
+    from ..transformer import model as serial
+
+    cfg = serial.Config(vocab=8, seq=8, hidden=model.hidden, heads=model.heads, layers=1,
+                        ffn_mult=model.ffn_mult, dtype=dtype)
+    return serial.layer_params(serial.init_params(cfg, seed), 0)
+
+
+def _numpy_step(x, p, heads, dout):
+    from ..transformer import ops
+
+    t0 = time.perf_counter()
+    out, cache = ops.block_forward(x, p, heads)
+    t1 = time.perf_counter()
+    dx, grads = ops.block_backward(dout, cache)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, (out, dx, grads)
+
+
+class _TorchLayer:
+    """The same GPT-2 layer in PyTorch eager (weights held [out, in] like nn.Linear)."""
+
+    def __init__(self, p, heads, sdpa=True):
+        import torch
+        import torch.nn.functional as F
+
+        self.torch, self.F, self.heads, self.sdpa = torch, F, heads, sdpa
+        self.params = {}
+        for key, val in p.items():
+            arr = val.T.copy() if key.endswith(".w") else val.copy()
+            self.params[key] = torch.from_numpy(arr).requires_grad_(True)
+
+    def forward(self, x):
+        from ..transformer.ops import LN_EPS
+
+        F, P, nh = self.F, self.params, self.heads
+        b, t, c = x.shape
+        a = F.layer_norm(x, (c,), P["ln1.g"], P["ln1.b"], eps=LN_EPS)
+        q, k, v = F.linear(a, P["attn.qkv.w"], P["attn.qkv.b"]).split(c, dim=2)
+        q, k, v = (z.view(b, t, nh, c // nh).transpose(1, 2) for z in (q, k, v))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:   # nanoGPT's explicit path
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // nh))
+            mask = self.torch.ones(t, t, dtype=self.torch.bool).tril()
+            att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        x = x + F.linear(y, P["attn.proj.w"], P["attn.proj.b"])
+        m = F.layer_norm(x, (c,), P["ln2.g"], P["ln2.b"], eps=LN_EPS)
+        m = F.gelu(F.linear(m, P["mlp.fc.w"], P["mlp.fc.b"]), approximate="tanh")
+        return x + F.linear(m, P["mlp.proj.w"], P["mlp.proj.b"])
+
+    def step(self, x_np, dout_np):
+        torch = self.torch
+        x = torch.from_numpy(x_np).requires_grad_(True)
+        dout = torch.from_numpy(dout_np)
+        for prm in self.params.values():
+            prm.grad = None
+        t0 = time.perf_counter()
+        out = self.forward(x)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        grads = {k: (v.grad.numpy().T if k.endswith(".w") else v.grad.numpy())
+                 for k, v in self.params.items()}
+        return t1 - t0, t2 - t1, (out.detach().numpy(), x.grad.numpy(), grads)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2):
+    """Best forward/backward seconds of one layer of ``model`` (its h, heads and seq) over
+    ``blocks`` blocks of ``repeats`` timed steps per framework, NumPy and (optionally)
+    torch (:func:`~summasim.harness.timing.time_contenders`, serial, in blocks)."""
+    from threadpoolctl import threadpool_limits
+
+    from ..harness.timing import time_contenders
+
+    rng = np.random.default_rng(0)
+    p = _layer(model, dtype)
+    heads = model.heads
+    x = rng.standard_normal((batch, model.seq, model.hidden)).astype(dtype)
+    dout = rng.standard_normal((batch, model.seq, model.hidden)).astype(dtype)
+    res = {"threads": threads}
+    runners = {"numpy": lambda: _numpy_step(x, p, heads, dout)}
+    if use_torch:
+        import torch
+
+        torch.set_num_threads(threads)
+        tl_sdpa, tl_manual = _TorchLayer(p, heads, sdpa=True), _TorchLayer(p, heads, sdpa=False)
+        runners["torch"] = lambda: tl_sdpa.step(x, dout)
+        runners["torch_manual_attn"] = lambda: tl_manual.step(x, dout)
+    outputs = {}
+
+    def keep(name, run):
+        """A step that keeps its outputs (the last step's, for the comparison) and
+        returns its forward and backward seconds."""
+        def call():
+            tf, tb, outputs[name] = run()
+            return tf, tb
+        return call
+
+    def fresh(name):
+        """Before each step: drop the framework's last outputs, collect the garbage."""
+        outputs.pop(name, None)
+        gc.collect()
+
+    with threadpool_limits(threads):
+        # Blocks of steps per framework, alternated (A B A B): switching frameworks
+        # every step costs the next step its warm state (thread pools, freed pages),
+        # so each block starts with an untimed warm-up step.
+        timed = time_contenders({k: keep(k, f) for k, f in runners.items()}, None, blocks,
+                                repeats=repeats, warmup=1, rotate=False, before=fresh,
+                                returns=True)
+    for name, t in timed.items():
+        tf = min(r[0] for r in t["returns"])
+        tb = min(r[1] for r in t["returns"])
+        res[name] = {"forward_s": tf, "backward_s": tb, "total_s": tf + tb}
+    if use_torch:
+        ref_out, ref_dx, ref_g = outputs["torch"]
+        out, dx, g = outputs["numpy"]
+        res["max_rel_diff_vs_torch"] = max(
+            [_rel(out, ref_out), _rel(dx, ref_dx)] + [_rel(g[k], ref_g[k]) for k in g])
+        for name in ("torch", "torch_manual_attn"):
+            res["ratio_vs_" + name] = res["numpy"]["total_s"] / res[name]["total_s"]
+    return res
+
+
+def peak_memory(model, batch, dtype, checkpoint):
+    """tracemalloc bytes of ``model``'s forward + backward, above params and inputs."""
+    from ..transformer import model as serial
+
+    cfg = serial.Config.of(model, dtype)
+    rng = np.random.default_rng(0)
+    params = serial.init_params(cfg, 0)
+    tokens = rng.integers(0, model.vocab, (batch, model.seq))
+    targets = rng.integers(0, model.vocab, (batch, model.seq))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        _, cache = serial.forward(params, tokens, targets, cfg, checkpoint=checkpoint)
+        held = tracemalloc.get_traced_memory()[0] - base
+        grads = serial.backward(cache)
+        del cache
+        peak = tracemalloc.get_traced_memory()[1] - base
+        grad_bytes = sum(g.nbytes for g in grads.values())
+    finally:
+        tracemalloc.stop()
+    return {"checkpoint": checkpoint, "layers": model.layers, "held_after_forward_bytes": held,
+            "peak_bytes": peak, "grad_bytes": grad_bytes}
+
+
+def run(args, world=None) -> dict:
+    """Time one layer and measure peak memory (serial: ``world`` is not used); returns
+    the results dict."""
+    from threadpoolctl import threadpool_limits
+
+    from ..jsonio import write_json_atomic
+
+    model = args.model
+    batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
+    dtype = np.dtype(args.dtype)
+    print(f"one layer: b={batch} s={model.seq} h={model.hidden} n={model.heads} {dtype}, "
+          f"best of {args.blocks} x {args.repeats} steps")
+    shape = {"model": str(model), "batch": batch, "dtype": dtype.name,
+             "threads": args.threads, "repeats": args.repeats, "blocks": args.blocks,
+             "torch": args.torch}
+    results = {"shape": shape, "timing": [], "memory": []}
+    for threads in args.threads:
+        r = time_layer(model, batch, dtype, threads, args.repeats, args.torch, args.blocks)
+        results["timing"].append(r)
+        for name in ("numpy", "torch", "torch_manual_attn"):
+            if name in r:
+                t = r[name]
+                print(f"  threads={threads} {name:18s} forward {t['forward_s']*1e3:8.1f} ms  "
+                      f"backward {t['backward_s']*1e3:8.1f} ms  total {t['total_s']*1e3:8.1f} ms")
+        if args.torch:
+            print(f"  threads={threads} numpy/torch {r['ratio_vs_torch']:.3f}  "
+                  f"numpy/torch(manual attention) {r['ratio_vs_torch_manual_attn']:.3f}  "
+                  f"max rel diff vs torch {r['max_rel_diff_vs_torch']:.2e}")
+    if not args.no_memory:
+        with threadpool_limits(max(args.threads)):
+            for ckpt in (False, True):
+                m = peak_memory(model, batch, dtype, ckpt)
+                results["memory"].append(m)
+                print(f"  memory {model.layers}-layer model (vocab {model.vocab}), "
+                      f"checkpoint={str(ckpt):5s}: held after forward "
+                      f"{m['held_after_forward_bytes']/2**20:7.1f} MiB, peak "
+                      f"{m['peak_bytes']/2**20:7.1f} MiB (grads {m['grad_bytes']/2**20:.1f} MiB)")
+        off, on = results["memory"]
+        print(f"  checkpointing: peak x{on['peak_bytes']/off['peak_bytes']:.2f}, held after "
+              f"forward x{on['held_after_forward_bytes']/off['held_after_forward_bytes']:.3f}")
+    if args.json:
+        write_json_atomic(args.json, results)
+    return results

@@ -1,0 +1,154 @@
+"""``bench mesh``: one training step (every micro-batch's forward and backward, the
+gradient reduction, Adam) of each sharded-training composition (``--mesh``, or the
+defaults that fit p) next to pure tensor parallelism of the same scheme on all p ranks
+(the same model, global batch and engine), with the cost model's prediction for both."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import add_backend, add_json, add_predict, add_repeats, given, repeats, \
+    runtime_config
+
+#: the default model: b=16 s=32 h=128 n=16 v=128, 4 layers, float64
+DEFAULT_MODEL = "h=128,heads=16,layers=4,seq=32,vocab=128"
+DEFAULT_BATCH = 16
+DEFAULT_MICROBATCHES = 2
+
+
+def add_arguments(ap):
+    from ..options import add_model
+
+    add_model(ap, default=DEFAULT_MODEL, help_more="; trained in float64")
+    add_training(ap)
+    add_backend(ap, "the training steps")
+    add_predict(ap, "each step")
+    add_repeats(ap)
+    add_json(ap)
+
+
+def add_training(ap):
+    """``--batch``, ``--mesh`` (repeatable) and how the meshes train (``bench all``
+    shares them)."""
+    from ..options import add_batch, add_composition, add_mesh
+
+    add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
+    add_mesh(ap, repeat=True, help_more=" (default: the main job's default compositions "
+                                        "that fit p)")
+    add_composition(ap, microbatches=DEFAULT_MICROBATCHES)
+
+
+def plan_mesh_bench(args, p: int):
+    """``(cases, skips, err)`` of the mesh benchmark (pure)."""
+    from ..harness.plan import default_meshes, plan_meshes
+    from ..spec import Model
+
+    model = given(args, "model", None) or Model.parse(DEFAULT_MODEL)
+    batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
+    config = runtime_config(model, np.float64)
+    if args.mesh:
+        specs = [(str(m), dict(zero=args.zero, schedule=args.schedule,
+                               microbatches=args.microbatches, checkpoint=args.checkpoint))
+                 for m in args.mesh]
+    else:
+        specs = default_meshes(p)
+    return plan_meshes(p, specs, config, batch, bool(args.mesh))
+
+
+def preflight(args, world, gpu) -> str:
+    """The meshes plan (a --mesh that cannot run is an error) and each fits this node
+    (and GPU), rank 0."""
+    from ..comm import local_ranks
+    from ..harness.memory import check_node_and_gpu, check_training_fits
+
+    p = world.Get_size()
+    cases, _, err = plan_mesh_bench(args, p)
+    if err:
+        return err
+    for case in cases:
+        why = check_node_and_gpu(
+            lambda n, c=case, **kw: check_training_fits(c, p, n, **kw), local_ranks(), gpu)
+        if why:
+            return why
+    return ""
+
+
+def _pure_tensor(case, p: int):
+    """The same scheme on all p ranks (its first grid that shards the model), else
+    Megatron over p; ``None`` when neither fits."""
+    from ..harness.cases import MeshCase
+    from ..transformer.schemes import SCHEMES
+
+    for name in (case.scheme, "megatron"):
+        spec = SCHEMES[name]
+        for q, d in spec.grids(p):
+            grid = {"1d": f"megatron:{p}", "2d": f"optimus:{q}x{q}",
+                    "2.5d": f"summa25:{q}x{q}x{d}"}[spec.grid_kind]
+            pure = MeshCase.parse(f"tp={grid}", case.batch, case.config, zero=0,
+                                  schedule=case.schedule, microbatches=1,
+                                  checkpoint=case.checkpoint)
+            if not pure.misfit(p):
+                return pure
+    return None
+
+
+def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> list[dict]:
+    """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
+    (collective), on ``backend`` (default NumPy). Each run is validated first
+    (:func:`~summasim.harness.composed.run_mesh`: three Adam steps against the serial
+    model); a failed validation fails the benchmark. The prediction prices each run's
+    traced step with ``machine`` (none given: no prediction)."""
+    from ..harness.composed import run_mesh
+
+    p = world.Get_size()
+    rows = []
+
+    def measure(case):
+        res = run_mesh(case, world, backend, repeats=repeats)
+        pred = None
+        if machine is not None and world.Get_rank() == 0:
+            from ..costmodel.compose import predict_measured_mesh
+
+            pred = predict_measured_mesh(res.measured(), machine)
+        return res, world.bcast(pred, root=0)
+
+    c0 = cases[0].config if cases else None
+    if c0 is not None:
+        say(f"sharded training step: b={cases[0].batch} (global) s={c0.seq} h={c0.hidden} "
+            f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers} "
+            f"{np.dtype(c0.dtype).name}; each run validated first; 'pure' is the same "
+            f"scheme on all {p} ranks")
+    head = (f"{'mesh':<28} {'zero':>4} {'sched':>5} {'m':>2} {'step s':>8} {'pred s':>8} "
+            f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}")
+    say(head)
+    say("-" * len(head))
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    err = lambda pr, t: "-" if pr is None else f"{100 * (pr - t) / t:+.0f}%"  # noqa: E731
+    for case in cases:
+        pure = _pure_tensor(case, p)
+        res, pc = measure(case)
+        pres, pp_ = measure(pure) if pure is not None else (None, None)
+        t = res.seconds
+        tp = pres.seconds if pres is not None else None
+        ok = res.ok and (pres is None or pres.ok)
+        rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule,
+                     "microbatches": case.microbatches, "ok": ok, "seconds": t,
+                     "predicted": pc, "pure": pure.spec if pure else None,
+                     "pure_seconds": tp, "pure_predicted": pp_,
+                     "ratio": (tp / t) if tp else None})
+        say(f"{case.spec:<28} {case.zero:>4} {case.schedule:>5} {case.microbatches:>2} "
+            f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
+            f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
+            f"{(f'{tp / t:.2f}x') if tp else '-':>8}" + ("" if ok else "  FAILED validation"))
+    return rows
+
+
+def run(bench) -> bool:
+    """Rows under ``report["mesh"]``; True when every run validated."""
+    cases, skips, _ = plan_mesh_bench(bench.args, bench.p)
+    rows = bench_mesh(bench.world, cases, repeats(bench.args), bench.say, bench.machine(),
+                      bench.backend)
+    bench.report["mesh"] = rows
+    for sk in skips:
+        bench.say(f"  skipped mesh {sk.name}: {sk.reason}")
+    return all(r["ok"] for r in rows)

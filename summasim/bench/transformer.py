@@ -1,0 +1,149 @@
+"""``bench transformer``: forward + backward time of each tensor-parallel scheme that fits
+p, on a one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to the
+serial model on the same cores (rank 0 alone, all cores, the others asleep): the same
+total work, so the ratio is the parallel overhead."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .common import add_json, add_repeats, given, quiet_bcast, repeats, runtime_config
+
+#: the default model: one layer, b=16 s=128 h=512 n=8 v=64, in float32
+DEFAULT_MODEL = "h=512,heads=8,layers=1,seq=128,vocab=64"
+DEFAULT_BATCH = 16
+DEFAULT_DTYPE = "float32"
+
+
+def add_arguments(ap):
+    from ..options import add_batch, add_dtype, add_model
+
+    add_model(ap, default=DEFAULT_MODEL)
+    add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
+    add_dtype(ap, choices=("float32", "float64"), default=DEFAULT_DTYPE)
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing (recompute each layer's forward in "
+                         "backward)")
+    add_repeats(ap)
+    add_json(ap)
+
+
+def model_of(args):
+    """``(model, batch, dtype)`` of the benchmark (``all``: its defaults where unset)."""
+    from ..spec import Model
+
+    model = given(args, "model", None) or Model.parse(DEFAULT_MODEL)
+    batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
+    return model, batch, np.dtype(given(args, "dtype", DEFAULT_DTYPE))
+
+
+def transformer_cases(model, batch: int, dtype, p: int) -> list:
+    """The :class:`~summasim.harness.cases.TransformerCase` of every scheme and grid that
+    ``bench transformer`` runs at p (for the memory check)."""
+    from ..harness.plan import plan_schemes
+    from ..transformer.schemes import SCHEMES
+
+    config = runtime_config(model, dtype)
+    return plan_schemes(p, SCHEMES, lambda _: config, batch)[0]
+
+
+def preflight(args, world, gpu) -> str:
+    """Each scheme's training memory on this node, rank 0."""
+    from ..comm import local_ranks
+    from ..harness.memory import check_training_fits
+
+    p = world.Get_size()
+    for case in transformer_cases(*model_of(args), p):
+        why = check_training_fits(case, p, local_ranks())
+        if why:
+            return why
+    return ""
+
+
+def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint: bool,
+                      say) -> list[dict]:
+    """Forward+backward seconds of each scheme vs the serial model (collective)."""
+    from threadpoolctl import threadpool_limits
+
+    from ..comm import cores
+    from ..harness.shared import NodeShared
+    from ..harness.timing import time_calls
+    from ..mpiutil import agreement
+    from ..transformer import model as serial
+    from ..transformer.schemes import SCHEMES
+
+    b, v = batch, model.vocab
+    p, rank = world.Get_size(), world.Get_rank()
+    config = runtime_config(model, dtype)
+    t_serial, inputs = None, None
+    if rank == 0:                     # the serial model, on rank 0 only
+        params = serial.init_params(config, seed=0)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, v, size=(b, config.seq))
+        targets = rng.integers(0, v, size=(b, config.seq))
+
+        def serial_step():
+            loss, cache = serial.forward(params, tokens, targets, config,
+                                         checkpoint=checkpoint)
+            serial.backward(cache)
+
+        with threadpool_limits(limits=cores()):
+            t_serial = time_calls(serial_step, None, repeats, adaptive=False,
+                                  warmup=1)["median"]
+        inputs = {"params": params, "tokens": tokens, "targets": targets}
+        del params, tokens, targets
+    t_serial = quiet_bcast(world, t_serial)
+    # the model and inputs, one read-only copy per node; each rank shards its own blocks
+    shared = NodeShared(world, inputs)
+    del inputs
+    params, tokens, targets = (shared.value[k] for k in ("params", "tokens", "targets"))
+    say(f"transformer: b={b} s={config.seq} h={config.hidden} heads={config.heads} "
+        f"vocab={v} layers={config.layers} {np.dtype(dtype).name}, checkpoint={checkpoint}; "
+        f"serial forward+backward on {cores()} cores: {t_serial:.4f} s")
+    say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}")
+    rows = []
+    for name, spec in SCHEMES.items():
+        grids = spec.grids(p)
+        if not grids:
+            say(f"{name:<9} skipped: needs {spec.needs()}; p = {p} does not fit")
+        for q, d in grids:
+            label = spec.grid_label(p, q, d)
+            why = spec.misfit(config, b, p, q, d)
+            if why:
+                say(f"{name:<9} {label:<9} skipped: {why}")
+                continue
+            module = spec.module
+            grid = spec.make_grid(world, q, d)
+            try:
+                grid.trace.enabled = False
+                local = module.shard(params, config, grid)
+
+                def step():
+                    loss, cache = module.forward(local, tokens, targets, config, grid,
+                                                 checkpoint=checkpoint)
+                    module.backward(cache)
+
+                step()                                 # checked (agreed) once
+                with agreement(False):
+                    times = time_calls(step, world, repeats, adaptive=False)["spans"]
+            finally:
+                grid.free()
+            t = statistics.median(times)
+            rows.append({"scheme": name, "grid": label, "p": p,
+                         "seconds": t, "times": times, "serial_seconds": t_serial,
+                         "ratio": t / t_serial})
+            say(f"{name:<9} {label:<9} {t:>9.4f} {min(times):>8.4f} {t / t_serial:>8.2f}x")
+    params = tokens = targets = None          # views of the window, then the window
+    shared.free()
+    return rows
+
+
+def run(bench) -> bool:
+    """Rows under ``report["transformer"]`` (timing only: True)."""
+    model, batch, dtype = model_of(bench.args)
+    bench.report["transformer"] = bench_transformer(
+        bench.world, model, batch, dtype, repeats(bench.args), bench.args.checkpoint,
+        bench.say)
+    return True
