@@ -190,13 +190,14 @@ def test_the_transformer_benchmark_holds_no_whole_model_off_rank_0():
     """``bench transformer`` times the schemes on the model that rank 0 shares; off rank
     0 its traced peak stays below the whole model's parameters (each rank used to build
     the whole model and shard it)."""
-    from summasim.bench import bench_transformer
+    from summasim.bench.transformer import bench_transformer
+    from summasim.spec import Model
 
     skip_unless(P >= 8, f"at p = {P} a rank's shard and its step's workspaces approach the "
                 "whole model")
-    shape = (2, 8, 256, 16, 2048, 1)                     # b, s, h, heads, vocab, layers
+    sizes = Model.parse("h=256,heads=16,layers=1,seq=8,vocab=2048")      # batch 2
     config = model.Config(vocab=2048, seq=8, hidden=256, heads=16, layers=1)
-    peak = _traced_peak(lambda: bench_transformer(WORLD, shape, "float64", 1, False,
+    peak = _traced_peak(lambda: bench_transformer(WORLD, sizes, 2, "float64", 1, False,
                                                   lambda *a, **k: None))
     whole = _whole(config)
     parallel_assert(RANK == 0 or peak < whole,

@@ -156,7 +156,7 @@ def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
     same sums, the staged baselines copy the whole vector once each way, and in direct
     mode the plain ring synchronizes the stream before each of its 2(P-1) steps."""
     from summasim.backends import get_backend
-    from summasim.bench import _contenders
+    from summasim.bench.allreduce import _contenders
 
     rank = WORLD.Get_rank()
     x = np.random.default_rng(rank).standard_normal(37)
@@ -296,7 +296,7 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
     their duration: every rank must take the same count (a rank that stopped early would
     leave the others waiting in a collective), each contender timed that many times, in
     steps of the three contenders; an explicit count is exactly that count."""
-    from summasim import bench
+    from summasim.bench import allreduce as bench
 
     monkeypatch.setattr(bench, "ALLREDUCE_BUDGET_S", budget)
     monkeypatch.setattr(bench, "ALLREDUCE_MAX_REPEATS", 16)
