@@ -25,7 +25,7 @@ import pytest
 from mpi4py import MPI
 
 from _util import WORLD, collective_raises, parallel_assert, skip_unless
-from summasim.costmodel.schemes import table1_paper
+from summasim.costmodel.workload.table1 import table1_paper
 from summasim.grid import Grid1D
 from summasim.transformer import megatron, model
 

@@ -1,5 +1,5 @@
 """The node's memory bandwidth and cache the fit records for the predictions' memory
-floor (``costmodel.fit.node_memory``): one value on every rank, from every rank of a
+floor (``harness.fitbench.node_memory``): one value on every rank, from every rank of a
 node streaming at once, and no bandwidth where a node has fewer ranks than CPUs."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 from mpi4py import MPI
 
 from _util import WORLD, parallel_assert
-from summasim.costmodel import fit
-from summasim.costmodel.fit import MemoryProbe, node_memory
+from summasim.harness import fitbench as fit
+from summasim.harness.fitbench import MemoryProbe, node_memory
 
 
 def _node_size() -> int:

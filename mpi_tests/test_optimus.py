@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _util import WORLD, collective_raises, grid_shapes, parallel_assert
-from summasim.costmodel import schemes
-from summasim.costmodel.traffic import (algorithm_traffic, ring_allreduce_events,
-                                        summarize_events)
+from summasim.costmodel.machine import Machine
+from summasim.costmodel.workload.layer import layer_ops, scheme_cost
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+from summasim.costmodel.workload.traffic import (
+    algorithm_traffic, ring_allreduce_events, summarize_events)
 from summasim.grid import Grid
 from summasim.transformer import model, optimus
 
@@ -280,7 +282,7 @@ def test_replicas_and_row0_hosting(q, d):
 # --------------------------------------------------------------------------- #
 def _tp_mismatches(events, cfg, b, s, grid, checkpoint, names=None, layer=0):
     """Per tp phase of one layer: the trace's (op, group) -> (count, bytes) vs the
-    algorithm's closed form (costmodel.traffic) at this rank's coordinates."""
+    algorithm's closed form (costmodel.workload.traffic) at this rank's coordinates."""
     q, d = grid.q, grid.d
     ab, abt, atb = names or (("summa_ab", "summa_abt", "summa_atb") if d == 1 else
                              ("summa25_ab", "summa25_abt", "summa25_atb"))
@@ -339,10 +341,10 @@ def test_layer_traffic(q, d, checkpoint):
     parallel_assert(not tp_bad, f"rank {coords}: tp phase != closed form: {tp_bad[:2]}")
 
     # the cost model's ops of one layer give exactly the traced tp messages
-    scheme = schemes.Scheme.make("optimus" if d == 1 else "summa25", q=q, d=d)
-    tcfg = schemes.TransformerConfig(b=b, s=s, h=h, n=cfg.heads, N=1, dtype="float64",
+    scheme = Scheme.make("optimus" if d == 1 else "summa25", q=q, d=d)
+    tcfg = TransformerConfig(b=b, s=s, h=h, n=cfg.heads, N=1, dtype="float64",
                                      checkpoint=checkpoint)
-    ops_ = schemes.layer_ops(scheme, tcfg)
+    ops_ = layer_ops(scheme, tcfg)
     for part, key in (("fwd", "forward"), ("bwd", "backward")):
         want: dict = {}
         for op in ops_[key]:
@@ -355,7 +357,7 @@ def test_layer_traffic(q, d, checkpoint):
         got = summarize_events(e for e in ev if e.phase.startswith(f"h0.{part}/tp."))
         parallel_assert(got == want, f"rank {coords} {part}: trace {got} != layer_ops {want}")
     if k == 0:   # scheme_cost prices the depth ring at depth rank 0 (strict: whole chunks)
-        cost = schemes.scheme_cost(scheme, tcfg, schemes.Machine.simple(), compute=False,
+        cost = scheme_cost(scheme, tcfg, Machine.simple(), compute=False,
                                    strict=True)
         tp_f = _items(ev, "h0.fwd/tp.", ("bcast", "reduce", "sendrecv"), ("row", "col", "depth"))
         tp_b = _items(ev, "h0.bwd/tp.", ("bcast", "reduce", "sendrecv"), ("row", "col", "depth"))
@@ -383,7 +385,7 @@ def test_layer_traffic(q, d, checkpoint):
     got_b = summarize_events(e for e in ev if e.phase.startswith("h0.bwd/aux."))
     parallel_assert((got_f, got_b) == (aux_f, aux_b),
                     f"rank {coords}: aux fwd {got_f} != {aux_f} or bwd {got_b} != {aux_b}")
-    minor = schemes.layer_ops(scheme, tcfg, include_minor=True)
+    minor = layer_ops(scheme, tcfg, include_minor=True)
     for part, key in (("fwd", "forward"), ("bwd", "backward")):
         want_items: dict = {}
         for op in minor[key]:

@@ -1,6 +1,6 @@
 """A whole training step's traffic: what every rank's trace records for one forward
 and backward of the language model (embedding, layers, head, loss) equals the cost
-model's :func:`summasim.costmodel.schemes.model_messages`, which ``step_cost`` and the
+model's :func:`summasim.costmodel.workload.step.model_messages`, which ``step_cost`` and the
 accuracy benchmark price. Megatron on p ranks, Optimus and SUMMA2.5-LM on every
 [q, q, d] grid of the communicator."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from _util import WORLD, grid_shapes, parallel_assert
-from summasim.costmodel.schemes import Scheme, TransformerConfig, model_messages
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+from summasim.costmodel.workload.step import model_messages
 from summasim.transformer import model
 from summasim.transformer.schemes import SCHEMES
 

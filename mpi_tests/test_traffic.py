@@ -9,7 +9,7 @@ from _util import WORLD, grid_shapes, parallel_assert
 from summasim import algorithms as algs
 from summasim import layout
 from summasim.comm import Comm
-from summasim.costmodel.traffic import algorithm_traffic, summarize_events
+from summasim.costmodel.workload.traffic import algorithm_traffic, summarize_events
 from summasim.grid import Grid
 from summasim.algorithms.table import ALGORITHMS, stored_shapes
 
@@ -91,7 +91,7 @@ def test_trace_matches_closed_form(name, q, d):
         # the cost model's closed forms (what it prices) equal the trace too
         model = algorithm_traffic(name, m, k, n, q, d, itemsize=ITEM, coords=grid.coords)
         parallel_assert(summarize_events(grid.trace.events) == model,
-                        f"rank {grid.coords}: costmodel.traffic {model} != trace {got}")
+                        f"rank {grid.coords}: costmodel.workload.traffic {model} != trace {got}")
 
 
 @pytest.mark.parametrize("N", [0, 1, P - 1, 10 * P + 3, 4096])

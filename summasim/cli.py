@@ -104,8 +104,7 @@ class UsageError(ValueError):
 
     The message names the offending argument(s) and fits on one line; front-ends
     print it as ``<prog>: error: <message>`` and exit with status 2 (the MPI
-    front-ends through :func:`summasim.harness.frontend.mpi_main`, whose ``UserError``
-    is this class under its old name).
+    front-ends through :func:`summasim.harness.frontend.mpi_main`).
     """
 
 

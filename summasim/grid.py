@@ -21,10 +21,8 @@ tensor parallelism, built the same way.
 
 from __future__ import annotations
 
-import math
-import numbers
 
-from .spec import grid_coords, grid_shapes, mesh_coords, positive_int  # noqa: F401 (grid_shapes: until its importers move to spec)
+from .spec import grid_coords, mesh_coords, positive_int
 from .trace import Trace
 
 # mpi4py (and so MPI_Init) is imported only when a grid is built. Which grids exist and

@@ -288,7 +288,7 @@ def _banner(args, world, backend, say):
 def _predict(res, machine):
     if machine is None or not res.timing:
         return None
-    from .costmodel.accuracy import predict_result
+    from summasim.costmodel.tools.accuracy import predict_result
 
     return predict_result(res.measured(), machine)
 
@@ -443,8 +443,8 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> lis
 
 def _predict_mesh(res, machine):
     """The cost model's time of a measured mesh step: its traced events and its stage's
-    compute priced on ``machine`` (:func:`summasim.costmodel.compose.predict_measured_mesh`)."""
-    from .costmodel.compose import predict_measured_mesh
+    compute priced on ``machine`` (:func:`summasim.costmodel.workload.measured.predict_measured_mesh`)."""
+    from summasim.costmodel.workload.measured import predict_measured_mesh
 
     return predict_measured_mesh(res.measured(), machine)
 

@@ -57,7 +57,7 @@ def synthetic_machine(**kw):
 def matmul_result(alg, q, n, p, measured):
     """A measured-result dict of a distributed product (cost-model analysis tests): its
     closed-form messages on every rank of the q x q grid, ``measured`` as its spans."""
-    from summasim.costmodel.traffic import algorithm_messages
+    from summasim.costmodel.workload.traffic import algorithm_messages
     from summasim.harness.cases import MatmulCase
 
     events, coords = [], []

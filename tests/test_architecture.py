@@ -138,8 +138,10 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-@pytest.mark.parametrize("mod", ["summasim.costmodel.predict", "summasim.costmodel.explore",
-                                 "summasim.costmodel.schemes", "summasim.costmodel.accuracy",
+@pytest.mark.parametrize("mod", ["summasim.costmodel.workload.predict",
+                                 "summasim.costmodel.tools.explore", "summasim.costmodel.tools.plan",
+                                 "summasim.costmodel.workload.composition",
+                                 "summasim.costmodel.tools.accuracy", "summasim.spec",
                                  "summasim.algorithms.table", "summasim.harness.plan",
                                  "summasim.grid"])
 def test_pure_modules_do_not_start_mpi(mod):

@@ -11,11 +11,12 @@ import pytest
 from conftest import matmul_result as _matmul_result, synthetic_machine
 from summasim.costmodel.tools import accuracy as A
 from summasim.harness.cases import RingCase
-from summasim.costmodel.fit import (fit_elementwise, fit_nonneg_linear, fit_regimes,
-                                    fit_shared_core, library_eager_threshold, split_huge)
+from summasim.costmodel.machine.regression import (
+    fit_elementwise, fit_nonneg_linear, fit_regimes, fit_shared_core, library_eager_threshold,
+    split_huge)
 from summasim.costmodel.machine import Link, Machine, SharedCore
-from summasim.costmodel.predict import SharedFeatures, predict_features
-from summasim.costmodel.traffic import algorithm_messages
+from summasim.costmodel.workload.predict import SharedFeatures, predict_features
+from summasim.costmodel.workload.traffic import algorithm_messages
 
 
 _machine = synthetic_machine

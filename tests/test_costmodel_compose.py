@@ -1,4 +1,4 @@
-"""The composition cost model (summasim.costmodel.compose): pipeline bubble and
+"""The composition cost model (summasim.costmodel.workload.composition): pipeline bubble and
 schedules, bucketed overlap, ZeRO model states and traffic against their closed forms,
 memory per stage, refusals, and the reduction to today's single-scheme prediction."""
 
@@ -293,7 +293,7 @@ def test_predict_case_prices_the_harness_case():
 
 
 def test_compose_never_starts_mpi():
-    code = ("import sys, summasim.costmodel.compose, summasim.costmodel.plan; "
+    code = ("import sys, summasim.costmodel.workload.composition, summasim.costmodel.tools.plan; "
             "sys.exit(1 if 'mpi4py.MPI' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 

@@ -14,9 +14,10 @@ import math
 import pytest
 
 from summasim.costmodel.tools import devset
-from summasim.costmodel.compose import model_flops, price_composition
+from summasim.costmodel.workload.mesh import model_flops
+from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import load_preset
-from summasim.costmodel.schemes import Scheme, TransformerConfig
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
 
 def test_devset_table(capsys):

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from summasim.costmodel import isoefficiency, paper_machine, reference_slope
+from summasim.costmodel.tools.isoefficiency import isoefficiency, paper_machine, reference_slope
 from summasim.costmodel.tools.isoefficiency import illinois_root, loglog_slope
 from summasim.costmodel.machine import MAX_LINK_BANDWIDTH, Machine, sanity_problems
 from summasim.costmodel.machine.regression import (fit_alpha_beta, fit_regimes, log_sizes,
@@ -128,7 +128,7 @@ def test_fit_module_does_not_import_mpi_at_import_time():
     import subprocess
     import sys
 
-    code = ("import sys, summasim.costmodel.fit, summasim.costmodel.explore; "
+    code = ("import sys, summasim.costmodel.machine.regression, summasim.costmodel.tools.explore; "
             "print('mpi4py' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)

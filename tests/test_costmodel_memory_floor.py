@@ -1,6 +1,6 @@
 """The memory floor: a machine with ``memory_bandwidth`` never predicts less than the
 time its node's memory needs to stream the bytes its ranks' copies and additions move
-(``Machine.memory_floor``; the stream counts in :mod:`summasim.costmodel.predict`)."""
+(``Machine.memory_floor``; the stream counts in :mod:`summasim.costmodel.workload.predict`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from summasim.comm import BLOCKING_SENDRECV_BYTES
-from summasim.costmodel.accuracy import predict_result
+from summasim.costmodel.tools.accuracy import predict_result
 from summasim.costmodel.bench_predictions import ring_prediction
 from summasim.costmodel.machine import Machine, load_preset
 from summasim.costmodel.workload.predict import predict_algorithm, predict_trace

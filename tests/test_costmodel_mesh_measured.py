@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from summasim.costmodel.accuracy import rank_features
+from summasim.costmodel.tools.accuracy import rank_features
 from summasim.costmodel.machine import load_preset
 from summasim.costmodel.workload.measured import ADAM_PASSES, mesh_features, predict_measured_mesh
 

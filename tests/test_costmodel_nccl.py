@@ -1,4 +1,4 @@
-"""NCCL's collectives against their published closed forms (summasim.costmodel.nccl).
+"""NCCL's collectives against their published closed forms (summasim.costmodel.collectives.nccl).
 
 Ring all-reduce moves 2 (p-1)/p B over the slowest link, all-gather and
 reduce-scatter (p-1)/p of the total, broadcast and reduce B (a pipelined chain);

@@ -12,9 +12,10 @@ import time
 import pytest
 
 from summasim.costmodel import list_presets, load_preset
-from summasim.costmodel.compose import StateBytes, price_composition
+from summasim.costmodel.workload.zero import StateBytes
+from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.tools.plan import MODELS, main, search
-from summasim.costmodel.schemes import Scheme, TransformerConfig
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "dgx-a100" if "dgx-a100" in list_presets() else "h100-dgx-ndr"
@@ -56,7 +57,7 @@ def test_ranked_compositions_fit_and_are_sorted():
 def test_memoized_paths_leave_the_ranking_unchanged():
     """topology.group_path is memoized across pricers: a search with the memo cold and
     one with it warm rank the same compositions with the same numbers, exactly."""
-    from summasim.costmodel.topology import clear_path_memo
+    from summasim.costmodel.machine.topology import clear_path_memo
 
     machine = load_preset(PRESET)
     cfg = TransformerConfig(b=64, s=512, h=1024, n=16, N=8, v=2048, dtype="bfloat16")

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from summasim.costmodel.__main__ import main
-from summasim.costmodel.explore import weak_config
+from summasim.costmodel.tools.explore import weak_config
 from summasim.costmodel.workload.scheme import TransformerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

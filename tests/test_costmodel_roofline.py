@@ -1,5 +1,5 @@
 """Roofline pricing of memory-bound work and the step breakdown
-(summasim.costmodel.roofline, schemes.step_breakdown / step_cost)."""
+(summasim.costmodel.compute.roofline, schemes.step_breakdown / step_cost)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Topology and placement: which links a group crosses, and how concurrent groups
-share them (summasim.costmodel.topology)."""
+share them (summasim.costmodel.machine.topology)."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_group_path_memo_returns_what_the_computation_does():
     same answers cold and warm, a different topology or placement is not confused
     with a memoized one, documentation (sources) does not matter, and arguments that
     cannot be hashed are computed without the memo."""
-    from summasim.costmodel import topology as T
+    from summasim.costmodel.machine import topology as T
 
     cases = [(_nvswitch(), GridShape.of(q=8), "col", 8, Placement()),
              (_nvswitch(nics=4), GridShape.of(q=8), "col", 8, Placement()),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import matmul_result, synthetic_machine
-from summasim.costmodel import accuracy as A
+from summasim.costmodel.tools import accuracy as A
 from summasim.costmodel.machine import Machine, SharedCore
 from summasim.costmodel.machine.regression import fit_shared_core
 from summasim.costmodel.workload.predict import (SharedFeatures, merge_features, predict_features,

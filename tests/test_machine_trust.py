@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from summasim.costmodel import fit as fitmod
+from summasim.harness import fitbench as fitmod
 from summasim.costmodel.machine import (Link, Machine, SharedCore, list_presets, load_preset,
                                         sanity_problems)
 from summasim.harness import load, machinefile as mf
@@ -49,7 +49,7 @@ def _broken_link(field, value) -> Machine:
 
 
 class FakeFit:
-    """Stands in for ``costmodel.fit.run_fit``: returns ``machine`` or raises ``error``,
+    """Stands in for ``harness.fitbench.run_fit``: returns ``machine`` or raises ``error``,
     counting its calls."""
 
     def __init__(self, machine=None, error=None):

@@ -44,7 +44,7 @@ def add_arguments(ap, every: bool = False):
 def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=None,
                      node=None) -> float:
     """The memory throughput of a node's ranks all at once, now, the slowest node's
-    (GiB/s, collective; :meth:`~summasim.costmodel.fit.MemoryProbe.read_nodes`, on
+    (GiB/s, collective; :meth:`~summasim.harness.fitbench.MemoryProbe.read_nodes`, on
     ``probe``'s arrays, else new ones of ``mib`` MiB; ``node``: ``world`` split by
     shared memory, else split here). On a shared VM this changes
     from launch to launch by up to 1.7x while a cache-resident add changes by 1.2x, and
@@ -53,7 +53,7 @@ def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=N
     from a slow ring, and prices the prediction's memory floor with it."""
     from mpi4py import MPI
 
-    from ..costmodel.fit import MemoryProbe
+    from summasim.harness.fitbench import MemoryProbe
 
     probe = probe or MemoryProbe(int(mib * 2**20))
     mine = node is None
@@ -391,7 +391,7 @@ def run(bench) -> bool:
     ``report["allreduce"]``; True when every contender's result checked OK."""
     from mpi4py import MPI
 
-    from ..costmodel.fit import MemoryProbe
+    from summasim.harness.fitbench import MemoryProbe
 
     args, world, say = bench.args, bench.world, bench.say
     host = bench.backend.name != "cupy"        # device arrays: host memory is not theirs

@@ -107,7 +107,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
         res = run_mesh(case, world, backend, repeats=repeats)
         pred = None
         if machine is not None and world.Get_rank() == 0:
-            from ..costmodel.compose import predict_measured_mesh
+            from summasim.costmodel.workload.measured import predict_measured_mesh
 
             pred = predict_measured_mesh(res.measured(), machine)
         return res, world.bcast(pred, root=0)

@@ -23,7 +23,8 @@ from .collectives import (ALGORITHMS, MPICH, CollectiveCost, Thresholds, collect
                           select_algorithm)
 from .collectives.nccl import NcclCost, bus_factor, nccl_time
 from .compute.roofline import Device
-from .isoefficiency import IsoResult, isoefficiency, paper_machine, reference_slope
+from summasim.costmodel.tools.isoefficiency import (
+    IsoResult, isoefficiency, paper_machine, reference_slope)
 from .machine import (DEFAULT_PRESET, GridShape, GroupPath, Link, Machine, Placement, Topology,
                       get_machine, group_path, itemsize_of, list_presets, load_machine,
                       load_preset)

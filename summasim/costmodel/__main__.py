@@ -59,7 +59,7 @@ def _fit_main(args, prog: str) -> int:
     from mpi4py import MPI  # only the fit needs MPI
 
     from ..mpiutil import abort_job
-    from .fit import run_fit
+    from summasim.harness.fitbench import run_fit
 
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
@@ -199,7 +199,8 @@ def _table1_main(args, prog: str) -> int:
     a scheme that cannot run there gets a line saying why; none: a user error."""
     import math
 
-    from .schemes import Scheme, TransformerConfig, misfit, table1, table1_paper
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig, misfit
+    from summasim.costmodel.workload.table1 import table1, table1_paper
 
     b, s, h, p, f = args.b, args.s, args.h, args.p, args.ffn
     results, notes = {}, {}

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .accuracy import predict_result
-from .traffic import algorithm_messages, ring_working_set
+from summasim.costmodel.tools.accuracy import predict_result
+from summasim.costmodel.workload.traffic import algorithm_messages, ring_working_set
 
 # Peak bytes per rank of one all-reduce size, in messages: the rank's data, the reference
 # sum, the result, MPI's own temporary and the check's. Measured (peak RSS over the ~120 MiB

@@ -1,6 +1,6 @@
 """The cost model's accuracy benchmark, measuring side: fit the links, run the
 calibration and held-out cases under MPI with the harness's worker, then hand the
-measurements to the cost model's pure analysis (:mod:`summasim.costmodel.accuracy`).
+measurements to the cost model's pure analysis (:mod:`summasim.costmodel.tools.accuracy`).
 
     python -m summasim.costmodel accuracy                  # fit, calibrate, predict, report
     python -m summasim.costmodel accuracy --machine results/machine.json   # skip the fit
@@ -22,7 +22,7 @@ import time
 
 from .. import options
 from ..cli import finite_positive_float, positive_int
-from ..costmodel.accuracy import STATISTICS, analyse, report_text
+from summasim.costmodel.tools.accuracy import STATISTICS, analyse, report_text
 from ..jsonio import write_json_atomic
 from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet

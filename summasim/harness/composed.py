@@ -26,7 +26,7 @@ What a row checks (every rank, then one collective verdict)
 * **schedule**: the most micro-batches in flight on a stage is ``m`` (GPipe) or
   ``min(pp - s, m)`` (1F1B);
 * **memory**: the model state the rank keeps (parameters, gradients, Adam moments)
-  against :func:`summasim.costmodel.compose.model_state_bytes` for its ZeRO stage with
+  against :func:`summasim.costmodel.workload.zero.model_state_bytes` for its ZeRO stage with
   the buckets as the partitioned pieces: a partitioned state holds ``floor`` or
   ``ceil(n_b / dp)`` items of each bucket, so it may fall short of the formula (the
   largest shard) by one item per bucket that dp does not divide (two for Adam's
@@ -52,7 +52,7 @@ import numpy as np
 
 from ..backends import backend_of
 from ..comm import Comm
-from ..costmodel.accuracy import event_summary
+from summasim.costmodel.tools.accuracy import event_summary
 from ..grid import Mesh
 from ..mpiutil import agreement, quiet_barrier
 from ..transformer import composed, model
@@ -244,7 +244,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
     ``world`` (collective). Returns a :class:`Result` whose ``extra["report"]`` is the
     :class:`MeshReport`."""
-    from ..costmodel.compose import model_state_bytes
+    from summasim.costmodel.workload.zero import model_state_bytes
 
     spec = get_scheme(case.scheme)
     config, batch = case.config, case.batch
@@ -400,7 +400,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             rep.step_s = timing["median"]
         nbytes = int(reduce_max(world, [sum(traffic.values())])[0])
         msgs = int(reduce_max(world, [len(events)])[0])
-        # what the cost model prices (costmodel.accuracy): each rank's traced events of
+        # what the cost model prices (costmodel.tools.accuracy): each rank's traced events of
         # the first step and where it sits, (replica, stage, tensor rank, its layers)
         summaries = world.gather(event_summary(events), root=0)
         coords = world.gather(list(mesh.coords) + [tr.layers.start, tr.layers.stop], root=0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm import Comm
-from ..costmodel.accuracy import event_summary
+from summasim.costmodel.tools.accuracy import event_summary
 from ..grid import Grid
 from ..layout import block_slices, grid_numbers
 from ..mpiutil import agreement

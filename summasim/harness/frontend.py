@@ -18,10 +18,6 @@ import sys
 
 from ..cli import UsageError
 
-#: The old name of :class:`summasim.cli.UsageError`, kept importable for ``run.py`` until
-#: it says ``cli.UsageError``; new code raises and catches ``cli.UsageError``.
-UserError = UsageError
-
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises :class:`~summasim.cli.UsageError` instead of printing on

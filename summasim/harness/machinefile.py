@@ -512,7 +512,7 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
             if rank == 0 else None
         data = world.bcast(machine.to_dict() if rank == 0 else None, root=0)
         return _explicit(spec, machine or Machine.from_dict(data), say)
-    from ..costmodel import fit as _fit
+    from . import fitbench as _fit
 
     path = DEFAULT_MACHINE_FILE if path is None else path
     calibrated = CALIBRATED_MACHINE_FILE if calibrated is None else calibrated

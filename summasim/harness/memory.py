@@ -183,9 +183,10 @@ SHARD_FACTOR = {"transformer": 2.4, "mesh": 1.6}
 
 
 def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
-    """The cost model's per-rank :class:`~summasim.costmodel.schemes.Memory` of ``scheme``
+    """The cost model's per-rank :class:`~summasim.costmodel.workload.footprint.Memory` of ``scheme``
     on ``t`` ranks (Megatron) or a ``q x q x d`` grid, for a model ``config`` and batch."""
-    from ..costmodel.schemes import Scheme, TransformerConfig, memory
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+    from summasim.costmodel.workload.footprint import memory
 
     sch = Scheme.make("megatron", p=t) if scheme == "megatron" else Scheme.make(scheme, q=q, d=d)
     return memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..comm import Comm
-from ..costmodel.accuracy import event_summary
+from summasim.costmodel.tools.accuracy import event_summary
 from ..backends import array_module, backend_of, is_device_array, to_backend
 from ..mpiutil import agreement, quiet_barrier
 from ..transformer import model

@@ -19,9 +19,9 @@ from summasim import spec
 
 
 def scheme_of(grid: "spec.TensorGrid"):
-    """The cost model's :class:`~summasim.costmodel.schemes.Scheme` of a
+    """The cost model's :class:`~summasim.costmodel.workload.scheme.Scheme` of a
     :class:`summasim.spec.TensorGrid`."""
-    from summasim.costmodel.schemes import Scheme
+    from summasim.costmodel.workload.scheme import Scheme
 
     if grid.kind == "1d":
         return Scheme("megatron", grid.p)
@@ -32,12 +32,12 @@ def scheme_grids(p: int, name: str, cfg=None, *, batch: bool = True) -> list:
     """The grids of ``p`` ranks for scheme ``name`` (:func:`summasim.spec.grids`) as
     cost-model Schemes, in spec's order (q ascending);
     with ``cfg`` (a TransformerConfig) only those that divide it
-    (:func:`~summasim.costmodel.schemes.misfit`, the batch too unless ``batch=False``).
+    (:func:`~summasim.costmodel.workload.scheme.misfit`, the batch too unless ``batch=False``).
 
     SUMMA2.5-LM is every [q, q, d] with q >= 2 and d >= 2, d > q included; [q, q, 1]
     is Optimus and no longer listed as a SUMMA2.5 grid.
     """
-    from summasim.costmodel.schemes import misfit
+    from summasim.costmodel.workload.scheme import misfit
 
     out = [scheme_of(g) for g in spec.grids(p, name)]
     if cfg is not None:

@@ -15,7 +15,7 @@ What it does
    (LayerNorm, GELU, softmax and Python overheads); products, ring all-reduces and
    training steps at p = 3 and 4 (1.5 and 2 ranks per core), with ring all-reduces
    at p = 8 (4 per core, where long ring steps nap), fit the shared-core model
-   (:class:`~summasim.costmodel.machine.SharedCore`, :func:`~summasim.costmodel.fit.fit_shared_core`).
+   (:class:`~summasim.costmodel.machine.SharedCore`, :func:`~summasim.costmodel.machine.regression.fit_shared_core`).
 3. **Held-out accuracy.** The same kinds of run at p = 8 (no ring), 9 and 16 and
    at sizes the calibration never saw, predicted from their traces: MAPE, median
    and worst case, every run listed.
@@ -159,7 +159,7 @@ def event_summary(events) -> list:
 
 # --------------------------------------------------------------------------- model side (pure)
 def _tf_scheme_config(run: MeasuredRun):
-    from summasim.costmodel.schemes import Scheme, TransformerConfig
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
     sch = (Scheme.make("megatron", p=run.p) if run.scheme == "megatron"
            else Scheme.make(run.scheme, q=run.q, d=run.d))
@@ -169,21 +169,22 @@ def _tf_scheme_config(run: MeasuredRun):
 
 
 def rank_features(res, machine) -> list:
-    """:class:`~summasim.costmodel.predict.SharedFeatures` of every rank of one measured
+    """:class:`~summasim.costmodel.workload.predict.SharedFeatures` of every rank of one measured
     run (``res``: a :class:`MeasuredRun` or a worker-result dict): its traced events
     priced with ``machine``, plus its compute (GEMMs and additions from the closed forms
     at its grid coordinates; for a training step the row-0 work of
-    :func:`~summasim.costmodel.schemes.step_work`)."""
+    :func:`~summasim.costmodel.workload.step.step_work`)."""
     from summasim.costmodel.machine import itemsize_of
-    from summasim.costmodel.predict import ADD_OUT_STREAMS, summary_messages, trace_features
-    from summasim.costmodel.traffic import algorithm_compute, ring_working_set
+    from summasim.costmodel.workload.pricer import ADD_OUT_STREAMS, summary_messages
+    from summasim.costmodel.workload.predict import trace_features
+    from summasim.costmodel.workload.traffic import algorithm_compute, ring_working_set
 
     run = as_run(res)
     p, kind, dtype = run.p, run.kind, run.dtype
     it = itemsize_of(dtype)
     out = []
     if kind == "transformer":
-        from summasim.costmodel.schemes import step_work
+        from summasim.costmodel.workload.step import step_work
 
         sch, cfg = _tf_scheme_config(run)
         work = step_work(sch, cfg)
@@ -208,13 +209,13 @@ def rank_features(res, machine) -> list:
 
 def predict_result(res, machine) -> float:
     """Predicted seconds of one measured run (a :class:`MeasuredRun` or a worker-result
-    dict; the slowest rank; see :func:`~summasim.costmodel.predict.predict_features`; a
-    sharded-training step: :func:`~summasim.costmodel.compose.predict_measured_mesh`)."""
-    from summasim.costmodel.predict import predict_features
+    dict; the slowest rank; see :func:`~summasim.costmodel.workload.predict.predict_features`; a
+    sharded-training step: :func:`~summasim.costmodel.workload.measured.predict_measured_mesh`)."""
+    from summasim.costmodel.workload.predict import predict_features
 
     run = as_run(res)
     if run.kind == "mesh":
-        from summasim.costmodel.compose import predict_measured_mesh
+        from summasim.costmodel.workload.measured import predict_measured_mesh
 
         # compose reads the worker-result dict until it takes the record
         return predict_measured_mesh(run.to_dict(), machine)
@@ -235,9 +236,9 @@ def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
     training steps (``serial``: worker results at p = 1) and the shared-core model
     fitted on oversubscribed runs (``shared``: results with p > cores). Returns
     ``(machine, {"elementwise": err, "shared_core": err})`` (median relative errors)."""
-    from summasim.costmodel.fit import fit_elementwise, fit_shared_core
-    from summasim.costmodel.predict import merge_features
-    from summasim.costmodel.schemes import step_work
+    from summasim.costmodel.machine.regression import fit_elementwise, fit_shared_core
+    from summasim.costmodel.workload.predict import merge_features
+    from summasim.costmodel.workload.step import step_work
 
     errs = {}
     serial = [as_run(r) for r in serial]

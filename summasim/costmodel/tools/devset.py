@@ -14,20 +14,20 @@ Kinds of points
 ---------------
 ``nccl_busbw``       NCCL-tests' bus bandwidth of ``op`` over ``ranks`` ranks (row-major,
                      ``devices_per_node`` per node) for ``nbytes`` (NCCL-tests' size):
-                     ``busBw = size / T x factor`` (:func:`~summasim.costmodel.nccl.bus_factor`)
+                     ``busBw = size / T x factor`` (:func:`~summasim.costmodel.collectives.nccl.bus_factor`)
 ``step_time``        seconds of one training step
-                     (:func:`~summasim.costmodel.schemes.step_breakdown`)
+                     (:func:`~summasim.costmodel.workload.step.step_breakdown`)
 ``weak_efficiency``  (model flops / (p T)) of the point over the same of its ``baseline``
 ``composition_throughput``
                      FLOP/s of a data x pipeline x tensor composition
-                     (:func:`~summasim.costmodel.compose.price_composition`): the
+                     (:func:`~summasim.costmodel.workload.composition.price_composition`): the
                      publication's own FLOP count of one step (``throughput.flops``,
                      one of :data:`FLOP_FORMULAS`) over the predicted step time, per
                      device or aggregate (``throughput.per_device``), in units of
                      ``throughput.scale`` FLOP/s. ``composition`` gives ``dp``, ``pp``,
                      ``microbatches``, ``global_batch``, ``devices`` and optionally
                      ``zero``, ``schedule``; a composition that cannot exist is a
-                     ``ValueError`` (:func:`~summasim.costmodel.compose.check_composition`)
+                     ``ValueError`` (:func:`~summasim.costmodel.workload.tensor.check_composition`)
 ``pending``          not priced yet (``needs`` says why)
 
 ``python -m summasim.costmodel devset`` prints the table; the test
@@ -41,11 +41,13 @@ import json
 import math
 from importlib import resources
 
-from summasim.costmodel.compose import model_flops, price_composition
+from summasim.costmodel.workload.mesh import model_flops
+from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import load_preset
-from summasim.costmodel.nccl import predicted_bus_bandwidth
-from summasim.costmodel.schemes import TransformerConfig, step_breakdown
-from summasim.costmodel.topology import GridShape, Topology, group_path
+from summasim.costmodel.collectives.nccl import predicted_bus_bandwidth
+from summasim.costmodel.workload.scheme import TransformerConfig
+from summasim.costmodel.workload.step import step_breakdown
+from summasim.costmodel.machine.topology import GridShape, Topology, group_path
 
 KINDS = ("nccl_busbw", "step_time", "weak_efficiency", "composition_throughput", "pending")
 _COMPOSITION_KEYS = ("dp", "pp", "microbatches", "global_batch", "devices")
@@ -63,7 +65,7 @@ def flops_narayanan2021(cfg: TransformerConfig, global_batch: int) -> float:
 
 
 #: The FLOP counts a publication may report throughput with: ``narayanan2021_eq3``
-#: (with recomputation) and ``model`` (:func:`~summasim.costmodel.compose.model_flops`:
+#: (with recomputation) and ``model`` (:func:`~summasim.costmodel.workload.mesh.model_flops`:
 #: forward and backward only).
 FLOP_FORMULAS = {"narayanan2021_eq3": flops_narayanan2021, "model": model_flops}
 
@@ -116,7 +118,7 @@ def _step(machine, spec):
 
 
 def price_point_composition(point: dict, machine=None) -> dict:
-    """:func:`~summasim.costmodel.compose.price_composition` of a
+    """:func:`~summasim.costmodel.workload.composition.price_composition` of a
     ``composition_throughput`` point (its machine unless ``machine`` is given);
     ValueError for a composition that cannot exist."""
     from .predict import parse_grid

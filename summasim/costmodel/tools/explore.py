@@ -21,10 +21,10 @@ largest batch       per scheme and p, the largest b whose memory per rank fits
 The ranks are ``--p 4,16,36,64`` (any list) or p = ``--p-min``, 2 ``--p-min``, ...,
 ``--p-max``. On a GPU machine (a preset with a roofline ``device`` or the NCCL
 library: ``dgx-a100``, ``h100-dgx-ndr``, ``frontera-rtx``, ``dgx2h-v100``) a step is
-the whole training step of :func:`~summasim.costmodel.schemes.step_breakdown`
+the whole training step of :func:`~summasim.costmodel.workload.step.step_breakdown`
 (embedding, layers, head, loss, optimizer, NCCL collectives on the topology under
 ``--placement``); elsewhere it is N layers of
-:func:`~summasim.costmodel.schemes.scheme_cost`. The grids are those of
+:func:`~summasim.costmodel.workload.layer.scheme_cost`. The grids are those of
 :func:`summasim.spec.grids` (SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included).
 
 ``--csv`` / ``--json`` write every table (atomically); ``--plot`` writes PNGs
@@ -54,10 +54,12 @@ from typing import NamedTuple
 
 from summasim import cli, options, spec
 from summasim.costmodel.machine import DTYPE_SIZES, Machine, list_presets
-from summasim.costmodel.predict import predict_algorithm
-from summasim.costmodel.schemes import (SCHEMES, Scheme, TransformerConfig, batch_step,
-                                        largest_batch, misfit, scheme_cost, step_breakdown)
-from summasim.costmodel.topology import Placement
+from summasim.costmodel.workload.predict import predict_algorithm
+from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
+from summasim.costmodel.workload.footprint import batch_step, largest_batch
+from summasim.costmodel.workload.layer import scheme_cost
+from summasim.costmodel.workload.step import step_breakdown
+from summasim.costmodel.machine.topology import Placement
 from summasim.jsonio import write_json_atomic, write_text_atomic
 
 from . import scheme_grids

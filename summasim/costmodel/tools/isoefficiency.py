@@ -12,10 +12,10 @@ Transformer schemes ("megatron", "optimus", "summa25"):
     x = h, with ``b = b_per_h * h`` and ``n = n_per_h * h`` (b, n proportional to h),
     s and N constant, as the paper assumes; W = serial compute of one layer's
     forward + backward (with checkpointing), ~ h^3. ``T_comm`` is the scheme's
-    forward + backward communication (:func:`~summasim.costmodel.schemes.scheme_cost`).
+    forward + backward communication (:func:`~summasim.costmodel.workload.layer.scheme_cost`).
 Matrix products ("cannon", "summa", "summa25_mm"):
     x = n for n x n matrices, W = 2 n^3 gamma; ``T_comm`` from the closed forms of
-    :func:`~summasim.costmodel.predict.predict_algorithm`.
+    :func:`~summasim.costmodel.workload.predict.predict_algorithm`.
 
 Under the papers' assumptions (alpha = 0; the paper's own collective formulas, or
 MPICH's algorithms for the matrix products) the exponents are: Megatron p^3,
@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from summasim.costmodel.machine import Machine
-from summasim.costmodel.predict import predict_algorithm
-from summasim.costmodel.schemes import SCHEMES, Scheme, TransformerConfig, layer_ops, scheme_cost
+from summasim.costmodel.workload.predict import predict_algorithm
+from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
+from summasim.costmodel.workload.layer import layer_ops, scheme_cost
 
 from . import scheme_grids
 

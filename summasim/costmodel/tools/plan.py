@@ -10,11 +10,11 @@ searches
 
 with ``dp * pp * t = N``, pp dividing the layers, ``dp m`` dividing B and the
 micro-batch ``B / (dp m)`` one the tensor grid can split (the rules of
-:func:`summasim.costmodel.compose.check_composition`). It keeps the compositions whose
+:func:`summasim.costmodel.workload.tensor.check_composition`). It keeps the compositions whose
 memory per device (the worst pipeline stage: model states under ZeRO, activations
 of the micro-batches in flight, workspaces) fits ``--mem-fraction`` of the device's
 memory (or ``--mem-gib``), prices them with
-:func:`summasim.costmodel.compose.price_composition`, ranks them by predicted step
+:func:`summasim.costmodel.workload.composition.price_composition`, ranks them by predicted step
 time, and prints the ``--top`` ten with their breakdown (GEMM, memory-bound work,
 exposed tensor / data-parallel / pipeline / ZeRO communication, bubble, optimizer)
 and memory, the best of each scheme and ZeRO stage (why the winner wins), writes
@@ -48,11 +48,14 @@ from typing import NamedTuple
 
 from summasim import cli, options, spec
 from summasim.jsonio import write_json_atomic
-from summasim.costmodel.compose import (BUCKET_BYTES, SCHEDULES, ZERO_STAGES, StateBytes,
-                                        composition_memory, flatten_breakdown,
-                                        price_composition, tensor_memory)
+from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
+from summasim.costmodel.workload.pipeline import SCHEDULES
+from summasim.costmodel.workload.stage_memory import composition_memory
+from summasim.costmodel.workload.composition import flatten_breakdown, price_composition
+from summasim.costmodel.workload.tensor import tensor_memory
 from summasim.costmodel.machine import DTYPE_SIZES, Machine, list_presets
-from summasim.costmodel.schemes import SCHEMES, Scheme, TransformerConfig, batch_step, misfit
+from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
+from summasim.costmodel.workload.footprint import batch_step
 
 from . import scheme_grids
 from .predict import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine

@@ -6,12 +6,12 @@
         --mesh dp=8,pp=8,tp=megatron:8 --zero 1 --microbatches 48 --checkpoint
 
 ``--mesh tp=SCHEME:GRID`` (dp = pp = 1, no ``--microbatches``) prices the tensor scheme
-alone (:func:`~summasim.costmodel.schemes.step_breakdown`): the step time with its
+alone (:func:`~summasim.costmodel.workload.step.step_breakdown`): the step time with its
 breakdown (GEMM, memory-bound kernels, optimizer, exposed communication), the model
 TFLOP/s per device, the collective algorithms the model assumed per group (NCCL's
 algorithm and protocol on GPU presets), the memory per device and the largest batch
 that fits. A whole composition (``dp``, ``pp`` > 1, or ``--microbatches``) is priced by
-:func:`~summasim.costmodel.compose.price_composition`, the pricer ``plan`` ranks with, so
+:func:`~summasim.costmodel.workload.composition.price_composition`, the pricer ``plan`` ranks with, so
 its step time is exactly the plan's row for the same composition: step time, breakdown
 (GEMM, memory-bound, exposed tensor / dp / pp / ZeRO communication, bubble, optimizer),
 memory per device on the worst stage and traffic. A user error (a grid that does not
@@ -27,11 +27,14 @@ import sys
 
 from summasim import cli, options, spec
 from summasim.jsonio import write_json_atomic
-from summasim.costmodel.compose import StateBytes, check_composition, price_composition
+from summasim.costmodel.workload.zero import StateBytes
+from summasim.costmodel.workload.tensor import check_composition
+from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES, list_presets, load_machine
-from summasim.costmodel.schemes import (TransformerConfig, batch_step, largest_batch, misfit,
-                                        step_breakdown)
-from summasim.costmodel.topology import GridShape, Placement
+from summasim.costmodel.workload.scheme import TransformerConfig, misfit
+from summasim.costmodel.workload.footprint import batch_step, largest_batch
+from summasim.costmodel.workload.step import step_breakdown
+from summasim.costmodel.machine.topology import GridShape, Placement
 
 from . import scheme_of
 
@@ -161,7 +164,7 @@ def check_args(args):
 
 
 def price_fixed_composition(args, machine, sch, cfg, m) -> dict:
-    """:func:`~summasim.costmodel.compose.price_composition` of the composition of
+    """:func:`~summasim.costmodel.workload.composition.price_composition` of the composition of
     ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it
     (state bytes of the dtype, the default bucket, no ZeRO 3 prefetch)."""
     mesh = args.mesh

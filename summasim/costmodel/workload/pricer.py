@@ -45,8 +45,8 @@ from . import traffic as _traffic
 from ..collectives import (MPICH, CollectiveCost, Thresholds, collective_shape,
                           collective_time, default_reduce_impl)
 from ..machine import Machine, SharedCore
-from ..nccl import NcclCost, nccl_time
-from ..topology import GridShape, Placement, group_path
+from summasim.costmodel.collectives.nccl import NcclCost, nccl_time
+from summasim.costmodel.machine.topology import GridShape, Placement, group_path
 
 _UNIT_SHARED = SharedCore()
 
@@ -418,7 +418,7 @@ class Messages(NamedTuple):
 
 def summary_messages(rank_events) -> list:
     """:class:`Messages` of one rank's event summary (``[[op, group, group_size,
-    nbytes, count, blocking], ...]``, as :func:`summasim.costmodel.accuracy.event_summary`
+    nbytes, count, blocking], ...]``, as :func:`summasim.costmodel.tools.accuracy.event_summary`
     writes it; five fields in measurements from before the ``blocking`` flag: all
     polled)."""
     return [Messages(e[0], e[1], int(e[2]), int(e[3]), int(e[4]),
