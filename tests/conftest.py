@@ -55,17 +55,20 @@ def synthetic_machine(**kw):
 
 
 def matmul_result(alg, q, n, p, measured):
-    """A measured-result dict of a distributed product (cost-model analysis tests): its
-    closed-form messages on every rank of the q x q grid, ``measured`` as its spans."""
+    """The measured run (a :class:`~summasim.costmodel.workload.measured.MeasuredRun`) of
+    a distributed product (cost-model analysis tests): its closed-form messages on every
+    rank of the q x q grid (five-field event lines, as recorded before the ``blocking``
+    flag), ``measured`` as its spans."""
+    from summasim.costmodel.workload.measured import EventCount, MeasuredRun
     from summasim.costmodel.workload.traffic import algorithm_messages
-    from summasim.harness.cases import MatmulCase
 
     events, coords = [], []
     for i in range(q):
         for j in range(q):
             c = (0, i, j)
-            events.append([[mc.op, mc.group, mc.group_size, mc.nbytes, mc.count]
-                           for mc in algorithm_messages(alg, n, n, n, q, 1, 8, c)])
-            coords.append(list(c))
-    return dict(MatmulCase(alg, q, 1, n, n, n).to_dict(), p=p, spans=list(measured),
-                events=events, coords=coords)
+            events.append(tuple(EventCount(mc.op, mc.group, mc.group_size, mc.nbytes, mc.count)
+                                for mc in algorithm_messages(alg, n, n, n, q, 1, 8, c)))
+            coords.append(c)
+    return MeasuredRun(kind="matmul", p=p, dtype="float64", algorithm=alg, q=q, d=1, m=n,
+                       k=n, n=n, spans=tuple(measured), events=tuple(events),
+                       coords=tuple(coords))

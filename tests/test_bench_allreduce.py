@@ -9,7 +9,7 @@ from scipy.stats import binom
 from summasim.bench.__main__ import parse_args
 from summasim.bench.allreduce import (allreduce_targets, check_bench_fits, paired_ratio)
 from summasim.cli import UsageError
-from summasim.costmodel.bench_predictions import bench_bytes
+from summasim.costmodel.tools.bench import bench_bytes
 
 
 def test_paired_ratio_interval_is_the_sign_test_interval():
@@ -259,7 +259,7 @@ def test_each_size_is_priced_at_the_memory_read_while_it_ran(monkeypatch):
     from mpi4py import MPI
 
     import summasim.bench.allreduce as B
-    from summasim.costmodel import bench_predictions
+    from summasim.costmodel.tools import bench as bench_predictions
     from summasim.costmodel.machine import load_preset
 
     seen = []

@@ -1,6 +1,7 @@
 """The accuracy benchmark's pure side: fits of run-level models, the three-regime
 link, and the analysis pipeline on synthetic measurements with a known answer."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,11 +11,11 @@ import pytest
 
 from conftest import matmul_result as _matmul_result, synthetic_machine
 from summasim.costmodel.tools import accuracy as A
-from summasim.harness.cases import RingCase
 from summasim.costmodel.machine.regression import (
     fit_elementwise, fit_nonneg_linear, fit_regimes, fit_shared_core, library_eager_threshold,
     split_huge)
 from summasim.costmodel.machine import Link, Machine, SharedCore
+from summasim.costmodel.workload.measured import EventCount, MeasuredRun
 from summasim.costmodel.workload.predict import SharedFeatures, predict_features
 from summasim.costmodel.workload.traffic import algorithm_messages
 
@@ -156,12 +157,26 @@ def test_predict_features_combines_ranks():
 
 
 # ----------------------------------------------------------------------------- pipeline
-def _ring_result(p, N, measured):
+def _ring_dict(p, N, measured):
+    """A ring's measured run in its JSON form, as a ``measured.json`` from before the
+    ``blocking`` flag and ``rank_max`` holds it (five-field event lines)."""
+    from summasim.harness.cases import RingCase
+
     events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count]
                for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
                                             itemsize=8)] for r in range(p)]
     return dict(RingCase(N).to_dict(), p=p, spans=list(measured), events=events,
                 coords=[[r] for r in range(p)])
+
+
+def _ring_result(p, N, measured):
+    """The record of a ring all-reduce on p ranks: its closed-form messages, ``measured``
+    as its spans."""
+    events = tuple(tuple(EventCount(mc.op, "world", mc.group_size, mc.nbytes, mc.count)
+                         for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
+                                                      itemsize=8)) for r in range(p))
+    return MeasuredRun(kind="ring", p=p, dtype="float64", algorithm="ring_allreduce", N=N,
+                       spans=tuple(measured), events=events, coords=tuple((r,) for r in range(p)))
 
 
 def test_analyse_recovers_the_model_that_made_the_measurements(tmp_path):
@@ -171,8 +186,8 @@ def test_analyse_recovers_the_model_that_made_the_measurements(tmp_path):
     naive = truth.replace(shared_core=None)
 
     def measured(res):
-        t = A.predict_result(res, truth)
-        return [t * 0.98, t, t * 1.05]           # median = the model's time
+        t = A.predict_result(res, truth)         # median = the model's time
+        return dataclasses.replace(res, spans=(t * 0.98, t, t * 1.05))
 
     cal, held = [], []
     for N in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
@@ -182,8 +197,7 @@ def test_analyse_recovers_the_model_that_made_the_measurements(tmp_path):
     for alg in ("cannon_ab", "summa_ab"):
         held.append(_matmul_result(alg, 4, 2048, 16, [1.0]))
     held.append(_ring_result(16, 1 << 20, [1.0]))
-    for res in cal + held:
-        res["spans"] = measured(res)
+    cal, held = [measured(r) for r in cal], [measured(r) for r in held]
     rep, calibrated = A.analyse({"calibrate": cal, "heldout": held}, naive)
     assert calibrated.shared_core.work_factor == pytest.approx(1.3, rel=0.05)
     assert rep["heldout"]["summary"]["worst"] < 0.02
@@ -193,7 +207,8 @@ def test_analyse_recovers_the_model_that_made_the_measurements(tmp_path):
     # and through the CLI, re-analysing saved measurements without MPI
     out = tmp_path / "acc"
     out.mkdir()
-    (out / "measured.json").write_text(json.dumps({"calibrate": cal, "heldout": held}))
+    (out / "measured.json").write_text(json.dumps({"calibrate": [r.to_dict() for r in cal],
+                                                   "heldout": [r.to_dict() for r in held]}))
     naive.save(out / "machine-fit.json")
     proc = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--from",
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
@@ -258,23 +273,33 @@ def _transformer_result(p=4):
 
 def test_measured_runs_read_the_harness_dicts_and_write_them_back():
     """MeasuredRun.from_dict(d).to_dict() == d (with every field present) for every kind
-    of run the harness measures (old five-field event lines included), and the record is what the
-    analysis reads: same label, key, seconds and prediction as from the dict."""
-    from summasim.costmodel.tools.measured import EventCount, MeasuredRun
-
+    of run the harness measures (old five-field event lines included), the worker's
+    key order kept (its verdict last), and the record is what the analysis reads: the
+    analysis takes the record only (a dict is read with from_dict at the JSON boundary)."""
     m = _machine()
-    ring = _ring_result(4, 1 << 12, [1.0, 2.0, 3.0])            # five-field events
-    for res in (ring, _matmul_result("summa_ab", 2, 256, 4, [1.0, 1.5]),
-                _transformer_result()):
+    ring = _ring_dict(4, 1 << 12, [1.0, 2.0, 3.0])              # five-field events
+    matmul = _matmul_result("summa_ab", 2, 256, 4, [1.0, 1.5])
+    assert MeasuredRun.from_dict(matmul.to_dict()) == matmul     # record -> JSON -> record
+    for res in (ring, matmul.to_dict(), _transformer_result()):
         run = MeasuredRun.from_dict(res)
         assert run.to_dict() == {"rank_max": [], **res} and MeasuredRun.from_dict(run) is run
         assert all(isinstance(e, EventCount) for rank in run.events for e in rank)
         assert run.kind == res["kind"] and run.p == res["p"] and run.dtype == res["dtype"]
-        assert A.predict_result(run, m) == A.predict_result(res, m)
-        assert A.case_label(run) == A.case_label(res) == run.label
-        assert A.ranking_key(run) == A.ranking_key(res) == run.ranking_key
+        assert A.predict_result(run, m) == A.predict_result(res, m)   # the bench's dict
+        assert A.case_label(run) == run.label
+        assert A.ranking_key(run) == run.ranking_key
         assert A.measured_seconds(run, "min") == min(res["spans"])
         assert run.seconds() == __import__("statistics").median(res["spans"])
+        for fn in (A.case_label, A.ranking_key, A.measured_seconds,
+                   lambda r: A.rank_features(r, m), lambda r: A.compare([r], m),
+                   lambda r: A.calibrate(m, [r], [])):
+            with pytest.raises(TypeError, match="takes a MeasuredRun"):
+                fn(res)
+    # the worker's JSON: the case's keys, the measurements, then its verdict, in that order
+    worker = dict(_transformer_result(), ok=True, error=1e-16, label="optimus", load=0.5)
+    run = MeasuredRun.from_dict(worker)
+    assert run.extra == {"ok": True, "error": 1e-16, "label": "optimus", "load": 0.5}
+    assert json.dumps(run.to_dict()) == json.dumps(worker)
     assert not MeasuredRun.from_dict(ring).polled               # no flag: not marked polled
     tf = MeasuredRun.from_dict(_transformer_result())
     assert tf.label == "optimus 2x2 b4 s8 h16 v32 L2" and tf.model().hidden == 16
@@ -286,8 +311,6 @@ def test_measured_runs_read_the_harness_dicts_and_write_them_back():
 
 
 def test_mesh_runs_round_trip_for_the_composition_pricer():
-    from summasim.costmodel.tools.measured import MeasuredRun
-
     res = {"kind": "mesh", "mesh": "dp=2,pp=1,tp=megatron:2", "dp": 2, "pp": 1,
            "scheme": "megatron", "q": 1, "d": 1, "t": 2, "zero": 1, "schedule": "1f1b",
            "m": 2, "checkpoint": False, "bucket_bytes": 1 << 20, "steps": 1, "b": 8, "s": 8,

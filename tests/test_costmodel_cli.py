@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from summasim.costmodel.__main__ import main as cli_main
-from summasim.costmodel.tools.explore import PLOT_HINT
+from summasim.costmodel.tools._cli import PLOT_HINT
 
 SMALL = ["--p-max", "256", "--model", "h=1024,heads=16,layers=4,seq=256,vocab=2048",
          "--batch", "16", "--matmul-n", "4096"]
@@ -128,9 +128,9 @@ def _run_cli(*args, timeout=120):
 def test_every_command_speaks_the_shared_options(cmd):
     """--model, --batch, --machine FILE|PRESET and --dtype in each; the old spellings
     are gone (and --mesh / --zero / --schedule / --microbatches in predict)."""
-    from summasim.costmodel.tools import explore, plan, predict
+    from summasim.costmodel.tools import explore_cli, plan_cli, predict
 
-    ap = {"predict": predict, "plan": plan, "explore": explore}[cmd].build_parser()
+    ap = {"predict": predict, "plan": plan_cli, "explore": explore_cli}[cmd].build_parser()
     flags = {f for a in ap._actions for f in a.option_strings}
     assert {"--model", "--batch", "--machine", "--dtype"} <= flags
     assert not flags & {"--preset", "--hidden", "--heads", "--layers", "--seq", "--vocab",
@@ -171,12 +171,12 @@ def test_predict_mesh_equals_the_plan_row_exactly():
     step time and memory are the plan search's row for the same composition, exactly."""
     import io
 
-    from summasim.costmodel.tools import plan, predict
+    from summasim.costmodel.tools import plan, plan_cli, predict
 
-    pargs = plan.build_parser().parse_args(
+    pargs = plan_cli.build_parser().parse_args(
         ["--model", "h=1024,heads=16,layers=8,seq=512,vocab=2048", "--batch", "64",
          "--devices", "64", "--machine", "h100-dgx-ndr", "--mem-gib", "1000"])
-    p = plan.check_args(pargs)
+    p = plan_cli.check_args(pargs)
     res = plan.search(p.cfg, p.devices, p.global_batch, p.machine, budget=p.budget,
                       schemes=p.schemes, zeros=p.zeros, checkpoints=p.checkpoints,
                       schedule=p.schedule, state_bytes=p.state_bytes)
@@ -189,7 +189,7 @@ def test_predict_mesh_equals_the_plan_row_exactly():
     for r in picks:
         argv = ["--model", "h=1024,heads=16,layers=8,seq=512,vocab=2048", "--batch", "64",
                 "--machine", "h100-dgx-ndr",
-                "--mesh", f"dp={r['dp']},pp={r['pp']},tp={plan._short_grid(r)}",
+                "--mesh", f"dp={r['dp']},pp={r['pp']},tp={plan.short_grid(r)}",
                 "--zero", str(r["zero"]), "--microbatches", str(r["microbatches"]),
                 "--dtype", p.cfg.dtype] + (["--checkpoint"] if r["checkpoint"] else [])
         doc = predict.run(ap.parse_args(argv), out=io.StringIO())
@@ -222,9 +222,9 @@ def test_predict_composition_output_and_user_errors(capsys):
 def test_plan_lists_the_grids_spec_grids_runs():
     """plan at 16 devices searches every tensor grid spec.grids lists, [2,2,4] included."""
     from summasim import spec
-    from summasim.costmodel.tools import plan
+    from summasim.costmodel.tools import plan, plan_cli
 
-    p = plan.check_args(plan.build_parser().parse_args(
+    p = plan_cli.check_args(plan_cli.build_parser().parse_args(
         ["--model", "tiny", "--devices", "16", "--machine", "local-2core-mpich"]))
     got = {(s.name, s.p, s.q, s.d) for s in plan.tensor_grids(p.cfg, 16)}
     want = {(g.name, g.p, g.q, g.d) for t in (1, 2, 4, 8, 16) for name in spec.SCHEME_NAMES

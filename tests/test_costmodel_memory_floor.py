@@ -11,8 +11,9 @@ import pytest
 
 from summasim.comm import BLOCKING_SENDRECV_BYTES
 from summasim.costmodel.tools.accuracy import predict_result
-from summasim.costmodel.bench_predictions import ring_prediction
+from summasim.costmodel.tools.bench import ring_prediction
 from summasim.costmodel.machine import Machine, load_preset
+from summasim.costmodel.workload.measured import MeasuredRun
 from summasim.costmodel.workload.predict import predict_algorithm, predict_trace
 from summasim.costmodel.workload.pricer import ADD_OUT_STREAMS, ADD_STREAMS, COPY_STREAMS
 from summasim.costmodel.workload.traffic import algorithm_messages
@@ -82,7 +83,8 @@ def test_a_measured_ring_is_priced_out_of_place_and_a_trace_like_the_closed_form
     events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count, True]
                for mc in algorithm_messages("ring_allreduce", count=n, p=p, coords=r,
                                             itemsize=8)] for r in range(p)]
-    res = dict(RingCase(n).to_dict(), p=p, events=events, coords=[[r] for r in range(p)])
+    res = MeasuredRun.from_dict(dict(RingCase(n).to_dict(), p=p, events=events,
+                                     coords=[[r] for r in range(p)]))
     want = p * (COPY_STREAMS * copied + ADD_OUT_STREAMS * added) / SLOW
     assert predict_result(res, m) == pytest.approx(want, rel=1e-9)
     assert ring_prediction(n, np.float64, p, m, BLOCKING_SENDRECV_BYTES) == \

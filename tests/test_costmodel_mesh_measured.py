@@ -1,6 +1,7 @@
-"""The cost model's side of measured sharded-training steps (compose.mesh_features):
-each rank's compute follows its stage, micro-batches and ZeRO stage, and a one-stage,
-one-replica mesh is priced like the plain training step of its scheme."""
+"""The cost model's side of measured sharded-training steps (workload.measured.mesh_features,
+on the MeasuredRun record): each rank's compute follows its stage, micro-batches and
+ZeRO stage, and a one-stage, one-replica mesh is priced like the plain training step of
+its scheme."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from summasim.costmodel.tools.accuracy import rank_features
 from summasim.costmodel.machine import load_preset
-from summasim.costmodel.workload.measured import ADAM_PASSES, mesh_features, predict_measured_mesh
+from summasim.costmodel.workload.measured import (ADAM_PASSES, MeasuredRun, mesh_features,
+                                                  predict_measured_mesh)
 
 MACHINE = load_preset("local-2core-mpich")
 MODEL = dict(b=8, s=32, h=64, heads=8, v=128, layers=4, ffn=4, dtype="float64")
@@ -19,9 +21,10 @@ def _mesh(dp=1, pp=1, m=1, zero=0, checkpoint=False, scheme="megatron", t=1, q=1
     p = dp * pp * T
     split = [(s * MODEL["layers"] // pp, (s + 1) * MODEL["layers"] // pp) for s in range(pp)]
     coords = [[a, s, r, *split[s]] for a in range(dp) for s in range(pp) for r in range(T)]
-    return dict(MODEL, kind="mesh", scheme=scheme, t=t, q=q, d=d, dp=dp, pp=pp, m=m,
-                zero=zero, checkpoint=checkpoint, p=p, events=[[] for _ in coords],
-                coords=coords)
+    return MeasuredRun(kind="mesh", scheme=scheme, t=t, q=q, d=d, dp=dp, pp=pp,
+                       microbatches=m, zero=zero, checkpoint=checkpoint, p=p,
+                       events=tuple(() for _ in coords),
+                       coords=tuple(tuple(c) for c in coords), **MODEL)
 
 
 def _adam(n_params, shard=1):
@@ -36,10 +39,19 @@ def _params(stage_layers, first, last):
 
 def test_one_stage_one_replica_is_the_training_step():
     mesh = _mesh()
-    tf = dict(MODEL, kind="transformer", scheme="megatron", q=1, d=1, p=1, events=[[]],
-              coords=[[0]])
+    tf = MeasuredRun(kind="transformer", scheme="megatron", q=1, d=1, p=1, events=((),),
+                     coords=((0,),), **MODEL)
     (mf,), (tf_f,) = mesh_features(mesh, MACHINE), rank_features(tf, MACHINE)
     assert mf.work - _adam(_params(4, True, True)) == pytest.approx(tf_f.work, rel=1e-12)
+
+
+def test_the_pricers_take_the_record_and_its_json_form_reads_the_same():
+    run = _mesh(dp=2, pp=2, m=2, zero=1)
+    assert predict_measured_mesh(MeasuredRun.from_dict(run.to_dict()), MACHINE) == \
+        predict_measured_mesh(run, MACHINE)
+    for fn in (mesh_features, predict_measured_mesh):
+        with pytest.raises(TypeError, match="takes a MeasuredRun"):
+            fn(run.to_dict(), MACHINE)
 
 
 def test_stages_split_the_work_and_microbatches_add_up():

@@ -14,7 +14,8 @@ import pytest
 from summasim.costmodel import list_presets, load_preset
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.composition import price_composition
-from summasim.costmodel.tools.plan import MODELS, main, search
+from summasim.costmodel.tools.plan import MODELS, search
+from summasim.costmodel.tools.plan_cli import main
 from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

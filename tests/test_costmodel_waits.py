@@ -2,6 +2,7 @@
 policy (polled) and hops waited for inside a blocking MPI call (``MPI_Sendrecv``),
 from the trace's ``blocking`` flag through the features, the fit and the machine file."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,11 +12,11 @@ from conftest import matmul_result, synthetic_machine
 from summasim.costmodel.tools import accuracy as A
 from summasim.costmodel.machine import Machine, SharedCore
 from summasim.costmodel.machine.regression import fit_shared_core
+from summasim.costmodel.workload.measured import EventCount, MeasuredRun
 from summasim.costmodel.workload.predict import (SharedFeatures, merge_features, predict_features,
                                                  predict_trace, trace_features)
 from summasim.costmodel.workload.pricer import Messages, summary_messages
 from summasim.costmodel.workload.traffic import algorithm_messages
-from summasim.harness.cases import RingCase
 from summasim.trace import Event, Trace
 
 
@@ -195,11 +196,11 @@ def test_shared_core_file_round_trips_with_and_without_the_mpi_hop_term(tmp_path
 
 # ----------------------------------------------------------------------------- analysis
 def _ring_result(p, N, blocking, measured=(1.0,)):
-    events = [[[mc.op, "world", mc.group_size, mc.nbytes, mc.count, blocking]
-               for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
-                                            itemsize=8)] for r in range(p)]
-    return dict(RingCase(N).to_dict(), p=p, spans=list(measured), events=events,
-                coords=[[r] for r in range(p)])
+    events = tuple(tuple(EventCount(mc.op, "world", mc.group_size, mc.nbytes, mc.count, blocking)
+                         for mc in algorithm_messages("ring_allreduce", count=N, p=p, coords=r,
+                                                      itemsize=8)) for r in range(p))
+    return MeasuredRun(kind="ring", p=p, dtype="float64", algorithm="ring_allreduce", N=N,
+                       spans=tuple(measured), events=events, coords=tuple((r,) for r in range(p)))
 
 
 def test_calibration_recovers_both_wait_terms_and_predicts_held_out_rings():
@@ -218,9 +219,11 @@ def test_calibration_recovers_both_wait_terms_and_predicts_held_out_rings():
     cal += [matmul_result("summa_ab", 2, n, 4, (1.0,)) for n in (256, 512, 1024)]
     held = [_ring_result(16, 1 << 16, True), _ring_result(16, 1 << 20, True),
             _ring_result(8, 1 << 24, False)]
-    for res in cal + held:
+    def timed(res):
         t = A.predict_result(res, truth)
-        res["spans"] = [t * 0.97, t, t * 1.04]
+        return dataclasses.replace(res, spans=(t * 0.97, t, t * 1.04))
+
+    cal, held = [timed(r) for r in cal], [timed(r) for r in held]
     rep, calibrated = A.analyse({"calibrate": cal, "heldout": held}, naive)
     assert calibrated.shared_core.mpi_hop_seconds == pytest.approx(20e-6, rel=0.05)
     assert calibrated.shared_core.hop_seconds == pytest.approx(90e-6, rel=0.05)

@@ -255,6 +255,38 @@ def test_cases_round_trip():
         MatmulCase("summa_xyz", 1, 1, 1, 1, 1)
 
 
+def test_results_hand_the_cost_model_a_measured_run_not_a_dict():
+    """``Result.measured()`` is the typed record (never a string-keyed dict); its JSON
+    form is the worker-result dict the worker has always written, key for key."""
+    import json
+
+    from summasim.costmodel.workload.measured import EventCount, MeasuredRun
+    from summasim.harness.cases import MeshCase
+    from summasim.harness.check import Check
+    from summasim.harness.result import Result
+    from summasim.transformer.model import Config
+
+    mesh = MeshCase.parse("dp=2,pp=2,tp=megatron:1", 8,
+                          Config(vocab=32, seq=8, hidden=16, heads=4, layers=2),
+                          zero=1, schedule="1f1b", microbatches=2)
+    for case, p in ((MatmulCase("summa_ab", 2, 1, 8, 4, 6), 4), (RingCase(77), 4),
+                    (transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2), 4), (mesh, 4)):
+        events = [[["bcast", "row", 2, 64, 3, True], ["allreduce", "world", p, 8, 1, False]]
+                  for _ in range(p)]
+        coords = [[0, r // 2, r % 2, 0, 2] if case.kind == "mesh" else [0, r // 2, r % 2]
+                  for r in range(p)]
+        timing = {"median": 0.02, "spans": [0.02, 0.01, 0.03], "rank_max": [0.01, 0.01, 0.02]}
+        res = Result(case, p, Check(0.0, 1e-14, "exact"), timing, events=events,
+                     coords=coords)
+        run = res.measured()
+        assert isinstance(run, MeasuredRun) and not isinstance(run, dict), type(run)
+        assert run.kind == case.kind and run.p == p and run.spans == (0.02, 0.01, 0.03)
+        assert run.events[0][0] == EventCount("bcast", "row", 2, 64, 3, True)
+        old = dict(case.to_dict(), p=p, spans=timing["spans"], rank_max=timing["rank_max"],
+                   events=events, coords=coords)          # what measured() returned before
+        assert json.dumps(run.to_dict()) == json.dumps(old)
+
+
 def test_memory_prices_auto_as_the_check_resolves_it():
     from summasim.harness.check import choose_method
 

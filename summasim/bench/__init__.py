@@ -10,5 +10,5 @@ BENCHMARK [options]`` (:mod:`summasim.bench.__main__` dispatches).
 
 Shared helpers are in :mod:`.common`; every timing loop is the harness's one timer
 (:mod:`summasim.harness.timing`) and every prediction the cost model's
-(:mod:`summasim.costmodel.bench_predictions`).
+(:mod:`summasim.costmodel.tools.bench`).
 """

@@ -12,8 +12,8 @@ import statistics
 
 import numpy as np
 
-from ..costmodel import bench_predictions as bp
-from ..costmodel.bench_predictions import NODE_MEMORY_MIB, bench_bytes
+from ..costmodel.tools import bench as bp
+from ..costmodel.tools.bench import NODE_MEMORY_MIB, bench_bytes
 from .common import (add_backend, add_json, add_predict, add_repeats, add_sizes, given,
                      message_buffers)
 
@@ -68,7 +68,7 @@ def node_memory_gibs(world, mib: float = NODE_MEMORY_MIB, adds: int = 8, probe=N
 def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
                      available: int | None = None, device: bool = False) -> str:
     """"" when ``what``'s (``allreduce`` or ``ring-steps``) largest message fits this
-    node's memory (:func:`~summasim.costmodel.bench_predictions.bench_bytes`), else the
+    node's memory (:func:`~summasim.costmodel.tools.bench.bench_bytes`), else the
     message that says what it needs, what can be used and the largest size that would
     fit. ``device=True``: one GPU's free memory (``available``) shared by
     ``ranks_on_node`` ranks instead."""
@@ -158,7 +158,7 @@ def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
 
 #: issue 12's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
 #: from 4 MiB, the prediction within 10% from 1 MiB (at p = 16; reported at every p; the
-#: prediction's target is the cost model's, :mod:`summasim.costmodel.bench_predictions`)
+#: prediction's target is the cost model's, :mod:`summasim.costmodel.tools.bench`)
 TARGETS = {"plain_from_mib": 0.0625, "mpi_from_mib": 4.0,
            "prediction_from_mib": bp.PREDICTION_FROM_MIB,
            "prediction_tolerance": bp.PREDICTION_TOLERANCE}
@@ -172,7 +172,7 @@ def allreduce_targets(rows, p: int) -> dict:
     (the paired interval above 1; without an interval, the median paired ratio above
     1): both judged on the paired per-repeat ratios, which cancel the drift between
     repeats that the ratio of the two medians keeps. The prediction's count is
-    :func:`~summasim.costmodel.bench_predictions.prediction_target`."""
+    :func:`~summasim.costmodel.tools.bench.prediction_target`."""
     def sizes(frm):
         return [r for r in rows if r["mib"] >= frm]
 
@@ -276,7 +276,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     pages unless ``huge`` is false: :func:`~summasim.bench.common.message_buffers`),
     interleaved call by call (:func:`~summasim.harness.timing.time_contenders`, median
     spans), with the cost model's prediction for the ring
-    (:func:`~summasim.costmodel.bench_predictions.ring_prediction`) when a ``machine``
+    (:func:`~summasim.costmodel.tools.bench.ring_prediction`) when a ``machine``
     is given. Each contender's result is checked against MPI's on the host on every
     size. ``repeats`` None: per size by :func:`allreduce_repeats`, from the median
     duration of its first :data:`ALLREDUCE_REPEATS` repeats.
@@ -285,7 +285,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     taken in every round of the interleaved repeats, after the three contenders, at
     the sizes whose data (x, out and a receive chunk on every rank of a node) outgrows
     ``machine.cache_bytes`` (where the floor can count:
-    :func:`~summasim.costmodel.bench_predictions.memory_floor_counts`). Each such size's
+    :func:`~summasim.costmodel.tools.bench.memory_floor_counts`). Each such size's
     prediction then prices its memory floor at the median of its rounds' readings (the
     memory the size ran on: on a shared VM it drifts within a launch; priced with
     readings taken only before and after the sizes, the 64 MiB ring at p = 16 came out

@@ -91,26 +91,26 @@ def _fit_main(args, prog: str) -> int:
 
 
 def main(argv=None) -> int:
-    from .tools import devset, explore, plan
-    from .tools import predict as predictcmd
+    from .tools import devset, explore_cli, plan_cli
+    from .tools import predict as predict_tool
     from .machine import get_machine, list_presets
 
     ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
                             description="summasim cost model: predict, explore, fit, presets")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    prp = predictcmd.build_parser(sub.add_parser(
+    prp = predict_tool.build_parser(sub.add_parser(
         "predict", help="one tensor grid or one composition (--mesh): step time, breakdown, "
                         "memory (no MPI)",
-        description=predictcmd.__doc__.splitlines()[0]))
-    plp = plan.build_parser(sub.add_parser(
+        description=predict_tool.__doc__.splitlines()[0]))
+    plp = plan_cli.build_parser(sub.add_parser(
         "plan", help="the fastest dp x pp x tensor x ZeRO compositions that fit (no MPI)",
-        description=plan.__doc__.splitlines()[0]))
+        description=plan_cli.__doc__.splitlines()[0]))
     dsp = sub.add_parser("devset", help="the model against published GPU-cluster "
                          "measurements (no MPI)", description=devset.__doc__.splitlines()[0])
     dsp.add_argument("--json", default=None, metavar="PATH", help="write the table as JSON")
-    ep = explore.build_parser(sub.add_parser("explore",
-                                             help="scaling sweeps and what-ifs (no MPI)",
-                                             description=explore.__doc__.splitlines()[0]))
+    ep = explore_cli.build_parser(sub.add_parser("explore",
+                                                 help="scaling sweeps and what-ifs (no MPI)",
+                                                 description=explore_cli.__doc__.splitlines()[0]))
     fp = sub.add_parser("fit", help="fit a machine from microbenchmarks (run under mpiexec)")
     fp.add_argument("--out", default="results/machine.json",
                     help="machine JSON to write (checked before the benchmarks)")
@@ -152,9 +152,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "predict":
-        return cli.run_command(prp.prog, predictcmd.run, args)
+        return cli.run_command(prp.prog, predict_tool.run, args)
     if args.cmd == "plan":
-        return cli.run_command(plp.prog, plan.run, args)
+        return cli.run_command(plp.prog, plan_cli.run, args)
     if args.cmd == "devset":
         try:
             if args.json is not None:
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     if args.cmd == "explore":
-        return cli.run_command(ep.prog, explore.run, args)
+        return cli.run_command(ep.prog, explore_cli.run, args)
     if args.cmd == "fit":
         return _fit_main(args, fp.prog)
     if args.cmd == "accuracy":

@@ -23,6 +23,7 @@ import time
 from .. import options
 from ..cli import finite_positive_float, positive_int
 from summasim.costmodel.tools.accuracy import STATISTICS, analyse, report_text
+from summasim.costmodel.workload.measured import MeasuredRun
 from ..jsonio import write_json_atomic
 from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet
@@ -167,7 +168,8 @@ def run(args) -> int:
                   f"first, or give its --out)", file=sys.stderr)
             return 2
         with open(mpath, encoding="utf-8") as fh:
-            measured = json.load(fh)
+            measured = {part: [MeasuredRun.from_dict(r) for r in runs]
+                        for part, runs in json.load(fh).items()}
         machine = given or Machine.load(mfile)
     else:
         if given is not None:
@@ -202,7 +204,8 @@ def run(args) -> int:
                     except RuntimeError as e:
                         print(f"[accuracy] stopped: {e}", file=sys.stderr)
                         return 1
-        write_json_atomic(mpath, measured)
+        write_json_atomic(mpath, {part: [r.to_dict() for r in runs]
+                                  for part, runs in measured.items()})
     rep, calibrated = analyse(measured, machine, args.statistic)
     calibrated.replace(notes={**calibrated.notes, "accuracy": {
         k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(

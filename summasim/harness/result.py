@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from summasim.costmodel.workload.measured import MeasuredRun
+
 from .check import Check
 
 
@@ -19,7 +21,7 @@ class Result:
     bytes_per_rank: int = 0            # largest per-rank payload in the trace
     messages_per_rank: int = 0
     peak_rss: int = 0                  # largest peak RSS over ranks, bytes
-    events: list | None = None         # rank 0: [[op, group, size, nbytes, count], ...] per rank
+    events: list | None = None         # rank 0: each rank's event summary (event_summary)
     coords: list | None = None
     fault: str = ""
     extra: dict = field(default_factory=dict)
@@ -35,8 +37,11 @@ class Result:
     def seconds(self) -> float:
         return float(self.timing.get("median", 0.0))
 
-    def measured(self) -> dict:
-        """The worker-result dict the cost model's analysis reads."""
-        return dict(self.case.to_dict(), p=self.p, spans=self.timing.get("spans", []),
-                    rank_max=self.timing.get("rank_max", []),
-                    events=self.events, coords=self.coords)
+    def measured(self) -> MeasuredRun:
+        """The record the cost model prices: the case, ``p``, the timed repeats and
+        every rank's traffic summary and coordinates (rank 0's view: ``events`` and
+        ``coords`` are empty elsewhere). ``.to_dict()`` is its JSON form."""
+        return MeasuredRun.from_dict(dict(
+            self.case.to_dict(), p=self.p, spans=self.timing.get("spans", []),
+            rank_max=self.timing.get("rank_max", []), events=self.events,
+            coords=self.coords))

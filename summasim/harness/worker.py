@@ -3,8 +3,9 @@
 ``python -m summasim.harness.worker SPEC OUT`` runs the cases of a spec file
 (``{"repeats": R, "seed": S, "check": "auto", "cases": [case dict, ...]}``) under MPI
 with the harness's executors (validated, then timed) and rank 0 writes the results
-(``Result.measured()`` dicts plus each run's verdict) to OUT, atomically.
-:func:`launch` starts it under ``timeout`` and ``mpiexec`` and reads OUT back.
+(each ``Result.measured()`` record's ``to_dict()`` plus the run's verdict) to OUT,
+atomically. :func:`launch` starts it under ``timeout`` and ``mpiexec`` and reads OUT
+back as :class:`~summasim.costmodel.workload.measured.MeasuredRun` records.
 
 The launcher is ``$SUMMASIM_MPIEXEC`` (default: the ``mpiexec`` beside the Python
 interpreter, else the one on PATH; e.g. ``srun``) with ``$SUMMASIM_MPIEXEC_FLAGS``.
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Sequence
+
+from summasim.costmodel.workload.measured import MeasuredRun
 
 from ..jsonio import write_json_atomic
 
@@ -37,9 +40,10 @@ def worker_env() -> dict:
 
 
 def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: float,
-           seed: int = 0, check: str = "auto", say=print) -> list[dict]:
+           seed: int = 0, check: str = "auto", say=print) -> list[MeasuredRun]:
     """Run typed ``cases`` under ``mpiexec -n p`` (bounded by ``timeout`` seconds);
-    return their measured dicts (each with ``p``). Raises ``RuntimeError`` when the job
+    return their measured records (the worker's verdict, ``ok``, ``error``, ``label``
+    and ``load``, kept in each record's ``extra``). Raises ``RuntimeError`` when the job
     fails, times out, or any case fails its validation."""
     spec = os.path.join(workdir, f"spec-p{p}.json")
     out = os.path.join(workdir, f"measured-p{p}.json")
@@ -58,7 +62,7 @@ def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: floa
     bad = [r["label"] for r in data["results"] if not r.get("ok", False)]
     if bad:
         raise RuntimeError(f"validation failed at p={p}: {', '.join(bad)}")
-    return [dict(r, p=data["p"]) for r in data["results"]]
+    return [MeasuredRun.from_dict(dict(r, p=data["p"])) for r in data["results"]]
 
 
 def worker_main(spec_path: str, out_path: str) -> int:
@@ -90,7 +94,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
                 {"with_memory": False}
             res = run_case(case, world, backend, repeats=repeats, seed=seed, **kw)
             if rank == 0:
-                m = res.measured()
+                m = res.measured().to_dict()
                 m.update(ok=res.ok, error=res.check.error, label=case.label(p),
                          load=os.getloadavg()[0])
                 results.append(m)

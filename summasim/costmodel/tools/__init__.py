@@ -2,12 +2,17 @@
 
 predict        ``costmodel predict``: one tensor grid, or one whole composition
                (``--mesh dp=..,pp=..,tp=..``), its step time, breakdown and memory
-plan           ``costmodel plan``: the fastest dp x pp x tensor x ZeRO compositions that fit
-explore        ``costmodel explore``: scaling sweeps, isoefficiency, what-ifs
+plan           the planner's search: the dp x pp x tensor x ZeRO compositions that fit,
+               ranked (``plan_cli``: ``costmodel plan``, its arguments, tables, plot)
+explore        the what-if tables: scaling sweeps, matrix products, isoefficiency, the
+               largest batch (``explore_cli``: ``costmodel explore``)
+_cli           what the command-line tools share: machine, model, batch and dtype
+               resolution, output checks, number format and tables, plots
 devset         ``costmodel devset``: the model against published GPU-cluster numbers
 isoefficiency  W(p) at fixed efficiency and its growth exponent
 accuracy       the pure analysis of the accuracy benchmark (predicted against measured)
-measured       the typed records the harness hands the cost model (:class:`MeasuredRun`)
+bench          the predictions of ``python -m summasim.bench``: a ring all-reduce's time,
+               the benchmarks' memory, the prediction target
 
 Every tool enumerates grids with :func:`summasim.spec.grids` (THE enumeration: the grids
 the main job runs), through :func:`scheme_grids` here.

@@ -27,10 +27,10 @@ What it does
 
 Measurements come from the harness (:mod:`summasim.harness.accuracy` runs the
 worker :mod:`summasim.harness.worker` under ``mpiexec``, always under ``timeout``);
-this module is the pure analysis of what it measured, read as typed records
-(:class:`~summasim.costmodel.tools.measured.MeasuredRun`; the harness's worker-result
-dicts are read with :meth:`~summasim.costmodel.tools.measured.MeasuredRun.from_dict`,
-so every function here takes either). Each
+this module is the pure analysis of what it measured, handed down as typed records
+(:class:`~summasim.costmodel.workload.measured.MeasuredRun`: every function here that
+reads a measured run takes the record; the harness reads the worker's JSON and
+``measured.json`` with :meth:`~summasim.costmodel.workload.measured.MeasuredRun.from_dict`). Each
 case is set up once, called once with the trace on (its events are what the
 model prices, exactly as ``summasim.run`` does), then timed ``repeats`` times
 (short calls more, up to 5x, about half a second in all). A timed call starts
@@ -55,7 +55,7 @@ import math
 import statistics
 from typing import Iterable, Sequence
 
-from .measured import STATISTICS, MeasuredRun, as_run
+from ..workload.measured import STATISTICS, MeasuredRun, predict_measured_mesh, require_run
 
 # --------------------------------------------------------------------------- errors
 def rel_error(predicted: float, measured: float) -> float:
@@ -134,15 +134,10 @@ def ranking_summary(outcomes: Sequence[dict]) -> dict | None:
 
 
 # --------------------------------------------------------------------------- labels
-def case_label(case, p: int | None = None) -> str:
+def case_label(run: MeasuredRun) -> str:
     """Short human label: ``summa_ab 4x4 1024x1024x1024`` / ``optimus 2x2 b8 s64 h256``
-    (:attr:`MeasuredRun.label`; ``case`` a MeasuredRun or a worker-result dict, whose
-    ``p`` is ``p`` when given)."""
-    if isinstance(case, MeasuredRun):
-        return case.label
-    if p is None and "p" not in case:
-        raise ValueError("case_label needs p (the run's ranks)")
-    return MeasuredRun.from_dict(dict(case, p=p) if p is not None else case).label
+    (:attr:`MeasuredRun.label`)."""
+    return require_run(run, "case_label").label
 
 
 def event_summary(events) -> list:
@@ -168,9 +163,9 @@ def _tf_scheme_config(run: MeasuredRun):
     return sch, cfg
 
 
-def rank_features(res, machine) -> list:
+def rank_features(run: MeasuredRun, machine) -> list:
     """:class:`~summasim.costmodel.workload.predict.SharedFeatures` of every rank of one measured
-    run (``res``: a :class:`MeasuredRun` or a worker-result dict): its traced events
+    run (its :class:`MeasuredRun`): its traced events
     priced with ``machine``, plus its compute (GEMMs and additions from the closed forms
     at its grid coordinates; for a training step the row-0 work of
     :func:`~summasim.costmodel.workload.step.step_work`)."""
@@ -179,7 +174,7 @@ def rank_features(res, machine) -> list:
     from summasim.costmodel.workload.predict import trace_features
     from summasim.costmodel.workload.traffic import algorithm_compute, ring_working_set
 
-    run = as_run(res)
+    run = require_run(run, "rank_features")
     p, kind, dtype = run.p, run.kind, run.dtype
     it = itemsize_of(dtype)
     out = []
@@ -207,42 +202,44 @@ def rank_features(res, machine) -> list:
     return out
 
 
-def predict_result(res, machine) -> float:
-    """Predicted seconds of one measured run (a :class:`MeasuredRun` or a worker-result
-    dict; the slowest rank; see :func:`~summasim.costmodel.workload.predict.predict_features`; a
-    sharded-training step: :func:`~summasim.costmodel.workload.measured.predict_measured_mesh`)."""
+def predict_result(run: MeasuredRun, machine) -> float:
+    """Predicted seconds of one measured run (its :class:`MeasuredRun`; the slowest rank;
+    see :func:`~summasim.costmodel.workload.predict.predict_features`; a
+    sharded-training step: :func:`~summasim.costmodel.workload.measured.predict_measured_mesh`).
+
+    A worker-result dict is still read (with :meth:`MeasuredRun.from_dict`) for one
+    caller: the bench's :func:`~summasim.costmodel.tools.bench.ring_prediction`, which
+    prices its closed-form ring as a dict; every other caller hands the record."""
     from summasim.costmodel.workload.predict import predict_features
 
-    run = as_run(res)
+    run = MeasuredRun.from_dict(run) if isinstance(run, dict) else \
+        require_run(run, "predict_result")
     if run.kind == "mesh":
-        from summasim.costmodel.workload.measured import predict_measured_mesh
-
-        # compose reads the worker-result dict until it takes the record
-        return predict_measured_mesh(run.to_dict(), machine)
+        return predict_measured_mesh(run, machine)
 
     return predict_features(rank_features(run, machine), machine,
                             machine.ranks_per_node(run.p))
 
 
-def measured_seconds(res, statistic: str = "median") -> float:
+def measured_seconds(run: MeasuredRun, statistic: str = "median") -> float:
     """The measured time compared with the model: the median span of the repeats
     (``statistic="min"``: the fastest, what a quiet machine would give)."""
-    return as_run(res).seconds(statistic)
+    return require_run(run, "measured_seconds").seconds(statistic)
 
 
-def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
+def calibrate(machine, serial: Sequence[MeasuredRun], shared: Sequence[MeasuredRun],
               statistic: str = "median"):
     """The machine with ``gamma_elementwise``/``layer_seconds`` fitted on serial
-    training steps (``serial``: worker results at p = 1) and the shared-core model
-    fitted on oversubscribed runs (``shared``: results with p > cores). Returns
+    training steps (``serial``: measured runs at p = 1) and the shared-core model
+    fitted on oversubscribed runs (``shared``: runs with p > cores). Returns
     ``(machine, {"elementwise": err, "shared_core": err})`` (median relative errors)."""
     from summasim.costmodel.machine.regression import fit_elementwise, fit_shared_core
     from summasim.costmodel.workload.predict import merge_features
     from summasim.costmodel.workload.step import step_work
 
     errs = {}
-    serial = [as_run(r) for r in serial]
-    shared = [as_run(r) for r in shared]
+    serial = [require_run(r, "calibrate") for r in serial]
+    shared = [require_run(r, "calibrate") for r in shared]
     if serial:
         base = machine.replace(gamma_elementwise=0.0, layer_seconds=0.0)
         samples = []
@@ -266,12 +263,12 @@ def calibrate(machine, serial: Sequence[dict], shared: Sequence[dict],
     return machine, errs
 
 
-def compare(results: Sequence, machine, statistic: str = "median") -> list[dict]:
-    """``[{"label", "p", "predicted", "measured", "error", "spread"}, ...]`` per run
-    (MeasuredRun records or worker-result dicts)."""
+def compare(runs: Sequence[MeasuredRun], machine, statistic: str = "median") -> list[dict]:
+    """``[{"label", "p", "predicted", "measured", "error", "spread", "key"}, ...]`` per
+    measured run."""
     rows = []
-    for res in results:
-        run = as_run(res)
+    for run in runs:
+        run = require_run(run, "compare")
         pred = predict_result(run, machine)
         meas = run.seconds(statistic)
         rows.append({"label": run.label, "p": run.p, "predicted": pred,
@@ -280,9 +277,9 @@ def compare(results: Sequence, machine, statistic: str = "median") -> list[dict]
     return rows
 
 
-def ranking_key(res):
+def ranking_key(run: MeasuredRun):
     """Runs with the same key solve the same problem on the same p (candidates)."""
-    return as_run(res).ranking_key
+    return require_run(run, "ranking_key").ranking_key
 
 
 def ranking(rows: Sequence[dict], noise: float = 0.10) -> list[dict]:
@@ -382,8 +379,8 @@ def report_text(rep: dict) -> str:
 
 def analyse(measured: dict, machine, statistic: str = "median") -> tuple[dict, object]:
     """Calibrate ``machine`` on ``measured["calibrate"]`` and compare every run with the
-    model. ``measured``: ``{"calibrate": [runs], "heldout": [runs]}`` (MeasuredRun
-    records or worker-result dicts). Returns
+    model. ``measured``: ``{"calibrate": [runs], "heldout": [runs]}`` of
+    :class:`MeasuredRun` records. Returns
     the report dict and the calibrated machine. ``rep["other_statistic"]`` holds the
     summaries of the same analysis with the other statistic of the repeats (fitted
     and compared on the fastest repeat instead of the median, or the reverse)."""
@@ -398,13 +395,13 @@ def analyse(measured: dict, machine, statistic: str = "median") -> tuple[dict, o
 
 
 def _analyse(measured, machine, statistic):
-    cal = [as_run(r) for r in measured["calibrate"]]
+    cal = [require_run(r, "analyse") for r in measured["calibrate"]]
     serial = [r for r in cal if r.p == 1]
     shared = [r for r in cal if machine.ranks_per_node(r.p) > machine.cores]
     calibrated, errs = calibrate(machine, serial, shared, statistic)
     rep = {"machine": calibrated.name, "calibration": calibration_report(calibrated),
            "calibration_runs": {f"{k} model": v for k, v in errs.items()}}
-    runs = {"calibrate": cal, "heldout": [as_run(r) for r in measured["heldout"]]}
+    runs = {"calibrate": cal, "heldout": [require_run(r, "analyse") for r in measured["heldout"]]}
     for part in ("calibrate", "heldout"):
         rows = compare(runs[part], calibrated, statistic)
         rep[part] = {"rows": rows, "summary": error_summary(

@@ -1,9 +1,7 @@
-"""``python -m summasim.costmodel plan``: the fastest composition that fits, without MPI.
+"""The planner's search: every composition of N devices that fits, ranked, without MPI.
 
-For a transformer (``--model NAME|h=...,heads=...,layers=...,seq=...,vocab=...``),
-``--devices N`` and a global batch of ``--batch B`` sequences (default: the model
-preset's published batch) on a machine (``--machine FILE|PRESET``), the planner
-searches
+For a transformer (a :class:`~summasim.costmodel.workload.scheme.TransformerConfig`),
+``devices`` N and a global batch of B sequences on a machine, :func:`search` enumerates
 
     data parallel dp  x  pipeline stages pp  x  tensor scheme and grid
     x  ZeRO stage  x  micro-batches m  x  activation checkpointing
@@ -12,58 +10,37 @@ with ``dp * pp * t = N``, pp dividing the layers, ``dp m`` dividing B and the
 micro-batch ``B / (dp m)`` one the tensor grid can split (the rules of
 :func:`summasim.costmodel.workload.tensor.check_composition`). It keeps the compositions whose
 memory per device (the worst pipeline stage: model states under ZeRO, activations
-of the micro-batches in flight, workspaces) fits ``--mem-fraction`` of the device's
-memory (or ``--mem-gib``), prices them with
-:func:`summasim.costmodel.workload.composition.price_composition`, ranks them by predicted step
-time, and prints the ``--top`` ten with their breakdown (GEMM, memory-bound work,
-exposed tensor / data-parallel / pipeline / ZeRO communication, bubble, optimizer)
-and memory, the best of each scheme and ZeRO stage (why the winner wins), writes
-JSON (``--json``, atomically) and a plot (``--plot``, matplotlib with Agg).
+of the micro-batches in flight, workspaces) fits the budget, prices them with
+:func:`summasim.costmodel.workload.composition.price_composition` and ranks them by predicted
+step time (compact rows, :class:`SearchResult`). When nothing exists or nothing fits,
+:func:`nothing_exists` says why and :func:`fits_with_more` how many devices would fit one.
+The command line, ``python -m summasim.costmodel plan``, is :mod:`.plan_cli`.
 
 Speed: memory is checked before any time is priced, and the tensor-parallel prices
 (``schemes.step_cost``) are computed once per (grid, micro-batch) and shared by every
 dp, pp, ZeRO stage and checkpointing choice; a composition costs O(1) in pp. The links
 of each group (``topology.group_path``) are memoized across pricers.
-
-Exit status: 0 with a plan; 1 when compositions exist but none fits the memory (the
-message says the smallest memory per device found, the composition that has it, and
-how many devices would fit one); 2 for a user error (one line, before any work; this
-includes a model and device count for which no composition exists at all).
-
-Known models (``--model``; ``--list-models``: :data:`summasim.spec.MODELS`) carry their
-published shapes and sources; vocabularies are padded as Megatron-LM pads them (to
-51,200 for GPT-2/3's 50,257 tokens, a multiple of 128 times any tensor size up to 8;
-51,200 = 2^11 x 25, so every power-of-two tensor grid up to 2,048 divides it).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from summasim import cli, options, spec
-from summasim.jsonio import write_json_atomic
+from summasim import spec
 from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
-from summasim.costmodel.workload.pipeline import SCHEDULES
 from summasim.costmodel.workload.stage_memory import composition_memory
 from summasim.costmodel.workload.composition import flatten_breakdown, price_composition
 from summasim.costmodel.workload.tensor import tensor_memory
-from summasim.costmodel.machine import DTYPE_SIZES, Machine, list_presets
+from summasim.costmodel.machine import Machine
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
 from summasim.costmodel.workload.footprint import batch_step
 
 from . import scheme_grids
-from .predict import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
-#: The preset the planner uses without --preset/--machine (the DGX A100 one when it exists).
-PLAN_PRESETS = ("dgx-a100", "h100-dgx-ndr")
-PLOT_HINT = "plots need matplotlib: pip install summasim[plot]"
 #: Share of device memory the plan may use: the rest is the CUDA context, NCCL's
 #: buffers and the allocator's fragmentation (a round assumption, not a measurement).
 MEM_FRACTION = 0.9
@@ -90,7 +67,8 @@ def tensor_grids(cfg: TransformerConfig, devices: int, schemes=SCHEMES) -> list[
 
 
 class Plan(NamedTuple):
-    """The checked inputs of one planner run (what :func:`check_args` found)."""
+    """The checked inputs of one planner run (what
+    :func:`~summasim.costmodel.tools.plan_cli.check_args` found)."""
 
     machine: Machine
     cfg: TransformerConfig
@@ -210,113 +188,7 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
     return SearchResult(rows, counts, smallest, time.perf_counter() - t0, reasons)
 
 
-# -- command line ---------------------------------------------------------------------------
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The plan arguments, added to ``parser`` (a sub-parser) or a new
-    :class:`summasim.cli.ArgumentParser`."""
-    ap = parser or cli.ArgumentParser(prog="python -m summasim.costmodel plan",
-                                      description=__doc__.splitlines()[0])
-    options.add_model(ap, help_more=" (required unless --list-models)")
-    ap.add_argument("--list-models", action="store_true",
-                    help="list the known models with their sources and exit")
-    ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
-                    help="dropout probability (default 0, as summasim's model; Megatron-LM "
-                         "trains with 0.1): its masks in memory, its kernels in time")
-    ap.add_argument("--devices", type=cli.positive_int, default=None, help="devices N")
-    options.add_batch(ap, help_more=", over all replicas")
-    options.add_machine(ap, default=_default_preset(),
-                        help_more=f"; presets: {', '.join(list_presets())}")
-    options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
-                      help_more=" of activations, messages and GEMMs (default: the first of "
-                                f"{', '.join(DEFAULT_DTYPES)} the machine has); 16-bit "
-                                "dtypes train in mixed precision (2+2 bytes, fp32 Adam and "
-                                "master: 16/param)")
-    ap.add_argument("--state-bytes", type=cli.int_list(minimum=0), default=None,
-                    metavar="P,G,O,M",
-                    help="bytes per parameter of params, grads, each Adam moment, master "
-                         "copy (default from --dtype)")
-    ap.add_argument("--schemes", type=cli.choice_list(SCHEMES, "scheme"),
-                    default=",".join(SCHEMES), help="tensor schemes to search")
-    ap.add_argument("--zero", type=cli.choice_list(tuple(map(str, ZERO_STAGES)), "ZeRO stage"),
-                    default=",".join(map(str, ZERO_STAGES)), help="ZeRO stages to search")
-    ap.add_argument("--checkpoint", choices=("both", "on", "off"), default="both",
-                    help="activation checkpointing choices to search")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                    help="pipeline schedule (same time; GPipe holds m micro-batches)")
-    ap.add_argument("--max-microbatches", type=cli.positive_int, default=None,
-                    help="largest m to try")
-    ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=BUCKET_BYTES / 2**20,
-                    help="gradient bucket in MiB (default 25, PyTorch DDP's)")
-    ap.add_argument("--zero3-prefetch", action="store_true",
-                    help="ZeRO 3 hides each gather behind the previous piece")
-    mem = ap.add_mutually_exclusive_group()
-    mem.add_argument("--mem-fraction", type=cli.float_range(0, 1, lo_open=True),
-                     default=MEM_FRACTION,
-                     help=f"share of device memory usable (default {MEM_FRACTION})")
-    mem.add_argument("--mem-gib", type=cli.finite_positive_float, default=None,
-                     help="usable GiB per device (overrides the machine's memory)")
-    ap.add_argument("--top", type=cli.positive_int, default=10, help="rows to print")
-    ap.add_argument("--json", nargs="?", const="results/plan.json", default=None,
-                    metavar="PATH", help="write the plan as JSON (default results/plan.json)")
-    ap.add_argument("--plot", nargs="?", const="results/plan.png", default=None,
-                    metavar="PATH", help="draw the plan (default results/plan.png)")
-    return ap
-
-
-_arg = cli.argument_error
-
-
-def _default_preset() -> str:
-    """The first of :data:`PLAN_PRESETS` that is shipped."""
-    known = list_presets()
-    return next((p for p in PLAN_PRESETS if p in known), PLAN_PRESETS[-1])
-
-
-def check_args(args) -> Plan:
-    """Everything the search needs, checked before it runs; raise
-    :class:`summasim.cli.UsageError` naming the argument at the first problem."""
-    model, batch = model_batch(args)
-    if args.devices is None:
-        raise _arg("--devices", "required")
-    machine = resolve_machine(args.machine)
-    dtype = pick_dtype(machine, args.dtype)
-    if args.state_bytes is not None:
-        if len(args.state_bytes) != 4:
-            raise _arg("--state-bytes", f"give 4 numbers P,G,O,M, got {len(args.state_bytes)}")
-        try:
-            sb = StateBytes(*args.state_bytes)
-        except ValueError as exc:
-            raise _arg("--state-bytes", exc) from None
-    else:
-        sb = StateBytes.for_dtype(dtype)
-    if args.mem_gib is not None:
-        budget = args.mem_gib * GiB
-    else:
-        if not machine.memory_bytes:
-            raise _arg("--mem-gib", f"machine {machine.name!r} does not say its memory per "
-                                    f"device; give --mem-gib")
-        budget = machine.memory_bytes * args.mem_fraction
-    cfg = TransformerConfig.from_model(model, batch, checkpoint=True, dtype=dtype)
-    if args.dropout:
-        cfg = cfg.replace(dropout=args.dropout)
-    zeros = tuple(sorted({int(z) for z in args.zero}))
-    checkpoints = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpoint]
-    out = {}
-    for flag, value in (("--json", args.json), ("--plot", args.plot)):
-        if value is None:
-            continue
-        try:
-            out[flag] = cli.check_writable_path(value)
-        except cli.UsageError as exc:
-            raise _arg(flag, exc) from None
-    plot = out.get("--plot")
-    return Plan(machine, cfg, model, args.devices, batch, tuple(args.schemes), zeros,
-                checkpoints, args.schedule, budget, sb, args.bucket_mb * 2**20,
-                args.max_microbatches or 0, args.zero3_prefetch, args.top, out.get("--json"),
-                plot)
-
-
-def _nothing_exists(plan: Plan, res: SearchResult) -> str:
+def nothing_exists(plan: Plan, res: SearchResult) -> str:
     """Why no composition of the devices exists at all (a user error)."""
     cfg = plan.cfg
     why = list(res.reasons.values())
@@ -331,7 +203,7 @@ def _nothing_exists(plan: Plan, res: SearchResult) -> str:
             + "; ".join(why[:3]) + "): choose --devices, --batch or a model that divides")
 
 
-def _fits_with_more(plan: Plan) -> tuple[int, dict] | None:
+def fits_with_more(plan: Plan) -> tuple[int, dict] | None:
     """The smallest multiple of the devices (x2, x4, ... x1024) at which a composition fits."""
     for k in range(1, 11):
         dev = plan.devices << k
@@ -344,226 +216,11 @@ def _fits_with_more(plan: Plan) -> tuple[int, dict] | None:
     return None
 
 
-# -- output ---------------------------------------------------------------------------------
-COLUMNS = [("rank", "#"), ("tensor", "tensor"), ("dp", "dp"), ("pp", "pp"),
-           ("microbatches", "m"), ("micro_batch", "b"), ("zero", "ZeRO"), ("ckpt", "ckpt"),
-           ("step_seconds", "step s"), ("gemm", "gemm"), ("memory_bound", "mem-bnd"),
-           ("comm_tensor", "tensor"), ("comm_dp", "dp"), ("comm_pp", "pp"),
-           ("comm_zero", "zero"), ("bubble", "bubble"), ("optimizer", "optim"),
-           ("memory_gib", "mem GiB"), ("model_states_gib", "states"),
-           ("activations_gib", "acts"), ("tflops_per_device", "TFLOP/s")]
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if v == 0:
-            return "0"
-        a = abs(v)
-        return f"{v:.3g}" if (a >= 1e4 or a < 1e-2) else f"{v:.3f}".rstrip("0").rstrip(".")
-    return str(v)
-
-
-def _short_grid(r: dict) -> str:
+def short_grid(r: dict) -> str:
+    """A row's tensor grid as ``--mesh`` spells it: ``megatron:T``, ``optimus:QxQ``,
+    ``summa25:QxQxD``."""
     if r["scheme"] == "megatron":
         return f"megatron:{r['t']}"
     if r["scheme"] == "optimus":
         return f"optimus:{r['q']}x{r['q']}"
     return f"summa25:{r['q']}x{r['q']}x{r['d']}"
-
-
-def format_rows(rows: list[dict], start: int = 1) -> str:
-    """The ranked table (times in seconds per step, memory in GiB per device)."""
-    cells = []
-    for i, r in enumerate(rows, start):
-        x = dict(r, rank=i, tensor=_short_grid(r), ckpt=r["checkpoint"])
-        cells.append([_fmt(x[k]) for k, _ in COLUMNS])
-    heads = [h for _, h in COLUMNS]
-    width = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-             for i, h in enumerate(heads)]
-    lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(heads, width))]
-    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(c, width)) for c in cells]
-    return "\n".join(lines) + "\n"
-
-
-def _best_by(rows: list[dict], key) -> list[dict]:
-    seen, out = set(), []
-    for r in rows:                                   # rows are ranked: first is best
-        k = key(r)
-        if k not in seen:
-            seen.add(k)
-            out.append(r)
-    return out
-
-
-def make_plot(path: str, rows: list[dict], top: int, budget_gib: float, title: str) -> str:
-    """Two panels: step time against memory of every fitting composition, by scheme,
-    and the breakdown of the top ones. Returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(15, 5.5))
-    cmap = plt.get_cmap("tab10")
-    for i, name in enumerate(SCHEMES):
-        mine = [r for r in rows if r["scheme"] == name]
-        if mine:
-            ax[0].scatter([r["memory_gib"] for r in mine], [r["step_seconds"] for r in mine],
-                          s=8, alpha=0.5, color=cmap(i), label=f"{name} ({len(mine)})")
-    best = rows[:top]
-    ax[0].scatter([r["memory_gib"] for r in best], [r["step_seconds"] for r in best], s=60,
-                  facecolors="none", edgecolors="black", label=f"top {len(best)}")
-    ax[0].axvline(budget_gib, color="gray", ls="--", label="memory budget")
-    ax[0].set(xlabel="memory per device (GiB, worst stage)", ylabel="seconds per step",
-              yscale="log", title="every composition that fits")
-    ax[0].grid(True, which="both", alpha=0.3)
-    ax[0].legend(fontsize=8)
-    parts = [("gemm", "GEMM"), ("memory_bound", "memory-bound"), ("comm_tensor", "tensor comm"),
-             ("comm_dp", "dp comm"), ("comm_pp", "pp comm"), ("comm_zero", "ZeRO comm"),
-             ("bubble", "bubble"), ("optimizer", "optimizer")]
-    labels = [f"{i + 1}. {_short_grid(r)} dp{r['dp']} pp{r['pp']} m{r['microbatches']} "
-              f"Z{r['zero']}{' ck' if r['checkpoint'] else ''}" for i, r in enumerate(best)]
-    left = [0.0] * len(best)
-    for j, (key, name) in enumerate(parts):
-        vals = [r[key] for r in best]
-        ax[1].barh(range(len(best)), vals, left=left, color=cmap(j), label=name)
-        left = [a + b for a, b in zip(left, vals)]
-    ax[1].set_yticks(range(len(best)), labels, fontsize=7)
-    ax[1].invert_yaxis()
-    ax[1].set(xlabel="seconds per step", title="breakdown of the fastest")
-    ax[1].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def run(args, out=None) -> int:
-    """Plan for parsed ``args``, print to ``out``; return the exit status (0 a plan, 1
-    nothing fits). Raises :class:`summasim.cli.UsageError` before any work."""
-    out = out or sys.stdout
-    w = out.write
-    if args.list_models:
-        for name, m in MODELS.items():
-            w(f"{name:<14s} h={m.hidden} N={m.layers} n={m.heads} s={m.seq} v={m.vocab} "
-              f"ffn={m.ffn_mult} B={m.batch}\n    {m.source}\n")
-        return 0
-    plan = check_args(args)
-    cfg, machine = plan.cfg, plan.machine
-    res = search(cfg, plan.devices, plan.global_batch, machine, budget=plan.budget,
-                 schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,
-                 schedule=plan.schedule, state_bytes=plan.state_bytes,
-                 bucket_bytes=plan.bucket_bytes, max_microbatches=plan.max_microbatches,
-                 zero3_prefetch=plan.zero3_prefetch)
-    if not res.counts["compositions"]:
-        raise cli.UsageError(_nothing_exists(plan, res))
-    sb = plan.state_bytes
-    params = _total_params(cfg)
-    w(f"machine: {machine.name}  ({machine.source[:160]})\n")
-    w(f"model: {plan.model}: h={cfg.h} N={cfg.N} n={cfg.n} s={cfg.s} v={cfg.v} "
-      f"f={cfg.ffn}, dropout {getattr(cfg, 'dropout', 0)}, {params / 1e9:.1f}B parameters; "
-      f"{plan.devices} devices, global batch "
-      f"{plan.global_batch}, {cfg.dtype}, model states {sb.total} B/param "
-      f"({sb.param}+{sb.grad}+2x{sb.optim}+{sb.master}), {plan.schedule}\n")
-    w(f"memory budget: {plan.budget / GiB:.1f} GiB per device\n")
-    w(f"searched {res.counts['compositions']} compositions on {res.counts['grids']} tensor "
-      f"grids: {res.counts['fit']} fit, ranked in {res.seconds:.2f} s\n")
-    if not res.rows:
-        sm = res.smallest
-        more = _fits_with_more(plan)
-        where = (f"{more[0]} devices ({more[1]['fit']} compositions fit there)" if more
-                 else "no multiple of the devices up to x1024")
-        msg = (f"nothing fits {plan.budget / GiB:.1f} GiB per device: the smallest is "
-               f"{sm['memory'] / GiB:.1f} GiB ({sm['grid']} dp={sm['dp']} pp={sm['pp']} "
-               f"m={sm['microbatches']} b={sm['micro_batch']} ZeRO {sm['zero']}"
-               f"{' checkpointing' if sm['checkpoint'] else ''}: model states "
-               f"{sm['model_states'] / GiB:.1f} GiB, activations "
-               f"{sm['activations'] / GiB:.1f} GiB); would fit: {where}"
-               + ("" if 3 in plan.zeros and True in plan.checkpoints
-                  else ", or allow ZeRO 3 and checkpointing") + ", or more memory per device")
-        w(f"\n{msg}\n")
-        if plan.json:
-            write_json_atomic(plan.json, _report(plan, res, [], msg))
-            w(f"wrote {plan.json}\n")
-        return 1
-    top = res.rows[:plan.top]
-    w(f"\nfastest {len(top)} (seconds per step; exposed communication by kind; memory per "
-      f"device on the worst stage, GiB)\n")
-    w(format_rows(top))
-    best = res.rows[0]
-    w(f"\nbest: {_short_grid(best)} x dp {best['dp']} x pp {best['pp']}, m = "
-      f"{best['microbatches']} micro-batches of {best['micro_batch']}, ZeRO "
-      f"{best['zero']}, {'with' if best['checkpoint'] else 'no'} checkpointing: "
-      f"{best['step_seconds']:.3g} s per step, bubble {100 * best['bubble_fraction']:.1f}%, "
-      f"{best['tflops_per_device']:.0f} model TFLOP/s per device, "
-      f"{best['memory_gib']:.1f} GiB per device\n")
-    w("\nbest of each kind (why the winner wins):\n")
-    kinds = (_best_by(res.rows, lambda r: r["scheme"])
-             + _best_by(res.rows, lambda r: ("zero", r["zero"]))
-             + _best_by(res.rows, lambda r: ("pp1", r["pp"] == 1))
-             + _best_by(res.rows, lambda r: ("ck", r["checkpoint"])))
-    kinds = [r for i, r in enumerate(kinds) if r not in kinds[:i]]
-    kinds.sort(key=lambda r: r["step_seconds"])
-    w(format_rows(kinds, start=1).replace("  #", "  -", 1))
-    for r in kinds:
-        w(f"  {_short_grid(r)} dp{r['dp']} pp{r['pp']} m{r['microbatches']} Z{r['zero']}"
-          f"{' ck' if r['checkpoint'] else ''}: {r['step_seconds'] / best['step_seconds']:.2f}x "
-          f"the best\n")
-    if plan.json:
-        write_json_atomic(plan.json, _report(plan, res, top, None))
-        w(f"wrote {plan.json}\n")
-    if plan.plot:
-        if not cli.module_available("matplotlib"):
-            w(f"{PLOT_HINT}\n")
-        else:
-            title = (f"{plan.model} on {plan.devices} x {machine.name}, batch "
-                     f"{plan.global_batch}, {cfg.dtype}")
-            w(f"wrote {make_plot(plan.plot, res.rows, plan.top, plan.budget / GiB, title)}\n")
-    return 0
-
-
-def _total_params(cfg: TransformerConfig) -> float:
-    """Parameters of the whole model: ``N ((4 + 2f) h^2 + (9 + f) h) + v h + s h + 2 h``."""
-    h, f = cfg.h, cfg.ffn
-    return cfg.N * ((4 + 2 * f) * h * h + (9 + f) * h) + cfg.v * h + cfg.s * h + 2 * h
-
-
-def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> dict:
-    """The JSON document: inputs, counts, the top compositions in full, and every fitting
-    composition as a compact row (ranked)."""
-    cfg = plan.cfg
-    full = []
-    for r in top:
-        full.append(price_composition(
-            cfg, Scheme.make(r["scheme"], p=r["t"], q=r["q"] if r["scheme"] != "megatron"
-                             else None, d=r["d"]),
-            machine=plan.machine, dp=r["dp"], pp=r["pp"], microbatches=r["microbatches"],
-            global_batch=plan.global_batch, zero=r["zero"], schedule=plan.schedule,
-            checkpoint=r["checkpoint"], devices=plan.devices, bucket_bytes=plan.bucket_bytes,
-            state_bytes=plan.state_bytes, zero3_prefetch=plan.zero3_prefetch))
-    return {"format": "summasim.plan/1", "machine": plan.machine.name,
-            "model": str(plan.model), "config": {"h": cfg.h, "N": cfg.N, "n": cfg.n, "s": cfg.s,
-                                            "v": cfg.v, "ffn": cfg.ffn, "dtype": cfg.dtype,
-                                            "dropout": getattr(cfg, "dropout", 0.0)},
-            "source": plan.model.source or None,
-            "devices": plan.devices, "global_batch": plan.global_batch,
-            "budget_bytes": plan.budget, "state_bytes": plan.state_bytes.to_dict(),
-            "schedule": plan.schedule, "bucket_bytes": plan.bucket_bytes,
-            "searched": res.counts, "search_seconds": res.seconds, "nothing_fits": nothing,
-            "top": full, "ranked": res.rows}
-
-
-def main(argv=None) -> int:
-    """``python -m summasim.costmodel plan``: 0 with a plan, 1 when nothing fits, 2 for a
-    user error (one line on stderr)."""
-    ap = build_parser()
-    return cli.run_command(ap.prog, run, ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

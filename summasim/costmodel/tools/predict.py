@@ -30,18 +30,17 @@ from summasim.jsonio import write_json_atomic
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
 from summasim.costmodel.workload.composition import price_composition
-from summasim.costmodel.machine import DTYPE_SIZES, list_presets, load_machine
+from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import TransformerConfig, misfit
 from summasim.costmodel.workload.footprint import batch_step, largest_batch
 from summasim.costmodel.workload.step import step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
-from . import scheme_of
+from . import _cli, scheme_of
+from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
 PREDICT_PRESET = "dgx-a100"
-#: Dtypes tried for --dtype's default, in order, among those the machine has GEMM rates for.
-DEFAULT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def parse_grid(scheme: str, text: str):
@@ -53,8 +52,7 @@ def parse_grid(scheme: str, text: str):
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The predict arguments, added to ``parser`` (a sub-parser) or a new one."""
-    ap = parser or cli.ArgumentParser(prog="python -m summasim.costmodel predict",
-                                      description=__doc__.splitlines()[0])
+    ap = _cli.new_parser(parser, "predict", __doc__)
     options.add_model(ap, help_more=" (required)")
     options.add_batch(ap)
     options.add_mesh(ap, help_more=" (required); dp = pp = 1 and no --microbatches prices "
@@ -63,8 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
                       help_more=" of parameters, activations and messages (default: the "
                                 f"first of {', '.join(DEFAULT_DTYPES)} the machine has)")
-    options.add_machine(ap, default=PREDICT_PRESET,
-                        help_more=f"; presets: {', '.join(list_presets())}")
+    _cli.add_machine(ap, PREDICT_PRESET)
     ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
                     help="dropout probability (default 0)")
     ap.add_argument("--placement", default="row-major",
@@ -77,38 +74,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 _arg = cli.argument_error
-
-
-def resolve_machine(text: str, flag: str = "--machine"):
-    """:func:`~summasim.costmodel.machine.load_machine` of ``--machine FILE|PRESET``, a
-    :class:`summasim.cli.UsageError` naming ``flag`` when it cannot be read."""
-    try:
-        return load_machine(text)
-    except (OSError, ValueError) as exc:
-        raise _arg(flag, exc) from None
-
-
-def pick_dtype(machine, dtype: str | None) -> str:
-    """``--dtype``, or the first of :data:`DEFAULT_DTYPES` the machine has GEMM rates
-    for; a UsageError when the machine has none for it."""
-    dtype = dtype or next((dt for dt in DEFAULT_DTYPES if dt in machine.gamma_gemm), None)
-    if dtype is None or dtype not in machine.gamma_gemm:
-        raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for "
-                              f"{dtype or 'any default dtype'} (it has "
-                              f"{', '.join(machine.gamma_gemm)})")
-    return dtype
-
-
-def model_batch(args) -> tuple:
-    """``(model, batch)`` of ``--model`` and ``--batch`` (default: the preset's
-    published batch); UsageError when either is missing."""
-    if args.model is None:
-        raise _arg("--model", f"required: a preset ({', '.join(spec.MODELS)}) or "
-                              f"{spec.MODEL_FORM}")
-    batch = args.batch if args.batch is not None else args.model.batch
-    if batch is None:
-        raise _arg("--batch", f"required for model {args.model} (it has no published batch)")
-    return args.model, batch
 
 
 def is_composition(args) -> bool:
@@ -130,10 +95,7 @@ def check_args(args):
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
     if args.json is not None:
-        try:
-            cli.check_writable_path(args.json)
-        except cli.UsageError as exc:
-            raise _arg("--json", exc) from None
+        _cli.writable("--json", args.json)
     if is_composition(args):
         if args.placement.strip() != "row-major":
             raise _arg("--placement", "places a tensor grid alone (dp = pp = 1); a "
@@ -264,8 +226,7 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = build_parser()
-    return cli.run_command(ap.prog, run, ap.parse_args(argv))
+    return _cli.main(build_parser, run, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
