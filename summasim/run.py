@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "subset of " + ", ".join(SCHEME_NAMES) + ", or 'none' (default all)")
     options.add_model(ap, default=None, help_more=f"; the transformer and mesh sections' "
                       f"model (default {DEFAULT_MODEL}, which every scheme can shard at p = 16)")
-    options.add_batch(ap, help_more=" of the transformer and mesh sections (default: the "
-                      "model's)")
+    options.add_batch(ap, help_more=f" in the transformer and mesh sections; "
+                      f"{DEFAULT_MODEL.batch} for a model without one")
     options.add_mesh(ap, repeat=True, help_more="; sharded training validated against the "
                      "serial model on --model and --batch. Without --mesh the job runs a few "
                      "default compositions that fit p")
@@ -419,8 +419,9 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> lis
     c0 = mcases[0].config
     say(f"\nsharded training: b={mcases[0].batch} (global) s={c0.seq} h={c0.hidden} "
         f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers}, {mcases[0].steps} Adam steps "
-        f"vs the serial model on the whole batch; errors are max|par - ser| / max|ser| over "
-        f"every step's loss and held gradients and the final held parameters; traffic is "
+        f"vs the serial model (float64) on the whole batch, each step from its state; loss "
+        f"and grad err are max|par - ser| / max|ser| against the derived bound, param/bnd the "
+        f"worst parameter's error over its elementwise bound through Adam; traffic is "
         f"the largest per-rank bytes of the step's data/pipeline/ZeRO phases against the "
         f"closed form, state the largest per-rank model state against the ZeRO formula\n")
     out = []
