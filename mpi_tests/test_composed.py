@@ -114,8 +114,11 @@ def test_mesh_refuses_a_wrong_size_on_every_rank():
 def test_composition_matches_the_serial_model(backend, case):
     res = run_mesh(case, WORLD, backend, timed=False)
     r = res.extra["report"]
-    parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= 1e-10
-                    and r.param_err <= 1e-10 and math.isfinite(r.loss_err), _row(res))
+    # within the derived bounds (validate.training_tolerance; adam_step_bound: param_err
+    # is the worst ratio to it), which in float64 are far below the old flat 1e-10
+    parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= r.bound
+                    and r.loss_err <= r.bound and r.param_err <= 1.0, _row(res))
+    parallel_assert(r.dtype != "float64" or r.bound < 1e-10, _row(res))
     # the closed forms were met exactly and say what this composition must send
     parallel_assert(r.traffic == r.traffic_expected, _row(res))
     if case.dp > 1:

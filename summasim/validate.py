@@ -76,3 +76,90 @@ def product_error(c, a, b) -> float:
     a64 = np.asarray(a, dtype=np.float64)
     b64 = np.asarray(b, dtype=np.float64)
     return scaled_error(c, a64 @ b64, np.abs(a64) @ np.abs(b64))
+
+
+# ---------------------------------------------------------------------------------------
+# Training steps
+#
+# A training step is a chain of contractions: per transformer block, forward, the QKV
+# projection (length h), the attention scores (h / heads) and their weighted sum (s), the
+# output projection (h), the MLP (h, then f h); the head (h) and the softmax over the
+# vocabulary (v); backward, the transposed products, and the weight gradients, each a sum
+# over every token of the global batch (b s: the micro-batches and the data-parallel sum
+# are the same sum in another order). Each contraction adds at most
+# lambda sqrt(K) (u + u_64) of its scale (Higham & Mary, as above) and passes on the error
+# of its inputs; summed along the chain of D contractions that reach the deepest gradient
+# (forward and back through every layer) with K the longest contraction, the scaled
+# error of every loss, logit and gradient tensor is at most
+#
+#     tol_step = lambda sqrt(K) (u + u_64) D,   K = max(b s, f h, v, s, h),
+#     D = 2 (6 L + 1)        (6 contractions per block, 1 for the head; there and back)
+#
+# measured as ``max |par - ser| / max |ser|`` per tensor against a float64 serial model.
+# The bound assumes that no tensor cancels more than the sqrt(K) a sum of K terms of
+# random sign does; the sweep (scripts/bounds-sweep.py) records its headroom.
+GEMMS_PER_BLOCK = 6
+
+
+def training_tolerance(config, batch: int, dtype) -> float:
+    """Derived bound on the scaled error of one training step's loss, logits and
+    gradients (see the section above). ``config`` has seq, hidden, heads, layers, vocab
+    and ffn_mult; ``batch`` is the GLOBAL batch in sequences."""
+    k = max(int(batch) * config.seq, config.ffn_mult * config.hidden, config.vocab,
+            config.seq, config.hidden)
+    depth = 2 * (GEMMS_PER_BLOCK * config.layers + 1)
+    return tolerance(k, dtype) * depth
+
+
+# Adam, through which a gradient's error reaches the parameters. For one entry with the
+# reference's moments m, v (after the step), gradient g, step t and an error of at most
+# delta in g, the update ``lr c1 m / (sqrt(c2 v) + eps)`` (c1 = 1/(1 - b1^t), c2 =
+# 1/(1 - b2^t)) lies between its values at the corners of m +- dm, v +- dv, where
+#
+#     dm = (1 - b1) delta + (b1 |m_prev| + 3 |m|) u,
+#     dv = (1 - b2) (2 |g| delta + delta^2) + (b2 v_prev + 4 v) u
+#
+# (the gradient's error, the rounding of the moments the step starts from and of the
+# moments' own update); the update is monotone in m and in v, so the corners are its
+# extremes. The parameter adds the rounding of the step itself (the start parameters,
+# the update's dozen operations and the subtraction):
+#
+#     |p - p_ref| <= max over corners |u' - u| + 14 u (|p_ref| + |u|)
+#
+# elementwise. The corners treat m and v as independent, which they are not; no Adam
+# update exceeds, by Cauchy-Schwarz on the two moments' sums (r = b1^2 / b2 < 1),
+#
+#     U_t = lr c1 (1 - b1) / sqrt(c2 (1 - b2)) sqrt((1 - r^t) / (1 - r))    (lr at t = 1),
+#
+# so the update's error is also at most |u| + U_t. An entry whose gradient is small next
+# to its error may move by up to the whole update (about lr): that is what Adam does with
+# it, and the bound says so; an entry whose gradient is large is held to about
+# lr delta / |g|.
+ADAM_ROUNDINGS = 14
+
+
+def adam_step_bound(g, m_prev, v_prev, m, v, p_new, delta, *, lr: float, betas, eps: float,
+                    step: int, dtype):
+    """Elementwise bound on ``|p - p_ref|`` after one Adam step (see above): all array
+    arguments are the float64 reference's (``m``, ``v`` after the step; ``p_new`` the
+    parameters after it), ``delta`` the bound on each gradient entry's error."""
+    b1, b2 = betas
+    u = unit_roundoff(dtype)
+    c1, c2 = 1.0 / (1.0 - b1 ** step), 1.0 / (1.0 - b2 ** step)
+    g, delta = np.abs(g), np.asarray(delta, dtype=np.float64)
+    dm = (1.0 - b1) * delta + (b1 * np.abs(m_prev) + 3.0 * np.abs(m)) * u
+    dv = (1.0 - b2) * (2.0 * g * delta + delta * delta) + (b2 * v_prev + 4.0 * v) * u
+
+    def update(mm, vv):
+        return lr * c1 * mm / (np.sqrt(c2 * np.maximum(vv, 0.0)) + eps)
+
+    ref = update(m, v)
+    worst = np.zeros_like(ref)
+    for mm in (m - dm, m + dm):
+        for vv in (v - dv, v + dv):
+            np.maximum(worst, np.abs(update(mm, vv) - ref), out=worst)
+    r = b1 * b1 / b2
+    cap = lr * c1 * (1.0 - b1) / math.sqrt(c2 * (1.0 - b2)) * math.sqrt((1.0 - r ** step)
+                                                                       / (1.0 - r))
+    np.minimum(worst, np.abs(ref) + cap, out=worst)
+    return worst + ADAM_ROUNDINGS * u * (np.abs(p_new) + np.abs(ref))

@@ -2,17 +2,20 @@
 
 What a row checks (every rank, then one collective verdict)
 -----------------------------------------------------------
-* **values**: over ``case.steps`` Adam steps on the same global batch, the loss of every
-  step, every gradient this rank holds after every step's reduction (all of its
-  stage's tensor shards under ZeRO 0, its owned chunks under ZeRO 1-3) and every
-  parameter it holds after the last step equal the serial model trained on the whole
-  batch, as ``max |par - ser| / max |ser|`` per tensor, within ``bound`` (1e-10 in
-  float64: the schemes alone reach about 1e-15, the step sums ``dp * m`` partial
-  gradients and Adam divides by ``sqrt(v)``, which turns a relative gradient error
-  into about the same relative error of the update; 1e-4 in float32, where the same
-  sums leave about 1e-6 and Adam's first steps, ``lr * m / sqrt(v)``, amplify the
-  relative error of a gradient entry that is small next to ``eps``-free ``sqrt(v)``
-  no more than that: measured up to 8e-6, so 1e-4 keeps a margin of ten);
+* **values**: over ``case.steps`` Adam steps on the same global batch, against the serial
+  model trained in float64 on the whole batch. Every step starts from the reference's
+  state (parameters and Adam's moments, :meth:`~summasim.transformer.composed.Trainer.
+  load_state`), so each step is held to its own rounding rather than to the previous
+  steps' rounding amplified by Adam. Per step: the loss and every gradient this rank
+  holds after the step's reduction (all of its stage's tensor shards under ZeRO 0, its
+  owned chunks under ZeRO 1-3), as ``max |par - ser| / max |ser|`` per tensor, within
+  ``bound`` = :func:`summasim.validate.training_tolerance` (derived from the unit
+  roundoff, the longest contraction of the step and its depth); and every parameter it
+  holds after the update, elementwise, within :func:`summasim.validate.adam_step_bound`,
+  which carries the gradients' bound through Adam's normalization (an entry whose
+  gradient is small next to its error may move by up to the whole update, about lr; one
+  whose gradient is large is held to about ``lr * bound``). ``param_err`` is the worst
+  entry's error over its bound (passes at 1 or less);
 * **replicas**: under ZeRO 0-2 every replica holds bit-identical parameters after the
   last step (a digest all-gathered over ``mesh.dp_comm``); under ZeRO-3 the replicas
   hold disjoint chunks, each checked against the serial model above;
@@ -34,8 +37,8 @@ What a row checks (every rank, then one collective verdict)
 
 The inputs are the harness's transformer inputs (:func:`mesh_inputs`: class labels
 [B] for a classification model). An error of the serial reference (rank 0) is raised
-on every rank. The reference (inputs, every step's gradients, the final parameters and
-their per-tensor ``max |ser|``) is published once per node in shared memory
+on every rank. The reference (the inputs, then each step's state, gradients, next
+parameters and bounds, one step at a time) is published once per node in shared memory
 (:class:`~summasim.harness.shared.NodeShared`); a rank copies out only its own blocks,
 so no rank but rank 0 holds a whole model.
 
@@ -44,6 +47,7 @@ A NaN or Inf anywhere fails the row on whichever rank it sits.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ from ..transformer import composed, model
 from ..transformer.composed import Trainer
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
+from ..validate import adam_step_bound, training_tolerance
 from .check import Check, collective
 from .inject import corrupt_entry, drop_at_rings
 from .memory import peak_rss_bytes
@@ -110,20 +115,40 @@ class MeshReport:
     fault_applied: bool = True
 
 
-def serial_reference(params: dict, tokens, targets, config, steps: int, lr: float = LR):
-    """Losses, gradients of every step and the final parameters of the serial model
-    trained with Adam on the whole batch."""
-    p = {k: v.copy() for k, v in params.items()}
-    opt = Adam(lr=lr)
-    losses, grads = [], []
-    for _ in range(steps):
-        loss, cache = model.forward(p, tokens, targets, config)
-        g = model.backward(cache)
+class SerialReference:
+    """The serial model trained with Adam in float64 on the whole batch, one step at a
+    time (rank 0). :meth:`step` returns what checking that step needs: the state it
+    starts from (parameters, Adam's moments), the loss, the gradients and their scales,
+    the next parameters and :func:`~summasim.validate.adam_step_bound`'s bound on each
+    next parameter, given ``tol``, the bound on the gradients' scaled error."""
+
+    def __init__(self, params: dict, tokens, targets, config, tol: float, dtype,
+                 lr: float = LR):
+        self.config = dataclasses.replace(config, dtype=np.dtype(np.float64))
+        self.params = {k: np.asarray(v, dtype=np.float64).copy() for k, v in params.items()}
+        self.tokens, self.targets, self.tol, self.dtype = tokens, targets, tol, dtype
+        self.opt = Adam(lr=lr)
+        self.t = 0
+
+    def step(self) -> dict:
+        p, opt = self.params, self.opt
+        zeros = {k: np.zeros_like(v) for k, v in p.items()}
+        m_prev = {k: (opt.state[k]["m"].copy() if k in opt.state else zeros[k]) for k in p}
+        v_prev = {k: (opt.state[k]["v"].copy() if k in opt.state else zeros[k]) for k in p}
+        start = {k: v.copy() for k, v in p.items()}
+        loss, cache = model.forward(p, self.tokens, self.targets, self.config)
+        grads = model.backward(cache)
         del cache
-        losses.append(loss)
-        grads.append(g)
-        opt.step(p, g)
-    return losses, grads, p
+        opt.step(p, grads)
+        self.t += 1
+        scales = _max_abs(grads)
+        bound = {k: adam_step_bound(
+            grads[k], m_prev[k], v_prev[k], opt.state[k]["m"], opt.state[k]["v"], p[k],
+            self.tol * scales[k], lr=opt.lr, betas=(opt.b1, opt.b2), eps=opt.eps,
+            step=self.t, dtype=self.dtype) for k in p}
+        return {"start": start, "m": m_prev, "v": v_prev, "loss": loss, "grads": grads,
+                "grad_scales": scales, "next": {k: v.copy() for k, v in p.items()},
+                "bound": bound}
 
 
 def mesh_inputs(config, batch: int, seed: int):
@@ -239,6 +264,57 @@ def _corrupt_held(tr, kind: str) -> bool:
     return False
 
 
+def _share(world, value, what: str) -> NodeShared:
+    """Rank 0's ``value`` as one read-only copy per node (collective). An exception in
+    its place (rank 0's reference could not be built) is raised on every rank."""
+    quiet_barrier(world)                    # the other ranks sleep while rank 0 works
+    if world.bcast(isinstance(value, BaseException), root=0):
+        err = world.bcast(value, root=0)
+        raise type(err)(f"{what}: {err}")
+    return NodeShared(world, value)
+
+
+def _serial_step(serial):
+    """Rank 0: the reference's next step, or the exception that stopped it."""
+    try:
+        return serial.step()
+    except (ValueError, TypeError, FloatingPointError) as e:
+        return e
+
+
+def _pack_host(tr, arrays: dict) -> np.ndarray:
+    """Serial-layout ``arrays`` in this rank's flat layout, float64 on the host."""
+    wide = dataclasses.replace(tr.config, dtype=np.dtype(np.float64))
+    local = tr.module.shard(arrays, wide, tr.grid, tr.keys)
+    out = np.empty(tr.n, dtype=np.float64)
+    for key, (lo, hi) in tr.key_ranges().items():
+        out[lo:hi] = np.asarray(local[key], dtype=np.float64).reshape(-1)
+    return out
+
+
+def _within(tr, held, expected, bound) -> tuple[float, str]:
+    """Worst ``|par - ser| / bound`` entry over what ``held`` covers (NaN when a value is
+    not finite; inf where the bound is 0 and the values differ), and its key."""
+    worst, where = 0.0, ""
+    for lo, hi, vals in held:
+        vals = _host(vals).astype(np.float64)
+        if not np.isfinite(vals).all():
+            return math.nan, "non-finite"
+        for key, (a, b) in tr.key_ranges().items():
+            s, e = max(lo, a), min(hi, b)
+            if s >= e:
+                continue
+            diff = np.abs(vals[s - lo:e - lo] - expected[s:e])
+            bnd = bound[s:e]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(bnd > 0, diff / np.where(bnd > 0, bnd, 1.0),
+                                 np.where(diff > 0, np.inf, 0.0))
+            err = float(ratio.max())
+            if err > worst or not where:
+                worst, where = err, key
+    return worst, where
+
+
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
              timed: bool = True, bound: float | None = None, fault=None, **_):
     """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
@@ -250,28 +326,20 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     config, batch = case.config, case.batch
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
-        bound = 1e-10 if case.dtype == "float64" else 1e-4
-    ref = None
-    if rank == 0:            # the serial reference, once; the other ranks sleep meanwhile
+        bound = training_tolerance(config, batch, case.dtype)
+    first = serial = None
+    if rank == 0:            # the serial reference's inputs; the other ranks sleep meanwhile
         try:
             params, tokens, targets = mesh_inputs(config, batch, seed)
-            losses, grads, final = serial_reference(params, tokens, targets, config,
-                                                    case.steps)
-            ref = {"params": params, "tokens": tokens, "targets": targets, "losses": losses,
-                   "grads": grads, "final": final, "grad_scales": [_max_abs(g) for g in grads],
-                   "final_scales": _max_abs(final)}
-            del params, grads, final
+            serial = SerialReference(params, tokens, targets, config, bound, case.dtype)
+            first = {"params": params, "tokens": tokens, "targets": targets}
+            del params
         except (ValueError, TypeError) as e:      # raised on every rank below, not alone
-            ref = e
-    quiet_barrier(world)
-    if world.bcast(isinstance(ref, BaseException), root=0):
-        err = world.bcast(ref, root=0)
-        raise type(err)(f"serial reference: {err}")
-    # one read-only copy per node (summasim.harness.shared); every rank copies out its blocks
-    shared = NodeShared(world, ref)
-    del ref
+            first = e
+    shared = _share(world, first, "serial reference")
+    del first
     ref = shared.value
-    tokens, targets, ref_losses = ref["tokens"], ref["targets"], ref["losses"]
+    tokens, targets = ref["tokens"], ref["targets"]
     rep = MeshReport(case.spec, case.zero, case.schedule, case.microbatches, case.checkpoint,
                      p, case.dtype, case.steps, bound)
     try:
@@ -282,17 +350,24 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         raise
     item = np.dtype(config.dtype).itemsize
     finished = False
+    step_ref = None
     try:
         tr = Trainer(ref["params"], config, mesh, spec, zero=case.zero, schedule=case.schedule,
                      microbatches=case.microbatches, checkpoint=case.checkpoint,
                      bucket_bytes=case.bucket_bytes, lr=LR)
-        module, grid = spec.module, mesh.tensor
-        loss_err = grad_err = 0.0
-        worst_grad = ""
+        loss_err = grad_err = param_err = 0.0
+        worst_grad = worst_param = ""
         traffic = tp_items = None
         mine = fault is not None and fault.rank == rank
         applied = not mine
         for step in range(case.steps):
+            # the reference's step, published per node; every step starts from its state
+            # (each step is held to its own rounding, not to the last step's through Adam)
+            step_ref = _share(world, _serial_step(serial) if rank == 0 else None,
+                              f"serial reference, step {step + 1}")
+            sref = step_ref.value
+            if step:
+                tr.load_state(sref["start"], sref["m"], sref["v"], step)
             mesh.trace.clear()
             if mine and step == 0 and fault.kind == "drop":
                 # drop: the first ring reduction of the step on this rank (a data-parallel
@@ -310,14 +385,20 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                 events = list(mesh.trace.events)
                 traffic = _phase_bytes(events)
                 tp_items = layer_tp_items(events, tr.layers[0], "fwd", item)
-            le = loss_error(loss, ref_losses[step])
+            le = loss_error(loss, sref["loss"])
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
-            expect = tr.pack(module.shard(ref["grads"][step], config, grid, tr.keys))
-            ge, where = _compare(tr, tr.held_grads(), expect, ref["grad_scales"][step])
+            expect = _pack_host(tr, sref["grads"])
+            ge, where = _compare(tr, tr.held_grads(), expect, sref["grad_scales"])
             if math.isnan(ge) or ge > grad_err or not worst_grad:
                 grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
-        expect = tr.pack(module.shard(ref["final"], config, grid, tr.keys))
-        param_err, worst_param = _compare(tr, tr.held_params(), expect, ref["final_scales"])
+            # the parameters, elementwise, within what Adam makes of the gradients' bound
+            pe, where = _within(tr, tr.held_params(), _pack_host(tr, sref["next"]),
+                                _pack_host(tr, sref["bound"]))
+            if math.isnan(pe) or pe > param_err or not worst_param:
+                param_err, worst_param = pe, f"step {step + 1} param {where}"
+            expect = sref = None
+            step_ref.free()
+            step_ref = None
         # replicas: bit-identical parameters over dp (ZeRO 0-2)
         replicas_ok = True
         if case.zero < 3 and mesh.dp > 1:
@@ -347,12 +428,15 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             0 <= formula[k] - mem[k] <= mult * uneven
             for k, mult in (("params", 1), ("grads", 1), ("optimizer", 2)))
         errs = [loss_err, grad_err, param_err]
-        worst = max(errs) if not any(math.isnan(e) for e in errs) else math.nan
+        # one verdict in units of each check's own bound: the loss and the gradients
+        # against ``bound``, the parameters as their worst ratio to the elementwise bound
+        ratios = [loss_err / bound, grad_err / bound, param_err]
+        worst = max(ratios) if not any(math.isnan(e) for e in ratios) else math.nan
         local_ok = replicas_ok and traffic_ok and tp_ok and schedule_ok and memory_ok
         failures = [name for name, ok in (("replicas", replicas_ok), ("traffic", traffic_ok),
                                           ("table1", tp_ok), ("schedule", schedule_ok),
                                           ("memory", memory_ok)) if not ok]
-        chk = Check(worst, bound, "serial model")
+        chk = Check(worst, 1.0, "serial model")
         chk.ok = chk.ok and local_ok
         chk = collective(world, chk)
         every = world.allgather((errs, worst_grad, worst_param, failures,
@@ -369,13 +453,17 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             return math.nan if any(math.isnan(v) for v in vals) else max(vals)
 
         rep.loss_err, rep.grad_err, rep.param_err = (worst_of(i) for i in range(3))
-        top = max(every, key=lambda r: math.inf if any(map(math.isnan, r[0])) else max(r[0]))
-        grad_side = math.isnan(top[0][1]) or (not math.isnan(top[0][2])
-                                              and top[0][1] >= top[0][2])
-        rep.worst = top[1] if grad_side else f"final param {top[2]}"
+        def ratios_of(r):     # a rank's errors in units of their bounds
+            return [r[0][0] / bound, r[0][1] / bound, r[0][2]]
+
+        top = max(every, key=lambda r: math.inf if any(map(math.isnan, r[0]))
+                  else max(ratios_of(r)))
+        g_ratio, p_ratio = ratios_of(top)[1:]
+        grad_side = math.isnan(g_ratio) or (not math.isnan(p_ratio) and g_ratio >= p_ratio)
+        rep.worst = top[1] if grad_side else top[2]
         rep.failures = sorted({f for r in every for f in r[3]})
-        rep.values_ok = not rep.nonfinite and max(rep.loss_err, rep.grad_err,
-                                                  rep.param_err) <= bound
+        rep.values_ok = (not rep.nonfinite and max(rep.loss_err, rep.grad_err) <= bound
+                         and rep.param_err <= 1.0)
         for name in ("replicas", "traffic", "table1", "schedule", "memory"):
             setattr(rep, {"table1": "tp_ok"}.get(name, f"{name}_ok"), name not in rep.failures)
         rep.traffic = {k: max(r[4][i] for r in every) for i, k in enumerate(PHASES)}
@@ -412,6 +500,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             shared.free()
         else:
             shared.abandon()
+            if step_ref is not None:
+                step_ref.abandon()
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords,
                   str(fault) if fault else "", extra={"report": rep},

@@ -207,10 +207,17 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
         stage = dataclasses.replace(config, layers=-(-config.layers // case.pp))
         m = scheme_memory(case.scheme, case.tensor_size, case.q, case.d, stage,
                           -(-case.batch // case.dp), case.checkpoint)
-        window = params * (case.steps + 2) + tokens     # params, every step's grads, final
+        # the reference runs in float64; one step of it is shared at a time (its start
+        # parameters, the two moments, the gradients, the next parameters, the bound),
+        # and rank 0 keeps its parameters and moments between steps
+        wide = max(1, 8 // item)
+        window = 6 * params * wide + tokens
+        serial = serial * wide + 3 * params * wide
     else:
         m = scheme_memory(case.scheme, p, case.q, case.d, config, case.batch, False)
-        window = 2 * params + logits + tokens
+        wide = max(1, 8 // item)          # the reference runs in float64
+        window = (2 * params + logits) * wide + tokens
+        serial = serial * wide
     shard = m.params + m.grads + m.optimizer + m.activations + m.workspace + m.embedding
     other = SHARD_FACTOR[k] * shard + logits / p
     return int(max(SERIAL_FACTOR[k] * serial, other)), int(other), int(window)

@@ -80,7 +80,7 @@ def row_record(res, predicted=None) -> dict:
 TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "bound",
              "result", "fwd s", "bwd s", "pred s", "pred err", "L0 fwd items", "Table 1",
              "L0 bwd+ckpt", "Table 1")
-TF_WIDTHS = (8, 8, 7, 8, 10, 8, 5, 6, 7, 7, 7, 8, 12, 8, 11, 8)
+TF_WIDTHS = (8, 8, 7, 8, 10, 8, 7, 6, 7, 7, 7, 8, 12, 8, 11, 8)
 MEM_HEADER = ("scheme", "grid", "params", "grads", "Adam", "activ.", "formula params",
               "grads", "Adam", "activ.", "peak fwd+bwd MiB")
 MEM_WIDTHS = (9, 9, 10, 9, 8, 10, 15, 8, 8, 8, 16)
@@ -96,7 +96,7 @@ def format_transformer(reports) -> str:
     for r in reports:
         pe = r.prediction_error
         lines.append(_line((r.scheme, r.grid, r.dtype, _e1(r.loss_err), _e1(r.logits_err),
-                            _e1(r.grad_err), f"{r.bound:.0e}", verdict(r.ok, r.nonfinite),
+                            _e1(r.grad_err), _e1(r.bound), verdict(r.ok, r.nonfinite),
                             f"{r.fwd_s:.4f}", f"{r.bwd_s:.4f}",
                             "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
                             "-" if pe is None else f"{100 * pe:+.1f}%",
@@ -131,13 +131,16 @@ def prediction_summary(pairs) -> dict | None:
             "worst_run": wlabel, "count": len(errs)}
 
 
+# loss err and grad err: max |par - ser| / max |ser| against ``bound`` (validate.
+# training_tolerance); param/bnd: the worst parameter's |par - ser| over its elementwise
+# bound through Adam (validate.adam_step_bound), which passes at 1 or less
 MESH_HEADER = ("mesh", "dtype", "zero", "sched", "m", "ckpt", "result", "loss err", "grad err",
-               "param err", "bound", "step s", "pred s", "traffic KiB meas/closed",
+               "bound", "param/bnd", "step s", "pred s", "traffic KiB meas/closed",
                "state KiB meas/formula", "in flight")
 
 
 def _mesh_widths(width: int) -> tuple:
-    return (max(width, len(MESH_HEADER[0])), 7, 4, 5, 2, 4, 6, 8, 8, 9, 7, 8, 8, 23, 22, 9)
+    return (max(width, len(MESH_HEADER[0])), 7, 4, 5, 2, 4, 6, 8, 8, 7, 9, 8, 8, 23, 22, 9)
 
 
 def format_mesh_header(width: int) -> str:
@@ -152,7 +155,7 @@ def format_mesh_row(r, width: int) -> str:
     kib = lambda x: f"{x / 1024:.1f}"  # noqa: E731
     line = _line((r.mesh, r.dtype, str(r.zero), r.schedule, str(r.microbatches),
                   "yes" if r.checkpoint else "no", verdict(r.ok, r.nonfinite), _e1(r.loss_err),
-                  _e1(r.grad_err), _e1(r.param_err), f"{r.bound:.0e}",
+                  _e1(r.grad_err), _e1(r.bound), _e1(r.param_err),
                   f"{r.step_s:.4f}" if r.step_s else "-",
                   "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
                   f"{kib(sum(r.traffic.values()))}/{kib(sum(r.traffic_expected.values()))}",

@@ -23,6 +23,7 @@ rank fails that rank.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tracemalloc
 from contextlib import nullcontext
@@ -43,6 +44,7 @@ from .memory import peak_rss_bytes, scheme_memory
 from .result import Result
 from .shared import NodeShared
 from .timing import reduce_max, time_calls
+from ..validate import training_tolerance
 
 
 def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int = 1,
@@ -137,7 +139,7 @@ class SchemeReport:
     logits_err: float = 0.0
     grad_err: float = 0.0
     worst_grad: str = ""
-    bound: float = 1e-10
+    bound: float = math.nan      # validate.training_tolerance of the case
     ok: bool = False
     nonfinite: bool = False
     bad_ranks: list = field(default_factory=list)
@@ -267,11 +269,14 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     config, batch, q, d = case.config, case.batch, case.q, case.d
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
-        bound = 1e-10 if case.dtype == "float64" else 1e-4
+        bound = training_tolerance(config, batch, case.dtype)
+    wide = dataclasses.replace(config, dtype=np.dtype(np.float64))   # the reference's
     ref = None
-    if rank == 0:        # the serial reference, once; the other ranks sleep meanwhile
+    if rank == 0:        # the serial reference, in float64; the other ranks sleep meanwhile
         params, tokens, targets = _inputs(config, batch, seed)
-        loss, cache = model.forward(params, tokens, targets, config)
+        exact = {k: v.astype(np.float64) for k, v in params.items()}
+        loss, cache = model.forward(exact, tokens, targets, wide)
+        del exact
         grads = model.backward(cache)
         ref = {"params": params, "tokens": tokens, "targets": targets, "loss": loss,
                "logits": cache.logits, "grads": grads, "logits_scale": scale_of(cache.logits),
@@ -299,8 +304,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         local = to_backend(backend, module.shard(ref["params"], config, grid))
         dev = to_backend(backend, {"tokens": tokens, "targets": targets})
         tokens, targets = dev["tokens"], dev["targets"]
-        want_grads = module.shard(ref["grads"], config, grid)      # this rank's blocks
-        want_logits = module.local_logits(ref["logits"], config, grid)
+        want_grads = module.shard(ref["grads"], wide, grid)        # this rank's blocks
+        want_logits = module.local_logits(ref["logits"], wide, grid)
         scales, logits_scale = ref["grad_scales"], ref["logits_scale"]
         errs = []
         plain_events = []

@@ -69,6 +69,7 @@ Accelerating Data Parallel Training", VLDB (gradient buckets in backward order).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -437,6 +438,36 @@ class Trainer:
     def key_ranges(self) -> dict:
         """``{key: (start, stop)}`` in the flat layout."""
         return {k: (o, o + math.prod(self.shapes[k])) for k, o in self.offsets.items()}
+
+    def load_state(self, params: dict, m: dict | None = None, v: dict | None = None,
+                   step: int = 0) -> None:
+        """Set the parameters this rank holds, and Adam's moments after ``step`` steps
+        (none: a fresh optimizer), from serial-layout dicts (the same on every rank;
+        collective over the tensor grid, as ``shard`` is). The harness starts every
+        checked step from the reference's state this way, so that each step is held to
+        its own rounding (:mod:`summasim.harness.composed`)."""
+        def flat(arrays):         # any float dtype: sharded as it is, packed in ours
+            dtype = next(iter(arrays.values())).dtype
+            config = dataclasses.replace(self.config, dtype=dtype)
+            local = self.module.shard(arrays, config, self.grid, self.keys)
+            return self.pack(to_backend(getattr(self.mesh, "backend", None), local))
+
+        full = flat(params)
+        if self.zero < 3:
+            self.flat[...] = full
+        else:
+            for (lo, hi), o in zip(self.owned, self.shard_offsets):
+                self.shard[o:o + hi - lo] = full[lo:hi]
+        if m is None:
+            self.opt.state = {}
+            return
+        fm, fv = flat(m), flat(v)
+        if self.zero == 0:
+            self.opt.state = {"flat": {"step": int(step), "m": fm, "v": fv}}
+        else:
+            self.opt.state = {i: {"step": int(step), "m": fm[lo:hi].copy(),
+                                  "v": fv[lo:hi].copy()}
+                              for i, (lo, hi) in enumerate(self.owned) if hi > lo}
 
     # -- what this rank holds --------------------------------------------------
     def held_params(self) -> list[tuple[int, int, object]]:
