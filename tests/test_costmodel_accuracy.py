@@ -285,14 +285,14 @@ def test_measured_runs_read_the_harness_dicts_and_write_them_back():
         assert run.to_dict() == {"rank_max": [], **res} and MeasuredRun.from_dict(run) is run
         assert all(isinstance(e, EventCount) for rank in run.events for e in rank)
         assert run.kind == res["kind"] and run.p == res["p"] and run.dtype == res["dtype"]
-        assert A.predict_result(run, m) == A.predict_result(res, m)   # the bench's dict
+        assert A.predict_result(run, m) == A.predict_result(MeasuredRun.from_dict(res), m)
         assert A.case_label(run) == run.label
         assert A.ranking_key(run) == run.ranking_key
         assert A.measured_seconds(run, "min") == min(res["spans"])
         assert run.seconds() == __import__("statistics").median(res["spans"])
         for fn in (A.case_label, A.ranking_key, A.measured_seconds,
                    lambda r: A.rank_features(r, m), lambda r: A.compare([r], m),
-                   lambda r: A.calibrate(m, [r], [])):
+                   lambda r: A.calibrate(m, [r], []), lambda r: A.predict_result(r, m)):
             with pytest.raises(TypeError, match="takes a MeasuredRun"):
                 fn(res)
     # the worker's JSON: the case's keys, the measurements, then its verdict, in that order

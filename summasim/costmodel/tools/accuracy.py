@@ -205,15 +205,10 @@ def rank_features(run: MeasuredRun, machine) -> list:
 def predict_result(run: MeasuredRun, machine) -> float:
     """Predicted seconds of one measured run (its :class:`MeasuredRun`; the slowest rank;
     see :func:`~summasim.costmodel.workload.predict.predict_features`; a
-    sharded-training step: :func:`~summasim.costmodel.workload.measured.predict_measured_mesh`).
-
-    A worker-result dict is still read (with :meth:`MeasuredRun.from_dict`) for one
-    caller: the bench's :func:`~summasim.costmodel.tools.bench.ring_prediction`, which
-    prices its closed-form ring as a dict; every other caller hands the record."""
+    sharded-training step: :func:`~summasim.costmodel.workload.measured.predict_measured_mesh`)."""
     from summasim.costmodel.workload.predict import predict_features
 
-    run = MeasuredRun.from_dict(run) if isinstance(run, dict) else \
-        require_run(run, "predict_result")
+    run = require_run(run, "predict_result")
     if run.kind == "mesh":
         return predict_measured_mesh(run, machine)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from summasim.costmodel.tools.accuracy import predict_result
+from summasim.costmodel.workload.measured import MeasuredRun
 from summasim.costmodel.workload.traffic import algorithm_messages, ring_working_set
 
 # Peak bytes per rank of one all-reduce size, in messages: the rank's data, the reference
@@ -32,7 +33,8 @@ RING_STEPS_MESSAGES = 3
 #: The node-memory probe's arrays (MiB per array, two per rank): past any CPU's last-level
 #: cache per rank, so that the probe measures DRAM.
 NODE_MEMORY_MIB = 32
-#: issue 12's prediction target: within 10% from 1 MiB (at p = 16; reported at every p)
+#: the ring benchmark's prediction target: within 10% from 1 MiB (at p = 16; reported at
+#: every p)
 PREDICTION_FROM_MIB = 1.0
 PREDICTION_TOLERANCE = 0.10
 
@@ -57,9 +59,10 @@ def ring_prediction(n: int, dtype, p: int, machine, blocking_limit: int = 0,
                 every or mc.nbytes < blocking_limit]
                for mc in algorithm_messages("ring_allreduce", count=n, p=p, coords=r,
                                             itemsize=it)] for r in range(p)]
-    res = {"kind": "ring", "algorithm": "ring_allreduce", "N": n, "dtype": dt.name, "p": p,
-           "events": events, "coords": [[r] for r in range(p)]}
-    return predict_result(res, machine)
+    run = MeasuredRun.from_dict({"kind": "ring", "algorithm": "ring_allreduce", "N": n,
+                                 "dtype": dt.name, "p": p, "events": events,
+                                 "coords": [[r] for r in range(p)]})
+    return predict_result(run, machine)
 
 
 def priced_at_memory(machine, memory_gibs: float | None):
