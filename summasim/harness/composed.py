@@ -389,6 +389,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
             expect = _pack_host(tr, sref["grads"])
             ge, where = _compare(tr, tr.held_grads(), expect, sref["grad_scales"])
+            expect = None                  # a stage's share at a time, freed as it goes
             if math.isnan(ge) or ge > grad_err or not worst_grad:
                 grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
             # the parameters, elementwise, within what Adam makes of the gradients' bound

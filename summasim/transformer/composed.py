@@ -458,16 +458,22 @@ class Trainer:
         else:
             for (lo, hi), o in zip(self.owned, self.shard_offsets):
                 self.shard[o:o + hi - lo] = full[lo:hi]
+        del full
+        self.opt.state = {}             # the old moments go before the new ones come
         if m is None:
-            self.opt.state = {}
             return
-        fm, fv = flat(m), flat(v)
-        if self.zero == 0:
-            self.opt.state = {"flat": {"step": int(step), "m": fm, "v": fv}}
-        else:
-            self.opt.state = {i: {"step": int(step), "m": fm[lo:hi].copy(),
-                                  "v": fv[lo:hi].copy()}
-                              for i, (lo, hi) in enumerate(self.owned) if hi > lo}
+        state = {"flat": {"step": int(step)}} if self.zero == 0 else {
+            i: {"step": int(step)} for i, (lo, hi) in enumerate(self.owned) if hi > lo}
+        for name, arrays in (("m", m), ("v", v)):
+            full = flat(arrays)
+            if self.zero == 0:
+                state["flat"][name] = full
+            else:
+                for i, st in state.items():
+                    lo, hi = self.owned[i]
+                    st[name] = full[lo:hi].copy()
+            del full
+        self.opt.state = state
 
     # -- what this rank holds --------------------------------------------------
     def held_params(self) -> list[tuple[int, int, object]]:
