@@ -28,16 +28,21 @@ def cases(p: int, quick: bool):
     from summasim.spec import grids
     from summasim.transformer.model import Config
 
-    # (hidden, heads, layers, seq, global batch, vocab, steps): b s from 1024 to 8192
-    sizes = [(256, 8, 2, 64, 16, 512, 3), (512, 8, 1, 64, 32, 512, 5),
-             (256, 8, 1, 128, 64, 256, 10)]
+    # (hidden, heads, layers, seq, global batch, vocab, steps, every mesh): b s from 1024
+    # to 8192, h from 256 to 1024, 1 to 10 steps; every mesh and scheme at the first two
+    # sizes, a data-parallel and a 2D mesh and the schemes at the larger ones (a float64
+    # serial model of 8192 tokens takes minutes on two cores)
+    sizes = [(256, 8, 2, 64, 16, 512, 3, True), (512, 8, 1, 64, 32, 512, 5, True),
+             (256, 8, 1, 128, 64, 256, 10, False)]
     if not quick:
-        sizes.append((1024, 16, 1, 128, 64, 512, 3))
-    meshes = [f"dp={p}", f"dp={p // 2},tp=megatron:2", f"dp={p // 2},pp=2",
-              f"tp=megatron:{p}"] + [f"tp={g}" for s in ("optimus", "summa25")
-                                     for g in grids(p, s)]
+        sizes.append((1024, 16, 1, 64, 16, 512, 3, False))
+    every = [f"dp={p}", f"dp={p // 2},tp=megatron:2", f"dp={p // 2},pp=2",
+             f"tp=megatron:{p}"] + [f"tp={g}" for s in ("optimus", "summa25")
+                                    for g in grids(p, s)]
+    few = [every[0]] + [f"tp={g}" for g in grids(p, "optimus")][:1]
     out = []
-    for h, heads, layers, seq, batch, vocab, steps in sizes:
+    for h, heads, layers, seq, batch, vocab, steps, all_meshes in sizes:
+        meshes = every if all_meshes else few
         for dtype in (np.float64, np.float32):
             config = Config(vocab=vocab, seq=seq, hidden=h, heads=heads,
                             layers=max(layers, 2), dtype=dtype)
@@ -58,6 +63,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="leave out the h = 1024 size")
     ap.add_argument("--json", help="also write the rows as JSON")
+    ap.add_argument("--from-case", type=int, default=1, metavar="I",
+                    help="start at case I of the list (to resume a sweep)")
     args = ap.parse_args(argv)
     from mpi4py import MPI
 
@@ -72,6 +79,8 @@ def main(argv=None) -> int:
     with abort_on_error(world):
         todo = cases(p, args.quick)
         for i, (kind, label, case) in enumerate(todo):
+            if i + 1 < args.from_case:
+                continue
             t0 = time.perf_counter()
             if kind == "mesh":
                 r = run_mesh(case, world, repeats=0, timed=False).extra["report"]
