@@ -327,18 +327,30 @@ class TensorGrid:
             raise ValueError("summa25 needs depth D >= 2 (QxQx1 is optimus)")
         return cls.of(scheme, nums[0], nums[2])
 
+    def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None
+                 ) -> list[tuple[str, object, int, str]]:
+        """THE rule of which sizes this grid must divide: ``(what, size, divisor,
+        symbol)`` for each, in order. Megatron over p: whole heads, column and row slices
+        and vocabulary slices per rank (heads, hidden, ffn width, vocab by p). Optimus
+        and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
+        heads, ffn width, vocab by q. A size given as None is left out. The runtime
+        (:meth:`misfit`) and the cost model (``workload.scheme.misfit``, whose sizes may
+        be real) each phrase and test this list."""
+        p, q, d = self.p, self.q, self.d
+        if self.kind in ("1d", "ring"):
+            dims = [("heads", heads, p, "p"), ("hidden", hidden, p, "p"),
+                    ("ffn width", ffn_width, p, "p"), ("vocab", vocab, p, "p")]
+        else:
+            dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
+                    ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
+                    ("ffn width", ffn_width, q, "q"), ("vocab", vocab, q, "q")]
+        return [dim for dim in dims if dim[1] is not None]
+
     def misfits(self, model: Model, batch: int | None = None) -> list[tuple[str, int, int]]:
         """``(what, size, divisor)`` of every size of ``model`` (and ``batch``) this grid
-        does not divide; empty when the model fits. See :func:`misfit`."""
-        p, q, d = self.p, self.q, self.d
-        if self.kind == "1d":
-            dims = [("heads", model.heads, p), ("hidden", model.hidden, p),
-                    ("ffn width", model.ffn_width, p), ("vocab", model.vocab, p)]
-        else:
-            dims = [("batch", batch, d * q)] if batch is not None else []
-            dims += [("hidden", model.hidden, q), ("heads", model.heads, q),
-                     ("vocab", model.vocab, q), ("ffn width", model.ffn_width, q)]
-        return [(what, size, by) for what, size, by in dims if size % by]
+        does not divide; empty when the model fits. See :meth:`divisors`."""
+        return [(what, size, by) for what, size, by, _ in self.divisors(
+            model.hidden, model.heads, model.ffn_width, model.vocab, batch) if size % by]
 
     def misfit(self, model: Model, batch: int | None = None) -> str:
         """Why this grid cannot shard ``model`` (with ``batch`` sequences); "" when it can.

@@ -169,3 +169,20 @@ def test_mesh_groups_follow_coordinates(dp, pp, t):
         assert sorted(r for g in groups for r in g) == list(range(dp * pp * t))
         for g in groups:
             assert [spec.mesh_coords(r, pp, t)[free] for r in g] == list(range(len(g)))
+
+
+def test_one_divisibility_rule_for_the_runtime_and_the_cost_model():
+    """spec's TensorGrid.divisors is the rule; both floors phrase it, neither keeps its own."""
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig, misfit
+
+    odd = Model(vocab=63, seq=16, hidden=64, heads=16, layers=2)    # 63 divides by nothing
+    for text, want in (("megatron:4", ["vocab"]), ("optimus:2x2", ["vocab"]),
+                       ("summa25:2x2x2", ["batch", "vocab"])):
+        g = TensorGrid.parse(text)
+        assert [w for w, *_ in g.misfits(odd, batch=6)] == want, text
+        cfg = TransformerConfig.from_model(odd, 6, dtype="float32")
+        why = misfit(Scheme.of_grid(g), cfg) or ""
+        assert ("vocabulary v = 63" in why) and (("batch b = 6" in why) == ("batch" in want))
+    # the cost model's sizes may be real: a size that is not whole divides by nothing
+    cfg = TransformerConfig(b=8, s=16, h=64.5, n=16, N=2, v=0)
+    assert "hidden h = 64.5" in misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg)

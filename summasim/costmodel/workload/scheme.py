@@ -170,29 +170,22 @@ def _divides(div: int, size) -> bool:
 def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> str | None:
     """Why ``scheme``'s grid cannot run ``cfg``, or None when it divides the model.
 
-    Megatron over p: heads n, hidden h, the MLP width f h and the vocabulary v
-    (when v > 0) divisible by p (whole heads, column and row slices, vocabulary
-    slices per rank). Optimus and SUMMA2.5-LM on [q, q, d]: the batch b by d q
-    (whole sequences per rank; skipped with ``batch=False``), and h, n, f h, v by
-    q. The same conditions as the schemes' own checks (``megatron.check``,
-    ``optimus.check``); the reason names every size that fails and its divisor
-    (``"; "``-separated).
+    The rule is spec's (:meth:`summasim.spec.TensorGrid.divisors`, the one the runtime
+    checks too), on the workload's sizes, which may be real (a real size that is not
+    whole divides by nothing); the vocabulary only when v > 0, the batch unless
+    ``batch=False``. The reason names every size that fails and its divisor in the
+    papers' symbols (``"; "``-separated).
     """
-    p, q, d = scheme.p, scheme.q, scheme.d
-    if scheme.name == "megatron":
-        dims = [("heads n", cfg.n, p, "p"), ("hidden h", cfg.h, p, "p"),
-                ("MLP width f h", cfg.ffn_width, p, "p")]
-        if cfg.v:
-            dims.append(("vocabulary v", cfg.v, p, "p"))
-    else:
-        dims = [("batch b", cfg.b, d * q, "d q" if d > 1 else "q")] if batch else []
-        dims += [("hidden h", cfg.h, q, "q"), ("heads n", cfg.n, q, "q"),
-                 ("MLP width f h", cfg.ffn_width, q, "q")]
-        if cfg.v:
-            dims.append(("vocabulary v", cfg.v, q, "q"))
-    bad = [f"{what} = {_fmt_num(size)} is not divisible by {sym} = {div}"
+    dims = scheme.divisors(cfg.h, cfg.n, cfg.ffn_width, cfg.v or None,
+                           cfg.b if batch else None)
+    bad = [f"{_NAMES[what]} = {_fmt_num(size)} is not divisible by {sym} = {div}"
            for what, size, div, sym in dims if not _divides(div, size)]
     return "; ".join(bad) or None
+
+
+#: How the cost model names spec's sizes: in the papers' symbols.
+_NAMES = {"heads": "heads n", "hidden": "hidden h", "ffn width": "MLP width f h",
+          "vocab": "vocabulary v", "batch": "batch b"}
 
 
 def _fmt_num(x) -> str:
