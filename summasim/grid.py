@@ -29,8 +29,6 @@ from .trace import Trace
 # where each rank sits are spec's pure answers (spec.grids, spec.grid_coords,
 # spec.mesh_coords); this module builds communicators on that order and checks it.
 
-_positive_int = positive_int
-
 
 def _raw(comm):
     from mpi4py import MPI
@@ -47,8 +45,8 @@ def _raw(comm):
 
 def check_grid_size(size: int, q: int, d: int = 1) -> None:
     """Raise ``ValueError`` unless ``size == d * q * q`` (pure; no communication)."""
-    q = _positive_int("q", q)
-    d = _positive_int("d", d)
+    q = positive_int("q", q)
+    d = positive_int("d", d)
     if size != d * q * q:
         raise ValueError(f"a [q, q, d] = [{q}, {q}, {d}] grid needs d*q*q = {d * q * q} "
                          f"processes, but the communicator has {size}")
@@ -184,8 +182,8 @@ def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
         raise ValueError(f"tensor grid kind must be one of {', '.join(TENSOR_KINDS)}, "
                          f"got {kind!r}")
     if kind == "1d":
-        return _positive_int("t", t)
-    return _positive_int("d", d) * _positive_int("q", q) ** 2
+        return positive_int("t", t)
+    return positive_int("d", d) * positive_int("q", q) ** 2
 
 
 class Mesh(_Groups):
@@ -223,7 +221,7 @@ class Mesh(_Groups):
         from .comm import Comm
 
         raw = _raw(comm)
-        self.dp, self.pp = _positive_int("dp", dp), _positive_int("pp", pp)
+        self.dp, self.pp = positive_int("dp", dp), positive_int("pp", pp)
         self.kind = kind
         self.T = tensor_size(kind, q, d, t)
         size = raw.Get_size()

@@ -63,7 +63,7 @@ from ..transformer import composed, model
 from ..transformer.composed import Trainer
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
-from ..validate import adam_step_bound, training_tolerance
+from ..validate import adam_step_bound, scaled_error, training_tolerance
 from .check import Check, collective
 from .inject import corrupt_entry, drop_at_rings
 from .memory import peak_rss_bytes
@@ -132,9 +132,9 @@ class SerialReference:
 
     def step(self) -> dict:
         p, opt = self.params, self.opt
-        zeros = {k: np.zeros_like(v) for k, v in p.items()}
-        m_prev = {k: (opt.state[k]["m"].copy() if k in opt.state else zeros[k]) for k in p}
-        v_prev = {k: (opt.state[k]["v"].copy() if k in opt.state else zeros[k]) for k in p}
+        m_prev, v_prev = ({k: (opt.state[k][name].copy() if k in opt.state
+                               else np.zeros_like(v)) for k, v in p.items()}
+                          for name in ("m", "v"))
         start = {k: v.copy() for k, v in p.items()}
         loss, cache = model.forward(p, self.tokens, self.targets, self.config)
         grads = model.backward(cache)
@@ -166,11 +166,10 @@ def _host(x) -> np.ndarray:
     return np.asarray(backend_of(x).to_numpy(x))
 
 
-def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
-    """Worst ``max |par - ser| / max |ser|`` over the keys that ``held`` covers (NaN if
-    any held or serial value is not finite), and that key."""
+def _worst(trainer, held, err_of) -> tuple[float, str]:
+    """Worst ``err_of(key, values, start, stop)`` over every key's part of what ``held``
+    covers (NaN, at once, when a held value or an error is not finite), and that key."""
     worst, where = 0.0, ""
-    expected = _host(expected)
     for lo, hi, vals in held:
         vals = _host(vals)
         if not np.isfinite(vals).all():
@@ -179,12 +178,20 @@ def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
             s, e = max(lo, a), min(hi, b)
             if s >= e:
                 continue
-            err = block_err(vals[s - lo:e - lo], expected[s:e], scales[key])
+            err = err_of(key, vals[s - lo:e - lo], s, e)
             if math.isnan(err):                      # a non-finite serial value
                 return math.nan, key
             if err > worst or not where:
                 worst, where = err, key
     return worst, where
+
+
+def _compare(trainer, held, expected, scales: dict) -> tuple[float, str]:
+    """Worst ``max |par - ser| / max |ser|`` over the keys that ``held`` covers, and
+    that key."""
+    expected = _host(expected)
+    return _worst(trainer, held, lambda key, vals, s, e: block_err(vals, expected[s:e],
+                                                                   scales[key]))
 
 
 def _max_abs(arrays: dict) -> dict:
@@ -293,26 +300,10 @@ def _pack_host(tr, arrays: dict) -> np.ndarray:
 
 
 def _within(tr, held, expected, bound) -> tuple[float, str]:
-    """Worst ``|par - ser| / bound`` entry over what ``held`` covers (NaN when a value is
-    not finite; inf where the bound is 0 and the values differ), and its key."""
-    worst, where = 0.0, ""
-    for lo, hi, vals in held:
-        vals = _host(vals).astype(np.float64)
-        if not np.isfinite(vals).all():
-            return math.nan, "non-finite"
-        for key, (a, b) in tr.key_ranges().items():
-            s, e = max(lo, a), min(hi, b)
-            if s >= e:
-                continue
-            diff = np.abs(vals[s - lo:e - lo] - expected[s:e])
-            bnd = bound[s:e]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(bnd > 0, diff / np.where(bnd > 0, bnd, 1.0),
-                                 np.where(diff > 0, np.inf, 0.0))
-            err = float(ratio.max())
-            if err > worst or not where:
-                worst, where = err, key
-    return worst, where
+    """Worst entry's ``|par - ser| / bound`` over what ``held`` covers (inf where the
+    bound is 0 and the values differ; NaN when a value is not finite), and its key."""
+    return _worst(tr, held, lambda key, vals, s, e: scaled_error(vals, expected[s:e],
+                                                                 bound[s:e]))
 
 
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
