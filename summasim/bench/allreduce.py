@@ -156,7 +156,7 @@ def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
             "coverage": coverage, "verdict": verdict}
 
 
-#: issue 12's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
+#: The benchmark's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
 #: from 4 MiB, the prediction within 10% from 1 MiB (at p = 16; reported at every p; the
 #: prediction's target is the cost model's, :mod:`summasim.costmodel.tools.bench`)
 TARGETS = {"plain_from_mib": 0.0625, "mpi_from_mib": 4.0,
