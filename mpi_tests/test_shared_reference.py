@@ -54,6 +54,27 @@ def test_every_rank_reads_the_roots_values_read_only():
         parallel_assert(same and not writable, f"values equal {same}, writable {writable}")
 
 
+def test_publishing_again_replaces_the_values_in_the_same_window_or_a_larger_one():
+    """A row publishes each training step's reference into one window: the views show
+    the new values, the window is kept while the values fit and grown when they do
+    not."""
+    rng = np.random.default_rng(3)
+    first, second = rng.normal(size=(32, 16)), rng.normal(size=(32, 16))
+    larger = rng.normal(size=(64, 64)).astype(np.float32)
+    with NodeShared(WORLD, {"g": first, "t": 1} if RANK == 0 else None) as sh:
+        ok = np.array_equal(sh.value["g"], first) and sh.value["t"] == 1
+        win = sh._win
+        sh.publish({"g": second, "t": 2} if RANK == 0 else None)
+        kept = sh._win is win
+        ok = ok and np.array_equal(sh.value["g"], second) and sh.value["t"] == 2
+        sh.publish({"g": larger, "h": first} if RANK == 0 else None)
+        grown = sh._win is not win and sh.capacity >= larger.nbytes + first.nbytes
+        ok = (ok and np.array_equal(sh.value["g"], larger) and sh.value["g"].dtype == np.float32
+              and np.array_equal(sh.value["h"], first))
+        parallel_assert(ok and kept and grown, f"values {ok}, window kept {kept}, "
+                        f"grown {grown}")
+
+
 def _rss_anon() -> int | None:
     try:
         with open("/proc/self/status") as f:

@@ -27,6 +27,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$EXTRAS]"
   echo "$WANT" > "$STAMP"
 fi
+# byte-compile the project once: every MPI rank of every launch imports it, and with
+# PYTHONDONTWRITEBYTECODE set each would compile it again
+"$VENV/bin/python" -m compileall -q -j 0 "$ROOT/summasim" "$ROOT/tests" "$ROOT/mpi_tests" >/dev/null
 export PATH="$VENV/bin:$PATH"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 cd "$ROOT"

@@ -8,7 +8,6 @@ import resource
 import tracemalloc
 
 import numpy as np
-from scipy.linalg import blas as _blas
 
 _THP = "/sys/kernel/mm/transparent_hugepage/"
 
@@ -72,7 +71,10 @@ def empty_huge(shape, dtype):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+@functools.lru_cache(maxsize=None)
 def _gemm_routine(dtype):
+    from scipy.linalg import blas as _blas     # 0.2-0.4 s: imported where a GEMM runs
+
     try:
         return {np.dtype(np.float64): _blas.dgemm, np.dtype(np.float32): _blas.sgemm,
                 np.dtype(np.complex128): _blas.zgemm, np.dtype(np.complex64): _blas.cgemm}[dtype]

@@ -271,14 +271,18 @@ def _corrupt_held(tr, kind: str) -> bool:
     return False
 
 
-def _share(world, value, what: str) -> NodeShared:
-    """Rank 0's ``value`` as one read-only copy per node (collective). An exception in
-    its place (rank 0's reference could not be built) is raised on every rank."""
+def _share(world, value, what: str, into: NodeShared | None = None) -> NodeShared:
+    """Rank 0's ``value`` as one read-only copy per node (collective), published in
+    ``into``'s window when given (its views then show ``value``). An exception in its
+    place (rank 0's reference could not be built) is raised on every rank."""
     quiet_barrier(world)                    # the other ranks sleep while rank 0 works
     if world.bcast(isinstance(value, BaseException), root=0):
         err = world.bcast(value, root=0)
         raise type(err)(f"{what}: {err}")
-    return NodeShared(world, value)
+    if into is None:
+        return NodeShared(world, value)
+    into.publish(value)
+    return into
 
 
 def _serial_step(serial):
@@ -355,7 +359,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             # the reference's step, published per node; every step starts from its state
             # (each step is held to its own rounding, not to the last step's through Adam)
             step_ref = _share(world, _serial_step(serial) if rank == 0 else None,
-                              f"serial reference, step {step + 1}")
+                              f"serial reference, step {step + 1}", into=step_ref)
             sref = step_ref.value
             if step:
                 tr.load_state(sref["start"], sref["m"], sref["v"], step)
@@ -389,6 +393,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             if math.isnan(pe) or pe > param_err or not worst_param:
                 param_err, worst_param = pe, f"step {step + 1} param {where}"
             expect = sref = None
+        if step_ref is not None:
             step_ref.free()
             step_ref = None
         # replicas: bit-identical parameters over dp (ZeRO 0-2)

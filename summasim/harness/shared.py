@@ -14,6 +14,10 @@ its arrays into its node's window and broadcasts the window's bytes over the nod
 leaders (in pieces below 2 GiB); a fence on each node makes them visible. On one node
 nothing crosses the network.
 
+:meth:`NodeShared.publish` (collective) replaces the value, in the same window while
+it fits: a mesh row publishes every training step's reference there, so a step costs a
+copy, not a new window and two communicators.
+
 The views live as long as the :class:`NodeShared`; :meth:`NodeShared.free` (collective
 over the node, and synchronizing: MPI_Win_free waits for every rank of the node)
 releases the window, after which no view may be touched: keep only scalars and copies
@@ -28,8 +32,12 @@ copies; a rank that raised alone never gets there (the job aborts).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
+
+from ..mpiutil import quiet_barrier
 
 ALIGN = 64                 # bytes: each array starts on a cache line
 PIECE = 1 << 30            # bytes per broadcast call (MPI counts are C ints)
@@ -63,7 +71,7 @@ def _strip(tree, arrays: list, offset: list):
 def _views(skeleton, memory: np.ndarray):
     if isinstance(skeleton, _Slot):
         dtype = np.dtype(skeleton.dtype)
-        n = int(np.prod(skeleton.shape, dtype=np.int64)) * dtype.itemsize
+        n = math.prod(skeleton.shape) * dtype.itemsize
         view = memory[skeleton.offset:skeleton.offset + n].view(dtype).reshape(skeleton.shape)
         view.flags.writeable = False
         return view
@@ -89,27 +97,43 @@ class NodeShared:
         _free_abandoned(world)
         self._world = world
         rank = world.Get_rank()
-        arrays: list = []
-        total = [0]
-        skeleton = _strip(tree, arrays, total) if rank == root else None
-        skeleton, nbytes = world.bcast((skeleton, total[0]) if rank == root else None,
-                                       root=root)
-        self.nbytes = int(nbytes)
         self._node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         leader = self._node.Get_rank() == 0
         self._leaders = world.Split(0 if leader else MPI.UNDEFINED, key=rank)
-        self._win = MPI.Win.Allocate_shared(max(self.nbytes, 1) if leader else 0, 1,
-                                            comm=self._node)
-        buf, _ = self._win.Shared_query(0)
-        memory = np.frombuffer(buf, dtype=np.uint8, count=max(self.nbytes, 1))
+        self._win = None
+        self.capacity = 0
+        self.publish(tree)
+
+    def publish(self, tree=None) -> None:
+        """Replace the shared value with rank 0's ``tree`` (collective over the world),
+        in the same window when it fits, else in a new one. Every rank must be done
+        with the previous views: they now show the new values (keep copies past it)."""
+        world, rank = self._world, self._world.Get_rank()
+        arrays: list = []
+        total = [0]
+        skeleton = _strip(tree, arrays, total) if rank == 0 else None
+        skeleton, nbytes = world.bcast((skeleton, total[0]) if rank == 0 else None, root=0)
+        self.value = None
+        self.nbytes = int(nbytes)
+        leader = self._node.Get_rank() == 0
+        if self._win is None or self.nbytes > self.capacity:
+            if self._win is not None:
+                self._win.Free()
+            self.capacity = max(self.nbytes, 1)
+            self._win = MPI.Win.Allocate_shared(self.capacity if leader else 0, 1,
+                                                comm=self._node)
+            buf, _ = self._win.Shared_query(0)
+            self._memory = np.frombuffer(buf, dtype=np.uint8, count=self.capacity)
+        memory = self._memory
         self._win.Fence()
-        if rank == root:
+        if rank == 0:
             for arr, slot in zip(arrays, _slots(skeleton)):
                 dst = memory[slot.offset:slot.offset + arr.nbytes]
                 dst.view(arr.dtype).reshape(arr.shape)[...] = arr
         if leader and self._leaders.Get_size() > 1:
             for lo in range(0, self.nbytes, PIECE):
                 self._leaders.Bcast(memory[lo:min(lo + PIECE, self.nbytes)], root=0)
+        quiet_barrier(self._node)        # the node's other ranks sleep while it copies
         self._win.Fence()
         self.value = _views(skeleton, memory)
 
@@ -117,7 +141,7 @@ class NodeShared:
         """Release the window (collective over the node); the views die with it."""
         if self._win is None:
             return
-        self.value = None
+        self.value = self._memory = None
         self._win.Free()
         self._win = None
         if self._leaders != MPI.COMM_NULL:
