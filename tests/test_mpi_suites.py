@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,20 +16,46 @@ from conftest import ROOT, mpi_env
 SUITE_TIMEOUT = int(os.environ.get("SUMMASIM_MPI_TIMEOUT", "900"))
 
 
-def launch(mpiexec, n, args, timeout):
+def launch(mpiexec, n, args, timeout, echo=None):
+    """Run ``args`` under ``mpiexec -n n`` and ``timeout``; returns the finished process
+    and its seconds. With ``echo``, stdout and stderr are read as one stream, line by
+    line, and each line is handed to ``echo`` as it comes."""
     cmd = ["timeout", "-k", "10", str(timeout)] + mpiexec + ["-n", str(n), sys.executable] + args
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True)
+    if echo is None:
+        proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True)
+        return proc, time.perf_counter() - t0
+    lines = []
+    with subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:
+            lines.append(line)
+            echo(line.rstrip("\n"))
+    proc = subprocess.CompletedProcess(cmd, child.returncode, "".join(lines), "")
     return proc, time.perf_counter() - t0
+
+
+PROGRESS = re.compile(r"\[\s*(\d+)%\]\s*$")
 
 
 @pytest.mark.parametrize("n,backend", [(1, "numpy"), (4, "numpy"), (8, "numpy"), (9, "numpy"),
                                        (16, "numpy"), (4, "staged-host")])
-def test_mpi_suite(mpiexec, n, backend):
-    """mpi_tests under mpiexec -n N; staged-host runs the suite through the GPU staging path."""
-    proc, _ = launch(mpiexec, n, ["-m", "mpi4py", "-m", "pytest", "mpi_tests", "-q",
-                                  "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
-                                  "--backend", backend], SUITE_TIMEOUT)
+def test_mpi_suite(mpiexec, n, backend, capsys):
+    """mpi_tests under mpiexec -n N; staged-host runs the suite through the GPU staging path.
+    Its progress (pytest's percentage, as rank 0 prints it) shows while it runs."""
+    name = f"mpi_tests -n {n}" + (f" --backend {backend}" if backend != "numpy" else "")
+
+    def echo(line):
+        m = PROGRESS.search(line)
+        if m:
+            with capsys.disabled():
+                print(f"\n    {name}: {m.group(1)}%", end="", flush=True)
+
+    proc, seconds = launch(mpiexec, n, ["-m", "mpi4py", "-m", "pytest", "mpi_tests", "-q",
+                                        "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
+                                        "--backend", backend], SUITE_TIMEOUT, echo=echo)
+    with capsys.disabled():
+        print(f"\n    {name}: done in {seconds:.0f} s ", end="", flush=True)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode != 124, f"mpi_tests at n={n} timed out:\n{tail}"
     assert proc.returncode == 0, f"mpi_tests at n={n} failed:\n{tail}"

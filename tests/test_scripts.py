@@ -1,0 +1,51 @@
+"""The two set-up scripts: ``scripts/setup.sh`` builds the venv one set-up at a time,
+and ``scripts/run`` launches through ``$SUMMASIM_MPIEXEC`` with
+``$SUMMASIM_MPIEXEC_FLAGS``, as the README says."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
+from conftest import ROOT
+
+VENV = sys.prefix          # the venv these tests run in: installed, so setup is quick
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMMASIM_")}
+    return {**env, "SUMMASIM_VENV": VENV, **extra}
+
+
+def test_a_second_setup_waits_for_the_first_and_says_so():
+    with open(VENV + ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)          # a set-up in progress
+        proc = subprocess.Popen(
+            ["bash", "-c", 'source scripts/setup.sh && echo "set up"'], cwd=ROOT,
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        waiting = proc.poll() is None
+        fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = proc.communicate(timeout=120)
+    assert waiting, f"set-up did not wait for the lock: rc={proc.returncode} {err}"
+    assert proc.returncode == 0 and out.strip() == "set up", err
+    assert "waiting for another set-up" in err
+
+
+def test_run_uses_the_launcher_and_flags_it_is_given(tmp_path):
+    fake = tmp_path / "launcher"
+    log = tmp_path / "args"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\n')
+    fake.chmod(0o755)
+    res = subprocess.run(["scripts/run", "--sizes", "8", "8", "8"], cwd=ROOT, timeout=120,
+                         env=_env(SUMMASIM_MPIEXEC=f"{fake} --partition=debug",
+                                  SUMMASIM_MPIEXEC_FLAGS="--oversubscribe --quiet",
+                                  SUMMASIM_RANKS="3"),
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    args = log.read_text().split("\n")[:-1]
+    assert args == ["--partition=debug", "--oversubscribe", "--quiet", "-n", "3", "python",
+                    "-m", "summasim.run", "--sizes", "8", "8", "8"], args
