@@ -32,8 +32,10 @@ argparse ``type=`` callables
     int_list(minimum=1)       factory: comma-separated integers, each >= minimum
     choice_list(names)        factory: comma-separated names, each one of ``names``
     existing_file             a path to a readable regular file
-    writable_path             a file path that can be written: its folder exists or
-                              can be created and accepts a new file (tried for real)
+    writable_path             a file path that can be written: its folder exists and
+                              the file can be created there (tried for real)
+    report_path(kind)         factory: a ``--json``/``--out`` report path of one kind
+                              (with ``action=ReportAction``; see "Reports" below)
     writable_dir              a folder that exists or can be created and is writable
     ========================  =====================================================
 
@@ -70,6 +72,25 @@ Checks after parsing
     :func:`launcher_rank`; the other ranks exit 2 silently). Sub-parsers made with
     ``add_subparsers().add_parser`` inherit the class.
 
+Input files
+    :func:`read_json_file` is THE reader of every file a user names (``--machine FILE``,
+    measurements, any JSON a command reads). It refuses, without blocking, whatever is
+    not a regular file (a FIFO, a device such as ``/dev/zero``, a folder), reads at most
+    :data:`MAX_INPUT_BYTES`, nests at most :data:`MAX_JSON_DEPTH` levels, and rejects
+    NaN, infinities, duplicate keys and text that is not UTF-8; every refusal is a
+    :class:`UsageError` that starts with the path and says what is wrong.
+
+Reports
+    A report says what it is in its top-level field :data:`REPORT_FIELD`
+    (``"summasim_report": "run"``); reports written before that field existed are
+    recognised by their top-level keys (:data:`LEGACY_KEYS`). An output option is
+    declared with ``type=report_path(kind), action=ReportAction`` and the command adds
+    ``--force`` with :func:`add_force`; the value is a :class:`ReportPath` (a ``str``
+    that carries its kind and whether ``--force`` was given), so
+    :func:`check_writable_path` refuses, before any work, to replace a file that is not
+    a summasim report of the same kind, and :func:`summasim.jsonio.write_report` writes
+    the tagged report (or saves it elsewhere, and says where, when the write fails).
+
 Messages name the argument as the user typed it (``--lr``), the value received,
 and what would be accepted, on one line.
 """
@@ -77,9 +98,12 @@ and what would be accepted, on one line.
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import math
 import re
 import os
+import stat
 import sys
 import tempfile
 from typing import Callable, Iterable, NoReturn
@@ -90,6 +114,8 @@ __all__ = [
     "finite_float", "finite_positive_float", "finite_nonnegative_float", "float_range",
     "existing_file", "writable_path", "writable_dir",
     "check_existing_file", "check_writable_path", "check_writable_dir", "module_available",
+    "read_json_file", "MAX_INPUT_BYTES", "MAX_JSON_DEPTH", "REPORT_FIELD", "report_kind",
+    "ReportPath", "report_path", "ReportAction", "ForceAction", "add_force",
 ]
 
 #: Environment variables through which MPI launchers give a process its rank
@@ -318,27 +344,38 @@ def _finite(text, want: str) -> float:
 
 
 # -- files ------------------------------------------------------------------------------
-def check_existing_file(path) -> str:
-    """``path`` if it is a readable regular file, else raise :class:`UsageError`
-    (the message starts with the path; prefix the argument name when reporting)."""
-    path = os.fspath(path)
+def _regular_file(path: str, folder: str | None = None) -> os.stat_result:
+    """``os.stat(path)`` of a regular file, found without opening it; else
+    :class:`UsageError` starting with the path (``folder``: the words for a folder)."""
     if not path:
         raise UsageError("empty path")
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise UsageError(f"{path}: is a folder, not a file")
     try:
-        with open(path, "rb"):
-            pass
+        st = os.stat(path)
     except OSError as exc:
-        raise UsageError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        raise UsageError(f"{path}: {_os_reason(exc)}") from None
+    if folder and stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path}: {folder}")
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path}: is {_file_type(st.st_mode)}; expected a regular file")
+    return st
+
+
+def check_existing_file(path) -> str:
+    """``path`` if it is a readable regular file, else raise :class:`UsageError`
+    (the message starts with the path; prefix the argument name when reporting).
+    Never blocks: a FIFO or device is refused before it is opened."""
+    path = os.fspath(path)
+    _regular_file(path, folder="is a folder, not a file")
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({_os_reason(exc)})") from None
     return path
 
 
-def _probe_dir(folder: str) -> None:
-    """Create ``folder`` (and parents) if needed, then create and delete a temp file
-    in it; raise :class:`UsageError` saying why when either fails."""
+def _probe_dir(folder: str, make: bool = True) -> None:
+    """Create ``folder`` (and parents) if needed and ``make``, then create and delete a
+    temp file in it; raise :class:`UsageError` saying why when either fails."""
     anc = folder
     while anc and not os.path.exists(anc):
         parent = os.path.dirname(anc)
@@ -348,12 +385,13 @@ def _probe_dir(folder: str) -> None:
     if anc and os.path.exists(anc) and not os.path.isdir(anc):
         raise UsageError(f"{folder}: cannot make a folder there, {anc} is a file")
     try:
-        os.makedirs(folder, exist_ok=True)
+        if make:
+            os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".summasim-probe-", dir=folder)
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        raise UsageError(f"{folder}: cannot write there ({exc.strerror or exc})") from None
+        raise UsageError(f"{folder}: cannot write there ({_os_reason(exc)})") from None
 
 
 def check_writable_dir(path) -> str:
@@ -368,24 +406,340 @@ def check_writable_dir(path) -> str:
     return path
 
 
-def check_writable_path(path) -> str:
-    """``path`` if a file can be written there, else raise :class:`UsageError`.
+def _os_reason(exc: OSError) -> str:
+    """What an ``OSError`` says, in a few words (``name too long``, ``permission denied``)."""
+    return {errno.ENOENT: "no such file", errno.ENAMETOOLONG: "the name is too long",
+            errno.ELOOP: "too many levels of symbolic links",
+            errno.ENOTDIR: "a part of the path is not a folder",
+            errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+            errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on device",
+            }.get(exc.errno, (exc.strerror or str(exc)).lower())
 
-    The path must not be a folder; its folder must exist or be creatable (it is
-    created) and accept a new file (tried for real with a temp file, so read-only
-    file systems and missing permissions are caught, also for root); an existing
-    file must be writable.
+
+def _file_type(mode: int) -> str:
+    """The kind of file ``mode`` describes, for messages (``a FIFO``, ``a folder``)."""
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _probe_name(folder: str, name: str) -> None:
+    """Create and remove, in ``folder``, a new file whose name is as long (in bytes) as
+    ``name``: what creating ``name`` itself would meet (a name or path too long, no
+    permission, a read-only file system), without touching ``name``, so that ranks
+    probing the same path at once cannot trip over each other's probe."""
+    import secrets
+
+    size = len(os.fsencode(name))
+    for _ in range(8):
+        probe = ".summasim-probe-" + secrets.token_hex(8)
+        if size > len(probe):
+            probe += "x" * (size - len(probe))
+        try:
+            fd = os.open(os.path.join(folder, probe), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                         0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        os.unlink(os.path.join(folder, probe))
+        return
+
+
+def check_writable_path(path, kind: str | None = None, force: bool | None = None) -> str:
+    """``path`` if a report can be written there, else raise :class:`UsageError`.
+
+    Checked for real, before any work, so that a finished job never loses its result:
+
+    - the path is not a folder, and its folder exists (no folder is created, except for
+      a command's own default path, a :class:`ReportPath` with ``default=True``);
+    - a new file with a name as long as ``path``'s is created beside it and removed
+      again (a name too long, a read-only file system or a missing permission is caught,
+      also for root);
+    - an existing ``path`` must be a regular file (never a FIFO or a device) and, when
+      ``kind`` is given, a summasim report of that kind (:func:`report_kind`) unless
+      ``force``; its folder must accept the temp file of the atomic write.
+
+    ``kind`` and ``force`` default to those a :class:`ReportPath` carries. Returns
+    ``path`` itself (a :class:`ReportPath` stays one).
     """
-    path = os.fspath(path)
-    if not path:
+    text = os.fspath(path)
+    kind = kind if kind is not None else getattr(path, "kind", None)
+    force = force if force is not None else getattr(path, "force", False)
+    if not text:
         raise UsageError("empty path")
-    if path.endswith(os.sep) or os.path.isdir(path):
-        raise UsageError(f"{path}: is a folder; give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    _probe_dir(folder)
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise UsageError(f"{path}: exists and is not writable")
+    if text.endswith(os.sep) or os.path.isdir(text):
+        raise UsageError(f"{text}: is a folder; give a file name")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        if getattr(path, "default", False):
+            _probe_dir(folder)
+        elif os.path.exists(folder):
+            raise UsageError(f"{text}: {folder} is not a folder")
+        else:
+            raise UsageError(f"{text}: folder {folder} does not exist (summasim creates no "
+                             f"folder you did not ask for; make it first)")
+    try:
+        st = os.stat(text)
+    except FileNotFoundError:
+        st = None
+        if os.path.lexists(text):
+            raise UsageError(f"{text}: is a broken symbolic link") from None
+    except OSError as exc:
+        raise UsageError(f"{text}: cannot be written ({_os_reason(exc)})") from None
+    if st is None:
+        try:
+            _probe_name(folder, os.path.basename(text))
+        except OSError as exc:
+            raise UsageError(f"{text}: cannot be created ({_os_reason(exc)})") from None
+        return path
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{text}: is {_file_type(st.st_mode)}; a report is written only to "
+                         f"a regular file")
+    if kind and not force:
+        found = report_kind_of_file(text)
+        if found != kind:
+            what = (f"a summasim {found} report, not a {kind} report" if found
+                    else f"not a summasim {kind} report")
+            raise UsageError(f"{text}: exists and is {what}; not replacing it (give another "
+                             f"path, or --force to replace it)")
+    _probe_dir(folder, make=False)
+    if not os.access(text, os.W_OK):
+        raise UsageError(f"{text}: exists and is not writable")
     return path
+
+
+# -- input files ------------------------------------------------------------------------
+#: The most bytes read from any file a user names (64 MiB; machine files are a few KiB).
+MAX_INPUT_BYTES = 64 << 20
+#: The deepest nesting of arrays and objects accepted in a JSON file a user names.
+MAX_JSON_DEPTH = 64
+
+
+def _size_words(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
+def read_user_file(path, max_bytes: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
+
+    Never blocks and never reads without bound: the file is ``stat``-ed before it is
+    opened (a folder, FIFO, device or socket is refused), opened non-blocking, checked
+    again on the open descriptor (the path may have changed in between), and read up
+    to ``max_bytes + 1`` bytes. :class:`UsageError` starting with the path otherwise.
+    """
+    text = os.fspath(path)
+    st = _regular_file(text)
+    limit = f"at most {_size_words(max_bytes)} are read"
+    if st.st_size > max_bytes:
+        raise UsageError(f"{text}: is {st.st_size} bytes, too large ({limit})")
+    try:
+        fd = os.open(text, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise UsageError(f"{text}: cannot be read ({_os_reason(exc)})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{text}: is {_file_type(mode)}; expected a regular file")
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise UsageError(f"{text}: cannot be read ({_os_reason(exc)})") from None
+    finally:
+        os.close(fd)
+    if got > max_bytes:
+        raise UsageError(f"{text}: is larger than {_size_words(max_bytes)}, too large "
+                         f"({limit})")
+    return b"".join(chunks)
+
+
+def _decode(text: str, data: bytes) -> str:
+    """``data`` as UTF-8 text (a UTF-8 byte order mark is allowed), or UsageError."""
+    for bom, name in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+                      (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16")):
+        if data.startswith(bom):
+            raise UsageError(f"{text}: is {name} text; expected UTF-8")
+    if b"\x00" in data:
+        raise UsageError(f"{text}: holds NUL bytes (binary data); expected JSON text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{text}: is not UTF-8 text (byte {data[exc.start]:#04x} at "
+                         f"offset {exc.start}); expected JSON") from None
+
+
+def _json_depth(obj) -> int:
+    """The nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        val, depth = stack.pop()
+        if isinstance(val, dict):
+            val = list(val.values())
+        if isinstance(val, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in val if isinstance(v, (dict, list)))
+    return deepest
+
+
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false",
+               int: "a number", float: "a number", type(None): "null"}
+
+
+def read_json_file(path, *, expect: type | None = dict, max_bytes: int = MAX_INPUT_BYTES,
+                   max_depth: int = MAX_JSON_DEPTH):
+    """The JSON value in the user's file ``path``, read safely (:func:`read_user_file`).
+
+    Strict: the text must be UTF-8, nest at most ``max_depth`` levels, hold no NaN or
+    infinity (JSON has none; an overflowing number such as ``1e999`` counts as one), no
+    key twice in one object, and (unless ``expect`` is None) be a JSON value of type
+    ``expect`` at the top. :class:`UsageError` starting with the path otherwise.
+    """
+    text = os.fspath(path)
+    raw = _decode(text, read_user_file(text, max_bytes))
+    if not raw.strip():
+        raise UsageError(f"{text}: is empty; expected JSON")
+
+    def constant(name):
+        raise UsageError(f"{text}: holds {name}, which JSON does not allow")
+
+    def number(s):
+        val = float(s)
+        if not math.isfinite(val):
+            raise UsageError(f"{text}: holds the number {s[:40]}, out of range")
+        return val
+
+    def unique(pairs):
+        seen = {}
+        for key, val in pairs:
+            if key in seen:
+                raise UsageError(f"{text}: holds the key {key[:60]!r} twice in one object")
+            seen[key] = val
+        return seen
+
+    try:
+        obj = json.loads(raw, parse_constant=constant, parse_float=number,
+                         object_pairs_hook=unique)
+    except RecursionError:
+        raise UsageError(f"{text}: nests deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{text}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno})") from None
+    except UsageError:
+        raise
+    except (ValueError, MemoryError) as exc:    # e.g. an integer of more than 4300 digits
+        raise UsageError(f"{text}: cannot be read as JSON ({one_line(exc)[:120]})") from None
+    if _json_depth(obj) > max_depth:
+        raise UsageError(f"{text}: nests deeper than {max_depth} levels")
+    if expect is not None and not isinstance(obj, expect):
+        raise UsageError(f"{text}: holds {_JSON_TYPES.get(type(obj), type(obj).__name__)}; "
+                         f"expected {_JSON_TYPES.get(expect, expect.__name__)}")
+    return obj
+
+
+# -- reports ----------------------------------------------------------------------------
+#: The top-level field in which a summasim report names its kind.
+REPORT_FIELD = "summasim_report"
+#: How reports written before :data:`REPORT_FIELD` existed are recognised: the kind, and
+#: top-level keys that every report of that kind has (``predict`` has two forms).
+LEGACY_KEYS = (
+    ("run", frozenset({"world_size", "backend", "ok", "rows"})),
+    ("bench", frozenset({"p", "cores", "dtype", "wait_policy", "backend"})),
+    ("machine", frozenset({"name", "source", "cores", "intra", "gamma_gemm"})),
+    ("predict", frozenset({"budget_bytes", "fits", "largest_batch"})),
+    ("predict", frozenset({"composition", "memory", "breakdown", "step_seconds"})),
+    ("plan", frozenset({"format", "machine", "searched", "ranked"})),
+    ("explore", frozenset({"machine", "config", "mode", "tables"})),
+    ("devset", frozenset({"points", "summary"})),
+)
+
+
+def report_kind(obj) -> str | None:
+    """The kind of summasim report ``obj`` (a parsed JSON value) is, or None."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get(REPORT_FIELD), str):
+        return obj[REPORT_FIELD]
+    found = {kind for kind, keys in LEGACY_KEYS if keys <= obj.keys()}
+    return found.pop() if len(found) == 1 else None
+
+
+def report_kind_of_file(path) -> str | None:
+    """The kind of summasim report in the file ``path``, or None when it is none
+    (or cannot be read as JSON)."""
+    try:
+        return report_kind(read_json_file(path, expect=None))
+    except UsageError:
+        return None
+
+
+class ReportPath(str):
+    """A report path from the command line: a ``str`` that also carries the report's
+    ``kind``, whether ``--force`` allows replacing any regular file there (``force``),
+    and whether it is the command's own default, whose folder may be created
+    (``default``)."""
+
+    kind: str | None
+    force: bool
+    default: bool
+
+    def __new__(cls, text="", kind: str | None = None, force: bool = False,
+                default: bool = False):
+        obj = super().__new__(cls, text)
+        obj.kind, obj.force, obj.default = kind, force, default
+        return obj
+
+    def forced(self) -> "ReportPath":
+        """The same path with ``force`` set."""
+        return ReportPath(str(self), self.kind, True, self.default)
+
+
+def report_path(kind: str) -> Callable[[str], ReportPath]:
+    """Factory: the argparse type of a report path of ``kind`` (a :class:`ReportPath`;
+    one already is stays as it is, so a default or ``const`` keeps its flags)."""
+
+    def convert(text) -> ReportPath:
+        return text if isinstance(text, ReportPath) else ReportPath(text, kind)
+
+    convert.__name__ = "report_path"
+    return convert
+
+
+class ReportAction(argparse.Action):
+    """Stores a :class:`ReportPath`, marked forced when ``--force`` came before it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, ReportPath) and getattr(namespace, "force", False):
+            values = values.forced()
+        setattr(namespace, self.dest, values)
+
+
+class ForceAction(argparse.Action):
+    """``--force``: sets ``force`` and marks every :class:`ReportPath` parsed so far."""
+
+    def __init__(self, option_strings, dest, default=False, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, required=required,
+                         help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True)
+        for name, val in list(vars(namespace).items()):
+            if isinstance(val, ReportPath):
+                setattr(namespace, name, val.forced())
+
+
+def add_force(ap) -> None:
+    """``--force``: replace an existing output file that is not a summasim report of the
+    same kind (a FIFO, a device or a folder is never replaced)."""
+    ap.add_argument("--force", action=ForceAction,
+                    help="replace an existing output file even if it is not a summasim "
+                         "report of the same kind")
 
 
 def _as_type(check: Callable[[str], str], name: str) -> Callable[[str], str]:
@@ -402,7 +756,7 @@ def _as_type(check: Callable[[str], str], name: str) -> Callable[[str], str]:
 
 #: argparse type: a readable regular file (see :func:`check_existing_file`).
 existing_file = _as_type(check_existing_file, "existing_file")
-#: argparse type: a writable file path; creates its folder (see :func:`check_writable_path`).
+#: argparse type: a writable file path in an existing folder (see :func:`check_writable_path`).
 writable_path = _as_type(check_writable_path, "writable_path")
 #: argparse type: a writable folder; creates it (see :func:`check_writable_dir`).
 writable_dir = _as_type(check_writable_dir, "writable_dir")

@@ -6,6 +6,12 @@ JSON has no NaN or infinity. :func:`json_safe` replaces every non-finite float b
 reader can tell a missing value from a NaN. :func:`write_json_atomic` writes with
 ``allow_nan=False`` through a temp file in the same folder and a rename, so a report
 is either the old file or the whole new one.
+
+:func:`write_report` writes a command's report: tagged with its kind (the top-level
+field :data:`summasim.cli.REPORT_FIELD`, by which the next run knows it may replace the
+file), and never lost: when the write fails after the work is done (the disk is full,
+the folder went away), the report is saved in the temp folder and the message says
+where. Reading user files safely is :func:`summasim.cli.read_json_file`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
+
+from .cli import REPORT_FIELD, UsageError, one_line
 
 
 def _what(x: float) -> str:
@@ -50,12 +59,14 @@ def json_safe(obj):
     return obj
 
 
-def write_text_atomic(path, text: str) -> None:
+def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
-    so a reader never sees a half-written file (mode as ``open()`` would give)."""
+    so a reader never sees a half-written file (mode as ``open()`` would give). The
+    folder is created when missing only if ``make_folder``."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    if make_folder:
+        os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
@@ -74,3 +85,47 @@ def write_json_atomic(path, obj) -> None:
     """Write ``json_safe(obj)`` to ``path`` atomically, as strict JSON. The text is
     built first, so an object that cannot be written leaves the old file alone."""
     write_text_atomic(path, json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+class ReportNotSaved(UsageError):
+    """A report that could not be written where asked; the message says where it went."""
+
+
+def _fallback(kind: str, text: str) -> str | None:
+    """Save ``text`` as a new file in the temp folder; its path, or None if that fails too."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"summasim-{kind}-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+        return path
+    except OSError:
+        return None
+
+
+def write_report(path, kind: str, obj, prog: str | None = None) -> bool:
+    """Write the report ``obj`` (a dict) of ``kind`` to ``path``, atomically, as strict
+    JSON with ``"summasim_report": kind`` first. True when written.
+
+    A failing write (``OSError``) loses nothing: the report is saved to a new file in
+    the temp folder instead, and then, with ``prog`` None, :class:`ReportNotSaved` (a
+    user error: one line, exit 2) says where; with ``prog`` given (an MPI front-end,
+    where rank 0 writes and must not raise), ``<prog>: error: ...`` goes to stderr and
+    the result is False (the caller exits non-zero). The folder is created only for a
+    command's own default path (a :class:`summasim.cli.ReportPath` with ``default``).
+    """
+    doc = {REPORT_FIELD: kind, **{k: v for k, v in obj.items() if k != REPORT_FIELD}}
+    text = json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n"
+    try:
+        write_text_atomic(path, text, make_folder=getattr(path, "default", False))
+        return True
+    except OSError as exc:
+        why = one_line(exc.strerror or exc)
+        saved = _fallback(kind, text)
+    msg = (f"{os.fspath(path)}: the {kind} report could not be written ({why}); "
+           + (f"it is saved in {saved} instead" if saved else
+              "saving it in the temp folder failed too"))
+    if prog is None:
+        raise ReportNotSaved(msg)
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    sys.stderr.flush()
+    return False

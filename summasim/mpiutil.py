@@ -10,6 +10,17 @@ Abort on an unhandled exception
 leaving the other ranks waiting forever in their next collective. Opt out with
 ``SUMMASIM_ABORT_HOOK=0``. :func:`abort_on_error` does the same for one block.
 
+Last words
+----------
+A job that ends early says which rank ended it and what that rank was doing
+(:func:`doing` keeps a short description, e.g. "the preflight" or a run's label), and
+unlinks the node's shared-memory segments that this process maps
+(:func:`release_shared_memory`), which MPI would otherwise leave in ``/dev/shm`` when
+the launcher kills the job. :func:`end_on_signals` turns SIGINT (Ctrl-C) and SIGTERM
+into one line and exit status 128 + signal instead of a traceback per rank. A rank
+killed outright (SIGKILL, the OOM killer) runs none of this: the launcher names its
+process id, and the segment stays until the node is cleaned.
+
 Agreement on arguments
 ----------------------
 :func:`agree` is the one collective that makes a local argument check collective:
@@ -27,7 +38,9 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -45,24 +58,130 @@ _AGREE = os.environ.get("SUMMASIM_AGREE", "1").strip().lower() not in _OFF
 _ABORT_GRACE_S = 1.0     # seconds between printing the last words and MPI_Abort
 
 
+_DOING = ["starting"]    # what this rank is doing, for the last words (see doing())
+
+
+def doing(what: str | None = None) -> str:
+    """Set what this rank is doing now when ``what`` is given (a few words that follow
+    "it was", e.g. "in the preflight" or "running summa_ab 2x2 float64"); return the
+    current description."""
+    if what is not None:
+        _DOING[0] = str(what)
+    return _DOING[0]
+
+
+@contextlib.contextmanager
+def activity(what: str):
+    """``with activity("summa_ab 2x2 float64"): ...``: :func:`doing` for the block."""
+    previous = doing()
+    doing(what)
+    try:
+        yield
+    finally:
+        doing(previous)
+
+
+def shared_memory_segments() -> list[str]:
+    """The ``/dev/shm`` files this process maps and that still have a name: the node's
+    MPI shared memory (the intranode channel, shared windows). Read from
+    ``/proc/self/maps``; empty where there is none (not Linux)."""
+    found = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                path = line.split(None, 5)[-1].strip() if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)") \
+                        and path not in found:
+                    found.append(path)
+    except OSError:
+        return []
+    return found
+
+
+def release_shared_memory() -> list[str]:
+    """Unlink the shared-memory segments this process maps (on the way out of a job that
+    ends early: the launcher's kill leaves them in ``/dev/shm``). The mappings stay valid
+    for every rank that holds them; only the names go. Returns what was unlinked."""
+    gone = []
+    for path in shared_memory_segments():
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            gone.append(path)
+    return gone
+
+
 def abort_job(comm, text: str) -> None:
     """Write ``text`` to stderr, give the launcher a moment to forward it, abort.
 
     ``MPI_Abort`` races the launcher's output forwarding: Hydra kills the job as
     soon as the abort reaches it and can drop what this rank wrote a moment before
     (the traceback went missing about one launch in thirty on the 2-core box). The
-    pause (:data:`_ABORT_GRACE_S`) is on the error path only.
+    pause (:data:`_ABORT_GRACE_S`) is on the error path only. The node's shared-memory
+    segments are unlinked first (:func:`release_shared_memory`).
     """
     sys.stderr.write(text)
     sys.stderr.flush()
+    release_shared_memory()
     time.sleep(_ABORT_GRACE_S)
     comm.Abort(1)
 
 
+#: how long a rank other than 0 waits, after a signal, for rank 0 to end the job (the
+#: launcher then kills it silently) before it says its own line
+_SIGNAL_GRACE_S = 0.5
+_SIGNALS = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+def end_on_signals(prog: str, rank: int) -> bool:
+    """End this rank on SIGINT or SIGTERM with one line and status 128 + signal.
+
+    A launcher forwards Ctrl-C (and its own SIGTERM, e.g. from ``timeout``) to every
+    rank. Python's default turns it into a ``KeyboardInterrupt`` traceback on each rank
+    that is running Python code, while a rank inside an MPI call never sees it and the
+    job waits. Here the signal wakes a watcher thread (``signal.set_wakeup_fd``, so it
+    works while the main thread is inside MPI); rank 0 writes ``<prog>: interrupted
+    (SIGINT) on rank 0; it was <doing>; the job ends`` and exits at once. The others
+    wait :data:`_SIGNAL_GRACE_S`: if the launcher has not ended them by then (the signal
+    reached this rank alone), they say their own line. Each unlinks the node's shared
+    memory first. Main thread only; returns False where it cannot be installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    try:
+        signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        for sig in _SIGNALS:
+            signal.signal(sig, lambda *_: None)     # the watcher ends the rank
+    except (ValueError, OSError):
+        return False
+
+    def watch():
+        try:
+            data = os.read(rfd, 1)
+        except OSError:
+            return
+        sig = signal.Signals(data[0]) if data else signal.SIGTERM
+        if sig not in _SIGNALS:
+            return
+        if rank != 0:
+            time.sleep(_SIGNAL_GRACE_S)
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"{prog}: {_SIGNALS[sig]} on rank {rank}; it was {doing()}; "
+                             f"the job ends\n")
+            sys.stderr.flush()
+        release_shared_memory()
+        os._exit(128 + int(sig))
+
+    threading.Thread(target=watch, name="summasim-signals", daemon=True).start()
+    return True
+
+
 def _abort_with(comm, text: str) -> None:
-    """Print ``[rank r/p] unhandled exception, aborting the job:`` and ``text``; abort."""
+    """Print ``[rank r/p] unhandled exception, aborting the job: it was <doing>`` and
+    ``text``; abort."""
     abort_job(comm, f"[rank {comm.Get_rank()}/{comm.Get_size()}] unhandled exception, "
-                    f"aborting the job:\n{text}")
+                    f"aborting the job: it was {doing()}\n{text}")
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from .algorithms.table import ALGORITHMS
 from .cli import UsageError
 from .harness.check import METHODS
 from .harness.frontend import Parser, check_outputs, mpi_main
-from .harness.inject import KINDS, Fault
+from .harness.inject import KINDS, Fault, check_method, uncatchable
 from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST_SIZES, \
     plan_products, plan_schemes
 from .spec import MODELS, SCHEME_NAMES
@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     ap.add_argument("--threads", type=int, default=None,
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
-    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH "
-                    "(atomically), e.g. results/run.json")
+    ap.add_argument("--json", metavar="PATH", type=cli.report_path("run"),
+                    action=cli.ReportAction, help="also write the report as JSON to PATH "
+                    "(atomically), e.g. results/run.json; its folder must exist")
+    cli.add_force(ap)
     options.add_machine(ap, help_more=" (default: the calibrated or fitted machine under "
                         "results/, else a quick fit)")
     ap.add_argument("--no-predict", action="store_true",
@@ -140,6 +142,10 @@ def parse_args(argv=None):
     args.model = args.model or DEFAULT_MODEL
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
+    if any(ALGORITHMS[a].kind != "ring" for a in args.algorithm_list):
+        why = uncatchable(args.fault, args.check, args.dtypes)
+        if why:
+            raise UsageError(why)
     if not args.algorithm_list and not args.scheme_list and not args.mesh \
             and args.meshes == "none":
         raise UsageError("nothing to run: --algorithms none, --schemes none and no mesh")
@@ -214,6 +220,31 @@ def job(args, p: int) -> Job:
     return args.job
 
 
+def _why(skips) -> str:
+    return "; ".join(f"{s.name}{' ' + s.grid if s.grid else ''}: {s.reason}" for s in skips)
+
+
+def named_but_unrunnable(args, jb: Job) -> str:
+    """The user error of a section the user asked for by name of which nothing can run
+    at this p (pure), even when other sections run: ``--algorithms`` naming only
+    algorithms that cannot run, ``--sizes`` that no product fits, ``--schemes`` naming
+    only schemes that cannot run. "" when each named section runs something (a named
+    algorithm that cannot run beside one that can is skipped with the reason)."""
+    p, problems = jb.p, []
+    products = [c for c in jb.cases if c.kind == "matmul"]
+    named = [a for a in args.algorithm_list if ALGORITHMS[a].kind != "ring"]
+    if args.algorithms not in ("all", "none") and args.algorithm_list and not jb.cases:
+        problems.append(f"--algorithms {args.algorithms}: none can run at p = {p} "
+                        f"({_why(jb.skips)})")
+    elif args.sizes and named and not products:
+        problems.append(f"--sizes {' '.join(map(str, args.sizes))}: no product fits them at "
+                        f"p = {p} ({_why(jb.skips)})")
+    if args.schemes not in ("all", "none") and args.scheme_list and not jb.tcases:
+        problems.append(f"--schemes {args.schemes}: none can run at p = {p} "
+                        f"({_why(jb.tskips)})")
+    return "; ".join(problems)
+
+
 def preflight(args, world) -> str:
     """Everything found wrong before any work, as one message ("" when all is well).
     Runs on rank 0 (reads files, probes the output path and the memory)."""
@@ -230,6 +261,9 @@ def preflight(args, world) -> str:
         why = "; ".join(f"{s.name}{' ' + s.grid if s.grid else ''}: {s.reason}"
                         for s in jb.skips + jb.tskips + jb.mskips) or "no run fits"
         return f"nothing would be checked at p = {p}: {why}"
+    err = named_but_unrunnable(args, jb)
+    if err:
+        return err
     if args.fault is not None and args.fault.rank >= p:
         return f"--inject {args.inject}: rank {args.fault.rank} does not exist (p = {p})"
     if args.fail_on_rank is not None and not 0 <= args.fail_on_rank < p:
@@ -296,9 +330,10 @@ def _predict(res, machine):
 def _main(args, world, jb: Job) -> int:
     from .backends import get_backend
     from .harness.execute import run_case
-    from .harness.report import (format_header, format_row, format_transformer, mesh_record,
-                                 prediction_summary, row_record, transformer_record)
-    from .mpiutil import limit_blas_threads
+    from .harness.report import (format_header, format_prediction_summary, format_row,
+                                 format_transformer, mesh_record, prediction_summary,
+                                 row_record, transformer_record)
+    from .mpiutil import doing, limit_blas_threads
 
     t_start = time.perf_counter()
     cases, skips, tcases, tskips, mskips = jb.cases, jb.skips, jb.tcases, jb.tskips, jb.mskips
@@ -320,21 +355,28 @@ def _main(args, world, jb: Job) -> int:
 
         machine = resolve_machine(args.machine, world, say, loaded=args.machine_loaded)
     say("")
+    from .harness.load import LoadWatch, warning
+    watch = LoadWatch(world)                 # other processes' load, per row and in all
     rows, pairs, untouched = [], [], []      # untouched: runs the fault found nothing in
     if cases:
         say(format_header(), flush=True)
+    missed = []                               # runs the fault corrupted that still passed
     for case in cases:
+        doing(f"running {case.label(p)} {case.dtype}")
         if args.fail_on_rank is not None and rank == args.fail_on_rank:
             raise RuntimeError(f"deliberate failure on rank {rank} (--fail-on-rank)")
         res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
-                       method=args.check, fault=args.fault, timed=args.repeats > 0)
+                       method=check_method(args.fault, args.check, case.dtype),
+                       fault=args.fault, timed=args.repeats > 0)
+        if args.fault is not None and res.fault_applied and res.ok:
+            missed.append(f"{case.label(p)} {case.dtype}")
         pred = _predict(res, machine) if rank == 0 else None
-        rows.append(row_record(res, pred))
+        rows.append(row_record(res, pred, load=watch.lap()))
         if not res.fault_applied:
             untouched.append(f"{case.label(p)} {case.dtype}")
         if pred is not None:
             pairs.append((pred, res.seconds, f"{case.label(p)} {case.dtype}"))
-        say(format_row(res, pred), flush=True)
+        say(format_row(res, pred, rows[-1]["load"]), flush=True)
     if skips:
         say("\nskipped:")
         for s in skips:
@@ -348,6 +390,7 @@ def _main(args, world, jb: Job) -> int:
             f"(plain and checkpointed); traffic is layer 0's Table 1 payload per rank in "
             f"scalars\n")
         for case in tcases:
+            doing(f"running {case.label(p)} {case.dtype}")
             res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
                            fault=args.fault, timed=args.repeats > 0)
             rep = res.extra["report"]
@@ -366,12 +409,17 @@ def _main(args, world, jb: Job) -> int:
     for s in mskips:
         say(f"  skipped mesh {s.name}: {s.reason}")
     reports_all = reports + meshes
-    ok = all(r["ok"] for r in rows) and all(r.ok for r in reports_all)
-    summary = prediction_summary(pairs)
+    doing("reporting")
+    if args.fault is not None:
+        missed += [f"{r.scheme} {r.grid} {r.dtype}" if hasattr(r, "scheme") else
+                   f"{r.mesh} {r.dtype}" for r in reports_all if r.fault_applied and r.ok]
+    ok = all(r["ok"] for r in rows) and all(r.ok for r in reports_all) and not missed
+    load = watch.stop()
+    summary = prediction_summary(pairs, load)
     if summary:
-        say(f"\ncost model ({machine.name}): MAPE {100 * summary['mape']:.1f}% over "
-            f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "
-            f"({summary['worst_run']})")
+        say("\n" + format_prediction_summary(summary, machine.name))
+    elif warning(load, "this job was timed"):
+        say("\n" + warning(load, "this job was timed"))
     elapsed = time.perf_counter() - t_start
     passed = sum(r["ok"] for r in rows) + sum(r.ok for r in reports_all)
     failed = len(rows) + len(reports_all) - passed
@@ -381,17 +429,20 @@ def _main(args, world, jb: Job) -> int:
     if args.fault is not None:
         say(f"fault {args.fault} corrupted {runs - len(untouched)} of {runs} runs"
             + (f"; rank {args.fault.rank} had nothing to corrupt in: {', '.join(untouched)} "
-               f"(their verdicts are those of the uncorrupted runs)" if untouched else ""))
+               f"(their verdicts are those of the uncorrupted runs)" if untouched else "")
+            + (f"; it was NOT caught in: {', '.join(missed)} (the job fails)" if missed
+               else ""))
     if args.json and rank == 0:
         from .comm import default_wait_policy
-        from .jsonio import write_json_atomic
+        from .jsonio import write_report
 
-        write_json_atomic(args.json, {
+        written = write_report(args.json, "run", {
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
             "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
             "fault": str(args.fault) if args.fault else None,
-            "fault_not_applied": untouched,
+            "fault_not_applied": untouched, "fault_missed": missed,
             "machine": machine.name if machine else None, "prediction": summary,
+            "load": load,
             "rows": rows,
             "skipped": [{"algorithm": s.name, "grid": s.grid, "reason": s.reason}
                         for s in skips],
@@ -399,8 +450,11 @@ def _main(args, world, jb: Job) -> int:
             "transformer_skipped": [{"scheme": s.name, "grid": s.grid, "reason": s.reason}
                                     for s in tskips],
             "meshes": [mesh_record(r) for r in meshes],
-            "meshes_skipped": [{"mesh": s.name, "reason": s.reason} for s in mskips]})
-        say(f"report written to {args.json}")
+            "meshes_skipped": [{"mesh": s.name, "reason": s.reason} for s in mskips]},
+            prog=PROG)
+        ok &= written
+        if written:
+            say(f"report written to {args.json}")
     if args.fault is not None and runs and len(untouched) == runs and ok:
         # (a run that failed anyway is a failure, exit 1, not this user error)
         return cli.print_error(PROG, f"--inject {args.fault}: rank {args.fault.rank} had "
@@ -413,6 +467,7 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> lis
     """The sharded-training section: one validated, timed row per mesh."""
     from .harness.composed import run_mesh
     from .harness.report import format_mesh_header, format_mesh_row
+    from .mpiutil import doing
 
     if not mcases:
         return []
@@ -428,6 +483,7 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> lis
     width = max(len(c.spec) for c in mcases)
     say(format_mesh_header(width), flush=True)
     for case in mcases:
+        doing(f"running the mesh {case.spec} {case.dtype}")
         res = run_mesh(case, world, backend, repeats=args.repeats, seed=args.seed,
                        timed=args.repeats > 0, fault=args.fault)
         rep = res.extra["report"]
@@ -454,7 +510,7 @@ def _self_test(args, world, cases, tcases, skips) -> int:
     """Every fault kind on every case: the clean run must pass, every fault must fail."""
     from .backends import get_backend
     from .harness.execute import run_case
-    from .mpiutil import limit_blas_threads
+    from .mpiutil import doing, limit_blas_threads
 
     p, rank = world.Get_size(), world.Get_rank()
     _threads = limit_blas_threads(args.threads)  # noqa: F841
@@ -472,6 +528,7 @@ def _self_test(args, world, cases, tcases, skips) -> int:
     say("-" * len(head))
     good = True
     for case in every:
+        doing(f"self-testing {case.label(p)} {case.dtype}")
         cells = []
         for kind in cols:
             fault = None if kind == "clean" else Fault(kind, target)

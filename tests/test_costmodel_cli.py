@@ -53,6 +53,7 @@ def test_explore_explicit_paths_and_machine_file(tmp_path, capsys):
 
     mfile = tmp_path / "m.json"
     load_preset("frontera-rtx").save(mfile)
+    (tmp_path / "a").mkdir()                  # summasim creates no folder it was not asked for
     rc = cli_main(["explore", *SMALL, "--machine", str(mfile), "--no-iso", "--mode", "paper",
                    "--csv", str(tmp_path / "a" / "t.csv")])
     out = capsys.readouterr().out

@@ -70,6 +70,7 @@ def test_memoized_paths_leave_the_ranking_unchanged():
 
 def test_cli_prints_top_ten_writes_json_and_plot(tmp_path, capsys):
     js, png = tmp_path / "out" / "plan.json", tmp_path / "out" / "plan.png"
+    js.parent.mkdir()                         # summasim creates no folder it was not asked for
     rc = main([*SMALL, "--json", str(js), "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0

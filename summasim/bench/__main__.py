@@ -72,11 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     """Parse and check the arguments (pure, every rank); :class:`~summasim.cli.UsageError`
-    on a mistake. No benchmark named (only options, or nothing): ``all``."""
+    on a mistake. No benchmark named (only options, or nothing): ``all``. ``--help`` is
+    printed by rank 0 only (the launcher's rank: every rank parses before MPI starts)."""
+    import contextlib
+    import io
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "all")
-    args = build_parser().parse_args(argv)
+    quiet = contextlib.redirect_stdout(io.StringIO()) if cli.launcher_rank() else \
+        contextlib.nullcontext()
+    with quiet:
+        args = build_parser().parse_args(argv)
     if args.what == "layer":
         layer.check(args)
     return args
@@ -99,13 +106,56 @@ def _preflight(args, world) -> str:
             why = BENCHMARKS[name].preflight(args, world, gpu)
             if why:
                 return why
+    nothing = {name: _nothing_to_measure(name, args, world.Get_size()) for name in runs}
+    if all(nothing.values()):
+        return "; ".join(f"{name} measures nothing: {why}" for name, why in nothing.items())
+    return ""
+
+
+def _reasons(skips, most: int = 3) -> str:
+    """The first ``most`` skips' reasons, one clause each."""
+    parts = [f"{sk.name}: {sk.reason}" for sk in skips[:most]]
+    return "; ".join(parts) + (f"; and {len(skips) - most} more" if len(skips) > most else "")
+
+
+def _nothing_to_measure(name: str, args, p: int) -> str:
+    """Why benchmark ``name`` would measure nothing at p ranks ("" when it measures
+    something): a benchmark that times nothing is a user error (exit status 2), found
+    before any work, not a run that prints only "skipped" and exits 0."""
+    import numpy as np
+
+    if name in ("allreduce", "ring-steps"):
+        return "" if p > 1 else ("a ring of one rank sends nothing; run it under "
+                                 "mpiexec -n 2 or more")
+    if name == "gemm":
+        from ..harness.plan import plan_products
+
+        cases, skips = plan_products(p, args.algorithms, (args.n,) * 3, None,
+                                     [np.dtype(given(args, "dtype", "float64")).name])
+        return "" if cases else (f"no product of --n {args.n} runs on p = {p} ranks "
+                                 f"({_reasons(skips)}); choose an --n that the grids divide")
+    if name == "transformer":
+        if getattr(args, "backend", "numpy") != "numpy":
+            return f"it times NumPy only, not --backend {args.backend}"
+        from ..harness.plan import plan_schemes
+        from ..transformer.schemes import SCHEMES
+        from .common import runtime_config
+
+        model, batch, dtype = transformer.model_of(args)
+        cases, skips = plan_schemes(p, SCHEMES, lambda _: runtime_config(model, dtype), batch)
+        return "" if cases else (f"no scheme's grid of p = {p} ranks divides the model "
+                                 f"({_reasons(skips)})")
+    if name == "mesh":
+        cases, skips, _ = mesh.plan_mesh_bench(args, p)
+        return "" if cases else (f"no composition runs on p = {p} ranks"
+                                 + (f" ({_reasons(skips)})" if skips else ""))
     return ""
 
 
 def _body(args, world) -> int:
     from ..backends import get_backend
     from ..comm import cores, default_wait_policy
-    from ..jsonio import write_json_atomic
+    from ..jsonio import write_report
     from ..mpiutil import limit_blas_threads
 
     p = world.Get_size()
@@ -132,7 +182,7 @@ def _body(args, world) -> int:
             continue
         ok = BENCHMARKS[name].run(bench) and ok
     if args.json and bench.rank == 0:
-        write_json_atomic(args.json, report)
+        ok = write_report(args.json, "bench", report, prog=PROG) and ok
     if not ok:
         say("a benchmarked result failed its check")
     return 0 if ok else 1

@@ -4,7 +4,14 @@
 throughput of all ranks at once before and after (:func:`node_memory_gibs`; on a shared VM
 it changes from launch to launch, and the largest sizes follow it). Each size's prediction
 prices its memory floor at the throughput read in every round of its repeats (the
-median)."""
+median).
+
+Each ratio printed is one statistic with its own interval: the median of the paired
+per-repeat ratios (:func:`paired_ratio`) beside the sign test's interval of that median
+(the ratio of the two medians, which drifts with the machine between repeats, is kept in
+the JSON as ``vs_plain`` and ``ratio`` but not printed, since the paired interval is not
+its interval and need not hold it). Each size is marked with the load of other processes
+while it ran (column ``load``; ``load`` and ``quiet`` in the JSON)."""
 
 from __future__ import annotations
 
@@ -295,6 +302,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
 
     from ..backends import get_backend
     from ..comm import Comm
+    from ..harness.load import LoadWatch, combine, mark, warning
     from ..harness.timing import time_contenders
     from ..mpiutil import agreement
 
@@ -306,8 +314,9 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
         f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
         f"{'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  "
-        f"check")
+        f"check  load")
     rows = []
+    watch = LoadWatch(world)
     try:
         for mib in sizes_mib:
             count = max(1, int(mib * 2**20) // np.dtype(dtype).itemsize)
@@ -340,8 +349,10 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                         sum(spans[k][j] for k in spans) for j in range(i)), step=len(calls))
                 return reps[0]
 
+            watch.lap()
             with agreement(False):    # interleaved, so that all see the same machine state
                 timed = time_contenders(calls, world, reps[0], after_round=after_round)
+            load = world.bcast(watch.lap(), root=0)
             t = {k: timed[k]["spans"] for k in calls}
             reps = reps[0]
             tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
@@ -357,21 +368,28 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                          "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
                          "predicted": pred, "ok": ok, "repeats": reps, "memory_gibs": mem,
                          "memory_readings": readings,
-                         "prediction_error": bp.prediction_error(pred, tr)})
+                         "prediction_error": bp.prediction_error(pred, tr),
+                         "load": load, "quiet": load and load["quiet"]})
             say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
-                f"{tp / tr:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
-                f"{tm / tr:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
+                f"{vp['median']:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
+                f"{vm['median']:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
                 f"{nbytes / tr / 1e9:>10.2f} "
                 + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
                    else f"{'-':>9} {'-':>9}")
                 + (f" {mem:>10.1f}" if mem is not None else f" {'-':>10}")
-                + f" {reps:>5}  {'OK' if ok else 'FAIL'}")
+                + f" {reps:>5}  {'OK' if ok else 'FAIL':<5} {mark(load)}")
     finally:
         comm.mpi.Free()
         raw.Free()
-    say("vs plain / vs MPI: their median time over the ring's (> 1: the ring is faster); "
-        "95% interval: of the median of the paired per-repeat ratios (faster/slower: the "
-        "interval excludes 1; tie: the difference is within the noise)")
+    say("vs plain / vs MPI: the median of the paired per-repeat ratios, their time over "
+        "the ring's (> 1: the ring is faster); 95% interval: of that same median (the sign "
+        "test's; faster/slower: the interval excludes 1; tie: the difference is within the "
+        "noise)")
+    busy = [r for r in rows if r["quiet"] is False]
+    line = warning(combine(r["load"] for r in busy),
+                   f"{len(busy)} of {len(rows)} sizes were timed (rows marked BUSY)")
+    if line:
+        say(line)
     tg = allreduce_targets(rows, p)
     say(f"targets at p = {p}: not slower than the plain ring at {tg['vs_plain']['met']}/"
         f"{tg['vs_plain']['sizes']} sizes from 64 KiB ({tg['vs_plain']['faster']} faster); "
@@ -392,6 +410,7 @@ def run(bench) -> bool:
     from mpi4py import MPI
 
     from summasim.harness.fitbench import MemoryProbe
+    from summasim.harness.report import mark_report
 
     args, world, say = bench.args, bench.world, bench.say
     host = bench.backend.name != "cupy"        # device arrays: host memory is not theirs
@@ -415,6 +434,7 @@ def run(bench) -> bool:
     finally:
         node.Free()
     bench.report["allreduce"] = rows
+    mark_report(bench.report, "allreduce", [r["load"] for r in rows])
     bench.report["node_memory_gibs"] = {"before": before, "after": after,
                                         "array_mib": NODE_MEMORY_MIB}
     if host:

@@ -11,7 +11,13 @@ import numpy as np
 from .. import cli
 
 DEFAULT_REPEATS = 3
+#: The most timed repeats a benchmark takes (each repeat is a full call of every
+#: contender: more only waits longer for the same medians).
+MAX_REPEATS = 1000
 DEFAULT_SIZES_MIB = "0.0625,0.25,1,4,16,64"
+#: The most message sizes one run takes (each is timed for seconds; the largest is
+#: bounded by the node's memory, checked before any work).
+MAX_SIZES = 32
 BACKENDS = ("numpy", "cupy", "staged-host")
 
 
@@ -33,18 +39,31 @@ def mib_list(text) -> list[float]:
             from None
     if not sizes or not all(math.isfinite(x) and x > 0 for x in sizes):
         raise argparse.ArgumentTypeError(f"must be positive numbers, got {text!r}")
+    if len(sizes) > MAX_SIZES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SIZES} sizes, got {len(sizes)}")
     return sizes
 
 
 # -- options ----------------------------------------------------------------------------
+def repeats_count(text) -> int:
+    """argparse type of ``--repeats``: an integer from 1 to :data:`MAX_REPEATS`."""
+    val = cli.positive_int(text)
+    if val > MAX_REPEATS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_REPEATS}, got {text!r}")
+    return val
+
+
 def add_repeats(ap, help_more: str = ""):
-    ap.add_argument("--repeats", type=cli.positive_int, default=None, metavar="N",
-                    help=f"timed repeats (default {DEFAULT_REPEATS}{help_more})")
+    ap.add_argument("--repeats", type=repeats_count, default=None, metavar="N",
+                    help=f"timed repeats, 1 to {MAX_REPEATS} (default {DEFAULT_REPEATS}"
+                         f"{help_more})")
 
 
 def add_json(ap):
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON "
-                                                    "(atomically)")
+    ap.add_argument("--json", metavar="PATH", type=cli.report_path("bench"),
+                    action=cli.ReportAction, help="also write the results as JSON "
+                                                  "(atomically; its folder must exist)")
+    cli.add_force(ap)
 
 
 def add_backend(ap, what: str):
@@ -63,7 +82,9 @@ def add_predict(ap, what: str):
 def add_sizes(ap):
     ap.add_argument("--sizes-mib", type=mib_list, default=mib_list(DEFAULT_SIZES_MIB),
                     metavar="MIB,...",
-                    help=f"all-reduce message sizes in MiB (default {DEFAULT_SIZES_MIB})")
+                    help=f"all-reduce message sizes in MiB, at most {MAX_SIZES} of them, the "
+                         f"largest as the node's memory allows (checked before any work; "
+                         f"default {DEFAULT_SIZES_MIB})")
     ap.add_argument("--np-empty", action="store_true",
                     help="message buffers as np.empty returns them (partly on huge pages, "
                          "by the luck of their alignment) instead of on huge pages from end "

@@ -2,7 +2,13 @@
 the ceiling: the single-process GEMM rate on this machine with all its cores, measured in
 the same run by rank 0 while the other ranks sleep (they wait without spinning, so they
 do not steal its cores). The ceiling is re-measured right before each algorithm and the
-ratio uses that adjacent value, because the machine's speed drifts (it is shared)."""
+ratio uses that adjacent value, because the machine's speed drifts (it is shared).
+
+Each row is marked with the load of other processes while its ceiling and its product
+ran (:class:`~summasim.harness.load.LoadWatch`, column ``load``): a ceiling measured
+under load is too low, and its "% ceiling" too high (above 100% here at n = 4096 on a
+busy machine), so such rows say so, in the table, in a warning and in the JSON
+(``load``, ``quiet``, ``ceiling_under_load``)."""
 
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
     harness's Freivalds check) on ``backend`` (default NumPy); return result rows."""
     from ..backends import get_backend
     from ..harness.execute import run_product
+    from ..harness.load import LoadWatch, combine, mark, warning
     from ..harness.plan import plan_products
 
     backend = backend or get_backend("numpy")
@@ -74,12 +81,14 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
                                        else "NumPy GEMM, all cores")
         + f", n = {n}, {np.dtype(dtype).name}, measured before each algorithm")
     say(f"{'algorithm':<14} {'grid':<9} {'n':>6} {'median s':>9} {'best s':>8} "
-        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check")
+        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check  load")
     cases, skips = plan_products(p, algorithms, (n, n, n), None, [np.dtype(dtype).name])
     for sk in skips:
         say(f"{sk.name:<14} skipped: {sk.reason}")
     rows = []
+    watch = LoadWatch(world)
     for case in cases:
+        watch.lap()                      # the load of this row: its ceiling and product
         ceiling = quiet_bcast(world, ceiling_gflops(n, dtype, repeats, backend=backend)
                               if rank == 0 else None)
         res = run_product(case, world, backend, repeats=repeats, method="freivalds")
@@ -87,13 +96,23 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
         t, best = res.seconds, min(spans)
         gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
         label = case.grid_label()
+        load = world.bcast(watch.lap(), root=0)
         rows.append({"algorithm": case.algorithm, "grid": label, "n": n,
                      "dtype": case.dtype, "seconds": t, "times": spans, "ok": res.ok,
                      "gflops": gf, "ceiling_gflops": ceiling, "fraction": gf / ceiling,
-                     "best_fraction": gf_best / ceiling})
+                     "best_fraction": gf_best / ceiling, "load": load,
+                     "quiet": load and load["quiet"],
+                     "ceiling_under_load": bool(load and load["quiet"] is False)})
         say(f"{case.algorithm:<14} {label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
             f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}%  "
-            f"{'OK' if res.ok else 'FAIL'}")
+            f"{'OK' if res.ok else 'FAIL':<5} {mark(load)}")
+    busy = [r for r in rows if r["ceiling_under_load"]]
+    line = warning(combine(r["load"] for r in busy),
+                   f"{len(busy)} of {len(rows)} products and their ceilings were measured "
+                   f"(rows marked BUSY)", "their ceilings were measured under load, so "
+                   "their % ceiling is not the algorithm's")
+    if line:
+        say(line)
     return rows
 
 
@@ -114,10 +133,15 @@ def preflight(args, world, gpu) -> str:
 
 
 def run(bench) -> bool:
-    """Time the products; rows under ``report["gemm"]``; True when all checked OK."""
+    """Time the products; rows under ``report["gemm"]``, their load under
+    ``report["load"]["gemm"]``; True when all checked OK."""
+    from ..harness.report import mark_report
+
     args = bench.args
     dtype = np.dtype(given(args, "dtype", "float64"))
     rows = bench_gemm(bench.world, args.n, dtype, repeats(args), args.algorithms, bench.say,
                       bench.backend)
     bench.report["gemm"] = rows
+    mark_report(bench.report, "gemm", [r["load"] for r in rows])
     return all(r["ok"] for r in rows)
+

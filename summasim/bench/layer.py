@@ -235,7 +235,7 @@ def run(args, world=None) -> dict:
     the results dict."""
     from threadpoolctl import threadpool_limits
 
-    from ..jsonio import write_json_atomic
+    from ..jsonio import write_report
 
     model = args.model
     batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
@@ -245,10 +245,17 @@ def run(args, world=None) -> dict:
     shape = {"model": str(model), "batch": batch, "dtype": dtype.name,
              "threads": args.threads, "repeats": args.repeats, "blocks": args.blocks,
              "torch": args.torch}
+    from ..harness.load import LoadWatch, combine, describe, warning
+
     results = {"shape": shape, "timing": [], "memory": []}
+    watch = LoadWatch(None)
     for threads in args.threads:
+        watch.lap()
         r = time_layer(model, batch, dtype, threads, args.repeats, args.torch, args.blocks)
+        r["load"] = watch.lap()
+        r["quiet"] = r["load"]["quiet"]
         results["timing"].append(r)
+        print(f"  threads={threads} load: {describe(r['load'])}")
         for name in ("numpy", "torch", "torch_manual_attn"):
             if name in r:
                 t = r[name]
@@ -258,6 +265,10 @@ def run(args, world=None) -> dict:
             print(f"  threads={threads} numpy/torch {r['ratio_vs_torch']:.3f}  "
                   f"numpy/torch(manual attention) {r['ratio_vs_torch_manual_attn']:.3f}  "
                   f"max rel diff vs torch {r['max_rel_diff_vs_torch']:.2e}")
+    results["load"] = combine(r["load"] for r in results["timing"])
+    line = warning(results["load"], "the layer was timed")
+    if line:
+        print(line)
     if not args.no_memory:
         with threadpool_limits(max(args.threads)):
             for ckpt in (False, True):
@@ -271,5 +282,5 @@ def run(args, world=None) -> dict:
         print(f"  checkpointing: peak x{on['peak_bytes']/off['peak_bytes']:.2f}, held after "
               f"forward x{on['held_after_forward_bytes']/off['held_after_forward_bytes']:.3f}")
     if args.json:
-        write_json_atomic(args.json, results)
+        write_report(args.json, "bench", results)
     return results

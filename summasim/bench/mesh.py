@@ -99,9 +99,11 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
     model); a failed validation fails the benchmark. The prediction prices each run's
     traced step with ``machine`` (none given: no prediction)."""
     from ..harness.composed import run_mesh
+    from ..harness.load import LoadWatch, mark, warn_busy
 
     p = world.Get_size()
     rows = []
+    watch = LoadWatch(world)
 
     def measure(case):
         res = run_mesh(case, world, backend, repeats=repeats)
@@ -119,15 +121,18 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
             f"{np.dtype(c0.dtype).name}; each run validated first; 'pure' is the same "
             f"scheme on all {p} ranks")
     head = (f"{'mesh':<28} {'zero':>4} {'sched':>5} {'m':>2} {'step s':>8} {'pred s':>8} "
-            f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}")
+            f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}  "
+            f"load")
     say(head)
     say("-" * len(head))
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     err = lambda pr, t: "-" if pr is None else f"{100 * (pr - t) / t:+.0f}%"  # noqa: E731
     for case in cases:
         pure = _pure_tensor(case, p)
+        watch.lap()
         res, pc = measure(case)
         pres, pp_ = measure(pure) if pure is not None else (None, None)
+        load = world.bcast(watch.lap(), root=0)
         t = res.seconds
         tp = pres.seconds if pres is not None else None
         ok = res.ok and (pres is None or pres.ok)
@@ -135,11 +140,14 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
                      "microbatches": case.microbatches, "ok": ok, "seconds": t,
                      "predicted": pc, "pure": pure.spec if pure else None,
                      "pure_seconds": tp, "pure_predicted": pp_,
-                     "ratio": (tp / t) if tp else None})
+                     "ratio": (tp / t) if tp else None, "load": load,
+                     "quiet": load and load["quiet"]})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule:>5} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
-            f"{(f'{tp / t:.2f}x') if tp else '-':>8}" + ("" if ok else "  FAILED validation"))
+            f"{(f'{tp / t:.2f}x') if tp else '-':>8}  {mark(load)}"
+            + ("" if ok else "  FAILED validation"))
+    warn_busy(rows, "meshes and their pure runs", say)
     return rows
 
 
@@ -149,6 +157,9 @@ def run(bench) -> bool:
     rows = bench_mesh(bench.world, cases, repeats(bench.args), bench.say, bench.machine(),
                       bench.backend)
     bench.report["mesh"] = rows
+    from ..harness.report import mark_report
+
+    mark_report(bench.report, "mesh", [r["load"] for r in rows])
     for sk in skips:
         bench.say(f"  skipped mesh {sk.name}: {sk.reason}")
     return all(r["ok"] for r in rows)

@@ -1,7 +1,9 @@
 """``bench transformer``: forward + backward time of each tensor-parallel scheme that fits
 p, on a one-layer model (default b=16, s=128, h=512, n=8, v=64, float32), next to the
 serial model on the same cores (rank 0 alone, all cores, the others asleep): the same
-total work, so the ratio is the parallel overhead."""
+total work, so the ratio is the parallel overhead. Each row is marked with the load of
+other processes while it and the serial baseline ran (column ``load``; ``load`` and
+``quiet`` in the JSON)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
     from threadpoolctl import threadpool_limits
 
     from ..comm import cores
+    from ..harness.load import LoadWatch, combine, mark, warn_busy
     from ..harness.shared import NodeShared
     from ..harness.timing import time_calls
     from ..mpiutil import agreement
@@ -78,6 +81,7 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
     p, rank = world.Get_size(), world.Get_rank()
     config = runtime_config(model, dtype)
     t_serial, inputs = None, None
+    watch = LoadWatch(world)          # the load of the serial baseline, then of each row
     if rank == 0:                     # the serial model, on rank 0 only
         params = serial.init_params(config, seed=0)
         rng = np.random.default_rng(0)
@@ -94,7 +98,7 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
                                   warmup=1)["median"]
         inputs = {"params": params, "tokens": tokens, "targets": targets}
         del params, tokens, targets
-    t_serial = quiet_bcast(world, t_serial)
+    t_serial, serial_load = quiet_bcast(world, (t_serial, watch.lap()))
     # the model and inputs, one read-only copy per node; each rank shards its own blocks
     shared = NodeShared(world, inputs)
     del inputs
@@ -102,7 +106,8 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
     say(f"transformer: b={b} s={config.seq} h={config.hidden} heads={config.heads} "
         f"vocab={v} layers={config.layers} {np.dtype(dtype).name}, checkpoint={checkpoint}; "
         f"serial forward+backward on {cores()} cores: {t_serial:.4f} s")
-    say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}")
+    say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}  load "
+        f"(with the serial run's)")
     rows = []
     for name, spec in SCHEMES.items():
         grids = spec.grids(p)
@@ -126,15 +131,20 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
                     module.backward(cache)
 
                 step()                                 # checked (agreed) once
+                watch.lap()
                 with agreement(False):
                     times = time_calls(step, world, repeats, adaptive=False)["spans"]
+                load = world.bcast(combine([serial_load, watch.lap()]), root=0)
             finally:
                 grid.free()
             t = statistics.median(times)
             rows.append({"scheme": name, "grid": label, "p": p,
                          "seconds": t, "times": times, "serial_seconds": t_serial,
-                         "ratio": t / t_serial})
-            say(f"{name:<9} {label:<9} {t:>9.4f} {min(times):>8.4f} {t / t_serial:>8.2f}x")
+                         "ratio": t / t_serial, "load": load,
+                         "quiet": load and load["quiet"]})
+            say(f"{name:<9} {label:<9} {t:>9.4f} {min(times):>8.4f} {t / t_serial:>8.2f}x  "
+                f"{mark(load)}")
+    warn_busy(rows, "schemes or the serial baseline", say)
     params = tokens = targets = None          # views of the window, then the window
     shared.free()
     return rows
@@ -142,8 +152,11 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
 
 def run(bench) -> bool:
     """Rows under ``report["transformer"]`` (timing only: True)."""
+    from ..harness.report import mark_report
+
     model, batch, dtype = model_of(bench.args)
-    bench.report["transformer"] = bench_transformer(
-        bench.world, model, batch, dtype, repeats(bench.args), bench.args.checkpoint,
-        bench.say)
+    rows = bench_transformer(bench.world, model, batch, dtype, repeats(bench.args),
+                             bench.args.checkpoint, bench.say)
+    bench.report["transformer"] = rows
+    mark_report(bench.report, "transformer", [r["load"] for r in rows])
     return True

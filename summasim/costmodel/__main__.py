@@ -44,6 +44,32 @@ def _threshold(text: str):
                                          f"got {text!r}") from None
 
 
+PROG = "python -m summasim.costmodel"
+#: The commands, one line each: the sub-parsers' help and the list that a bare
+#: ``python -m summasim.costmodel`` prints (``accuracy-worker`` is internal, not listed).
+COMMANDS = {
+    "predict": "one tensor grid or one composition (--mesh): step time, breakdown, memory "
+               "(no MPI)",
+    "plan": "the fastest dp x pp x tensor x ZeRO compositions that fit (no MPI)",
+    "explore": "scaling sweeps and what-ifs (no MPI)",
+    "devset": "the model against published GPU-cluster measurements (no MPI)",
+    "fit": "fit a machine from microbenchmarks (run under mpiexec)",
+    "accuracy": "predicted vs measured on this machine (launches mpiexec)",
+    "presets": "list presets, or print one as JSON",
+    "table1": "the Optimus paper's Table 1 from the model",
+}
+
+
+def command_list() -> str:
+    """The usage and one line per command: what a bare ``python -m summasim.costmodel``
+    prints (on stderr, exit status 2: a command is required, as argparse treats a
+    missing sub-command, and ``summasim.bench BENCHMARK --help`` lists its own)."""
+    width = max(map(len, COMMANDS))
+    return (f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help: its options)\n"
+            "commands:\n" + "".join(f"  {name:<{width}}  {what}\n"
+                                     for name, what in COMMANDS.items()))
+
+
 def _name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
@@ -58,10 +84,12 @@ def _fit_main(args, prog: str) -> int:
         return cli.print_error(prog, f"argument --out: {exc}")
     from mpi4py import MPI  # only the fit needs MPI
 
-    from ..mpiutil import abort_job
+    from ..mpiutil import abort_job, end_on_signals
     from summasim.harness.fitbench import run_fit
+    from summasim.harness.load import FitBusy
 
     comm = MPI.COMM_WORLD
+    end_on_signals(prog, comm.Get_rank())            # Ctrl-C: one line, not one per rank
     size = comm.Get_size()
     problem = None
     if size < 2:
@@ -81,11 +109,16 @@ def _fit_main(args, prog: str) -> int:
                           threshold=None if args.threshold == "auto" else args.threshold,
                           name=args.name, command=" ".join(["python -m summasim.costmodel"]
                                                            + sys.argv[1:]))
+    except FitBusy as exc:    # raised on every rank alike: a user-facing refusal
+        if comm.Get_rank() == 0:
+            cli.print_error(prog, str(exc))
+        return 2
     except Exception as exc:  # one rank failing must not leave the others waiting
         abort_job(comm, f"[fit] rank {comm.Get_rank()}: {type(exc).__name__}: {exc}\n")
         return 1
     if comm.Get_rank() == 0:
-        machine.save(args.out)
+        if not machine.save(args.out, prog=prog):
+            return 1
         print(f"[fit] wrote {args.out}", flush=True)
     return 0
 
@@ -95,25 +128,31 @@ def main(argv=None) -> int:
     from .tools import predict as predict_tool
     from .machine import get_machine, list_presets
 
-    ap = cli.ArgumentParser(prog="python -m summasim.costmodel",
-                            description="summasim cost model: predict, explore, fit, presets")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        sys.stderr.write(command_list())
+        return cli.print_error(PROG, "a command is required: " + ", ".join(COMMANDS))
+    ap = cli.ArgumentParser(prog=PROG, description="summasim cost model: "
+                            + ", ".join(COMMANDS) + " (COMMAND --help: its options)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     prp = predict_tool.build_parser(sub.add_parser(
-        "predict", help="one tensor grid or one composition (--mesh): step time, breakdown, "
-                        "memory (no MPI)",
+        "predict", help=COMMANDS["predict"],
         description=predict_tool.__doc__.splitlines()[0]))
     plp = plan_cli.build_parser(sub.add_parser(
-        "plan", help="the fastest dp x pp x tensor x ZeRO compositions that fit (no MPI)",
+        "plan", help=COMMANDS["plan"],
         description=plan_cli.__doc__.splitlines()[0]))
-    dsp = sub.add_parser("devset", help="the model against published GPU-cluster "
-                         "measurements (no MPI)", description=devset.__doc__.splitlines()[0])
-    dsp.add_argument("--json", default=None, metavar="PATH", help="write the table as JSON")
-    ep = explore_cli.build_parser(sub.add_parser("explore",
-                                                 help="scaling sweeps and what-ifs (no MPI)",
+    dsp = sub.add_parser("devset", help=COMMANDS["devset"], description=devset.__doc__.splitlines()[0])
+    dsp.add_argument("--json", default=None, metavar="PATH", type=cli.report_path("devset"),
+                     action=cli.ReportAction, help="write the table as JSON")
+    cli.add_force(dsp)
+    ep = explore_cli.build_parser(sub.add_parser("explore", help=COMMANDS["explore"],
                                                  description=explore_cli.__doc__.splitlines()[0]))
-    fp = sub.add_parser("fit", help="fit a machine from microbenchmarks (run under mpiexec)")
-    fp.add_argument("--out", default="results/machine.json",
-                    help="machine JSON to write (checked before the benchmarks)")
+    fp = sub.add_parser("fit", help=COMMANDS["fit"])
+    fp.add_argument("--out", type=cli.report_path("machine"), action=cli.ReportAction,
+                    default=cli.ReportPath("results/machine.json", "machine", default=True),
+                    help="machine JSON to write (checked before the benchmarks; its folder "
+                         "must exist unless it is the default)")
+    cli.add_force(fp)
     fp.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     fp.add_argument("--max-bytes", type=_max_bytes, default=None,
                     help="largest message, at least 64 B (default 64MiB, quick 4MiB)")
@@ -128,12 +167,10 @@ def main(argv=None) -> int:
                     help="eager/rendezvous split in bytes, or 'auto': the MPI library's own "
                          "(MPICH: 8192, its CMA threshold), else the best split")
     fp.add_argument("--name", type=_name, default=None, help="machine name")
-    pp = sub.add_parser("presets", help="list presets, or print one as JSON")
+    pp = sub.add_parser("presets", help=COMMANDS["presets"])
     pp.add_argument("name", nargs="?")
-    acc = sub.add_parser("accuracy", help="predicted vs measured on this machine (launches "
-                         "mpiexec)", description="The cost model's accuracy benchmark: "
+    acc = sub.add_parser("accuracy", help=COMMANDS["accuracy"], description="The cost model's accuracy benchmark: "
                          "predicted against measured, on this machine.")
-    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["accuracy"]:
         # the measuring side lives in the harness (it imports MPI): only for this command
         from ..harness import accuracy as harness_accuracy
@@ -143,7 +180,7 @@ def main(argv=None) -> int:
                         "worker: run under mpiexec")
     wp.add_argument("spec", help="JSON spec of the cases to time")
     wp.add_argument("out", help="JSON file rank 0 writes")
-    tp = sub.add_parser("table1", help="the Optimus paper's Table 1 from the model")
+    tp = sub.add_parser("table1", help=COMMANDS["table1"])
     for flag, default, what in (("--b", 8, "batch"), ("--s", 512, "sequence length"),
                                 ("--h", 1024, "hidden size"), ("--p", 16, "ranks"),
                                 ("--ffn", 4, "MLP multiplier f (the paper's 4)")):
@@ -164,9 +201,9 @@ def main(argv=None) -> int:
         rows = devset.evaluate_all()
         print(devset.format_table(rows))
         if args.json is not None:
-            from ..jsonio import write_json_atomic
+            from ..jsonio import write_report
 
-            write_json_atomic(args.json, {"points": rows, "summary": devset.summary(rows)})
+            write_report(args.json, "devset", {"points": rows, "summary": devset.summary(rows)})
             print(f"wrote {args.json}")
         return 0
     if args.cmd == "explore":

@@ -13,7 +13,6 @@ its validation stops the benchmark. Every mpiexec runs under ``timeout``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -167,9 +166,10 @@ def run(args) -> int:
             print(f"accuracy: --from needs {mpath} from an earlier run (run without --from "
                   f"first, or give its --out)", file=sys.stderr)
             return 2
-        with open(mpath, encoding="utf-8") as fh:
-            measured = {part: [MeasuredRun.from_dict(r) for r in runs]
-                        for part, runs in json.load(fh).items()}
+        from ..cli import read_json_file
+
+        measured = {part: [MeasuredRun.from_dict(r) for r in runs]
+                    for part, runs in read_json_file(mpath).items()}
         machine = given or Machine.load(mfile)
     else:
         if given is not None:

@@ -30,8 +30,16 @@ Every call is timed by the harness's one timer, :func:`summasim.harness.timing.t
 (after a barrier that waits without spinning). Each point is the fastest of several short
 repetitions (9 of about 0.5 ms with ``--quick``, else 21 of about 2 ms, each averaging
 enough iterations to last that long): on a shared machine other work only ever adds
-time, so the minimum over short repetitions estimates the machine itself. The fit warns
-when the load average exceeds the core count, and refuses
+time, so the minimum over short repetitions estimates the machine itself.
+
+Every fit takes the host's one fit lock (:class:`~summasim.harness.load.FitLock` on
+:data:`~summasim.harness.load.HOST_FIT_LOCK`; the main job's quick fit takes it too), so
+two fits never measure each other: the second waits for the first. Rank 0 measures the
+CPU of other processes (:mod:`summasim.harness.load`, this job's ranks excluded) just
+before the fit, in each of its phases and just after it; the fit is marked busy in
+``Machine.fit_conditions`` when any of them exceeds
+:data:`~summasim.harness.load.BUSY_CORES`, and every warning it prints about the load
+comes from those same readings. The fit refuses
 (:class:`~summasim.costmodel.machine.regression.FitRejected`) a machine that
 :func:`~summasim.costmodel.machine.sanity_problems` finds implausible.
 
@@ -59,6 +67,7 @@ from ..costmodel.machine.regression import (MiB, FitRejected, fit_regimes,
                                             library_eager_threshold, log_sizes,
                                             median_rel_err, split_huge)
 from ..mpiutil import quiet_barrier
+from . import load as _load
 from .timing import time_calls
 
 
@@ -280,8 +289,11 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             group_sizes: Sequence[int] | None = None, gemm_sizes: Sequence[int] | None = None,
             dtypes: Sequence[str] = ("float64", "float32"), threshold: int | None = None,
             name: str | None = None, command: str | None = None,
-            say: Callable[[str], None] | None = None, check: bool = True) -> Machine | None:
-    """Run the microbenchmarks on ``comm`` (COMM_WORLD) and fit a Machine.
+            say: Callable[[str], None] | None = None, check: bool = True,
+            before: dict | None = None, exclude: Sequence[int] = (),
+            lock_wait: float = _load.LOCK_WAIT) -> Machine | None:
+    """Run the microbenchmarks on ``comm`` (COMM_WORLD) and fit a Machine, holding the
+    host's fit lock and recording the load around it in ``fit_conditions``.
 
     Parameters
     ----------
@@ -309,20 +321,30 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
     check : bool
         Refuse a fit that :func:`~summasim.costmodel.machine.sanity_problems` finds
         implausible (default); False returns it anyway (to inspect it).
+    before : dict, optional
+        The caller's :func:`~summasim.harness.load.snapshot` that decided to fit (so
+        that the decision and the fit's own warnings rest on one reading); default:
+        taken here once the lock is held (also when waiting for the lock made it old).
+    exclude : sequence of int
+        More pids whose CPU is ours (the other ranks of a job that fits on a part of
+        its ranks).
+    lock_wait : float
+        Longest wait, in seconds, for another fit to release the host's fit lock.
 
     Returns
     -------
-    Machine on rank 0, None on the other ranks.
+    Machine on rank 0 (``fit_conditions`` set), None on the other ranks.
 
     Raises
     ------
+    FitBusy
+        On every rank, when another fit held the lock for longer than ``lock_wait``.
     FitRejected
         On every rank, when ``check`` and the fitted machine has problems (an
         infinite bandwidth, a zero latency, GEMM far slower with all ranks busy than
         one process alone, ...).
     """
     from mpi4py import MPI
-    from threadpoolctl import threadpool_limits
 
     comm = comm or MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -330,17 +352,53 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         raise ValueError("the fit needs at least 2 MPI ranks (mpiexec -n 2 ...)")
     if say is None:
         say = (lambda msg: print(f"[fit] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    pids = [int(x) for x in comm.allgather(os.getpid())] + [int(x) for x in exclude]
+    lock = _load.FitLock(_load.HOST_FIT_LOCK) if rank == 0 else None
+    got = True
+    if rank == 0:
+        try:
+            got = lock.acquire(say, lock_wait, what="another fit is measuring this machine",
+                               then="waiting for it: two fits at once would measure each "
+                                    "other")
+        except OSError as exc:
+            say(f"WARNING: cannot open the fit lock {lock.lock_path} ({exc.strerror}); "
+                f"fitting without it")
+            lock = None
+    _sleep_barrier(comm)
+    got = comm.bcast(got, root=0)
+    if not got:
+        raise _load.FitBusy(f"another fit held {_load.HOST_FIT_LOCK + '.lock'} for more than "
+                            f"{lock_wait:.0f} s; try again when it is done")
+    try:
+        return _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes,
+                               threshold, name, command, say, check, pids,
+                               None if lock is not None and lock.waited > 0.5 else before)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, threshold,
+                    name, command, say, check, pids, before):
+    """:func:`run_fit` once the fit lock is held."""
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_limits
+
+    rank, size = comm.Get_rank(), comm.Get_size()
     cores = _cores()
     if size > cores:
         say(f"WARNING: {size} ranks on {cores} cores: waiting ranks spin and share the cores; "
             f"the measured numbers include time-sharing")
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):  # pragma: no cover
-        load = 0.0
-    if load > cores:
-        say(f"WARNING: load average {load:.1f} on {cores} cores: other work is running, "
-            f"expect noisy numbers (each point keeps the fastest repetition)")
+    watch = None
+    if rank == 0:
+        before = before or _load.snapshot(0.3, exclude=pids)
+        if before["foreign_cpu"] > _load.BUSY_CORES:
+            say(f"WARNING: other processes use {before['foreign_cpu']:.2f} cores now (load "
+                f"average {before['loadavg']:.1f}, this job's ranks included): expect noisy "
+                f"numbers (each point keeps the fastest repetition); the fit will be marked "
+                f"busy")
+        watch = _load.LoadWatch(None, exclude=pids)
+    laps = []
     max_bytes = max_bytes or (4 * MiB if quick else 64 * MiB)
     sizes = log_sizes(8, max_bytes, 4 if quick else 2)
     reps = 9 if quick else 21
@@ -356,6 +414,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         t = bench.pingpong(s)
         pp.append(t)
         say(f"  ping-pong {s:>10d} B  {t * 1e6:10.2f} us  {s / t / 1e9 if t else 0:7.2f} GB/s")
+    laps.append(watch and watch.lap())
     say("ring sendrecv (every rank to its right neighbour)")
     ring = []
     ring_sizes = sizes[::2] if not quick else sizes
@@ -364,6 +423,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         ring.append(t)
         say(f"  ring      {s:>10d} B  {t * 1e6:10.2f} us")
 
+    laps.append(watch and watch.lap())
     if group_sizes is None:
         group_sizes = sorted({g for g in (2 ** i for i in range(1, size.bit_length()))
                               if g <= size} | {size})
@@ -384,6 +444,7 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             sub.Free()
         comm.Barrier()
 
+    laps.append(watch and watch.lap())
     if gemm_sizes is None:
         gemm_sizes = (64, 256, 1024) if quick else (32, 64, 128, 256, 512, 1024, 2048)
     gamma_gemm = {}
@@ -410,7 +471,9 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
         gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
         gr = float(np.median(comm.allgather(gr)))
         say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
+    laps.append(watch and watch.lap())
     bandwidth, cache = node_memory(comm, say)
+    laps.append(watch and watch.lap())
 
     if rank != 0:
         problems = comm.bcast(None, root=0)
@@ -481,6 +544,18 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             say(f"check: {op:<9s} median rel err {err:.1%} (model: {', '.join(algs)}"
                 f"{'; gamma_reduce fitted on its large points' if op != 'bcast' else ''})")
     machine = machine.replace(notes={**machine.notes, "check_median_rel_err": checks})
+    during = _load.combine(laps)
+    conditions = _load.fit_conditions(before, _load.snapshot(0.3, exclude=pids), during)
+    machine = machine.replace(fit_conditions=conditions)
+    worst = max(conditions["foreign_cpu_before"], conditions["foreign_cpu_after"],
+                conditions.get("foreign_cpu_during", 0.0))
+    if conditions["busy"]:
+        say(f"WARNING: other processes used up to {worst:.2f} cores before, during or after "
+            f"the fit (limit {_load.BUSY_CORES}): it is marked busy (fit_conditions), and "
+            f"every run that uses it says so")
+    else:
+        say(f"load: quiet before, during and after the fit (other processes used at most "
+            f"{worst:.2f} cores)")
     problems = sanity_problems(machine) if check else []
     for line in problems:
         say(f"REFUSED: {line}")

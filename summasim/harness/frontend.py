@@ -1,5 +1,6 @@
 """What every MPI front-end shares: user errors reported once, with exit status 2,
-before any work; everything else aborts the whole job with its traceback.
+before any work; everything else aborts the whole job with its traceback; nothing
+waits forever.
 
     def main(argv=None):
         return mpi_main(lambda: parse(argv), preflight, body, prog="python -m summasim.x")
@@ -8,7 +9,17 @@ before any work; everything else aborts the whole job with its traceback.
 :class:`summasim.cli.UsageError` (the one user-error exception);
 ``preflight(args, world)`` runs on rank 0 only (files, memory, paths) and returns an
 error message or ""; rank 0's answer is broadcast, so every rank stops alike.
-``body(args, world)`` is the work, under :func:`summasim.mpiutil.abort_on_error`.
+``body(args, world)`` is the work.
+
+The preflight, the broadcast and the body all run under one guard
+(:func:`summasim.mpiutil.abort_on_error`): a preflight that raises a user error
+(``UsageError``, or the ``ValueError``/``OSError`` of reading a user's file) is that
+error's one line and exit 2 on every rank; anything else it raises (a
+``RecursionError``, a ``MemoryError``, a bug) prints rank 0's traceback and aborts the
+job, so the other ranks never wait in the broadcast. A rank that leaves the body by
+``SystemExit`` while the others work on would leave them waiting in their next
+collective: it aborts the job too, naming the rank. SIGINT and SIGTERM end the job
+with one line (:func:`summasim.mpiutil.end_on_signals`).
 """
 
 from __future__ import annotations
@@ -46,6 +57,21 @@ def check_outputs(json_path: str | None, machine: str | None) -> str:
     return ""
 
 
+#: What a preflight may raise for a mistake in the user's input: one line, exit 2.
+USER_ERRORS = (UsageError, ValueError, OSError)
+
+
+def _preflight_message(preflight, args, world) -> str:
+    """Rank 0's preflight verdict: its message, or a user error it raised as one line.
+    Anything else propagates (to the guard, which aborts the job)."""
+    try:
+        return preflight(args, world) or ""
+    except USER_ERRORS as e:
+        from ..cli import one_line
+
+        return one_line(str(e) or type(e).__name__)
+
+
 def mpi_main(parse, preflight, body, prog: str) -> int:
     """Run a front-end (see the module doc); returns the exit status."""
     try:
@@ -54,16 +80,25 @@ def mpi_main(parse, preflight, body, prog: str) -> int:
         args, err = None, str(e)
     from mpi4py import MPI
 
+    from ..mpiutil import abort_job, abort_on_error, doing, end_on_signals
+
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    if not err and preflight is not None:
-        err = preflight(args, world) if rank == 0 else None
-        err = world.bcast(err, root=0)
-    if err:
-        if rank == 0:
-            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    from ..mpiutil import abort_on_error
-
+    end_on_signals(prog, rank)
     with abort_on_error(world):
-        return body(args, world)
+        if not err and preflight is not None:
+            doing("in the preflight" if rank == 0 else "waiting for rank 0's preflight")
+            err = _preflight_message(preflight, args, world) if rank == 0 else None
+            err = world.bcast(err, root=0)
+        if err:
+            if rank == 0:
+                print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+            return 2
+        doing("starting the work")
+        try:
+            return body(args, world)
+        except SystemExit as e:
+            abort_job(world, f"[rank {rank}/{world.Get_size()}] left the job early (exit "
+                             f"status {e.code}) while the other ranks work on, aborting the "
+                             f"job: it was {doing()}\n")
+            return 1

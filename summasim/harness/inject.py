@@ -17,6 +17,13 @@ drop       one block is left unreduced: a product's block misses the summand of
            own contribution instead of the sum
 =========  ====================================================================
 
+Which checks can catch which fault: :func:`uncatchable` says why a product check
+method cannot promise to catch a fault (``perturb`` in single precision under
+``freivalds``, whose row threshold is about n times the per-entry bound), and
+:func:`check_method` picks the method a product run uses under a fault (``auto``
+checks exactly then). ``summasim.run`` refuses the first up front and reports any
+fault that was applied but not caught as a failure.
+
 The entry is the one of largest magnitude in the rank's output (for a training
 step: in the rank's local gradient of the first weight), so ``perturb`` is not lost
 next to a larger entry.
@@ -70,6 +77,40 @@ class Fault:
 
     def __str__(self):
         return f"{self.kind}@{self.rank}"
+
+
+def _single(dtype) -> bool:
+    return np.finfo(np.dtype(dtype)).eps > 1e-10
+
+
+def uncatchable(fault: Fault | None, method: str, dtypes) -> str:
+    """Why the product check ``method`` ("auto", "exact", "freivalds") cannot promise
+    to catch ``fault`` in some dtype of ``dtypes``, or "" (it can, or no fault).
+
+    ``perturb`` in single precision changes one entry by 1e-2 of its value; a
+    ``freivalds`` check compares whole rows against a threshold about n_J times the
+    per-entry bound, which in float32 reaches that size from n_J of a few hundred, so
+    the fault can pass unseen. In double precision (1e-6 against a bound near 1e-13 per
+    entry) and under ``exact`` it is caught; ``auto`` checks exactly under this fault
+    (:func:`check_method`). ``nan``, ``inf`` and ``drop`` are caught by every method.
+    """
+    if fault is None or fault.kind != "perturb" or method != "freivalds":
+        return ""
+    single = [str(np.dtype(d)) for d in dtypes if _single(d)]
+    if not single:
+        return ""
+    return (f"--inject {fault} with --check freivalds in {', '.join(single)}: the fault "
+            f"changes one entry by {PERTURB_SINGLE:g} of its value, below the Freivalds "
+            f"row threshold (about n times the per-entry bound), so it could pass unseen; "
+            f"use --check exact or auto (which checks exactly under this fault)")
+
+
+def check_method(fault: Fault | None, method: str, dtype) -> str:
+    """The product check method of a run in ``dtype`` under ``fault``: ``method``, except
+    that ``auto`` becomes ``exact`` where a Freivalds check could miss the fault."""
+    if method == "auto" and uncatchable(fault, "freivalds", [dtype]):
+        return "exact"
+    return method
 
 
 def _target(x: np.ndarray) -> tuple:

@@ -27,7 +27,10 @@ Trust rules for the fit (4):
   GEMM, and every later run reused it: prediction error 12.7 % -> 87 %).
 - **Busy fits are marked.** Rank 0 measures the CPU used by processes outside this job
   (:func:`summasim.harness.load.foreign_cpu`, the job's own ranks excluded) just before
-  and after the fit; above :data:`~summasim.harness.load.BUSY_CORES` cores the fit is
+  the fit (the reading that decides to fit, handed to ``run_fit`` so that the fit warns
+  from the same reading), in each phase of it and just after it
+  (:func:`~summasim.harness.fitbench.run_fit`, which also holds the host's one fit lock);
+  above :data:`~summasim.harness.load.BUSY_CORES` cores in any of them the fit is
   saved with ``fit_conditions["busy"] = True``, and every later run that uses it says so
   and how to refit (it refits by itself once the machine is quiet).
 - **Impossible fits are refused.** A fit that ``sanity_problems`` refuses (zero latency,
@@ -45,13 +48,11 @@ run-level models are borrowed. The run prints which parts come from where.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import os
 import re
-import time
 
 from ..costmodel.machine import (Machine, list_presets, load_machine, load_preset,
                                  sanity_problems)
@@ -68,7 +69,7 @@ FIT_RANKS = 2
 #: Seconds of each foreign-load reading around a fit.
 LOAD_INTERVAL = 0.3
 #: Longest wait for another job's fit (then: the preset, said so).
-LOCK_WAIT = 600.0
+LOCK_WAIT = load.LOCK_WAIT
 #: Largest relative difference of link times at which a fit "is" the preset's machine.
 MATCH_TOLERANCE = 0.25
 
@@ -137,52 +138,8 @@ def _sleep_barrier(world) -> None:
     quiet_barrier(world, longest=0.02)
 
 
-class FitLock:
-    """An exclusive ``fcntl.flock`` on ``path + ".lock"`` (the lock file stays; removing
-    it would let two jobs lock two different files)."""
-
-    def __init__(self, path: str):
-        self.lock_path = os.fspath(path) + ".lock"
-        self.fd = None
-
-    def acquire(self, say, max_wait: float = LOCK_WAIT) -> bool:
-        """Take the lock, waiting (asleep) at most ``max_wait`` seconds; False on
-        timeout. OSError when the lock file cannot be created."""
-        import fcntl
-
-        os.makedirs(os.path.dirname(os.path.abspath(self.lock_path)), exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        t0 = time.monotonic()
-        told = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
-                    raise
-            if not told:
-                say(f"cost model: another job is fitting the machine ({self.lock_path} is "
-                    f"locked); waiting for its fit instead of measuring against it")
-                told = True
-            if time.monotonic() - t0 > max_wait:
-                os.close(fd)
-                return False
-            time.sleep(0.05)
-        self.fd = fd
-        if told:
-            say(f"cost model: the other job's fit is done after "
-                f"{time.monotonic() - t0:.1f} s")
-        return True
-
-    def release(self) -> None:
-        if self.fd is not None:
-            import fcntl
-
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+#: The lock of a machine file (the same class as the host-wide lock every fit takes).
+FitLock = load.FitLock
 
 
 # --------------------------------------------------------------------------- preset parts
@@ -450,13 +407,10 @@ def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save)
         say("cost model: the quick fit is refused, not saved and not used: "
             + "; ".join(rejected) + f". Using the preset {preset} instead")
         return load_preset(preset).to_dict()
-    after = load.snapshot(LOAD_INTERVAL, exclude=pids)
-    worst = max(before["foreign_cpu"], after["foreign_cpu"])
-    conditions = {"foreign_cpu_before": before["foreign_cpu"],
-                  "foreign_cpu_after": after["foreign_cpu"],
-                  "loadavg": max(before["loadavg"], after["loadavg"]),
-                  "time": before["time"], "limit": load.BUSY_CORES,
-                  "busy": bool(worst > load.BUSY_CORES)}
+    # run_fit marks its machine from the snapshot that decided to fit (``before``), the
+    # load during the fit and a snapshot after it; measure here only when it did not
+    conditions = fitted.fit_conditions or load.fit_conditions(
+        before, load.snapshot(LOAD_INTERVAL, exclude=pids))
     machine = compose_with_preset(fitted.replace(fit_conditions=conditions), say, preset)
     problems = sanity_problems(machine)
     if problems:
@@ -532,8 +486,12 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
             for attempt in (1, 2):      # a noisy fit is tried once more before giving up
                 try:
                     fitted = _fit.run_fit(sub, quick=True, gemm_sizes=QUICK_GEMM_SIZES,
-                                          say=lambda m: say(f"  {m}"))
+                                          say=lambda m: say(f"  {m}"), before=plan["fit"],
+                                          exclude=pids)
                     rejected = None
+                    break
+                except load.FitBusy as exc:
+                    rejected = [str(exc)]
                     break
                 except _fit.FitRejected as exc:
                     rejected = exc.problems

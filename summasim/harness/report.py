@@ -47,7 +47,9 @@ def prediction_error(predicted, measured) -> float | None:
     return (predicted - measured) / measured
 
 
-def format_row(res, predicted=None) -> str:
+def format_row(res, predicted=None, load: dict | None = None) -> str:
+    """One row of the products' table; ``  BUSY n.nn`` after it when other processes
+    used more than the limit's cores while it ran (``load``)."""
     c, chk = res.case, res.check
     pe = prediction_error(predicted, res.seconds)
     return _line((c.algorithm, c.grid_label(res.p), shapes_label(c), c.dtype, _err(chk.error),
@@ -56,11 +58,13 @@ def format_row(res, predicted=None) -> str:
                   f"{res.bytes_per_rank / 2**20:.2f}", str(res.messages_per_rank),
                   f"{res.peak_rss / 2**20:.0f}",
                   "-" if predicted is None else f"{predicted:.4f}",
-                  "-" if pe is None else f"{100 * pe:+.0f}%"))
+                  "-" if pe is None else f"{100 * pe:+.0f}%")) + (
+        f"  BUSY {load['foreign_cpu']:.2f}" if load and load["quiet"] is False else "")
 
 
-def row_record(res, predicted=None) -> dict:
-    """The JSON record of a product or ring result."""
+def row_record(res, predicted=None, load: dict | None = None) -> dict:
+    """The JSON record of a product or ring result (``load``: the other processes' load
+    while it ran, :func:`~summasim.harness.load.interval_load`; ``quiet`` from it)."""
     c, chk = res.case, res.check
     t = res.seconds
     it = 8 if c.dtype == "float64" else 4
@@ -74,7 +78,8 @@ def row_record(res, predicted=None) -> dict:
             "gbytes_per_s": (c.n * it / t / 1e9) if c.kind == "ring" and t > 0 else None,
             "bytes_per_rank": res.bytes_per_rank, "messages_per_rank": res.messages_per_rank,
             "peak_rss_bytes": res.peak_rss, "predicted": predicted,
-            "prediction_error": prediction_error(predicted, t), "fault": res.fault}
+            "prediction_error": prediction_error(predicted, t), "fault": res.fault,
+            "load": load, "quiet": None if load is None else load["quiet"]}
 
 
 TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "bound",
@@ -120,15 +125,51 @@ def transformer_record(rep) -> dict:
     return dict(asdict(rep), prediction_error=rep.prediction_error)
 
 
-def prediction_summary(pairs) -> dict | None:
-    """MAPE and worst case of ``[(predicted, measured, label), ...]`` (None if empty)."""
+def prediction_summary(pairs, load: dict | None = None) -> dict | None:
+    """MAPE and worst case of ``[(predicted, measured, label), ...]`` (None if empty);
+    with ``load`` (the run's :func:`~summasim.harness.load.interval_load` record), also
+    the load the measurements were taken under (``load``, ``quiet``): a prediction of a
+    quiet machine compared with a time taken while other work ran is off by that work."""
     errs = [(abs(prediction_error(p, m)), label) for p, m, label in pairs
             if prediction_error(p, m) is not None]
     if not errs:
         return None
     worst, wlabel = max(errs, key=lambda e: e[0])
-    return {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
-            "worst_run": wlabel, "count": len(errs)}
+    out = {"mape": sum(e for e, _ in errs) / len(errs), "worst": worst,
+           "worst_run": wlabel, "count": len(errs)}
+    if load is not None:
+        out.update(load=load, quiet=load["quiet"])
+    return out
+
+
+def format_prediction_summary(summary: dict, machine_name: str) -> str:
+    """The line of the prediction error, and, when the run was not quiet (or its load
+    unknown), why the error is not the cost model's alone."""
+    line = (f"cost model ({machine_name}): MAPE {100 * summary['mape']:.1f}% over "
+            f"{summary['count']} runs, worst {100 * summary['worst']:.1f}% "
+            f"({summary['worst_run']})")
+    if "quiet" not in summary:
+        return line
+    from .load import describe
+
+    if summary["quiet"] is False:
+        busy = describe(summary["load"])[len("BUSY: "):]
+        return (line + f"\n  WARNING: measured while other work ran ({busy}): "
+                f"the times include it and the predictions (of a quiet machine) do not; "
+                f"rerun on a quiet machine before trusting this error")
+    if summary["quiet"] is None:
+        return line + "\n  note: the load was not measured (no /proc, no load average)"
+    return line + f"; the machine was {describe(summary['load'])}"
+
+
+def mark_report(report: dict, name: str, loads) -> dict | None:
+    """Set ``report["load"][name]`` to the busiest of a benchmark's interval loads
+    (:func:`~summasim.harness.load.combine`: ``quiet`` only when all were); return it."""
+    from .load import combine
+
+    out = combine(loads)
+    report.setdefault("load", {})[name] = out
+    return out
 
 
 # loss err and grad err: max |par - ser| / max |ser| against ``bound`` (validate.

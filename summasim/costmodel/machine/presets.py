@@ -44,8 +44,9 @@ def get_machine(machine: Any = None, preset: str | None = None) -> Machine:
 def load_machine(text: "str | Machine") -> Machine:
     """THE resolver of ``--machine FILE|PRESET``: an existing file is a machine JSON
     (``costmodel fit``'s output, or a preset copied and edited); any other text is a
-    preset name. ``ValueError`` (or ``OSError`` for an unreadable file) otherwise, naming
-    the known presets."""
+    preset name. A file is read by :func:`summasim.cli.read_json_file` (regular files
+    only, bounded size and nesting). ``ValueError`` (a :class:`summasim.cli.UsageError`
+    naming the file when it cannot be read) otherwise, naming the known presets."""
     import os
 
     if isinstance(text, Machine):

@@ -43,12 +43,13 @@ simplest model that conserves core-seconds; it does not capture who waits for wh
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ...jsonio import write_json_atomic
+from ...cli import REPORT_FIELD, read_json_file
+from ...jsonio import write_report
 from ..compute.roofline import Device
 from .link import DTYPE_SIZES, Link, SharedCore, _dtype_name, _no_extra, _number, _require
 from .topology import Topology
@@ -352,7 +353,7 @@ class Machine:
     _TOP = ("format", "name", "source", "cores", "node_size", "memory_bytes", "shared_comm",
             "intra", "inter", "gamma_gemm", "gamma_reduce", "gamma_reduce_mpi", "call_seconds",
             "gamma_elementwise", "layer_seconds", "shared_core", "notes", "fit_conditions",
-            "library", "topology", "device", "memory_bandwidth", "cache_bytes")
+            "library", "topology", "device", "memory_bandwidth", "cache_bytes", REPORT_FIELD)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; :meth:`from_dict` of it gives back an equal Machine.
@@ -396,6 +397,9 @@ class Machine:
         fmt = d.get("format", FORMAT)
         if fmt != FORMAT:
             raise ValueError(f"machine field 'format' is {fmt!r}; expected {FORMAT!r}")
+        if d.get(REPORT_FIELD, "machine") != "machine":
+            raise ValueError(f"this is a summasim {d[REPORT_FIELD]!r} report, not a machine "
+                             f"(write one with `python -m summasim.costmodel fit`)")
         _no_extra(d, cls._TOP)
         name = _require(d, "name")
         source = _require(d, "source")
@@ -434,16 +438,20 @@ class Machine:
                    device=None if d.get("device") is None else Device.from_dict(d["device"]),
                    **host)
 
-    def save(self, path) -> None:
-        """Write JSON atomically (temp file in the same folder, then ``os.replace``)."""
-        write_json_atomic(path, self.to_dict())
+    def save(self, path, prog: str | None = None) -> bool:
+        """Write JSON atomically (temp file in the same folder, then ``os.replace``),
+        tagged as a ``machine`` report; a failed write is saved elsewhere and said
+        (:func:`summasim.jsonio.write_report`, whose ``prog`` this passes on)."""
+        return write_report(path, "machine", self.to_dict(), prog=prog)
 
     @classmethod
     def load(cls, path) -> "Machine":
-        """Read a machine JSON file (see :meth:`from_dict` for validation)."""
-        with open(path, encoding="utf-8") as fh:
-            try:
-                d = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(d)
+        """Read a machine JSON file the user named (:func:`summasim.cli.read_json_file`:
+        regular files only, bounded size and nesting, strict JSON; a
+        :class:`~summasim.cli.UsageError` naming the file otherwise), then validate it
+        (:meth:`from_dict`, whose ``ValueError`` is prefixed with the path)."""
+        d = read_json_file(path)
+        try:
+            return cls.from_dict(d)
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)}: {exc}") from None

@@ -75,8 +75,11 @@ def model_batch(args) -> tuple:
 
 def writable(flag: str, path: str, check=cli.check_writable_path) -> str:
     """``path`` once ``check`` (a file by default, or :func:`cli.check_writable_dir`) finds
-    it writable, else a UsageError naming ``flag``."""
+    it writable, else a UsageError naming ``flag``. A file named by ``--outdir`` (its
+    default name in that folder) gets the folder made: that is what ``--outdir`` asks."""
     try:
+        if flag == "--outdir" and check is cli.check_writable_path:
+            cli.check_writable_dir(os.path.dirname(os.path.abspath(path)))
         return check(path)
     except cli.UsageError as exc:
         raise _arg(flag, exc) from None

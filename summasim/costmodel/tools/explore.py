@@ -35,11 +35,11 @@ from summasim.costmodel.workload.predict import predict_algorithm
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
 from summasim.costmodel.workload.footprint import batch_step, largest_batch
 from summasim.costmodel.workload.layer import scheme_cost
-from summasim.costmodel.workload.step import step_breakdown
 from summasim.costmodel.machine.topology import Placement
 
 from . import scheme_grids
 from .isoefficiency import isoefficiency, paper_machine, reference_slope
+from .predict import step_breakdown_layers
 
 GiB = float(1 << 30)
 
@@ -76,12 +76,12 @@ def _price(sch, cfg, machine, mode, placement=None) -> _Priced:
     """The whole step on GPU machines (:func:`step_breakdown`), else N layers."""
     if gpu_machine(machine):
         try:
-            sb = step_breakdown(sch, cfg, machine, mode=mode, placement=placement)
+            sb = step_breakdown_layers(sch, cfg, machine, mode=mode, placement=placement)
         except ValueError:
             if placement is None or placement.policy == "row-major":
                 raise
             # the placement does not fit this grid: row-major instead
-            sb = step_breakdown(sch, cfg, machine, mode=mode)
+            sb = step_breakdown_layers(sch, cfg, machine, mode=mode)
         algs = "; ".join(f"{op}/{g}: {'+'.join(a)}" for (op, g), a in sorted(sb.algorithms.items()))
         return _Priced(sch, sb.seconds, sb.comm_exposed_seconds / sb.seconds if sb.seconds
                        else 0.0, sb.memory, algs)
@@ -126,7 +126,7 @@ def why_not(p, name, cfg, **kw) -> str:
 def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
                   mode: str = "mpich", weak: bool = False, budget: float = 0.0,
                   skipped: list | None = None, weak_rule: str = "batch",
-                  placement: Placement | None = None) -> list[dict]:
+                  placement: Placement | None = None, tick=None) -> list[dict]:
     """Rows ``{p, scheme, grid, b, h, n, step_s, speedup, efficiency, comm_frac, mem_gib,
     fits}``.
 
@@ -136,7 +136,8 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
     time of the same problem on one rank (Megatron with p = 1 is the serial model).
     Only grids that divide the model are priced (:func:`~.schemes.misfit`); a scheme
     with a grid of p ranks none of which divides it is appended to ``skipped`` as
-    ``{p, scheme, reason}``.
+    ``{p, scheme, reason}``. ``tick``, when given, is called once per p priced (a
+    progress bar's ``update``).
     """
     rows = []
     p0 = p_values[0]
@@ -161,6 +162,8 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
                          "comm_frac": best.comm_fraction, "mem_gib": mem / GiB,
                          "fits": (mem <= budget) if budget > 0 else None,
                          "algorithms": best.algorithms})
+        if tick is not None:
+            tick()
     # mark the fastest scheme at each p
     for p in p_values:
         mine = [r for r in rows if r["p"] == p]
@@ -216,16 +219,21 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
     return rows
 
 
-def iso_table(machine, p_values, E: float, cfg: TransformerConfig) -> tuple[list[dict], dict]:
-    """Fitted isoefficiency exponents (papers' assumptions and this machine)."""
+#: The problems of :func:`iso_table`, with the reference growth law of each.
+ISO_REFERENCES = {"megatron": "p^3", "optimus": "(sqrt(p) log p)^3",
+                  "summa25": "(sqrt(p) log p)^3", "cannon": "p^1.5", "summa": "p^1.5"}
+
+
+def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
+              tick=None) -> tuple[list[dict], dict]:
+    """Fitted isoefficiency exponents (papers' assumptions and this machine); ``tick``,
+    when given, is called once per problem fitted."""
     rows, curves = [], {}
     p4 = [p for p in p_values if p >= 16 and math.isqrt(p) ** 2 == p]
     if len(p4) < 2:
         return rows, curves
-    refs = {"megatron": "p^3", "optimus": "(sqrt(p) log p)^3", "summa25": "(sqrt(p) log p)^3",
-            "cannon": "p^1.5", "summa": "p^1.5"}
     paper = paper_machine()
-    for prob, ref in refs.items():
+    for prob, ref in ISO_REFERENCES.items():
         mode = "paper" if prob in SCHEMES else "mpich"
         r = isoefficiency(prob, E, p4, machine=paper, mode=mode, cfg=cfg.replace(N=1),
                           solver="illinois")
@@ -235,6 +243,8 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig) -> tuple[list
         rows.append({"problem": prob, "E": E, "p_range": f"{p4[0]}..{p4[-1]}",
                      "slope_paper_assumptions": r.slope, "slope_this_machine": rm.slope,
                      "reference": ref, "reference_slope": reference_slope(ref, p4)})
+        if tick is not None:
+            tick()
     return rows, curves
 
 

@@ -29,8 +29,9 @@ the whole training step of :func:`~summasim.costmodel.workload.step.step_breakdo
 
 ``--csv`` / ``--json`` write every table (atomically); ``--plot`` writes PNGs
 (scaling curves, isoefficiency) with matplotlib, or says how to install it.
-Files go under ``--outdir`` (default ./results). The model is analytic, so a sweep
-to p = 65536 takes well under a second.
+Files go under ``--outdir`` (default ./results). A sweep to p = 65536 on a GPU machine
+takes about a minute (each p prices whole steps; a progress bar shows on a terminal,
+or with ``--progress``); p stops at 2^16.
 
 Every argument is checked before the sweep (:func:`check_args`): the model parses
 (:meth:`summasim.spec.Model.parse`: positive sizes, heads dividing h), the machine
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import math
 import os
 import sys
 from typing import NamedTuple
@@ -59,21 +61,26 @@ from summasim import cli, options
 from summasim.costmodel.machine import DTYPE_SIZES, Machine
 from summasim.costmodel.workload.scheme import SCHEMES, TransformerConfig
 from summasim.costmodel.machine.topology import Placement
-from summasim.jsonio import write_json_atomic, write_text_atomic
+from summasim.jsonio import write_report, write_text_atomic
 
 from . import _cli, scheme_grids
-from ._cli import PLOT_HINT, fmt, model_batch, resolve_machine
-from .explore import (GiB, WEAK_RULES, batch_table, gpu_machine, iso_table, matmul_table,
+from ._cli import PLOT_HINT, fmt, model_batch, pick_dtype, resolve_machine
+from .predict import (DEFAULT_PRESET, MAX_SIZE, add_progress, check_sizes, progress_bar,
+                      size_help)
+from .explore import (GiB, ISO_REFERENCES, WEAK_RULES, batch_table, gpu_machine, iso_table, matmul_table,
                       p_range, scaling_table, why_not)
 
-#: Sweeps to thousands of ranks are about clusters: explore defaults to the H100 preset.
-EXPLORE_PRESET = "h100-dgx-ndr"
 #: The default problem: h = 8192, 64 heads, 24 layers, sequence 1024, a GPT vocabulary
 #: padded as Megatron-LM pads it, batch 64.
 EXPLORE_MODEL = "h=8192,heads=64,layers=24,seq=1024,vocab=51200"
 EXPLORE_BATCH = 64
-#: The largest --p-max: 2^40 ranks (the SUMMA2.5 grid search grows as p^(1/3)).
-MAX_P = 1 << 40
+#: The largest p of a sweep: 2^16 ranks, the default --p-max. A whole-step price on a
+#: GPU machine sends q broadcasts per product, so one p costs about sqrt(p) layers'
+#: work: the default sweep took 80 s on this 2-core VM under load (with a progress
+#: bar), to 2^20 more than 15 minutes, to 2^24 over 5 minutes and 4 GB unloaded.
+MAX_P = 1 << 16
+#: The most ranks ``--p`` may list (each is a row of every table).
+MAX_P_VALUES = 64
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -169,30 +176,36 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     :class:`summasim.cli.ArgumentParser`. Each is checked as it is parsed; what
     needs several of them is checked by :func:`check_args`."""
     ap = _cli.new_parser(parser, "explore", __doc__)
-    _cli.add_machine(ap, EXPLORE_PRESET)
+    _cli.add_machine(ap, DEFAULT_PRESET)
     ap.add_argument("--schemes", default=",".join(SCHEMES),
                     help="comma-separated: megatron,optimus,summa25")
     ap.add_argument("--p-min", type=cli.positive_int, default=1, help="smallest p (default 1)")
     ap.add_argument("--p-max", type=cli.positive_int, default=65536,
-                    help="largest p (default 65536, at most 2^40); p doubles from --p-min")
+                    help=f"largest p (default 65536, at most 2^16 = {MAX_P}); p doubles "
+                         f"from --p-min")
     ap.add_argument("--p", type=cli.int_list(minimum=1), default=None, metavar="P,P,...",
-                    help="explicit ranks, e.g. 4,16,36,64 (instead of --p-min/--p-max)")
+                    help=f"explicit ranks, e.g. 4,16,36,64 (instead of --p-min/--p-max; at "
+                         f"most {MAX_P_VALUES} of them, each at most 2^16)")
     ap.add_argument("--weak", choices=WEAK_RULES, default="batch",
                     help="weak scaling grows the batch (default), the hidden size and heads "
                          "with sqrt(p), or both")
     ap.add_argument("--placement", default="row-major",
                     help="ranks on nodes (GPU machines): row-major, blocked, blocked:AxB, "
                          "map:SLOT,SLOT,...")
-    options.add_model(ap, default=EXPLORE_MODEL)
-    options.add_batch(ap, default=EXPLORE_BATCH, help_more=" at the first p")
-    options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default="float32",
-                      help_more=" of parameters, activations and messages")
+    options.add_model(ap, default=EXPLORE_MODEL, help_more=f"; {size_help()}")
+    options.add_batch(ap, default=EXPLORE_BATCH, help_more=f" at the first p (at most "
+                                                           f"2^40 = {MAX_SIZE})")
+    options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
+                      help_more=" of parameters, activations and messages (default: as "
+                                "predict and plan, the first of "
+                                f"{', '.join(_cli.DEFAULT_DTYPES)} the machine has)")
     ap.add_argument("--no-checkpoint", action="store_true",
                     help="no activation checkpointing")
     ap.add_argument("--mode", choices=("mpich", "paper"), default="mpich",
                     help="collective formulas: MPICH's algorithms or the Optimus paper's")
     ap.add_argument("--matmul-n", type=cli.positive_int, default=32768,
-                    help="n of the n x n matrix products")
+                    help=f"n of the n x n matrix products (default 32768, at most 2^40 = "
+                         f"{MAX_SIZE})")
     ap.add_argument("--efficiency", type=cli.float_range(0, 1, lo_open=True, hi_open=True),
                     default=0.5, help="isoefficiency target E, 0 < E < 1")
     ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
@@ -202,9 +215,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--csv", nargs="?", const="", default=None, metavar="FILE",
                     help="write the tables as CSV (default FILE: OUTDIR/explore.csv)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="FILE",
+                    type=cli.report_path("explore"), action=cli.ReportAction,
                     help="write the tables as JSON (default FILE: OUTDIR/explore.json)")
+    cli.add_force(ap)
     ap.add_argument("--plot", action="store_true", help="write PNG plots to OUTDIR")
     ap.add_argument("--no-iso", action="store_true", help="skip the isoefficiency fits")
+    add_progress(ap)
     return ap
 
 
@@ -231,7 +247,8 @@ def check_args(args) -> Plan:
 
     Checks what argparse's types cannot: the scheme names, that the machine loads
     and has GEMM rates for ``--dtype`` (and float64, for the matrix products),
-    ``--p-min <= --p-max <= 2^40``, that the output files and folder can be written (the folder is
+    ``--p-min <= --p-max <= 2^16`` (:data:`MAX_P`), at most :data:`MAX_P_VALUES` ranks in
+    ``--p``, sizes within :data:`~.predict.MAX_SIZE`, that the output files and folder can be written (the folder is
     created), and that some grid of the sweep divides the model.
     """
     schemes = tuple(s.strip() for s in str(args.schemes).split(",") if s.strip())
@@ -242,9 +259,7 @@ def check_args(args) -> Plan:
         if s not in SCHEMES:
             raise _arg("--schemes", f"unknown scheme {s!r}; known: {', '.join(SCHEMES)}")
     machine = resolve_machine(args.machine)
-    if args.dtype not in machine.gamma_gemm:
-        raise _arg("--dtype", f"machine {machine.name!r} has no GEMM rate for {args.dtype} "
-                              f"(it has {', '.join(machine.gamma_gemm)})")
+    dtype = pick_dtype(machine, args.dtype)
     if "float64" not in machine.gamma_gemm:
         raise _arg("--machine", f"machine {machine.name!r} has no float64 GEMM rate, which "
                                 f"the n x n matrix products need (it has "
@@ -253,15 +268,20 @@ def check_args(args) -> Plan:
         raise _arg("--p-max", f"must be >= --p-min, got --p-min {args.p_min} and "
                               f"--p-max {args.p_max}")
     if args.p_max > MAX_P:
-        raise _arg("--p-max", f"at most 2^40 = {MAX_P}, got {args.p_max}")
+        raise _arg("--p-max", f"at most 2^16 = {MAX_P}, got {args.p_max}")
+    if args.matmul_n > MAX_SIZE:
+        raise _arg("--matmul-n", f"at most 2^40 = {MAX_SIZE}, got {args.matmul_n}")
     model, batch = model_batch(args)
+    check_sizes(model, batch)
     cfg = TransformerConfig.from_model(model, batch, checkpoint=not args.no_checkpoint,
-                                       dtype=args.dtype)
+                                       dtype=dtype)
     budget = (args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes)
     if getattr(args, "p", None):
         ps = sorted(set(args.p))
         if ps[-1] > MAX_P:
-            raise _arg("--p", f"at most 2^40 = {MAX_P}, got {ps[-1]}")
+            raise _arg("--p", f"at most 2^16 = {MAX_P}, got {ps[-1]}")
+        if len(ps) > MAX_P_VALUES:
+            raise _arg("--p", f"at most {MAX_P_VALUES} ranks, got {len(ps)}")
     else:
         ps = p_range(args.p_min, args.p_max)
     try:
@@ -282,7 +302,9 @@ def check_args(args) -> Plan:
                                  ("--json", args.json, "explore.json")):
         if value is None:
             continue
-        path = value or os.path.join(args.outdir, default)
+        path = value or cli.ReportPath(os.path.join(args.outdir, default),
+                                       "explore" if flag == "--json" else None,
+                                       force=getattr(args, "force", False))
         _cli.writable(flag if value else "--outdir", path)
         if flag == "--csv":
             csv_path = path
@@ -319,19 +341,24 @@ def run(args, out=None) -> dict:
              f"{'checkpointing' if cfg.checkpoint else 'no checkpointing'}, {args.mode}")
     skipped = {"strong": [], "weak": [], "matmul": []}
     rule = getattr(args, "weak", "batch")
-    tables = {
-        "strong": scaling_table(cfg, machine, ps, schemes, mode=args.mode, budget=budget,
-                                skipped=skipped["strong"], placement=plan.placement),
-        "weak": scaling_table(cfg, machine, ps, schemes, mode=args.mode, weak=True,
-                              budget=budget, skipped=skipped["weak"], weak_rule=rule,
-                              placement=plan.placement),
-        "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode,
-                               skipped=skipped["matmul"], placement=plan.placement),
-        "largest_batch": batch_table(cfg, ps, budget, schemes),
-    }
-    curves = {}
-    if not args.no_iso:
-        tables["isoefficiency"], curves = iso_table(machine, ps, args.efficiency, cfg)
+    iso = not args.no_iso and len([p for p in ps if p >= 16 and math.isqrt(p) ** 2 == p]) > 1
+    with progress_bar(args, total=2 * len(ps) + (len(ISO_REFERENCES) if iso else 0),
+                      unit="p", desc="explore") as bar:
+        tables = {
+            "strong": scaling_table(cfg, machine, ps, schemes, mode=args.mode, budget=budget,
+                                    skipped=skipped["strong"], placement=plan.placement,
+                                    tick=bar.update),
+            "weak": scaling_table(cfg, machine, ps, schemes, mode=args.mode, weak=True,
+                                  budget=budget, skipped=skipped["weak"], weak_rule=rule,
+                                  placement=plan.placement, tick=bar.update),
+            "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode,
+                                   skipped=skipped["matmul"], placement=plan.placement),
+            "largest_batch": batch_table(cfg, ps, budget, schemes),
+        }
+        curves = {}
+        if not args.no_iso:
+            tables["isoefficiency"], curves = iso_table(machine, ps, args.efficiency, cfg,
+                                                        tick=bar.update)
     w = out.write
     w(f"machine: {machine.name}  ({machine.source})\n")
     w(f"problem: {title.split(': ', 1)[1]}\n")
@@ -375,7 +402,7 @@ def run(args, out=None) -> dict:
         write_csv(plan.csv, tables)
         written.append(plan.csv)
     if plan.json is not None:
-        write_json_atomic(plan.json, ({"machine": machine.to_dict(),
+        write_report(plan.json, "explore", ({"machine": machine.to_dict(),
                                                  "config": cfg.__dict__, "mode": args.mode,
                                                  "tables": tables, "not_priced": skipped}))
         written.append(plan.json)

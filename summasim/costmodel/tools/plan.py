@@ -118,17 +118,27 @@ def _row(res: dict) -> dict:
             "tflops_per_device": res["flops_per_device"] / 1e12}
 
 
+def _ticking(items, tick):
+    """``items``, calling ``tick(1)`` after each (when ``tick`` is given)."""
+    for item in items:
+        yield item
+        if tick is not None:
+            tick(1)
+
+
 def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Machine, *,
            budget: float, schemes=SCHEMES, zeros=ZERO_STAGES, checkpoints=(False, True),
            schedule: str = "1f1b", state_bytes: StateBytes | None = None,
            bucket_bytes: float = BUCKET_BYTES, max_microbatches: int | None = None,
-           zero3_prefetch: bool = False, price: bool = True) -> SearchResult:
+           zero3_prefetch: bool = False, price: bool = True, tick=None) -> SearchResult:
     """Every composition of ``devices`` for ``cfg`` that fits ``budget`` bytes per
     device, priced and ranked by step time (``price=False``: memory only, unranked).
 
     ZeRO stages above 0 are tried only with dp > 1 (they equal stage 0 at dp = 1).
     ``counts``: ``compositions`` (all that exist), ``fit``; ``reasons``: why (dp, pp)
-    pairs or grids had no composition (for the nothing-exists message).
+    pairs or grids had no composition (for the nothing-exists message). ``tick``, when
+    given, is called with the number of tensor grids once they are known (``tick(0,
+    total)``) and then once per grid searched (``tick(1)``): a progress bar's hook.
     """
     t0 = time.perf_counter()
     sb = state_bytes or StateBytes.for_dtype(cfg.dtype)
@@ -138,7 +148,9 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
     smallest = None
     grids = tensor_grids(cfg, devices, schemes)
     counts["grids"] = len(grids)
-    for sch in grids:
+    if tick is not None:
+        tick(0, len(grids))
+    for sch in _ticking(grids, tick):
         t = sch.p
         step = batch_step(sch)
         for pp in _divisors(N):
@@ -203,9 +215,12 @@ def nothing_exists(plan: Plan, res: SearchResult) -> str:
             + "; ".join(why[:3]) + "): choose --devices, --batch or a model that divides")
 
 
-def fits_with_more(plan: Plan) -> tuple[int, dict] | None:
-    """The smallest multiple of the devices (x2, x4, ... x1024) at which a composition fits."""
+def fits_with_more(plan: Plan, tick=None) -> tuple[int, dict] | None:
+    """The smallest multiple of the devices (x2, x4, ... x1024) at which a composition
+    fits; ``tick``, when given, is called once per multiple tried."""
     for k in range(1, 11):
+        if tick is not None:
+            tick()
         dev = plan.devices << k
         res = search(plan.cfg, dev, plan.global_batch, plan.machine, budget=plan.budget,
                      schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,

@@ -31,35 +31,43 @@ import argparse
 import sys
 
 from summasim import cli, options
-from summasim.jsonio import write_json_atomic
+from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
 from summasim.costmodel.workload.pipeline import SCHEDULES
 from summasim.costmodel.workload.composition import price_composition
-from summasim.costmodel.machine import DTYPE_SIZES, list_presets
+from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
 
 from . import _cli
 from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
+from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
+
+#: The bounds of a search: its cost grows with the divisors of each (the tensor grids
+#: of the devices, the pipeline depths of the layers, the micro-batch counts of the
+#: batch); a search shows its progress on a terminal (or with ``--progress``).
+MAX_DEVICES = 1 << 16
+MAX_LAYERS = 1 << 16
+MAX_BATCH = 1 << 24
 from .plan import (GiB, MEM_FRACTION, MODELS, Plan, SearchResult, fits_with_more,
                    nothing_exists, search, short_grid)
 
-#: The preset the planner uses without --machine (the DGX A100 one when it exists).
-PLAN_PRESETS = ("dgx-a100", "h100-dgx-ndr")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The plan arguments, added to ``parser`` (a sub-parser) or a new
     :class:`summasim.cli.ArgumentParser`."""
     ap = _cli.new_parser(parser, "plan", __doc__)
-    options.add_model(ap, help_more=" (required unless --list-models)")
+    options.add_model(ap, help_more=f" (required unless --list-models; at most 2^16 = "
+                                   f"{MAX_LAYERS} layers, other sizes at most 2^40)")
     ap.add_argument("--list-models", action="store_true",
                     help="list the known models with their sources and exit")
     ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
                     help="dropout probability (default 0, as summasim's model; Megatron-LM "
                          "trains with 0.1): its masks in memory, its kernels in time")
-    ap.add_argument("--devices", type=cli.positive_int, default=None, help="devices N")
-    options.add_batch(ap, help_more=", over all replicas")
-    _cli.add_machine(ap, _default_preset())
+    ap.add_argument("--devices", type=cli.positive_int, default=None,
+                    help=f"devices N (at most 2^16 = {MAX_DEVICES})")
+    options.add_batch(ap, help_more=f", over all replicas (at most 2^24 = {MAX_BATCH})")
+    _cli.add_machine(ap, DEFAULT_PRESET)
     options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
                       help_more=" of activations, messages and GEMMs (default: the first of "
                                 f"{', '.join(DEFAULT_DTYPES)} the machine has); 16-bit "
@@ -90,20 +98,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     mem.add_argument("--mem-gib", type=cli.finite_positive_float, default=None,
                      help="usable GiB per device (overrides the machine's memory)")
     ap.add_argument("--top", type=cli.positive_int, default=10, help="rows to print")
-    ap.add_argument("--json", nargs="?", const="results/plan.json", default=None,
+    add_progress(ap)
+    ap.add_argument("--json", nargs="?", default=None, type=cli.report_path("plan"),
+                    const=cli.ReportPath("results/plan.json", "plan", default=True),
+                    action=cli.ReportAction,
                     metavar="PATH", help="write the plan as JSON (default results/plan.json)")
-    ap.add_argument("--plot", nargs="?", const="results/plan.png", default=None,
+    cli.add_force(ap)
+    ap.add_argument("--plot", nargs="?", default=None,
+                    const=cli.ReportPath("results/plan.png", None, default=True),
                     metavar="PATH", help="draw the plan (default results/plan.png)")
     return ap
 
 
 _arg = cli.argument_error
-
-
-def _default_preset() -> str:
-    """The first of :data:`PLAN_PRESETS` that is shipped."""
-    known = list_presets()
-    return next((p for p in PLAN_PRESETS if p in known), PLAN_PRESETS[-1])
 
 
 def check_args(args) -> Plan:
@@ -112,6 +119,12 @@ def check_args(args) -> Plan:
     model, batch = model_batch(args)
     if args.devices is None:
         raise _arg("--devices", "required")
+    check_sizes(model, batch)
+    for flag, val, most, what in (("--devices", args.devices, MAX_DEVICES, "2^16"),
+                                  ("--model", model.layers, MAX_LAYERS, "2^16 layers"),
+                                  ("--batch", batch, MAX_BATCH, "2^24")):
+        if val > most:
+            raise _arg(flag, f"at most {what} = {most} for a search, got {val}")
     machine = resolve_machine(args.machine)
     dtype = pick_dtype(machine, args.dtype)
     if args.state_bytes is not None:
@@ -221,11 +234,17 @@ def run(args, out=None) -> int:
         return 0
     plan = check_args(args)
     cfg, machine = plan.cfg, plan.machine
-    res = search(cfg, plan.devices, plan.global_batch, machine, budget=plan.budget,
-                 schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,
-                 schedule=plan.schedule, state_bytes=plan.state_bytes,
-                 bucket_bytes=plan.bucket_bytes, max_microbatches=plan.max_microbatches,
-                 zero3_prefetch=plan.zero3_prefetch)
+    with progress_bar(args, desc="plan", unit="grid") as bar:
+        def tick(n=1, total=None):
+            if total is not None:
+                bar.reset(total=total)
+            bar.update(n)
+
+        res = search(cfg, plan.devices, plan.global_batch, machine, budget=plan.budget,
+                     schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,
+                     schedule=plan.schedule, state_bytes=plan.state_bytes,
+                     bucket_bytes=plan.bucket_bytes, max_microbatches=plan.max_microbatches,
+                     zero3_prefetch=plan.zero3_prefetch, tick=tick)
     if not res.counts["compositions"]:
         raise cli.UsageError(nothing_exists(plan, res))
     sb = plan.state_bytes
@@ -241,7 +260,8 @@ def run(args, out=None) -> int:
       f"grids: {res.counts['fit']} fit, ranked in {res.seconds:.2f} s\n")
     if not res.rows:
         sm = res.smallest
-        more = fits_with_more(plan)
+        with progress_bar(args, total=10, desc="plan: more devices", unit="size") as bar:
+            more = fits_with_more(plan, tick=bar.update)
         where = (f"{more[0]} devices ({more[1]['fit']} compositions fit there)" if more
                  else "no multiple of the devices up to x1024")
         msg = (f"nothing fits {plan.budget / GiB:.1f} GiB per device: the smallest is "
@@ -254,7 +274,7 @@ def run(args, out=None) -> int:
                   else ", or allow ZeRO 3 and checkpointing") + ", or more memory per device")
         w(f"\n{msg}\n")
         if plan.json:
-            write_json_atomic(plan.json, _report(plan, res, [], msg))
+            write_report(plan.json, "plan", _report(plan, res, [], msg))
             w(f"wrote {plan.json}\n")
         return 1
     top = res.rows[:plan.top]
@@ -281,7 +301,7 @@ def run(args, out=None) -> int:
           f"{' ck' if r['checkpoint'] else ''}: {r['step_seconds'] / best['step_seconds']:.2f}x "
           f"the best\n")
     if plan.json:
-        write_json_atomic(plan.json, _report(plan, res, top, None))
+        write_report(plan.json, "plan", _report(plan, res, top, None))
         w(f"wrote {plan.json}\n")
     if plan.plot:
         if not cli.module_available("matplotlib"):

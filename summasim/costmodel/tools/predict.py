@@ -14,8 +14,11 @@ that fits. A whole composition (``dp``, ``pp`` > 1, or ``--microbatches``) is pr
 :func:`~summasim.costmodel.workload.composition.price_composition`, the pricer ``plan`` ranks with, so
 its step time is exactly the plan's row for the same composition: step time, breakdown
 (GEMM, memory-bound, exposed tensor / dp / pp / ZeRO communication, bubble, optimizer),
-memory per device on the worst stage and traffic. A user error (a grid that does not
-divide the model, a composition that cannot exist, a placement that does not fit, an
+memory per device on the worst stage and traffic. Either costs the same at any layer
+count: a composition prices one stage's layers in closed form, and a tensor grid alone
+is priced layer by layer up to :data:`EXACT_LAYERS` layers and above from one and two
+layers (:func:`step_breakdown_layers`: a step is affine in the layer count). A user
+error (a grid that does not divide the model, a composition that cannot exist, a placement that does not fit, an
 unknown machine, an unwritable ``--json``) is one line and exit status 2
 (:mod:`summasim.cli`), found before anything is priced.
 """
@@ -23,24 +26,110 @@ unknown machine, an unwritable ``--json``) is one line and exit status 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from summasim import cli, options, spec
-from summasim.jsonio import write_json_atomic
+from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
 from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import TransformerConfig, misfit
-from summasim.costmodel.workload.footprint import batch_step, largest_batch
-from summasim.costmodel.workload.step import step_breakdown
+from summasim.costmodel.workload.footprint import batch_step, largest_batch, memory
+from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
 from . import _cli, scheme_of
 from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
-PREDICT_PRESET = "dgx-a100"
+#: The machine every cost-model command (``predict``, ``plan``, ``explore``) prices on
+#: without ``--machine``; their ``--dtype`` defaults alike, to the first of
+#: :data:`~summasim.costmodel.tools._cli.DEFAULT_DTYPES` the machine has.
+DEFAULT_PRESET = "dgx-a100"
+#: The largest size a cost-model command takes (every ``--model`` size, ``--batch``,
+#: ``--matmul-n``): 2^40, far beyond any model, and small enough that every product of
+#: sizes the model forms stays a finite float.
+MAX_SIZE = 1 << 40
+#: Up to this many layers a tensor grid's step is priced layer by layer (exactly as
+#: :func:`~summasim.costmodel.workload.step.step_breakdown` sums it, about 0.4 ms a
+#: layer here); above, in constant time from one and two layers.
+EXACT_LAYERS = 256
+
+
+def size_help() -> str:
+    """What ``--help`` says of the bound on the model's sizes."""
+    return f"each size at most 2^40 = {MAX_SIZE} (more layers cost no more time)"
+
+
+def check_sizes(model, batch: int) -> None:
+    """Every size of ``model`` and ``batch`` at most :data:`MAX_SIZE`, else a
+    :class:`cli.UsageError` naming the size."""
+    for key, val in model.sizes().items():
+        if val > MAX_SIZE:
+            raise cli.argument_error("--model", f"{key} = {val} is above 2^40 = {MAX_SIZE}")
+    if batch > MAX_SIZE:
+        raise cli.argument_error("--batch", f"at most 2^40 = {MAX_SIZE}, got {batch}")
+
+
+def add_progress(ap: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--no-progress``: a progress bar on stderr (tqdm)."""
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="a progress bar on stderr while the work takes longer than a "
+                         "second (default: only when stderr is a terminal, so that pipes "
+                         "and logs stay clean)")
+
+
+class _NoBar:
+    """What :func:`progress_bar` returns without tqdm: counts nothing, shows nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def progress_bar(args, **kw):
+    """A tqdm bar on stderr (``kw``: ``total``, ``desc``, ``unit``) that shows after a
+    second, when ``--progress`` asks for it or, by default, when stderr is a terminal;
+    a disabled one otherwise."""
+    show = getattr(args, "progress", None)
+    if show is None:
+        show = sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:                 # tqdm is a dependency; without it, no bar
+        return _NoBar()
+    return tqdm(disable=not show, file=sys.stderr, delay=1.0, mininterval=0.5,
+                dynamic_ncols=True, **kw)
+
+
+def step_breakdown_layers(scheme, cfg: TransformerConfig, machine, **kw) -> StepBreakdown:
+    """:func:`~summasim.costmodel.workload.step.step_breakdown` in constant time in the
+    layer count: itself up to :data:`EXACT_LAYERS` layers; above, each time, count and
+    flop count extrapolated from the steps of one and two layers (a step is the
+    embedding and head plus N identical layers: affine in N), the memory computed at N."""
+    if cfg.N <= EXACT_LAYERS:
+        return step_breakdown(scheme, cfg, machine, **kw)
+    one = step_breakdown(scheme, cfg.replace(N=1), machine, **kw)
+    two = step_breakdown(scheme, cfg.replace(N=2), machine, **kw)
+    more = cfg.N - 1
+
+    def at_n(a, b):
+        return a + more * (b - a)
+
+    fields = ("seconds", "gemm_seconds", "memory_bound_seconds", "optimizer_seconds",
+              "comm_seconds", "comm_exposed_seconds", "launch_seconds", "kernels",
+              "model_flops")
+    return dataclasses.replace(
+        two, config=cfg, memory=memory(scheme, cfg),
+        **{f: at_n(getattr(one, f), getattr(two, f)) for f in fields},
+        by_op={k: at_n(one.by_op.get(k, 0.0), v) for k, v in two.by_op.items()})
 
 
 def parse_grid(scheme: str, text: str):
@@ -53,15 +142,15 @@ def parse_grid(scheme: str, text: str):
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The predict arguments, added to ``parser`` (a sub-parser) or a new one."""
     ap = _cli.new_parser(parser, "predict", __doc__)
-    options.add_model(ap, help_more=" (required)")
-    options.add_batch(ap)
+    options.add_model(ap, help_more=f" (required; {size_help()})")
+    options.add_batch(ap, help_more=f" (at most 2^40 = {MAX_SIZE})")
     options.add_mesh(ap, help_more=" (required); dp = pp = 1 and no --microbatches prices "
                                    "the tensor grid alone")
     options.add_composition(ap)
     options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
                       help_more=" of parameters, activations and messages (default: the "
                                 f"first of {', '.join(DEFAULT_DTYPES)} the machine has)")
-    _cli.add_machine(ap, PREDICT_PRESET)
+    _cli.add_machine(ap, DEFAULT_PRESET)
     ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
                     help="dropout probability (default 0)")
     ap.add_argument("--placement", default="row-major",
@@ -69,7 +158,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                          "map:SLOT,SLOT,...")
     ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
                     help="GiB per device for the largest batch (default: the machine's)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON")
+    ap.add_argument("--json", default=None, metavar="PATH", type=cli.report_path("predict"),
+                    action=cli.ReportAction, help="write the result as JSON (its folder "
+                                                  "must exist)")
+    cli.add_force(ap)
     return ap
 
 
@@ -87,6 +179,7 @@ def check_args(args):
     """``(machine, scheme, cfg, placement, budget)`` or :class:`cli.UsageError`."""
     machine = resolve_machine(args.machine)
     model, batch = model_batch(args)
+    check_sizes(model, batch)
     if args.mesh is None:
         raise _arg("--mesh", "required: dp=D,pp=P,tp=SCHEME:GRID (e.g. tp=optimus:4x4)")
     dtype = pick_dtype(machine, args.dtype)
@@ -147,7 +240,7 @@ def run(args, out=None) -> dict:
     machine, sch, cfg, placement, budget = check_args(args)
     if is_composition(args):
         return _run_composition(args, out, machine, sch, cfg, placement)
-    sb = step_breakdown(sch, cfg, machine, placement=placement)
+    sb = step_breakdown_layers(sch, cfg, machine, placement=placement)
     mem = sb.memory
     step = batch_step(sch)
     best_b = largest_batch(sch, cfg, budget) if budget > 0 else None
@@ -181,7 +274,7 @@ def run(args, out=None) -> dict:
     result = {**sb.to_dict(), "budget_bytes": budget, "fits": mem.total <= budget,
               "largest_batch": best_b}
     if args.json is not None:
-        write_json_atomic(args.json, result)
+        write_report(args.json, "predict", result)
         w(f"wrote {args.json}\n")
     return result
 
@@ -220,7 +313,7 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
             if isinstance(val, (int, float)):
                 w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
     if args.json is not None:
-        write_json_atomic(args.json, res)
+        write_report(args.json, "predict", res)
         w(f"wrote {args.json}\n")
     return res
 

@@ -1,0 +1,347 @@
+"""The MPI front-ends under faults: nothing waits forever, exit codes say what happened,
+and a job that ends early says which rank ended it and what it was doing.
+
+Each case launches ``mpiexec -n 2`` or ``-n 4`` under ``timeout`` (as
+tests/test_mpi_suites.py does), often with a ``-c`` program that patches one function
+on one rank to raise, exit or sleep, then checks the exit status, stderr and the time
+the job took. The serial checks of :mod:`summasim.harness.inject` sit at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpi_env
+
+#: seconds a job that must end "within seconds" may take on the shared 2-core box
+#: (start-up of 4 Python ranks under load included)
+PROMPT = 60
+
+
+def launch(mpiexec, n, args, timeout=120):
+    cmd = ["timeout", "-k", "10", str(timeout)] + mpiexec + ["-n", str(n), sys.executable] + args
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True)
+    return proc, time.perf_counter() - t0
+
+
+def program(*lines, main="summasim.run", argv=()):
+    """A ``-c`` program: ``lines`` (the patches), then ``sys.exit(<main>.main(argv))``."""
+    return "\n".join(["import sys, os, time", "from mpi4py import MPI",
+                      "RANK = MPI.COMM_WORLD.Get_rank()", f"import {main} as front", *lines,
+                      f"sys.exit(front.main({list(argv)!r}))"])
+
+
+SMALL = ["--algorithms", "summa_ab", "--sizes", "16", "16", "16", "--schemes", "none",
+         "--meshes", "none", "--repeats", "1", "--no-predict"]
+
+
+def user_error(proc, *needles):
+    """Exit 2, one ``python -m summasim.<x>: error:`` line on stderr, no traceback."""
+    out = proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("python -m summasim."), proc.stderr
+    assert ": error: " in lines[0], lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def aborted(proc, seconds, *needles):
+    """Non-zero, not the timeout's status, within PROMPT seconds, ``needles`` in the output."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137), f"rc={proc.returncode}\n{out[-3000:]}"
+    assert seconds < PROMPT, f"took {seconds:.1f} s\n{out[-3000:]}"
+    for n in needles:
+        assert n in out, f"{n!r} not in the output:\n{out[-3000:]}"
+
+
+# -- 1. nothing waits forever: the preflight under the guard --------------------------------
+@pytest.mark.parametrize("front,exc", [
+    ("summasim.run", "RecursionError('maximum recursion depth exceeded')"),
+    ("summasim.run", "MemoryError()"),
+    ("summasim.run", "KeyError('machine')"),
+    ("summasim.bench.__main__", "RecursionError('maximum recursion depth exceeded')")])
+def test_a_preflight_that_raises_on_rank_0_ends_the_job(mpiexec, front, exc):
+    """Rank 0's preflight raises something that is no user error: before the guard the
+    other ranks waited in the broadcast forever; now rank 0's traceback ends the job."""
+    name = "preflight" if front == "summasim.run" else "_preflight"
+    code = program(f"def bad(args, world): raise {exc}",
+                   f"front.{name} = bad", main=front,
+                   argv=SMALL if front == "summasim.run" else ["gemm", "--n", "32",
+                                                               "--repeats", "1"])
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=90)
+    aborted(proc, seconds, "[rank 0/4] unhandled exception", "it was in the preflight",
+            exc.split("(")[0], "Traceback")
+
+
+@pytest.mark.parametrize("exc,needle", [
+    ("ValueError('results/x.json: not a summasim report')", "not a summasim report"),
+    ("OSError(21, 'Is a directory', '/tmp/m')", "Is a directory: '/tmp/m'")])
+def test_a_preflight_user_error_is_one_line_on_every_rank(mpiexec, exc, needle):
+    """A ValueError or OSError out of the preflight (reading the user's file) is a user
+    error: one line, exit 2, every rank ends."""
+    code = program(f"def bad(args, world): raise {exc}", "front.preflight = bad", argv=SMALL)
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=90)
+    user_error(proc, needle)
+    assert seconds < PROMPT
+
+
+def test_a_deeply_nested_machine_file_is_a_user_error(mpiexec, tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)
+    proc, seconds = launch(mpiexec, 4, ["-m", "summasim.run", "--machine", str(deep), *SMALL[:-1]],
+                           timeout=90)
+    user_error(proc, "--machine", str(deep))
+    assert seconds < PROMPT
+
+
+def test_a_key_error_in_the_body_on_one_rank_names_the_rank_and_the_run(mpiexec):
+    code = program("import summasim.harness.execute as ex", "orig = ex.run_case",
+                   "def bad(case, *a, **k):",
+                   "    if RANK == 2: raise KeyError('deliberate')",
+                   "    return orig(case, *a, **k)", "ex.run_case = bad", argv=SMALL)
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=90)
+    aborted(proc, seconds, "[rank 2/4] unhandled exception, aborting the job: it was running "
+                           "summa_ab 2x2 16x16x16 float64", "KeyError: 'deliberate'")
+
+
+def test_a_rank_that_exits_early_ends_the_job_not_a_hang(mpiexec):
+    """sys.exit(0) on one rank in the middle of the work: the others would wait for it in
+    their next collective (and MPI_Finalize waits for them); the job ends, non-zero, and
+    names the rank."""
+    code = program("import summasim.harness.execute as ex", "orig = ex.run_case",
+                   "def bad(case, *a, **k):",
+                   "    if RANK == 1: sys.exit(0)",
+                   "    return orig(case, *a, **k)", "ex.run_case = bad", argv=SMALL)
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=90)
+    aborted(proc, seconds, "[rank 1/4] left the job early (exit status 0)",
+            "it was running summa_ab 2x2 16x16x16 float64")
+
+
+def test_an_exception_leaves_no_shared_memory_segment(mpiexec):
+    """The abort unlinks the node's MPI shared memory that the launcher's kill would leave
+    in /dev/shm (rank 0 names what it maps before it fails)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    code = program("import summasim.harness.execute as ex, summasim.mpiutil as mu",
+                   "def bad(case, *a, **k):",
+                   "    MPI.COMM_WORLD.Barrier()",
+                   "    if RANK == 0:",
+                   "        print('SEGMENTS', *mu.shared_memory_segments(), flush=True)",
+                   "        raise RuntimeError('deliberate')",
+                   "    MPI.COMM_WORLD.Barrier()", "ex.run_case = bad", argv=SMALL)
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=90)
+    aborted(proc, seconds, "deliberate")
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("SEGMENTS")]
+    segments = line.split()[1:]
+    assert segments, "MPI mapped no /dev/shm segment: nothing to check"
+    assert [s for s in segments if os.path.exists(s)] == [], segments
+
+
+# -- 3. faults that explain themselves: signals ---------------------------------------------
+def _hold(where):
+    """Patches under which the first run holds: each rank writes its process id to
+    ``where``/pid.RANK, then rank 0 writes ``where``/ready and sleeps in Python while the
+    others wait in a barrier (inside MPI, where Python never sees a signal)."""
+    return ["import summasim.harness.execute as ex",
+            "def hold(case, *a, **k):",
+            f"    open(os.path.join({str(where)!r}, f'pid.{{RANK}}'), 'w').write(str(os.getpid()))",
+            "    MPI.COMM_WORLD.Barrier()",
+            "    if RANK == 0:",
+            f"        open(os.path.join({str(where)!r}, 'ready'), 'w').close()",
+            "        time.sleep(120)",
+            "    MPI.COMM_WORLD.Barrier()",
+            "ex.run_case = hold"]
+
+
+def _start_held(mpiexec, where, n=4):
+    code = program(*_hold(where), argv=SMALL)
+    cmd = ["timeout", "-k", "10", "150"] + mpiexec + ["-n", str(n), sys.executable, "-c", code]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (where / "ready").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    if not (where / "ready").exists():
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not reach the held run:\n{(out + err)[-3000:]}")
+    time.sleep(0.5)             # let every rank enter its wait
+    return proc, {r: int((where / f"pid.{r}").read_text()) for r in range(n)}
+
+
+def _finish(proc):
+    t0 = time.perf_counter()
+    try:
+        out, err = proc.communicate(timeout=PROMPT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end after the signal:\n{err[-3000:]}")
+    return out, err, time.perf_counter() - t0
+
+
+def _ours(err):
+    return [ln for ln in err.splitlines() if ln.startswith("python -m summasim.run")]
+
+
+def test_ctrl_c_ends_the_job_with_one_line(mpiexec, tmp_path):
+    """SIGINT to the launcher, which forwards it to every rank: one line, no traceback, a
+    failing status (rank 0 exits 130; Hydra reports the kill of the others), although
+    ranks 1-3 sit inside MPI. Before: a KeyboardInterrupt traceback per rank that runs
+    Python, and the ranks inside MPI kept the job waiting."""
+    proc, pids = _start_held(mpiexec, tmp_path)
+    launcher = [p for p in _children(proc.pid) if "mpiexec" in _cmdline(p)]
+    os.kill(launcher[0], signal.SIGINT)
+    out, err, seconds = _finish(proc)
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{err[-3000:]}"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert _ours(err) == ["python -m summasim.run: interrupted (SIGINT) on rank 0; it was "
+                          "running summa_ab 2x2 16x16x16 float64; the job ends"], err[-3000:]
+    assert seconds < 20, seconds
+
+
+def test_ctrl_c_to_the_whole_process_group_ends_the_job(mpiexec, tmp_path):
+    """A terminal's Ctrl-C reaches the launcher, its proxy and the ranks at once. Hydra's
+    proxy dies of it (its own assertion), and with it the forwarding of our line; the job
+    still ends promptly, failing, with no Python traceback."""
+    proc, pids = _start_held(mpiexec, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err, seconds = _finish(proc)
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{err[-3000:]}"
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    assert seconds < 20, seconds
+
+
+def test_sigterm_to_the_launcher_ends_the_job_with_one_line(mpiexec, tmp_path):
+    proc, pids = _start_held(mpiexec, tmp_path)
+    launcher = [p for p in _children(proc.pid) if "mpiexec" in _cmdline(p)]
+    os.kill(launcher[0], signal.SIGTERM)
+    out, err, seconds = _finish(proc)
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    assert _ours(err) == ["python -m summasim.run: terminated (SIGTERM) on rank 0; it was "
+                          "running summa_ab 2x2 16x16x16 float64; the job ends"], err[-3000:]
+    assert seconds < 20, seconds
+
+
+def test_sigterm_to_one_rank_names_that_rank(mpiexec, tmp_path):
+    """Only rank 2 gets the signal (inside MPI's barrier): it says so itself."""
+    proc, pids = _start_held(mpiexec, tmp_path)
+    os.kill(pids[2], signal.SIGTERM)
+    out, err, seconds = _finish(proc)
+    assert proc.returncode not in (0, 124), f"rc={proc.returncode}\n{err[-3000:]}"
+    assert _ours(err) == ["python -m summasim.run: terminated (SIGTERM) on rank 2; it was "
+                          "running summa_ab 2x2 16x16x16 float64; the job ends"], err[-3000:]
+    assert seconds < 20, seconds
+
+
+def test_a_killed_rank_ends_the_job_promptly(mpiexec, tmp_path):
+    """SIGKILL leaves summasim no last words: the launcher ends the job (which process it
+    names is the launcher's choice; the node's shared-memory segment stays, see
+    mpiutil's module doc), and no rank waits for the dead one."""
+    proc, pids = _start_held(mpiexec, tmp_path)
+    os.kill(pids[1], signal.SIGKILL)
+    out, err, seconds = _finish(proc)
+    assert proc.returncode not in (0, 124), err[-3000:]
+    assert seconds < 20, seconds
+
+
+def _children(pid):
+    """Every descendant process id of ``pid`` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                kids.append(int(entry))
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# -- 2. honest exit codes -------------------------------------------------------------------
+@pytest.mark.parametrize("args,needles", [
+    (["--algorithms", "cannon_ab,summa_ab", "--sizes", "5", "7", "9"],
+     ["--algorithms cannon_ab,summa_ab: none can run at p = 4", "m=5 is not divisible"]),
+    (["--sizes", "5", "7", "9", "--schemes", "none", "--meshes", "none"],
+     ["--sizes 5 7 9: no product fits them at p = 4"]),
+    (["--schemes", "summa25", "--algorithms", "none"],
+     ["--schemes summa25: none can run at p = 4"]),
+    (["--schemes", "megatron,bogus"], ["unknown scheme(s) bogus"]),
+    (["--inject", "drop@4"], ["rank 4 does not exist (p = 4)"]),
+    (["--inject", "perturb@1", "--dtype", "float32", "--check", "freivalds"],
+     ["--inject perturb@1 with --check freivalds in float32", "pass unseen"]),
+    (["--inject", "perturb@1", "--dtype", "both", "--check", "freivalds"],
+     ["in float32:"])])
+def test_what_was_named_but_cannot_run_is_a_user_error(mpiexec, args, needles):
+    """Exit 2 before any work, even where default sections would run."""
+    proc, seconds = launch(mpiexec, 4, ["-m", "summasim.run", "--no-predict", *args], 90)
+    user_error(proc, *needles)
+    assert proc.stdout.strip() == "", proc.stdout[-2000:]
+
+
+def test_a_named_scheme_beside_one_that_runs_is_skipped_not_refused(mpiexec):
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--algorithms", "none", "--schemes",
+                                  "megatron,optimus", "--meshes", "none", "--repeats", "1",
+                                  "--no-predict"], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "skipped optimus" in proc.stdout
+
+
+def test_a_fault_that_passes_its_check_fails_the_job(mpiexec):
+    """A check that lets an applied fault through must not leave "corrupted" next to
+    "passed" with exit 0: the run is named and the job exits 1."""
+    code = program("import summasim.harness.execute as ex",
+                   "from summasim.harness.check import Check",
+                   "ex.check_product = lambda *a, **k: Check(0.0, 1.0, 'exact')",
+                   argv=SMALL + ["--inject", "nan@1"])
+    proc, _ = launch(mpiexec, 4, ["-c", code], 120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "corrupted 1 of 1 runs; it was NOT caught in: summa_ab 2x2 16x16x16 float64" in proc.stdout
+
+
+def test_auto_checks_exactly_under_a_single_precision_perturb(mpiexec):
+    """With auto's threshold at zero every product would be checked by Freivalds; under
+    --inject perturb in float32 it checks exactly, and the fault is caught."""
+    code = program("import summasim.harness.check as ch", "ch.AUTO_EXACT_FLOPS = 0",
+                   argv=SMALL + ["--dtype", "float32", "--inject", "perturb@1"])
+    proc, _ = launch(mpiexec, 4, ["-c", code], 120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    row = [ln for ln in proc.stdout.splitlines() if ln.startswith("summa_ab ")]
+    assert len(row) == 1 and " exact " in row[0] and " FAIL" in row[0], proc.stdout
+
+
+# -- serial: which check catches which fault -------------------------------------------------
+def test_which_checks_can_catch_a_perturbation():
+    from summasim.harness.inject import Fault, check_method, uncatchable
+
+    perturb, nan = Fault("perturb", 1), Fault("nan", 1)
+    assert uncatchable(perturb, "freivalds", ["float32"])
+    assert uncatchable(perturb, "freivalds", ["float64", "float32"])
+    assert not uncatchable(perturb, "freivalds", ["float64"])
+    assert not uncatchable(perturb, "exact", ["float32"])
+    assert not uncatchable(nan, "freivalds", ["float32"])
+    assert not uncatchable(None, "freivalds", ["float32"])
+    assert check_method(perturb, "auto", "float32") == "exact"
+    assert check_method(perturb, "auto", "float64") == "auto"
+    assert check_method(nan, "auto", "float32") == "auto"
+    assert check_method(perturb, "freivalds", "float32") == "freivalds"
