@@ -1,4 +1,8 @@
-"""The cost-model commands shown in README.md and docs/*.md run as written.
+"""The commands shown in README.md and docs/*.md run as written.
+
+Every ``mpirun -n P python -m summasim.run|bench ...`` (and ``./scripts/run``) is
+parsed and planned at its P in-process: it must be free of user errors and check or
+time something (:func:`test_documented_launch_would_run`). Below, the cost model's.
 
 Every ``python -m summasim.costmodel SUB ...`` line of a fenced code block is found
 (``\\``-continued lines joined, ``# comments`` and ``$`` prompts dropped) and:
@@ -186,3 +190,83 @@ def test_no_removed_spelling(page):
     hits = [f"{page}:{n}: {pat}: {line.strip()}" for n, line in enumerate(lines, 1)
             for pat in REMOVED if re.search(pat, line)]
     assert not hits, "removed spellings:\n" + "\n".join(hits)
+
+
+# -- the MPI commands: every documented launch would run at its rank count ----------------
+LAUNCH = re.compile(r"(?:mpirun|mpiexec)\s+-n\s+(\d+)\s+python3?\s+-m\s+summasim\.(run|bench)"
+                    r"(?![\w.])(.*)$")
+SCRIPT = re.compile(r"(?:SUMMASIM_RANKS=(\d+)\s+)?\./scripts/run(?![\w/])(.*)$")
+
+
+def _launches():
+    """(page, line, p, module, argument list) of every ``mpirun -n P python -m
+    summasim.run|bench ...`` (a number P; fenced lines and inline code) and every
+    ``./scripts/run ...`` (16 ranks unless ``SUMMASIM_RANKS`` says)."""
+    found = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = f.read()
+        fenced = dict(_fenced_lines(text))
+        lines = text.split("\n")
+        for n, line in enumerate(lines, 1):
+            pieces = ([_strip_comment(line)] if n in fenced
+                      else re.findall(r"`([^`]*)`", line))
+            for piece in pieces:
+                piece = piece.lstrip("$ ").strip()
+                k = n
+                while piece.endswith("\\") and n in fenced and k < len(lines):
+                    piece = piece[:-1] + " " + _strip_comment(lines[k]).strip()
+                    k += 1
+                if any(c in piece for c in "[|…{") or " P " in piece:
+                    continue                                  # a synopsis, not a command
+                m = LAUNCH.search(piece)
+                if m:
+                    found.append((page, n, int(m.group(1)), m.group(2),
+                                  shlex.split(m.group(3))))
+                    continue
+                m = SCRIPT.search(piece)
+                if m and n in fenced:
+                    found.append((page, n, int(m.group(1) or 16), "run",
+                                  shlex.split(m.group(2))))
+    return found
+
+
+LAUNCHES = _launches()
+
+
+def test_found_the_launches():
+    modules = {c[3] for c in LAUNCHES}
+    assert modules == {"run", "bench"}, modules
+    assert len(LAUNCHES) >= 20, len(LAUNCHES)
+
+
+@pytest.mark.parametrize("case", LAUNCHES, ids=lambda c: f"{c[0]}:{c[1]}")
+def test_documented_launch_would_run(case):
+    """Parsed as the launch would parse it and planned at its rank count (no MPI, no
+    work): no user error, something to check, and every named section runs something.
+    An example that could only fail (meshes for two rank counts at once, a benchmark
+    with nothing to time) fails here. What needs the machine (memory, the GPU) is the
+    launch's own preflight."""
+    page, line, p, module, argv = case
+    where = f"{page}:{line}: -n {p} summasim.{module} {shlex.join(argv)}"
+    from summasim.cli import UsageError
+
+    try:
+        if module == "run":
+            from summasim import run
+
+            args = run.parse_args(argv)
+            jb = run.job(args, p)
+            assert not jb.mesh_error, f"{where}\n{jb.mesh_error}"
+            assert jb.cases or jb.tcases or jb.mcases, f"{where}\nnothing to check at p = {p}"
+            why = run.named_but_unrunnable(args, jb)
+            assert not why, f"{where}\n{why}"
+        else:
+            from summasim.bench import __main__ as bench
+
+            args = bench.parse_args(argv)
+            names = bench.ALL if args.what == "all" else (args.what,)
+            nothing = {name: bench._nothing_to_measure(name, args, p) for name in names}
+            assert not all(nothing.values()), f"{where}\n{nothing}"
+    except UsageError as exc:
+        pytest.fail(f"{where}\nuser error: {exc}")

@@ -528,3 +528,43 @@ def test_run_fit_refuses_an_impossible_fit_on_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = sorted(re.findall(r"rank (\d) refused (True|False)", proc.stdout))
     assert said == [("0", "True"), ("1", "True")], proc.stdout
+
+
+FIT_SAYS = """
+import json
+from mpi4py import MPI
+from summasim.harness import fitbench as fit
+
+out = {}
+for mode in ("quiet", "verbose"):
+    said, points = [], []
+    fit.run_fit(MPI.COMM_WORLD, quick=True, max_bytes=1 << 16, group_sizes=(2,),
+                gemm_sizes=(64,), dtypes=("float64",), say=said.append,
+                detail=points.append if mode == "quiet" else None, check=False)
+    out[mode] = [said, points]
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_fit_says_one_summary_and_keeps_its_points_apart(tmp_path):
+    """By default the fit's measured points go to ``detail`` (``costmodel fit`` drops
+    them unless --verbose; they are in the saved notes) and ``say`` gets one summary
+    line; without ``detail`` every point goes to ``say`` as before."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside the interpreter")
+    script = tmp_path / "says.py"
+    script.write_text(FIT_SAYS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run(["timeout", "-k", "5", "120", mpiexec, "-n", "2", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    said, points = out["quiet"]
+    assert sum(line.startswith("fitted 2 ranks in ") for line in said) == 1, said
+    assert not any("ping-pong" in line or "alpha =" in line for line in said), said
+    assert any("ping-pong" in line for line in points) and any("alpha =" in line
+                                                               for line in points), points
+    said, points = out["verbose"]
+    assert points == [] and any("ping-pong" in line for line in said), said

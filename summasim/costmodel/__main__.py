@@ -108,7 +108,8 @@ def _fit_main(args, prog: str) -> int:
                           dtypes=tuple(args.dtypes),
                           threshold=None if args.threshold == "auto" else args.threshold,
                           name=args.name, command=" ".join(["python -m summasim.costmodel"]
-                                                           + sys.argv[1:]))
+                                                           + sys.argv[1:]),
+                          detail=None if args.verbose else (lambda msg: None))
     except FitBusy as exc:    # raised on every rank alike: a user-facing refusal
         if comm.Get_rank() == 0:
             cli.print_error(prog, str(exc))
@@ -154,6 +155,10 @@ def main(argv=None) -> int:
                          "must exist unless it is the default)")
     cli.add_force(fp)
     fp.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    fp.add_argument("--verbose", action="store_true",
+                    help="print every measured point and each regime's fit (they are in "
+                         "the saved file's notes either way); by default the fit prints "
+                         "its warnings and one summary line")
     fp.add_argument("--max-bytes", type=_max_bytes, default=None,
                     help="largest message, at least 64 B (default 64MiB, quick 4MiB)")
     fp.add_argument("--groups", type=cli.int_list(minimum=2), default=None,

@@ -291,7 +291,8 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
             name: str | None = None, command: str | None = None,
             say: Callable[[str], None] | None = None, check: bool = True,
             before: dict | None = None, exclude: Sequence[int] = (),
-            lock_wait: float = _load.LOCK_WAIT) -> Machine | None:
+            lock_wait: float = _load.LOCK_WAIT,
+            detail: Callable[[str], None] | None = None) -> Machine | None:
     """Run the microbenchmarks on ``comm`` (COMM_WORLD) and fit a Machine, holding the
     host's fit lock and recording the load around it in ``fit_conditions``.
 
@@ -372,15 +373,17 @@ def run_fit(comm=None, *, quick: bool = False, max_bytes: int | None = None,
     try:
         return _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes,
                                threshold, name, command, say, check, pids,
-                               None if lock is not None and lock.waited > 0.5 else before)
+                               None if lock is not None and lock.waited > 0.5 else before,
+                               detail or say)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, threshold,
-                    name, command, say, check, pids, before):
-    """:func:`run_fit` once the fit lock is held."""
+                    name, command, say, check, pids, before, detail):
+    """:func:`run_fit` once the fit lock is held; each measured point goes to
+    ``detail``, the warnings and the outcome to ``say``."""
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
@@ -405,23 +408,23 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     bench = _Bench(comm, 0.0005 if quick else 0.002, reps, say)
     t_start = time.time()
 
-    say(f"{size} ranks, {cores} cores, {MPI.Get_library_version().splitlines()[0].strip()}")
-    say(f"ping-pong between ranks 0 and 1, {len(sizes)} sizes {sizes[0]} B .. {sizes[-1]} B")
+    detail(f"{size} ranks, {cores} cores, {MPI.Get_library_version().splitlines()[0].strip()}")
+    detail(f"ping-pong between ranks 0 and 1, {len(sizes)} sizes {sizes[0]} B .. {sizes[-1]} B")
     pp = []
     for _ in range(3):          # warm up: the first exchanges set up MPICH's shared queues
         bench.pingpong(sizes[0])
     for s in sizes:
         t = bench.pingpong(s)
         pp.append(t)
-        say(f"  ping-pong {s:>10d} B  {t * 1e6:10.2f} us  {s / t / 1e9 if t else 0:7.2f} GB/s")
+        detail(f"  ping-pong {s:>10d} B  {t * 1e6:10.2f} us  {s / t / 1e9 if t else 0:7.2f} GB/s")
     laps.append(watch and watch.lap())
-    say("ring sendrecv (every rank to its right neighbour)")
+    detail("ring sendrecv (every rank to its right neighbour)")
     ring = []
     ring_sizes = sizes[::2] if not quick else sizes
     for s in ring_sizes:
         t = bench.ring(s)
         ring.append(t)
-        say(f"  ring      {s:>10d} B  {t * 1e6:10.2f} us")
+        detail(f"  ring      {s:>10d} B  {t * 1e6:10.2f} us")
 
     laps.append(watch and watch.lap())
     if group_sizes is None:
@@ -439,7 +442,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
                 t = bench.collective(op, sub, s) if sub != MPI.COMM_NULL else None
                 t = comm.bcast(t, root=0)
                 colls.append((op, g, s, t))
-                say(f"  {op:<9s} g={g:<3d} {s:>10d} B  {t * 1e6:10.2f} us")
+                detail(f"  {op:<9s} g={g:<3d} {s:>10d} B  {t * 1e6:10.2f} us")
         if sub != MPI.COMM_NULL:
             sub.Free()
         comm.Barrier()
@@ -457,7 +460,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
                 t = float(np.median(comm.allgather(t)))
                 g = t / (2.0 * n ** 3)
                 pts.append((float(n), g))
-                say(f"  gemm {dt:<8s} n={n:<5d} {t * 1e3:9.3f} ms  {1 / g / 1e9:7.2f} GFLOP/s/rank")
+                detail(f"  gemm {dt:<8s} n={n:<5d} {t * 1e3:9.3f} ms  {1 / g / 1e9:7.2f} GFLOP/s/rank")
             gamma_gemm[dt] = pts
         # one process alone at the largest size, the others asleep: the reference that
         # tells all ranks' GEMM apart from cores shared with other work
@@ -466,13 +469,13 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
         g1 = _gemm_seconds(n1, dt1, 5 if quick else 9) / (2.0 * n1 ** 3) if rank == 0 else None
         _sleep_barrier(comm)
         g1 = comm.bcast(g1, root=0)
-        say(f"  gemm {dt1:<8s} n={n1:<5d} one process alone {1 / g1 / 1e9:7.2f} GFLOP/s")
+        detail(f"  gemm {dt1:<8s} n={n1:<5d} one process alone {1 / g1 / 1e9:7.2f} GFLOP/s")
         comm.Barrier()
         gr = _reduce_seconds_per_byte((1 if quick else 8) * MiB, 5)
         gr = float(np.median(comm.allgather(gr)))
-        say(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
+        detail(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
     laps.append(watch and watch.lap())
-    bandwidth, cache = node_memory(comm, say)
+    bandwidth, cache = node_memory(comm, detail)
     laps.append(watch and watch.lap())
 
     if rank != 0:
@@ -484,13 +487,13 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     if threshold is None:
         threshold, how = library_eager_threshold(MPI.Get_library_version())
     rf = split_huge(fit_regimes(sizes, pp, threshold, max_split=MiB), sizes, pp)
-    say(f"fit: large-message regime from {rf.threshold} B ({how})")
+    detail(f"fit: large-message regime from {rf.threshold} B ({how})")
     if rf.huge is not None:
-        say(f"fit: third regime from {rf.huge_threshold} B (best split at 1 MiB or more; "
+        detail(f"fit: third regime from {rf.huge_threshold} B (best split at 1 MiB or more; "
             f"NumPy puts arrays of 4 MiB and up on transparent huge pages)")
     for tag, f, _ in rf.regimes():
         bw = f"{1 / f.beta / 1e9:7.2f} GB/s" if f.beta > 1e-15 else "    inf GB/s"
-        say(f"  {tag:<5s} alpha = {f.alpha * 1e6:8.3f} us  beta = {f.beta * 1e9:8.4f} ns/B "
+        detail(f"  {tag:<5s} alpha = {f.alpha * 1e6:8.3f} us  beta = {f.beta * 1e9:8.4f} ns/B "
             f"({bw})  "
             f"median rel err {f.median_rel_err:.1%} over {f.n} points")
     host = platform.node() or "host"
@@ -523,7 +526,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     # gamma_reduce stays numpy's a += b (summasim's own reductions)
     g_mpi = gamma_reduce_from_collectives(machine, colls)
     if g_mpi is not None:
-        say(f"gamma_reduce: numpy a += b {gr * 1e9:.3f} ns/B (summasim's reductions), "
+        detail(f"gamma_reduce: numpy a += b {gr * 1e9:.3f} ns/B (summasim's reductions), "
             f"inside MPI reduce/allreduce {g_mpi * 1e9:.3f} ns/B; MPI's: "
             f"{max(gr, g_mpi) * 1e9:.3f} ns/B")
         machine = machine.replace(gamma_reduce=gr, gamma_reduce_mpi=max(gr, g_mpi),
@@ -531,7 +534,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
                                          "gamma_reduce_mpi": g_mpi})
     # check the whole model on what was not fitted
     pred = [machine.link().time(s) for s in ring_sizes]
-    say(f"check: ring sendrecv predicted vs measured, median rel err "
+    detail(f"check: ring sendrecv predicted vs measured, median rel err "
         f"{median_rel_err(pred, ring):.1%}")
     checks = {}
     for op in ("bcast", "reduce", "allreduce"):
@@ -541,9 +544,15 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
             algs = sorted({c.algorithm for c in pr})
             err = median_rel_err([c.seconds for c in pr], [t for *_, t in rows])
             checks[op] = err
-            say(f"check: {op:<9s} median rel err {err:.1%} (model: {', '.join(algs)}"
+            detail(f"check: {op:<9s} median rel err {err:.1%} (model: {', '.join(algs)}"
                 f"{'; gamma_reduce fitted on its large points' if op != 'bcast' else ''})")
     machine = machine.replace(notes={**machine.notes, "check_median_rel_err": checks})
+    gemm_best = max(1 / g for pts in gamma_gemm.values() for _, g in pts)
+    say(f"fitted {size} ranks in {time.time() - t_start:.0f} s: latency "
+        f"{rf.small.alpha * 1e6:.2f} us, bandwidth {1 / max(rf.large.beta, 1e-30) / 1e9:.2f} "
+        f"GB/s, GEMM up to {gemm_best / 1e9:.1f} GFLOP/s per rank; the model's median error "
+        f"on what it was not fitted to: ring {median_rel_err(pred, ring):.0%}"
+        + "".join(f", {op} {err:.0%}" for op, err in checks.items()))
     during = _load.combine(laps)
     conditions = _load.fit_conditions(before, _load.snapshot(0.3, exclude=pids), during)
     machine = machine.replace(fit_conditions=conditions)

@@ -420,7 +420,8 @@ def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save)
     if can_save:
         machine.save(path)
         say(f"cost model: saved the fit to {path}"
-            + (" marked busy" if conditions["busy"] else ""))
+            + (" marked busy" if conditions["busy"] else "")
+            + " (every measured point is in its notes)")
     if conditions["busy"]:
         say(_busy_line(machine, path))
     return machine.to_dict()
@@ -487,7 +488,7 @@ def resolve_machine(spec, world, say, *, path: str | None = None,
                 try:
                     fitted = _fit.run_fit(sub, quick=True, gemm_sizes=QUICK_GEMM_SIZES,
                                           say=lambda m: say(f"  {m}"), before=plan["fit"],
-                                          exclude=pids)
+                                          exclude=pids, detail=lambda m: None)
                     rejected = None
                     break
                 except load.FitBusy as exc:
