@@ -394,6 +394,7 @@ def _main(args, world, jb: Job) -> int:
             res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,
                            fault=args.fault, timed=args.repeats > 0)
             rep = res.extra["report"]
+            rep.load = watch.lap()
             if not res.fault_applied:
                 untouched.append(f"{rep.scheme} {rep.grid} {rep.dtype}")
             if rank == 0:
@@ -405,7 +406,7 @@ def _main(args, world, jb: Job) -> int:
         say(format_transformer(reports))
     for s in tskips:
         say(f"  skipped {s.name}{' ' + s.grid if s.grid else ''}: {s.reason}")
-    meshes = _meshes(jb.mcases, args, world, backend, machine, say, pairs, untouched)
+    meshes = _meshes(jb.mcases, args, world, backend, machine, say, pairs, untouched, watch)
     for s in mskips:
         say(f"  skipped mesh {s.name}: {s.reason}")
     reports_all = reports + meshes
@@ -463,8 +464,10 @@ def _main(args, world, jb: Job) -> int:
     return 0 if ok and passed > 0 else 1
 
 
-def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> list:
-    """The sharded-training section: one validated, timed row per mesh."""
+def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch) -> list:
+    """The sharded-training section: one validated, timed row per mesh, marked BUSY when
+    other processes' load (``watch``, a :class:`~summasim.harness.load.LoadWatch`) was
+    high while it ran."""
     from .harness.composed import run_mesh
     from .harness.report import format_mesh_header, format_mesh_row
     from .mpiutil import doing
@@ -487,6 +490,7 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched) -> lis
         res = run_mesh(case, world, backend, repeats=args.repeats, seed=args.seed,
                        timed=args.repeats > 0, fault=args.fault)
         rep = res.extra["report"]
+        rep.load = watch.lap()
         if not res.fault_applied:
             untouched.append(f"{case.spec} {case.dtype}")
         if world.Get_rank() == 0 and machine is not None and rep.step_s:

@@ -342,3 +342,25 @@ def test_two_fits_racing_the_second_waits_then_refuses_on_every_rank(tmp_path):
     assert "rank 0 FitBusy" in out and "rank 1 FitBusy" in out and "FITTED" not in out, out
     assert "another fit is measuring this machine" in out
     assert "ping-pong" not in out                                 # nothing was measured
+
+
+def test_training_rows_timed_under_load_are_marked_and_carry_their_load():
+    """The main job's scheme and mesh rows, like its product rows, end ``BUSY n.nn``
+    when other processes used more than the limit while they ran, and their JSON
+    records keep that load; a quiet row has no mark."""
+    from summasim.harness.composed import MeshReport
+    from summasim.harness.report import (format_mesh_row, format_transformer, mesh_record,
+                                         transformer_record)
+    from summasim.harness.transformer import SchemeReport
+
+    busy = {"foreign_cpu": 1.25, "quiet": False, "limit": 0.5}
+    quiet = {"foreign_cpu": 0.01, "quiet": True, "limit": 0.5}
+    mesh = MeshReport("dp=2,pp=2,tp=megatron:1", 0, "1f1b", 2, False, 4, "float64", 3, 1e-12)
+    scheme = SchemeReport("megatron", "1D p=4", 4, 1, 1, "float64")
+    for load, want in ((busy, "BUSY 1.25"), (quiet, None), (None, None)):
+        mesh.load = scheme.load = load
+        row = format_mesh_row(mesh, 24).split("\n")[0]
+        table = format_transformer([scheme]).split("\n")[2]
+        for line in (row, table):
+            assert (line.endswith("  " + want) if want else "BUSY" not in line), line
+        assert mesh_record(mesh)["load"] == load and transformer_record(scheme)["load"] == load

@@ -113,6 +113,7 @@ class MeshReport:
     failures: list = field(default_factory=list)
     fault: str = ""
     fault_applied: bool = True
+    load: dict | None = None        # other processes' load while it ran (rank 0)
 
 
 class SerialReference:

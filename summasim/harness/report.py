@@ -58,8 +58,12 @@ def format_row(res, predicted=None, load: dict | None = None) -> str:
                   f"{res.bytes_per_rank / 2**20:.2f}", str(res.messages_per_rank),
                   f"{res.peak_rss / 2**20:.0f}",
                   "-" if predicted is None else f"{predicted:.4f}",
-                  "-" if pe is None else f"{100 * pe:+.0f}%")) + (
-        f"  BUSY {load['foreign_cpu']:.2f}" if load and load["quiet"] is False else "")
+                  "-" if pe is None else f"{100 * pe:+.0f}%")) + busy_mark(load)
+
+
+def busy_mark(load: dict | None) -> str:
+    """``"  BUSY n.nn"`` (cores of other work) after a row timed under load, else ""."""
+    return f"  BUSY {load['foreign_cpu']:.2f}" if load and load["quiet"] is False else ""
 
 
 def row_record(res, predicted=None, load: dict | None = None) -> dict:
@@ -107,7 +111,7 @@ def format_transformer(reports) -> str:
                             "-" if pe is None else f"{100 * pe:+.1f}%",
                             str(r.tp_fwd), str(r.table1.get("fwd", "-")),
                             str(r.tp_bwd_checkpoint), str(r.table1.get("bwd_checkpoint", "-"))),
-                           TF_WIDTHS))
+                           TF_WIDTHS) + busy_mark(r.load))
     mib = lambda x: f"{x / 2**20:.3f}"  # noqa: E731
     mem = [r for r in reports if r.memory]
     if mem:
@@ -201,7 +205,7 @@ def format_mesh_row(r, width: int) -> str:
                   "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
                   f"{kib(sum(r.traffic.values()))}/{kib(sum(r.traffic_expected.values()))}",
                   f"{kib(r.memory.get('total', 0))}/{kib(r.memory_formula.get('total', 0))}",
-                  str(r.inflight)), _mesh_widths(width))
+                  str(r.inflight)), _mesh_widths(width)) + busy_mark(r.load)
     if r.failures or not r.values_ok:
         why = list(r.failures) + ([] if r.values_ok else ["values"])
         line += (f"\n    {r.mesh}: failed checks: {', '.join(why)}"

@@ -153,6 +153,7 @@ class SchemeReport:
     memory_formula: dict = field(default_factory=dict)
     fault: str = ""
     fault_applied: bool = True
+    load: dict | None = None        # other processes' load while it ran (rank 0)
     predicted_s: float | None = None    # cost model: one fwd + bwd step (slowest rank)
 
     @property
