@@ -227,6 +227,20 @@ def _as_int(text) -> int:
     return int(x)
 
 
+def int_between(lo: int, hi: int) -> Callable[[str], int]:
+    """Factory: an argparse type for integers from ``lo`` to ``hi``."""
+
+    def convert(text) -> int:
+        val = _as_int(text)
+        if not lo <= val <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer from {lo} to {hi}, "
+                                             f"got {text!r}")
+        return val
+
+    convert.__name__ = f"int_between_{lo}_{hi}"
+    return convert
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """Factory: an argparse type for integers ``>= minimum``."""
 

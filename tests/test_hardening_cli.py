@@ -297,6 +297,10 @@ def test_bounds_are_stated_in_help():
     (("allreduce", "--repeats", "1001"), "--repeats"),
     (("allreduce", "--sizes-mib", ",".join(["1"] * 33)), "--sizes-mib"),
     (("gemm", "--repeats", "0"), "--repeats"),
+    (("gemm", "--n", str(2 ** 21)), "--n"),
+    (("layer", "--threads", "1", "257"), "--threads"),
+    (("layer", "--blocks", "101"), "--blocks"),
+    (("layer", "--repeats", "1001"), "--repeats"),
 ])
 def test_bench_bad_bounds_are_one_line_and_exit_2(argv, flag):
     res = run("summasim.bench", *argv, timeout=60)

@@ -22,10 +22,16 @@ GEMM_ALGORITHMS = PRODUCTS
 DEFAULT_N = 4096
 
 
+#: Largest ``--n``: n x n float64 operands of 2^20 are 8 TiB, beyond any node here.
+MAX_N = 1 << 20
+
+
 def add_arguments(ap, every: bool = False):
     """gemm's own options (``every``: as ``bench all`` shares them)."""
-    ap.add_argument("--n", type=cli.positive_int, default=DEFAULT_N,
-                    help=f"GEMM size n (default {DEFAULT_N})")
+    ap.add_argument("--n", type=cli.int_between(1, MAX_N), default=DEFAULT_N,
+                    help=f"GEMM size n, 1 to {MAX_N} (default {DEFAULT_N}); the memory "
+                         f"preflight refuses an n whose blocks would not fit and says what "
+                         f"would")
     ap.add_argument("--algorithms", type=cli.choice_list(GEMM_ALGORITHMS, "algorithm"),
                     default=list(GEMM_ALGORITHMS), metavar="NAME,...",
                     help="comma-separated distributed products to time (default all)")

@@ -38,6 +38,10 @@ DEFAULT_BATCH = 8
 DEFAULT_REPEATS = 3
 
 
+#: Bounds of the layer benchmark's counts: each is work done in full, serially.
+MAX_THREADS, MAX_REPEATS, MAX_BLOCKS = 256, 1000, 100
+
+
 def add_arguments(ap):
     from ..options import add_batch, add_dtype, add_model
 
@@ -46,14 +50,15 @@ def add_arguments(ap):
                         "measured on the whole model")
     add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
     add_dtype(ap, choices=("float32", "float64"), default="float32")
-    ap.add_argument("--threads", type=cli.positive_int, nargs="+", default=[1],
-                    help="BLAS / torch thread counts to time (default 1)")
-    ap.add_argument("--repeats", type=cli.positive_int, default=DEFAULT_REPEATS,
-                    help=f"timed steps per block, after one warm-up step (default "
-                         f"{DEFAULT_REPEATS})")
-    ap.add_argument("--blocks", type=cli.positive_int, default=2,
-                    help="blocks per framework, alternated NumPy, torch, NumPy, torch, ... "
-                         "(default 2)")
+    ap.add_argument("--threads", type=cli.int_between(1, MAX_THREADS), nargs="+", default=[1],
+                    help=f"BLAS / torch thread counts to time, 1 to {MAX_THREADS} each "
+                         f"(default 1)")
+    ap.add_argument("--repeats", type=cli.int_between(1, MAX_REPEATS), default=DEFAULT_REPEATS,
+                    help=f"timed steps per block, after one warm-up step, 1 to {MAX_REPEATS} "
+                         f"(default {DEFAULT_REPEATS})")
+    ap.add_argument("--blocks", type=cli.int_between(1, MAX_BLOCKS), default=2,
+                    help=f"blocks per framework, alternated NumPy, torch, NumPy, torch, ..., "
+                         f"1 to {MAX_BLOCKS} (default 2)")
     ap.add_argument("--torch", action="store_true", help="also time PyTorch eager (needs torch)")
     ap.add_argument("--no-memory", action="store_true",
                     help="skip the peak-memory measurement of the whole model")
