@@ -277,7 +277,7 @@ def preflight(args, world) -> str:
         try:   # loaded once, here; the body hands rank 0's copy to the other ranks
             args.machine_loaded = check_machine_spec(args.machine)
         except ValueError as e:
-            return f"--machine: {e}"
+            return str(e)                      # it names --machine and the file
     why = unavailable(args.backend)
     if why:
         return why

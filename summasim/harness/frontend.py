@@ -53,7 +53,7 @@ def check_outputs(json_path: str | None, machine: str | None) -> str:
         try:
             check_machine_spec(machine)
         except ValueError as e:
-            return f"--machine: {e}"
+            return str(e)                      # it names --machine and the file
     return ""
 
 

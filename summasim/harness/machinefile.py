@@ -100,7 +100,9 @@ def check_machine_spec(spec) -> Machine | None:
         if not os.path.exists(spec) and spec not in list_presets():
             raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
                              f"({', '.join(list_presets())})") from None
-        raise ValueError(f"--machine {spec!r}: {exc}") from None
+        text = str(exc)                          # the reader's message starts with the path
+        raise ValueError(f"--machine {text}" if text.startswith(spec)
+                         else f"--machine {spec!r}: {text}") from None
 
 
 def _busy_line(machine: Machine, path: str) -> str:
