@@ -462,13 +462,22 @@ def _probe_name(folder: str, name: str) -> None:
         return
 
 
+def _results_folder(folder: str) -> bool:
+    """Whether ``folder`` is a ``results`` folder whose parent exists: the one folder
+    summasim makes when a report path names it (``--json results/run.json`` on a fresh
+    clone)."""
+    return os.path.basename(folder) == "results" and os.path.isdir(os.path.dirname(folder))
+
+
 def check_writable_path(path, kind: str | None = None, force: bool | None = None) -> str:
     """``path`` if a report can be written there, else raise :class:`UsageError`.
 
     Checked for real, before any work, so that a finished job never loses its result:
 
     - the path is not a folder, and its folder exists (no folder is created, except for
-      a command's own default path, a :class:`ReportPath` with ``default=True``);
+      a command's own default path, a :class:`ReportPath` with ``default=True``, and
+      summasim's own ``results/`` folder in an existing folder, where the README sends
+      every report);
     - a new file with a name as long as ``path``'s is created beside it and removed
       again (a name too long, a read-only file system or a missing permission is caught,
       also for root);
@@ -488,7 +497,7 @@ def check_writable_path(path, kind: str | None = None, force: bool | None = None
         raise UsageError(f"{text}: is a folder; give a file name")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
-        if getattr(path, "default", False):
+        if getattr(path, "default", False) or _results_folder(folder):
             _probe_dir(folder)
         elif os.path.exists(folder):
             raise UsageError(f"{text}: {folder} is not a folder")

@@ -195,6 +195,13 @@ def test_output_makes_no_folder_and_probes_the_name(tmp_path):
     default = cli.ReportPath(str(tmp_path / "results" / "r.json"), "run", default=True)
     assert cli.check_writable_path(default) == default           # a command's own default
     assert (tmp_path / "results").is_dir()
+    os.rmdir(tmp_path / "results")            # summasim's own results/ (as in the README) ...
+    named = cli.ReportPath(str(tmp_path / "results" / "r.json"), "run")
+    assert cli.check_writable_path(named) == named and (tmp_path / "results").is_dir()
+    with pytest.raises(cli.UsageError, match="folder .* does not exist"):   # ... only there
+        cli.check_writable_path(cli.ReportPath(str(tmp_path / "x" / "results" / "r.json"),
+                                               "run"))
+    assert not (tmp_path / "x").exists()
     with pytest.raises(cli.UsageError, match="name is too long"):
         cli.check_writable_path(cli.ReportPath(str(tmp_path / ("r" * 300)), "run"))
     assert cli.check_writable_path(str(tmp_path / ("r" * 250))) == str(tmp_path / ("r" * 250))
