@@ -516,15 +516,22 @@ sys.exit(1)
 """
 
 
-def test_run_fit_refuses_an_impossible_fit_on_every_rank(tmp_path):
+def _run_two_ranks(tmp_path, name: str, text: str, limit: int):
+    """``text`` as a script under ``mpiexec -n 2`` (the one beside this Python) and a
+    ``limit``-second timeout; skips where there is no such mpiexec."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         pytest.skip("no mpiexec beside the interpreter")
-    script = tmp_path / "refuse.py"
-    script.write_text(RUN_FIT_REFUSES)
+    script = tmp_path / name
+    script.write_text(text)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run(["timeout", "-k", "5", "60", mpiexec, "-n", "2", sys.executable,
-                           str(script)], capture_output=True, text=True, timeout=90, env=env)
+    return subprocess.run(["timeout", "-k", "5", str(limit), mpiexec, "-n", "2",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=limit + 30, env=env)
+
+
+def test_run_fit_refuses_an_impossible_fit_on_every_rank(tmp_path):
+    proc = _run_two_ranks(tmp_path, "refuse.py", RUN_FIT_REFUSES, 60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = sorted(re.findall(r"rank (\d) refused (True|False)", proc.stdout))
     assert said == [("0", "True"), ("1", "True")], proc.stdout
@@ -551,14 +558,7 @@ def test_a_fit_says_one_summary_and_keeps_its_points_apart(tmp_path):
     """By default the fit's measured points go to ``detail`` (``costmodel fit`` drops
     them unless --verbose; they are in the saved notes) and ``say`` gets one summary
     line; without ``detail`` every point goes to ``say`` as before."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        pytest.skip("no mpiexec beside the interpreter")
-    script = tmp_path / "says.py"
-    script.write_text(FIT_SAYS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run(["timeout", "-k", "5", "120", mpiexec, "-n", "2", sys.executable,
-                           str(script)], capture_output=True, text=True, timeout=150, env=env)
+    proc = _run_two_ranks(tmp_path, "says.py", FIT_SAYS, 120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     said, points = out["quiet"]
