@@ -276,17 +276,23 @@ def test_the_saved_mark_is_the_fits_own_even_when_it_is_quiet_afterwards(tmp_pat
     assert seen["before"]["foreign_cpu"] == 0.0 and os.getpid() in seen["exclude"]
 
 
-def test_a_lock_file_left_by_a_killed_process_blocks_nobody(tmp_path):
-    """A process took the fit lock and was SIGKILLed: its lock file stays, the kernel
-    dropped its lock, and the next fit takes it at once, without a waiting message."""
-    base = str(tmp_path / "fit")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, sys, time
+def _hold_lock(base: str) -> subprocess.Popen:
+    """Another process that holds the fit lock ``base + ".lock"`` for a minute (it
+    prints "locked" once it does)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
         fd = os.open({base + '.lock'!r}, os.O_RDWR | os.O_CREAT, 0o666)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("locked", flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_lock_file_left_by_a_killed_process_blocks_nobody(tmp_path):
+    """A process took the fit lock and was SIGKILLed: its lock file stays, the kernel
+    dropped its lock, and the next fit takes it at once, without a waiting message."""
+    base = str(tmp_path / "fit")
+    holder = _hold_lock(base)
     try:
         assert holder.stdout.readline().strip() == "locked"
         said = []
@@ -310,13 +316,7 @@ def test_two_fits_racing_the_second_waits_then_refuses_on_every_rank(tmp_path):
     then raises FitBusy on both ranks (no rank left in a collective) without measuring;
     once the lock is free it is taken at once."""
     base = str(tmp_path / "host-fit")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, time
-        fd = os.open({base + '.lock'!r}, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        print("locked", flush=True)
-        time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    holder = _hold_lock(base)
     script = textwrap.dedent(f"""
         from mpi4py import MPI
         from summasim.harness import fitbench, load
