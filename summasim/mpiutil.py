@@ -81,16 +81,23 @@ def activity(what: str):
         doing(previous)
 
 
+#: Name prefixes of the MPI libraries' own segments in ``/dev/shm`` (MPICH; Open MPI's
+#: vader/sm transports): only these are released, never a segment the user's own code
+#: maps beside summasim.
+MPI_SHM_PREFIXES = ("mpich_shm_", "vader_segment.", "sm_segment.")
+
+
 def shared_memory_segments() -> list[str]:
-    """The ``/dev/shm`` files this process maps and that still have a name: the node's
-    MPI shared memory (the intranode channel, shared windows). Read from
-    ``/proc/self/maps``; empty where there is none (not Linux)."""
+    """The ``/dev/shm`` files of the MPI library (:data:`MPI_SHM_PREFIXES`) that this
+    process maps and that still have a name: the node's intranode channel and shared
+    windows. Read from ``/proc/self/maps``; empty where there is none (not Linux)."""
     found = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 path = line.split(None, 5)[-1].strip() if line.count(" ") >= 5 else ""
                 if path.startswith("/dev/shm/") and not path.endswith("(deleted)") \
+                        and os.path.basename(path).startswith(MPI_SHM_PREFIXES) \
                         and path not in found:
                     found.append(path)
     except OSError:

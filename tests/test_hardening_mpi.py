@@ -345,3 +345,29 @@ def test_which_checks_can_catch_a_perturbation():
     assert check_method(perturb, "auto", "float64") == "auto"
     assert check_method(nan, "auto", "float32") == "auto"
     assert check_method(perturb, "freivalds", "float32") == "freivalds"
+
+
+def test_only_the_mpi_librarys_segments_are_released_never_the_users():
+    """An abort unlinks the MPI library's /dev/shm segments that the rank maps, and
+    leaves alone a segment the user's own code maps beside summasim."""
+    import mmap
+    from multiprocessing import shared_memory
+
+    from summasim import mpiutil
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    user = shared_memory.SharedMemory(create=True, size=4096)
+    path = f"/dev/shm/mpich_shm_summasim_test_{os.getpid()}"
+    with open(path, "wb+") as fh:
+        fh.write(b"\0" * 4096)
+        fh.flush()
+        mapped = mmap.mmap(fh.fileno(), 4096)
+    try:
+        found = mpiutil.shared_memory_segments()
+        assert path in found and f"/dev/shm/{user.name.lstrip('/')}" not in found, found
+    finally:
+        mapped.close()
+        os.unlink(path)
+        user.close()
+        user.unlink()
