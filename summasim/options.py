@@ -5,7 +5,9 @@ Every command spells the same thing the same way:
 ``--model NAME|h=H,heads=N,layers=L,seq=S,vocab=V[,ffn=F]``  a :class:`~summasim.spec.Model`
 ``--batch B``             global batch, in sequences
 ``--mesh dp=D,pp=P,tp=SCHEME:GRID``                           a :class:`~summasim.spec.Mesh`
-``--zero``, ``--schedule``, ``--microbatches``, ``--checkpoint``  how a mesh trains
+``--zero``, ``--schedule``, ``--microbatches``, ``--stages``, ``--recompute``
+(``--checkpoint``), ``--attention``, ``--sequence-parallel``, ``--loss-scale``,
+``--grad-reduce``          how a mesh trains: a :class:`~summasim.spec.Training`
 ``--machine FILE|PRESET``  the cost model's machine: a fitted JSON file or a preset name
 ``--dtype``               element type
 
@@ -69,18 +71,83 @@ def add_mesh(ap, repeat: bool = False, help_more: str = ""):
                          f"megatron:1" + ("; repeatable" if repeat else "") + help_more)
 
 
-def add_composition(ap, zero=0, schedule="1f1b", microbatches=None, checkpoint=False):
-    """How a mesh trains: ``--zero``, ``--schedule``, ``--microbatches``, ``--checkpoint``."""
+def _schedule_text(text) -> str:
+    kind, chunks = spec.parse_schedule(text)
+    return f"{kind}:{chunks}" if kind == "interleaved" else kind
+
+
+schedule_type = _typed(_schedule_text, "schedule")
+stages_type = _typed(spec.parse_stages, "stages")
+loss_scale_type = _typed(spec.parse_loss_scale, "loss scale")
+
+
+def add_training(ap, zero=0, schedule="1f1b", microbatches=None):
+    """How a mesh trains (a :class:`summasim.spec.Training`; build it with
+    :func:`training`): ``--zero``, ``--schedule gpipe|1f1b|interleaved:V``,
+    ``--microbatches``, ``--stages``, ``--recompute none|selective|full`` (``--checkpoint``
+    is ``--recompute full``), ``--attention plain|flash``, ``--sequence-parallel``,
+    ``--loss-scale`` and ``--grad-reduce`` (mixed precision)."""
     ap.add_argument("--zero", type=int, choices=spec.ZERO_STAGES, default=zero,
                     help=f"ZeRO stage (default {zero})")
-    ap.add_argument("--schedule", choices=spec.SCHEDULES, default=schedule,
-                    help=f"pipeline schedule (default {schedule})")
+    ap.add_argument("--schedule", type=schedule_type, default=schedule,
+                    metavar="gpipe|1f1b|interleaved:V",
+                    help=f"pipeline schedule; interleaved:V runs V model chunks per stage "
+                         f"(default {schedule})")
     ap.add_argument("--microbatches", type=_positive, default=microbatches, metavar="M",
                     help="micro-batches per replica"
                          + (f" (default {microbatches})" if microbatches else ""))
-    ap.add_argument("--checkpoint", action="store_true", default=checkpoint,
-                    help="activation checkpointing (recompute each layer's forward in "
-                         "backward)")
+    ap.add_argument("--stages", type=stages_type, default=None, metavar="L0,L1,...",
+                    help="layers per pipeline stage (per stage and chunk when "
+                         "interleaved), in order; 0 makes a stage of the embedding or of "
+                         "the head alone (default: an even split)")
+    ap.add_argument("--recompute", choices=spec.RECOMPUTE, default=None,
+                    help="activation recompute: none, selective (only the attention core) "
+                         "or full (each layer from its input) (default none)")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="the same as --recompute full")
+    ap.add_argument("--attention", choices=spec.ATTENTIONS, default="plain",
+                    help="plain (holds the b n s^2 scores) or flash (blockwise, online "
+                         "softmax) (default plain)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="Megatron sequence parallelism: LayerNorm, dropout and the "
+                         "residual on 1/t of the sequence; reduce-scatter and all-gather "
+                         "in place of the all-reduces")
+    ap.add_argument("--loss-scale", type=loss_scale_type, default=None,
+                    metavar="dynamic|static:S|none",
+                    help="loss scaling under mixed precision (default dynamic for "
+                         "float16, none for bfloat16)")
+    ap.add_argument("--grad-reduce", choices=spec.GRAD_REDUCE_DTYPES, default=None,
+                    help="type of the data-parallel gradient reduction under mixed "
+                         "precision (default float32)")
+
+
+def training(args, dtype: str | None = None) -> spec.Training:
+    """The :class:`summasim.spec.Training` that :func:`add_training`'s flags name
+    (``dtype``: the element type, when the command's ``--dtype`` is not it);
+    ``ValueError`` on a contradiction (``--checkpoint`` with another ``--recompute``,
+    ``--loss-scale`` without mixed precision, ...)."""
+    recompute = args.recompute or ("full" if args.checkpoint else "none")
+    if args.checkpoint and recompute != "full":
+        raise ValueError(f"--checkpoint is --recompute full; it contradicts --recompute "
+                         f"{args.recompute}")
+    kind, chunks = spec.parse_schedule(args.schedule)
+    if dtype is None:
+        dtype = getattr(args, "dtype", None)
+    return spec.Training(zero=args.zero, schedule=kind, chunks=chunks,
+                         microbatches=args.microbatches, stages=args.stages,
+                         recompute=recompute, attention=args.attention,
+                         sequence_parallel=args.sequence_parallel,
+                         dtype=dtype if dtype in spec.DTYPES else None,
+                         loss_scale=args.loss_scale, grad_reduce=args.grad_reduce)
+
+
+def add_steps(ap, default: int = 3, most: int = 10_000):
+    """``--steps N``: training steps (at most ``most``)."""
+    from .cli import int_between
+
+    ap.add_argument("--steps", type=int_between(1, most), default=default, metavar="N",
+                    help=f"training steps, each validated (default {default}, at most "
+                         f"{most})")
 
 
 def add_machine(ap, default: str | None = None, help_more: str = ""):

@@ -30,12 +30,14 @@ from .harness.frontend import Parser, check_outputs, mpi_main
 from .harness.inject import KINDS, Fault, check_method, uncatchable
 from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST_SIZES, \
     plan_products, plan_schemes
-from .spec import MODELS, SCHEME_NAMES
+from .spec import MODELS, SCHEME_NAMES, unsupported
 
 PROG = "python -m summasim.run"
 
 #: The transformer and mesh sections' model: every scheme shards it at p = 16.
 DEFAULT_MODEL = MODELS["tiny"]
+#: The techniques of ``spec.Training.techniques`` that ``run --mesh`` runs and validates.
+RUN_TECHNIQUES: frozenset = frozenset()
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 
 
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_mesh(ap, repeat=True, help_more="; sharded training validated against the "
                      "serial model on --model and --batch. Without --mesh the job runs a few "
                      "default compositions that fit p")
-    options.add_composition(ap, zero=0, schedule="1f1b", microbatches=2)
+    options.add_training(ap, zero=0, schedule="1f1b", microbatches=2)
     ap.add_argument("--bucket", type=cli.byte_size, default=None, metavar="BYTES",
                     help="gradient bucket of the --mesh runs (e.g. 64k; default 25 MiB, "
                          "PyTorch DDP's)")
@@ -142,6 +144,25 @@ def parse_args(argv=None):
     args.model = args.model or DEFAULT_MODEL
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
+    try:
+        args.training = options.training(args, dtype=args.dtypes[0])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    why = unsupported(args.training, RUN_TECHNIQUES, "run --mesh")
+    if why:
+        raise UsageError(why)
+    if not args.mesh:
+        named = [f for f, given in (("--zero", args.zero != 0),
+                                    ("--schedule", args.schedule != "1f1b"),
+                                    ("--stages", args.stages is not None),
+                                    ("--recompute/--checkpoint", args.training.recompute
+                                     != "none"),
+                                    ("--attention", args.attention != "plain"),
+                                    ("--sequence-parallel", args.sequence_parallel))
+                 if given]
+        if named:
+            raise UsageError(f"{', '.join(named)} set(s) how a --mesh trains; give --mesh "
+                             f"(the default compositions train with their own settings)")
     if any(ALGORITHMS[a].kind != "ring" for a in args.algorithm_list):
         why = uncatchable(args.fault, args.check, args.dtypes)
         if why:
@@ -169,8 +190,9 @@ def plan_mesh_cases(args, p: int):
                            DEFAULT_MODEL.batch, False)
     kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
     if args.mesh:
-        opts = dict(zero=args.zero, schedule=args.schedule, microbatches=args.microbatches,
-                    checkpoint=args.checkpoint)
+        t = args.training
+        opts = dict(zero=t.zero, schedule=t.schedule, microbatches=t.microbatches,
+                    checkpoint=t.checkpoint)
         specs = [(m, opts) for m in args.mesh]
     else:
         specs = default_meshes(p) if args.meshes == "default" else []

@@ -95,15 +95,26 @@ def grid_shapes(p: int, kind: str = "any") -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class Model:
-    """A GPT-style transformer's size (items; the MLP is ``[h, ffn_mult h]``).
+    """A GPT-style transformer's size and block variant (items).
 
     Parameters
     ----------
     vocab, seq, hidden, heads, layers : int
         Vocabulary (as padded for training), longest sequence, hidden size h,
         attention heads n (dividing h) and layers.
-    ffn_mult : int, default 4
-        MLP multiplier f (GPT-2: 4).
+    ffn_mult : int or float, default 4
+        MLP multiplier f; the MLP width is ``round(f h)`` (:attr:`ffn_width`). It may be
+        fractional (SwiGLU models use 8/3 or 3.25).
+    mlp : {"gelu", "swiglu"}, keyword-only, default "gelu"
+        GELU MLP ``[h, f h] -> [f h, h]`` (GPT-2), or SwiGLU (Shazeer 2020): a gate and
+        an up projection ``[h, f h]`` each, ``silu(x W_gate) * (x W_up)``, then
+        ``[f h, h]``: three matrices.
+    kv_heads : int, keyword-only, default ``heads``
+        Key/value heads: fewer than ``heads`` is grouped-query attention (Ainslie et al.
+        2023; ``heads / kv_heads`` query heads share one key/value head). Must divide
+        ``heads``.
+    tied : bool, keyword-only, default True
+        The LM head reads the embedding ``wte`` (GPT-2); False: its own ``head.w``.
     name, batch, source : keyword-only
         A preset's name, its published global batch (sequences; what ``--batch``
         defaults to for it) and where its numbers come from. They do not take part in
@@ -115,20 +126,42 @@ class Model:
     hidden: int
     heads: int
     layers: int
-    ffn_mult: int = 4
+    ffn_mult: float = 4
+    mlp: str = field(default="gelu", kw_only=True)
+    kv_heads: int | None = field(default=None, kw_only=True)
+    tied: bool = field(default=True, kw_only=True)
     name: str = field(default="", kw_only=True, compare=False)
     batch: int | None = field(default=None, kw_only=True, compare=False)
     source: str = field(default="", kw_only=True, compare=False, repr=False)
 
     def __post_init__(self):
         cls = type(self).__name__
-        for key in ("vocab", "seq", "hidden", "heads", "layers", "ffn_mult"):
+        for key in ("vocab", "seq", "hidden", "heads", "layers"):
             val = getattr(self, key)
             if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
                 raise ValueError(f"{cls}.{key} must be a positive integer, got {val!r}")
+        f = self.ffn_mult
+        if (isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f)
+                or f <= 0):
+            raise ValueError(f"{cls}.ffn_mult must be a positive number, got {f!r}")
+        if float(f).is_integer():
+            object.__setattr__(self, "ffn_mult", int(f))
+        if round(self.ffn_mult * self.hidden) < 1:
+            raise ValueError(f"{cls}: the MLP width round(ffn_mult * hidden) = "
+                             f"round({f} * {self.hidden}) is below 1")
         if self.hidden % self.heads:
             raise ValueError(f"{cls}.hidden={self.hidden} is not divisible by "
                              f"{cls}.heads={self.heads}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"{cls}.mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        if isinstance(kv, bool) or not isinstance(kv, numbers.Integral) or kv < 1:
+            raise ValueError(f"{cls}.kv_heads must be a positive integer, got {kv!r}")
+        if self.heads % kv:
+            raise ValueError(f"{cls}.kv_heads={kv} does not divide {cls}.heads={self.heads}")
+        object.__setattr__(self, "kv_heads", int(kv))
+        if not isinstance(self.tied, bool):
+            raise ValueError(f"{cls}.tied must be True or False, got {self.tied!r}")
         if self.batch is not None:
             positive_int(f"{cls}.batch", self.batch)
 
@@ -138,18 +171,44 @@ class Model:
 
     @property
     def ffn_width(self) -> int:
-        """The MLP width f h."""
-        return self.ffn_mult * self.hidden
+        """The MLP width ``round(f h)``."""
+        return int(round(self.ffn_mult * self.hidden))
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of K (and of V): ``kv_heads * head_size`` (= h without GQA)."""
+        return self.kv_heads * self.head_size
+
+    @property
+    def qkv_width(self) -> int:
+        """Columns of the fused QKV projection: ``h + 2 kv_width`` (3h without GQA)."""
+        return self.hidden + 2 * self.kv_width
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the MLP: 2 (GELU) or 3 (SwiGLU)."""
+        return 3 if self.mlp == "swiglu" else 2
 
     def replace(self, **changes) -> "Model":
         """A copy with some sizes changed (a preset's name and source are dropped)."""
         keep = {"name": "", "source": ""} if set(changes) - {"batch"} else {}
+        if "heads" in changes and "kv_heads" not in changes and self.kv_heads == self.heads:
+            changes["kv_heads"] = None          # plain attention stays plain
         return dataclasses.replace(self, **{**keep, **changes})
 
-    def sizes(self) -> dict[str, int]:
-        """``{"h", "heads", "layers", "seq", "vocab", "ffn"}``: the ``--model`` keys."""
-        return {"h": self.hidden, "heads": self.heads, "layers": self.layers,
-                "seq": self.seq, "vocab": self.vocab, "ffn": self.ffn_mult}
+    def sizes(self) -> dict:
+        """The ``--model`` keys and values: ``h``, ``heads``, ``layers``, ``seq``,
+        ``vocab``, ``ffn``, then ``mlp``, ``kv_heads`` and ``tied`` where they differ
+        from GPT-2's (gelu, kv_heads = heads, tied)."""
+        out = {"h": self.hidden, "heads": self.heads, "layers": self.layers,
+               "seq": self.seq, "vocab": self.vocab, "ffn": self.ffn_mult}
+        if self.mlp != "gelu":
+            out["mlp"] = self.mlp
+        if self.kv_heads != self.heads:
+            out["kv_heads"] = self.kv_heads
+        if not self.tied:
+            out["tied"] = "false"
+        return out
 
     def __str__(self) -> str:
         if self.name and MODELS.get(self.name) == self:
@@ -161,9 +220,11 @@ class Model:
         """``"gpt3-175b"`` (a preset) or ``"h=64,heads=16,layers=2,seq=16,vocab=64,ffn=4"``.
 
         Keys: ``h`` (or ``hidden``), ``heads``, ``layers``, ``seq``, ``vocab``, ``ffn``
-        (the MLP multiplier, default 4); every key but ``ffn`` is required. A preset
-        may be followed by overrides: ``"gpt3-175b,layers=8"``. ``ValueError`` naming
-        the problem otherwise.
+        (the MLP multiplier, default 4; a decimal such as 3.25 or a fraction such as
+        8/3), ``mlp`` (gelu or swiglu), ``kv_heads`` (grouped-query attention) and
+        ``tied`` (true or false); ``h``, ``heads``, ``layers``, ``seq`` and ``vocab`` are
+        required. A preset may be followed by overrides: ``"gpt3-175b,layers=8"``.
+        ``ValueError`` naming the problem otherwise.
         """
         text = str(text).strip()
         head, _, rest = text.partition(",")
@@ -182,24 +243,53 @@ class Model:
                 raise ValueError(f"model {part!r}: expected {MODEL_FORM}")
             if key in fields:
                 raise ValueError(f"model: {part.split('=')[0].strip()} given twice")
-            val = val.strip()
-            if not val.isdigit() or int(val) < 1:
-                raise ValueError(f"model: {key} must be a positive integer, got {val!r}")
-            fields[key] = int(val)
+            fields[key] = _model_value(key, val.strip())
+        kw = {_MODEL_FIELDS[k]: v for k, v in fields.items()}
         if base is not None:
-            return base.replace(**{_MODEL_FIELDS[k]: v for k, v in fields.items()}) \
-                if fields else base
+            return base.replace(**kw) if fields else base
         missing = [k for k in ("h", "heads", "layers", "seq", "vocab") if k not in fields]
         if missing:
             raise ValueError(f"model: missing {', '.join(missing)} (expected {MODEL_FORM})")
-        return cls(**{_MODEL_FIELDS[k]: v for k, v in fields.items()})
+        return cls(**kw)
 
 
-MODEL_FORM = "h=H,heads=N,layers=L,seq=S,vocab=V[,ffn=F]"
+#: The MLP variants: GPT-2's GELU MLP and SwiGLU.
+MLPS = ("gelu", "swiglu")
+
+
+def _model_value(key: str, val: str):
+    """One ``--model`` value, checked."""
+    if key == "mlp":
+        if val.lower() not in MLPS:
+            raise ValueError(f"model: mlp must be one of {', '.join(MLPS)}, got {val!r}")
+        return val.lower()
+    if key == "tied":
+        if val.lower() not in ("true", "false"):
+            raise ValueError(f"model: tied must be true or false, got {val!r}")
+        return val.lower() == "true"
+    if key == "ffn":
+        num, slash, den = val.partition("/")
+        try:
+            f = float(num) / (float(den) if slash else 1.0)
+        except (ValueError, ZeroDivisionError):
+            f = float("nan")
+        if not math.isfinite(f) or f <= 0 or not re.fullmatch(r"[0-9.]+(/[0-9.]+)?", val):
+            raise ValueError(f"model: ffn must be a positive number (4, 3.25 or 8/3), "
+                             f"got {val!r}")
+        return int(f) if f.is_integer() else f
+    if not val.isdigit() or int(val) < 1:
+        raise ValueError(f"model: {key} must be a positive integer, got {val!r}")
+    return int(val)
+
+
+MODEL_FORM = ("h=H,heads=N,layers=L,seq=S,vocab=V[,ffn=F][,mlp=gelu|swiglu][,kv_heads=K]"
+              "[,tied=true|false]")
 _MODEL_KEYS = {"h": "h", "hidden": "h", "heads": "heads", "layers": "layers", "seq": "seq",
-               "vocab": "vocab", "ffn": "ffn"}
+               "vocab": "vocab", "ffn": "ffn", "mlp": "mlp", "kv_heads": "kv_heads",
+               "kv": "kv_heads", "tied": "tied"}
 _MODEL_FIELDS = {"h": "hidden", "heads": "heads", "layers": "layers", "seq": "seq",
-                 "vocab": "vocab", "ffn": "ffn_mult"}
+                 "vocab": "vocab", "ffn": "ffn_mult", "mlp": "mlp", "kv_heads": "kv_heads",
+                 "tied": "tied"}
 
 
 def _preset(name, hidden, layers, heads, seq, vocab, batch, source, ffn=4) -> Model:
@@ -327,30 +417,36 @@ class TensorGrid:
             raise ValueError("summa25 needs depth D >= 2 (QxQx1 is optimus)")
         return cls.of(scheme, nums[0], nums[2])
 
-    def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None
+    def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None, kv_heads=None
                  ) -> list[tuple[str, object, int, str]]:
         """THE rule of which sizes this grid must divide: ``(what, size, divisor,
         symbol)`` for each, in order. Megatron over p: whole heads, column and row slices
         and vocabulary slices per rank (heads, hidden, ffn width, vocab by p). Optimus
         and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
-        heads, ffn width, vocab by q. A size given as None is left out. The runtime
+        heads, ffn width, vocab by q. Grouped-query attention (``kv_heads`` given) also
+        needs whole key/value heads per rank (kv heads by p, or by q). A size given as
+        None is left out. The runtime
         (:meth:`misfit`) and the cost model (``workload.scheme.misfit``, whose sizes may
         be real) each phrase and test this list."""
         p, q, d = self.p, self.q, self.d
         if self.kind in ("1d", "ring"):
-            dims = [("heads", heads, p, "p"), ("hidden", hidden, p, "p"),
-                    ("ffn width", ffn_width, p, "p"), ("vocab", vocab, p, "p")]
+            dims = [("heads", heads, p, "p"), ("kv heads", kv_heads, p, "p"),
+                    ("hidden", hidden, p, "p"), ("ffn width", ffn_width, p, "p"),
+                    ("vocab", vocab, p, "p")]
         else:
             dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
                     ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
+                    ("kv heads", kv_heads, q, "q"),
                     ("ffn width", ffn_width, q, "q"), ("vocab", vocab, q, "q")]
         return [dim for dim in dims if dim[1] is not None]
 
     def misfits(self, model: Model, batch: int | None = None) -> list[tuple[str, int, int]]:
         """``(what, size, divisor)`` of every size of ``model`` (and ``batch``) this grid
         does not divide; empty when the model fits. See :meth:`divisors`."""
+        kv = model.kv_heads if model.kv_heads != model.heads else None
         return [(what, size, by) for what, size, by, _ in self.divisors(
-            model.hidden, model.heads, model.ffn_width, model.vocab, batch) if size % by]
+            model.hidden, model.heads, model.ffn_width, model.vocab, batch, kv)
+            if size % by]
 
     def misfit(self, model: Model, batch: int | None = None) -> str:
         """Why this grid cannot shard ``model`` (with ``batch`` sequences); "" when it can.
@@ -401,7 +497,7 @@ def grids(p: int, scheme: str, model: Model | None = None,
 # ---------------------------------------------------------------------------------------
 # Meshes
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")      # the schedules without chunks
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -457,6 +553,242 @@ class Mesh:
         except ValueError as e:
             raise ValueError(f"mesh {text!r}: {e}") from None
         return cls(out["dp"], out["pp"], tp)
+
+
+# ---------------------------------------------------------------------------------------
+# How a mesh trains: the techniques every command spells alike
+
+#: Pipeline schedules; "interleaved" takes V model chunks per stage ("interleaved:2").
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+ATTENTIONS = ("plain", "flash")
+#: Element types: the two plain ones, and the two mixed-precision ones (compute in the
+#: 16-bit type, fp32 master weights and fp32 Adam).
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+MIXED_DTYPES = ("bfloat16", "float16")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+
+
+def parse_schedule(text: str) -> tuple[str, int]:
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved:V"`` (V >= 2 model chunks per stage) as
+    ``(kind, chunks)``; ``ValueError`` naming the problem otherwise."""
+    kind, colon, v = str(text).strip().lower().partition(":")
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"schedule must be gpipe, 1f1b or interleaved:V, got {text!r}")
+    if kind != "interleaved":
+        if colon:
+            raise ValueError(f"schedule {kind} takes no chunk count, got {text!r}")
+        return kind, 1
+    if not v.isdigit() or int(v) < 2:
+        raise ValueError(f"interleaved:V needs V >= 2 model chunks per stage, got {text!r}")
+    return kind, int(v)
+
+
+def parse_stages(text: str) -> tuple[int, ...]:
+    """``"6,6,5"``: layers per pipeline stage (per virtual stage when interleaved), in
+    pipeline order; 0 is allowed (a stage holding only the embedding or only the head).
+    ``ValueError`` otherwise."""
+    parts = [t.strip() for t in str(text).split(",")]
+    if not parts or any(not t.isdigit() for t in parts):
+        raise ValueError(f"stages must be layers per stage, comma-separated non-negative "
+                         f"integers such as 6,6,5, got {text!r}")
+    return tuple(int(t) for t in parts)
+
+
+def parse_loss_scale(text: str) -> str:
+    """``"dynamic"``, ``"none"`` or ``"static:S"`` (S > 0), normalised."""
+    t = str(text).strip().lower()
+    if t in ("dynamic", "none"):
+        return t
+    kind, colon, val = t.partition(":")
+    try:
+        ok = kind == "static" and colon and math.isfinite(float(val)) and float(val) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"loss scale must be dynamic, none or static:S with S > 0, "
+                         f"got {text!r}")
+    return f"static:{float(val):g}"
+
+
+def stage_layers(layers: int, pp: int, stages=None, chunks: int = 1) -> list[range]:
+    """THE split of ``layers`` into the ``pp * chunks`` (virtual) pipeline stages, in
+    pipeline order: contiguous ascending ranges.
+
+    Without ``stages`` the first ``layers % (pp chunks)`` stages get one layer more, and
+    every stage needs a layer. ``stages`` (layers per stage, e.g. ``(6, 6, 5)``) splits
+    explicitly: it must have ``pp * chunks`` entries summing to ``layers``; a 0 is a
+    stage with no layer (the first stage holding only the embedding, the last only the
+    final LayerNorm and the head). With ``chunks = V`` (interleaved 1F1B), virtual stage
+    ``c pp + s`` is model chunk ``c`` of stage ``s`` (Narayanan et al. 2021, section
+    2.2.2). ``ValueError`` naming the numbers otherwise.
+    """
+    pp, chunks = positive_int("pp", pp), positive_int("chunks", chunks)
+    n = pp * chunks
+    what = f"{pp} stages" + (f" x {chunks} chunks" if chunks > 1 else "")
+    if stages is None:
+        if layers < n:
+            raise ValueError(f"a pipeline of {what} needs at least {n} layers, the model "
+                             f"has {layers}")
+        base, extra = divmod(layers, n)
+        sizes = [base + (1 if i < extra else 0) for i in range(n)]
+    else:
+        sizes = [int(x) for x in stages]
+        if len(sizes) != n or any(x < 0 for x in sizes) or sum(sizes) != layers:
+            raise ValueError(f"--stages {','.join(map(str, sizes))}: needs {n} non-negative "
+                             f"entries (one per stage{' and chunk' if chunks > 1 else ''}) "
+                             f"summing to the model's {layers} layers")
+        if n > 1 and not any(sizes):
+            raise ValueError("--stages: every stage is empty")
+    out, start = [], 0
+    for x in sizes:
+        out.append(range(start, start + x))
+        start += x
+    return out
+
+
+@dataclass(frozen=True)
+class Training:
+    """How a mesh trains: the techniques ``run``, ``bench``, ``predict`` and ``plan`` all
+    take from the same flags (``options.add_training``).
+
+    zero            ZeRO stage 0-3
+    schedule        ``gpipe``, ``1f1b`` or ``interleaved`` (with ``chunks`` = V >= 2)
+    microbatches    micro-batches per replica per step (None: the command's default)
+    stages          layers per (virtual) stage, or None for the even split
+                    (:func:`stage_layers`)
+    recompute       ``none``, ``selective`` (only the attention core is recomputed,
+                    Korthikanti et al. 2022) or ``full`` (each layer from its input)
+    attention       ``plain`` (the b n s^2 scores are held) or ``flash`` (blockwise,
+                    online softmax: O(s tile) scores)
+    sequence_parallel  Megatron sequence parallelism (Korthikanti et al. 2022)
+    dtype           the element type; ``bfloat16``/``float16`` is mixed precision
+                    (16-bit compute, fp32 master weights and fp32 Adam)
+    loss_scale      ``none``, ``dynamic`` or ``static:S`` (mixed precision only; default
+                    dynamic for float16, none for bfloat16)
+    grad_reduce     ``float32`` or ``bfloat16``: the type of the data-parallel gradient
+                    reduction (mixed precision only; default float32)
+    """
+
+    zero: int = 0
+    schedule: str = "1f1b"
+    chunks: int = 1
+    microbatches: int | None = None
+    stages: tuple | None = None
+    recompute: str = "none"
+    attention: str = "plain"
+    sequence_parallel: bool = False
+    dtype: str | None = None
+    loss_scale: str | None = None
+    grad_reduce: str | None = None
+
+    def __post_init__(self):
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero must be one of 0, 1, 2, 3, got {self.zero!r}")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_KINDS)}, "
+                             f"got {self.schedule!r}")
+        positive_int("chunks", self.chunks)
+        if (self.schedule == "interleaved") != (self.chunks > 1):
+            raise ValueError("interleaved takes V >= 2 chunks per stage (interleaved:V); "
+                             "the other schedules take one")
+        if self.microbatches is not None:
+            positive_int("microbatches", self.microbatches)
+        if self.stages is not None:
+            object.__setattr__(self, "stages", tuple(int(x) for x in self.stages))
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, "
+                             f"got {self.recompute!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, "
+                             f"got {self.attention!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        mixed = self.mixed
+        if self.loss_scale is not None:
+            scale = parse_loss_scale(self.loss_scale)
+            if not mixed and scale != "none":
+                raise ValueError(f"--loss-scale {self.loss_scale} needs mixed precision "
+                                 f"(--dtype bfloat16 or float16), the dtype is {self.dtype}")
+            object.__setattr__(self, "loss_scale", scale)
+        elif mixed:
+            object.__setattr__(self, "loss_scale",
+                               "dynamic" if self.dtype == "float16" else "none")
+        if self.grad_reduce is not None:
+            if self.grad_reduce not in GRAD_REDUCE_DTYPES:
+                raise ValueError(f"grad reduce must be one of {', '.join(GRAD_REDUCE_DTYPES)}"
+                                 f", got {self.grad_reduce!r}")
+            if not mixed:
+                raise ValueError(f"--grad-reduce {self.grad_reduce} needs mixed precision "
+                                 f"(--dtype bfloat16 or float16), the dtype is {self.dtype}")
+        elif mixed:
+            object.__setattr__(self, "grad_reduce", "float32")
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit compute with fp32 master weights (``dtype`` bfloat16 or float16)."""
+        return self.dtype in MIXED_DTYPES
+
+    @property
+    def checkpoint(self) -> bool:
+        """Whole-layer recompute (``--checkpoint``, the same as ``--recompute full``)."""
+        return self.recompute == "full"
+
+    @property
+    def schedule_label(self) -> str:
+        """``gpipe``, ``1f1b`` or ``interleaved:V``."""
+        return f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
+
+    def stage_layers(self, layers: int, pp: int) -> list[range]:
+        """The layers of each (virtual) stage (:func:`stage_layers`)."""
+        return stage_layers(layers, pp, self.stages, self.chunks)
+
+    def techniques(self) -> dict:
+        """``{flag: value}`` of every technique that differs from plain training
+        (ZeRO 0, gpipe or 1F1B over even stages, no recompute, plain attention, no
+        sequence parallelism, a plain dtype): what a command that cannot run or price
+        one of them must refuse by name."""
+        out = {}
+        if self.schedule == "interleaved":
+            out["--schedule"] = self.schedule_label
+        if self.stages is not None:
+            out["--stages"] = ",".join(map(str, self.stages))
+        if self.recompute == "selective":
+            out["--recompute"] = self.recompute
+        if self.attention != "plain":
+            out["--attention"] = self.attention
+        if self.sequence_parallel:
+            out["--sequence-parallel"] = ""
+        if self.mixed:
+            out["--dtype"] = self.dtype
+        return out
+
+    def __str__(self) -> str:
+        parts = [f"zero={self.zero}", f"schedule={self.schedule_label}"]
+        if self.microbatches is not None:
+            parts.append(f"microbatches={self.microbatches}")
+        if self.stages is not None:
+            parts.append("stages=" + ",".join(map(str, self.stages)))
+        parts.append(f"recompute={self.recompute}")
+        parts.append(f"attention={self.attention}")
+        if self.sequence_parallel:
+            parts.append("sequence-parallel")
+        if self.dtype:
+            parts.append(f"dtype={self.dtype}")
+        if self.mixed:
+            parts += [f"loss-scale={self.loss_scale}", f"grad-reduce={self.grad_reduce}"]
+        return ",".join(parts)
+
+
+def unsupported(training: Training, supported, who: str) -> str:
+    """"" when ``who`` can do every technique of ``training``; else one line naming the
+    flags it cannot (``supported``: the flag names of :meth:`Training.techniques` that
+    ``who`` handles)."""
+    missing = [f"{k} {v}".strip() for k, v in training.techniques().items()
+               if k not in supported]
+    if not missing:
+        return ""
+    return f"{who} does not support {', '.join(missing)} yet"
 
 
 # ---------------------------------------------------------------------------------------

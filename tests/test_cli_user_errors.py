@@ -94,7 +94,12 @@ EXPLORE_CASES = [
     (["--dtype", "float8"], "--dtype"),
     (_model(ffn="0"), "--model"),
     (_model(ffn="nan"), "--model"),
-    (_model(h="1000", heads="8", ffn="2.7183"), "--model"),   # ffn is a whole multiplier
+    (_model(ffn="1/0"), "--model"),
+    (_model(ffn="-3.25"), "--model"),
+    (["--model", EXPLORE_MODEL.format(h="1024", heads="16", seq="256", vocab="2048",
+                                      ffn=",kv_heads=3")], "--model"),   # does not divide 16
+    (["--model", EXPLORE_MODEL.format(h="1024", heads="16", seq="256", vocab="2048",
+                                      ffn=",mlp=relu")], "--model"),
     (["--schemes", "megatron,fox"], "--schemes"),
     (["--schemes", ","], "--schemes"),
     (["--machine", "nope"], "--machine"),

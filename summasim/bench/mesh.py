@@ -30,12 +30,30 @@ def add_arguments(ap):
 def add_training(ap):
     """``--batch``, ``--mesh`` (repeatable) and how the meshes train (``bench all``
     shares them)."""
-    from ..options import add_batch, add_composition, add_mesh
+    from ..options import add_batch, add_mesh
+    from ..options import add_training as add_techniques
 
     add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
     add_mesh(ap, repeat=True, help_more=" (default: the main job's default compositions "
                                         "that fit p)")
-    add_composition(ap, microbatches=DEFAULT_MICROBATCHES)
+    add_techniques(ap, microbatches=DEFAULT_MICROBATCHES)
+
+
+#: The techniques of ``spec.Training.techniques`` that ``bench mesh`` runs.
+MESH_TECHNIQUES: frozenset = frozenset()
+
+
+def training_of(args):
+    """The :class:`summasim.spec.Training` of ``args`` (float64), or ``ValueError``
+    naming a contradiction or a technique the benchmark does not run yet."""
+    from ..options import training
+    from ..spec import unsupported
+
+    t = training(args, dtype="float64")
+    why = unsupported(t, MESH_TECHNIQUES, "bench mesh")
+    if why:
+        raise ValueError(why)
+    return t
 
 
 def plan_mesh_bench(args, p: int):
@@ -47,8 +65,12 @@ def plan_mesh_bench(args, p: int):
     batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
     config = runtime_config(model, np.float64)
     if args.mesh:
-        specs = [(str(m), dict(zero=args.zero, schedule=args.schedule,
-                               microbatches=args.microbatches, checkpoint=args.checkpoint))
+        try:
+            t = training_of(args)
+        except ValueError as e:
+            return [], [], str(e)
+        specs = [(str(m), dict(zero=t.zero, schedule=t.schedule,
+                               microbatches=t.microbatches, checkpoint=t.checkpoint))
                  for m in args.mesh]
     else:
         specs = default_meshes(p)

@@ -30,6 +30,7 @@ import dataclasses
 import sys
 
 from summasim import cli, options, spec
+from summasim.spec import unsupported
 from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
@@ -146,7 +147,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     options.add_batch(ap, help_more=f" (at most 2^40 = {MAX_SIZE})")
     options.add_mesh(ap, help_more=" (required); dp = pp = 1 and no --microbatches prices "
                                    "the tensor grid alone")
-    options.add_composition(ap)
+    options.add_training(ap)
     options.add_dtype(ap, choices=tuple(DTYPE_SIZES), default=None,
                       help_more=" of parameters, activations and messages (default: the "
                                 f"first of {', '.join(DEFAULT_DTYPES)} the machine has)")
@@ -175,6 +176,23 @@ def is_composition(args) -> bool:
     return mesh.dp > 1 or mesh.pp > 1 or args.microbatches is not None or args.zero != 0
 
 
+#: The techniques of ``spec.Training.techniques`` that ``predict`` prices.
+PREDICT_TECHNIQUES: frozenset = frozenset({"--dtype"})   # 16-bit: StateBytes.for_dtype
+
+
+def training_of(args, dtype):
+    """The :class:`summasim.spec.Training` of ``args`` in ``dtype``, or a usage error
+    naming a contradiction or a technique the cost model does not price yet."""
+    try:
+        training = options.training(args, dtype=dtype)
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
+    why = unsupported(training, PREDICT_TECHNIQUES, "the cost model")
+    if why:
+        raise cli.UsageError(why)
+    return training
+
+
 def check_args(args):
     """``(machine, scheme, cfg, placement, budget)`` or :class:`cli.UsageError`."""
     machine = resolve_machine(args.machine)
@@ -183,8 +201,10 @@ def check_args(args):
     if args.mesh is None:
         raise _arg("--mesh", "required: dp=D,pp=P,tp=SCHEME:GRID (e.g. tp=optimus:4x4)")
     dtype = pick_dtype(machine, args.dtype)
+    args.training = training_of(args, dtype)
     sch = scheme_of(args.mesh.tp)
-    cfg = TransformerConfig.from_model(model, batch, checkpoint=args.checkpoint, dtype=dtype)
+    cfg = TransformerConfig.from_model(model, batch, checkpoint=args.training.checkpoint,
+                                       dtype=dtype)
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
     if args.json is not None:
@@ -225,7 +245,8 @@ def price_fixed_composition(args, machine, sch, cfg, m) -> dict:
     mesh = args.mesh
     return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
                              microbatches=m, global_batch=int(cfg.b), zero=args.zero,
-                             schedule=args.schedule, checkpoint=args.checkpoint,
+                             schedule=args.training.schedule,
+                             checkpoint=args.training.checkpoint,
                              devices=mesh.devices,
                              state_bytes=StateBytes.for_dtype(cfg.dtype))
 

@@ -85,8 +85,8 @@ class TransformerConfig:
         """The priced workload of a :class:`summasim.transformer.model.Config`.
 
         The one bridge from the model's configuration to the cost model: vocab,
-        seq, hidden, heads, layers, ffn_mult and dtype become v, s, h, n, N, ffn
-        and dtype; ``batch`` is b (sequences per step). ``checkpoint`` defaults to
+        seq, hidden, heads, layers, the MLP width round(f h) (as ffn = width / h) and
+        dtype become v, s, h, n, N, ffn and dtype; ``batch`` is b (sequences per step). ``checkpoint`` defaults to
         False, as the model's ``forward`` does. A classification head
         (``n_classes > 0``) is not priced: ``ValueError``. ``config`` may be a
         :class:`summasim.spec.Model`, which has no dtype: pass ``dtype``.
@@ -99,7 +99,7 @@ class TransformerConfig:
         return cls(b=batch, s=config.seq, h=config.hidden, n=config.heads, N=config.layers,
                    v=config.vocab, dtype=str(getattr(dtype, "name", dtype)),
                    checkpoint=bool(checkpoint), optimizer_states=optimizer_states,
-                   ffn=config.ffn_mult)
+                   ffn=config.ffn_width / config.hidden)
 
     def replace(self, **kw) -> "TransformerConfig":
         return replace(self, **kw)
