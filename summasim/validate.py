@@ -33,10 +33,18 @@ import math
 import numpy as np
 
 LAMBDA = 8.0
+#: The 16-bit compute types of mixed precision and their unit roundoffs 2^-p, p the
+#: significand bits with the implicit one: bfloat16 8, float16 11 (IEEE 754-2008
+#: binary16; bfloat16: Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
+#: Training", section 2).
+HALF_UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 
 def unit_roundoff(dtype) -> float:
-    """u = eps / 2 of a floating dtype."""
+    """u = eps / 2 of a floating dtype (``"bfloat16"`` by name too)."""
+    name = str(getattr(dtype, "__name__", dtype))
+    if name in HALF_UNIT_ROUNDOFF:
+        return HALF_UNIT_ROUNDOFF[name]
     return float(np.finfo(np.dtype(dtype)).eps) / 2.0
 
 
@@ -101,14 +109,48 @@ def product_error(c, a, b) -> float:
 GEMMS_PER_BLOCK = 6
 
 
+def _contraction_and_depth(config, batch: int) -> tuple[int, int]:
+    """``(K, D)`` of the section above."""
+    width = getattr(config, "ffn_width", None) or round(config.ffn_mult * config.hidden)
+    k = max(int(batch) * config.seq, int(width), config.vocab, config.seq, config.hidden)
+    return k, 2 * (GEMMS_PER_BLOCK * config.layers + 1)
+
+
 def training_tolerance(config, batch: int, dtype) -> float:
     """Derived bound on the scaled error of one training step's loss, logits and
     gradients (see the section above). ``config`` has seq, hidden, heads, layers, vocab
-    and ffn_mult; ``batch`` is the GLOBAL batch in sequences."""
-    k = max(int(batch) * config.seq, config.ffn_mult * config.hidden, config.vocab,
-            config.seq, config.hidden)
-    depth = 2 * (GEMMS_PER_BLOCK * config.layers + 1)
+    and ffn_width (or ffn_mult); ``batch`` is the GLOBAL batch in sequences. A 16-bit
+    ``dtype`` ("bfloat16", "float16") is mixed precision: :func:`mixed_tolerance`."""
+    if str(getattr(dtype, "__name__", dtype)) in HALF_UNIT_ROUNDOFF:
+        return mixed_tolerance(config, batch, dtype)
+    k, depth = _contraction_and_depth(config, batch)
     return tolerance(k, dtype) * depth
+
+
+# Mixed precision (16-bit compute, fp32 accumulation, fp32 master weights) against the
+# float64 serial model. Each contraction of the chain above now
+#   - reads two inputs rounded to 16 bits: relative errors of at most u_16 on each factor,
+#     independent across the K products, so at most lambda 2 u_16 of its scale (Higham &
+#     Mary's model, as above, applied to the K products' relative errors);
+#   - accumulates in fp32: lambda sqrt(K) (u_32 + u_64), as above;
+#   - stores its result in 16 bits: u_16.
+# Along the chain of D contractions these independent errors add in quadrature (the same
+# probabilistic model: a sum of D independent mean-zero errors), not linearly:
+#
+#     tol_mixed = sqrt(D) (lambda sqrt(K) (u_32 + u_64) + (2 lambda + 1) u_16)
+#
+# For bfloat16 (u_16 = 2^-8) and the tiny model (L = 2, D = 26) that is 0.34; for
+# float16 (2^-11) 0.045. It is a bound on the rounding of a correct computation: a
+# missing reduction, an unscaled gradient or an unapplied skip is off by far more.
+
+
+def mixed_tolerance(config, batch: int, dtype) -> float:
+    """Derived bound on the scaled error of one mixed-precision training step in the
+    16-bit ``dtype`` against the float64 serial model (see above)."""
+    k, depth = _contraction_and_depth(config, batch)
+    u16 = unit_roundoff(dtype)
+    acc = LAMBDA * math.sqrt(k) * (unit_roundoff(np.float32) + unit_roundoff(np.float64))
+    return math.sqrt(depth) * (acc + (2.0 * LAMBDA + 1.0) * u16)
 
 
 # Adam, through which a gradient's error reaches the parameters. For one entry with the
