@@ -147,8 +147,9 @@ BREAKS = {
     "no dp reduction": ("ring_allreduce_unchecked", lambda x, comm, out=None: out,
                         "values"),
     "no tied embedding sum": ("Trainer._tie", lambda self: None, "values"),
-    "1f1b runs as gpipe": ("schedule", lambda kind, m, pp, s: [("F", j) for j in range(m)]
-                           + [("B", j) for j in reversed(range(m))], "schedule"),
+    "1f1b runs as gpipe": ("schedule", lambda kind, m, pp, s, chunks=1: [
+        ("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))],
+        "schedule"),
     "a stage's memory doubles": ("Trainer.state_bytes", lambda self: {
         k: 2 * v for k, v in _STATE_BYTES(self).items()}, "memory"),
 }

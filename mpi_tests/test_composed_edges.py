@@ -145,6 +145,42 @@ def test_a_setting_bad_on_one_rank_raises_on_every_rank():
     parallel_assert("composed.Trainer" in msg and "zero" in msg, msg)
 
 
+@pytest.mark.parametrize("bad,words", [
+    ("stages on one rank", "stages"),
+    ("micro-batches", "needs micro-batches m a multiple of pp = 2 (they go in groups of "
+                      "pp per chunk); got m = 3"),
+    ("split", "--stages 1,3: needs 4 non-negative entries (one per stage and chunk) "
+              "summing to the model's 4 layers"),
+    ("one stage", "interleaved:2 needs pp >= 2 stages, the mesh has pp = 1"),
+])
+def test_a_bad_split_or_interleaving_raises_on_every_rank_before_data_moves(bad, words):
+    skip_unless(P % 2 == 0, f"needs an even world size (p = {P})")
+    pp = 1 if bad == "one stage" else 2
+    config = Config(vocab=8, seq=4, hidden=8, heads=2, layers=4)
+    params, _, _ = mesh_inputs(config, 2, 0)
+    kw = dict(schedule="interleaved", chunks=2, microbatches=2, stages=(1, 1, 1, 1))
+    if bad == "stages on one rank" and WORLD.Get_rank() == P - 1:
+        kw["stages"] = (2, 0, 1, 1)
+    elif bad == "micro-batches":
+        kw["microbatches"] = 3
+    elif bad == "split":
+        kw["stages"] = (1, 3)
+    elif bad == "one stage":
+        kw["stages"] = (2, 2)
+    mesh = Mesh(WORLD, P // pp, pp, "1d", t=1)
+    try:
+        mesh.trace.clear()
+        msg = collective_raises(ValueError, composed.Trainer, params, config, mesh,
+                                get_scheme("megatron"), **kw)
+        # bad everywhere: the error itself; on one rank: the agreement names it
+        parallel_assert(words in msg and (bad != "stages on one rank" or (
+            msg.startswith("composed.Trainer") and f"rank {P - 1}" in msg)), msg)
+        sent = sum(e.nbytes for e in mesh.trace.events)
+        parallel_assert(sent == 0, f"{sent} bytes moved before the error")
+    finally:
+        mesh.free()
+
+
 def test_zero3_forward_caches_keep_no_gathered_parameter(monkeypatch):
     """ZeRO-3 drops a gathered unit after its forward piece: no array in the caches of
     the micro-batches in flight may lie in a gathered buffer (they are re-gathered for
@@ -160,7 +196,7 @@ def test_zero3_forward_caches_keep_no_gathered_parameter(monkeypatch):
     monkeypatch.setattr(composed, "ring_allgather_unchecked", recording)
     tr, mesh, tokens, targets = _trainer(zero=3, dp=P, pp=1, checkpoint=False)
     try:
-        caches, _ = tr._forward(0, tokens[:1], targets[:1], tokens.size, [])
+        caches, _ = tr._forward(0, 0, tokens[:1], targets[:1], tokens.size, [])
         held = []
 
         def leaves(o):

@@ -81,7 +81,8 @@ def test_a_dropped_micro_batch_fails(backend, monkeypatch):
     # rank 1 skips the backward of its first micro-batch (dp = 4: no tensor group waits)
     def patch(mp):
         real = composed.schedule
-        mp.setattr(composed, "schedule", lambda *a: [op for op in real(*a) if op != ("B", 0)])
+        mp.setattr(composed, "schedule", lambda *a: [op for op in real(*a)
+                                                     if op != ("B", 0, 0)])
     r = _fails(_case("dp=4,tp=megatron:1", np.float32), backend, monkeypatch, patch)
     parallel_assert("grad" in r.worst, _row(r))
 

@@ -37,7 +37,7 @@ PROG = "python -m summasim.run"
 #: The transformer and mesh sections' model: every scheme shards it at p = 16.
 DEFAULT_MODEL = MODELS["tiny"]
 #: The techniques of ``spec.Training.techniques`` that ``run --mesh`` runs and validates.
-RUN_TECHNIQUES: frozenset = frozenset()
+RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages"})
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 
 
@@ -191,8 +191,8 @@ def plan_mesh_cases(args, p: int):
     kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
     if args.mesh:
         t = args.training
-        opts = dict(zero=t.zero, schedule=t.schedule, microbatches=t.microbatches,
-                    checkpoint=t.checkpoint)
+        opts = dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks, stages=t.stages,
+                    microbatches=t.microbatches, checkpoint=t.checkpoint)
         specs = [(m, opts) for m in args.mesh]
     else:
         specs = default_meshes(p) if args.meshes == "default" else []
@@ -505,7 +505,8 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch)
         f"the largest per-rank bytes of the step's data/pipeline/ZeRO phases against the "
         f"closed form, state the largest per-rank model state against the ZeRO formula\n")
     out = []
-    width = max(len(c.spec) for c in mcases)
+    width = max(len(c.spec) + (len(f" stages={c.stages_label}") if c.stages_label else 0)
+                for c in mcases)
     say(format_mesh_header(width), flush=True)
     for case in mcases:
         doing(f"running the mesh {case.spec} {case.dtype}")

@@ -29,9 +29,9 @@ def test_a_ring_half_sends_p_minus_1_times_n_over_the_group_however_n_divides(n,
 
 def test_1f1b_with_fewer_microbatches_than_stages():
     # warm-up min(pp - s - 1, m) = m: every forward, then every backward in order
-    assert schedule("1f1b", 1, 4, 0) == [("F", 0), ("B", 0)]
-    assert schedule("1f1b", 2, 4, 1) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    assert schedule("1f1b", 2, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert schedule("1f1b", 1, 4, 0) == [("F", 0, 0), ("B", 0, 0)]
+    assert schedule("1f1b", 2, 4, 1) == [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
+    assert schedule("1f1b", 2, 4, 3) == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]
 
 
 class _Inner(NamedTuple):

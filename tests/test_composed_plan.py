@@ -1,7 +1,10 @@
-"""The pure parts of sharded training: mesh cases, layer splits, schedules, ring closed
-forms and the default compositions (no MPI)."""
+"""The pure parts of sharded training: mesh cases (their schedule, chunks and stages),
+layer splits, ring closed forms and the default compositions (no MPI). The schedules
+themselves: tests/test_schedules.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -11,7 +14,8 @@ from hypothesis import strategies as st
 from summasim.algorithms.allreduce import chunk_bounds
 from summasim.harness.cases import MeshCase, case_from_dict
 from summasim.harness.plan import default_meshes, plan_meshes
-from summasim.transformer.composed import ring_send_items, schedule, split_layers
+from summasim.spec import stage_layers
+from summasim.transformer.composed import ring_send_items
 from summasim.transformer.model import Config
 
 CFG = Config(vocab=64, seq=16, hidden=64, heads=16, layers=2)
@@ -25,7 +29,7 @@ def test_mesh_case_round_trips_and_explains_misfits():
     assert case.misfit(16) == ""
     assert "needs dp*pp*tensor = 2*2*4 = 16 ranks, the job has 8" in case.misfit(8)
     deep = MeshCase.parse("pp=4,tp=megatron:1", 8, CFG)
-    assert "layers = 2 < pp = 4" in deep.misfit(4)
+    assert "a pipeline of 4 stages needs at least 4 layers, the model has 2" in deep.misfit(4)
     odd = MeshCase.parse("dp=3,tp=megatron:1", 8, CFG)
     assert "batch = 8 is not divisible by dp * microbatches = 3" in odd.misfit(3)
     small = MeshCase.parse("dp=2,tp=summa25:2x2x2", 8, CFG, microbatches=2)
@@ -33,46 +37,70 @@ def test_mesh_case_round_trips_and_explains_misfits():
 
 
 @given(layers=st.integers(1, 40), pp=st.integers(1, 40))
-def test_split_layers_is_contiguous_and_balanced(layers, pp):
+def test_the_even_split_is_contiguous_and_balanced(layers, pp):
     if layers < pp:
         with pytest.raises(ValueError):
-            split_layers(layers, pp)
+            stage_layers(layers, pp)
         return
-    parts = split_layers(layers, pp)
+    parts = stage_layers(layers, pp)
     assert [l for r in parts for l in r] == list(range(layers))
     sizes = [len(r) for r in parts]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
-@given(m=st.integers(1, 12), pp=st.integers(1, 8), kind=st.sampled_from(["gpipe", "1f1b"]))
-def test_schedules_run_each_microbatch_once_in_a_deadlock_free_order(m, pp, kind):
-    orders = [schedule(kind, m, pp, s) for s in range(pp)]
-    for s, order in enumerate(orders):
-        assert sorted(order) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
-        pos = {op: i for i, op in enumerate(order)}
-        assert all(pos[("F", j)] < pos[("B", j)] for j in range(m))
-        live, most = 0, 0
-        for op, _ in order:
-            live += 1 if op == "F" else -1
-            most = max(most, live)
-        assert most == (m if kind == "gpipe" else min(pp - s, m))
-    # simulate the pipeline: a forward needs the previous stage's forward, a backward
-    # the next stage's backward; sends never block. Every stage must finish.
-    done, at = set(), [0] * pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(pp):
-            if at[s] == len(orders[s]):
-                continue
-            op, j = orders[s][at[s]]
-            need = (("F", j, s - 1) if op == "F" and s > 0 else
-                    ("B", j, s + 1) if op == "B" and s < pp - 1 else None)
-            if need is None or need in done:
-                done.add((op, j, s))
-                at[s] += 1
-                progressed = True
-    assert at == [2 * m] * pp, f"{kind} deadlocks at {at}"
+def test_mesh_case_carries_chunks_and_stages_and_round_trips():
+    four = dataclasses.replace(CFG, layers=4)
+    case = MeshCase.parse("dp=2,pp=2,tp=megatron:2", 8, four, zero=3, schedule="interleaved",
+                          chunks=2, stages=[1, 0, 0, 3], microbatches=2, checkpoint=True)
+    assert case.misfit(8) == "" and case.stages == (1, 0, 0, 3)
+    assert case.schedule_label == "interleaved:2" and case.stages_label == "1,0,0,3"
+    assert "interleaved:2 stages=1,0,0,3 m=2 ckpt" in case.label(8)
+    d = case.to_dict()
+    assert d["chunks"] == 2 and d["stages"] == [1, 0, 0, 3]
+    assert case_from_dict(d) == case
+    # the defaults write the record they always wrote (no chunks, no stages keys)
+    plain = MeshCase.parse("dp=2,pp=2,tp=megatron:2", 8, four)
+    assert "chunks" not in plain.to_dict() and "stages" not in plain.to_dict()
+    assert case_from_dict(plain.to_dict()) == plain and "stages" not in plain.label(8)
+    with pytest.raises(ValueError, match="V >= 2"):
+        MeshCase.parse("pp=2", 8, four, schedule="interleaved")
+    with pytest.raises(ValueError, match="V >= 2"):
+        MeshCase.parse("pp=2", 8, four, schedule="1f1b", chunks=2)
+
+
+@pytest.mark.parametrize("mesh,kw,words", [
+    ("pp=2", dict(stages=(1, 1, 1)), "--stages 1,1,1: needs 2 non-negative entries (one per "
+                                     "stage) summing to the model's 2 layers"),
+    ("pp=2", dict(stages=(3, -1)), "--stages 3,-1: needs 2 non-negative entries"),
+    ("pp=2", dict(schedule="interleaved", chunks=2),
+     "a pipeline of 2 stages x 2 chunks needs at least 4 layers, the model has 2"),
+    ("pp=2", dict(schedule="interleaved", chunks=2, stages=(1, 0, 1)),
+     "needs 4 non-negative entries (one per stage and chunk)"),
+    ("pp=2", dict(schedule="interleaved", chunks=2, stages=(0, 1, 1, 0), microbatches=3),
+     "interleaved:2 needs micro-batches a multiple of pp = 2, got 3"),
+    ("dp=2", dict(schedule="interleaved", chunks=2, stages=(1, 1)),
+     "interleaved:2 needs pp >= 2 stages, the mesh has pp = 1"),
+])
+def test_plan_meshes_refuses_a_bad_split_or_schedule_naming_the_numbers(mesh, kw, words):
+    p = 2
+    _, _, err = plan_meshes(p, [(mesh, kw)], CFG, 12, explicit=True)
+    assert err.startswith(f"--mesh {mesh}") and words in err, err
+    # a default mesh that cannot run is skipped with the same reason
+    cases, skips, err = plan_meshes(p, [(mesh, kw)], CFG, 12, explicit=False)
+    assert err == "" and not cases and words in skips[0].reason
+
+
+def test_plan_meshes_takes_an_uneven_or_interleaved_split_that_fits():
+    four = dataclasses.replace(CFG, layers=4)
+    specs = [("pp=2", dict(stages=(0, 2))),
+             ("pp=2", dict(schedule="interleaved", chunks=2, stages=(1, 0, 0, 3),
+                           microbatches=2))]
+    cases, skips, err = plan_meshes(2, specs, CFG, 8, explicit=True)     # 2 layers: no
+    assert err.startswith("--mesh pp=2") and "summing to the model's 2 layers" in err
+    cases, skips, err = plan_meshes(2, specs[:1], CFG, 8, explicit=True)
+    assert err == "" and cases[0].stages == (0, 2) and not skips
+    cases, skips, err = plan_meshes(2, specs[1:], four, 8, explicit=True)
+    assert err == "" and (cases[0].chunks, cases[0].stages) == (2, (1, 0, 0, 3))
 
 
 @given(n=st.integers(0, 200), p=st.integers(1, 9), data=st.data())

@@ -40,7 +40,7 @@ def add_training(ap):
 
 
 #: The techniques of ``spec.Training.techniques`` that ``bench mesh`` runs.
-MESH_TECHNIQUES: frozenset = frozenset()
+MESH_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages"})
 
 
 def training_of(args):
@@ -69,8 +69,9 @@ def plan_mesh_bench(args, p: int):
             t = training_of(args)
         except ValueError as e:
             return [], [], str(e)
-        specs = [(str(m), dict(zero=t.zero, schedule=t.schedule,
-                               microbatches=t.microbatches, checkpoint=t.checkpoint))
+        specs = [(str(m), dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks,
+                               stages=t.stages, microbatches=t.microbatches,
+                               checkpoint=t.checkpoint))
                  for m in args.mesh]
     else:
         specs = default_meshes(p)
@@ -106,8 +107,10 @@ def _pure_tensor(case, p: int):
         for q, d in spec.grids(p):
             grid = {"1d": f"megatron:{p}", "2d": f"optimus:{q}x{q}",
                     "2.5d": f"summa25:{q}x{q}x{d}"}[spec.grid_kind]
+            # pure tensor parallelism has one stage: no interleaving
             pure = MeshCase.parse(f"tp={grid}", case.batch, case.config, zero=0,
-                                  schedule=case.schedule, microbatches=1,
+                                  schedule="1f1b" if case.schedule == "interleaved"
+                                  else case.schedule, microbatches=1,
                                   checkpoint=case.checkpoint)
             if not pure.misfit(p):
                 return pure
@@ -142,7 +145,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
             f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers} "
             f"{np.dtype(c0.dtype).name}; each run validated first; 'pure' is the same "
             f"scheme on all {p} ranks")
-    head = (f"{'mesh':<28} {'zero':>4} {'sched':>5} {'m':>2} {'step s':>8} {'pred s':>8} "
+    head = (f"{'mesh':<28} {'zero':>4} {'sched':>13} {'m':>2} {'step s':>8} {'pred s':>8} "
             f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}  "
             f"load")
     say(head)
@@ -158,13 +161,14 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
         t = res.seconds
         tp = pres.seconds if pres is not None else None
         ok = res.ok and (pres is None or pres.ok)
-        rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule,
+        rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule_label,
+                     "stages": case.stages_label or None,
                      "microbatches": case.microbatches, "ok": ok, "seconds": t,
                      "predicted": pc, "pure": pure.spec if pure else None,
                      "pure_seconds": tp, "pure_predicted": pp_,
                      "ratio": (tp / t) if tp else None, "load": load,
                      "quiet": load and load["quiet"]})
-        say(f"{case.spec:<28} {case.zero:>4} {case.schedule:>5} {case.microbatches:>2} "
+        say(f"{case.spec:<28} {case.zero:>4} {case.schedule_label:>13} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
             f"{(f'{tp / t:.2f}x') if tp else '-':>8}  {mark(load)}"

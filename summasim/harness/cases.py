@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..algorithms.table import get_algorithm
-from ..spec import SCHEDULES, ZERO_STAGES, Mesh
+from ..spec import SCHEDULE_KINDS, ZERO_STAGES, Mesh, stage_layers
 from ..transformer.model import Config
 from ..transformer.schemes import get_scheme
 
@@ -145,7 +145,10 @@ class MeshCase:
     validated against the serial model over ``steps`` Adam steps.
 
     ``batch`` is the GLOBAL batch, cut into ``dp`` replicas of ``microbatches``
-    micro-batches each. Reports name the mesh as ``str(mesh)`` (``dp=2,pp=1,tp=...``).
+    micro-batches each. ``schedule`` is gpipe, 1f1b or interleaved (with ``chunks`` = V
+    >= 2 model chunks per stage); ``stages`` the layers per (virtual) stage, or None
+    for the even split (:func:`summasim.spec.stage_layers`). Reports name the mesh as
+    ``str(mesh)`` (``dp=2,pp=1,tp=...``).
     """
 
     mesh: Mesh
@@ -157,6 +160,8 @@ class MeshCase:
     checkpoint: bool = False
     bucket_bytes: int = 25 << 20
     steps: int = 3
+    chunks: int = 1
+    stages: tuple | None = None
     kind = "mesh"
 
     def __post_init__(self):
@@ -164,11 +169,17 @@ class MeshCase:
             raise TypeError(f"mesh must be a summasim.spec.Mesh, got {type(self.mesh).__name__}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+        if self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_KINDS)}, "
                              f"got {self.schedule!r}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) \
+                or (self.schedule == "interleaved") != (self.chunks > 1) or self.chunks < 1:
+            raise ValueError(f"interleaved takes V >= 2 model chunks per stage, gpipe and "
+                             f"1f1b one; got {self.schedule} with {self.chunks!r}")
         if self.microbatches < 1 or self.steps < 1 or self.bucket_bytes < 1:
             raise ValueError("microbatches, steps and bucket_bytes must be positive")
+        if self.stages is not None:
+            object.__setattr__(self, "stages", tuple(int(x) for x in self.stages))
 
     @classmethod
     def parse(cls, mesh: "str | Mesh", batch: int, config: Config, **kw) -> "MeshCase":
@@ -223,6 +234,16 @@ class MeshCase:
         return self.dp * self.pp * self.tensor_size
 
     @property
+    def schedule_label(self) -> str:
+        """``gpipe``, ``1f1b`` or ``interleaved:V``."""
+        return f"interleaved:{self.chunks}" if self.schedule == "interleaved" else self.schedule
+
+    @property
+    def stages_label(self) -> str:
+        """The layers per (virtual) stage as given (``"1,0,0,3"``), "" for the even split."""
+        return "" if self.stages is None else ",".join(map(str, self.stages))
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per micro-batch (per replica)."""
         return self.batch // (self.dp * self.microbatches)
@@ -233,8 +254,17 @@ class MeshCase:
         if p != self.p:
             bad.append(f"the mesh needs dp*pp*tensor = {self.dp}*{self.pp}*"
                        f"{self.tensor_size} = {self.p} ranks, the job has {p}")
-        if self.config.layers < self.pp:
-            bad.append(f"layers = {self.config.layers} < pp = {self.pp} stages")
+        try:
+            stage_layers(self.config.layers, self.pp, self.stages, self.chunks)
+        except ValueError as e:
+            bad.append(str(e))
+        if self.schedule == "interleaved":
+            if self.pp < 2:
+                bad.append(f"{self.schedule_label} needs pp >= 2 stages, the mesh has "
+                           f"pp = {self.pp}")
+            elif self.microbatches % self.pp:
+                bad.append(f"{self.schedule_label} needs micro-batches a multiple of pp = "
+                           f"{self.pp}, got {self.microbatches}")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
@@ -249,9 +279,10 @@ class MeshCase:
 
     def label(self, p: int | None = None) -> str:
         c = self.config
-        return (f"{self.spec} zero={self.zero} {self.schedule} m={self.microbatches}"
-                f"{' ckpt' if self.checkpoint else ''} b{self.batch} s{c.seq} h{c.hidden} "
-                f"L{c.layers}")
+        stages = f" stages={self.stages_label}" if self.stages is not None else ""
+        return (f"{self.spec} zero={self.zero} {self.schedule_label}{stages} "
+                f"m={self.microbatches}{' ckpt' if self.checkpoint else ''} b{self.batch} "
+                f"s{c.seq} h{c.hidden} L{c.layers}")
 
     def to_dict(self) -> dict:
         c = self.config
@@ -261,7 +292,10 @@ class MeshCase:
                 "checkpoint": self.checkpoint, "bucket_bytes": self.bucket_bytes,
                 "steps": self.steps, "b": self.batch, "s": c.seq, "h": c.hidden,
                 "heads": c.heads, "v": c.vocab, "layers": c.layers, "ffn": c.ffn_mult,
-                "dtype": self.dtype}
+                "dtype": self.dtype,
+                # last and only when not the defaults: older records read the same
+                **({"chunks": self.chunks} if self.chunks != 1 else {}),
+                **({"stages": list(self.stages)} if self.stages is not None else {})}
 
 
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
@@ -292,5 +326,8 @@ def case_from_dict(data: dict):
         return MeshCase.parse(data["mesh"], int(data["b"]), config, zero=int(data["zero"]),
                               schedule=data["schedule"], microbatches=int(data["m"]),
                               checkpoint=bool(data["checkpoint"]),
-                              bucket_bytes=int(data["bucket_bytes"]), steps=int(data["steps"]))
+                              bucket_bytes=int(data["bucket_bytes"]), steps=int(data["steps"]),
+                              chunks=int(data.get("chunks", 1)),
+                              stages=(None if data.get("stages") is None
+                                      else tuple(int(x) for x in data["stages"])))
     raise ValueError(f"unknown case kind {kind!r}")

@@ -25,9 +25,11 @@ What a row checks (every rank, then one collective verdict)
   chunking, bucket by bucket), their sums over each data-parallel group equal the
   nominal forms of :func:`nominal_group_traffic` (``2 (dp-1) N`` for the all-reduce,
   derived from the parameter and activation counts alone), and the first layer of the
-  stage sends ``m`` times its Table 1 payload per micro-batch;
-* **schedule**: the most micro-batches in flight on a stage is ``m`` (GPipe) or
-  ``min(pp - s, m)`` (1F1B);
+  stage sends ``m`` times its Table 1 payload per micro-batch (nothing on a stage of
+  no layer);
+* **schedule**: the most micro-batch chunks in flight on a stage is
+  :func:`~summasim.transformer.composed.peak_inflight`: ``m`` (GPipe), ``min(pp - s,
+  m)`` (1F1B) or ``min(2 (pp - s - 1) + (V - 1) pp + 1, m V)`` (interleaved, V chunks);
 * **memory**: the model state the rank keeps (parameters, gradients, Adam moments)
   against :func:`summasim.costmodel.workload.zero.model_state_bytes` for its ZeRO stage with
   the buckets as the partitioned pieces: a partitioned state holds ``floor`` or
@@ -83,7 +85,7 @@ class MeshReport:
 
     mesh: str
     zero: int
-    schedule: str
+    schedule: str                  # gpipe, 1f1b or interleaved:V
     microbatches: int
     checkpoint: bool
     p: int
@@ -114,6 +116,8 @@ class MeshReport:
     fault: str = ""
     fault_applied: bool = True
     load: dict | None = None        # other processes' load while it ran (rank 0)
+    chunks: int = 1                 # model chunks per stage (interleaved: V >= 2)
+    stages: str = ""                # layers per (virtual) stage as given; "" = even
 
 
 class SerialReference:
@@ -232,9 +236,10 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     every layer and the head twice (forward, backward), ``wte`` three times when one
     stage holds both ends. The tied-embedding all-reduce is a ring of 2, in which each
     rank sends exactly its length: ``dp |wte|`` (ZeRO 0) or ``|wte|`` (its chunks,
-    ZeRO 1-3) over the group. Each stage boundary carries the global batch's
+    ZeRO 1-3) over the group. Each virtual-stage boundary carries the global batch's
     activation once per step, forward and backward: ``B s h`` items per rank of a 1D
-    tensor grid (replicated), ``B s h / (d q^2)`` on a 2D/2.5D grid.
+    tensor grid (replicated), ``B s h / (d q^2)`` on a 2D/2.5D grid; a stage of V
+    chunks sends across V boundaries each way, one fewer at the pipeline's ends.
     """
     mesh, cfg, m, dp = tr.mesh, tr.config, tr.m, tr.mesh.dp
     item = np.dtype(cfg.dtype).itemsize
@@ -258,8 +263,8 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     act = batch * seq * cfg.hidden
     if tr.spec.grid_kind != "1d":
         act //= g.d * g.q * g.q
-    out["pp.fwd"] = 0 if tr.last else act
-    out["pp.bwd"] = 0 if tr.first else act
+    out["pp.fwd"] = act * (tr.chunks - (1 if tr.last else 0))
+    out["pp.bwd"] = act * (tr.chunks - (1 if tr.first else 0))
     return {k: v * item for k, v in out.items()}
 
 
@@ -336,8 +341,9 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     del first
     ref = shared.value
     tokens, targets = ref["tokens"], ref["targets"]
-    rep = MeshReport(case.spec, case.zero, case.schedule, case.microbatches, case.checkpoint,
-                     p, case.dtype, case.steps, bound)
+    rep = MeshReport(case.spec, case.zero, case.schedule_label, case.microbatches,
+                     case.checkpoint, p, case.dtype, case.steps, bound, chunks=case.chunks,
+                     stages=case.stages_label)
     try:
         mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
                     backend=backend)
@@ -349,8 +355,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     step_ref = None
     try:
         tr = Trainer(ref["params"], config, mesh, spec, zero=case.zero, schedule=case.schedule,
-                     microbatches=case.microbatches, checkpoint=case.checkpoint,
-                     bucket_bytes=case.bucket_bytes, lr=LR)
+                     microbatches=case.microbatches, chunks=case.chunks, stages=case.stages,
+                     checkpoint=case.checkpoint, bucket_bytes=case.bucket_bytes, lr=LR)
         loss_err = grad_err = param_err = 0.0
         worst_grad = worst_param = ""
         traffic = tp_items = None
@@ -380,7 +386,9 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             if step == 0:
                 events = list(mesh.trace.events)
                 traffic = _phase_bytes(events)
-                tp_items = layer_tp_items(events, tr.layers[0], "fwd", item)
+                # the stage's first layer (none on a stage of the embedding or head alone)
+                tp_items = (layer_tp_items(events, tr.layers[0], "fwd", item)
+                            if tr.layers else 0)
             le = loss_error(loss, sref["loss"])
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
             expect = _pack_host(tr, sref["grads"])
@@ -411,10 +419,9 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             nominal[k] for k in PHASES]
         table1 = table1_payload(case.scheme, config, case.micro_batch, case.tensor_size,
                                 case.q, case.d)["fwd"]
-        tp_ok = tp_items == case.microbatches * table1
-        want = (case.microbatches if case.schedule == "gpipe"
-                else min(mesh.pp - mesh.s, case.microbatches))
-        schedule_ok = tr.max_inflight == want
+        tp_ok = tp_items == (case.microbatches * table1 if tr.layers else 0)
+        schedule_ok = tr.max_inflight == composed.peak_inflight(
+            case.schedule, case.microbatches, mesh.pp, mesh.s, case.chunks)
         mem = tr.state_bytes()
         # the buckets are the pieces ZeRO partitions: the formula counts the largest
         # shard, ceil(n_b / dp) items of each; a rank holds ceil or floor of each
@@ -487,9 +494,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         nbytes = int(reduce_max(world, [sum(traffic.values())])[0])
         msgs = int(reduce_max(world, [len(events)])[0])
         # what the cost model prices (costmodel.tools.accuracy): each rank's traced events of
-        # the first step and where it sits, (replica, stage, tensor rank, its layers)
+        # the first step and where it sits, (replica, stage, tensor rank, lo, lo + the
+        # number of layers it holds): its layers when contiguous (V = 1), their count
+        # from its first one when interleaved
         summaries = world.gather(event_summary(events), root=0)
-        coords = world.gather(list(mesh.coords) + [tr.layers.start, tr.layers.stop], root=0)
+        lo = tr.layers[0] if tr.layers else tr.chunk_layers[0].start
+        coords = world.gather(list(mesh.coords) + [lo, lo + len(tr.layers)], root=0)
         finished = True
     finally:
         mesh.free()

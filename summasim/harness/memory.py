@@ -20,6 +20,8 @@ import resource
 
 import numpy as np
 
+from ..spec import stage_layers
+
 from ..layout import local_shape
 from .check import choose_method, panel_width
 
@@ -204,7 +206,10 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
     tokens = 2 * case.batch * config.seq * 8                     # tokens and targets, int64
     logits = case.batch * config.seq * config.vocab * item
     if k == "mesh":
-        stage = dataclasses.replace(config, layers=-(-config.layers // case.pp))
+        split = stage_layers(config.layers, case.pp, getattr(case, "stages", None),
+                             getattr(case, "chunks", 1))
+        most = max(sum(len(r) for r in split[s::case.pp]) for s in range(case.pp))
+        stage = dataclasses.replace(config, layers=max(most, 1))
         m = scheme_memory(case.scheme, case.tensor_size, case.q, case.d, stage,
                           -(-case.batch // case.dp), case.checkpoint)
         # the reference runs in float64; one step of it is shared at a time (its start

@@ -114,9 +114,14 @@ def default_meshes(p: int) -> list[tuple[Mesh, dict]]:
 
 def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
                 ) -> tuple[list, list[Skip], str]:
-    """Mesh cases for ``specs`` (``[(mesh, options)]``, a mesh a :class:`Mesh` or its text). Returns ``(cases, skips, err)``:
-    a mesh the user asked for that cannot run is an error (``err``), a default one that
-    cannot is skipped with the reason."""
+    """Mesh cases for ``specs`` (``[(mesh, options)]``, a mesh a :class:`Mesh` or its
+    text; the options are :class:`MeshCase` fields: zero, schedule, chunks, stages,
+    microbatches, ...). Returns ``(cases, skips, err)``: a mesh the user asked for that
+    cannot run is an error (``err``, naming the numbers: ranks, a layer split that does
+    not fit the model's layers, an interleaved schedule over one stage or over
+    micro-batches that are not a multiple of pp, a batch or micro-batch the scheme
+    cannot shard), a default one that cannot is skipped with the reason; nothing runs
+    before."""
     cases, skips = [], []
     for text, opts in specs:
         try:

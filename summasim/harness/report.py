@@ -185,7 +185,13 @@ MESH_HEADER = ("mesh", "dtype", "zero", "sched", "m", "ckpt", "result", "loss er
 
 
 def _mesh_widths(width: int) -> tuple:
-    return (max(width, len(MESH_HEADER[0])), 7, 4, 5, 2, 4, 6, 8, 8, 7, 9, 8, 8, 23, 22, 9)
+    return (max(width, len(MESH_HEADER[0])), 7, 4, 13, 2, 4, 6, 8, 8, 7, 9, 8, 8, 23, 22, 9)
+
+
+def _mesh_cell(r) -> str:
+    """The mesh as given, and its layers per stage when the split is not the even one."""
+    stages = getattr(r, "stages", "")        # "1,0,0,3", or "" for the even split
+    return r.mesh + (f" stages={stages}" if stages else "")
 
 
 def format_mesh_header(width: int) -> str:
@@ -198,7 +204,7 @@ def format_mesh_row(r, width: int) -> str:
     """One mesh row, starting with the mesh as given (plus a line naming any failed
     check)."""
     kib = lambda x: f"{x / 1024:.1f}"  # noqa: E731
-    line = _line((r.mesh, r.dtype, str(r.zero), r.schedule, str(r.microbatches),
+    line = _line((_mesh_cell(r), r.dtype, str(r.zero), r.schedule, str(r.microbatches),
                   "yes" if r.checkpoint else "no", verdict(r.ok, r.nonfinite), _e1(r.loss_err),
                   _e1(r.grad_err), _e1(r.bound), _e1(r.param_err),
                   f"{r.step_s:.4f}" if r.step_s else "-",
@@ -215,7 +221,7 @@ def format_mesh_row(r, width: int) -> str:
 
 def format_meshes(reports) -> str:
     """The whole sharded-training table."""
-    width = max([0] + [len(r.mesh) for r in reports])
+    width = max([0] + [len(_mesh_cell(r)) for r in reports])
     return "\n".join([format_mesh_header(width)] + [format_mesh_row(r, width)
                                                      for r in reports])
 

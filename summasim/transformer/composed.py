@@ -3,21 +3,28 @@
 A :class:`~summasim.grid.Mesh` ``[dp, pp, tensor grid]`` runs one training step of the
 GPT-2 model of :mod:`model` as follows (rank at replica ``a``, stage ``s``):
 
-Pipeline (``pp`` stages)
-    The layers are cut into ``pp`` contiguous stages (:func:`split_layers`; the first
-    ``layers % pp`` stages get one more). Stage 0 also runs the embedding, the last
-    stage the final LayerNorm, the tied LM head and the loss; with ``pp > 1`` the last
-    stage holds its own copy of ``wte`` and the two copies' gradients are summed over
-    ``mesh.embed`` (a ring all-reduce between the two stages, phase ``embed.tie``), as
-    Megatron-LM does with its embedding group. Each replica's batch is cut into ``m``
-    micro-batches; activations go forward and their gradients backward point to point
-    over ``mesh.pp_comm`` (phases ``pp.fwd``, ``pp.bwd``; non-blocking sends, blocking
-    receives, tags ``2j`` and ``2j + 1`` for micro-batch j) in the order of
-    :func:`schedule` ("gpipe": every forward, then every backward; "1f1b": ``pp - s - 1``
-    warm-up forwards, then one forward and one backward in turn, then the remaining
-    backwards). Every micro-batch's loss is divided by the token count of the whole
-    global batch, so the gradients summed over micro-batches and replicas are the
-    full-batch gradient.
+Pipeline (``pp`` stages, ``V`` model chunks each)
+    The layers are cut into ``pp V`` contiguous virtual stages by
+    :func:`summasim.spec.stage_layers` (the even split, or ``stages`` layers each; a
+    virtual stage may hold no layer). Virtual stage ``k = c pp + s`` is model chunk
+    ``c`` of stage ``s`` (``V = 1`` except under the interleaved schedule, Narayanan
+    et al. 2021, section 2.2.2). Virtual stage 0 (chunk 0 of stage 0) also runs the
+    embedding, the last one (chunk ``V - 1`` of stage ``pp - 1``) the final LayerNorm,
+    the tied LM head and the loss; with ``pp > 1`` the last stage holds its own copy of
+    ``wte`` and the two copies' gradients are summed over ``mesh.embed`` (a ring
+    all-reduce between the two stages, phase ``embed.tie``), as Megatron-LM does with
+    its embedding group. Each replica's batch is cut into ``m`` micro-batches;
+    activations go from virtual stage ``k`` to ``k + 1`` (stage ``s`` to ``(s + 1) %
+    pp``: the last stage hands chunk ``c`` on to chunk ``c + 1`` of stage 0) and their
+    gradients back, point to point over ``mesh.pp_comm`` (phases ``pp.fwd``,
+    ``pp.bwd``; non-blocking sends, blocking receives, tag ``2 (j V + c) + 0|1`` for
+    micro-batch j arriving at chunk c, forward|backward) in the order of
+    :func:`schedule` ("gpipe": every forward, then every backward; "1f1b": ``pp - s -
+    1`` warm-up forwards, then one forward and one backward in turn, then the remaining
+    backwards; "interleaved": Megatron-LM's interleaved 1F1B over the ``m V``
+    micro-batch chunks). Every micro-batch's loss is divided by the token count of the
+    whole global batch, so the gradients summed over micro-batches and replicas are
+    the full-batch gradient.
 
 Data parallelism (``dp`` replicas) and ZeRO
     A stage's local parameters (its tensor-parallel shards) live in one flat buffer in
@@ -60,7 +67,11 @@ rank, and :meth:`Trainer.state_bytes` the bytes of model state it holds.
 References
 ----------
 Huang et al. (2019), "GPipe", arXiv:1811.06965. Narayanan et al. (2021), "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21 (1F1B).
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21 (1F1B
+and its interleaved form, section 2.2; Megatron-LM's
+``forward_backward_pipelining_with_interleaving``). Korthikanti et al. (2022),
+"Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198
+(the activations an interleaved stage holds).
 Rajbhandari et al. (2020), "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", SC'20. Li et al. (2020), "PyTorch Distributed: Experiences on
 Accelerating Data Parallel Training", VLDB (gradient buckets in backward order).
@@ -79,57 +90,128 @@ from ..algorithms.allreduce import (_bounds, ring_allgather_unchecked,
                                     ring_allreduce_unchecked, ring_reduce_scatter_unchecked)
 from ..backends import array_module, to_backend
 from ..mpiutil import agree, fields_of, fingerprint, local_error
+from ..spec import SCHEDULE_KINDS, stage_layers
 from . import model
 from .ops import BLOCK_KEYS
 from .train import Adam
 
-SCHEDULES = ("gpipe", "1f1b")
+#: Pipeline schedules (:data:`summasim.spec.SCHEDULE_KINDS`); "interleaved" runs V >= 2
+#: model chunks per stage.
+SCHEDULES = SCHEDULE_KINDS
 ZERO_STAGES = (0, 1, 2, 3)
 #: PyTorch DDP's default bucket (``bucket_cap_mb=25``, Li et al. 2020).
 DEFAULT_BUCKET_BYTES = 25 << 20
+#: The largest tag every MPI library accepts (the standard's MPI_TAG_UB is at least
+#: 32767).
+MPI_TAG_FLOOR = 32767
 
 
 # --------------------------------------------------------------------------- #
 # pure helpers                                                                #
 # --------------------------------------------------------------------------- #
-def split_layers(layers: int, pp: int) -> list[range]:
-    """The contiguous layer ranges of ``pp`` stages; the first ``layers % pp`` stages
-    get one layer more. ``ValueError`` when a stage would have no layer."""
-    if pp < 1 or layers < pp:
-        raise ValueError(f"pipeline of pp = {pp} stages needs at least pp layers, "
-                         f"the model has {layers}")
-    out, start = [], 0
-    base, extra = divmod(layers, pp)
-    for s in range(pp):
-        stop = start + base + (1 if s < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
-
-
-def schedule(kind: str, microbatches: int, pp: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs ``("F", j)`` forwards and ``("B", j)``
-    backwards of micro-batches ``j = 0..m-1``.
-
-    "gpipe": all forwards, then all backwards in reverse (Huang et al. 2019).
-    "1f1b": ``min(pp - stage - 1, m)`` warm-up forwards, then forward j and backward
-    ``j - warmup`` in turn, then the remaining backwards (Narayanan et al. 2021), so at
-    most ``pp - stage`` micro-batches are in flight on a stage.
-    """
-    m = microbatches
+def check_schedule(kind: str, microbatches: int, pp: int, chunks: int = 1) -> None:
+    """``ValueError`` naming the numbers unless ``kind`` can run ``microbatches``
+    micro-batches over ``pp`` stages of ``chunks`` model chunks each: gpipe and 1f1b
+    take one chunk; interleaved takes ``V >= 2``, ``pp >= 2`` stages (with one stage
+    there is nothing to interleave; Megatron-LM runs no pipeline then) and ``m`` a
+    multiple of ``pp`` (its micro-batches go in groups of pp per chunk, as Megatron-LM
+    requires)."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
-    if m < 1 or not 0 <= stage < pp:
-        raise ValueError(f"schedule needs m >= 1 and 0 <= stage < pp; got m={m}, "
-                         f"stage={stage}, pp={pp}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if (kind == "interleaved") != (chunks > 1):
+        raise ValueError(f"interleaved takes V >= 2 model chunks per stage, gpipe and "
+                         f"1f1b one; got {kind} with {chunks}")
+    if microbatches < 1 or pp < 1:
+        raise ValueError(f"schedule needs m >= 1 micro-batches and pp >= 1 stages; got "
+                         f"m={microbatches}, pp={pp}")
+    if kind == "interleaved" and microbatches % pp:
+        raise ValueError(f"interleaved:{chunks} needs micro-batches m a multiple of pp = "
+                         f"{pp} (they go in groups of pp per chunk); got m = {microbatches}")
+
+
+def schedule(kind: str, microbatches: int, pp: int, stage: int,
+             chunks: int = 1) -> list[tuple[str, int, int]]:
+    """The order in which ``stage`` runs ``("F", j, c)`` forwards and ``("B", j, c)``
+    backwards of micro-batch ``j = 0..m-1`` on its model chunk ``c = 0..V-1`` (virtual
+    stage ``c pp + stage``; ``c = 0`` unless interleaved).
+
+    "gpipe"
+        all forwards, then all backwards in reverse (Huang et al. 2019); ``m`` in flight.
+    "1f1b"
+        ``min(pp - stage - 1, m)`` warm-up forwards, then forward j and backward ``j -
+        warmup`` in turn, then the remaining backwards (Narayanan et al. 2021), so at
+        most ``min(pp - stage, m)`` micro-batches are in flight.
+    "interleaved"
+        Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, section 2.2.2, Figure 4;
+        ``forward_backward_pipelining_with_interleaving``) over the ``m V`` micro-batch
+        chunks, which needs m a multiple of pp. Chunk-step ``k`` (forward) is
+        micro-batch ``j = (k // (pp V)) pp + k % pp`` of chunk ``c = (k % (pp V)) //
+        pp``: micro-batches in groups of pp, each group through chunk 0, then chunk 1,
+        ...; backward step ``k`` is the same ``j`` of chunk ``V - 1 - c``. The stage
+        runs ``w = min(2 (pp - stage - 1) + (V - 1) pp, m V)`` warm-up forwards, then
+        forward ``w + k`` and backward ``k`` in turn, then the remaining backwards.
+
+    Peak micro-batch chunks in flight: :func:`peak_inflight`. With a forward of one
+    chunk taking t and its backward 2t, the idle time of every stage (the bubble) is
+    ``3 (pp - 1) t`` against an ideal ``3 m V t``: ``(pp - 1) / m`` of it for 1F1B
+    and ``(pp - 1) / (V m)`` interleaved (Narayanan et al. 2021, section 2.2.2; checked
+    by simulation in ``tests/test_schedules.py``), at V times the point-to-point
+    hand-offs.
+    """
+    m, V = microbatches, chunks
+    check_schedule(kind, m, pp, V)
+    if not 0 <= stage < pp:
+        raise ValueError(f"schedule needs 0 <= stage < pp; got stage={stage}, pp={pp}")
     if kind == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
-    warm = min(pp - stage - 1, m)
-    order = [("F", j) for j in range(warm)]
-    for j in range(warm, m):
-        order += [("F", j), ("B", j - warm)]
-    order += [("B", j) for j in range(m - warm, m)]
+        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))]
+    if kind == "1f1b":
+        warm = min(pp - stage - 1, m)
+        order = [("F", j, 0) for j in range(warm)]
+        for j in range(warm, m):
+            order += [("F", j, 0), ("B", j - warm, 0)]
+        order += [("B", j, 0) for j in range(m - warm, m)]
+        return order
+    total, group = m * V, pp * V
+
+    def chunk_step(k: int, op: str) -> tuple[str, int, int]:
+        j = (k // group) * pp + k % pp                 # micro-batches in groups of pp
+        c = (k % group) // pp                          # each group through every chunk
+        return op, j, (c if op == "F" else V - 1 - c)
+
+    warm = min(2 * (pp - stage - 1) + (V - 1) * pp, total)
+    order = [chunk_step(k, "F") for k in range(warm)]
+    for k in range(total - warm):                      # steady 1F1B
+        order += [chunk_step(warm + k, "F"), chunk_step(k, "B")]
+    order += [chunk_step(k, "B") for k in range(total - warm, total)]
     return order
+
+
+def peak_inflight(kind: str, microbatches: int, pp: int, stage: int,
+                  chunks: int = 1) -> int:
+    """The most micro-batch chunks whose forward has run and backward has not on
+    ``stage`` under :func:`schedule` (each holds its activations): ``m`` (GPipe),
+    ``min(pp - stage, m)`` (1F1B) and ``min(2 (pp - stage - 1) + (V - 1) pp + 1, m V)``
+    interleaved: the warm-up forwards plus the steady state's one forward ahead of its
+    backward. On stage 0 that is ``(V + 1) pp - 1`` chunks of ``L / (pp V)`` layers,
+    the activations of ``pp (1 + (pp - 1) / (pp V))`` stages' worth of micro-batches,
+    Korthikanti et al.'s (2022) factor for the interleaved schedule."""
+    m, V = microbatches, chunks
+    check_schedule(kind, m, pp, V)
+    if kind == "gpipe":
+        return m
+    if kind == "1f1b":
+        return min(pp - stage, m)
+    return min(2 * (pp - stage - 1) + (V - 1) * pp + 1, m * V)
+
+
+def hand_off_tag(j: int, chunk: int, chunks: int, backward: bool) -> int:
+    """The point-to-point tag of micro-batch ``j``'s activation (``backward``: its
+    gradient) arriving at model chunk ``chunk`` of the receiving stage: ``2 (j V + c)``
+    (+1 backward). Between two stages there is one message per (micro-batch, receiving
+    chunk, direction), so the tags keep every micro-batch and chunk apart."""
+    return 2 * (j * chunks + chunk) + (1 if backward else 0)
 
 
 def ring_send_items(n: int, p: int, rank: int, half: str) -> int:
@@ -228,6 +310,7 @@ class _BucketGrads:
 
     def __init__(self, trainer):
         self.tr, self.bufs, self.next = trainer, {}, 0
+        self.piece = 0                  # backward pieces run so far, over every chunk
 
     def add(self, offset: int, v) -> None:
         if not v.size:
@@ -267,9 +350,17 @@ class Trainer:
         The tensor-parallel scheme (``transformer.schemes.get_scheme``), matching
         ``mesh.kind``.
     zero : {0, 1, 2, 3}
-    schedule : {"gpipe", "1f1b"}
+    schedule : {"gpipe", "1f1b", "interleaved"}
+        The pipeline schedule (:func:`schedule`).
     microbatches : int
-        Micro-batches per replica per step.
+        Micro-batches per replica per step (a multiple of ``pp`` when interleaved).
+    chunks : int
+        Model chunks per stage, V: 1, or ``V >= 2`` with ``schedule="interleaved"``
+        (stage ``s`` runs virtual stages ``c pp + s``, ``c = 0..V-1``).
+    stages : sequence of int, optional
+        Layers per (virtual) stage in pipeline order, ``pp V`` entries summing to the
+        model's layers, 0 allowed (:func:`summasim.spec.stage_layers`); None: the even
+        split.
     checkpoint : bool
         Recompute each layer in backward from its saved input.
     bucket_bytes : int
@@ -279,22 +370,30 @@ class Trainer:
     """
 
     def __init__(self, params: dict, config: model.Config, mesh, spec, *, zero: int = 0,
-                 schedule: str = "1f1b", microbatches: int = 1, checkpoint: bool = False,
+                 schedule: str = "1f1b", microbatches: int = 1, chunks: int = 1,
+                 stages=None, checkpoint: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8):
+        stages = None if stages is None else tuple(int(x) for x in stages)
+
         def local():
             if zero not in ZERO_STAGES:
                 raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
-            if schedule not in SCHEDULES:
-                raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
-                                 f"got {schedule!r}")
             if microbatches < 1 or bucket_bytes < 1:
                 raise ValueError(f"microbatches and bucket_bytes must be positive, got "
                                  f"{microbatches} and {bucket_bytes}")
+            check_schedule(schedule, microbatches, mesh.pp, chunks)
+            if schedule == "interleaved" and mesh.pp < 2:
+                raise ValueError(f"interleaved:{chunks} needs pp >= 2 stages, the mesh has "
+                                 f"pp = {mesh.pp}")
+            if hand_off_tag(microbatches - 1, chunks - 1, chunks, True) > MPI_TAG_FLOOR:
+                raise ValueError(f"m V = {microbatches} * {chunks} micro-batch chunks need "
+                                 f"tags up to {2 * microbatches * chunks - 1}, above MPI's "
+                                 f"guaranteed {MPI_TAG_FLOOR}")
             if spec.grid_kind != mesh.kind:
                 raise ValueError(f"scheme {spec.name} runs on a {spec.grid_kind} grid, the "
                                  f"mesh has a {mesh.kind} tensor grid")
-            split_layers(config.layers, mesh.pp)
+            stage_layers(config.layers, mesh.pp, stages, chunks)
             model.check_params(params, config)
 
         # a setting or parameter that is bad (or different) on one rank only raises the
@@ -302,22 +401,35 @@ class Trainer:
         _, err = local_error(local)
         agree("composed.Trainer", mesh.world, lambda: {
             **fields_of(config, "Config"), "scheme": spec.name, "zero": zero,
-            "schedule": schedule, "microbatches": microbatches, "checkpoint": bool(checkpoint),
+            "schedule": schedule, "microbatches": microbatches, "chunks": chunks,
+            "stages": repr(stages), "checkpoint": bool(checkpoint),
             "bucket_bytes": bucket_bytes, "Adam": repr((lr, tuple(betas), eps)),
             **{f"params[{k}]": fingerprint(v) for k, v in sorted(params.items())}}, err)
         self.config, self.mesh, self.spec, self.module = config, mesh, spec, spec.module
         self.zero, self.kind, self.m = zero, schedule, int(microbatches)
+        self.chunks, self.stages = int(chunks), stages
         self.checkpoint, self.bucket_bytes = bool(checkpoint), int(bucket_bytes)
         self.grid = mesh.tensor
         self.trace = mesh.trace
-        self.layers = split_layers(config.layers, mesh.pp)[mesh.s]
-        self.first, self.last = mesh.first, mesh.last
+        pp, s, V = mesh.pp, mesh.s, self.chunks
+        # the layers of each model chunk c (virtual stage c pp + s), and all of them
+        split = stage_layers(config.layers, pp, stages, V)
+        self.chunk_layers = [split[c * pp + s] for c in range(V)]
+        self.layers = [l for r in self.chunk_layers for l in r]          # ascending
+        self.first, self.last = mesh.first, mesh.last    # virtual stage 0 / pp V - 1 here
         self.lm = not config.n_classes
-        keys = model.stage_keys(config, self.layers, self.first, self.last)
+        keys = []
+        for c, r in enumerate(self.chunk_layers):        # wte once when both ends are here
+            keys += model.stage_keys(config, r, self.first and c == 0,
+                                     self.last and c == V - 1)
+        keys = list(dict.fromkeys(keys))
         local = self.module.shard(params, config, self.grid, keys)   # agrees over the grid
-        local = to_backend(getattr(mesh, "backend", None), local)   # CuPy: on the device
+        backend = getattr(mesh, "backend", None)
+        local = to_backend(backend, local)                          # CuPy: on the device
         self._layout(local, keys)
-        self.xp = array_module(local[self.keys[0]])
+        # a stage of no layer between the ends holds no parameter: the backend names xp
+        self.xp = (array_module(local[self.keys[0]]) if self.keys
+                   else getattr(backend, "xp", np))
         dtype, n = config.dtype, self.n
         if zero < 3:
             self.flat = self.xp.empty(n, dtype=dtype)                           # (n,)
@@ -545,78 +657,91 @@ class Trainer:
     def _head_units(self) -> tuple:
         return ("head", "wte") if self.lm else ("head",)
 
-    # -- one micro-batch ---------------------------------------------------------
-    def _forward(self, j, tok, tgt, n_items, sends):
+    # -- one micro-batch on one model chunk ------------------------------------------
+    def _neighbours(self, c: int) -> tuple:
+        """``(prev, c_prev, next, c_next)``: the stage and chunk of virtual stage ``k -
+        1`` and ``k + 1`` for chunk ``c`` (virtual stage ``k = c pp + s``): stage ``s -
+        1`` / ``s + 1`` mod pp, the chunk one down after stage 0 / one up after the
+        last stage."""
+        pp, s = self.mesh.pp, self.mesh.s
+        return ((s - 1) % pp, c - 1 if s == 0 else c, (s + 1) % pp,
+                c + 1 if s == pp - 1 else c)
+
+    def _forward(self, j, c, tok, tgt, n_items, sends):
+        """Micro-batch ``j``'s forward through chunk ``c``: receive (or embed), the
+        chunk's layers, then send on (or the head and the loss). Returns its caches
+        and its loss (0 off the last virtual stage)."""
         cfg, grid, mod, pp = self.config, self.grid, self.module, self.mesh.pp_comm
+        V = self.chunks
         shape = activation_shape(self.spec.grid_kind, cfg, grid, tok.shape[0], tok.shape[1])
+        prev, _, nxt, c_next = self._neighbours(c)
         caches = []
-        x = None
-        if not self.first:
+        if self.first and c == 0:                        # virtual stage 0: the embedding
+            x, cache = mod.embed_forward(self._gather(("wte", "wpe")), tok, cfg, grid)
+            caches.append(self._detach(cache))
+        else:
             x = self.xp.empty(shape, dtype=cfg.dtype)
             with self.trace.phase("pp.fwd"):
-                pp.recv(x, self.mesh.s - 1, tag=2 * j)
-        else:
-            x, c = mod.embed_forward(self._gather(("wte", "wpe")), tok, cfg, grid)
-            caches.append(self._detach(c))
-        for l in self.layers:
+                pp.recv(x, prev, tag=hand_off_tag(j, c, V, False))
+        for l in self.chunk_layers[c]:
             p = self._gather((f"h{l}",))
-            x, c = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in BLOCK_KEYS}, l, cfg,
-                                     grid, checkpoint=self.checkpoint)
+            x, cache = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in BLOCK_KEYS}, l, cfg,
+                                         grid, checkpoint=self.checkpoint)
             del p
-            caches.append(self._detach(c))
+            caches.append(self._detach(cache))
         loss = 0.0
-        if self.last:
-            loss, c = mod.head_forward(x, self._gather(self._head_units()), tgt, cfg, grid,
-                                       n_items=n_items)
-            caches.append(self._detach(c))
+        if self.last and c == V - 1:                     # the last virtual stage: the head
+            loss, cache = mod.head_forward(x, self._gather(self._head_units()), tgt, cfg,
+                                           grid, n_items=n_items)
+            caches.append(self._detach(cache))
         else:
             x = self.xp.ascontiguousarray(x)
             if tuple(x.shape) != shape:
-                raise RuntimeError(f"stage {self.mesh.s} output {tuple(x.shape)}, expected "
-                                   f"{shape}")
+                raise RuntimeError(f"stage {self.mesh.s} chunk {c} output "
+                                   f"{tuple(x.shape)}, expected {shape}")
             with self.trace.phase("pp.fwd"):
-                sends.append((pp.isend(x, self.mesh.s + 1, tag=2 * j), x))
+                sends.append((pp.isend(x, nxt, tag=hand_off_tag(j, c_next, V, False)), x))
         return caches, loss
 
-    def _backward(self, j, caches, grads, shape, sends):
-        """One micro-batch's backward, piece by piece. ``grads`` is the flat gradient
-        buffer to accumulate into (ZeRO 0-1) or a :class:`_BucketGrads` (ZeRO 2-3),
-        told after each piece which buckets are final."""
-        mod, pp = self.module, self.mesh.pp_comm
+    def _backward(self, j, c, caches, grads, shape, sends):
+        """Micro-batch ``j``'s backward through chunk ``c``, piece by piece. ``grads``
+        is the flat gradient buffer to accumulate into (ZeRO 0-1) or the micro-batch's
+        :class:`_BucketGrads` (ZeRO 2-3), told after each piece which buckets are final
+        (its piece count runs on over the chunks, V - 1 down to 0)."""
+        mod, pp, V = self.module, self.mesh.pp_comm, self.chunks
+        prev, c_prev, nxt, _ = self._neighbours(c)
         caches = list(caches)
-        piece = 0
+        bucketed = isinstance(grads, _BucketGrads)
 
         def add(g: dict, prefix: str = ""):
-            nonlocal piece
             for k, v in g.items():
-                key = prefix + k
-                o = self.offsets[key]
-                if isinstance(grads, _BucketGrads):
+                o = self.offsets[prefix + k]
+                if bucketed:
                     grads.add(o, v.reshape(-1))
                 else:
                     grads[o:o + v.size] += v.reshape(-1)
-            if isinstance(grads, _BucketGrads):
-                grads.done(piece)
-            piece += 1
+            if bucketed:
+                grads.done(grads.piece)
+                grads.piece += 1
 
-        if self.last:
+        if self.last and c == V - 1:
             self._refresh(caches, self._head_units())
             dx, g = mod.head_backward(caches.pop())
             add(g)
         else:
             dx = self.xp.empty(shape, dtype=self.config.dtype)
             with self.trace.phase("pp.bwd"):
-                pp.recv(dx, self.mesh.s + 1, tag=2 * j + 1)
-        for l in reversed(self.layers):
+                pp.recv(dx, nxt, tag=hand_off_tag(j, c, V, True))
+        for l in reversed(self.chunk_layers[c]):
             self._refresh(caches, (f"h{l}",))
             dx, g = mod.layer_backward(dx, caches.pop())
             add(g, f"h{l}.")
-        if self.first:              # the embedding's backward reads no weight
+        if self.first and c == 0:   # the embedding's backward reads no weight
             add(mod.embed_backward(dx, self._attach(caches.pop(), [])))
         else:
             dx = self.xp.ascontiguousarray(dx)
             with self.trace.phase("pp.bwd"):
-                sends.append((pp.isend(dx, self.mesh.s - 1, tag=2 * j + 1), dx))
+                sends.append((pp.isend(dx, prev, tag=hand_off_tag(j, c_prev, V, True)), dx))
 
     def _refresh(self, caches, names) -> None:
         """ZeRO-3: gather units ``names`` again for a backward piece and put the fresh
@@ -658,18 +783,24 @@ class Trainer:
             self.grad[...] = 0
         else:
             self.gshard[...] = 0
-        caches, sends, loss = {}, [], 0.0
-        for op, j in schedule(self.kind, self.m, mesh.pp, mesh.s):
+        caches, pending, sends, loss = {}, {}, [], 0.0
+        for op, j, c in schedule(self.kind, self.m, mesh.pp, mesh.s, self.chunks):
             rows = slice((mesh.a * self.m + j) * per, (mesh.a * self.m + j + 1) * per)
             if op == "F":
-                caches[j], lj = self._forward(j, tokens[rows], targets[rows], n_items, sends)
+                caches[j, c], lj = self._forward(j, c, tokens[rows], targets[rows], n_items,
+                                                 sends)
                 loss += lj
                 self.max_inflight = max(self.max_inflight, len(caches))
                 continue
             # ZeRO 2-3: this micro-batch's gradient lives bucket by bucket, each
-            # reduce-scattered into the shard as soon as the backward has finished it
-            buf = self.grad if self.zero < 2 else _BucketGrads(self)
-            self._backward(j, caches.pop(j), buf, shape, sends)
+            # reduce-scattered as soon as the backward has finished it (its chunks run
+            # V - 1 down to 0, so it is complete after chunk 0)
+            buf = self.grad if self.zero < 2 else pending.get(j)
+            if buf is None:
+                buf = pending[j] = _BucketGrads(self)
+            self._backward(j, c, caches.pop((j, c)), buf, shape, sends)
+            if c == 0:
+                pending.pop(j, None)
             sends = self._reap(sends)
         for req, _ in sends:
             req.wait()
@@ -749,7 +880,10 @@ class Trainer:
     def expected_traffic(self, batch: int, seq: int) -> dict:
         """Bytes this rank sends per step in each phase, from the sizes alone:
         ``dp.grads``, ``zero.params``, ``zero.gather``, ``embed.tie``, ``pp.fwd``,
-        ``pp.bwd`` (see the module docstring), for a global batch of ``batch``."""
+        ``pp.bwd`` (see the module docstring), for a global batch of ``batch``. The
+        ZeRO collectives go unit by unit over every chunk's layers (a 0-layer chunk
+        has none); the point-to-point hand-offs are ``V`` per micro-batch and
+        direction, less one at the pipeline's two ends."""
         mesh, m = self.mesh, self.m
         item = np.dtype(self.config.dtype).itemsize
         dp, a = mesh.dp, mesh.a
@@ -782,8 +916,10 @@ class Trainer:
             out["embed.tie"] = ring_send_items(n, 2, mesh.embed.rank, "ar")
         act = math.prod(activation_shape(self.spec.grid_kind, self.config, self.grid,
                                          batch // (dp * m), seq))
-        out["pp.fwd"] = m * act if not self.last else 0
-        out["pp.bwd"] = m * act if not self.first else 0
+        # every chunk hands each micro-batch on, but the last virtual stage's forward
+        # and virtual stage 0's backward (0-layer chunks relay theirs unchanged)
+        out["pp.fwd"] = m * act * (self.chunks - (1 if self.last else 0))
+        out["pp.bwd"] = m * act * (self.chunks - (1 if self.first else 0))
         return {k: v * item for k, v in out.items()}
 
     def model_params(self) -> int:
