@@ -74,6 +74,86 @@ Trace phases
 so ``[e for e in trace.events if e.phase.startswith("h0.fwd/tp.")]`` is Table 1's
 forward traffic of layer 0. ``lnf`` runs inside ``loss.fwd``/``loss.bwd``.
 
+With sequence parallelism each all-reduce above of ``b*s*h`` items becomes a
+reduce-scatter under the same name (``h{l}.fwd/tp.attn.proj``, ``h{l}.bwd/tp.mlp.fc``,
+``embed.fwd/aux.vocab``, ``loss.bwd/aux.lm_head``, ...) and each new all-gather takes the
+name of the linear it feeds or conjugates, with ``sp.``: ``h{l}.fwd/tp.sp.attn.qkv``,
+``h{l}.fwd/tp.sp.mlp.fc`` (before the column-parallel linears), ``h{l}.bwd/tp.sp.mlp.proj``,
+``h{l}.bwd/tp.sp.attn.proj`` (the projections' conjugates), ``h{l}.bwd/tp.recompute.sp.*``,
+``embed.bwd/aux.sp.vocab``, ``loss.fwd/aux.sp.head``; each ring half is ``t - 1``
+``sendrecv`` events of ``b s h / t`` items. The parameter gradients' all-reduce is
+``sp.grads``. :func:`traffic` gives this ledger from the sizes alone, with or without sequence
+parallelism.
+
+Sequence parallelism (``sequence_parallel=True``; Korthikanti et al. 2022, section 4.2.2)
+----------------------------------------------------------------------------------------
+Between the pieces, rank ``r`` of the group of ``t = p`` holds only its slice of the
+sequence, x (B, T/t, h) with positions ``[r T/t, (r+1) T/t)``
+(:func:`activation_shape`); ``T`` must be divisible by t (:func:`check`). The
+LayerNorms, the residual adds and the biases after the row-parallel linears run on
+the slice. The all-reduces of the 1D scheme are split into their two ring halves
+(:func:`~summasim.algorithms.allreduce.ring_reduce_scatter`,
+:func:`~summasim.algorithms.allreduce.ring_allgather`), the conjugate pair of
+Korthikanti's Figures 5-6:
+
+* ``g`` (before the column-parallel QKV and fc; :func:`seq_allgather`): all-gather of
+  the LayerNorm output along the sequence; backward a reduce-scatter of the partial
+  input gradient (Megatron's ``gather_from_sequence_parallel_region``).
+* ``g-bar`` (after the row-parallel projections; :func:`seq_reduce_scatter`): a
+  reduce-scatter of the partial sums in place of ``g``'s all-reduce, each rank keeping
+  its slice's sum; backward an all-gather (``reduce_scatter_to_sequence_parallel_region``).
+* The embedding's masked lookup is reduce-scattered in place of its all-reduce, the
+  positions ``wpe[r T/t : (r+1) T/t]`` added to the slice; its backward all-gathers the
+  gradient (the masked scatter-add needs every position of the sequence), and ``wpe``'s
+  gradient comes from the gathered gradient, replicated, with no further message.
+* The head all-gathers the final LayerNorm's output before the vocabulary-parallel
+  logits; its backward reduce-scatters the LM head's partial input gradient in place of
+  today's all-reduce. The replicated classifier's input gradient is identical on every
+  rank, so there it is split, not summed (Megatron's ``tensor_parallel_output_grad=False``).
+
+A ring all-reduce is exactly its reduce-scatter and all-gather, so a layer sends what
+it sent before: forward 2 all-gathers + 2 reduce-scatters of ``b s h`` items, ``t-1``
+ring steps each of ``b s h / t`` items, ``4 (t-1)/t b s h`` in all (Optimus Table 1's
+forward entry); backward the same, mirrored, plus the recomputed forward's with
+checkpointing. What is new is one all-reduce per backward of the gradients of the
+replicated parameters that act on the slice (:func:`sequence_parallel_keys`: per layer
+``ln1.g/b``, ``attn.proj.b``, ``ln2.g/b``, ``mlp.proj.b``, then ``lnf.g/b``), which each
+rank has summed over its own positions only (:func:`allreduce_sequence_parallel_grads`,
+phase ``sp.grads``, as Megatron-LM's ``finalize_model_grads`` does once per step).
+The pieces return those gradients as partial sums; :func:`backward` all-reduces them.
+
+Memory layout. The ring halves move contiguous chunks, so every gathered or scattered
+buffer is sequence-major, (T, B, h) (Megatron keeps activations as [s, b, h] for this
+reason), and in *ring order*: chunk ``k`` of t holds the slice of rank ``(k - 1) mod t``,
+because a ring reduce-scatter leaves chunk ``(r + 1) mod t`` summed on rank ``r`` and
+its all-gather takes that chunk from it. The position-wise work needs no other order:
+the MLP (fc, GELU, proj) and the embedding lookup (on ring-ordered token ids, which
+cost no copy of activations) run on the ring-ordered buffers as they are. Attention
+mixes positions and ``ops.attention_forward`` takes (B, T, h): its gathered input is
+copied into sequence order (B, T, h) and its partial output back into ring order, one
+transposing copy of ``b s h`` items per collective, forward and backward (4 per layer;
+:func:`_batch_major_from_ring`, :func:`_to_ring`). The head gathers into a buffer one
+chunk longer, so one copy of ``b s h / t`` puts it in sequence order (the logits stay
+``(B, T, v/t)``, a view); its backward copies ``b s h`` once into ring order.
+The copies move whole rows of h items: measured on one rank of the 2-core CPU machine
+while other work ran (b = 4, s = 256, h = 512, float32), 0.07-0.13 ms each, the four
+of a layer 0.1% of its forward and backward (350-470 ms; one [b s, h] x [h, h] GEMM
+6.4 ms).
+
+Activation memory per layer (Korthikanti et al., Table 2, bytes with 16-bit activations
+and 1-byte dropout masks): ``s b h (34 + 5 a s / h)`` without parallelism, ``s b h (10 +
+24/t + 5 a s / (h t))`` with tensor parallelism, ``s b h (34/t + 5 a s / (h t))`` with
+sequence parallelism, counting the gathered LayerNorm outputs as their ``1/t`` slices
+(Megatron stores the slice and all-gathers it again in the backward). summasim has no
+dropout and keeps the gathered LayerNorm outputs, so no extra all-gather is needed;
+its caches hold, in elements (:func:`activation_items`, checked against the caches):
+
+* tensor parallel: ``b s h (4 + (5 + 2 f) / t) + a b s^2 / t + 2 b s``;
+* sequence parallel: ``b s h (2 + (7 + 2 f) / t) + a b s^2 / t + 2 b s / t``,
+
+(``f`` the MLP multiplier: ``b s h (2 + 15/t)`` at f = 4) and with full recompute only
+the layer input: ``b s h``, or ``b s h / t`` with sequence parallelism.
+
 Local parameters
 ----------------
 The serial names, with local shapes (``f = ffn_mult * h``):
@@ -90,14 +170,18 @@ Pieces
 reverse, adding the embedding's (:func:`embed_backward`) and the LM head's
 (:func:`head_backward`) parts of the tied ``wte`` gradient. A pipeline / ZeRO engine
 calls the pieces itself (they neither check nor agree). Between pieces the activation is
-x (B, T, h), replicated. :func:`stage_keys` (``model.stage_keys``) lists a stage's parameters.
+x (B, T, h), replicated, or with ``sequence_parallel`` this rank's slice (B, T/t, h)
+(:func:`activation_shape`). :func:`stage_keys` (``model.stage_keys``) lists a stage's
+parameters.
 
 References
 ----------
 Shoeybi, Patwary, Puri, LeGresley, Casper, Catanzaro (2019), "Megatron-LM: Training
 Multi-Billion Parameter Language Models Using Model Parallelism", arXiv:1909.08053,
 section 3 (f and g, Figures 3-4). Xu, Li, Gong, You (2021), "An Efficient 2D Method
-for Training Super-Large Deep Learning Models" (Optimus), Table 1.
+for Training Super-Large Deep Learning Models" (Optimus), Table 1. Korthikanti, Casper,
+Lym, McAfee, Andersch, Shoeybi, Catanzaro (2022), "Reducing Activation Recomputation in
+Large Transformer Models", arXiv:2205.05198, section 4.2.2 (Figures 5-6) and Table 2.
 """
 
 from __future__ import annotations
@@ -106,6 +190,7 @@ import math
 from typing import Any, NamedTuple, Optional
 
 from summasim import layout
+from summasim.algorithms.allreduce import ring_allgather_unchecked, ring_reduce_scatter_unchecked
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
@@ -161,9 +246,12 @@ def _check_grid(grid) -> None:
                         f"{type(grid).__name__}")
 
 
-def check(config: Config, grid) -> None:
+def check(config: Config, grid, *, seq: Optional[int] = None,
+          sequence_parallel: bool = False) -> None:
     """Raise ``ValueError`` (on every rank, without communicating) unless ``config``
-    can be split over ``grid.p`` ranks: heads, vocab and the MLP width divisible by p.
+    can be split over ``grid.p`` ranks: heads, vocab and the MLP width divisible by p;
+    with ``sequence_parallel``, also the sequence length ``seq`` (default
+    ``config.seq``: pass the micro-batch's T), since each rank holds T/p positions.
 
     (``ffn = ffn_mult * h`` divides whenever heads does, since ``h = heads * head_size``;
     it is checked anyway.)
@@ -179,6 +267,11 @@ def check(config: Config, grid) -> None:
     sizes = {"heads": config.heads, "vocab": config.vocab, "ffn": config.ffn}
     bad = [f"Config.{dim} = {size} is not divisible by p = {p} ({why[dim]})"
            for dim, size in sizes.items() if size % p]
+    if sequence_parallel:
+        t = config.seq if seq is None else seq
+        if t % p:
+            bad.append(f"the sequence length T = {t} is not divisible by p = {p} (sequence "
+                       f"parallelism: each rank holds T/p positions between the pieces)")
     if bad:
         raise ValueError("Megatron 1D: " + "; ".join(bad))
 
@@ -265,6 +358,146 @@ def _vocab_hooks(grid):
             return vocab_reduce_forward(s, grid)           # backward: none (local)
 
     return combine_vocab, max_vocab, sum_vocab
+
+
+# --------------------------------------------------------------------------- #
+# sequence parallelism: Korthikanti's g and g-bar as the two ring halves       #
+# --------------------------------------------------------------------------- #
+# Every buffer a ring half moves is sequence-major, (T, B, h), and in ring order: chunk
+# k of p holds the slice of rank (k - 1) mod p, because the ring reduce-scatter leaves
+# chunk (r + 1) mod p summed on rank r and the ring all-gather takes that chunk from it
+# (summasim.algorithms.allreduce). Each helper skips the ring on a group of one.
+def _ring_chunk(grid) -> int:
+    """The chunk of a ring buffer this rank owns: ``(rank + 1) % p``."""
+    return (grid.rank + 1) % grid.p
+
+
+def seq_allgather(x, grid, ordered: bool = False):
+    """Korthikanti's ``g`` with sequence parallelism, forward: all-gather of the
+    sequence slices over ``grid.comm`` (a ring all-gather, ``p - 1`` traced steps of
+    ``B T h / p`` items; backward: :func:`seq_reduce_scatter` of the partial gradient).
+
+    ``x`` (B, T/p, h), this rank's positions ``[r T/p, (r+1) T/p)``, any strides.
+    Returns a fresh sequence-major (T, B, h) array of every rank's slice, in ring
+    order (chunk ``k`` holds rank ``(k - 1) mod p``'s slice), or with ``ordered`` in
+    sequence order: a view of a buffer one chunk longer, where the ring leaves slice
+    ``p - 1`` in chunk 0 and one copy of ``B T h / p`` items puts it after slice ``p - 2``.
+    """
+    xp = array_module(x)
+    b, c, h = x.shape
+    p = grid.p
+    t = c * p
+    extra = c if ordered and p > 1 else 0
+    buf = xp.empty((t + extra, b, h), dtype=x.dtype)   # (T [+ T/p], B, h) sequence-major
+    k = _ring_chunk(grid)
+    buf[k * c:(k + 1) * c] = x.transpose(1, 0, 2)      # this rank's slice as (T/p, B, h)
+    ring_allgather_unchecked(buf[:t].reshape(-1), grid.comm)
+    if not extra:
+        return buf                                     # (T, B, h) ring order
+    buf[t:] = buf[:c]                                  # slice p-1 after slice p-2
+    return buf[c:]                                     # (T, B, h) sequence order, a view
+
+
+def seq_reduce_scatter(buf, grid):
+    """Korthikanti's ``g-bar``, forward: reduce-scatter of partial sums along the
+    sequence, in place on ``buf`` (a ring reduce-scatter, ``p - 1`` traced steps of
+    ``B T h / p`` items; backward: :func:`seq_allgather`).
+
+    ``buf``: C-contiguous sequence-major (T, B, h) in ring order (:func:`_to_ring`,
+    :func:`seq_allgather`, or a position-wise op applied to one). Returns this rank's
+    slice of the sum, positions ``[r T/p, (r+1) T/p)``, as a (B, T/p, h) view of ``buf``.
+    """
+    if not buf.flags.c_contiguous:
+        raise ValueError("seq_reduce_scatter: the ring works in place on a C-contiguous "
+                         f"(T, B, h) buffer, got strides {buf.strides}")
+    c = buf.shape[0] // grid.p
+    k = ring_reduce_scatter_unchecked(buf.reshape(-1), grid.comm)   # (r + 1) % p: summed
+    return buf[k * c:(k + 1) * c].transpose(1, 0, 2)   # (B, T/p, h) view
+
+
+def _to_ring(a, p: int, seq_axis: int):
+    """A fresh C-contiguous sequence-major copy of ``a`` in ring order (the layout
+    :func:`seq_reduce_scatter` takes): ``a`` is (B, T, ...) (``seq_axis`` 1) or
+    (T, B, ...) (``seq_axis`` 0) in sequence order. Slices ``0 .. p-2`` go to chunks
+    ``1 .. p-1`` and slice ``p - 1`` to chunk 0: two block copies, transposing when
+    ``seq_axis`` is 1 (then one pass over ``B T h`` items in rows of h, the copy that a
+    batch-major op such as ``ops.attention_forward`` costs; measured in the module
+    docstring)."""
+    xp = array_module(a)
+    s = a if seq_axis == 0 else xp.swapaxes(a, 0, 1)   # (T, B, ...) view
+    t = s.shape[0]
+    c = t // p
+    out = xp.empty(s.shape, dtype=a.dtype)             # (T, B, ...) ring order
+    out[c:] = s[:t - c]                                # slices 0 .. p-2 -> chunks 1 .. p-1
+    out[:c] = s[t - c:]                                # slice p-1 -> chunk 0
+    return out
+
+
+def _batch_major_from_ring(buf, p: int):
+    """A fresh C-contiguous (B, T, h) in sequence order from the ring-ordered (T, B, h)
+    ``buf``: the inverse of :func:`_to_ring` with ``seq_axis`` 1 (one transposing pass)."""
+    xp = array_module(buf)
+    t, b, h = buf.shape
+    c = t // p
+    out = xp.empty((b, t, h), dtype=buf.dtype)         # (B, T, h)
+    seq = out.transpose(1, 0, 2)                       # (T, B, h) view
+    seq[:t - c] = buf[c:]                              # chunks 1 .. p-1 are slices 0 .. p-2
+    seq[t - c:] = buf[:c]                              # chunk 0 is slice p-1
+    return out
+
+
+def _added(view, bias):
+    """A fresh C-contiguous ``view + bias`` (a reduce-scattered slice plus its bias,
+    the bias once, after the reduction)."""
+    xp = array_module(view)
+    out = xp.empty(view.shape, dtype=view.dtype)       # (B, T/p, h)
+    xp.add(view, bias, out=out)
+    return out
+
+
+SP_LAYER_KEYS = ("ln1.g", "ln1.b", "attn.proj.b", "ln2.g", "ln2.b", "mlp.proj.b")
+
+
+def sequence_parallel_keys(config: Config, keys=None) -> list:
+    """The parameters whose gradients a sequence-parallel backward leaves as partial
+    sums over the sequence slices: the replicated parameters that act on the slice,
+    per layer ``ln1.g``, ``ln1.b``, ``attn.proj.b``, ``ln2.g``, ``ln2.b``,
+    ``mlp.proj.b``, then ``lnf.g``, ``lnf.b`` (in ``model.param_shapes`` order; only
+    those in ``keys`` when given, e.g. a pipeline stage's). ``wpe`` and ``cls.*`` are not
+    among them: they are computed from gathered, replicated data."""
+    wanted = None if keys is None else set(keys)
+    out = []
+    for name in model.param_shapes(config):
+        leaf = name.split(".", 1)[1] if name.startswith("h") and "." in name else name
+        if (leaf in SP_LAYER_KEYS and name != leaf) or name in ("lnf.g", "lnf.b"):
+            if wanted is None or name in wanted:
+                out.append(name)
+    return out
+
+
+def allreduce_sequence_parallel_grads(grads: dict, config: Config, grid) -> dict:
+    """Sum, in place over ``grid.comm``, the gradients of :func:`sequence_parallel_keys`
+    present in ``grads``: one all-reduce of all of them packed (phase ``sp.grads``;
+    nothing on a group of one). Call it once per step, after the micro-batches'
+    gradients are accumulated (it is linear), as Megatron-LM's ``finalize_model_grads``
+    does for its sequence-parallel parameters. Returns ``grads``."""
+    keys = [k for k in sequence_parallel_keys(config) if k in grads]
+    if grid.p == 1 or not keys:
+        return grads
+    xp = array_module(grads[keys[0]])
+    sizes = [grads[k].size for k in keys]
+    buf = xp.empty(sum(sizes), dtype=grads[keys[0]].dtype)    # (n,) packed
+    off = 0
+    for k, n in zip(keys, sizes):
+        buf[off:off + n] = grads[k].reshape(-1)
+        off += n
+    with grid.trace.phase("sp.grads"):
+        grid.comm.allreduce(buf)
+    off = 0
+    for k, n in zip(keys, sizes):
+        grads[k][...] = buf[off:off + n].reshape(grads[k].shape)
+        off += n
+    return grads
 
 
 # --------------------------------------------------------------------------- #
@@ -438,35 +671,153 @@ def _block_backward(dout, cache: ops.BlockCache, grid):
     return dx, {key: grads[key] for key in BLOCK_KEYS}
 
 
+def _block_forward_sp(x, p, config: Config, grid, recompute: bool = False):
+    """One layer with sequence parallelism: x (B, T/p, h), this rank's slice, ->
+    (B, T/p, h) slice (Korthikanti et al. 2022, Figure 6). ``recompute`` only renames the
+    phases (checkpointed backward)."""
+    trace = grid.trace
+    tag = "tp.recompute." if recompute else "tp."
+    heads = config.heads // grid.p
+    a, ln1 = ops.layernorm_forward(x, p["ln1.g"], p["ln1.b"])            # (B, T/p, h) slice
+    with trace.phase(tag + "sp.attn.qkv"):
+        a = seq_allgather(a, grid)   # g: all-gather (backward: reduce-scatter) (T, B, h) ring
+    a = _batch_major_from_ring(a, grid.p)              # (B, T, h) sequence order: a copy
+    a, attn = ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
+                                    p["attn.proj.w"], None, heads)       # (B, T, h) partial sum
+    a = _to_ring(a, grid.p, seq_axis=1)                # (T, B, h) ring order: a copy
+    with trace.phase(tag + "attn.proj"):
+        a = seq_reduce_scatter(a, grid)   # g-bar: reduce-scatter (backward: all-gather)
+    a = _added(a, p["attn.proj.b"])                    # (B, T/p, h); bias once, after it
+    a += x                                             # residual 1
+    m, ln2 = ops.layernorm_forward(a, p["ln2.g"], p["ln2.b"])            # (B, T/p, h) slice
+    with trace.phase(tag + "sp.mlp.fc"):
+        m = seq_allgather(m, grid)   # g: all-gather (backward: reduce-scatter) (T, B, h) ring
+    # the MLP is position-wise: it runs on the ring-ordered rows as they are
+    m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])         # (T, B, f/p)
+    m, gelu = ops.gelu_forward(m)                                        # (T, B, f/p)
+    m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (T, B, h) partial sum
+    with trace.phase(tag + "mlp.proj"):
+        m = seq_reduce_scatter(m, grid)   # g-bar: reduce-scatter (backward: all-gather)
+    m = _added(m, p["mlp.proj.b"])                     # (B, T/p, h); bias once, after it
+    m += a                                             # residual 2
+    return m, ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+
+
+def _block_backward_sp(dout, cache: ops.BlockCache, grid):
+    """:func:`_block_forward_sp` read in reverse: ``dx`` (B, T/p, h) slice and local grads
+    (BLOCK_KEYS); those of :data:`SP_LAYER_KEYS` are this slice's partial sums."""
+    trace = grid.trace
+    xp = array_module(dout)
+    h = dout.shape[-1]
+    grads = {}
+    grads["mlp.proj.b"] = dout.reshape(-1, h).sum(axis=0)               # (h,) this slice's
+    with trace.phase("tp.sp.mlp.proj"):
+        dm = seq_allgather(dout, grid)   # g-bar, backward: all-gather (T, B, h) ring order
+    dm, g = ops.linear_backward(dm, cache.proj)                          # (T, B, f/p)
+    grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
+    dm, _ = ops.gelu_backward(dm, cache.gelu)                            # (T, B, f/p)
+    dm, g = ops.linear_backward(dm, cache.fc)                            # (T, B, h) partial sum
+    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
+    with trace.phase("tp.mlp.fc"):
+        dm = seq_reduce_scatter(dm, grid)   # g, backward: reduce-scatter (B, T/p, h) view
+    dx1, g = ops.layernorm_backward(xp.ascontiguousarray(dm), cache.ln2)  # (B, T/p, h)
+    grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]                      # this slice's
+    dx1 += dout                                        # residual 2
+    grads["attn.proj.b"] = dx1.reshape(-1, h).sum(axis=0)               # (h,) this slice's
+    with trace.phase("tp.sp.attn.proj"):
+        da = seq_allgather(dx1, grid)    # g-bar, backward: all-gather (T, B, h) ring order
+    da = _batch_major_from_ring(da, grid.p)            # (B, T, h) sequence order: a copy
+    da, g = ops.attention_backward(da, cache.attn)                       # (B, T, h) partial sum
+    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, 3h/p), (3h/p,)
+    grads["attn.proj.w"] = g["proj.w"]                                   # (h/p, h)
+    da = _to_ring(da, grid.p, seq_axis=1)              # (T, B, h) ring order: a copy
+    with trace.phase("tp.attn.qkv"):
+        da = seq_reduce_scatter(da, grid)   # g, backward: reduce-scatter (B, T/p, h) view
+    dx, g = ops.layernorm_backward(xp.ascontiguousarray(da), cache.ln1)  # (B, T/p, h)
+    grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]                      # this slice's
+    dx += dx1                                          # residual 1
+    return dx, {key: grads[key] for key in BLOCK_KEYS}
+
+
 # --------------------------------------------------------------------------- #
 # the pieces: embedding, one layer, head (unchecked; the engine checks once)  #
 # --------------------------------------------------------------------------- #
 class EmbedCache(NamedTuple):
     grid: Any
     emb: ops.EmbeddingCache      # masked lookup of this rank's vocabulary rows
+    sequence_parallel: bool = False   # the lookup ran on ring-ordered (T, B) ids
+    wpe_shape: Optional[tuple] = None  # (s, h), for wpe's gradient (sequence parallel)
 
 
-def embed_forward(p: dict, tokens, config: Config, grid):
+def _check_seq(tokens, grid) -> None:
+    """The pieces' one check under sequence parallelism: T divisible by p (local, before
+    any message; the tokens are the same on every rank)."""
+    if tokens.shape[1] % grid.p:
+        raise ValueError(f"Megatron 1D: the sequence length T = {tokens.shape[1]} is not "
+                         f"divisible by p = {grid.p} (sequence parallelism: each rank "
+                         f"holds T/p positions between the pieces)")
+
+
+def embed_forward(p: dict, tokens, config: Config, grid, sequence_parallel: bool = False):
     """x (B, T, h) replicated = wte[tokens] + wpe[:T] on the global micro-batch ``tokens``.
 
     ``p`` needs ``wte`` (this rank's rows) and ``wpe``. One all-reduce of the masked
-    lookup (phase ``embed.fwd/aux.vocab``). Unchecked: :func:`forward` checks.
+    lookup (phase ``embed.fwd/aux.vocab``). With ``sequence_parallel`` it is a
+    reduce-scatter instead and the result this rank's slice x (B, T/p, h) =
+    (wte[tokens] + wpe[:T])[:, r T/p : (r+1) T/p]: the lookup runs on the token ids in
+    ring order (T, B), so the reduce-scatter moves contiguous chunks and no activation
+    is copied. Unchecked but for T % p (:func:`forward` checks).
     """
     combine_vocab, _, _ = _vocab_hooks(grid)
-    with grid.trace.phase("embed.fwd"):
-        x, emb = ops.embedding_forward(tokens, p["wte"], p["wpe"],
-                                       vocab_start=grid.rank * (config.vocab // grid.p),
-                                       combine_vocab=combine_vocab)        # (B, T, h)
-    return x, EmbedCache(grid=grid, emb=emb)
+    vocab_start = grid.rank * (config.vocab // grid.p)
+    if not sequence_parallel:
+        with grid.trace.phase("embed.fwd"):
+            x, emb = ops.embedding_forward(tokens, p["wte"], p["wpe"],
+                                           vocab_start=vocab_start,
+                                           combine_vocab=combine_vocab)    # (B, T, h)
+        return x, EmbedCache(grid=grid, emb=emb)
+    _check_seq(tokens, grid)
+    c = tokens.shape[1] // grid.p
+    trace = grid.trace
+
+    def scatter_vocab(x):          # (T, B, h) masked lookup, ring order -> (B, T/p, h)
+        with trace.phase("aux.vocab"):
+            return seq_reduce_scatter(x, grid)   # g-bar: reduce-scatter (backward: all-gather)
+
+    with trace.phase("embed.fwd"):
+        ids = _to_ring(tokens, grid.p, seq_axis=1)                        # (T, B) ring order
+        x, emb = ops.embedding_forward(ids, p["wte"], None, vocab_start=vocab_start,
+                                       combine_vocab=scatter_vocab)       # (B, T/p, h) view
+        x = _added(x, p["wpe"][grid.rank * c:(grid.rank + 1) * c])       # + this slice's wpe
+    return x, EmbedCache(grid=grid, emb=emb, sequence_parallel=True,
+                         wpe_shape=tuple(p["wpe"].shape))
 
 
 def embed_backward(dx, cache: EmbedCache) -> dict:
     """``{"wte": (v/p, h), "wpe": (s, h)}``: the embedding's part of the tied ``wte``
-    gradient (this shard's rows) and the replicated ``wpe`` gradient. No communication."""
-    dx = g_backward(dx, cache.grid)    # g (the lookup's): identity (forward: all-reduce)
-    with cache.grid.trace.phase("embed.bwd"):
-        _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
-    return {"wte": g["wte"], "wpe": g["wpe"]}
+    gradient (this shard's rows) and the replicated ``wpe`` gradient. No communication,
+    except with sequence parallelism: one all-gather of the slices ``dx`` (B, T/p, h)
+    (phase ``embed.bwd/aux.sp.vocab``, the reduce-scatter's conjugate), since the masked
+    scatter-add reads every position; ``wpe``'s gradient then comes from the gathered
+    gradient, the same on every rank."""
+    grid = cache.grid
+    if not cache.sequence_parallel:
+        dx = g_backward(dx, grid)      # g (the lookup's): identity (forward: all-reduce)
+        with grid.trace.phase("embed.bwd"):
+            _, g = ops.embedding_backward(dx, cache.emb)   # masked: only this shard's rows
+        return {"wte": g["wte"], "wpe": g["wpe"]}
+    xp = array_module(dx)
+    with grid.trace.phase("embed.bwd"):
+        with grid.trace.phase("aux.sp.vocab"):
+            d = seq_allgather(dx, grid)   # g-bar, backward: all-gather (T, B, h) ring order
+        _, g = ops.embedding_backward(d, cache.emb)    # masked: only this shard's rows
+        t = d.shape[0]
+        c = t // grid.p
+        sums = d.sum(axis=1)                                              # (T, h) ring order
+        dwpe = xp.zeros(cache.wpe_shape, dtype=d.dtype)                   # (s, h)
+        dwpe[:t - c] = sums[c:]                        # chunks 1 .. p-1: slices 0 .. p-2
+        dwpe[t - c:t] = sums[:c]                       # chunk 0: slice p-1
+    return {"wte": g["wte"], "wpe": dwpe}
 
 
 class LayerPieceCache(NamedTuple):
@@ -475,35 +826,49 @@ class LayerPieceCache(NamedTuple):
     l: int                       # global layer index (phase names)
     params: dict                 # the layer's local params, read again when recomputed
     checkpoint: bool
-    block: Any                   # ops.BlockCache, or the input (B, T, h) if checkpointed
+    block: Any                   # ops.BlockCache, or the input (B, T[/p], h) if checkpointed
+    sequence_parallel: bool = False   # the input is this rank's slice (B, T/p, h)
 
 
-def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False):
-    """Layer ``l`` (phase ``h{l}.fwd``) on x (B, T, h) replicated -> (B, T, h) replicated.
+def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False,
+                  sequence_parallel: bool = False):
+    """Layer ``l`` (phase ``h{l}.fwd``) on x (B, T, h) replicated -> (B, T, h) replicated,
+    or with ``sequence_parallel`` on this rank's slice x (B, T/p, h) -> (B, T/p, h)
+    (:func:`seq_allgather` before QKV and fc, :func:`seq_reduce_scatter` after the
+    projections).
 
     ``p_layer``: the layer's local params under the unprefixed keys of
     ``ops.BLOCK_KEYS``. With ``checkpoint`` the cache keeps only ``x`` and
     ``p_layer``; :func:`layer_backward` recomputes.
     """
+    block_forward = _block_forward_sp if sequence_parallel else _block_forward
     with grid.trace.phase(f"h{l}.fwd"):
-        out, block = _block_forward(x, p_layer, config, grid)            # (B, T, h)
+        out, block = block_forward(x, p_layer, config, grid)             # (B, T[/p], h)
     return out, LayerPieceCache(config=config, grid=grid, l=l, params=p_layer,
-                                checkpoint=checkpoint, block=x if checkpoint else block)
+                                checkpoint=checkpoint, block=x if checkpoint else block,
+                                sequence_parallel=bool(sequence_parallel))
 
 
 def layer_backward(dx, cache: LayerPieceCache):
     """``(dx (B, T, h) replicated, unprefixed local grads)`` of the layer (phase ``h{l}.bwd``).
 
-    Checkpointed: the forward is recomputed first from the saved input and
-    ``cache.params`` (its ``g``'s as ``tp.recompute.*``).
+    With sequence parallelism ``dx`` is this rank's slice (B, T/p, h), in and out, and
+    the gradients of :data:`SP_LAYER_KEYS` are this slice's partial sums (summed over
+    the group by :func:`allreduce_sequence_parallel_grads`). Checkpointed: the forward
+    is recomputed first from the saved input and ``cache.params`` (its collectives as
+    ``tp.recompute.*``).
     """
     grid = cache.grid
+    sp = cache.sequence_parallel
+    block_forward = _block_forward_sp if sp else _block_forward
     with grid.trace.phase(f"h{cache.l}.bwd"):
-        if cache.checkpoint:   # recompute the layer's forward (its g's included)
-            _, block = _block_forward(cache.block, cache.params, cache.config, grid,
-                                      recompute=True)
+        if cache.checkpoint:   # recompute the layer's forward (its collectives included)
+            _, block = block_forward(cache.block, cache.params, cache.config, grid,
+                                     recompute=True)
         else:
             block = cache.block
+        if sp:
+            return _block_backward_sp(dx, block, grid)                   # (B, T/p, h)
         return _block_backward(dx, block, grid)                          # (B, T, h)
 
 
@@ -515,26 +880,43 @@ class HeadCache(NamedTuple):
     ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
     logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
     n_items: int                 # the denominator of the mean loss
+    sequence_parallel: bool = False   # the input was this rank's slice (B, T/p, h)
 
 
-def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None):
+def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None,
+                 sequence_parallel: bool = False):
     """Final LayerNorm, tied LM head (or classifier) and loss (phase ``loss.fwd``).
 
-    ``x`` (B, T, h) replicated; ``p`` needs ``lnf.g``, ``lnf.b`` and ``wte`` (this
-    rank's rows), or ``cls.w``, ``cls.b`` when ``config.n_classes``. ``targets``: the
-    global micro-batch's, or None (logits only). Returns ``(loss, cache)``: the sum of
-    the per-item losses over ``n_items`` (default: this micro-batch's tokens, or
-    sequences for classification), the same float on every rank; None without targets.
+    ``x`` (B, T, h) replicated, or with ``sequence_parallel`` this rank's slice
+    (B, T/p, h): the LayerNorm runs on the slice and its output is all-gathered
+    (phase ``loss.fwd/aux.sp.head``) before the logits; the LM head then runs on the
+    sequence-major rows, and ``cache.logits`` is their (B, T, v/p) view. ``p`` needs
+    ``lnf.g``, ``lnf.b`` and ``wte`` (this rank's rows), or ``cls.w``, ``cls.b`` when
+    ``config.n_classes``. ``targets``: the global micro-batch's, or None (logits only).
+    Returns ``(loss, cache)``: the sum of the per-item losses over ``n_items`` (default:
+    this micro-batch's tokens, or sequences for classification), the same float on
+    every rank; None without targets.
     """
     _, max_vocab, sum_vocab = _vocab_hooks(grid)
     with grid.trace.phase("loss.fwd"):
-        x, lnf = ops.layernorm_forward(x, p["lnf.g"], p["lnf.b"])       # (B, T, h)
+        x, lnf = ops.layernorm_forward(x, p["lnf.g"], p["lnf.b"])       # (B, T[/p], h)
+        seq_major = None
+        if sequence_parallel:
+            with grid.trace.phase("aux.sp.head"):
+                # g: all-gather (backward: reduce-scatter for the LM, a split for the
+                # replicated classifier)
+                seq_major = seq_allgather(x, grid, ordered=True)     # (T, B, h) sequence order
+            x = seq_major.transpose(1, 0, 2)                             # (B, T, h) view
         if config.n_classes:   # the classifier is replicated: no communication
             logits, head = ops.classifier_forward(x, p["cls.w"], p["cls.b"])   # (B, k)
             reductions = {}
         else:
-            x = f_forward(x, grid)     # f: identity (backward: f_backward, all-reduce)
-            logits, head = ops.lm_head_forward(x, p["wte"])                  # (B, T, v/p)
+            if seq_major is None:
+                x = f_forward(x, grid)     # f: identity (backward: f_backward, all-reduce)
+            else:   # g above took f's place; the rows stay sequence-major and the
+                x = seq_major              # targets are read to match: no copy of logits
+                targets = None if targets is None else targets.T             # (T, B) view
+            logits, head = ops.lm_head_forward(x, p["wte"])     # (B, T, v/p) or (T, B, v/p)
             reductions = dict(vocab_start=grid.rank * (config.vocab // grid.p),
                               max_vocab=max_vocab, sum_vocab=sum_vocab)
         if n_items is None:
@@ -542,33 +924,48 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
         loss, ce = None, None
         if targets is not None:
             losses, ce = ops.cross_entropy_forward(logits, targets, **reductions)  # (B, T)
-            loss = float(losses.sum()) / n_items
+            loss = float(losses.sum()) / n_items                             # or (T, B)
+        if seq_major is not None and not config.n_classes:
+            logits = logits.transpose(1, 0, 2)                               # (B, T, v/p) view
     return loss, HeadCache(config=config, grid=grid, lnf=lnf, head=head, ce=ce,
-                           logits=logits, n_items=n_items)
+                           logits=logits, n_items=n_items,
+                           sequence_parallel=bool(sequence_parallel))
 
 
 def head_backward(cache: HeadCache):
     """``(dx (B, T, h) replicated, grads)`` of the head (phase ``loss.bwd``), seeded with
     ``1/n_items`` per item. ``grads``: ``cls.w``, ``cls.b`` (classification), ``lnf.g``,
-    ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h)."""
+    ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h).
+    With sequence parallelism ``dx`` is this rank's slice (B, T/p, h): the LM head's
+    partial input gradient is reduce-scattered (phase ``loss.bwd/aux.lm_head``) in place
+    of the all-reduce, the classifier's (replicated) split; ``lnf.g``, ``lnf.b`` are
+    then this slice's partial sums."""
     if cache.ce is None:
         raise ValueError("backward needs a forward with targets")
     grid = cache.grid
     xp = array_module(cache.logits)
+    sp = cache.sequence_parallel
     grads = {}
     with grid.trace.phase("loss.bwd"):
-        dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
+        dlosses = xp.full(cache.ce.shape, 1.0 / cache.n_items,
                           dtype=cache.logits.dtype)     # dloss = 1/n_items per item
         dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)     # this rank's columns
         if cache.config.n_classes:
             dx, g = ops.classifier_backward(dlogits, cache.head)      # (B, T, h) replicated
             grads["cls.w"], grads["cls.b"] = g["w"], g["b"]
+            if sp:             # replicated: this rank's positions, no message
+                c = dx.shape[1] // grid.p
+                dx = xp.ascontiguousarray(dx[:, grid.rank * c:(grid.rank + 1) * c])  # (B, T/p, h)
         else:
-            dx, g = ops.lm_head_backward(dlogits, cache.head)         # (B, T, h) partial sum
+            dx, g = ops.lm_head_backward(dlogits, cache.head)   # (B, T, h) or (T, B, h) partial
             grads["wte"] = g["wte"]                                   # (v/p, h)
             with grid.trace.phase("aux.lm_head"):
-                f_backward(dx, grid)   # f: all-reduce (forward: f_forward, identity)
-        dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T, h)
+                if sp:   # g, backward: reduce-scatter (forward: all-gather)
+                    dx = seq_reduce_scatter(_to_ring(dx, grid.p, seq_axis=0), grid)
+                    dx = xp.ascontiguousarray(dx)                     # (B, T/p, h)
+                else:
+                    f_backward(dx, grid)   # f: all-reduce (forward: f_forward, identity)
+        dx, g = ops.layernorm_backward(dx, cache.lnf)                 # (B, T[/p], h)
         grads["lnf.g"], grads["lnf.b"] = g["g"], g["b"]
     return dx, grads
 
@@ -586,28 +983,34 @@ class MegatronCache(NamedTuple):
     head: HeadCache
     logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
     loss: Optional[float]
+    sequence_parallel: bool = False   # activations were (B, T/p, h) slices between pieces
 
     @property
     def blocks(self) -> list:
-        """Per layer: the ops.BlockCache, or its input (B, T, h) if checkpointed."""
+        """Per layer: the ops.BlockCache, or its input (B, T, h) (with sequence
+        parallelism this rank's slice (B, T/p, h)) if checkpointed."""
         return [layer.block for layer in self.layers]
 
 
 def forward(local_params: dict, tokens, targets, config: Config, grid,
-            checkpoint: bool = False):
+            checkpoint: bool = False, sequence_parallel: bool = False):
     """Loss (a Python float, the same on every rank) and cache on global ``tokens`` [b, s].
 
     ``targets`` are the global [b, s] next-token ids ([b] classes when
     ``config.n_classes > 0``) or None. With ``checkpoint`` each layer keeps only its
-    input and is recomputed in :func:`backward`. All checks (:func:`check`, local
-    parameter shapes, tokens, targets) run before any communication, on every rank,
-    and end in one agreement (:func:`summasim.mpiutil.agree`, untraced) on the config,
-    the tokens and targets (shape, dtype, checksum) and ``checkpoint``: input that is
+    input and is recomputed in :func:`backward`. With ``sequence_parallel`` the
+    activations between the pieces are this rank's sequence slices (B, T/p, h) (see the
+    module docstring; T = ``tokens.shape[1]`` must be divisible by p). All checks
+    (:func:`check`, local parameter shapes, tokens, targets) run before any
+    communication, on every rank, and end in one agreement
+    (:func:`summasim.mpiutil.agree`, untraced) on the config, the tokens and targets
+    (shape, dtype, checksum), ``checkpoint`` and ``sequence_parallel``: input that is
     bad on one rank raises the same ``ValueError``/``TypeError`` on every rank.
     Then :func:`embed_forward`, :func:`layer_forward` for every layer and
     :func:`head_forward`.
     """
     _check_grid(grid)          # not a group: no communicator to agree over, raise alone
+    sp = bool(sequence_parallel)
 
     def local():
         check(config, grid)
@@ -615,20 +1018,23 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
         model.check_tokens(tokens, config)
         if targets is not None:
             model.check_targets(targets, tokens, config)
+        if sp:
+            check(config, grid, seq=tokens.shape[1], sequence_parallel=True)
 
     _, err = local_error(local)
     agree("megatron.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
                                      "targets": fingerprint(targets),
-                                     "checkpoint": bool(checkpoint)}, err)
-    x, emb = embed_forward(local_params, tokens, config, grid)            # (B, T, h)
+                                     "checkpoint": bool(checkpoint),
+                                     "sequence_parallel": sp}, err)
+    x, emb = embed_forward(local_params, tokens, config, grid, sp)       # (B, T[/p], h)
     layers = []
     for l in range(config.layers):
         x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
-                                 checkpoint)                              # (B, T, h)
+                                 checkpoint, sp)                          # (B, T[/p], h)
         layers.append(layer)
-    loss, head = head_forward(x, local_params, targets, config, grid)
+    loss, head = head_forward(x, local_params, targets, config, grid, sequence_parallel=sp)
     return loss, MegatronCache(params=local_params, emb=emb, layers=layers, head=head,
-                               logits=head.logits, loss=loss)
+                               logits=head.logits, loss=loss, sequence_parallel=sp)
 
 
 def backward(cache: MegatronCache) -> dict:
@@ -637,11 +1043,14 @@ def backward(cache: MegatronCache) -> dict:
     The pieces in reverse: :func:`head_backward`, :func:`layer_backward` from the last
     layer down, :func:`embed_backward`; the tied ``wte`` gradient is the embedding's
     part plus the LM head's. Replicated parameters get identical gradients on every
-    rank (no communication); :func:`unshard` assembles the serial-layout gradients.
+    rank (no communication; with sequence parallelism, the partial sums of
+    :func:`sequence_parallel_keys` are summed by one all-reduce,
+    :func:`allreduce_sequence_parallel_grads`); :func:`unshard` assembles the
+    serial-layout gradients.
     """
-    dx, grads = head_backward(cache.head)                                 # (B, T, h)
+    dx, grads = head_backward(cache.head)                                 # (B, T[/p], h)
     for l in reversed(range(len(cache.layers))):
-        dx, g = layer_backward(dx, cache.layers[l])                       # (B, T, h)
+        dx, g = layer_backward(dx, cache.layers[l])                       # (B, T[/p], h)
         for key, val in g.items():
             grads[f"h{l}.{key}"] = val
     g = embed_backward(dx, cache.emb)
@@ -650,6 +1059,8 @@ def backward(cache: MegatronCache) -> dict:
     grads["wte"] = g["wte"]                            # (v/p, h)
     if dwte_head is not None:
         grads["wte"] += dwte_head                      # tied: embedding + LM head
+    if cache.sequence_parallel:   # the slices' partial sums of the replicated parameters
+        allreduce_sequence_parallel_grads(grads, cache.head.config, cache.head.grid)
     return {key: grads[key] for key in cache.params}
 
 
@@ -671,3 +1082,116 @@ def logits(cache: MegatronCache, config: Config, grid):
         return local.copy()
     with grid.trace.phase("logits"), grid.trace.phase("aux.gather"):
         return layout.join(local, grid, "col")                      # (B, T, v)
+
+
+# --------------------------------------------------------------------------- #
+# closed forms (pure: the sizes alone)                                        #
+# --------------------------------------------------------------------------- #
+def activation_shape(config: Config, t: int, batch: int, seq: int,
+                     sequence_parallel: bool = False) -> tuple:
+    """The local shape of the activation between two pieces (what a pipeline stage
+    sends) for a micro-batch of ``batch`` sequences of ``seq`` tokens on a group of
+    ``t``: (batch, seq, h) replicated, or with ``sequence_parallel`` this rank's slice
+    (batch, seq / t, h). ``ValueError`` when ``seq`` is not divisible by ``t`` there."""
+    if sequence_parallel and seq % t:
+        raise ValueError(f"Megatron 1D: the sequence length T = {seq} is not divisible by "
+                         f"p = {t} (sequence parallelism: each rank holds T/p positions "
+                         f"between the pieces)")
+    return (batch, seq // t if sequence_parallel else seq, config.hidden)
+
+
+def traffic(config: Config, t: int, batch: int, seq: int, *, checkpoint: bool = False,
+            sequence_parallel: bool = False):
+    """The ledger of one :func:`forward` and :func:`backward` on each rank of a group of
+    ``t`` for a micro-batch of ``batch`` sequences of ``seq`` tokens, from the sizes
+    alone: ``Counter({(phase, op, nbytes): count})``, comparable with
+    ``Counter((e.phase, e.op, e.nbytes) for e in trace.events)`` (the check-only
+    phases ``logits`` and ``unshard`` left out). Empty when ``t == 1``.
+
+    Without sequence parallelism every collective is one ``allreduce`` event: per layer
+    the two ``g`` forward, the two ``f`` conjugates backward (and the recomputed ``g``'s
+    with ``checkpoint``) of ``b s h`` items; the embedding's and the LM head's of
+    ``b s h``; the loss's three of ``b s``. With it each of those ``b s h`` all-reduces is
+    a reduce-scatter and each new all-gather one more ring half: ``t - 1`` ``sendrecv``
+    events of ``b s h / t`` items each (see the module docstring for the phases), so a
+    layer sends the same ``4 (t-1)/t b s h`` items forward as before; plus one
+    ``allreduce`` of the :func:`sequence_parallel_keys` gradients (phase ``sp.grads``).
+    """
+    from collections import Counter
+
+    item = config.dtype.itemsize
+    out: Counter = Counter()
+    if t == 1:
+        return out
+    lm = not config.n_classes
+    act = batch * seq * config.hidden * item                # a [b*s, h] buffer
+    stat = batch * seq * item                               # a [b*s, 1] buffer
+    if not sequence_parallel:
+        def reduce(phase):
+            out[(phase, "allreduce", act)] += 1
+        gather = None
+    else:
+        if seq % t:
+            activation_shape(config, t, batch, seq, True)   # raises, naming the numbers
+        chunk = act // t
+
+        def reduce(phase):                                  # a reduce-scatter
+            out[(phase, "sendrecv", chunk)] += t - 1
+
+        def gather(phase):                                  # an all-gather
+            out[(phase, "sendrecv", chunk)] += t - 1
+    reduce("embed.fwd/aux.vocab")
+    for l in range(config.layers):
+        fwd, bwd = f"h{l}.fwd/tp.", f"h{l}.bwd/tp."
+        passes = [fwd] + ([bwd + "recompute."] if checkpoint else [])
+        for tag in passes:                                  # the forward, and its recompute
+            if gather:
+                gather(tag + "sp.attn.qkv")
+                gather(tag + "sp.mlp.fc")
+            reduce(tag + "attn.proj")
+            reduce(tag + "mlp.proj")
+        if gather:                                          # the projections' conjugates
+            gather(bwd + "sp.mlp.proj")
+            gather(bwd + "sp.attn.proj")
+        reduce(bwd + "mlp.fc")                              # the column-parallel conjugates
+        reduce(bwd + "attn.qkv")
+    if gather:
+        gather("loss.fwd/aux.sp.head")
+        gather("embed.bwd/aux.sp.vocab")
+    if lm:
+        out[("loss.fwd/aux.max", "allreduce", stat)] += 1
+        out[("loss.fwd/aux.sum", "allreduce", stat)] += 2
+        reduce("loss.bwd/aux.lm_head")
+    if sequence_parallel:
+        n = sum(math.prod(model.param_shapes(config)[k]) for k in sequence_parallel_keys(config))
+        out[("sp.grads", "allreduce", n * item)] += 1
+    return out
+
+
+def activation_items(config: Config, t: int, batch: int, seq: int, *,
+                     sequence_parallel: bool = False, checkpoint: bool = False) -> int:
+    """Elements one layer's cache holds between its forward and its backward on each
+    rank of a group of ``t`` (``b`` = batch, ``s`` = seq, ``a`` heads, ``F`` the MLP width):
+
+    * ``checkpoint``: the input only, ``b s h`` (``b s h / t`` with sequence parallelism);
+    * tensor parallel: the two LayerNorms' normalized inputs and outputs ``4 b s h`` and
+      statistics ``2 b s``; per rank the QKV output, the scaled queries and the merged
+      heads ``5 b s h / t``, the scores ``a b s^2 / t``, the MLP's GELU input and output
+      ``2 b s F / t``;
+    * sequence parallel: the same, but the normalized inputs and statistics are this
+      rank's slices (``2 b s h / t``, ``2 b s / t``) and the LayerNorm outputs are kept
+      gathered (``2 b s h``), the inputs of QKV and fc.
+
+    Korthikanti et al. (2022) Table 2 count ``s b h (10 + 24/t + 5 a s/(h t))`` bytes
+    (tensor parallel) and ``s b h (34/t + 5 a s/(h t))`` (sequence parallel) for 16-bit
+    activations with dropout, storing the gathered LayerNorm outputs as their slices;
+    see the module docstring.
+    """
+    h, a, f = config.hidden, config.heads, config.ffn
+    bs = batch * seq
+    if checkpoint:
+        return bs * h // t if sequence_parallel else bs * h
+    per_rank = 5 * bs * h // t + a * batch * seq * seq // t + 2 * bs * f // t
+    if sequence_parallel:
+        return 2 * bs * h + 2 * bs * h // t + 2 * bs // t + per_rank
+    return 4 * bs * h + 2 * bs + per_rank
