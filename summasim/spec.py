@@ -417,22 +417,23 @@ class TensorGrid:
             raise ValueError("summa25 needs depth D >= 2 (QxQx1 is optimus)")
         return cls.of(scheme, nums[0], nums[2])
 
-    def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None, kv_heads=None
-                 ) -> list[tuple[str, object, int, str]]:
+    def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None, kv_heads=None,
+                 seq=None) -> list[tuple[str, object, int, str]]:
         """THE rule of which sizes this grid must divide: ``(what, size, divisor,
         symbol)`` for each, in order. Megatron over p: whole heads, column and row slices
         and vocabulary slices per rank (heads, hidden, ffn width, vocab by p). Optimus
         and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
         heads, ffn width, vocab by q. Grouped-query attention (``kv_heads`` given) also
-        needs whole key/value heads per rank (kv heads by p, or by q). A size given as
-        None is left out. The runtime
+        needs whole key/value heads per rank (kv heads by p, or by q), and Megatron's
+        sequence parallelism (``seq`` given) whole sequence slices (seq by p). A size
+        given as None is left out. The runtime
         (:meth:`misfit`) and the cost model (``workload.scheme.misfit``, whose sizes may
         be real) each phrase and test this list."""
         p, q, d = self.p, self.q, self.d
         if self.kind in ("1d", "ring"):
             dims = [("heads", heads, p, "p"), ("kv heads", kv_heads, p, "p"),
                     ("hidden", hidden, p, "p"), ("ffn width", ffn_width, p, "p"),
-                    ("vocab", vocab, p, "p")]
+                    ("vocab", vocab, p, "p"), ("sequence", seq, p, "p")]
         else:
             dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
                     ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
@@ -440,15 +441,17 @@ class TensorGrid:
                     ("ffn width", ffn_width, q, "q"), ("vocab", vocab, q, "q")]
         return [dim for dim in dims if dim[1] is not None]
 
-    def misfits(self, model: Model, batch: int | None = None) -> list[tuple[str, int, int]]:
+    def misfits(self, model: Model, batch: int | None = None,
+                seq: int | None = None) -> list[tuple[str, int, int]]:
         """``(what, size, divisor)`` of every size of ``model`` (and ``batch``) this grid
-        does not divide; empty when the model fits. See :meth:`divisors`."""
+        does not divide; empty when the model fits. See :meth:`divisors`; ``seq`` (the
+        sequence length, given under sequence parallelism) must divide too."""
         kv = model.kv_heads if model.kv_heads != model.heads else None
         return [(what, size, by) for what, size, by, _ in self.divisors(
-            model.hidden, model.heads, model.ffn_width, model.vocab, batch, kv)
+            model.hidden, model.heads, model.ffn_width, model.vocab, batch, kv, seq)
             if size % by]
 
-    def misfit(self, model: Model, batch: int | None = None) -> str:
+    def misfit(self, model: Model, batch: int | None = None, seq: int | None = None) -> str:
         """Why this grid cannot shard ``model`` (with ``batch`` sequences); "" when it can.
 
         Megatron over p: whole heads, column and row slices and vocabulary slices per
@@ -458,7 +461,7 @@ class TensorGrid:
         ``optimus.check``) enforce the same.
         """
         return "; ".join(f"{what} = {size} is not divisible by {by}"
-                         for what, size, by in self.misfits(model, batch))
+                         for what, size, by in self.misfits(model, batch, seq))
 
 
 def grids(p: int, scheme: str, model: Model | None = None,

@@ -126,3 +126,11 @@ def test_the_flags_build_one_training():
         options.training(_args("--checkpoint", "--recompute", "selective"))
     with pytest.raises(SystemExit):
         _args("--schedule", "interleaved:1")
+
+
+def test_sequence_parallelism_needs_whole_sequence_slices():
+    m = Model.parse("h=64,heads=16,layers=2,seq=18,vocab=64")
+    g = spec.TensorGrid.parse("megatron:4")
+    assert g.misfit(m) == ""
+    assert g.misfit(m, seq=m.seq) == "sequence = 18 is not divisible by 4"
+    assert spec.TensorGrid.parse("megatron:2").misfit(m, seq=m.seq) == ""
