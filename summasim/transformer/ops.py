@@ -12,6 +12,22 @@ Conventions (GPT-2, see DESIGN.md): weights are stored ``[in, out]``
 attention scaled by ``1/sqrt(hd)``, QKV columns ordered ``[Q | K | V]`` with the
 heads contiguous inside each, LM head tied to ``wte``.
 
+Variants (the defaults are GPT-2's, bit for bit):
+
+* SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer", FFN_SwiGLU):
+  ``proj(silu(x W_gate + b_gate) * (x W_fc + b_fc))`` with ``silu(z) = z sigmoid(z)``
+  (:func:`swiglu_forward`; the block's ``mlp="swiglu"``, keys :func:`block_keys`).
+* Grouped-query attention (Ainslie et al. 2023, "GQA"): ``nkv`` key/value heads
+  for ``nh`` query heads, query head i reading kv head ``i // (nh / nkv)``; the
+  QKV columns are ``[Q (nh heads) | K (nkv heads) | V (nkv heads)]``
+  (``kv_heads=`` of :func:`attention_forward`).
+* ``attention="flash"``: the core runs blockwise with an online softmax
+  (:mod:`summasim.transformer.flash`), holding no (T, T) array.
+* ``recompute="selective"`` (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", section 4.2): the attention core
+  keeps only its inputs q, k, v (views of the QKV output) and its output, and
+  recomputes the (T, T) probabilities in the backward.
+
 Reduction hooks. Ops that reduce over an axis a parallel scheme may shard take
 that reduction as an argument, so Megatron (1D), Optimus (2D) and SUMMA2.5-LM
 call *these* functions on their local slices:
@@ -41,9 +57,11 @@ float32 stays float32 (NEP 50).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, NamedTuple, Optional
 
 from summasim.backends import array_module
+from summasim.spec import ATTENTIONS, MLPS
 
 LN_EPS = 1e-5
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -54,6 +72,10 @@ _GELU_EXP_CLAMP = 80.0
 
 Array = Any
 Reduction = Callable[[Array], Array]
+#: What an op can recompute: nothing, or the attention core's probabilities
+#: ("selective"). Whole-layer recompute ("full") is the caller's: it keeps the layer's
+#: input and calls :func:`block_forward` again in the backward.
+CORE_RECOMPUTE = ("none", "selective")
 
 
 # --------------------------------------------------------------------------- #
@@ -225,6 +247,56 @@ def gelu_backward(dout, cache):
 
 
 # --------------------------------------------------------------------------- #
+# swiglu                                                                      #
+# --------------------------------------------------------------------------- #
+class SwigluCache(NamedTuple):
+    gate: Array   # gate pre-activation x W_gate + b_gate, (..., F); the sigmoid is recomputed
+    up: Array     # up projection x W_fc + b_fc, (..., F)
+
+
+def _sigmoid(z):
+    """``1 / (1 + exp(-z))``, with ``-z`` clamped at 80 so exp cannot overflow in float32
+    (sigmoid(-80) = 1.8e-35 instead of 0: far below any tolerance)."""
+    xp = array_module(z)
+    s = -z                                              # (...)
+    xp.minimum(s, _GELU_EXP_CLAMP, out=s)
+    xp.exp(s, out=s)
+    s += 1.0
+    xp.reciprocal(s, out=s)
+    return s
+
+
+def swiglu_forward(gate, up):
+    """The SwiGLU gating ``silu(gate) * up``, ``silu(z) = z sigmoid(z)``: (..., F) x 2 -> (..., F).
+
+    ``gate = x W_gate + b_gate`` and ``up = x W_fc + b_fc`` are the two projections of
+    the MLP input (Shazeer 2020, "GLU Variants Improve Transformer", eq. FFN_SwiGLU,
+    with Swish_1 = SiLU). Elementwise, so a scheme holding matching column slices of
+    both projections calls it on its slices.
+    """
+    out = _sigmoid(gate)                                # (..., F)
+    out *= gate                                         # silu(gate)
+    out *= up
+    return out, SwigluCache(gate=gate, up=up)
+
+
+def swiglu_backward(dout, cache):
+    """``dup = dout silu(g)``, ``dgate = dout up s (1 + g (1 - s))`` with ``s = sigmoid(g)``
+    (``d silu/dz = s + z s (1 - s)``). Returns ``((dgate, dup), {})``."""
+    g, up = cache.gate, cache.up
+    s = _sigmoid(g)                                     # (..., F) recomputed
+    dup = g * s                                         # silu(g)
+    dup *= dout
+    dgate = 1.0 - s                                     # (..., F)
+    dgate *= g
+    dgate += 1.0
+    dgate *= s                                          # d silu / dg
+    dgate *= up
+    dgate *= dout
+    return (dgate, dup), {}
+
+
+# --------------------------------------------------------------------------- #
 # softmax                                                                     #
 # --------------------------------------------------------------------------- #
 class SoftmaxCache(NamedTuple):
@@ -261,13 +333,47 @@ def softmax_backward(dy, cache):
 # --------------------------------------------------------------------------- #
 # attention                                                                   #
 # --------------------------------------------------------------------------- #
-def split_heads(qkv, heads):
-    """Views q, k, v (B, nh, T, hd) of a packed ``[Q | K | V]`` tensor (B, T, 3C)."""
-    b, t, c3 = qkv.shape
-    c = c3 // 3
-    packed = qkv.reshape(b, t, 3, heads, c // heads)    # (B, T, 3, nh, hd)
-    packed = packed.transpose(2, 0, 3, 1, 4)            # (3, B, nh, T, hd) view
-    return packed[0], packed[1], packed[2]
+def _check_choice(name: str, value, choices) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, "
+                         f"got {value!r}")
+
+
+def _head_size(width: int, heads: int, kv_heads: int) -> int:
+    """``hd`` of a packed QKV width ``(heads + 2 kv_heads) hd``; ValueError naming the field."""
+    for name, val in (("heads", heads), ("kv_heads", kv_heads)):
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} does not divide heads={heads} "
+                         f"(grouped-query attention)")
+    if width % (heads + 2 * kv_heads):
+        raise ValueError(f"the QKV width {width} is not (heads + 2 kv_heads) * head size "
+                         f"with heads={heads}, kv_heads={kv_heads}")
+    return width // (heads + 2 * kv_heads)
+
+
+def split_heads(qkv, heads, kv_heads=None):
+    """Views q (B, nh, T, hd), k and v (B, nkv, T, hd) of a packed QKV tensor (B, T, W).
+
+    The columns are ``[Q | K | V]``: Q the ``nh = heads`` query heads contiguous, then K
+    and V the ``nkv = kv_heads`` key/value heads each (default ``heads``; fewer is
+    grouped-query attention), so ``W = (nh + 2 nkv) hd``. The views are writable: a
+    backward passes them as the ``out`` of the core's gradients.
+    """
+    b, t, width = qkv.shape
+    nkv = heads if kv_heads is None else kv_heads
+    hd = _head_size(width, heads, nkv)
+    if nkv == heads:
+        packed = qkv.reshape(b, t, 3, heads, hd)        # (B, T, 3, nh, hd)
+        packed = packed.transpose(2, 0, 3, 1, 4)        # (3, B, nh, T, hd) view
+        return packed[0], packed[1], packed[2]
+    c, ckv = heads * hd, nkv * hd
+    q = qkv[..., :c].reshape(b, t, heads, hd).transpose(0, 2, 1, 3)          # (B, nh, T, hd)
+    k = qkv[..., c:c + ckv].reshape(b, t, nkv, hd).transpose(0, 2, 1, 3)     # (B, nkv, T, hd)
+    v = qkv[..., c + ckv:].reshape(b, t, nkv, hd).transpose(0, 2, 1, 3)      # (B, nkv, T, hd)
+    return q, k, v
 
 
 def merge_heads(y):
@@ -281,42 +387,126 @@ def causal_mask(xp, t, dtype):
     return xp.triu(xp.full((t, t), -math.inf, dtype=dtype), k=1)
 
 
+def _grouped(a, nkv):
+    """(B, nh, T, X) -> (B, nkv, g, T, X) view, ``g = nh / nkv``: the query heads grouped
+    by the key/value head they read. ``a`` itself when ``g == 1`` (multi-head attention)."""
+    b, nh, t, x = a.shape
+    return a if nh == nkv else a.reshape(b, nkv, nh // nkv, t, x)   # (B, nkv, g, T, X)
+
+
+def _shared(a, g):
+    """(B, nkv, T, hd) -> (B, nkv, 1, T, hd) view that broadcasts over a group of ``g``
+    query heads (no copy per query head). ``a`` itself when ``g == 1``."""
+    return a if g == 1 else a[:, :, None]
+
+
+def _check_core(q, k, v) -> int:
+    """``nkv`` of q (B, nh, T, hd) and k, v (B, nkv, T, hd); ValueError unless they match."""
+    if k.shape != v.shape or q.ndim != 4 or k.ndim != 4 or \
+            (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
+        raise ValueError(f"attention core: q must be (B, nh, T, hd) and k, v (B, nkv, T, hd), "
+                         f"got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention core: kv heads nkv={k.shape[1]} do not divide the query "
+                         f"heads nh={q.shape[1]} (grouped-query attention)")
+    return k.shape[1]
+
+
 class AttentionCoreCache(NamedTuple):
     qs: Array      # q * scale, (B, nh, T, hd)
-    k: Array       # (B, nh, T, hd)
-    v: Array       # (B, nh, T, hd)
+    k: Array       # (B, nkv, T, hd)
+    v: Array       # (B, nkv, T, hd)
     att: Array     # softmax probabilities, (B, nh, T, T); 0 above the diagonal
     y: Array       # output att @ v, (B, nh, T, hd) (read by the backward's row sums)
     scale: float   # 1 / sqrt(hd)
 
 
-def attention_core_forward(q, k, v, *, out=None):
-    """Causal attention of already-projected heads: ``softmax(q k^T / sqrt(hd) + mask) v``.
+class AttentionInputsCache(NamedTuple):
+    """Selective recompute: what the core keeps; ``q * scale`` and the (T, T)
+    probabilities are recomputed from these in the backward."""
+    q: Array       # (B, nh, T, hd) as given (a view of the QKV output)
+    k: Array       # (B, nkv, T, hd)
+    v: Array       # (B, nkv, T, hd)
+    y: Array       # output, (B, nh, T, hd) (a view of the output projection's input)
+    scale: float   # 1 / sqrt(hd)
 
-    Parameters
-    ----------
-    q, k, v : (B, nh, T, hd) arrays (strided views are fine). Heads are
-        independent, so a scheme holding a subset of the heads (Megatron: nh/p
-        heads; Optimus: nh/q heads of b/q sequences) calls this on its subset.
-    out : optional writable (B, nh, T, hd) array (e.g. a head view of a
-        (B, T, C) buffer, so merging heads costs no copy).
 
-    Returns ``y`` (B, nh, T, hd) and the cache.
+def attention_probs(qs, k):
+    """Causal softmax probabilities ``softmax(qs k^T + mask)`` (B, nh, T, T) of scaled
+    queries qs (B, nh, T, hd) against keys k (B, nkv, T, hd).
+
+    The one implementation of the scores, used by the forward and by selective
+    recompute, so a recomputed ``att`` is bitwise the forward's. With ``nkv < nh`` the
+    queries are viewed as (B, nkv, g, T, hd) and each key head broadcasts over its
+    group of g query heads (no copy of k per query head).
     """
-    xp = array_module(q, k, v)
-    t, hd = q.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(hd)
-    qs = q * scale                                      # (B, nh, T, hd)
-    att = qs @ k.swapaxes(-1, -2)                       # (B, nh, T, T)
+    xp = array_module(qs, k)
+    b, nh, t, _ = qs.shape
+    nkv = k.shape[1]
+    att = _grouped(qs, nkv) @ _shared(k, nh // nkv).swapaxes(-1, -2)   # (B, nkv, g, T, T)
     att += causal_mask(xp, t, att.dtype)
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
     att *= 1.0 / att.sum(axis=-1, keepdims=True)
-    if out is None:
+    return att.reshape(b, nh, t, t)                     # (B, nh, T, T) view
+
+
+def attention_core_forward(q, k, v, *, out=None, attention="plain", recompute="none",
+                           tile=None):
+    """Causal attention of already-projected heads: ``softmax(q k^T / sqrt(hd) + mask) v``.
+
+    Parameters
+    ----------
+    q : (B, nh, T, hd) queries; k, v : (B, nkv, T, hd) keys and values with
+        ``nh % nkv == 0`` (query head i reads kv head ``i // (nh / nkv)``; ``nkv == nh``
+        is multi-head attention). Strided views are fine. Heads are independent, so a
+        scheme holding a subset of the heads (Megatron: nh/p heads; Optimus: nh/q heads
+        of b/q sequences) calls this on its subset.
+    out : optional writable (B, nh, T, hd) array (e.g. a head view of a (B, T, C)
+        buffer, so merging heads costs no copy).
+    attention : ``"plain"`` (the (B, nh, T, T) probabilities are formed and, without
+        recompute, kept) or ``"flash"``
+        (:func:`summasim.transformer.flash.flash_attention_forward`: blockwise, online
+        softmax, no (T, T) array; ``tile`` is its key/value tile, default flash's).
+    recompute : ``"none"`` or ``"selective"``: keep only q, k, v and y
+        (:class:`AttentionInputsCache`) and recompute ``q * scale`` and the
+        probabilities in the backward (Korthikanti et al. 2022, section 4.2). The
+        product ``att @ v`` is not recomputed: its result y is kept anyway, as the
+        output projection's input. Flash keeps no (T, T) array, so for it
+        "selective" is "none".
+
+    Returns ``y`` (B, nh, T, hd) and the cache (:class:`AttentionCoreCache`,
+    :class:`AttentionInputsCache` or flash's ``FlashCache``).
+    """
+    _check_choice("attention", attention, ATTENTIONS)
+    _check_choice("recompute", recompute, CORE_RECOMPUTE)
+    nkv = _check_core(q, k, v)
+    if attention == "flash":
+        from . import flash       # same floor; imported here because flash imports ops
+        return flash.flash_attention_forward(q, k, v, out=out,
+                                             **({} if tile is None else {"tile": tile}))
+    xp = array_module(q, k, v)
+    b, nh, t, hd = q.shape
+    scale = 1.0 / math.sqrt(hd)
+    qs = q * scale                                      # (B, nh, T, hd)
+    att = attention_probs(qs, k)                        # (B, nh, T, T)
+    if out is None and nkv == nh:
         y = att @ v                                     # (B, nh, T, hd)
     else:
-        y = xp.matmul(att, v, out=out)                  # (B, nh, T, hd)
+        y = xp.empty(q.shape, dtype=att.dtype) if out is None else out
+        xp.matmul(_grouped(att, nkv), _shared(v, nh // nkv),
+                  out=_grouped(y, nkv))                 # (B, nkv, g, T, hd) view of y
+    if recompute == "selective":
+        return y, AttentionInputsCache(q=q, k=k, v=v, y=y, scale=scale)
     return y, AttentionCoreCache(qs=qs, k=k, v=v, att=att, y=y, scale=scale)
+
+
+def attention_core_recompute(cache: AttentionInputsCache) -> AttentionCoreCache:
+    """The full core cache rebuilt from a selective one: ``qs = q * scale`` and the
+    probabilities recomputed exactly as the forward computed them (bitwise)."""
+    qs = cache.q * cache.scale                          # (B, nh, T, hd)
+    return AttentionCoreCache(qs=qs, k=cache.k, v=cache.v, att=attention_probs(qs, cache.k),
+                              y=cache.y, scale=cache.scale)
 
 
 def attention_core_backward(dy, cache, *, out=None):
@@ -324,50 +514,79 @@ def attention_core_backward(dy, cache, *, out=None):
 
     The softmax backward's row sums ``sum_j att_ij datt_ij`` equal
     ``sum_d dy_id y_id`` (FlashAttention's D_i), a (B, nh, T, hd) product instead
-    of a (B, nh, T, T) one. ``out`` optionally gives three writable
-    (B, nh, T, hd) arrays to receive dq, dk, dv. Returns ``((dq, dk, dv), {})``.
+    of a (B, nh, T, T) one. With grouped-query attention dk and dv (B, nkv, T, hd) are
+    summed over the g query heads of each group. ``out`` optionally gives three
+    writable arrays (dq like q, dk and dv like k) to receive them. A selective cache
+    recomputes the probabilities first; a flash cache goes to flash's backward.
+    Returns ``((dq, dk, dv), {})``.
     """
+    if isinstance(cache, AttentionInputsCache):
+        cache = attention_core_recompute(cache)         # selective recompute
+    elif not isinstance(cache, AttentionCoreCache):
+        from . import flash       # same floor; imported here because flash imports ops
+        if not isinstance(cache, flash.FlashCache):
+            raise TypeError(f"attention_core_backward: not an attention core cache: "
+                            f"{type(cache).__name__}")
+        return flash.flash_attention_backward(dy, cache, out=out)
     xp = array_module(dy)
     qs, k, v, att, y = cache.qs, cache.k, cache.v, cache.att, cache.y
+    nh, nkv = qs.shape[1], k.shape[1]
+    g = nh // nkv
     dq, dk, dv = (None, None, None) if out is None else out
-    dv = xp.matmul(att.swapaxes(-1, -2), dy, out=dv)   # (B, nh, T, hd)
-    ds = dy @ v.swapaxes(-1, -2)                        # (B, nh, T, T) d(att)
-    ds -= (dy * y).sum(axis=-1, keepdims=True)          # minus row sums (B, nh, T, 1)
-    ds *= att                                           # d(scores); 0 above the diagonal
-    dk = xp.matmul(ds.swapaxes(-1, -2), qs, out=dk)     # (B, nh, T, hd)
-    dq = xp.matmul(ds, k, out=dq)                       # (B, nh, T, hd)
+    attg = _grouped(att, nkv)                           # (B, nkv, g, T, T) view
+    dyg = _grouped(dy, nkv)                             # (B, nkv, g, T, hd) view
+    if g == 1:
+        dv = xp.matmul(att.swapaxes(-1, -2), dy, out=dv)    # (B, nh, T, hd)
+    else:   # dv = sum over the group of att^T dy
+        dv = xp.sum(attg.swapaxes(-1, -2) @ dyg, axis=2, out=dv)   # (B, nkv, T, hd)
+    ds = dyg @ _shared(v, g).swapaxes(-1, -2)           # (B, nkv, g, T, T) d(att)
+    ds -= _grouped((dy * y).sum(axis=-1, keepdims=True), nkv)   # minus row sums (.., T, 1)
+    ds *= attg                                          # d(scores); 0 above the diagonal
+    if g == 1:
+        dk = xp.matmul(ds.swapaxes(-1, -2), qs, out=dk)     # (B, nh, T, hd)
+        dq = xp.matmul(ds, k, out=dq)                       # (B, nh, T, hd)
+    else:   # dk = sum over the group of ds^T qs; dq of each query head from its kv head
+        dk = xp.sum(ds.swapaxes(-1, -2) @ _grouped(qs, nkv), axis=2, out=dk)  # (B, nkv, T, hd)
+        dq = xp.empty(qs.shape, dtype=ds.dtype) if dq is None else dq        # (B, nh, T, hd)
+        xp.matmul(ds, k[:, :, None], out=_grouped(dq, nkv))  # (B, nkv, g, T, hd) view of dq
     dq *= cache.scale
     return (dq, dk, dv), {}
 
 
 class AttentionCache(NamedTuple):
     qkv: LinearCache          # the QKV projection
-    core: AttentionCoreCache  # the heads
+    core: Any                 # the heads: AttentionCoreCache, AttentionInputsCache or FlashCache
     proj: LinearCache         # the output projection
-    heads: int                # heads held by this call
+    heads: int                # query heads held by this call
+    kv_heads: Optional[int] = None   # key/value heads held by this call (None: heads)
 
 
-def attention_forward(x, qkv_w, qkv_b, proj_w, proj_b, heads):
-    """Causal multi-head self-attention: x (B, T, C) -> (B, T, C_out).
+def attention_forward(x, qkv_w, qkv_b, proj_w, proj_b, heads, *, kv_heads=None,
+                      attention="plain", recompute="none", tile=None):
+    """Causal multi-head (or grouped-query) self-attention: x (B, T, C) -> (B, T, C_out).
 
-    ``qkv_w`` (C, 3C') packs ``[Q | K | V]`` with ``heads`` heads of size
-    ``C'/heads`` contiguous inside each; ``proj_w`` is (C', C_out). Serially
-    ``C' = C_out = C``. A Megatron rank passes its column slice of qkv (the
-    Q, K and V columns of its heads, still ordered [Q | K | V]), its row slice
-    of proj, ``proj_b=None`` and ``heads = nh / p``; the output is then its
-    partial sum, to be all-reduced before the bias is added.
+    ``qkv_w`` (C, C' + 2 C'_kv) packs ``[Q | K | V]``: ``heads`` query heads of size
+    ``hd = C'/heads`` contiguous, then ``kv_heads`` key heads and ``kv_heads`` value
+    heads (default ``heads``: ``C'_kv = C'``); ``proj_w`` is (C', C_out). Serially
+    ``C' = C_out = C``. A Megatron rank passes its column slice of qkv (the Q, K and
+    V columns of its heads, still ordered [Q | K | V]), its row slice of proj,
+    ``proj_b=None`` and ``heads = nh / p`` (``kv_heads = nkv / p``); the output is
+    then its partial sum, to be all-reduced before the bias is added.
+    ``attention``, ``recompute`` and ``tile`` go to :func:`attention_core_forward`.
     Gradients are keyed ``"qkv.w", "qkv.b", "proj.w", "proj.b"``.
     """
     xp = array_module(x)
     b, t, _ = x.shape
-    qkv, qkv_cache = linear_forward(x, qkv_w, qkv_b)   # (B, T, 3C')
-    q, k, v = split_heads(qkv, heads)                   # 3 x (B, nh, T, hd) views
-    c = qkv.shape[-1] // 3
-    y = xp.empty((b, t, c), dtype=qkv.dtype)            # (B, T, C') merged heads
-    y_heads = y.reshape(b, t, heads, c // heads).transpose(0, 2, 1, 3)  # (B, nh, T, hd) view
-    _, core_cache = attention_core_forward(q, k, v, out=y_heads)
+    qkv, qkv_cache = linear_forward(x, qkv_w, qkv_b)   # (B, T, C' + 2 C'_kv)
+    q, k, v = split_heads(qkv, heads, kv_heads)         # (B, nh, T, hd), 2 x (B, nkv, T, hd) views
+    hd = q.shape[-1]
+    y = xp.empty((b, t, heads * hd), dtype=qkv.dtype)   # (B, T, C') merged heads
+    y_heads = y.reshape(b, t, heads, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd) view
+    _, core_cache = attention_core_forward(q, k, v, out=y_heads, attention=attention,
+                                           recompute=recompute, tile=tile)
     out, proj_cache = linear_forward(y, proj_w, proj_b)  # (B, T, C_out)
-    return out, AttentionCache(qkv=qkv_cache, core=core_cache, proj=proj_cache, heads=heads)
+    return out, AttentionCache(qkv=qkv_cache, core=core_cache, proj=proj_cache, heads=heads,
+                               kv_heads=k.shape[1])
 
 
 def attention_backward(dout, cache):
@@ -375,13 +594,13 @@ def attention_backward(dout, cache):
     xp = array_module(dout)
     b, t, _ = dout.shape
     nh = cache.heads
+    nkv = nh if cache.kv_heads is None else cache.kv_heads
     dy, g_proj = linear_backward(dout, cache.proj)      # (B, T, C')
-    c = dy.shape[-1]
-    dy_heads = dy.reshape(b, t, nh, c // nh).transpose(0, 2, 1, 3)  # (B, nh, T, hd) view
-    dqkv = xp.empty((b, t, 3, nh, c // nh), dtype=dy.dtype)        # (B, T, 3, nh, hd)
-    views = dqkv.transpose(2, 0, 3, 1, 4)                          # (3, B, nh, T, hd) view
-    attention_core_backward(dy_heads, cache.core, out=(views[0], views[1], views[2]))
-    dx, g_qkv = linear_backward(dqkv.reshape(b, t, 3 * c), cache.qkv)  # (B, T, C)
+    hd = dy.shape[-1] // nh
+    dy_heads = dy.reshape(b, t, nh, hd).transpose(0, 2, 1, 3)      # (B, nh, T, hd) view
+    dqkv = xp.empty((b, t, (nh + 2 * nkv) * hd), dtype=dy.dtype)   # (B, T, C' + 2 C'_kv)
+    attention_core_backward(dy_heads, cache.core, out=split_heads(dqkv, nh, nkv))
+    dx, g_qkv = linear_backward(dqkv, cache.qkv)        # (B, T, C)
     grads = {"qkv.w": g_qkv["w"], "proj.w": g_proj["w"]}
     if "b" in g_qkv:
         grads["qkv.b"] = g_qkv["b"]
@@ -650,46 +869,86 @@ def classifier_backward(dlogits, cache):
 # --------------------------------------------------------------------------- #
 BLOCK_KEYS = ("ln1.g", "ln1.b", "attn.qkv.w", "attn.qkv.b", "attn.proj.w", "attn.proj.b",
               "ln2.g", "ln2.b", "mlp.fc.w", "mlp.fc.b", "mlp.proj.w", "mlp.proj.b")
+#: A SwiGLU layer's keys: ``mlp.fc`` is the up projection, ``mlp.gate`` the gate.
+SWIGLU_BLOCK_KEYS = BLOCK_KEYS[:10] + ("mlp.gate.w", "mlp.gate.b") + BLOCK_KEYS[10:]
+
+
+def block_keys(mlp: str = "gelu") -> tuple:
+    """A layer's local parameter keys in order: :data:`BLOCK_KEYS` (GELU MLP) or
+    :data:`SWIGLU_BLOCK_KEYS` (``mlp="swiglu"``: ``mlp.gate.w/b`` after ``mlp.fc.w/b``)."""
+    _check_choice("mlp", mlp, MLPS)
+    return SWIGLU_BLOCK_KEYS if mlp == "swiglu" else BLOCK_KEYS
 
 
 class BlockCache(NamedTuple):
     ln1: LayerNormCache
     attn: AttentionCache
     ln2: LayerNormCache
-    fc: LinearCache
-    gelu: GeluCache
+    fc: LinearCache                       # the MLP's first projection (SwiGLU: the up one)
+    gelu: Optional[GeluCache]             # GELU MLP; None for SwiGLU
     proj: LinearCache
+    gate: Optional[LinearCache] = None    # SwiGLU: the gate projection
+    swiglu: Optional[SwigluCache] = None  # SwiGLU: the gating silu(gate) * up
 
 
 def block_forward(x, p, heads, *, sum_hidden: Optional[Reduction] = None,
-                  hidden: Optional[int] = None):
+                  hidden: Optional[int] = None, kv_heads: Optional[int] = None,
+                  mlp: str = "gelu", attention: str = "plain", recompute: str = "none",
+                  tile: Optional[int] = None):
     """One pre-LayerNorm GPT-2 layer, (B, T, C) -> (B, T, C).
 
     ``x = x + attn(ln1(x)); x = x + mlp(ln2(x))``. ``p`` holds the layer's
-    parameters under the local keys of :data:`BLOCK_KEYS` (``"ln1.g"``, ...,
-    ``"mlp.proj.b"``); ``sum_hidden``/``hidden`` go to both LayerNorms. The
-    input ``x`` is not modified and not saved (a checkpointing caller keeps it).
+    parameters under the local keys of :func:`block_keys` (``"ln1.g"``, ...,
+    ``"mlp.proj.b"``); ``sum_hidden``/``hidden`` go to both LayerNorms. The MLP is
+    ``proj(gelu(fc(x)))`` or, with ``mlp="swiglu"``, ``proj(silu(gate(x)) * fc(x))``;
+    ``kv_heads``, ``attention``, ``recompute`` (``"none"`` or ``"selective"``) and
+    ``tile`` go to the attention. The input ``x`` is not modified and not saved (a
+    caller recomputing whole layers, ``recompute="full"``, keeps it itself).
     """
+    _check_choice("mlp", mlp, MLPS)
+    if recompute == "full":
+        raise ValueError("block_forward: recompute='full' is the caller's (keep the layer "
+                         "input, run block_forward again in the backward); pass 'none' "
+                         "or 'selective'")
     a, ln1 = layernorm_forward(x, p["ln1.g"], p["ln1.b"], sum_hidden=sum_hidden, hidden=hidden)
     a, attn = attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
-                                p["attn.proj.w"], p["attn.proj.b"], heads)   # (B, T, C)
+                                p["attn.proj.w"], p["attn.proj.b"], heads, kv_heads=kv_heads,
+                                attention=attention, recompute=recompute, tile=tile)  # (B, T, C)
     a += x                                              # residual 1 (x1 = x + attn)
     m, ln2 = layernorm_forward(a, p["ln2.g"], p["ln2.b"], sum_hidden=sum_hidden, hidden=hidden)
-    m, fc = linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (B, T, 4C)
-    m, gelu = gelu_forward(m)                                   # (B, T, 4C)
+    gelu = gate = swiglu = None
+    if mlp == "gelu":
+        m, fc = linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (B, T, F)
+        m, gelu = gelu_forward(m)                                   # (B, T, F)
+    else:
+        u, fc = linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (B, T, F) up
+        g, gate = linear_forward(m, p["mlp.gate.w"], p["mlp.gate.b"])  # (B, T, F) gate
+        m, swiglu = swiglu_forward(g, u)                            # (B, T, F)
     m, proj = linear_forward(m, p["mlp.proj.w"], p["mlp.proj.b"])  # (B, T, C)
     m += a                                              # residual 2
-    return m, BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+    return m, BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj, gate=gate,
+                         swiglu=swiglu)
 
 
 def block_backward(dout, cache):
-    """The forward read in reverse; returns ``dx`` (B, T, C) and grads under :data:`BLOCK_KEYS`."""
+    """The forward read in reverse; returns ``dx`` (B, T, C) and grads under
+    :func:`block_keys` of the cache's MLP."""
     grads = {}
-    dm, g = linear_backward(dout, cache.proj)           # (B, T, 4C)
+    dm, g = linear_backward(dout, cache.proj)           # (B, T, F)
     grads["mlp.proj.w"], grads["mlp.proj.b"] = g["w"], g["b"]
-    dm, _ = gelu_backward(dm, cache.gelu)               # (B, T, 4C)
-    dm, g = linear_backward(dm, cache.fc)               # (B, T, C)
-    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]
+    if cache.swiglu is None:
+        mlp = "gelu"
+        dm, _ = gelu_backward(dm, cache.gelu)           # (B, T, F)
+        dm, g = linear_backward(dm, cache.fc)           # (B, T, C)
+        grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]
+    else:
+        mlp = "swiglu"
+        (dgate, dup), _ = swiglu_backward(dm, cache.swiglu)   # 2 x (B, T, F)
+        dm, g = linear_backward(dup, cache.fc)          # (B, T, C)
+        grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]
+        dgx, g = linear_backward(dgate, cache.gate)     # (B, T, C)
+        grads["mlp.gate.w"], grads["mlp.gate.b"] = g["w"], g["b"]
+        dm += dgx                                       # both projections read ln2's output
     dx1, g = layernorm_backward(dm, cache.ln2)          # (B, T, C)
     grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]
     dx1 += dout                                         # residual 2
@@ -699,4 +958,4 @@ def block_backward(dout, cache):
     dx, g = layernorm_backward(da, cache.ln1)           # (B, T, C)
     grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
     dx += dx1                                           # residual 1
-    return dx, {key: grads[key] for key in BLOCK_KEYS}
+    return dx, {key: grads[key] for key in block_keys(mlp)}
