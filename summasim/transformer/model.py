@@ -338,19 +338,25 @@ def forward(params: dict, tokens, targets, config: Config, checkpoint: bool = Fa
                             attention=attention, tile=tile)
 
 
-def backward(cache: ModelCache, parts: Optional[dict] = None) -> dict:
+def backward(cache: ModelCache, parts: Optional[dict] = None, *,
+             loss_scale: float = 1.0) -> dict:
     """Gradients of the mean loss, same keys (and order) as the params.
 
     The forward read in reverse. ``parts``, if a dict, receives the two
     contributions to the tied ``wte`` gradient, ``"wte.embed"`` and ``"wte.head"``
-    (the latter for a tied LM head only), for checks.
+    (the latter for a tied LM head only), for checks. ``loss_scale`` S seeds the
+    backward with S times the mean loss's gradient (mixed precision's loss scaling):
+    the gradients come out multiplied by S.
     """
     if cache.ce is None:
         raise ValueError("backward needs a forward with targets")
+    if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale)
+            and loss_scale > 0):
+        raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
     config, params = cache.config, cache.params
     xp = array_module(cache.logits)
     grads = {}
-    dlosses = xp.full(cache.logits.shape[:-1], 1.0 / cache.n_items,
+    dlosses = xp.full(cache.logits.shape[:-1], float(loss_scale) / cache.n_items,
                       dtype=cache.logits.dtype)       # dloss = 1/(b*s) per token
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)    # like the logits
     dwte_head = None

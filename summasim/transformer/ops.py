@@ -52,10 +52,21 @@ reduction followed by an all-reduce over the group that shares the axis.
 Arrays may be NumPy or CuPy: the array module comes from the inputs
 (:func:`summasim.backends.array_module`), and every scalar is a Python float so
 float32 stays float32 (NEP 50).
+
+Mixed precision. Inside ``with autocast(precision):`` (a
+:class:`summasim.transformer.precision.Precision`) every tensor an op hands on -- its
+output in the forward, its input gradient in the backward, and the residual sums of
+:func:`block_forward`/:func:`block_backward` -- is rounded to the 16-bit compute type
+(in place, in its float32 container), while each op computes in fp32 inside: a GEMM
+reads 16-bit inputs and accumulates in fp32, as tensor cores do. Parameter gradients
+are not rounded: they accumulate in fp32 (Megatron-LM's ``main_grad``). Outside the
+context nothing is rounded, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 from typing import Any, Callable, NamedTuple, Optional
@@ -76,6 +87,28 @@ Reduction = Callable[[Array], Array]
 #: ("selective"). Whole-layer recompute ("full") is the caller's: it keeps the layer's
 #: input and calls :func:`block_forward` again in the backward.
 CORE_RECOMPUTE = ("none", "selective")
+
+_PRECISION: contextvars.ContextVar = contextvars.ContextVar("summasim_autocast", default=None)
+
+
+@contextlib.contextmanager
+def autocast(precision):
+    """Within the block, the ops hand on 16-bit values (see the module docstring);
+    ``precision`` has ``round(x, out=x)`` (None: no rounding)."""
+    token = _PRECISION.set(precision)
+    try:
+        yield precision
+    finally:
+        _PRECISION.reset(token)
+
+
+def _stored(x):
+    """``x`` as the next op receives it: rounded in place to the 16-bit compute type
+    under :func:`autocast`, untouched otherwise."""
+    precision = _PRECISION.get()
+    if precision is not None and x is not None:
+        precision.round(x, out=x)
+    return x
 
 
 # --------------------------------------------------------------------------- #
@@ -111,7 +144,7 @@ def linear_forward(x, w, b=None):
     y = x2 @ w                                          # (N, OC)
     if b is not None:
         y += b
-    y = y.reshape(lead + (w.shape[1],))                 # (..., OC)
+    y = _stored(y.reshape(lead + (w.shape[1],)))        # (..., OC)
     return y, LinearCache(x=x2, w=w, has_bias=b is not None)
 
 
@@ -119,7 +152,7 @@ def linear_backward(dy, cache):
     """Returns ``dx`` (..., C) and ``{"w": x^T dy, "b": sum(dy)}``."""
     x, w = cache.x, cache.w
     dy2 = dy.reshape(-1, dy.shape[-1])                  # (N, OC)
-    dx = (dy2 @ w.T).reshape(dy.shape[:-1] + (w.shape[0],))  # (..., C)
+    dx = _stored((dy2 @ w.T).reshape(dy.shape[:-1] + (w.shape[0],)))  # (..., C)
     grads = {"w": x.T @ dy2}                            # (C, OC)
     if cache.has_bias:
         grads["b"] = dy2.sum(axis=0)                    # (OC,)
@@ -168,7 +201,7 @@ def layernorm_forward(x, g, b, *, eps=LN_EPS, sum_hidden: Optional[Reduction] = 
     xhat *= rstd
     out = xhat * g                                      # (..., C)
     out += b
-    return out, LayerNormCache(xhat=xhat, rstd=rstd, g=g, hidden=hidden,
+    return _stored(out), LayerNormCache(xhat=xhat, rstd=rstd, g=g, hidden=hidden,
                                sum_hidden=sum_hidden)
 
 
@@ -190,7 +223,7 @@ def layernorm_backward(dout, cache):
     dx -= mean_d
     dx -= xhat * mean_dx
     dx *= rstd
-    return dx, grads
+    return _stored(dx), grads
 
 
 # --------------------------------------------------------------------------- #
@@ -224,7 +257,7 @@ def gelu_forward(x):
     out += 1.0
     xp.reciprocal(out, out=out)                         # sigmoid(2z)
     out *= x
-    return out, GeluCache(x=x)
+    return _stored(out), GeluCache(x=x)
 
 
 def gelu_backward(dout, cache):
@@ -243,7 +276,7 @@ def gelu_backward(dout, cache):
     u *= e
     u += s
     u *= dout
-    return u, {}
+    return _stored(u), {}
 
 
 # --------------------------------------------------------------------------- #
@@ -277,7 +310,7 @@ def swiglu_forward(gate, up):
     out = _sigmoid(gate)                                # (..., F)
     out *= gate                                         # silu(gate)
     out *= up
-    return out, SwigluCache(gate=gate, up=up)
+    return _stored(out), SwigluCache(gate=gate, up=up)
 
 
 def swiglu_backward(dout, cache):
@@ -293,7 +326,7 @@ def swiglu_backward(dout, cache):
     dgate *= s                                          # d silu / dg
     dgate *= up
     dgate *= dout
-    return (dgate, dup), {}
+    return (_stored(dgate), _stored(dup)), {}
 
 
 # --------------------------------------------------------------------------- #
@@ -319,7 +352,7 @@ def softmax_forward(x, *, max_last: Optional[Reduction] = None,
     y = x - max_last(x)                                 # (..., V)
     xp.exp(y, out=y)
     y *= 1.0 / sum_last(y)
-    return y, SoftmaxCache(y=y, sum_last=sum_last)
+    return _stored(y), SoftmaxCache(y=y, sum_last=sum_last)
 
 
 def softmax_backward(dy, cache):
@@ -327,7 +360,7 @@ def softmax_backward(dy, cache):
     y = cache.y
     dx = dy - cache.sum_last(dy * y)                    # (..., V)
     dx *= y
-    return dx, {}
+    return _stored(dx), {}
 
 
 # --------------------------------------------------------------------------- #
@@ -482,9 +515,10 @@ def attention_core_forward(q, k, v, *, out=None, attention="plain", recompute="n
     _check_choice("recompute", recompute, CORE_RECOMPUTE)
     nkv = _check_core(q, k, v)
     if attention == "flash":
-        from . import flash       # same floor; imported here because flash imports ops
-        return flash.flash_attention_forward(q, k, v, out=out,
-                                             **({} if tile is None else {"tile": tile}))
+        from . import flash       # same floor
+        y, cache = flash.flash_attention_forward(q, k, v, out=out,
+                                                 **({} if tile is None else {"tile": tile}))
+        return _stored(y), cache
     xp = array_module(q, k, v)
     b, nh, t, hd = q.shape
     scale = 1.0 / math.sqrt(hd)
@@ -496,6 +530,7 @@ def attention_core_forward(q, k, v, *, out=None, attention="plain", recompute="n
         y = xp.empty(q.shape, dtype=att.dtype) if out is None else out
         xp.matmul(_grouped(att, nkv), _shared(v, nh // nkv),
                   out=_grouped(y, nkv))                 # (B, nkv, g, T, hd) view of y
+    _stored(y)
     if recompute == "selective":
         return y, AttentionInputsCache(q=q, k=k, v=v, y=y, scale=scale)
     return y, AttentionCoreCache(qs=qs, k=k, v=v, att=att, y=y, scale=scale)
@@ -523,11 +558,12 @@ def attention_core_backward(dy, cache, *, out=None):
     if isinstance(cache, AttentionInputsCache):
         cache = attention_core_recompute(cache)         # selective recompute
     elif not isinstance(cache, AttentionCoreCache):
-        from . import flash       # same floor; imported here because flash imports ops
+        from . import flash       # same floor
         if not isinstance(cache, flash.FlashCache):
             raise TypeError(f"attention_core_backward: not an attention core cache: "
                             f"{type(cache).__name__}")
-        return flash.flash_attention_backward(dy, cache, out=out)
+        (dq, dk, dv), _ = flash.flash_attention_backward(dy, cache, out=out)
+        return (_stored(dq), _stored(dk), _stored(dv)), {}
     xp = array_module(dy)
     qs, k, v, att, y = cache.qs, cache.k, cache.v, cache.att, cache.y
     nh, nkv = qs.shape[1], k.shape[1]
@@ -550,7 +586,7 @@ def attention_core_backward(dy, cache, *, out=None):
         dq = xp.empty(qs.shape, dtype=ds.dtype) if dq is None else dq        # (B, nh, T, hd)
         xp.matmul(ds, k[:, :, None], out=_grouped(dq, nkv))  # (B, nkv, g, T, hd) view of dq
     dq *= cache.scale
-    return (dq, dk, dv), {}
+    return (_stored(dq), _stored(dk), _stored(dv)), {}
 
 
 class AttentionCache(NamedTuple):
@@ -707,7 +743,7 @@ def embedding_forward(tokens, wte, wpe=None, *, vocab_start=0,
             x = combine_vocab(x)
     if wpe is not None:
         x += wpe[: tokens.shape[1]]
-    return x, EmbeddingCache(rows=rows, mask=mask, wte_shape=wte.shape,
+    return _stored(x), EmbeddingCache(rows=rows, mask=mask, wte_shape=wte.shape,
                              wpe_shape=None if wpe is None else wpe.shape)
 
 
@@ -748,14 +784,15 @@ def lm_head_forward(x, wte):
     """
     x2 = x.reshape(-1, x.shape[-1])                     # (N, C)
     logits = x2 @ wte.T                                 # (N, V)
-    return logits.reshape(x.shape[:-1] + (wte.shape[0],)), LMHeadCache(x=x2, wte=wte)
+    return (_stored(logits.reshape(x.shape[:-1] + (wte.shape[0],))),   # (..., V)
+            LMHeadCache(x=x2, wte=wte))
 
 
 def lm_head_backward(dlogits, cache):
     """Returns ``dx = dlogits @ wte`` (..., C) and ``{"wte": dlogits^T @ x}`` (V, C)."""
     d2 = dlogits.reshape(-1, dlogits.shape[-1])         # (N, V)
     dx = (d2 @ cache.wte).reshape(dlogits.shape[:-1] + (cache.wte.shape[1],))  # (..., C)
-    return dx, {"wte": d2.T @ cache.x}                  # (V, C)
+    return _stored(dx), {"wte": d2.T @ cache.x}         # (V, C)
 
 
 class CrossEntropyCache(NamedTuple):
@@ -832,7 +869,7 @@ def cross_entropy_backward(dlosses, cache):
         dz[rows, cache.target] -= d
     else:
         dz[rows[cache.mask], cache.target[cache.mask]] -= d[cache.mask]
-    return dz.reshape(cache.shape + (v_local,)), {}
+    return _stored(dz.reshape(cache.shape + (v_local,))), {}
 
 
 # --------------------------------------------------------------------------- #
@@ -852,7 +889,7 @@ def classifier_forward(x, w, b):
     x_last = x[:, -1, :]                                # (B, C)
     logits = x_last @ w                                 # (B, K)
     logits += b
-    return logits, ClassifierCache(x_last=x_last, w=w, shape=x.shape)
+    return _stored(logits), ClassifierCache(x_last=x_last, w=w, shape=x.shape)
 
 
 def classifier_backward(dlogits, cache):
@@ -860,7 +897,7 @@ def classifier_backward(dlogits, cache):
     xp = array_module(dlogits)
     dx = xp.zeros(cache.shape, dtype=dlogits.dtype)     # (B, T, C)
     dx[:, -1, :] = dlogits @ cache.w.T                  # (B, C)
-    return dx, {"w": cache.x_last.T @ dlogits,          # (C, K)
+    return _stored(dx), {"w": cache.x_last.T @ dlogits,          # (C, K)
                 "b": dlogits.sum(axis=0)}               # (K,)
 
 
@@ -915,6 +952,7 @@ def block_forward(x, p, heads, *, sum_hidden: Optional[Reduction] = None,
                                 p["attn.proj.w"], p["attn.proj.b"], heads, kv_heads=kv_heads,
                                 attention=attention, recompute=recompute, tile=tile)  # (B, T, C)
     a += x                                              # residual 1 (x1 = x + attn)
+    _stored(a)
     m, ln2 = layernorm_forward(a, p["ln2.g"], p["ln2.b"], sum_hidden=sum_hidden, hidden=hidden)
     gelu = gate = swiglu = None
     if mlp == "gelu":
@@ -926,6 +964,7 @@ def block_forward(x, p, heads, *, sum_hidden: Optional[Reduction] = None,
         m, swiglu = swiglu_forward(g, u)                            # (B, T, F)
     m, proj = linear_forward(m, p["mlp.proj.w"], p["mlp.proj.b"])  # (B, T, C)
     m += a                                              # residual 2
+    _stored(m)
     return m, BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj, gate=gate,
                          swiglu=swiglu)
 
@@ -949,13 +988,15 @@ def block_backward(dout, cache):
         dgx, g = linear_backward(dgate, cache.gate)     # (B, T, C)
         grads["mlp.gate.w"], grads["mlp.gate.b"] = g["w"], g["b"]
         dm += dgx                                       # both projections read ln2's output
+        _stored(dm)
     dx1, g = layernorm_backward(dm, cache.ln2)          # (B, T, C)
     grads["ln2.g"], grads["ln2.b"] = g["g"], g["b"]
     dx1 += dout                                         # residual 2
+    _stored(dx1)
     da, g = attention_backward(dx1, cache.attn)         # (B, T, C)
     for key, val in g.items():
         grads["attn." + key] = val
     dx, g = layernorm_backward(da, cache.ln1)           # (B, T, C)
     grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
     dx += dx1                                           # residual 1
-    return dx, {key: grads[key] for key in block_keys(mlp)}
+    return _stored(dx), {key: grads[key] for key in block_keys(mlp)}

@@ -28,9 +28,11 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from summasim import cli
+from summasim.spec import parse_loss_scale
 from summasim.backends import array_module
 
-from . import model
+from . import model, ops
+from .precision import LossScaler, Precision, has_overflow
 
 PROG = "python -m summasim.transformer.train"
 
@@ -133,24 +135,66 @@ def copy_task_floor(seq: int, vocab: int, period: int) -> float:
     return (min(period, seq + 1) - 1) / seq * math.log(vocab)
 
 
+def mixed_precision_grads(master: dict, tokens, targets, config: model.Config,
+                          precision: Precision, loss_scale: float = 1.0, **forward_kw):
+    """The loss and the gradients of one mixed-precision step (Micikevicius et al. 2018):
+    the fp32 ``master`` weights rounded to ``precision``'s 16-bit type, the forward and
+    backward under :func:`ops.autocast`, the backward seeded with ``loss_scale`` times the
+    loss. Returns ``(loss, grads)``; the gradients are fp32 and still scaled."""
+    if config.dtype != np.float32:
+        raise ValueError(f"mixed precision keeps fp32 master weights: Config.dtype must be "
+                         f"float32, got {config.dtype}")
+    compute = precision.round_tree(master)             # the 16-bit weights, float32 boxes
+    with ops.autocast(precision):
+        loss, cache = model.forward(compute, tokens, targets, config, **forward_kw)
+        grads = model.backward(cache, loss_scale=loss_scale)
+    return loss, grads
+
+
 def train(params: dict, config: model.Config, batches: Callable, optimizer, steps: int,
-          callback: Optional[Callable] = None, checkpoint: bool = False) -> list:
+          callback: Optional[Callable] = None, checkpoint: bool = False, *,
+          precision: Optional[Precision] = None, scaler: Optional[LossScaler] = None,
+          overflow_at=()) -> list:
     """Run ``steps`` optimizer steps; returns the loss of every step.
 
     ``batches(step) -> (tokens, targets)``; ``callback(step, loss)`` is called
     after every step (e.g. to print). ``params`` are updated in place. A loss that
     is NaN or infinite raises :class:`NonFiniteLoss` before that step's update
     (the run has diverged; nothing after it would mean anything).
+
+    With ``precision`` (mixed precision: ``params`` are the fp32 master weights), each
+    step is :func:`mixed_precision_grads` with ``scaler``'s scale (default: no scaling);
+    a step whose gradients hold an Inf or a NaN is skipped and the scaler told
+    (:class:`~summasim.transformer.precision.LossScaler`); otherwise the gradients are
+    unscaled and the optimizer updates the master weights. ``overflow_at`` lists steps
+    (from 0) whose first gradient entry is set to Inf after the backward, to see them
+    skipped.
     """
     losses = []
+    if precision is not None and scaler is None:
+        scaler = LossScaler("none")
     for step in range(steps):
         tokens, targets = batches(step)
-        loss, cache = model.forward(params, tokens, targets, config, checkpoint=checkpoint)
-        if not math.isfinite(float(loss)):
-            raise NonFiniteLoss(step + 1, float(loss))
-        grads = model.backward(cache)
-        del cache
-        optimizer.step(params, grads)
+        if precision is None:
+            loss, cache = model.forward(params, tokens, targets, config,
+                                        checkpoint=checkpoint)
+            if not math.isfinite(float(loss)):
+                raise NonFiniteLoss(step + 1, float(loss))
+            grads = model.backward(cache)
+            del cache
+            optimizer.step(params, grads)
+        else:
+            scale = scaler.scale
+            loss, grads = mixed_precision_grads(params, tokens, targets, config, precision,
+                                                scale, checkpoint=checkpoint)
+            if not math.isfinite(float(loss)):
+                raise NonFiniteLoss(step + 1, float(loss))
+            if step in overflow_at:
+                next(iter(grads.values())).reshape(-1)[0] = np.inf
+            if scaler.update(has_overflow(grads.values())):
+                for g in grads.values():
+                    g *= 1.0 / scale
+                optimizer.step(params, grads)
         losses.append(loss)
         if callback is not None:
             callback(step, loss)
@@ -171,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=cli.positive_int, default=2,
                     help="attention heads (must divide --hidden)")
     ap.add_argument("--layers", type=cli.positive_int, default=2, help="transformer layers")
-    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+                    default="float32",
+                    help="element type; bfloat16 and float16 are mixed precision (16-bit "
+                         "compute, fp32 master weights and Adam)")
+    ap.add_argument("--loss-scale", default=None, metavar="dynamic|static:S|none",
+                    help="loss scaling under mixed precision (default dynamic for float16, "
+                         "none for bfloat16)")
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     ap.add_argument("--lr", type=cli.finite_positive_float, default=None,
                     help="learning rate > 0; default 3e-3 (adam), 0.3 (sgd)")
@@ -197,9 +247,19 @@ def check_args(args) -> model.Config:
     cli.require(args.hidden % args.heads == 0,
                 f"argument --heads: {args.heads} heads do not divide --hidden {args.hidden} "
                 f"(every head has hidden/heads whole columns)")
+    mixed = args.dtype in ("bfloat16", "float16")
+    cli.require(mixed or args.loss_scale is None,
+                f"argument --loss-scale: needs --dtype bfloat16 or float16, got {args.dtype}")
+    if mixed:
+        try:
+            args.loss_scale = parse_loss_scale(args.loss_scale or (
+                "dynamic" if args.dtype == "float16" else "none"))
+        except ValueError as exc:
+            raise cli.UsageError(f"argument --loss-scale: {exc}") from None
     try:
         return model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden,
-                            heads=args.heads, layers=args.layers, dtype=args.dtype)
+                            heads=args.heads, layers=args.layers,
+                            dtype="float32" if mixed else args.dtype)
     except ValueError as exc:   # pragma: no cover - the checks above cover Config's
         raise cli.UsageError(str(exc)) from None
 
@@ -230,13 +290,22 @@ def main(argv=None) -> list:
             print(f"step {step + 1:5d}  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
 
+    mixed = {}
+    if args.dtype in ("bfloat16", "float16"):
+        mixed = {"precision": Precision.of(args.dtype), "scaler": LossScaler(args.loss_scale)}
     try:
         # a diverging run overflows on its way to NaN; the loss check below reports it
         with threadpool_limits(args.threads), np.errstate(over="ignore", invalid="ignore"):
-            return train(params, config,
-                         lambda step: copy_task_batch(rng, args.batch, args.seq, args.vocab,
-                                                      args.period),
-                         opt, args.steps, callback=log, checkpoint=args.checkpoint)
+            losses = train(params, config,
+                           lambda step: copy_task_batch(rng, args.batch, args.seq,
+                                                        args.vocab, args.period),
+                           opt, args.steps, callback=log, checkpoint=args.checkpoint, **mixed)
+        if mixed:
+            s = mixed["scaler"]
+            print(f"mixed precision ({args.dtype}, loss scale {args.loss_scale}): "
+                  f"{s.skipped} of {s.steps} steps skipped on overflow, final scale "
+                  f"{s.scale:g}")
+        return losses
     except NonFiniteLoss as exc:
         cli.print_error(PROG, f"training diverged: {exc} (--lr {opt.lr:g}, {args.optimizer}); "
                               f"try a smaller --lr")
