@@ -7,12 +7,14 @@ module only chooses the slices and places the collectives.
 
 The partition (rank ``r`` of ``p``)
 -----------------------------------
-Column-parallel linear (attention QKV, MLP fc): ``Y = XA + b``, ``A = [A_1, ..., A_p]``
-split along its second dimension, ``b = [b_1, ..., b_p]``. Rank ``r`` computes
-``Y_r = X A_r + b_r`` with no communication. For QKV, ``A_r`` is the Q, K and V
-columns of heads ``[r n/p, (r+1) n/p)`` (a permutation of the serial ``[Q | K | V]``
-columns, still ordered ``[Q_r | K_r | V_r]``), so attention runs on whole local
-heads; for fc, ``A_r`` is columns ``[r f/p, (r+1) f/p)`` and GELU is elementwise.
+Column-parallel linear (attention QKV, MLP fc and SwiGLU's gate): ``Y = XA + b``,
+``A = [A_1, ..., A_p]`` split along its second dimension, ``b = [b_1, ..., b_p]``. Rank
+``r`` computes ``Y_r = X A_r + b_r`` with no communication. For QKV, ``A_r`` is the Q
+columns of query heads ``[r n/p, (r+1) n/p)`` and the K and V columns of key/value heads
+``[r kv/p, (r+1) kv/p)`` (``kv = n`` without grouped-query attention; a permutation of
+the serial ``[Q | K | V]`` columns, still ordered ``[Q_r | K_r | V_r]``), so attention
+runs on whole local heads; for fc (and gate), ``A_r`` is columns ``[r f/p, (r+1) f/p)``
+and GELU (SwiGLU's ``silu(gate) * up``) is elementwise on them.
 
 Row-parallel linear (attention proj, MLP proj): ``Z = YB + c``, ``B = [B_1; ...; B_p]``
 split along its first dimension to match ``Y = [Y_1, ..., Y_p]``, so
@@ -30,8 +32,9 @@ The conjugate operators of Megatron's ``mappings.py``, one function per directio
   :func:`g_forward` all-reduces; :func:`g_backward` is the identity (``dZ`` is
   replicated, ``dY_r = dZ B_r^T`` is local).
 * The vocabulary-parallel pieces pair up the same way: the masked embedding lookup is
-  summed by ``g`` (its backward, the masked scatter-add, is local); the tied LM head's
-  input passes ``f`` (its backward sums ``dx = sum_r dZ_r E_r``); the cross-entropy's
+  summed by ``g`` (its backward, the masked scatter-add, is local); the LM head's
+  input passes ``f`` (its backward sums ``dx = sum_r dZ_r E_r``, or ``sum_r dZ_r
+  W_r^T`` for an untied head); the cross-entropy's
   max and sums go through :func:`vocab_reduce_forward`, which has no backward
   collective (each shard's logit gradient is local, as in Megatron's
   ``_VocabParallelCrossEntropy``).
@@ -47,7 +50,11 @@ tied LM head gives each rank its logit columns ``Z_r = x E_r^T [b*s, v/p]``; the
 cross-entropy reduces over the vocabulary with three all-reduces of ``[b*s, 1]``
 (max, sum of exponentials, target logit -- which is 0 on ranks without the
 target). ``dZ_r`` is local, ``dx = sum_r dZ_r E_r`` is a partial sum: all-reduce.
-LayerNorms (ln1, ln2, lnf) are replicated and computed identically everywhere.
+An untied head ``head.w = W = [W_1, ..., W_p]`` (``[h, v]``, ``tied=False``) is split by
+its vocabulary columns, the same ids as ``wte``'s rows (layout ``"col"``): ``Z_r = x
+W_r``, the same cross-entropy, ``dx = sum_r dZ_r W_r^T`` all-reduced as the tied head's,
+``dW_r = x^T dZ_r`` local, and no ``wte`` gradient from the head. LayerNorms (ln1, ln2,
+lnf) are replicated and computed identically everywhere.
 
 Traffic per layer (Optimus Table 1, ``4 (p-1)/p bsh`` forward and ``8 (p-1)/p bsh``
 backward with checkpointing, counting ``2 (p-1)/p`` items per all-reduced item):
@@ -152,16 +159,48 @@ its caches hold, in elements (:func:`activation_items`, checked against the cach
 * sequence parallel: ``b s h (2 + (7 + 2 f) / t) + a b s^2 / t + 2 b s / t``,
 
 (``f`` the MLP multiplier: ``b s h (2 + 15/t)`` at f = 4) and with full recompute only
-the layer input: ``b s h``, or ``b s h / t`` with sequence parallelism.
+the layer input: ``b s h``, or ``b s h / t`` with sequence parallelism. The variants
+change the per-rank terms only (:func:`activation_items`).
 
 Local parameters
 ----------------
-The serial names, with local shapes (``f = ffn_mult * h``):
-``wte [v/p, h]`` (rows), ``wpe [s, h]`` (replicated), per layer ``attn.qkv.w [h, 3h/p]``,
-``attn.qkv.b [3h/p]`` (heads), ``attn.proj.w [h/p, h]`` (rows), ``mlp.fc.w [h, f/p]``,
-``mlp.fc.b [f/p]`` (columns), ``mlp.proj.w [f/p, h]`` (rows); ``ln*.g/b``,
-``attn.proj.b``, ``mlp.proj.b``, ``lnf.g/b`` and ``cls.w/b`` replicated.
-:func:`param_layout` and :func:`local_param_shapes` list them.
+The serial names, with local shapes (``f = ffn_width``, ``W = h + 2 kv_width``):
+``wte [v/p, h]`` (rows), ``wpe [s, h]`` (replicated), per layer ``attn.qkv.w [h, W/p]``,
+``attn.qkv.b [W/p]`` (heads), ``attn.proj.w [h/p, h]`` (rows), ``mlp.fc.w [h, f/p]``,
+``mlp.fc.b [f/p]`` (columns; SwiGLU's ``mlp.gate.w/b`` the same), ``mlp.proj.w [f/p, h]``
+(rows); ``head.w [h, v/p]`` (columns; untied head); ``ln*.g/b``, ``attn.proj.b``,
+``mlp.proj.b``, ``lnf.g/b`` and ``cls.w/b`` replicated. :func:`param_layout` and
+:func:`local_param_shapes` list them.
+
+Model variants, recompute and attention
+---------------------------------------
+SwiGLU (``mlp="swiglu"``): ``mlp.gate`` is split like ``mlp.fc`` (columns ``[r f/p,
+(r+1) f/p)`` of both), so ``silu(gate_r) * up_r`` is the serial gating's columns on
+rank r and ``mlp.proj``'s row block r consumes them; the gate's input gradient is added
+to fc's before the one ``f`` all-reduce (reduce-scatter with sequence parallelism), as
+both read the same replicated input. No collective is added.
+
+Grouped-query attention (``kv_heads < heads``): rank r holds query heads ``[r n/p,
+(r+1) n/p)`` and key/value heads ``[r kv/p, (r+1) kv/p)`` (both divisible by p:
+:func:`check`) and runs the core with ``n/p`` and ``kv/p`` heads. The grouping is kept:
+serially query head i reads kv head ``i // g``, ``g = n / kv``; on rank r local query
+head j (global ``i = r n/p + j``) reads local kv head ``j // g`` (the local group size is
+``(n/p) / (kv/p) = g``), which is global ``r kv/p + j // g = (r n/p + j) // g = i // g``
+because ``r n/p = g r kv/p`` is a multiple of g. Splitting kv heads by any other divisor
+(e.g. the query heads' count per rank) would pair query heads with another group's keys.
+The traffic is unchanged (QKV's input gradient is still ``b s h``).
+
+Untied head (``tied=False``): see the vocabulary parallelism above; its traffic is the
+tied head's. :func:`stage_keys` gives the last pipeline stage ``head.w`` (no ``wte``).
+
+Recompute and attention (``forward``/``layer_forward`` keywords, as ``model.forward``):
+``recompute="full"`` is ``checkpoint=True`` (the layer's forward, collectives included,
+again in the backward: ``tp.recompute.*``); ``"selective"`` keeps q, k, v and y of each
+rank's heads and recomputes the (T, T) probabilities locally in the backward;
+``attention="flash"`` runs the blockwise core on each rank's heads (with sequence
+parallelism on the gathered sequence, as plain attention does). Neither sends anything:
+the ledger is the same as without them, and the gradients do not depend on
+``recompute`` (bitwise on each rank).
 
 Pieces
 ------
@@ -194,17 +233,19 @@ from summasim.algorithms.allreduce import ring_allgather_unchecked, ring_reduce_
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
+from summasim.spec import ATTENTIONS, positive_int
+
 from . import model, ops
 from .model import Config
-from .ops import BLOCK_KEYS
 
 # How each parameter is split over the group: "row" (axis 0), "col" (last axis),
-# "qkv" (the Q, K and V columns of this rank's heads) or "replicated".
+# "qkv" (the Q, K and V columns of this rank's query and key/value heads) or "replicated".
 _LAYER_LAYOUT = {"ln1.g": "replicated", "ln1.b": "replicated",
                  "attn.qkv.w": "qkv", "attn.qkv.b": "qkv",
                  "attn.proj.w": "row", "attn.proj.b": "replicated",
                  "ln2.g": "replicated", "ln2.b": "replicated",
                  "mlp.fc.w": "col", "mlp.fc.b": "col",
+                 "mlp.gate.w": "col", "mlp.gate.b": "col",     # SwiGLU's gate, like fc
                  "mlp.proj.w": "row", "mlp.proj.b": "replicated"}
 
 
@@ -217,6 +258,8 @@ def param_layout(config: Config) -> dict:
     for name in model.param_shapes(config):
         if name == "wte":
             out[name] = "row"
+        elif name == "head.w":     # the untied LM head [h, v]: vocabulary columns
+            out[name] = "col"
         elif name.startswith("h") and "." in name and name.split(".", 1)[1] in _LAYER_LAYOUT:
             out[name] = _LAYER_LAYOUT[name.split(".", 1)[1]]
         else:   # wpe, lnf.g, lnf.b, cls.w, cls.b
@@ -249,12 +292,11 @@ def _check_grid(grid) -> None:
 def check(config: Config, grid, *, seq: Optional[int] = None,
           sequence_parallel: bool = False) -> None:
     """Raise ``ValueError`` (on every rank, without communicating) unless ``config``
-    can be split over ``grid.p`` ranks: heads, vocab and the MLP width divisible by p;
-    with ``sequence_parallel``, also the sequence length ``seq`` (default
-    ``config.seq``: pass the micro-batch's T), since each rank holds T/p positions.
-
-    (``ffn = ffn_mult * h`` divides whenever heads does, since ``h = heads * head_size``;
-    it is checked anyway.)
+    can be split over ``grid.p`` ranks: heads, key/value heads (grouped-query
+    attention), vocab and the MLP width divisible by p; with ``sequence_parallel``, also
+    the sequence length ``seq`` (default ``config.seq``: pass the micro-batch's T),
+    since each rank holds T/p positions. (The same list as
+    :meth:`summasim.spec.TensorGrid.divisors` for a 1D grid, phrased for the runtime.)
     """
     _check_grid(grid)
     if not isinstance(config, Config):
@@ -262,9 +304,11 @@ def check(config: Config, grid, *, seq: Optional[int] = None,
                         f"{type(config).__name__}")
     p = grid.p
     why = {"heads": "every rank holds whole attention heads",
-           "vocab": "wte rows and the logits are split over the vocabulary",
-           "ffn": "the MLP's fc columns and proj rows are split"}
-    sizes = {"heads": config.heads, "vocab": config.vocab, "ffn": config.ffn}
+           "kv_heads": "every rank holds whole key/value heads",
+           "vocab": "wte rows (head.w columns) and the logits are split over the vocabulary",
+           "ffn": "the MLP's fc (and gate) columns and proj rows are split"}
+    sizes = {"heads": config.heads, "kv_heads": config.kv_heads, "vocab": config.vocab,
+             "ffn": config.ffn}
     bad = [f"Config.{dim} = {size} is not divisible by p = {p} ({why[dim]})"
            for dim, size in sizes.items() if size % p]
     if sequence_parallel:
@@ -503,32 +547,46 @@ def allreduce_sequence_parallel_grads(grads: dict, config: Config, grid) -> dict
 # --------------------------------------------------------------------------- #
 # shard / unshard                                                             #
 # --------------------------------------------------------------------------- #
-def _split(a, kind: str, grid):
+def _qkv_sections(config: Config, p: int) -> tuple:
+    """``(q, kv)``: the local Q columns ``h / p`` and K (= V) columns ``kv_width / p``
+    of a rank's ``[Q_r | K_r | V_r]`` QKV block."""
+    return config.hidden // p, config.kv_width // p
+
+
+def _split(a, kind: str, grid, config: Config):
     """This rank's block of the serial array ``a``: a fresh C-contiguous copy, never a
     view (an in-place optimizer step on the shards must not touch the serial model)."""
     xp = array_module(a)
     if kind in ("row", "col"):
         a = a[layout.block_slices(a.shape, kind, layout.grid_numbers(grid))]   # view
     elif kind == "qkv":
-        # [..., 3h] = [..., 3, p, h/p] -> [..., 3, h/p] of this rank's heads
-        lead, c = a.shape[:-1], a.shape[-1] // (3 * grid.p)
-        a = a.reshape(lead + (3, grid.p, c))[..., grid.rank, :]         # (..., 3, h/p) view
-        return xp.array(a, copy=True, order="C").reshape(lead + (3 * c,))     # (..., 3h/p)
+        # [..., Q | K | V] (h + 2 kv_width columns) -> [..., Q_r | K_r | V_r]: block r of
+        # the p contiguous column blocks of each section (this rank's query heads and
+        # key/value heads; 3h/p columns without grouped-query attention)
+        cq, ck = _qkv_sections(config, grid.p)
+        r, h = grid.rank, config.hidden
+        out = xp.empty(a.shape[:-1] + (cq + 2 * ck,), dtype=a.dtype)   # (..., (h + 2 kvw)/p)
+        out[..., :cq] = a[..., r * cq:(r + 1) * cq]                            # Q_r
+        out[..., cq:cq + ck] = a[..., h + r * ck:h + (r + 1) * ck]             # K_r
+        out[..., cq + ck:] = a[..., h + config.kv_width + r * ck:
+                                h + config.kv_width + (r + 1) * ck]            # V_r
+        return out
     return xp.array(a, copy=True, order="C")
 
 
-def _assemble(parts, kind: str):
+def _assemble(parts, kind: str, config: Config):
     """The serial array from every rank's block, ``parts`` (p, *local shape)."""
     xp = array_module(parts)
-    p = parts.shape[0]
     if kind == "row":
         return xp.ascontiguousarray(parts).reshape((-1,) + parts.shape[2:])   # (p*rows, ...)
     if kind == "col":
         return xp.ascontiguousarray(xp.moveaxis(parts, 0, -2)).reshape(
             parts.shape[1:-1] + (-1,))                                        # (..., p*cols)
-    lead, c = parts.shape[1:-1], parts.shape[-1] // 3                         # qkv
-    heads = xp.moveaxis(parts.reshape((p,) + lead + (3, c)), 0, -2)           # (..., 3, p, h/p)
-    return xp.ascontiguousarray(heads).reshape(lead + (3 * p * c,))           # (..., 3h)
+    cq, ck = _qkv_sections(config, parts.shape[0])                            # qkv
+    return xp.concatenate([_assemble(parts[..., :cq], "col", config),         # (..., h) Q
+                           _assemble(parts[..., cq:cq + ck], "col", config),  # (..., kvw) K
+                           _assemble(parts[..., cq + ck:], "col", config)],   # (..., kvw) V
+                          axis=-1)                                            # (..., h + 2 kvw)
 
 
 def shard(params: dict, config: Config, grid, keys=None) -> dict:
@@ -561,7 +619,7 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
     _, err = local_error(lambda: (check(config, grid), model.check_params(params, config)))
     agree("megatron.shard", grid, fields_of(config, "Config"), err)
     wanted = None if keys is None else set(keys)
-    return {name: _split(params[name], kind, grid)
+    return {name: _split(params[name], kind, grid, config)
             for name, kind in param_layout(config).items() if wanted is None or name in wanted}
 
 
@@ -605,7 +663,8 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             out[name] = local_grads[name].copy()
             continue
         n = blocks[name]
-        out[name] = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind)
+        out[name] = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind,
+                              config)
         off += n
     return out
 
@@ -613,34 +672,91 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
 # --------------------------------------------------------------------------- #
 # one layer                                                                   #
 # --------------------------------------------------------------------------- #
-def _block_forward(x, p, config: Config, grid, recompute: bool = False):
+def _attention(a, p, config: Config, grid, how: dict):
+    """The column-parallel QKV, this rank's heads and the row-parallel proj:
+    (B, T, h) -> (B, T, h) partial sum. Rank r holds query heads ``[r n/p, (r+1) n/p)``
+    and key/value heads ``[r kv/p, (r+1) kv/p)``; ``how`` carries ``recompute`` ("none"
+    or "selective"), ``attention`` and ``tile`` to the core."""
+    return ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"], p["attn.proj.w"],
+                                 None, config.heads // grid.p,
+                                 kv_heads=config.kv_heads // grid.p, **how)
+
+
+def _mlp_forward(m, p, config: Config):
+    """Column-parallel fc (and SwiGLU's gate), the elementwise activation on the local
+    columns, row-parallel proj: (..., h) -> (..., h) partial sum and the caches
+    ``(fc, gelu, proj, gate, swiglu)`` (``ops.BlockCache``'s MLP fields)."""
+    gelu = gate = swiglu = None
+    if config.mlp == "gelu":
+        m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (..., f/p)
+        m, gelu = ops.gelu_forward(m)                                    # (..., f/p)
+    else:   # SwiGLU: up (fc) and gate, columns [r f/p, (r+1) f/p) of each
+        u, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])     # (..., f/p) up
+        g, gate = ops.linear_forward(m, p["mlp.gate.w"], p["mlp.gate.b"])  # (..., f/p) gate
+        m, swiglu = ops.swiglu_forward(g, u)                             # (..., f/p)
+    m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (..., h) partial sum
+    return m, (fc, gelu, proj, gate, swiglu)
+
+
+def _mlp_backward(dm, cache: ops.BlockCache, grads: dict):
+    """:func:`_mlp_forward` read in reverse from the replicated (or gathered) ``dm``
+    (..., h): the MLP's local weight gradients into ``grads`` and the PARTIAL input
+    gradient (..., h), which the caller sums over the group (``f``'s conjugate). With
+    SwiGLU the gate's input gradient is added to the fc's before that one sum: both
+    column-parallel linears read the same replicated input."""
+    dm, g = ops.linear_backward(dm, cache.proj)                          # (..., f/p)
+    grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
+    if cache.swiglu is None:
+        dm, _ = ops.gelu_backward(dm, cache.gelu)                        # (..., f/p)
+        dm, g = ops.linear_backward(dm, cache.fc)                        # (..., h) partial sum
+        grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]            # (h, f/p), (f/p,)
+        return dm
+    (dgate, dup), _ = ops.swiglu_backward(dm, cache.swiglu)              # 2 x (..., f/p)
+    dm, g = ops.linear_backward(dup, cache.fc)                           # (..., h) partial sum
+    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
+    dgx, g = ops.linear_backward(dgate, cache.gate)                      # (..., h) partial sum
+    grads["mlp.gate.w"], grads["mlp.gate.b"] = g["w"], g["b"]            # (h, f/p), (f/p,)
+    dm += dgx                      # the gate's part joins the fc's before the f all-reduce
+    return dm
+
+
+def _block_cache(ln1, attn, ln2, mlp) -> ops.BlockCache:
+    fc, gelu, proj, gate, swiglu = mlp
+    return ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj,
+                          gate=gate, swiglu=swiglu)
+
+
+def _block_keys(cache: ops.BlockCache) -> tuple:
+    """The layer's keys (``ops.block_keys``) of the MLP the cache ran."""
+    return ops.block_keys("gelu" if cache.swiglu is None else "swiglu")
+
+
+def _block_forward(x, p, config: Config, grid, rerun: bool = False, how: Optional[dict] = None):
     """One pre-LayerNorm layer on local weights, (B, T, h) -> (B, T, h), replicated in
-    and out. ``recompute`` only renames the phases (checkpointed backward)."""
+    and out. ``rerun`` only renames the phases (the recomputed forward of
+    ``recompute="full"``); ``how``: the core's ``recompute``, ``attention``, ``tile``."""
     trace = grid.trace
-    tag = "tp.recompute." if recompute else "tp."
-    heads = config.heads // grid.p
+    tag = "tp.recompute." if rerun else "tp."
     a, ln1 = ops.layernorm_forward(x, p["ln1.g"], p["ln1.b"])            # (B, T, h) replicated
     a = f_forward(a, grid)         # f: identity (backward: f_backward, all-reduce)
-    a, attn = ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
-                                    p["attn.proj.w"], None, heads)       # (B, T, h) partial sum
+    a, attn = _attention(a, p, config, grid, how or {})                 # (B, T, h) partial sum
     with trace.phase(tag + "attn.proj"):
         g_forward(a, grid)         # g: all-reduce (backward: g_backward, identity)
     a += p["attn.proj.b"]                               # bias once, after the reduction
     a += x                                              # residual 1
     m, ln2 = ops.layernorm_forward(a, p["ln2.g"], p["ln2.b"])            # (B, T, h) replicated
     m = f_forward(m, grid)         # f: identity (backward: f_backward, all-reduce)
-    m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])         # (B, T, f/p)
-    m, gelu = ops.gelu_forward(m)                                        # (B, T, f/p)
-    m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (B, T, h) partial sum
+    m, mlp = _mlp_forward(m, p, config)                                  # (B, T, h) partial sum
     with trace.phase(tag + "mlp.proj"):
         g_forward(m, grid)         # g: all-reduce (backward: g_backward, identity)
     m += p["mlp.proj.b"]                                # bias once, after the reduction
     m += a                                              # residual 2
-    return m, ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+    return m, _block_cache(ln1, attn, ln2, mlp)
 
 
 def _block_backward(dout, cache: ops.BlockCache, grid):
-    """The layer read in reverse: ``dx`` (B, T, h) replicated and local grads (BLOCK_KEYS)."""
+    """The layer read in reverse: ``dx`` (B, T, h) replicated and local grads
+    (``ops.block_keys`` of its MLP)."""
     trace = grid.trace
     h = dout.shape[-1]
     grads = {}
@@ -648,11 +764,7 @@ def _block_backward(dout, cache: ops.BlockCache, grid):
     # replicated and feeds every rank's row block as is
     dm = g_backward(dout, grid)                                          # (B, T, h)
     grads["mlp.proj.b"] = dout.reshape(-1, h).sum(axis=0)               # (h,) replicated
-    dm, g = ops.linear_backward(dm, cache.proj)                          # (B, T, f/p)
-    grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
-    dm, _ = ops.gelu_backward(dm, cache.gelu)                            # (B, T, f/p)
-    dm, g = ops.linear_backward(dm, cache.fc)                            # (B, T, h) partial sum
-    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
+    dm = _mlp_backward(dm, cache, grads)                                 # (B, T, h) partial sum
     with trace.phase("tp.mlp.fc"):
         f_backward(dm, grid)       # f: all-reduce (forward: f_forward, identity)
     dx1, g = ops.layernorm_backward(dm, cache.ln2)                       # (B, T, h)
@@ -661,29 +773,28 @@ def _block_backward(dout, cache: ops.BlockCache, grid):
     grads["attn.proj.b"] = dx1.reshape(-1, h).sum(axis=0)               # (h,) replicated
     da = g_backward(dx1, grid)     # g (attn.proj): identity (forward: g_forward, all-reduce)
     da, g = ops.attention_backward(da, cache.attn)                       # (B, T, h) partial sum
-    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, 3h/p), (3h/p,)
+    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, W/p), (W/p,)
     grads["attn.proj.w"] = g["proj.w"]                                   # (h/p, h)
     with trace.phase("tp.attn.qkv"):
         f_backward(da, grid)       # f: all-reduce (forward: f_forward, identity)
     dx, g = ops.layernorm_backward(da, cache.ln1)                        # (B, T, h)
     grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]
     dx += dx1                                           # residual 1
-    return dx, {key: grads[key] for key in BLOCK_KEYS}
+    return dx, {key: grads[key] for key in _block_keys(cache)}
 
 
-def _block_forward_sp(x, p, config: Config, grid, recompute: bool = False):
+def _block_forward_sp(x, p, config: Config, grid, rerun: bool = False,
+                      how: Optional[dict] = None):
     """One layer with sequence parallelism: x (B, T/p, h), this rank's slice, ->
-    (B, T/p, h) slice (Korthikanti et al. 2022, Figure 6). ``recompute`` only renames the
-    phases (checkpointed backward)."""
+    (B, T/p, h) slice (Korthikanti et al. 2022, Figure 6). ``rerun`` and ``how`` as in
+    :func:`_block_forward`."""
     trace = grid.trace
-    tag = "tp.recompute." if recompute else "tp."
-    heads = config.heads // grid.p
+    tag = "tp.recompute." if rerun else "tp."
     a, ln1 = ops.layernorm_forward(x, p["ln1.g"], p["ln1.b"])            # (B, T/p, h) slice
     with trace.phase(tag + "sp.attn.qkv"):
         a = seq_allgather(a, grid)   # g: all-gather (backward: reduce-scatter) (T, B, h) ring
     a = _batch_major_from_ring(a, grid.p)              # (B, T, h) sequence order: a copy
-    a, attn = ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"],
-                                    p["attn.proj.w"], None, heads)       # (B, T, h) partial sum
+    a, attn = _attention(a, p, config, grid, how or {})                 # (B, T, h) partial sum
     a = _to_ring(a, grid.p, seq_axis=1)                # (T, B, h) ring order: a copy
     with trace.phase(tag + "attn.proj"):
         a = seq_reduce_scatter(a, grid)   # g-bar: reduce-scatter (backward: all-gather)
@@ -693,19 +804,18 @@ def _block_forward_sp(x, p, config: Config, grid, recompute: bool = False):
     with trace.phase(tag + "sp.mlp.fc"):
         m = seq_allgather(m, grid)   # g: all-gather (backward: reduce-scatter) (T, B, h) ring
     # the MLP is position-wise: it runs on the ring-ordered rows as they are
-    m, fc = ops.linear_forward(m, p["mlp.fc.w"], p["mlp.fc.b"])         # (T, B, f/p)
-    m, gelu = ops.gelu_forward(m)                                        # (T, B, f/p)
-    m, proj = ops.linear_forward(m, p["mlp.proj.w"])                    # (T, B, h) partial sum
+    m, mlp = _mlp_forward(m, p, config)                                  # (T, B, h) partial sum
     with trace.phase(tag + "mlp.proj"):
         m = seq_reduce_scatter(m, grid)   # g-bar: reduce-scatter (backward: all-gather)
     m = _added(m, p["mlp.proj.b"])                     # (B, T/p, h); bias once, after it
     m += a                                             # residual 2
-    return m, ops.BlockCache(ln1=ln1, attn=attn, ln2=ln2, fc=fc, gelu=gelu, proj=proj)
+    return m, _block_cache(ln1, attn, ln2, mlp)
 
 
 def _block_backward_sp(dout, cache: ops.BlockCache, grid):
     """:func:`_block_forward_sp` read in reverse: ``dx`` (B, T/p, h) slice and local grads
-    (BLOCK_KEYS); those of :data:`SP_LAYER_KEYS` are this slice's partial sums."""
+    (``ops.block_keys`` of its MLP); those of :data:`SP_LAYER_KEYS` are this slice's
+    partial sums."""
     trace = grid.trace
     xp = array_module(dout)
     h = dout.shape[-1]
@@ -713,11 +823,7 @@ def _block_backward_sp(dout, cache: ops.BlockCache, grid):
     grads["mlp.proj.b"] = dout.reshape(-1, h).sum(axis=0)               # (h,) this slice's
     with trace.phase("tp.sp.mlp.proj"):
         dm = seq_allgather(dout, grid)   # g-bar, backward: all-gather (T, B, h) ring order
-    dm, g = ops.linear_backward(dm, cache.proj)                          # (T, B, f/p)
-    grads["mlp.proj.w"] = g["w"]                                         # (f/p, h)
-    dm, _ = ops.gelu_backward(dm, cache.gelu)                            # (T, B, f/p)
-    dm, g = ops.linear_backward(dm, cache.fc)                            # (T, B, h) partial sum
-    grads["mlp.fc.w"], grads["mlp.fc.b"] = g["w"], g["b"]                # (h, f/p), (f/p,)
+    dm = _mlp_backward(dm, cache, grads)                                 # (T, B, h) partial sum
     with trace.phase("tp.mlp.fc"):
         dm = seq_reduce_scatter(dm, grid)   # g, backward: reduce-scatter (B, T/p, h) view
     dx1, g = ops.layernorm_backward(xp.ascontiguousarray(dm), cache.ln2)  # (B, T/p, h)
@@ -728,7 +834,7 @@ def _block_backward_sp(dout, cache: ops.BlockCache, grid):
         da = seq_allgather(dx1, grid)    # g-bar, backward: all-gather (T, B, h) ring order
     da = _batch_major_from_ring(da, grid.p)            # (B, T, h) sequence order: a copy
     da, g = ops.attention_backward(da, cache.attn)                       # (B, T, h) partial sum
-    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, 3h/p), (3h/p,)
+    grads["attn.qkv.w"], grads["attn.qkv.b"] = g["qkv.w"], g["qkv.b"]    # (h, W/p), (W/p,)
     grads["attn.proj.w"] = g["proj.w"]                                   # (h/p, h)
     da = _to_ring(da, grid.p, seq_axis=1)              # (T, B, h) ring order: a copy
     with trace.phase("tp.attn.qkv"):
@@ -736,7 +842,7 @@ def _block_backward_sp(dout, cache: ops.BlockCache, grid):
     dx, g = ops.layernorm_backward(xp.ascontiguousarray(da), cache.ln1)  # (B, T/p, h)
     grads["ln1.g"], grads["ln1.b"] = g["g"], g["b"]                      # this slice's
     dx += dx1                                          # residual 1
-    return dx, {key: grads[key] for key in BLOCK_KEYS}
+    return dx, {key: grads[key] for key in _block_keys(cache)}
 
 
 # --------------------------------------------------------------------------- #
@@ -825,28 +931,47 @@ class LayerPieceCache(NamedTuple):
     grid: Any
     l: int                       # global layer index (phase names)
     params: dict                 # the layer's local params, read again when recomputed
-    checkpoint: bool
+    checkpoint: bool             # recompute == "full"
     block: Any                   # ops.BlockCache, or the input (B, T[/p], h) if checkpointed
     sequence_parallel: bool = False   # the input is this rank's slice (B, T/p, h)
+    recompute: str = "none"      # "none", "selective" or "full"
+    attention: str = "plain"     # "plain" or "flash"
+    tile: Optional[int] = None   # flash's key/value tile (None: flash's default)
+
+
+def _core_how(recompute: str, attention: str, tile) -> dict:
+    """The attention core's keywords for a layer run under ``recompute``: "selective"
+    reaches the core; "full" is the layer piece's (the core then keeps everything)."""
+    return dict(recompute="selective" if recompute == "selective" else "none",
+                attention=attention, tile=tile)
 
 
 def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False,
-                  sequence_parallel: bool = False):
+                  *, recompute: Optional[str] = None, attention: str = "plain",
+                  tile: Optional[int] = None, sequence_parallel: bool = False):
     """Layer ``l`` (phase ``h{l}.fwd``) on x (B, T, h) replicated -> (B, T, h) replicated,
     or with ``sequence_parallel`` on this rank's slice x (B, T/p, h) -> (B, T/p, h)
     (:func:`seq_allgather` before QKV and fc, :func:`seq_reduce_scatter` after the
     projections).
 
     ``p_layer``: the layer's local params under the unprefixed keys of
-    ``ops.BLOCK_KEYS``. With ``checkpoint`` the cache keeps only ``x`` and
-    ``p_layer``; :func:`layer_backward` recomputes.
+    ``ops.block_keys(config.mlp)``. ``recompute`` as in ``model.forward`` (default
+    ``"full"`` if ``checkpoint`` else ``"none"``): with ``"full"`` the cache keeps only
+    ``x`` and ``p_layer`` and :func:`layer_backward` recomputes the layer, its
+    collectives included; with ``"selective"`` the attention core keeps q, k, v and y
+    and recomputes its probabilities locally in the backward (no message). ``attention``
+    ``"plain"`` or ``"flash"`` (``tile`` its key/value tile) runs on the local heads.
     """
+    mode = model._recompute_mode(checkpoint, recompute)
     block_forward = _block_forward_sp if sequence_parallel else _block_forward
     with grid.trace.phase(f"h{l}.fwd"):
-        out, block = block_forward(x, p_layer, config, grid)             # (B, T[/p], h)
+        out, block = block_forward(x, p_layer, config, grid,
+                                   how=_core_how(mode, attention, tile))  # (B, T[/p], h)
+    full = mode == "full"
     return out, LayerPieceCache(config=config, grid=grid, l=l, params=p_layer,
-                                checkpoint=checkpoint, block=x if checkpoint else block,
-                                sequence_parallel=bool(sequence_parallel))
+                                checkpoint=full, block=x if full else block,
+                                sequence_parallel=bool(sequence_parallel), recompute=mode,
+                                attention=attention, tile=tile)
 
 
 def layer_backward(dx, cache: LayerPieceCache):
@@ -854,9 +979,10 @@ def layer_backward(dx, cache: LayerPieceCache):
 
     With sequence parallelism ``dx`` is this rank's slice (B, T/p, h), in and out, and
     the gradients of :data:`SP_LAYER_KEYS` are this slice's partial sums (summed over
-    the group by :func:`allreduce_sequence_parallel_grads`). Checkpointed: the forward
-    is recomputed first from the saved input and ``cache.params`` (its collectives as
-    ``tp.recompute.*``).
+    the group by :func:`allreduce_sequence_parallel_grads`). Checkpointed
+    (``recompute="full"``): the forward is recomputed first from the saved input and
+    ``cache.params`` (its collectives as ``tp.recompute.*``), with the same attention.
+    The gradients do not depend on ``recompute`` (bitwise).
     """
     grid = cache.grid
     sp = cache.sequence_parallel
@@ -864,7 +990,8 @@ def layer_backward(dx, cache: LayerPieceCache):
     with grid.trace.phase(f"h{cache.l}.bwd"):
         if cache.checkpoint:   # recompute the layer's forward (its collectives included)
             _, block = block_forward(cache.block, cache.params, cache.config, grid,
-                                     recompute=True)
+                                     rerun=True, how=_core_how("full", cache.attention,
+                                                                cache.tile))
         else:
             block = cache.block
         if sp:
@@ -876,7 +1003,8 @@ class HeadCache(NamedTuple):
     config: Config
     grid: Any
     lnf: ops.LayerNormCache
-    head: Any                    # LMHeadCache (local wte rows) or ClassifierCache
+    head: Any                    # LMHeadCache (tied: local wte rows), LinearCache (untied:
+    #                              local head.w columns) or ClassifierCache
     ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
     logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
     n_items: int                 # the denominator of the mean loss
@@ -885,13 +1013,14 @@ class HeadCache(NamedTuple):
 
 def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None,
                  sequence_parallel: bool = False):
-    """Final LayerNorm, tied LM head (or classifier) and loss (phase ``loss.fwd``).
+    """Final LayerNorm, LM head (tied or untied) or classifier, and loss (phase ``loss.fwd``).
 
     ``x`` (B, T, h) replicated, or with ``sequence_parallel`` this rank's slice
     (B, T/p, h): the LayerNorm runs on the slice and its output is all-gathered
     (phase ``loss.fwd/aux.sp.head``) before the logits; the LM head then runs on the
     sequence-major rows, and ``cache.logits`` is their (B, T, v/p) view. ``p`` needs
-    ``lnf.g``, ``lnf.b`` and ``wte`` (this rank's rows), or ``cls.w``, ``cls.b`` when
+    ``lnf.g``, ``lnf.b`` and ``wte`` (this rank's rows; tied LM head), ``head.w`` (this
+    rank's vocabulary columns; ``config.tied`` False), or ``cls.w``, ``cls.b`` when
     ``config.n_classes``. ``targets``: the global micro-batch's, or None (logits only).
     Returns ``(loss, cache)``: the sum of the per-item losses over ``n_items`` (default:
     this micro-batch's tokens, or sequences for classification), the same float on
@@ -916,7 +1045,10 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
             else:   # g above took f's place; the rows stay sequence-major and the
                 x = seq_major              # targets are read to match: no copy of logits
                 targets = None if targets is None else targets.T             # (T, B) view
-            logits, head = ops.lm_head_forward(x, p["wte"])     # (B, T, v/p) or (T, B, v/p)
+            if config.tied:
+                logits, head = ops.lm_head_forward(x, p["wte"])  # (B, T, v/p) or (T, B, v/p)
+            else:          # untied: x head.w_r, this rank's vocabulary columns
+                logits, head = ops.linear_forward(x, p["head.w"])  # (B, T, v/p) or (T, B, v/p)
             reductions = dict(vocab_start=grid.rank * (config.vocab // grid.p),
                               max_vocab=max_vocab, sum_vocab=sum_vocab)
         if n_items is None:
@@ -935,7 +1067,8 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
 def head_backward(cache: HeadCache):
     """``(dx (B, T, h) replicated, grads)`` of the head (phase ``loss.bwd``), seeded with
     ``1/n_items`` per item. ``grads``: ``cls.w``, ``cls.b`` (classification), ``lnf.g``,
-    ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h).
+    ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h)
+    or the untied ``head.w``'s gradient (h, v/p) (no ``wte`` part then).
     With sequence parallelism ``dx`` is this rank's slice (B, T/p, h): the LM head's
     partial input gradient is reduce-scattered (phase ``loss.bwd/aux.lm_head``) in place
     of the all-reduce, the classifier's (replicated) split; ``lnf.g``, ``lnf.b`` are
@@ -957,8 +1090,13 @@ def head_backward(cache: HeadCache):
                 c = dx.shape[1] // grid.p
                 dx = xp.ascontiguousarray(dx[:, grid.rank * c:(grid.rank + 1) * c])  # (B, T/p, h)
         else:
-            dx, g = ops.lm_head_backward(dlogits, cache.head)   # (B, T, h) or (T, B, h) partial
-            grads["wte"] = g["wte"]                                   # (v/p, h)
+            if cache.config.tied:
+                dx, g = ops.lm_head_backward(dlogits, cache.head)  # (B, T, h) or (T, B, h)
+                grads["wte"] = g["wte"]                               # (v/p, h)
+            else:
+                dx, g = ops.linear_backward(dlogits, cache.head)   # (B, T, h) or (T, B, h)
+                grads["head.w"] = g["w"]                              # (h, v/p)
+            # dx = sum_r dZ_r E_r (tied) or dZ_r head.w_r^T (untied): a partial sum
             with grid.trace.phase("aux.lm_head"):
                 if sp:   # g, backward: reduce-scatter (forward: all-gather)
                     dx = seq_reduce_scatter(_to_ring(dx, grid.p, seq_axis=0), grid)
@@ -984,6 +1122,8 @@ class MegatronCache(NamedTuple):
     logits: Any                  # this rank's logits (B, T, v/p), or (B, n_classes) replicated
     loss: Optional[float]
     sequence_parallel: bool = False   # activations were (B, T/p, h) slices between pieces
+    recompute: str = "none"      # "none", "selective" or "full"
+    attention: str = "plain"     # "plain" or "flash"
 
     @property
     def blocks(self) -> list:
@@ -993,21 +1133,27 @@ class MegatronCache(NamedTuple):
 
 
 def forward(local_params: dict, tokens, targets, config: Config, grid,
-            checkpoint: bool = False, sequence_parallel: bool = False):
+            checkpoint: bool = False, *, recompute: Optional[str] = None,
+            attention: str = "plain", tile: Optional[int] = None,
+            sequence_parallel: bool = False):
     """Loss (a Python float, the same on every rank) and cache on global ``tokens`` [b, s].
 
     ``targets`` are the global [b, s] next-token ids ([b] classes when
-    ``config.n_classes > 0``) or None. With ``checkpoint`` each layer keeps only its
-    input and is recomputed in :func:`backward`. With ``sequence_parallel`` the
-    activations between the pieces are this rank's sequence slices (B, T/p, h) (see the
-    module docstring; T = ``tokens.shape[1]`` must be divisible by p). All checks
-    (:func:`check`, local parameter shapes, tokens, targets) run before any
-    communication, on every rank, and end in one agreement
+    ``config.n_classes > 0``) or None. ``recompute``, ``attention`` and ``tile`` as in
+    ``model.forward``: ``recompute="full"`` (``checkpoint=True``) keeps only each
+    layer's input and recomputes the layer, collectives included, in :func:`backward`;
+    ``"selective"`` recomputes only the attention probabilities, locally; ``attention``
+    ``"flash"`` runs the blockwise core on each rank's heads. Neither of the last two
+    sends anything. With ``sequence_parallel`` the activations between the pieces are
+    this rank's sequence slices (B, T/p, h) (see the module docstring; T =
+    ``tokens.shape[1]`` must be divisible by p). All checks (:func:`check`, local
+    parameter shapes, tokens, targets, the recompute and attention choices) run before
+    any communication, on every rank, and end in one agreement
     (:func:`summasim.mpiutil.agree`, untraced) on the config, the tokens and targets
-    (shape, dtype, checksum), ``checkpoint`` and ``sequence_parallel``: input that is
-    bad on one rank raises the same ``ValueError``/``TypeError`` on every rank.
-    Then :func:`embed_forward`, :func:`layer_forward` for every layer and
-    :func:`head_forward`.
+    (shape, dtype, checksum), ``checkpoint``, ``recompute``, ``attention``, ``tile`` and
+    ``sequence_parallel``: input that is bad on one rank raises the same
+    ``ValueError``/``TypeError`` on every rank. Then :func:`embed_forward`,
+    :func:`layer_forward` for every layer and :func:`head_forward`.
     """
     _check_grid(grid)          # not a group: no communicator to agree over, raise alone
     sp = bool(sequence_parallel)
@@ -1020,21 +1166,32 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
             model.check_targets(targets, tokens, config)
         if sp:
             check(config, grid, seq=tokens.shape[1], sequence_parallel=True)
+        mode = model._recompute_mode(checkpoint, recompute)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, "
+                             f"got {attention!r}")
+        if tile is not None:
+            positive_int("tile", tile)
+        return mode
 
-    _, err = local_error(local)
+    mode, err = local_error(local)
     agree("megatron.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
                                      "targets": fingerprint(targets),
                                      "checkpoint": bool(checkpoint),
+                                     "recompute": repr(recompute),
+                                     "attention": repr(attention), "tile": repr(tile),
                                      "sequence_parallel": sp}, err)
     x, emb = embed_forward(local_params, tokens, config, grid, sp)       # (B, T[/p], h)
     layers = []
     for l in range(config.layers):
         x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
-                                 checkpoint, sp)                          # (B, T[/p], h)
+                                 recompute=mode, attention=attention, tile=tile,
+                                 sequence_parallel=sp)                    # (B, T[/p], h)
         layers.append(layer)
     loss, head = head_forward(x, local_params, targets, config, grid, sequence_parallel=sp)
     return loss, MegatronCache(params=local_params, emb=emb, layers=layers, head=head,
-                               logits=head.logits, loss=loss, sequence_parallel=sp)
+                               logits=head.logits, loss=loss, sequence_parallel=sp,
+                               recompute=mode, attention=attention)
 
 
 def backward(cache: MegatronCache) -> dict:
@@ -1042,7 +1199,8 @@ def backward(cache: MegatronCache) -> dict:
 
     The pieces in reverse: :func:`head_backward`, :func:`layer_backward` from the last
     layer down, :func:`embed_backward`; the tied ``wte`` gradient is the embedding's
-    part plus the LM head's. Replicated parameters get identical gradients on every
+    part plus the LM head's (an untied head's ``head.w`` gradient is the head's alone,
+    and ``wte``'s the embedding's). Replicated parameters get identical gradients on every
     rank (no communication; with sequence parallelism, the partial sums of
     :func:`sequence_parallel_keys` are summed by one all-reduce,
     :func:`allreduce_sequence_parallel_grads`); :func:`unshard` assembles the
@@ -1101,6 +1259,7 @@ def activation_shape(config: Config, t: int, batch: int, seq: int,
 
 
 def traffic(config: Config, t: int, batch: int, seq: int, *, checkpoint: bool = False,
+            recompute: Optional[str] = None, attention: str = "plain",
             sequence_parallel: bool = False):
     """The ledger of one :func:`forward` and :func:`backward` on each rank of a group of
     ``t`` for a micro-batch of ``batch`` sequences of ``seq`` tokens, from the sizes
@@ -1116,8 +1275,19 @@ def traffic(config: Config, t: int, batch: int, seq: int, *, checkpoint: bool = 
     events of ``b s h / t`` items each (see the module docstring for the phases), so a
     layer sends the same ``4 (t-1)/t b s h`` items forward as before; plus one
     ``allreduce`` of the :func:`sequence_parallel_keys` gradients (phase ``sp.grads``).
+
+    The model variants change nothing here: SwiGLU's gate is a second column-parallel
+    linear on the same input (its input gradient joins fc's before the one ``f``
+    all-reduce), grouped-query attention only narrows each rank's QKV columns, and an
+    untied head sends what the tied one sends. ``recompute="full"`` is ``checkpoint``;
+    ``"selective"`` and ``attention="flash"`` recompute locally and send nothing more
+    (``attention`` is accepted for symmetry and checked).
     """
     from collections import Counter
+
+    checkpoint = model._recompute_mode(checkpoint, recompute) == "full"
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
 
     item = config.dtype.itemsize
     out: Counter = Counter()
@@ -1169,29 +1339,51 @@ def traffic(config: Config, t: int, batch: int, seq: int, *, checkpoint: bool = 
 
 
 def activation_items(config: Config, t: int, batch: int, seq: int, *,
-                     sequence_parallel: bool = False, checkpoint: bool = False) -> int:
+                     sequence_parallel: bool = False, checkpoint: bool = False,
+                     recompute: Optional[str] = None, attention: str = "plain") -> int:
     """Elements one layer's cache holds between its forward and its backward on each
-    rank of a group of ``t`` (``b`` = batch, ``s`` = seq, ``a`` heads, ``F`` the MLP width):
+    rank of a group of ``t``: ``model.activation_items(...).layer`` term by term, with
+    each term either replicated (whole) or split over the group (``/ t``). ``b`` = batch,
+    ``s`` = seq, ``N = b s``, ``a`` query heads, ``W = h + 2 kv_width`` the QKV width
+    (``3h`` without grouped-query attention), ``F`` the MLP width:
 
-    * ``checkpoint``: the input only, ``b s h`` (``b s h / t`` with sequence parallelism);
-    * tensor parallel: the two LayerNorms' normalized inputs and outputs ``4 b s h`` and
-      statistics ``2 b s``; per rank the QKV output, the scaled queries and the merged
-      heads ``5 b s h / t``, the scores ``a b s^2 / t``, the MLP's GELU input and output
-      ``2 b s F / t``;
-    * sequence parallel: the same, but the normalized inputs and statistics are this
-      rank's slices (``2 b s h / t``, ``2 b s / t``) and the LayerNorm outputs are kept
-      gathered (``2 b s h``), the inputs of QKV and fc.
+    * ``recompute="full"`` (``checkpoint``): the input only, ``N h`` (``N h / t`` with
+      sequence parallelism);
+    * replicated: ln1's and ln2's normalized inputs and statistics ``2 (N h + N)``
+      (with sequence parallelism this rank's slices, ``2 (N h + N) / t``) and the
+      inputs of QKV and of fc (and gate) ``2 N h`` (kept gathered with sequence
+      parallelism);
+    * per rank: the QKV output ``N W / t``, the merged heads ``N h / t``, the attention
+      core's own: ``N h / t + a b s^2 / t`` (``q * scale`` and the probabilities;
+      ``recompute="none"``, plain), ``0`` (``"selective"``: recomputed from q, k, v) or
+      ``a b s / t`` (``attention="flash"``: the row log-sum-exp); the MLP's activations
+      ``2 N F / t`` (GELU: its input and output) or ``3 N F / t`` (SwiGLU: up, gate and
+      their product).
 
-    Korthikanti et al. (2022) Table 2 count ``s b h (10 + 24/t + 5 a s/(h t))`` bytes
-    (tensor parallel) and ``s b h (34/t + 5 a s/(h t))`` (sequence parallel) for 16-bit
-    activations with dropout, storing the gathered LayerNorm outputs as their slices;
-    see the module docstring.
+    So the default (GELU, plain, no recompute) is ``b s h (4 + (5 + 2 f) / t) + a b s^2
+    / t + 2 b s`` (``f = F / h``), and with sequence parallelism ``b s h (2 + (7 + 2 f)
+    / t) + a b s^2 / t + 2 b s / t``; at ``t = 1`` without sequence parallelism every
+    variant equals ``model.activation_items(config, batch, seq, recompute,
+    attention).layer``. Korthikanti et al. (2022) Table 2 count ``s b h (10 + 24/t + 5 a
+    s/(h t))`` bytes (tensor parallel) and ``s b h (34/t + 5 a s/(h t))`` (sequence
+    parallel) for 16-bit activations with dropout, storing the gathered LayerNorm
+    outputs as their slices; see the module docstring.
     """
-    h, a, f = config.hidden, config.heads, config.ffn
+    mode = model._recompute_mode(checkpoint, recompute)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    h, a, f, w = config.hidden, config.heads, config.ffn, config.qkv_width
     bs = batch * seq
-    if checkpoint:
+    if mode == "full":
         return bs * h // t if sequence_parallel else bs * h
-    per_rank = 5 * bs * h // t + a * batch * seq * seq // t + 2 * bs * f // t
-    if sequence_parallel:
-        return 2 * bs * h + 2 * bs * h // t + 2 * bs // t + per_rank
-    return 4 * bs * h + 2 * bs + per_rank
+    if attention == "flash":
+        core = a * bs                                    # the row log-sum-exp
+    elif mode == "selective":
+        core = 0                                         # recomputed from q, k, v
+    else:
+        core = bs * h + a * batch * seq * seq            # q * scale, the probabilities
+    act = (3 if config.mlp == "swiglu" else 2) * bs * f
+    per_rank = (bs * w + bs * h + core + act) // t       # QKV out, merged heads, core, MLP
+    ln = 2 * (bs * h + bs)                               # ln1, ln2: xhat and rstd
+    inputs = 2 * bs * h                                  # QKV's and fc's inputs
+    return (ln // t if sequence_parallel else ln) + inputs + per_rank
