@@ -23,18 +23,26 @@ activations ``[b*s, h]``          "2.5d" ("2d" if d = 1), rows cut by WHOLE sequ
                                   ``X[M_{kq+i}, H_j]``, local ``[N, h/q]``
 weights ``W [in, out]``           "2d": ``W[In_i, Out_j]``, replicated over k
 ``wte [v, h]``                    "2d": ``wte[V_i, H_j]`` (embedding and tied LM head)
+``head.w [h, v]`` (untied head)   "2d": ``head.w[H_i, V_j]``, a weight like the others:
+                                  ``logits = ab(x, head.w)`` (vocab block j, as tied)
 biases, LayerNorm ``g``/``b``,    hosted on row 0: rank ``(0, j, k)`` holds column block
 ``wpe [s, h]``                    j (``[n/q]`` or ``[s, h/q]``); ranks with ``i > 0`` hold
                                   zero-size arrays (``[0]``, ``[0, h/q]``) under the same
                                   keys, so params and grads have the same keys on every rank
-``attn.qkv.w [h, 3h]``, ``.b``    columns permuted so column block j is ``[Q_j | K_j | V_j]``,
-                                  the n/q heads of group j; the attention output block
-                                  ``(i, j)`` is then column block j of ``[b*s, h]``
+``attn.qkv.w [h, W]``, ``.b``     columns permuted so column block j is ``[Q_j | K_j | V_j]``
+(``W = h + 2 kv_width``)          (:func:`qkv_permutation`): the n/q query heads and the
+                                  kv/q key/value heads of group j; the attention output
+                                  block ``(i, j)`` is then column block j of ``[b*s, h]``
+``mlp.gate.w [h, F]``, ``.b``     SwiGLU's gate: laid out exactly as ``mlp.fc.w``/``.b``
+                                  (its own SUMMA product), so ``swiglu`` runs elementwise
+                                  on matching ``[N, F/q]`` blocks of gate and up
 ================================  ===================================================
 
-Attention is local: a rank holds whole sequences (``bl`` of them) and ``n/q`` whole
-heads, so :func:`ops.attention_core_forward` runs on its block as it is. LayerNorm
-statistics over h are the local sums all-reduced along ``grid.row``; the
+Attention is local: a rank holds whole sequences (``bl`` of them), ``n/q`` whole query
+heads and the ``kv/q`` key/value heads they read, so :func:`ops.attention_core_forward`
+runs on its block as it is (``attention="plain"`` or ``"flash"``; ``recompute=
+"selective"`` keeps q, k, v and y and recomputes the probabilities in the backward).
+LayerNorm statistics over h are the local sums all-reduced along ``grid.row``; the
 cross-entropy's max, sum-exp and target pick over v are all-reduced along
 ``grid.row`` too (the logits block ``[N, v/q]`` holds vocab block j). The mean over
 the ``b*s`` tokens is all-reduced over ``grid.col`` and ``grid.depth``.
@@ -45,7 +53,11 @@ of its tokens that fall in vocab block l. The backward is the transpose: for eac
 a partial ``dwte[V_l, H_j]`` (scatter-add) is reduced down the column to row l;
 with d > 1 it is then all-reduced over depth. The tied LM head is
 ``logits = abt(x, wte)`` (``[N, v/q]``, vocab block j), with ``dx = ab(dlogits, wte)``
-and ``dwte += atb(dlogits, x)``.
+and ``dwte += atb(dlogits, x)``. The untied head (``tied=False``) is an ordinary
+linear layer without bias: ``logits = ab(x, head.w)``, ``dx = abt(dlogits, head.w)``,
+``dhead.w = atb(x, dlogits)`` (``[h/q, v/q]``), and ``wte``'s gradient is the
+embedding's alone. Either way the logits block is ``[N, v/q]``, vocab block j, and the
+vocab-parallel cross-entropy is the same.
 
 Row-0 hosted vectors of one layer (LayerNorm ``g``/``b`` and the four biases) travel
 as ONE packed buffer: one ``grid.col`` broadcast per layer forward, one ``grid.col``
@@ -64,9 +76,10 @@ all-reduces and the loss's column/depth sums have no backward collective.
 Trace phases (each event's phase is ``"<top>/<sub>"``; sub starts with "tp." or "aux.")
 --------------------------------------------------------------------------------
 ``h{l}.fwd``   ``aux.params.bcast``, ``aux.ln1``, ``tp.attn.qkv``, ``tp.attn.proj``,
-               ``aux.ln2``, ``tp.mlp.fc``, ``tp.mlp.proj``
-``h{l}.bwd``   (checkpoint=True: the forward's phases first, for the recompute) then
-               ``tp.mlp.proj.dX``, ``tp.mlp.proj.dW``, ``tp.mlp.fc.dX``, ``tp.mlp.fc.dW``,
+               ``aux.ln2``, ``tp.mlp.fc``, (SwiGLU) ``tp.mlp.gate``, ``tp.mlp.proj``
+``h{l}.bwd``   (recompute="full" / checkpoint=True: the forward's phases first, for the
+               recompute) then ``tp.mlp.proj.dX``, ``tp.mlp.proj.dW``, ``tp.mlp.fc.dX``,
+               ``tp.mlp.fc.dW``, (SwiGLU) ``tp.mlp.gate.dX``, ``tp.mlp.gate.dW``,
                ``aux.ln2``, ``tp.attn.proj.dX``, ``tp.attn.proj.dW``, ``tp.attn.qkv.dX``,
                ``tp.attn.qkv.dW``, ``aux.ln1``, ``aux.grads.reduce``, ``aux.grads.depth``
                (the ``*.dW`` phases include summa25_atb's depth ring all-reduce)
@@ -80,7 +93,11 @@ Trace phases (each event's phase is ``"<top>/<sub>"``; sub starts with "tp." or 
 Per rank, one layer's ``tp.*`` broadcast and reduce payload is exactly
 ``(7 b s h / d + 12 h^2) / q`` items forward (Optimus Table 1 with ``ffn_mult = 4``;
 in general ``((3 + f) b s h / d + (4 + 2f) h^2) / q``), twice that backward, three
-times with checkpointing; nothing when q = 1.
+times with checkpointing; nothing when q = 1. Every product ``ab`` of an ``[M, K]``
+activation and a ``[K, K']`` weight moves ``(M K / d + K K') / q`` items per rank, and so
+do its two backward products; :func:`layer_payload` sums them for any variant
+(``(b s (3h + F + [SwiGLU] h) / d + h (W + h + 2F + [SwiGLU] F)) / q``, F the MLP width,
+W the QKV width). ``recompute="selective"`` and ``attention="flash"`` change no traffic.
 
 Pieces
 ------
@@ -117,6 +134,7 @@ from summasim.algorithms.summa25 import summa25_abt_unchecked as summa25_abt
 from summasim.algorithms.summa25 import summa25_atb_unchecked as summa25_atb
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
+from summasim.spec import ATTENTIONS
 
 from . import model, ops
 from .model import Config
@@ -127,6 +145,14 @@ Array = Any
 VEC_KEYS = ("ln1.g", "ln1.b", "attn.qkv.b", "attn.proj.b", "ln2.g", "ln2.b", "mlp.fc.b",
             "mlp.proj.b")
 MAT_KEYS = ("attn.qkv.w", "attn.proj.w", "mlp.fc.w", "mlp.proj.w")
+# a SwiGLU layer's: the gate's bias packed right after the up projection's
+SWIGLU_VEC_KEYS = VEC_KEYS[:7] + ("mlp.gate.b",) + VEC_KEYS[7:]
+
+
+def vec_keys(mlp: str = "gelu") -> tuple:
+    """The row-0 hosted vectors of one layer in packing order (:data:`VEC_KEYS`, or
+    :data:`SWIGLU_VEC_KEYS` with ``mlp.gate.b`` after ``mlp.fc.b``)."""
+    return SWIGLU_VEC_KEYS if mlp == "swiglu" else VEC_KEYS
 
 
 def _identity(x):
@@ -151,9 +177,11 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     """Raise unless ``config`` (and a batch of ``batch`` sequences) fits ``grid``.
 
     Needs ``b % (d q) == 0`` (whole sequences per rank), ``h % q``, ``n % q``
-    (whole heads per column), ``v % q`` and ``ffn % q``. Pure: no communication,
-    so every rank raises the same ``ValueError`` (naming the dimension, its size
-    and the divisor) before anything is sent. ``TypeError`` for a non-Grid.
+    (whole heads per column), ``kv_heads % q`` (whole key/value heads per column,
+    grouped-query attention), ``v % q`` and ``ffn % q`` (the MLP width ``round(f h)``).
+    Pure: no communication, so every rank raises the same ``ValueError`` (naming the
+    dimension, its size and the divisor) before anything is sent. ``TypeError`` for a
+    non-Grid.
     """
     if not isinstance(config, Config):
         raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
@@ -165,8 +193,11 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     where = f"optimus on a {_grid_label(grid)} grid"
     dims = [("hidden h = Config.hidden", config.hidden, q, "q", "hidden columns split over q"),
             ("heads n = Config.heads", config.heads, q, "q", "each column holds n/q whole heads"),
+            ("kv heads = Config.kv_heads", config.kv_heads, q, "q",
+             "each column holds kv/q whole key/value heads"),
             ("vocab v = Config.vocab", config.vocab, q, "q", "wte is split into q x q blocks"),
-            ("ffn = Config.ffn_mult * hidden", config.ffn, q, "q", "MLP columns split over q")]
+            ("ffn = round(Config.ffn_mult * hidden)", config.ffn, q, "q",
+             "MLP columns split over q")]
     if batch is not None:
         dims.insert(0, ("batch b", int(batch), d * q, "d*q",
                         "each rank holds b/(d*q) whole sequences"))
@@ -177,10 +208,11 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
 
 
 def _vec_sizes(config: Config, q: int) -> dict:
+    """``{key: local size}`` of the layer's row-0 vectors, in packing order."""
     h, f = config.hidden, config.ffn
-    full = {"ln1.g": h, "ln1.b": h, "attn.qkv.b": 3 * h, "attn.proj.b": h, "ln2.g": h,
-            "ln2.b": h, "mlp.fc.b": f, "mlp.proj.b": h}
-    return {key: full[key] // q for key in VEC_KEYS}
+    full = {"ln1.g": h, "ln1.b": h, "attn.qkv.b": config.qkv_width, "attn.proj.b": h,
+            "ln2.g": h, "ln2.b": h, "mlp.fc.b": f, "mlp.gate.b": f, "mlp.proj.b": h}
+    return {key: full[key] // q for key in vec_keys(config.mlp)}
 
 
 def _is_row0_key(name: str) -> bool:
@@ -191,8 +223,10 @@ def _is_row0_key(name: str) -> bool:
 def local_shapes(config: Config, grid) -> dict:
     """``{name: local shape}`` on this rank, in the order of ``model.param_shapes``.
 
-    2d blocks ``(rows/q, cols/q)`` for ``wte`` and the weights; on row 0 the column
-    block of each row-0 hosted array (``(n/q,)``, ``wpe``: ``(s, h/q)``), elsewhere a
+    2d blocks ``(rows/q, cols/q)`` for ``wte`` and the weights (``attn.qkv.w``
+    ``(h/q, W/q)`` with ``W = h + 2 kv_width``; SwiGLU's ``mlp.gate.w`` ``(h/q, F/q)``
+    like ``mlp.fc.w``; the untied ``head.w`` ``(h/q, v/q)``); on row 0 the column block
+    of each row-0 hosted array (``(n/q,)``, ``wpe``: ``(s, h/q)``), elsewhere a
     zero-size array (``(0,)``, ``wpe``: ``(0, h/q)``).
     """
     check(config, grid)
@@ -205,6 +239,55 @@ def local_shapes(config: Config, grid) -> dict:
         else:
             out[name] = (shape[0] // q, shape[1] // q)
     return out
+
+
+def layer_products(config: Config) -> dict:
+    """``{phase: (K, K')}``: the SUMMA products ``Y[M, K'] = X[M, K] W[K, K']`` of one
+    layer, in forward order, named by their ``tp.`` trace phase (``M = b s`` rows).
+
+    ``attn.qkv`` ``(h, W)`` with ``W = h + 2 kv_width`` (grouped-query attention
+    narrows it), ``attn.proj`` ``(h, h)``, ``mlp.fc`` ``(h, F)``, for SwiGLU
+    ``mlp.gate`` ``(h, F)`` too (one more product, like ``mlp.fc``), ``mlp.proj``
+    ``(F, h)``, with ``F = round(f h)``. Pure.
+    """
+    h, f = config.hidden, config.ffn
+    out = {"attn.qkv": (h, config.qkv_width), "attn.proj": (h, h), "mlp.fc": (h, f)}
+    if config.mlp == "swiglu":
+        out["mlp.gate"] = (h, f)
+    out["mlp.proj"] = (f, h)
+    return out
+
+
+def layer_payload(config: Config, batch: int, q: int, d: int = 1,
+                  seq: Optional[int] = None) -> dict:
+    """Per-rank Optimus Table 1 payload of one layer, in items (scalars), for any variant.
+
+    ``s`` is ``seq`` (default ``config.seq``), ``b`` the global ``batch``. Each SUMMA
+    product ``ab`` of an ``[b s, K]`` activation and a ``[K, K']`` weight
+    (:func:`layer_products`) broadcasts, per rank, the activation's and the weight's
+    blocks once over the q steps: ``(b s K / d + K K') / q`` items; its two backward
+    products ``abt`` (weight broadcast, ``dX`` reduce) and ``atb`` (activation broadcast,
+    ``dW`` reduce) move as much each. Summed::
+
+        fwd = (b s (3h + F [+ h]) / d + h (W + h + 2F [+ F])) / q
+
+    (``[...]``: SwiGLU's gate product; ``W = h + 2 kv_width``, ``F = round(f h)``): for
+    GPT-2 (W = 3h, F = 4h, GELU) Optimus's ``(7 b s h / d + 12 h^2) / q``, and
+    ``((3 + f) b s h / d + (4 + 2f) h^2) / q`` for a GELU MLP of width f h. Returns
+    ``{"fwd", "bwd", "bwd_checkpoint"}`` = fwd, 2 fwd, 3 fwd (``recompute="full"``
+    recomputes the forward's products); 0 when q = 1. ``recompute="selective"`` and
+    ``attention="flash"`` send what "none" and "plain" send. Exact integers when ``b``
+    divides by ``d q`` and ``h``, ``kv_width``, ``F`` by ``q`` (what :func:`check` needs).
+    SUMMA2.5's depth all-reduce of the ``dW`` (summa25_atb) is not Table 1 traffic and
+    is not counted. Pure.
+    """
+    q, d = int(q), int(d)
+    m = int(batch) * (config.seq if seq is None else int(seq))
+    if q == 1:
+        fwd = 0
+    else:
+        fwd = sum(m * k // d + k * k2 for k, k2 in layer_products(config).values()) // q
+    return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd}
 
 
 def _check_local(local_params: dict, config: Config, grid, what: str) -> None:
@@ -228,16 +311,29 @@ def _check_local(local_params: dict, config: Config, grid, what: str) -> None:
                              f"{getattr(arr, 'dtype', None)}, Config.dtype is {config.dtype}")
 
 
-def qkv_permutation(hidden: int, q: int) -> np.ndarray:
+def qkv_permutation(hidden: int, q: int, kv_width: Optional[int] = None) -> np.ndarray:
     """Column order of ``attn.qkv`` such that column block j is ``[Q_j | K_j | V_j]``.
 
-    ``Q_j`` are the serial Q columns ``j h/q .. (j+1) h/q`` (the heads ``j n/q ..
-    (j+1) n/q``), likewise K and V. ``w_local = w[:, perm]``; ``g[:, perm] = g_perm``
-    undoes it.
+    The serial columns are ``[Q | K | V]``: Q the ``h`` columns of the n query heads,
+    K and V the ``kv_width = kv hd`` columns of the kv key/value heads each (default
+    ``hidden``: no grouped-query attention). ``Q_j`` are the Q columns ``j h/q ..
+    (j+1) h/q`` (query heads ``j n/q .. (j+1) n/q``), ``K_j`` and ``V_j`` the K and V
+    columns ``j kv_width/q .. (j+1) kv_width/q`` (kv heads ``j kv/q .. (j+1) kv/q``).
+
+    Cutting both contiguously by q keeps grouped-query attention local: serially query
+    head i reads kv head ``i // g``, ``g = n/kv``. Column j's first query head is
+    ``j n/q = j (kv/q) g``, a multiple of g, so its local query head ``i'`` (global
+    ``j n/q + i'``) reads kv head ``j kv/q + i' // g``: local kv head ``i' // g`` of the
+    same column, the mapping :func:`ops.attention_core_forward` applies to ``n/q``
+    query and ``kv/q`` kv heads (``q | kv`` makes ``kv/q`` an integer). ``w_local =
+    w[:, perm]``; ``g[:, perm] = g_perm`` undoes it.
     """
-    hq = hidden // q
-    return np.concatenate([part * hidden + np.arange(j * hq, (j + 1) * hq)
-                           for j in range(q) for part in range(3)])      # (3h,)
+    kvw = hidden if kv_width is None else kv_width
+    hq, kq = hidden // q, kvw // q
+    return np.concatenate([part for j in range(q) for part in (
+        np.arange(j * hq, (j + 1) * hq),                                   # Q_j
+        hidden + np.arange(j * kq, (j + 1) * kq),                          # K_j
+        hidden + kvw + np.arange(j * kq, (j + 1) * kq))])                  # V_j  (W,)
 
 
 # --------------------------------------------------------------------------- #
@@ -327,7 +423,7 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
     agree("optimus.shard", grid, fields_of(config, "Config"), err)
     xp = array_module(params["wte"])
     q, i, j = grid.q, grid.i, grid.j
-    perm = xp.asarray(qkv_permutation(config.hidden, q))
+    perm = xp.asarray(qkv_permutation(config.hidden, q, config.kv_width))
     local = {}
     wanted = None if keys is None else set(keys)
     for name, arr in params.items():
@@ -387,7 +483,7 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             grid.layer.allgather(buf, parts)
     else:
         parts = buf[None]                                                   # (1, S)
-    perm = qkv_permutation(config.hidden, q)
+    perm = qkv_permutation(config.hidden, q, config.kv_width)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
     out = {}
@@ -414,35 +510,44 @@ class LayerCache(NamedTuple):
     vec: dict                     # broadcast row-0 vectors (views of one packed buffer)
     ln1: ops.LayerNormCache
     a: Array                      # ln1 output = qkv input, (N, h/q)
-    core: ops.AttentionCoreCache  # the n/q local heads of bl sequences
+    core: Any                     # the core's cache for the n/q (kv/q) local heads of bl
+    #                               sequences: AttentionCoreCache, AttentionInputsCache
+    #                               (selective) or FlashCache
     y: Array                      # merged attention output = proj input, (N, h/q)
     ln2: ops.LayerNormCache
-    m: Array                      # ln2 output = fc input, (N, h/q)
-    gelu: ops.GeluCache           # fc output (pre-activation), (N, f/q)
-    g: Array                      # gelu output = proj input, (N, f/q)
+    m: Array                      # ln2 output = fc (and gate) input, (N, h/q)
+    gelu: Optional[ops.GeluCache]  # fc output (pre-activation), (N, F/q); None for SwiGLU
+    g: Array                      # gelu (or swiglu) output = proj input, (N, F/q)
+    swiglu: Optional[ops.SwigluCache] = None   # SwiGLU: gate and up blocks, (N, F/q) each
 
 
 def _broadcast_vectors(p: dict, config: Config, grid, xp):
     """The layer's row-0 vectors as views of one buffer broadcast down the column."""
     sizes = _vec_sizes(config, grid.q)
+    keys = vec_keys(config.mlp)
     total = sum(sizes.values())
-    local = xp.concatenate([p[key] for key in VEC_KEYS]) if grid.i == 0 else None  # (total,)
+    local = xp.concatenate([p[key] for key in keys]) if grid.i == 0 else None  # (total,)
     with grid.trace.phase("aux.params.bcast"):  # (bwd: _reduce_to_row0 of the grads)
         buf = _bcast_from_row0(grid, local, total, xp, config.dtype)      # (total,)
     vec, o = {}, 0
-    for key in VEC_KEYS:
+    for key in keys:
         vec[key] = buf[o:o + sizes[key]]
         o += sizes[key]
     return vec
 
 
-def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
-    """One pre-LN layer on the local block x (N, h/q) -> (N, h/q) and its cache."""
+def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
+                   attention: str = "plain", recompute: str = "none", tile=None):
+    """One pre-LN layer on the local block x (N, h/q) -> (N, h/q) and its cache.
+
+    ``attention``, ``recompute`` ("none" or "selective") and ``tile`` go to the local
+    attention core; neither changes what is sent."""
     xp = array_module(x)
     ab, _, _ = _products(grid)
     q, h = grid.q, config.hidden
-    nh = config.heads // q                                                 # local heads
-    hq = h // q
+    nh = config.heads // q                                                 # local query heads
+    nkv = config.kv_heads // q                                             # local kv heads
+    hq, wq = h // q, config.qkv_width // q
     sum_row, _ = _row_hooks(grid)
     tr = grid.trace
     vec = _broadcast_vectors(p, config, grid, xp)
@@ -450,12 +555,13 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
         a, ln1 = ops.layernorm_forward(x, vec["ln1.g"], vec["ln1.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
     with tr.phase("tp.attn.qkv"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, 3h/q)
+        qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, W/q)
     qkv += vec["attn.qkv.b"]
-    qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, 3 * hq), nh)           # 3 x (bl, nh, t, hd)
+    qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, wq), nh, nkv)  # (bl, nh|nkv, t, hd) x 3
     y = xp.empty((bl, t, hq), dtype=x.dtype)                               # (bl, t, h/q)
     y_heads = y.reshape(bl, t, nh, hq // nh).transpose(0, 2, 1, 3)         # (bl, nh, t, hd) view
-    _, core = ops.attention_core_forward(qh, kh, vh, out=y_heads)
+    _, core = ops.attention_core_forward(qh, kh, vh, out=y_heads, attention=attention,
+                                         recompute=recompute, tile=tile)
     y = y.reshape(bl * t, hq)                                              # (N, h/q)
     with tr.phase("tp.attn.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         x1 = ab(y, p["attn.proj.w"], grid)                                 # (N, h/q)
@@ -465,14 +571,22 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int):
         m, ln2 = ops.layernorm_forward(x1, vec["ln2.g"], vec["ln2.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
     with tr.phase("tp.mlp.fc"):    # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        f = ab(m, p["mlp.fc.w"], grid)                                     # (N, f/q)
+        f = ab(m, p["mlp.fc.w"], grid)                                     # (N, F/q)
     f += vec["mlp.fc.b"]
-    g, gelu = ops.gelu_forward(f)                                          # (N, f/q)
+    gelu = swiglu = None
+    if config.mlp == "swiglu":     # gate laid out as fc: matching (N, F/q) blocks
+        with tr.phase("tp.mlp.gate"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
+            gate = ab(m, p["mlp.gate.w"], grid)                            # (N, F/q)
+        gate += vec["mlp.gate.b"]
+        g, swiglu = ops.swiglu_forward(gate, f)                            # (N, F/q)
+    else:
+        g, gelu = ops.gelu_forward(f)                                      # (N, F/q)
     with tr.phase("tp.mlp.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         out = ab(g, p["mlp.proj.w"], grid)                                 # (N, h/q)
     out += vec["mlp.proj.b"]
     out += x1                                                              # residual 2
-    return out, LayerCache(vec=vec, ln1=ln1, a=a, core=core, y=y, ln2=ln2, m=m, gelu=gelu, g=g)
+    return out, LayerCache(vec=vec, ln1=ln1, a=a, core=core, y=y, ln2=ln2, m=m, gelu=gelu, g=g,
+                           swiglu=swiglu)
 
 
 def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int, t: int):
@@ -480,28 +594,39 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     xp = array_module(dout)
     _, abt, atb = _products(grid)
     q, hq = grid.q, config.hidden // grid.q
-    nh = config.heads // q
+    nh, nkv = config.heads // q, config.kv_heads // q
+    wq = config.qkv_width // q
     tr = grid.trace
     sizes = _vec_sizes(config, q)
+    keys = vec_keys(config.mlp)
     offs, o = {}, 0
-    for key in VEC_KEYS:
+    for key in keys:
         offs[key] = o
         o += sizes[key]
     vgrad = xp.empty(o, dtype=dout.dtype)                                  # packed local sums
-    view = {key: vgrad[offs[key]:offs[key] + sizes[key]] for key in VEC_KEYS}
+    view = {key: vgrad[offs[key]:offs[key] + sizes[key]] for key in keys}
     grads = {}
 
     dout.sum(axis=0, out=view["mlp.proj.b"])                               # (h/q,)
     with tr.phase("tp.mlp.proj.dX"):   # abt (fwd: ab(g, W))
-        dg = abt(dout, p["mlp.proj.w"], grid)                              # (N, f/q)
+        dg = abt(dout, p["mlp.proj.w"], grid)                              # (N, F/q)
     with tr.phase("tp.mlp.proj.dW"):   # atb (fwd: ab(g, W)); d > 1: + depth all-reduce
-        grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (f/q, h/q)
-    df, _ = ops.gelu_backward(dg, c.gelu)                                  # (N, f/q)
-    df.sum(axis=0, out=view["mlp.fc.b"])                                   # (f/q,)
+        grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (F/q, h/q)
+    if c.swiglu is None:
+        df, _ = ops.gelu_backward(dg, c.gelu)                              # (N, F/q)
+    else:
+        (dgate, df), _ = ops.swiglu_backward(dg, c.swiglu)                 # 2 x (N, F/q)
+    df.sum(axis=0, out=view["mlp.fc.b"])                                   # (F/q,)
     with tr.phase("tp.mlp.fc.dX"):     # abt (fwd: ab(m, W))
         dm = abt(df, p["mlp.fc.w"], grid)                                  # (N, h/q)
     with tr.phase("tp.mlp.fc.dW"):     # atb (fwd: ab(m, W)); d > 1: + depth all-reduce
-        grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, f/q)
+        grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, F/q)
+    if c.swiglu is not None:           # the gate read ln2's output too: add its dX
+        dgate.sum(axis=0, out=view["mlp.gate.b"])                          # (F/q,)
+        with tr.phase("tp.mlp.gate.dX"):   # abt (fwd: ab(m, W_gate))
+            dm += abt(dgate, p["mlp.gate.w"], grid)                        # (N, h/q)
+        with tr.phase("tp.mlp.gate.dW"):   # atb (fwd: ab(m, W_gate)); d > 1: + depth
+            grads["mlp.gate.w"] = atb(c.m, dgate, grid)                    # (h/q, F/q)
     with tr.phase("aux.ln2"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx1, gl = ops.layernorm_backward(dm, c.ln2)                        # (N, h/q)
     view["ln2.g"][...] = gl["g"]
@@ -514,15 +639,15 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
         grads["attn.proj.w"] = atb(c.y, dx1, grid)                         # (h/q, h/q)
     hd = hq // nh
     dy_heads = dy.reshape(bl, t, nh, hd).transpose(0, 2, 1, 3)             # (bl, nh, t, hd) view
-    dqkv = xp.empty((bl, t, 3, nh, hd), dtype=dout.dtype)                  # (bl, t, 3, nh, hd)
-    views = dqkv.transpose(2, 0, 3, 1, 4)                                  # (3, bl, nh, t, hd)
-    ops.attention_core_backward(dy_heads, c.core, out=(views[0], views[1], views[2]))
-    dqkv = dqkv.reshape(bl * t, 3 * hq)                                    # (N, 3h/q) [dQ|dK|dV]
-    dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (3h/q,)
+    dqkv = xp.empty((bl, t, wq), dtype=dout.dtype)                         # (bl, t, W/q)
+    ops.attention_core_backward(dy_heads, c.core,
+                                out=ops.split_heads(dqkv, nh, nkv))        # [dQ|dK|dV] views
+    dqkv = dqkv.reshape(bl * t, wq)                                        # (N, W/q)
+    dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (W/q,)
     with tr.phase("tp.attn.qkv.dX"):   # abt (fwd: ab(a, W))
         da = abt(dqkv, p["attn.qkv.w"], grid)                              # (N, h/q)
     with tr.phase("tp.attn.qkv.dW"):   # atb (fwd: ab(a, W)); d > 1: + depth all-reduce
-        grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, 3h/q)
+        grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, W/q)
     with tr.phase("aux.ln1"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx, gl = ops.layernorm_backward(da, c.ln1)                         # (N, h/q)
     view["ln1.g"][...] = gl["g"]
@@ -530,7 +655,7 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     dx += dx1                                                              # residual 1
     # the vectors' gradients: column sums of every rank, onto row 0 (and over depth)
     total = _reduce_to_row0(grid, vgrad, xp, "grads")     # (fwd: _broadcast_vectors)
-    for key in VEC_KEYS:
+    for key in keys:
         grads[key] = (total[offs[key]:offs[key] + sizes[key]] if grid.i == 0
                       else xp.empty((0,), dtype=dout.dtype))
     return dx, grads
@@ -684,37 +809,62 @@ class LayerPieceCache(NamedTuple):
     grid: Any
     l: int                       # global layer index (phase names)
     params: dict                 # the layer's local params, read again in the backward
-    checkpoint: bool
+    checkpoint: bool             # recompute == "full"
     block: Any                   # LayerCache, or the input (bl, t, h/q) if checkpointed
+    recompute: str = "none"      # "none", "selective" or "full"
+    attention: str = "plain"     # "plain" or "flash"
+    tile: Optional[int] = None   # flash's key/value tile (None: flash's default)
 
 
-def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False):
+def _how(checkpoint, recompute, attention) -> str:
+    """``recompute`` resolved with ``checkpoint`` (:func:`model.forward`'s rule: True is
+    "full"); ``ValueError`` for an unknown or contradictory mode or attention. Pure."""
+    mode = model._recompute_mode(checkpoint, recompute)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    return mode
+
+
+def layer_forward(x, p_layer: dict, l: int, config: Config, grid, checkpoint: bool = False,
+                  *, recompute: Optional[str] = None, attention: str = "plain",
+                  tile: Optional[int] = None):
     """Layer ``l`` (phase ``h{l}.fwd``) on the block x (bl, t, h/q) -> (bl, t, h/q).
 
     ``p_layer``: the layer's local params under the unprefixed keys of
-    ``ops.BLOCK_KEYS``. With ``checkpoint`` the cache keeps only ``x`` and
-    ``p_layer``; :func:`layer_backward` recomputes.
+    ``ops.block_keys(config.mlp)`` (SwiGLU adds ``mlp.gate.w``/``.b``). ``recompute``
+    (default "full" if ``checkpoint`` else "none", as :func:`model.forward`): "full"
+    keeps only ``x`` and ``p_layer`` and :func:`layer_backward` recomputes the layer;
+    "selective" keeps the layer's cache but the attention core's probabilities, which
+    the backward recomputes from the kept q, k, v. ``attention`` ("plain" or "flash")
+    and ``tile`` go to the local attention core. None of them changes the traffic.
     """
+    mode = _how(checkpoint, recompute, attention)
     bl, t, hq = x.shape
     with grid.trace.phase(f"h{l}.fwd"):
-        out, block = _layer_forward(x.reshape(bl * t, hq), p_layer, config, grid,
-                                    bl, t)                                 # (N, h/q)
+        out, block = _layer_forward(x.reshape(bl * t, hq), p_layer, config, grid, bl, t,
+                                    attention, "selective" if mode == "selective" else "none",
+                                    tile)                                  # (N, h/q)
+    full = mode == "full"
     return out.reshape(bl, t, hq), LayerPieceCache(
-        config=config, grid=grid, l=l, params=p_layer, checkpoint=checkpoint,
-        block=x if checkpoint else block)                                  # (bl, t, h/q)
+        config=config, grid=grid, l=l, params=p_layer, checkpoint=full,
+        block=x if full else block, recompute=mode, attention=attention,
+        tile=tile)                                                         # (bl, t, h/q)
 
 
 def layer_backward(dx, cache: LayerPieceCache):
     """``(dx (bl, t, h/q), unprefixed local grads)`` of the layer (phase ``h{l}.bwd``).
 
-    Reads the weights from ``cache.params``; checkpointed, the forward is recomputed
-    first from the saved input (its phases inside ``h{l}.bwd``).
+    Reads the weights from ``cache.params``; checkpointed (recompute "full"), the
+    forward is recomputed first from the saved input (its phases inside ``h{l}.bwd``),
+    bitwise as it ran; "selective" recomputes the attention probabilities inside the
+    core's backward (no communication).
     """
     config, grid, p = cache.config, cache.grid, cache.params
     bl, t, hq = dx.shape
     with grid.trace.phase(f"h{cache.l}.bwd"):
         if cache.checkpoint:     # recompute the layer's forward from its saved input
-            _, block = _layer_forward(cache.block.reshape(bl * t, hq), p, config, grid, bl, t)
+            _, block = _layer_forward(cache.block.reshape(bl * t, hq), p, config, grid, bl, t,
+                                      cache.attention, "none", cache.tile)
         else:
             block = cache.block
         dx, grads = _layer_backward(dx.reshape(bl * t, hq), block, p, config, grid,
@@ -725,7 +875,7 @@ def layer_backward(dx, cache: LayerPieceCache):
 class HeadCache(NamedTuple):
     config: Config
     grid: Any
-    params: dict                 # needs "wte" again in the backward (tied LM head)
+    params: dict                 # needs "wte" (tied) or "head.w" (untied) again in the backward
     shape: tuple                 # (bl, t): local sequences and their length
     lnf: ops.LayerNormCache
     xf: Array                    # final hidden states (lnf output), (N, h/q)
@@ -735,22 +885,27 @@ class HeadCache(NamedTuple):
 
 
 def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None):
-    """Final LayerNorm, tied LM head and loss on the block x (bl, t, h/q).
+    """Final LayerNorm, LM head and loss on the block x (bl, t, h/q).
 
     Phases ``lnf.fwd``, ``lmhead.fwd`` and, with ``targets`` (the global micro-batch's
-    [b, s], or None for logits only), ``loss``. ``p`` needs ``lnf.g``, ``lnf.b`` and
-    ``wte``. Returns ``(loss, cache)``: the sum of the per-token losses over
-    ``n_items`` (default: the micro-batch's ``b*s`` tokens), the same float on every
-    rank; None without targets.
+    [b, s], or None for logits only), ``loss``. ``p`` needs ``lnf.g``, ``lnf.b`` and the
+    head: ``wte`` (tied, ``logits = abt(x, wte)``) or, with ``config.tied`` False,
+    ``head.w`` (``logits = ab(x, head.w)``). Returns ``(loss, cache)``: the sum of the
+    per-token losses over ``n_items`` (default: the micro-batch's ``b*s`` tokens), the
+    same float on every rank; None without targets.
     """
-    xp = array_module(p["wte"])
+    head_key = "wte" if config.tied else "head.w"
+    xp = array_module(p[head_key])
     tr = grid.trace
     bl, t, hq = x.shape
     with tr.phase("lnf.fwd"):
         xf, lnf = _lnf_forward(x.reshape(bl * t, hq), p, config, grid)   # (N, h/q)
-    _, abt, _ = _products(grid)
-    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):  # abt (bwd: ab and atb)
-        lg = abt(xf, p["wte"], grid)                                       # (N, v/q)
+    ab, abt, _ = _products(grid)
+    with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
+        if config.tied:   # abt (bwd: ab and atb)
+            lg = abt(xf, p["wte"], grid)                                   # (N, v/q)
+        else:             # ab (bwd: abt and atb)
+            lg = ab(xf, p["head.w"], grid)                                 # (N, v/q)
     loss, ce = None, None
     if targets is not None:
         if n_items is None:
@@ -774,24 +929,31 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
 def head_backward(cache: HeadCache):
     """``(dx (bl, t, h/q), grads)`` of the head, seeded with ``1/n_items`` per token;
     phases ``lmhead.bwd``, ``lnf.bwd``. ``grads``: ``lnf.g``, ``lnf.b`` (row 0; zero-size
-    elsewhere) and the LM head's part of the tied ``wte`` gradient (v/q, h/q)."""
+    elsewhere) and the LM head's part of the tied ``wte`` gradient (v/q, h/q), or the
+    untied ``head.w``'s whole gradient (h/q, v/q)."""
     if cache.ce is None:
         raise ValueError("optimus.backward needs a forward with targets")
     config, grid = cache.config, cache.grid
     xp = array_module(cache.logits)
     tr = grid.trace
-    ab, _, atb = _products(grid)
+    ab, abt, atb = _products(grid)
     dlosses = xp.full(cache.logits.shape[0], 1.0 / cache.n_items,
                       dtype=cache.logits.dtype)                            # (N,) 1/n_items
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
     with tr.phase("lmhead.bwd"):
-        with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
-            dx = ab(dlogits, cache.params["wte"], grid)                    # (N, h/q)
-        with tr.phase("aux.logits.dW"):    # atb (fwd: abt(xf, wte))
-            dwte_head = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
+        if config.tied:
+            with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
+                dx = ab(dlogits, cache.params["wte"], grid)                # (N, h/q)
+            with tr.phase("aux.logits.dW"):    # atb (fwd: abt(xf, wte))
+                dhead = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
+        else:
+            with tr.phase("aux.logits.dX"):    # abt (fwd: ab(xf, head.w))
+                dx = abt(dlogits, cache.params["head.w"], grid)            # (N, h/q)
+            with tr.phase("aux.logits.dW"):    # atb (fwd: ab(xf, head.w))
+                dhead = atb(cache.xf, dlogits, grid)                       # (h/q, v/q)
     with tr.phase("lnf.bwd"):
         dx, grads = _lnf_backward(dx, cache.lnf, config, grid)             # (N, h/q)
-    grads["wte"] = dwte_head
+    grads["wte" if config.tied else "head.w"] = dhead
     return dx.reshape(cache.shape + (-1,)), grads                          # (bl, t, h/q)
 
 
@@ -818,7 +980,8 @@ class OptimusCache(NamedTuple):
 
 
 def forward(local_params: dict, tokens, targets, config: Config, grid,
-            checkpoint: bool = False):
+            checkpoint: bool = False, *, recompute: Optional[str] = None,
+            attention: str = "plain", tile: Optional[int] = None):
     """Mean cross-entropy over the ``b*s`` tokens and the cache, on every rank.
 
     Parameters
@@ -832,7 +995,16 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     grid : summasim.grid.Grid
         ``[q, q, d]``; d == 1 is Optimus, d > 1 SUMMA2.5-LM.
     checkpoint : bool
-        Keep only each layer's input block and recompute the layer in backward.
+        Keep only each layer's input block and recompute the layer in backward
+        (``recompute="full"``).
+    recompute : {None, "none", "selective", "full"}, keyword-only
+        As :func:`model.forward` (None: "full" if ``checkpoint`` else "none"; a
+        contradiction raises). "selective" keeps every layer's cache but the attention
+        probabilities, recomputed in the backward. The gradients are bitwise the same
+        in every mode, and so is the traffic but for "full"'s recomputed forward.
+    attention : {"plain", "flash"}, keyword-only
+        The local attention core (flash: blockwise, online softmax, ``tile`` its
+        key/value tile). No traffic changes.
 
     Returns
     -------
@@ -848,7 +1020,8 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
         rank checks its own arguments (its local parameter shapes against what its
         coordinates should hold), then one untraced agreement
         (:func:`summasim.mpiutil.agree`) on the config, the tokens and targets (shape,
-        dtype, checksum), ``checkpoint`` and every rank's check.
+        dtype, checksum), ``checkpoint``, ``recompute``, ``attention``, ``tile`` and
+        every rank's check.
 
     Notes
     -----
@@ -858,6 +1031,7 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     _check_grid(grid)
 
     def local():
+        _how(checkpoint, recompute, attention)
         check(config, grid)
         model.check_tokens(tokens, config)
         check(config, grid, batch=tokens.shape[0])
@@ -868,12 +1042,15 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     _, err = local_error(local)
     agree("optimus.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
                                     "targets": fingerprint(targets),
-                                    "checkpoint": bool(checkpoint)}, err)
+                                    "checkpoint": bool(checkpoint),
+                                    "recompute": str(recompute), "attention": str(attention),
+                                    "tile": str(tile)}, err)
     x, emb = embed_forward(local_params, tokens, config, grid)             # (bl, t, h/q)
     layers = []
     for l in range(config.layers):
         x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
-                                 checkpoint)                               # (bl, t, h/q)
+                                 checkpoint, recompute=recompute, attention=attention,
+                                 tile=tile)                                # (bl, t, h/q)
         layers.append(layer)
     loss, head = head_forward(x, local_params, targets, config, grid)
     return loss, OptimusCache(params=local_params, shape=head.shape, batch=tokens.shape[0],
@@ -888,7 +1065,8 @@ def backward(cache: OptimusCache) -> dict:
     and are zero-size elsewhere; 2d gradients are identical on every layer k. The
     pieces in reverse (:func:`head_backward`, :func:`layer_backward` from the last
     layer down, :func:`embed_backward`); the tied ``wte`` gradient is the embedding's
-    part plus the LM head's.
+    part plus the LM head's; with an untied head it is the embedding's alone and
+    ``head.w`` has its own.
     """
     dx, grads = head_backward(cache.head)                                  # (bl, t, h/q)
     for l in reversed(range(len(cache.layers))):
@@ -896,9 +1074,10 @@ def backward(cache: OptimusCache) -> dict:
         for key, val in g.items():
             grads[f"h{l}.{key}"] = val
     g = embed_backward(dx, cache.emb)
-    dwte_head = grads["wte"]
+    dwte_head = grads.get("wte")                                           # None: untied
     grads["wte"], grads["wpe"] = g["wte"], g["wpe"]
-    grads["wte"] += dwte_head                                              # tied: embed + head
+    if dwte_head is not None:
+        grads["wte"] += dwte_head                                          # tied: embed + head
     return {key: grads[key] for key in cache.params}
 
 
