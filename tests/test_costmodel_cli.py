@@ -179,20 +179,28 @@ def test_predict_mesh_equals_the_plan_row_exactly():
          "--devices", "64", "--machine", "h100-dgx-ndr", "--mem-gib", "1000"])
     p = plan_cli.check_args(pargs)
     res = plan.search(p.cfg, p.devices, p.global_batch, p.machine, budget=p.budget,
-                      schemes=p.schemes, zeros=p.zeros, checkpoints=p.checkpoints,
-                      schedule=p.schedule, state_bytes=p.state_bytes)
+                      schemes=p.schemes, zeros=p.zeros, recomputes=p.recomputes,
+                      schedule=p.schedule, state_bytes=p.state_bytes,
+                      sequence_parallel=p.sequence_parallel, chunks=p.chunks,
+                      loss_scale=p.loss_scale)
     rows = res.rows
     picks = [rows[0], rows[len(rows) // 2], rows[-1]]
     picks += [r for r in rows if r["scheme"] == "summa25" and r["d"] > r["q"]][:1]
     picks += [r for r in rows if r["pp"] > 1 and r["zero"] == 3][:1]
-    assert len(picks) == 5
+    # every technique the planner searches, each in some row
+    picks += [r for r in rows if r["recompute"] == "selective"][:1]
+    picks += [r for r in rows if r["sequence_parallel"]][:1]
+    picks += [r for r in rows if r["chunks"] > 1][:1]
+    assert len(picks) == 8
     ap = predict.build_parser()
     for r in picks:
         argv = ["--model", "h=1024,heads=16,layers=8,seq=512,vocab=2048", "--batch", "64",
                 "--machine", "h100-dgx-ndr",
                 "--mesh", f"dp={r['dp']},pp={r['pp']},tp={plan.short_grid(r)}",
                 "--zero", str(r["zero"]), "--microbatches", str(r["microbatches"]),
-                "--dtype", p.cfg.dtype] + (["--checkpoint"] if r["checkpoint"] else [])
+                "--dtype", p.cfg.dtype, "--recompute", r["recompute"],
+                "--schedule", r["schedule"]] + (
+                    ["--sequence-parallel"] if r["sequence_parallel"] else [])
         doc = predict.run(ap.parse_args(argv), out=io.StringIO())
         assert doc["step_seconds"] == r["step_seconds"], (argv, doc["step_seconds"], r)
         assert doc["memory"]["total"] / plan.GiB == r["memory_gib"]
@@ -209,7 +217,12 @@ def test_predict_composition_output_and_user_errors(capsys):
                  "512 devices", "m = 48 micro-batches of 4"):
         assert part in out
     for argv, mention in (
-            (["--mesh", "dp=8,pp=7,tp=megatron:8"], "not divisible by pp = 7"),
+            (["--mesh", "dp=1,pp=97,tp=megatron:8"], "do not split into pp = 97 stages"),
+            (["--mesh", "dp=8,pp=8,tp=megatron:8", "--stages", "12,12"], "--stages"),
+            (["--mesh", "dp=8,pp=8,tp=megatron:8", "--schedule", "interleaved:2",
+              "--microbatches", "12"], "multiple of pp = 8"),
+            (["--mesh", "dp=8,pp=8,tp=optimus:2x2", "--sequence-parallel"],
+             "--sequence-parallel: sequence parallelism is Megatron's (1D) only"),
             (["--mesh", "dp=8,pp=8,tp=megatron:8", "--microbatches", "7"], "--microbatches"),
             (["--mesh", "dp=2,tp=optimus:4x4", "--placement", "blocked"], "--placement"),
             (["--mesh", "tp=megatron:7"], "not divisible"),

@@ -256,14 +256,24 @@ def test_one_replica_one_stage_is_todays_prediction(sch, kw):
 # -- refusals --------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,needle", [
     (dict(scheme="megatron", t=4, dp=2, pp=2, devices=32), "2 * 2 * 4 = 16 is not the 32"),
-    (dict(scheme="megatron", t=4, pp=3), "N = 8 are not divisible by pp = 3"),
+    (dict(scheme="megatron", t=4, pp=9), "a pipeline of 9 stages needs at least 9 layers"),
+    (dict(scheme="megatron", t=4, pp=2, stages=(4, 3)), "--stages 4,3: needs 2"),
+    (dict(scheme="megatron", t=4, pp=2, microbatches=3, dp=1, schedule="interleaved",
+          chunks=2), "m = 3 to be a multiple of pp = 2"),
+    (dict(scheme="megatron", t=4, pp=1, schedule="interleaved", chunks=2),
+     "needs pp >= 2 stages"),
+    (dict(scheme="megatron", t=4, pp=2, schedule="interleaved", chunks=8),
+     "2 stages x 8 chunks needs at least 16 layers"),
     (dict(scheme="megatron", t=4, dp=3, microbatches=1), "16 is not divisible by dp * "
                                                            "microbatches = 3 * 1 = 3"),
     (dict(scheme="optimus", q=2, dp=2, microbatches=8), "micro-batches of b = 1"),
     (dict(scheme="summa25", q=2, d=2, dp=1, microbatches=8), "b = 2"),
     (dict(scheme="megatron", t=16), "heads n = 8 is not divisible by p = 16"),
     (dict(scheme="megatron", t=4, zero=4), "zero must be one of"),
-    (dict(scheme="megatron", t=4, schedule="interleaved"), "unknown schedule"),
+    (dict(scheme="megatron", t=4, schedule="interleaved"), "V >= 2 model chunks"),
+    (dict(scheme="megatron", t=4, schedule="zigzag"), "unknown schedule"),
+    (dict(scheme="megatron", t=4, checkpoint=True, recompute="selective"),
+     "contradicts recompute='selective'"),
 ])
 def test_compositions_that_cannot_exist_are_refused(kw, needle):
     with pytest.raises(ValueError) as exc:
@@ -288,7 +298,19 @@ def test_predict_case_prices_the_harness_case():
     assert predict_case(case, LOCAL) == pytest.approx(want["step_seconds"], rel=1e-12)
     mega = dict(case, scheme="megatron", q=1, t=4, mesh="dp=2,pp=2,tp=megatron:4")
     assert predict_case(mega, LOCAL) > 0
-    assert predict_case(dict(case, layers=7), LOCAL) is None      # 7 layers, 2 stages
+    assert predict_case(dict(case, layers=1), LOCAL) is None      # 1 layer, 2 stages
+    # 7 layers on 2 stages: spec.stage_layers' split (4, 3), as the runtime runs it
+    assert predict_case(dict(case, layers=7), LOCAL) == pytest.approx(price_composition(
+        SMALL.replace(checkpoint=True, N=7), "optimus", q=2, machine=LOCAL, dp=2, pp=2,
+        microbatches=2, zero=2, schedule="gpipe", bucket_bytes=4096, global_batch=16,
+        stages=(4, 3))["step_seconds"], rel=1e-12)
+    # the techniques a case names are priced
+    inter = dict(case, schedule="interleaved:2", zero=1, m=2, recompute="selective",
+                 checkpoint=False)
+    assert predict_case(inter, LOCAL) == pytest.approx(price_composition(
+        SMALL.replace(recompute="selective"), "optimus", q=2, machine=LOCAL, dp=2, pp=2,
+        microbatches=2, zero=1, schedule="interleaved", chunks=2, bucket_bytes=4096,
+        global_batch=16)["step_seconds"], rel=1e-12)
     assert predict_case({"scheme": "optimus"}, LOCAL) is None
 
 

@@ -91,7 +91,7 @@ def test_eq3_is_the_model_flops_plus_the_recomputed_forward():
 
 @pytest.mark.parametrize("change, needle", [
     ({"dp": 7}, "is not the"),                         # dp pp t != the published GPUs
-    ({"pp": 7, "dp": 1, "devices": 56}, "not divisible by pp"),   # uneven stages
+    ({"pp": 1024, "dp": 1, "devices": 8192}, "do not split into pp = 1024"),  # > layers
     ({"microbatches": 5}, "not divisible by dp"),      # B / (dp m) not whole
 ])
 def test_composition_kind_refuses_a_composition_that_cannot_exist(change, needle):

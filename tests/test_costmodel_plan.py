@@ -47,10 +47,12 @@ def test_ranked_compositions_fit_and_are_sorted():
     for r in rows[:3] + rows[-2:]:
         sch = Scheme.make(r["scheme"], p=r["t"], q=None if r["scheme"] == "megatron"
                           else r["q"], d=r["d"])
-        again = price_composition(cfg, sch, machine=machine, dp=r["dp"], pp=r["pp"],
-                                  microbatches=r["microbatches"], global_batch=64,
-                                  zero=r["zero"], checkpoint=r["checkpoint"], devices=64,
-                                  state_bytes=StateBytes.for_dtype("bfloat16"))
+        again = price_composition(
+            cfg.replace(sequence_parallel=r["sequence_parallel"]), sch, machine=machine,
+            dp=r["dp"], pp=r["pp"], microbatches=r["microbatches"], global_batch=64,
+            zero=r["zero"], recompute=r["recompute"], devices=64,
+            schedule="interleaved" if r["chunks"] > 1 else "1f1b", chunks=r["chunks"],
+            state_bytes=StateBytes.for_dtype("bfloat16"))
         assert again["step_seconds"] == pytest.approx(r["step_seconds"], rel=1e-12)
         assert again["memory"]["total"] <= budget
 

@@ -30,7 +30,11 @@ fc1 bias + GELU            2 F it  (10 F)                   3 F it  (15 F)
 fc2 bias+dropout+residual  3 X it (+ X mask bytes)          3 X it (+ X)
 =========================  ===============================  ========================
 
-With activation checkpointing the forward kernels run again in backward. Per step
+With activation checkpointing the forward kernels run again in backward; with
+selective recompute the softmax and attention dropout. Under Megatron sequence
+parallelism X (LayerNorm, residual, hidden dropout) is ``b s h / p`` (Korthikanti et
+al. 2022, section 4.2.2). Blockwise attention (:func:`_attention_kernels`) moves no
+``S`` bytes; SwiGLU's kernel reads two F tensors and writes one. Per step
 add the embedding (gather and position add, 3 X it; backward scatter-add 3 X it),
 the final LayerNorm, the vocabulary-parallel cross-entropy over the local logits
 ``L = b s v / p`` (forward 3 L it: max, sum of exponentials, loss; backward 2 L it)
@@ -60,6 +64,10 @@ from .._fields import nested_from_dict
 #: Flops per element assumed for each elementwise kernel (LayerNorm: mean, variance,
 #: normalize, scale, shift; softmax: max, exp, sum, divide, scale/mask; GELU tanh form).
 LN_FLOPS, SOFTMAX_FLOPS, GELU_FLOPS, GELU_BWD_FLOPS = 8.0, 5.0, 10.0, 15.0
+#: SwiGLU (Shazeer 2020): ``silu(g) u = g u / (1 + exp(-g))``: exp, add, divide and two
+#: multiplies forward; backward ``silu'(g) = s (1 + g (1 - s))`` with s the sigmoid,
+#: times u and dout, and silu(g) times dout: about twice that.
+SWIGLU_FLOPS, SWIGLU_BWD_FLOPS = 5.0, 10.0
 #: Bytes per parameter of a fused Adam step (see the module docstring), without the
 #: low-precision copy.
 ADAM_BYTES = 28.0
@@ -144,49 +152,98 @@ class Kernel(NamedTuple):
 
 
 def _local_sizes(scheme, cfg):
-    """``(X_whole, X_split, Q, S, F, tokens)``: local items of one rank."""
+    """``(X_whole, X_split, Q, S, F)``: local items of one rank."""
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p = scheme.p
     bsh = b * s * h
     f = cfg.ffn * h
-    if scheme.name == "megatron":
+    if scheme.name == "megatron" and not getattr(cfg, "sequence_parallel", False):
         x_rep = bsh                      # LayerNorm, residual, hidden dropout: replicated
     else:
-        x_rep = bsh / p
-    return x_rep, bsh / p, 3 * bsh / p, b * n * s * s / p, b * s * f / p
+        x_rep = bsh / p                  # 2D/2.5D blocks; Megatron's sequence shards
+    qkv = getattr(cfg, "qkv_mult", 3)
+    return x_rep, bsh / p, qkv * bsh / p, b * n * s * s / p, b * s * f / p
+
+
+def _attention_kernels(cfg, X, Xs, S, it, drop) -> tuple[list, list]:
+    """The attention core's memory-bound kernels, forward and backward.
+
+    Plain: scale+mask+softmax over the S scores (forward reads and writes them, 2 S it;
+    backward reads the probabilities and their gradient and writes the scores'
+    gradient, 3 S it) and the attention dropout (S (2 it + 1), its mask a byte each).
+    Blockwise (FlashAttention, Dao et al. 2022, section 3.1; FlashAttention-2, Dao 2023):
+    the softmax, mask and dropout run inside the attention GEMMs' kernel, so the scores
+    never reach device memory: the same flops at the vector rate, no S traffic; the
+    kernel writes the float32 log-sum-exp (b n s / p, 4 bytes) forward, and backward
+    first forms ``D = rowsum(dO * O)`` (reads dO and O, 2 Xs it), recomputing the
+    probabilities' exponentials (5 S flops again) before the 4 S of the softmax backward.
+    """
+    if getattr(cfg, "attention", "plain") == "flash":
+        lse = 4 * S / cfg.s              # b n s / p float32 row statistics
+        fwd = [Kernel("flash_softmax", (SOFTMAX_FLOPS + (2 if drop else 0)) * S, lse)]
+        bwd = [Kernel("flash_softmax_bwd", (SOFTMAX_FLOPS + 4 + (1 if drop else 0)) * S,
+                      2 * Xs * it + lse)]
+        return fwd, bwd
+    fwd = [Kernel("softmax", SOFTMAX_FLOPS * S, 2 * S * it)]
+    if drop:
+        fwd.append(Kernel("attn_dropout", 2 * S, S * (2 * it + 1)))
+    bwd = []
+    if drop:
+        bwd.append(Kernel("attn_dropout_bwd", S, S * (2 * it + 1)))
+    bwd.append(Kernel("softmax_bwd", 4 * S, 3 * S * it))
+    return fwd, bwd
+
+
+def attention_kernels(scheme, cfg) -> dict:
+    """``{"forward": [Kernel], "backward": [Kernel]}``: the attention core's memory-bound
+    kernels of one layer on one rank (:func:`_attention_kernels`); its forward is what
+    selective recompute runs again."""
+    X, Xs, Q, S, F = _local_sizes(scheme, cfg)
+    fwd, bwd = _attention_kernels(cfg, X, Xs, S, cfg.itemsize,
+                                  getattr(cfg, "dropout", 0.0) > 0)
+    return {"forward": fwd, "backward": bwd}
 
 
 def layer_kernels(scheme, cfg) -> dict:
     """``{"forward": [Kernel], "backward": [Kernel]}`` of one layer on one rank (see
-    the module docstring); backward includes the recomputed forward when
-    ``cfg.checkpoint``."""
+    the module docstring); backward starts with what the recompute re-runs
+    (``cfg.recompute``: the whole forward when ``full``; the attention core's softmax
+    and dropout when ``selective``, Korthikanti et al. 2022, section 5)."""
     it = cfg.itemsize
     drop = getattr(cfg, "dropout", 0.0) > 0
     X, Xs, Q, S, F = _local_sizes(scheme, cfg)
     mask = 1.0 if drop else 0.0
+    att_f, att_b = _attention_kernels(cfg, X, Xs, S, it, drop)
     fwd = [Kernel("ln1", LN_FLOPS * X, 2 * X * it),
-           Kernel("qkv_bias", Q, 2 * Q * it),
-           Kernel("softmax", SOFTMAX_FLOPS * S, 2 * S * it)]
-    if drop:
-        fwd.append(Kernel("attn_dropout", 2 * S, S * (2 * it + 1)))
+           Kernel("qkv_bias", Q, 2 * Q * it)] + att_f
     fwd += [Kernel("proj_bias_dropout_residual", 3 * X, 3 * X * it + mask * X),
-            Kernel("ln2", LN_FLOPS * X, 2 * X * it),
-            Kernel("fc1_bias_gelu", GELU_FLOPS * F, 2 * F * it),
-            Kernel("fc2_bias_dropout_residual", 3 * X, 3 * X * it + mask * X)]
+            Kernel("ln2", LN_FLOPS * X, 2 * X * it)]
+    if getattr(cfg, "mlp", "gelu") == "swiglu":
+        # gate and up (+ biases) in, silu(gate) * up out (Shazeer 2020): 3 F it
+        fwd.append(Kernel("fc1_bias_swiglu", SWIGLU_FLOPS * F, 3 * F * it))
+    else:
+        fwd.append(Kernel("fc1_bias_gelu", GELU_FLOPS * F, 2 * F * it))
+    fwd.append(Kernel("fc2_bias_dropout_residual", 3 * X, 3 * X * it + mask * X))
     bwd = [Kernel("fc2_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
-           Kernel("fc2_bias_grad", X, X * it),
-           Kernel("fc1_gelu_bwd", GELU_BWD_FLOPS * F, 3 * F * it),
-           Kernel("fc1_bias_grad", F, F * it),
-           Kernel("ln2_bwd", 2 * LN_FLOPS * X, 3 * X * it),
-           Kernel("proj_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
-           Kernel("proj_bias_grad", X, X * it)]
-    if drop:
-        bwd.append(Kernel("attn_dropout_bwd", S, S * (2 * it + 1)))
-    bwd += [Kernel("softmax_bwd", 4 * S, 3 * S * it),
-            Kernel("qkv_bias_grad", Q, Q * it),
+           Kernel("fc2_bias_grad", X, X * it)]
+    if getattr(cfg, "mlp", "gelu") == "swiglu":
+        # reads gate, up and the product's gradient, writes both gradients: 5 F it
+        bwd += [Kernel("fc1_swiglu_bwd", SWIGLU_BWD_FLOPS * F, 5 * F * it),
+                Kernel("fc1_bias_grad", 2 * F, 2 * F * it)]
+    else:
+        bwd += [Kernel("fc1_gelu_bwd", GELU_BWD_FLOPS * F, 3 * F * it),
+                Kernel("fc1_bias_grad", F, F * it)]
+    bwd += [Kernel("ln2_bwd", 2 * LN_FLOPS * X, 3 * X * it),
+            Kernel("proj_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
+            Kernel("proj_bias_grad", X, X * it)]
+    bwd += att_b
+    bwd += [Kernel("qkv_bias_grad", Q, Q * it),
             Kernel("ln1_bwd", 2 * LN_FLOPS * X, 3 * X * it)]
-    if cfg.checkpoint:
+    recompute = getattr(cfg, "recompute", "full" if cfg.checkpoint else "none")
+    if recompute == "full":
         bwd = list(fwd) + bwd
+    elif recompute == "selective" and getattr(cfg, "attention", "plain") == "plain":
+        bwd = list(att_f) + bwd
     return {"forward": fwd, "backward": bwd}
 
 
@@ -199,14 +256,17 @@ def model_kernels(scheme, cfg, local_params: float, param_tensors: float) -> dic
     X, Xs, Q, S, F = _local_sizes(scheme, cfg)
     layer = layer_kernels(scheme, cfg)
     L = cfg.b * cfg.s * cfg.v / scheme.p
-    fwd = [Kernel("embedding", X, 3 * X * it)] + cfg.N * layer["forward"] + [
+    # the vocabulary-parallel lookup writes the whole [b s, h] partial sum on every
+    # Megatron rank, sequence parallel or not (it is reduce-scattered afterwards)
+    E = cfg.b * cfg.s * cfg.h if scheme.name == "megatron" else X
+    fwd = [Kernel("embedding", E, 3 * E * it)] + cfg.N * layer["forward"] + [
         Kernel("lnf", LN_FLOPS * X, 2 * X * it)]
     bwd = []
     if cfg.v:
         fwd.append(Kernel("cross_entropy", 4 * L, 3 * L * it))
         bwd.append(Kernel("cross_entropy_bwd", 2 * L, 2 * L * it))
     bwd += [Kernel("lnf_bwd", 2 * LN_FLOPS * X, 3 * X * it)] + cfg.N * layer["backward"] + [
-        Kernel("embedding_bwd", X, 3 * X * it)]
+        Kernel("embedding_bwd", E, 3 * E * it)]
     per_param = ADAM_BYTES + (2 * it if it < 4 else 0)
     opt = []
     if local_params > 0:

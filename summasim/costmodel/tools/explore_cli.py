@@ -57,7 +57,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from summasim import cli, options
+from summasim import cli, options, spec
 from summasim.costmodel.machine import DTYPE_SIZES, Machine
 from summasim.costmodel.workload.scheme import SCHEMES, TransformerConfig
 from summasim.costmodel.machine.topology import Placement
@@ -200,7 +200,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 "predict and plan, the first of "
                                 f"{', '.join(_cli.DEFAULT_DTYPES)} the machine has)")
     ap.add_argument("--no-checkpoint", action="store_true",
-                    help="no activation checkpointing")
+                    help="no activation checkpointing (the same as --recompute none)")
+    ap.add_argument("--recompute", choices=spec.RECOMPUTE, default=None,
+                    help="activation recompute of every step: none, selective (the "
+                         "attention core) or full (default full, or none with "
+                         "--no-checkpoint)")
+    ap.add_argument("--attention", choices=spec.ATTENTIONS, default="plain",
+                    help="plain (default) or flash (blockwise attention)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="Megatron sequence parallelism (the 2D and 2.5D schemes already "
+                         "split every activation: not priced with it, the note says so)")
     ap.add_argument("--mode", choices=("mpich", "paper"), default="mpich",
                     help="collective formulas: MPICH's algorithms or the Optimus paper's")
     ap.add_argument("--matmul-n", type=cli.positive_int, default=32768,
@@ -273,8 +282,13 @@ def check_args(args) -> Plan:
         raise _arg("--matmul-n", f"at most 2^40 = {MAX_SIZE}, got {args.matmul_n}")
     model, batch = model_batch(args)
     check_sizes(model, batch)
-    cfg = TransformerConfig.from_model(model, batch, checkpoint=not args.no_checkpoint,
-                                       dtype=dtype)
+    if args.recompute is not None and args.no_checkpoint and args.recompute != "none":
+        raise _arg("--recompute", f"--no-checkpoint is --recompute none; it contradicts "
+                                  f"--recompute {args.recompute}")
+    recompute = args.recompute or ("none" if args.no_checkpoint else "full")
+    cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=recompute,
+                                       attention=args.attention,
+                                       sequence_parallel=args.sequence_parallel)
     budget = (args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes)
     if getattr(args, "p", None):
         ps = sorted(set(args.p))
@@ -322,7 +336,7 @@ def _skipped_lines(skipped: list[dict]) -> str:
         mine = [r for r in skipped if r["scheme"] == name]
         ps = sorted({r["p"] for r in mine})
         shown = ", ".join(map(str, ps[:8])) + (", ..." if len(ps) > 8 else "")
-        out.append(f"  not priced (the grid does not divide the model): {name} at p = "
+        out.append(f"  not priced (the grid does not run the model): {name} at p = "
                    f"{shown} ({mine[0]['reason']})\n")
     return "".join(out)
 
@@ -338,7 +352,8 @@ def run(args, out=None) -> dict:
                                          plan.p_values)
     title = (f"{machine.name}: b={fmt(cfg.b)} s={fmt(cfg.s)} h={fmt(cfg.h)} "
              f"n={fmt(cfg.n)} N={cfg.N} ffn={fmt(cfg.ffn)} {cfg.dtype} "
-             f"{'checkpointing' if cfg.checkpoint else 'no checkpointing'}, {args.mode}")
+             f"recompute {cfg.recompute}, attention {cfg.attention}"
+             f"{', sequence parallel' if cfg.sequence_parallel else ''}, {args.mode}")
     skipped = {"strong": [], "weak": [], "matmul": []}
     rule = getattr(args, "weak", "batch")
     iso = not args.no_iso and len([p for p in ps if p >= 16 and math.isqrt(p) ** 2 == p]) > 1

@@ -4,11 +4,17 @@ For a transformer (a :class:`~summasim.costmodel.workload.scheme.TransformerConf
 ``devices`` N and a global batch of B sequences on a machine, :func:`search` enumerates
 
     data parallel dp  x  pipeline stages pp  x  tensor scheme and grid
-    x  ZeRO stage  x  micro-batches m  x  activation checkpointing
+    x  ZeRO stage  x  micro-batches m  x  recompute (none, selective, full)
+    x  sequence parallelism (Megatron, t > 1: off, on)
+    x  model chunks per stage V (1: 1F1B; 2, 4: interleaved 1F1B)
 
-with ``dp * pp * t = N``, pp dividing the layers, ``dp m`` dividing B and the
-micro-batch ``B / (dp m)`` one the tensor grid can split (the rules of
-:func:`summasim.costmodel.workload.tensor.check_composition`). It keeps the compositions whose
+with ``dp * pp * t = N``, pp dividing the layers (even stages), ``dp m`` dividing B and
+the micro-batch ``B / (dp m)`` one the tensor grid can split (the rules of
+:func:`summasim.costmodel.workload.tensor.check_composition`); V > 1 only where
+``pp >= 2``, ``pp V`` divides the layers and m is a multiple of pp (Megatron-LM's
+rule). Attention is plain unless asked (``attention="flash"``), under which selective
+recompute has nothing left to drop and is not searched; the mixed-precision state
+bytes, loss scale and gradient-reduction type are the caller's. It keeps the compositions whose
 memory per device (the worst pipeline stage: model states under ZeRO, activations
 of the micro-batches in flight, workspaces) fits the budget, prices them with
 :func:`summasim.costmodel.workload.composition.price_composition` and ranks them by predicted
@@ -17,8 +23,9 @@ step time (compact rows, :class:`SearchResult`). When nothing exists or nothing 
 The command line, ``python -m summasim.costmodel plan``, is :mod:`.plan_cli`.
 
 Speed: memory is checked before any time is priced, and the tensor-parallel prices
-(``schemes.step_cost``) are computed once per (grid, micro-batch) and shared by every
-dp, pp, ZeRO stage and checkpointing choice; a composition costs O(1) in pp. The links
+(``schemes.step_cost``) are computed once per (grid, micro-batch, sequence
+parallelism) and shared by every dp, pp, ZeRO stage, recompute and schedule; a
+composition costs O(1) in pp. The links
 of each group (``topology.group_path``) are memoized across pricers.
 """
 
@@ -35,7 +42,8 @@ from summasim.costmodel.workload.stage_memory import composition_memory
 from summasim.costmodel.workload.composition import flatten_breakdown, price_composition
 from summasim.costmodel.workload.tensor import tensor_memory
 from summasim.costmodel.machine import Machine
-from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
+from summasim.costmodel.workload.scheme import (SCHEMES, Scheme, TransformerConfig, misfit,
+                                                sequence_parallel_misfit)
 from summasim.costmodel.workload.footprint import batch_step
 
 from . import scheme_grids
@@ -77,7 +85,7 @@ class Plan(NamedTuple):
     global_batch: int
     schemes: tuple
     zeros: tuple
-    checkpoints: tuple
+    recomputes: tuple        # of "none", "selective", "full"
     schedule: str
     budget: float            # bytes per device
     state_bytes: StateBytes
@@ -87,6 +95,18 @@ class Plan(NamedTuple):
     top: int
     json: str | None
     plot: str | None
+    sequence_parallel: tuple = (False, True)
+    chunks: tuple = (1, 2, 4)
+    attention: str = "plain"
+    loss_scale: str = "none"
+    training: "spec.Training | None" = None     # dtype, loss scale, grad reduce
+
+
+#: The model chunks per stage the planner tries by default: 1 (1F1B) and the
+#: interleaved schedule's 2 and 4 (Narayanan et al. 2021 run V = 2 to 6 chunks).
+CHUNKS = (1, 2, 4)
+#: The recomputes it tries by default.
+RECOMPUTES = ("none", "selective", "full")
 
 
 @dataclass
@@ -108,7 +128,10 @@ def _row(res: dict) -> dict:
     return {"scheme": c["scheme"], "grid": c["grid"], "t": c["t"], "q": c["q"], "d": c["d"],
             "dp": c["dp"], "pp": c["pp"], "microbatches": c["microbatches"],
             "micro_batch": c["micro_batch"], "zero": c["zero"], "checkpoint": c["checkpoint"],
-            "schedule": c["schedule"], "step_seconds": res["step_seconds"],
+            "recompute": c["recompute"], "chunks": c["chunks"],
+            "sequence_parallel": c["sequence_parallel"], "attention": c["attention"],
+            "schedule": (f"interleaved:{c['chunks']}" if c["schedule"] == "interleaved"
+                         else c["schedule"]), "step_seconds": res["step_seconds"],
             **flatten_breakdown(res["breakdown"]),
             "bubble_fraction": res["bubble_fraction"],
             "memory_gib": mem["total"] / GiB,
@@ -127,32 +150,47 @@ def _ticking(items, tick):
 
 
 def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Machine, *,
-           budget: float, schemes=SCHEMES, zeros=ZERO_STAGES, checkpoints=(False, True),
-           schedule: str = "1f1b", state_bytes: StateBytes | None = None,
+           budget: float, schemes=SCHEMES, zeros=ZERO_STAGES, recomputes=RECOMPUTES,
+           checkpoints=None, schedule: str = "1f1b", state_bytes: StateBytes | None = None,
            bucket_bytes: float = BUCKET_BYTES, max_microbatches: int | None = None,
-           zero3_prefetch: bool = False, price: bool = True, tick=None) -> SearchResult:
+           zero3_prefetch: bool = False, price: bool = True, tick=None,
+           sequence_parallel=(False, True), chunks=CHUNKS, loss_scale: str = "none"
+           ) -> SearchResult:
     """Every composition of ``devices`` for ``cfg`` that fits ``budget`` bytes per
     device, priced and ranked by step time (``price=False``: memory only, unranked).
 
-    ZeRO stages above 0 are tried only with dp > 1 (they equal stage 0 at dp = 1).
-    ``counts``: ``compositions`` (all that exist), ``fit``; ``reasons``: why (dp, pp)
-    pairs or grids had no composition (for the nothing-exists message). ``tick``, when
-    given, is called with the number of tensor grids once they are known (``tick(0,
-    total)``) and then once per grid searched (``tick(1)``): a progress bar's hook.
+    ``recomputes`` (``checkpoints``, True/False, names full/none instead),
+    ``sequence_parallel`` (tried for Megatron with t > 1 only) and ``chunks`` (V; V > 1
+    with ``schedule`` 1f1b only, where the layers and m allow) are searched; the
+    attention, the block and the dtype are ``cfg``'s. ZeRO stages above 0 are tried
+    only with dp > 1 (they equal stage 0 at dp = 1). ``counts``: ``compositions`` (all
+    that exist), ``fit``; ``reasons``: why (dp, pp) pairs or grids had no composition
+    (for the nothing-exists message). ``tick``, when given, is called with the number
+    of tensor grids once they are known (``tick(0, total)``) and then once per grid
+    searched (``tick(1)``): a progress bar's hook.
     """
     t0 = time.perf_counter()
     sb = state_bytes or StateBytes.for_dtype(cfg.dtype)
+    if checkpoints is not None:
+        recomputes = tuple("full" if ck else "none" for ck in checkpoints)
+    if cfg.attention == "flash":          # nothing left for selective recompute to drop
+        recomputes = tuple(rc for rc in recomputes if rc != "selective") or ("none",)
+    chunks = (1,) if schedule == "gpipe" else tuple(chunks)
     N, B = cfg.N, global_batch
     cache: dict = {}
     rows, counts, reasons = [], {"grids": 0, "compositions": 0, "fit": 0}, {}
     smallest = None
-    grids = tensor_grids(cfg, devices, schemes)
+    grids = tensor_grids(cfg.replace(sequence_parallel=False), devices, schemes)
     counts["grids"] = len(grids)
     if tick is not None:
         tick(0, len(grids))
+    sp_cfgs = {sp: cfg.replace(sequence_parallel=sp) for sp in (False, True)}
     for sch in _ticking(grids, tick):
         t = sch.p
         step = batch_step(sch)
+        sps = [sp for sp in sequence_parallel if not sp or (
+            sch.name == "megatron" and t > 1
+            and sequence_parallel_misfit(sch, sp_cfgs[True]) is None)]
         for pp in _divisors(N):
             if devices % (t * pp):
                 continue
@@ -169,33 +207,44 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
                         reasons.setdefault("micro", f"{sch.label}: micro-batch {b} is not a "
                                                     f"multiple of d q = {step}")
                     continue
-                tm = cache.get(("mem", cfg, sch, b))
-                if tm is None:
-                    tm = cache[("mem", cfg, sch, b)] = tensor_memory(sch, cfg, b)
-                for ck in checkpoints:
-                    for zero in (zeros if dp > 1 else (0,)):
-                        counts["compositions"] += 1
-                        mem = composition_memory(tm, layers=N, dp=dp, pp=pp, zero=zero, m=m,
-                                                 schedule=schedule, checkpoint=ck, sb=sb,
-                                                 bucket_bytes=bucket_bytes)
-                        if mem["total"] > budget:
-                            if smallest is None or mem["total"] < smallest["memory"]:
-                                smallest = {"memory": mem["total"], "grid": sch.label,
+                vs = [v for v in chunks if v == 1 or (pp >= 2 and N % (pp * v) == 0
+                                                      and m % pp == 0)]
+                for sp in sps:
+                    c = sp_cfgs[sp]
+                    tm = cache.get(("mem", c, sch, b))
+                    if tm is None:
+                        tm = cache[("mem", c, sch, b)] = tensor_memory(sch, c, b)
+                    for v in vs:
+                        kind = "interleaved" if v > 1 else schedule
+                        for rc in recomputes:
+                            for zero in (zeros if dp > 1 else (0,)):
+                                counts["compositions"] += 1
+                                mem = composition_memory(
+                                    tm, layers=N, dp=dp, pp=pp, zero=zero, m=m,
+                                    schedule=kind, recompute=rc, sb=sb,
+                                    bucket_bytes=bucket_bytes, chunks=v, tied=c.tied)
+                                if mem["total"] > budget:
+                                    if smallest is None or mem["total"] < smallest["memory"]:
+                                        smallest = {
+                                            "memory": mem["total"], "grid": sch.label,
                                             "scheme": sch.name, "t": t, "dp": dp, "pp": pp,
                                             "microbatches": m, "micro_batch": b,
-                                            "zero": zero, "checkpoint": ck,
+                                            "zero": zero, "checkpoint": rc == "full",
+                                            "recompute": rc, "chunks": v,
+                                            "sequence_parallel": sp,
                                             "model_states": mem["model_states"]["total"],
                                             "activations": mem["activations"]}
-                            continue
-                        counts["fit"] += 1
-                        if not price:
-                            continue
-                        res = price_composition(
-                            cfg, sch, machine=machine, dp=dp, pp=pp, microbatches=m,
-                            global_batch=B, zero=zero, schedule=schedule, checkpoint=ck,
-                            devices=devices, bucket_bytes=bucket_bytes, state_bytes=sb,
-                            zero3_prefetch=zero3_prefetch, cache=cache)
-                        rows.append(_row(res))
+                                    continue
+                                counts["fit"] += 1
+                                if not price:
+                                    continue
+                                res = price_composition(
+                                    c, sch, machine=machine, dp=dp, pp=pp, microbatches=m,
+                                    global_batch=B, zero=zero, schedule=kind, chunks=v,
+                                    recompute=rc, devices=devices, bucket_bytes=bucket_bytes,
+                                    state_bytes=sb, zero3_prefetch=zero3_prefetch,
+                                    loss_scale=loss_scale, cache=cache)
+                                rows.append(_row(res))
     rows.sort(key=lambda r: r["step_seconds"])
     return SearchResult(rows, counts, smallest, time.perf_counter() - t0, reasons)
 
@@ -223,9 +272,11 @@ def fits_with_more(plan: Plan, tick=None) -> tuple[int, dict] | None:
             tick()
         dev = plan.devices << k
         res = search(plan.cfg, dev, plan.global_batch, plan.machine, budget=plan.budget,
-                     schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,
+                     schemes=plan.schemes, zeros=plan.zeros, recomputes=plan.recomputes,
                      schedule=plan.schedule, state_bytes=plan.state_bytes, price=False,
-                     max_microbatches=plan.max_microbatches)
+                     max_microbatches=plan.max_microbatches,
+                     sequence_parallel=plan.sequence_parallel, chunks=plan.chunks,
+                     loss_scale=plan.loss_scale)
         if res.counts["fit"]:
             return dev, res.counts
     return None

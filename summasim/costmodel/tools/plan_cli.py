@@ -4,13 +4,16 @@ For a transformer (``--model NAME|h=...,heads=...,layers=...,seq=...,vocab=...``
 ``--devices N`` and a global batch of ``--batch B`` sequences (default: the model
 preset's published batch) on a machine (``--machine FILE|PRESET``), the planner
 searches every composition of the N devices (dp x pp x tensor grid x ZeRO stage x
-micro-batches x checkpointing: :func:`summasim.costmodel.tools.plan.search`, which also
-says how fast it is), keeps those whose memory per device on the worst pipeline stage
-fits ``--mem-fraction`` of the device's memory (or ``--mem-gib``), ranks them by
-predicted step time, and prints the ``--top`` ten with their breakdown (GEMM,
-memory-bound work, exposed tensor / data-parallel / pipeline / ZeRO communication,
-bubble, optimizer) and memory, the best of each scheme and ZeRO stage (why the winner
-wins), writes JSON (``--json``, atomically) and a plot (``--plot``, matplotlib with
+micro-batches x recompute none/selective/full x Megatron sequence parallelism off/on x
+model chunks per stage V = 1, 2, 4 (interleaved 1F1B):
+:func:`summasim.costmodel.tools.plan.search`, which also says how fast it is), with
+plain attention unless ``--attention flash``, keeps those whose memory per device on
+the worst pipeline stage fits ``--mem-fraction`` of the device's memory (or
+``--mem-gib``), ranks them by predicted step time, and prints the ``--top`` ten with
+their techniques, breakdown (GEMM, memory-bound work, exposed tensor / data-parallel /
+pipeline / ZeRO communication, bubble, optimizer) and memory, the best of each scheme,
+ZeRO stage, recompute, sequence parallelism and chunk count (why the winner wins),
+writes JSON (``--json``, atomically) and a plot (``--plot``, matplotlib with
 Agg). This module is the command line: the arguments, checked before any work, the
 tables, JSON and plot.
 
@@ -18,6 +21,15 @@ Exit status: 0 with a plan; 1 when compositions exist but none fits the memory (
 message says the smallest memory per device found, the composition that has it, and
 how many devices would fit one); 2 for a user error (one line, before any work; this
 includes a model and device count for which no composition exists at all).
+
+How the mesh trains is searched, not fixed, so ``plan`` declares its own lists
+(``--zero 0,1,2,3``, ``--recompute none,selective,full``, ``--sequence-parallel
+both|on|off``, ``--chunks 1,2,4``) where :func:`summasim.options.add_training` declares
+one value each; ``--attention``, ``--loss-scale`` and ``--grad-reduce`` are spelled and
+checked as there (:class:`summasim.spec.Training`). Mixed precision (a 16-bit
+``--dtype``) keeps 16-bit parameters, float32 master weights and Adam and the gradients
+in ``--grad-reduce``'s type (float32 by default: 18 bytes per parameter;
+:meth:`~summasim.costmodel.workload.zero.StateBytes.for_training`).
 
 Known models (``--model``; ``--list-models``: :data:`summasim.spec.MODELS`) carry their
 published shapes and sources; vocabularies are padded as Megatron-LM pads them (to
@@ -30,10 +42,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from summasim import cli, options
+from summasim import cli, options, spec
 from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
-from summasim.costmodel.workload.pipeline import SCHEDULES
 from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
@@ -48,8 +59,12 @@ from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
 MAX_DEVICES = 1 << 16
 MAX_LAYERS = 1 << 16
 MAX_BATCH = 1 << 24
-from .plan import (GiB, MEM_FRACTION, MODELS, Plan, SearchResult, fits_with_more,
-                   nothing_exists, search, short_grid)
+#: Model chunks per stage: at most this many values, each at most this (each value is
+#: one more pass over the compositions).
+MAX_CHUNK_VALUES = 4
+MAX_CHUNKS = 16
+from .plan import (CHUNKS, GiB, MEM_FRACTION, MODELS, RECOMPUTES, Plan, SearchResult,  # noqa: E402
+                   fits_with_more, nothing_exists, search, short_grid)
 
 
 
@@ -81,10 +96,39 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     default=",".join(SCHEMES), help="tensor schemes to search")
     ap.add_argument("--zero", type=cli.choice_list(tuple(map(str, ZERO_STAGES)), "ZeRO stage"),
                     default=",".join(map(str, ZERO_STAGES)), help="ZeRO stages to search")
-    ap.add_argument("--checkpoint", choices=("both", "on", "off"), default="both",
-                    help="activation checkpointing choices to search")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                    help="pipeline schedule (same time; GPipe holds m micro-batches)")
+    ap.add_argument("--recompute", type=cli.choice_list(spec.RECOMPUTE, "recompute"),
+                    default=None, metavar="LIST",
+                    help="activation recomputes to search, of none, selective (the "
+                         "attention core, Korthikanti et al. 2022) and full (default "
+                         "all three; selective is left out under --attention flash)")
+    ap.add_argument("--checkpoint", choices=("both", "on", "off"), default=None,
+                    help="full recompute only: on (full), off (none) or both; the "
+                         "same as --recompute full / none / none,full")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                    help="pipeline schedule (same time; GPipe holds m micro-batches); "
+                         "1f1b also tries --chunks")
+    ap.add_argument("--chunks", type=cli.int_list(minimum=1), default=list(CHUNKS),
+                    metavar="V,V,...",
+                    help=f"model chunks per stage to search (1: 1F1B; V >= 2: interleaved "
+                         f"1F1B, where pp >= 2, pp V divides the layers and m is a multiple "
+                         f"of pp; default {','.join(map(str, CHUNKS))}; at most "
+                         f"{MAX_CHUNK_VALUES} values, each at most {MAX_CHUNKS})")
+    ap.add_argument("--sequence-parallel", nargs="?", const="on", default="both",
+                    choices=("both", "on", "off"),
+                    help="Megatron sequence parallelism (t > 1) to search: both "
+                         "(default), on (alone: the same) or off")
+    ap.add_argument("--attention", choices=spec.ATTENTIONS, default="plain",
+                    help="plain (default; holds the b n s^2 scores) or flash (blockwise "
+                         "attention, Dao et al.): the planner uses flash only when asked")
+    ap.add_argument("--loss-scale", type=options.loss_scale_type, default=None,
+                    metavar="dynamic|static:S|none",
+                    help="loss scaling under mixed precision (default dynamic for "
+                         "float16, none for bfloat16): the unscaling pass and, dynamic, "
+                         "the overflow flag's all-reduce")
+    ap.add_argument("--grad-reduce", choices=spec.GRAD_REDUCE_DTYPES, default=None,
+                    help="type of the gradients and their data-parallel reduction under "
+                         "mixed precision (default float32: a float32 buffer, 4 bytes "
+                         "on the wire)")
     ap.add_argument("--max-microbatches", type=cli.positive_int, default=None,
                     help="largest m to try")
     ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=BUCKET_BYTES / 2**20,
@@ -127,6 +171,27 @@ def check_args(args) -> Plan:
             raise _arg(flag, f"at most {what} = {most} for a search, got {val}")
     machine = resolve_machine(args.machine)
     dtype = pick_dtype(machine, args.dtype)
+    try:
+        training = spec.Training(dtype=dtype, loss_scale=args.loss_scale,
+                                 grad_reduce=args.grad_reduce, attention=args.attention)
+    except ValueError as exc:
+        flag = "--loss-scale" if "loss-scale" in str(exc) else "--grad-reduce"
+        raise _arg(flag, exc) from None
+    chunks = tuple(sorted(set(args.chunks)))
+    if len(chunks) > MAX_CHUNK_VALUES or chunks[-1] > MAX_CHUNKS:
+        raise _arg("--chunks", f"at most {MAX_CHUNK_VALUES} values, each at most "
+                               f"{MAX_CHUNKS}, got {','.join(map(str, args.chunks))}")
+    if args.schedule == "gpipe" and chunks != (1,) and args.chunks != list(CHUNKS):
+        raise _arg("--chunks", "the interleaved schedule is 1F1B's; --schedule gpipe "
+                               "takes one chunk per stage")
+    if args.checkpoint is not None and args.recompute is not None:
+        raise _arg("--checkpoint", "names full recompute; give --recompute or "
+                                   "--checkpoint, not both")
+    if args.checkpoint is not None:
+        recomputes = {"both": ("none", "full"), "on": ("full",),
+                      "off": ("none",)}[args.checkpoint]
+    else:
+        recomputes = tuple(dict.fromkeys(args.recompute or RECOMPUTES))
     if args.state_bytes is not None:
         if len(args.state_bytes) != 4:
             raise _arg("--state-bytes", f"give 4 numbers P,G,O,M, got {len(args.state_bytes)}")
@@ -135,7 +200,7 @@ def check_args(args) -> Plan:
         except ValueError as exc:
             raise _arg("--state-bytes", exc) from None
     else:
-        sb = StateBytes.for_dtype(dtype)
+        sb = StateBytes.for_training(dtype, training.grad_reduce)
     if args.mem_gib is not None:
         budget = args.mem_gib * GiB
     else:
@@ -143,23 +208,25 @@ def check_args(args) -> Plan:
             raise _arg("--mem-gib", f"machine {machine.name!r} does not say its memory per "
                                     f"device; give --mem-gib")
         budget = machine.memory_bytes * args.mem_fraction
-    cfg = TransformerConfig.from_model(model, batch, checkpoint=True, dtype=dtype)
+    cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention)
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
     zeros = tuple(sorted({int(z) for z in args.zero}))
-    checkpoints = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpoint]
+    sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
     out = {flag: _cli.writable(flag, value)
            for flag, value in (("--json", args.json), ("--plot", args.plot)) if value is not None}
     plot = out.get("--plot")
     return Plan(machine, cfg, model, args.devices, batch, tuple(args.schemes), zeros,
-                checkpoints, args.schedule, budget, sb, args.bucket_mb * 2**20,
+                recomputes, args.schedule, budget, sb, args.bucket_mb * 2**20,
                 args.max_microbatches or 0, args.zero3_prefetch, args.top, out.get("--json"),
-                plot)
+                plot, sps, chunks if args.schedule == "1f1b" else (1,), args.attention,
+                training.loss_scale or "none", training)
 
 
 # -- output ---------------------------------------------------------------------------------
 COLUMNS = [("rank", "#"), ("tensor", "tensor"), ("dp", "dp"), ("pp", "pp"),
-           ("microbatches", "m"), ("micro_batch", "b"), ("zero", "ZeRO"), ("ckpt", "ckpt"),
+           ("microbatches", "m"), ("micro_batch", "b"), ("zero", "ZeRO"),
+           ("schedule", "schedule"), ("recompute", "recomp"), ("sp", "SP"),
            ("step_seconds", "step s"), ("gemm", "gemm"), ("memory_bound", "mem-bnd"),
            ("comm_tensor", "tensor"), ("comm_dp", "dp"), ("comm_pp", "pp"),
            ("comm_zero", "zero"), ("bubble", "bubble"), ("optimizer", "optim"),
@@ -171,7 +238,7 @@ def format_rows(rows: list[dict], start: int = 1) -> str:
     """The ranked table (times in seconds per step, memory in GiB per device)."""
     cells = []
     for i, r in enumerate(rows, start):
-        x = dict(r, rank=i, tensor=short_grid(r), ckpt=r["checkpoint"])
+        x = dict(r, rank=i, tensor=short_grid(r), sp="yes" if r["sequence_parallel"] else "no")
         cells.append([_cli.fmt(x[k]) for k, _ in COLUMNS])
     return _cli.table([h for _, h in COLUMNS], cells)
 
@@ -208,8 +275,7 @@ def make_plot(path: str, rows: list[dict], top: int, budget_gib: float, title: s
     parts = [("gemm", "GEMM"), ("memory_bound", "memory-bound"), ("comm_tensor", "tensor comm"),
              ("comm_dp", "dp comm"), ("comm_pp", "pp comm"), ("comm_zero", "ZeRO comm"),
              ("bubble", "bubble"), ("optimizer", "optimizer")]
-    labels = [f"{i + 1}. {short_grid(r)} dp{r['dp']} pp{r['pp']} m{r['microbatches']} "
-              f"Z{r['zero']}{' ck' if r['checkpoint'] else ''}" for i, r in enumerate(best)]
+    labels = [f"{i + 1}. {row_label(r)}" for i, r in enumerate(best)]
     left = [0.0] * len(best)
     for j, (key, name) in enumerate(parts):
         vals = [r[key] for r in best]
@@ -241,10 +307,12 @@ def run(args, out=None) -> int:
             bar.update(n)
 
         res = search(cfg, plan.devices, plan.global_batch, machine, budget=plan.budget,
-                     schemes=plan.schemes, zeros=plan.zeros, checkpoints=plan.checkpoints,
+                     schemes=plan.schemes, zeros=plan.zeros, recomputes=plan.recomputes,
                      schedule=plan.schedule, state_bytes=plan.state_bytes,
                      bucket_bytes=plan.bucket_bytes, max_microbatches=plan.max_microbatches,
-                     zero3_prefetch=plan.zero3_prefetch, tick=tick)
+                     zero3_prefetch=plan.zero3_prefetch, tick=tick,
+                     sequence_parallel=plan.sequence_parallel, chunks=plan.chunks,
+                     loss_scale=plan.loss_scale)
     if not res.counts["compositions"]:
         raise cli.UsageError(nothing_exists(plan, res))
     sb = plan.state_bytes
@@ -255,6 +323,10 @@ def run(args, out=None) -> int:
       f"{plan.devices} devices, global batch "
       f"{plan.global_batch}, {cfg.dtype}, model states {sb.total} B/param "
       f"({sb.param}+{sb.grad}+2x{sb.optim}+{sb.master}), {plan.schedule}\n")
+    w(f"searched: recompute {'/'.join(plan.recomputes)}, sequence parallelism "
+      f"{'/'.join('on' if x else 'off' for x in plan.sequence_parallel)} (Megatron), "
+      f"chunks per stage {'/'.join(map(str, plan.chunks))}, attention {plan.attention}, "
+      f"loss scale {plan.loss_scale}\n")
     w(f"memory budget: {plan.budget / GiB:.1f} GiB per device\n")
     w(f"searched {res.counts['compositions']} compositions on {res.counts['grids']} tensor "
       f"grids: {res.counts['fit']} fit, ranked in {res.seconds:.2f} s\n")
@@ -266,12 +338,13 @@ def run(args, out=None) -> int:
                  else "no multiple of the devices up to x1024")
         msg = (f"nothing fits {plan.budget / GiB:.1f} GiB per device: the smallest is "
                f"{sm['memory'] / GiB:.1f} GiB ({sm['grid']} dp={sm['dp']} pp={sm['pp']} "
-               f"m={sm['microbatches']} b={sm['micro_batch']} ZeRO {sm['zero']}"
-               f"{' checkpointing' if sm['checkpoint'] else ''}: model states "
+               f"m={sm['microbatches']} b={sm['micro_batch']} ZeRO {sm['zero']}, "
+               f"recompute {sm['recompute']}"
+               f"{', sequence parallel' if sm['sequence_parallel'] else ''}: model states "
                f"{sm['model_states'] / GiB:.1f} GiB, activations "
                f"{sm['activations'] / GiB:.1f} GiB); would fit: {where}"
-               + ("" if 3 in plan.zeros and True in plan.checkpoints
-                  else ", or allow ZeRO 3 and checkpointing") + ", or more memory per device")
+               + ("" if 3 in plan.zeros and "full" in plan.recomputes
+                  else ", or allow ZeRO 3 and full recompute") + ", or more memory per device")
         w(f"\n{msg}\n")
         if plan.json:
             write_report(plan.json, "plan", _report(plan, res, [], msg))
@@ -284,7 +357,9 @@ def run(args, out=None) -> int:
     best = res.rows[0]
     w(f"\nbest: {short_grid(best)} x dp {best['dp']} x pp {best['pp']}, m = "
       f"{best['microbatches']} micro-batches of {best['micro_batch']}, ZeRO "
-      f"{best['zero']}, {'with' if best['checkpoint'] else 'no'} checkpointing: "
+      f"{best['zero']}, {best['schedule']}, recompute {best['recompute']}, "
+      f"{'with' if best['sequence_parallel'] else 'no'} sequence parallelism, "
+      f"attention {best['attention']}: "
       f"{best['step_seconds']:.3g} s per step, bubble {100 * best['bubble_fraction']:.1f}%, "
       f"{best['tflops_per_device']:.0f} model TFLOP/s per device, "
       f"{best['memory_gib']:.1f} GiB per device\n")
@@ -292,14 +367,14 @@ def run(args, out=None) -> int:
     kinds = (_best_by(res.rows, lambda r: r["scheme"])
              + _best_by(res.rows, lambda r: ("zero", r["zero"]))
              + _best_by(res.rows, lambda r: ("pp1", r["pp"] == 1))
-             + _best_by(res.rows, lambda r: ("ck", r["checkpoint"])))
+             + _best_by(res.rows, lambda r: ("rc", r["recompute"]))
+             + _best_by(res.rows, lambda r: ("sp", r["sequence_parallel"]))
+             + _best_by(res.rows, lambda r: ("v", r["chunks"])))
     kinds = [r for i, r in enumerate(kinds) if r not in kinds[:i]]
     kinds.sort(key=lambda r: r["step_seconds"])
     w(format_rows(kinds, start=1).replace("  #", "  -", 1))
     for r in kinds:
-        w(f"  {short_grid(r)} dp{r['dp']} pp{r['pp']} m{r['microbatches']} Z{r['zero']}"
-          f"{' ck' if r['checkpoint'] else ''}: {r['step_seconds'] / best['step_seconds']:.2f}x "
-          f"the best\n")
+        w(f"  {row_label(r)}: {r['step_seconds'] / best['step_seconds']:.2f}x the best\n")
     if plan.json:
         write_report(plan.json, "plan", _report(plan, res, top, None))
         w(f"wrote {plan.json}\n")
@@ -313,10 +388,19 @@ def run(args, out=None) -> int:
     return 0
 
 
+def row_label(r: dict) -> str:
+    """A ranked row in one short phrase: grid, dp, pp, m, ZeRO and the techniques."""
+    return (f"{short_grid(r)} dp{r['dp']} pp{r['pp']} m{r['microbatches']} Z{r['zero']} "
+            f"{r['schedule']} rc:{r['recompute']}{' sp' if r['sequence_parallel'] else ''}")
+
+
 def _total_params(cfg: TransformerConfig) -> float:
-    """Parameters of the whole model: ``N ((4 + 2f) h^2 + (9 + f) h) + v h + s h + 2 h``."""
-    h, f = cfg.h, cfg.ffn
-    return cfg.N * ((4 + 2 * f) * h * h + (9 + f) * h) + cfg.v * h + cfg.s * h + 2 * h
+    """Parameters of the whole model: ``N ((1 + r + k f) h^2 + (6 + r + (k-1) f) h) + v h
+    + s h + 2 h`` (QKV r h wide, k MLP matrices; GPT-2: ``(4 + 2f) h^2 + (9 + f) h``),
+    plus ``v h`` for an untied head."""
+    h, f, r, k = cfg.h, cfg.ffn, cfg.qkv_mult, cfg.mlp_matrices
+    return (cfg.N * ((1 + r + k * f) * h * h + (6 + r + (k - 1) * f) * h) + cfg.v * h
+            * (1 if cfg.tied else 2) + cfg.s * h + 2 * h)
 
 
 def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> dict:
@@ -325,13 +409,16 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
     cfg = plan.cfg
     full = []
     for r in top:
+        sch = Scheme.make(r["scheme"], p=r["t"], d=r["d"],
+                          q=r["q"] if r["scheme"] != "megatron" else None)
         full.append(price_composition(
-            cfg, Scheme.make(r["scheme"], p=r["t"], q=r["q"] if r["scheme"] != "megatron"
-                             else None, d=r["d"]),
+            cfg.replace(sequence_parallel=r["sequence_parallel"]), sch,
             machine=plan.machine, dp=r["dp"], pp=r["pp"], microbatches=r["microbatches"],
-            global_batch=plan.global_batch, zero=r["zero"], schedule=plan.schedule,
-            checkpoint=r["checkpoint"], devices=plan.devices, bucket_bytes=plan.bucket_bytes,
-            state_bytes=plan.state_bytes, zero3_prefetch=plan.zero3_prefetch))
+            global_batch=plan.global_batch, zero=r["zero"],
+            schedule="interleaved" if r["chunks"] > 1 else plan.schedule, chunks=r["chunks"],
+            recompute=r["recompute"], devices=plan.devices, bucket_bytes=plan.bucket_bytes,
+            state_bytes=plan.state_bytes, zero3_prefetch=plan.zero3_prefetch,
+            loss_scale=plan.loss_scale))
     return {"format": "summasim.plan/1", "machine": plan.machine.name,
             "model": str(plan.model), "config": {"h": cfg.h, "N": cfg.N, "n": cfg.n, "s": cfg.s,
                                             "v": cfg.v, "ffn": cfg.ffn, "dtype": cfg.dtype,
@@ -340,6 +427,13 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
             "devices": plan.devices, "global_batch": plan.global_batch,
             "budget_bytes": plan.budget, "state_bytes": plan.state_bytes.to_dict(),
             "schedule": plan.schedule, "bucket_bytes": plan.bucket_bytes,
+            "searched_techniques": {"recompute": list(plan.recomputes),
+                                    "sequence_parallel": list(plan.sequence_parallel),
+                                    "chunks": list(plan.chunks),
+                                    "attention": plan.attention,
+                                    "loss_scale": plan.loss_scale,
+                                    "grad_reduce": plan.training.grad_reduce
+                                    if plan.training else None},
             "searched": res.counts, "search_seconds": res.seconds, "nothing_fits": nothing,
             "top": full, "ranked": res.rows}
 

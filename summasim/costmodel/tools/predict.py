@@ -36,7 +36,8 @@ from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
 from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES
-from summasim.costmodel.workload.scheme import TransformerConfig, misfit
+from summasim.costmodel.workload.scheme import (TransformerConfig, misfit,
+                                                sequence_parallel_misfit)
 from summasim.costmodel.workload.footprint import batch_step, largest_batch, memory
 from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
@@ -170,14 +171,47 @@ _arg = cli.argument_error
 
 
 def is_composition(args) -> bool:
-    """Whether ``args`` name a whole composition (dp or pp > 1, --microbatches or a ZeRO
-    stage), not the tensor grid alone."""
+    """Whether ``args`` name a whole composition (dp or pp > 1, --microbatches, a ZeRO
+    stage, a schedule or stages of a pipeline, a loss scale or gradient-reduction type),
+    not the tensor grid alone."""
     mesh = args.mesh
-    return mesh.dp > 1 or mesh.pp > 1 or args.microbatches is not None or args.zero != 0
+    return (mesh.dp > 1 or mesh.pp > 1 or args.microbatches is not None or args.zero != 0
+            or str(args.schedule).startswith("interleaved") or args.stages is not None
+            or args.loss_scale is not None or args.grad_reduce is not None)
 
 
-#: The techniques of ``spec.Training.techniques`` that ``predict`` prices.
-PREDICT_TECHNIQUES: frozenset = frozenset({"--dtype"})   # 16-bit: StateBytes.for_dtype
+#: The techniques of ``spec.Training.techniques`` that ``predict`` prices: all of them
+#: (mixed precision: :meth:`StateBytes.for_training`; the schedule, stages and the loss
+#: scale: :func:`price_composition`; recompute, attention and sequence parallelism: the
+#: workload, :class:`TransformerConfig`).
+PREDICT_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute",
+                                           "--attention", "--sequence-parallel", "--dtype"})
+
+
+def training_dict(training) -> dict:
+    """The :class:`summasim.spec.Training` as JSON: every technique, named as its flag."""
+    return {"zero": training.zero, "schedule": training.schedule, "chunks": training.chunks,
+            "microbatches": training.microbatches,
+            "stages": list(training.stages) if training.stages is not None else None,
+            "recompute": training.recompute, "attention": training.attention,
+            "sequence_parallel": training.sequence_parallel, "dtype": training.dtype,
+            "mixed": training.mixed, "loss_scale": training.loss_scale,
+            "grad_reduce": training.grad_reduce}
+
+
+def technique_line(training) -> str:
+    """One line naming how the mesh trains (what ``predict`` and ``plan`` print)."""
+    parts = [f"ZeRO {training.zero}", training.schedule_label,
+             f"recompute {training.recompute}", f"attention {training.attention}",
+             "sequence parallel" if training.sequence_parallel else "no sequence parallelism"]
+    if training.stages is not None:
+        parts.append("stages " + ",".join(map(str, training.stages)))
+    if training.mixed:
+        parts.append(f"mixed precision {training.dtype} (fp32 master and Adam, gradients "
+                     f"reduced in {training.grad_reduce}, loss scale {training.loss_scale})")
+    elif training.dtype:
+        parts.append(training.dtype)
+    return ", ".join(parts)
 
 
 def training_of(args, dtype):
@@ -201,12 +235,17 @@ def check_args(args):
     if args.mesh is None:
         raise _arg("--mesh", "required: dp=D,pp=P,tp=SCHEME:GRID (e.g. tp=optimus:4x4)")
     dtype = pick_dtype(machine, args.dtype)
-    args.training = training_of(args, dtype)
+    args.training = tr = training_of(args, dtype)
     sch = scheme_of(args.mesh.tp)
-    cfg = TransformerConfig.from_model(model, batch, checkpoint=args.training.checkpoint,
-                                       dtype=dtype)
+    cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=tr.recompute,
+                                       attention=tr.attention,
+                                       sequence_parallel=tr.sequence_parallel)
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
+    if tr.sequence_parallel:
+        why = sequence_parallel_misfit(sch, cfg)
+        if why:
+            raise _arg("--sequence-parallel", why)
     if args.json is not None:
         _cli.writable("--json", args.json)
     if is_composition(args):
@@ -215,9 +254,12 @@ def check_args(args):
                                       "composition is priced in rank order")
         m = args.microbatches if args.microbatches is not None else args.mesh.pp
         try:
-            check_composition(cfg, sch, args.mesh.dp, args.mesh.pp, m, batch)
+            check_composition(cfg, sch, args.mesh.dp, args.mesh.pp, m, batch,
+                              stages=tr.stages, chunks=tr.chunks)
         except ValueError as exc:
-            flag = "--microbatches" if args.microbatches is not None else "--mesh"
+            flag = ("--stages" if tr.stages is not None and "--stages" in str(exc)
+                    else "--schedule" if "interleaved" in str(exc)
+                    else "--microbatches" if args.microbatches is not None else "--mesh")
             raise _arg(flag, f"{args.mesh} cannot run {model} at batch {batch}: "
                              f"{exc}") from None
         return machine, sch, cfg, m, None
@@ -240,15 +282,16 @@ def check_args(args):
 
 def price_fixed_composition(args, machine, sch, cfg, m) -> dict:
     """:func:`~summasim.costmodel.workload.composition.price_composition` of the composition of
-    ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it
-    (state bytes of the dtype, the default bucket, no ZeRO 3 prefetch)."""
-    mesh = args.mesh
+    ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it (the
+    training's state bytes, :meth:`StateBytes.for_training`; the default bucket, no
+    ZeRO 3 prefetch)."""
+    mesh, tr = args.mesh, args.training
     return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
                              microbatches=m, global_batch=int(cfg.b), zero=args.zero,
-                             schedule=args.training.schedule,
-                             checkpoint=args.training.checkpoint,
-                             devices=mesh.devices,
-                             state_bytes=StateBytes.for_dtype(cfg.dtype))
+                             schedule=tr.schedule, chunks=tr.chunks, stages=tr.stages,
+                             recompute=tr.recompute, devices=mesh.devices,
+                             loss_scale=tr.loss_scale or "none",
+                             state_bytes=StateBytes.for_training(cfg.dtype, tr.grad_reduce))
 
 
 def _s(x: float) -> str:
@@ -269,9 +312,8 @@ def run(args, out=None) -> dict:
     w(f"machine:   {machine.name} (library {machine.library}"
       f"{', ' + machine.device.name if machine.device else ''})\n")
     w(f"scheme:    {sch.label}, placement {placement.describe()}\n")
-    w(f"model:     b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} "
-      f"ffn={cfg.ffn} {cfg.dtype}{' checkpointing' if cfg.checkpoint else ''}"
-      f"{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}\n\n")
+    w(f"model:     {_model_line(cfg)}\n")
+    w(f"training:  {technique_line(args.training)}\n\n")
     w(f"step time            {_s(sb.seconds)}   ({sb.tflops_per_device:.1f} model TFLOP/s per "
       f"device, {sb.model_flops / 1e15:.3g} PFLOP per step)\n")
     for label, val in (("  GEMM", sb.gemm_seconds),
@@ -293,7 +335,7 @@ def run(args, out=None) -> dict:
         w(f"\n{fits} in {budget / GiB:.3g} GiB per device; largest batch that fits: "
           f"{best_b} (a multiple of {step})\n")
     result = {**sb.to_dict(), "budget_bytes": budget, "fits": mem.total <= budget,
-              "largest_batch": best_b}
+              "largest_batch": best_b, "training": training_dict(args.training)}
     if args.json is not None:
         write_report(args.json, "predict", result)
         w(f"wrote {args.json}\n")
@@ -308,12 +350,15 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     w(f"machine:   {machine.name} (library {machine.library}"
       f"{', ' + machine.device.name if machine.device else ''})\n")
     w(f"mesh:      {args.mesh} ({sch.label}), {args.mesh.devices} devices, m = "
-      f"{c['microbatches']} micro-batches of {c['micro_batch']}, ZeRO {c['zero']}, {c['schedule']}{', checkpointing' if c['checkpoint'] else ''}\n")
-    w(f"model:     {args.model}: b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} "
-      f"ffn={cfg.ffn} {cfg.dtype}{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}\n\n")
+      f"{c['microbatches']} micro-batches of {c['micro_batch']}, layers per "
+      f"{'virtual stage (chunk c of stage s is c pp + s)' if c['chunks'] > 1 else 'stage'} "
+      f"{','.join(map(str, c['stage_layers']))}\n")
+    w(f"model:     {args.model}: {_model_line(cfg)}\n")
+    w(f"training:  {technique_line(args.training)}\n\n")
     step = res["step_seconds"]
     w(f"step time            {_s(step)}   ({res['flops_per_device'] / 1e12:.1f} model TFLOP/s "
-      f"per device, bubble {100 * res['bubble_fraction']:.1f}%)\n")
+      f"per device, bubble {100 * res['bubble_fraction']:.1f}% of the pipeline, "
+      f"{100 * res['bubble_over_ideal']:.1f}% of its ideal time)\n")
     parts = [("  GEMM", bd["gemm"]), ("  memory-bound", bd["memory_bound"])]
     parts += [(f"  exposed {k} comm", v) for k, v in bd["exposed_comm"].items()]
     parts += [("  bubble", bd["bubble"]), ("  optimizer", bd["optimizer"])]
@@ -333,10 +378,23 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
         for key, val in traffic.items():
             if isinstance(val, (int, float)):
                 w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
+    res = {**res, "training": training_dict(args.training)}
     if args.json is not None:
         write_report(args.json, "predict", res)
         w(f"wrote {args.json}\n")
     return res
+
+
+def _model_line(cfg) -> str:
+    """The priced workload's sizes and block, one line."""
+    block = [f"mlp {cfg.mlp}"]
+    if cfg.kv_heads is not None:
+        block.append(f"kv_heads {cfg.kv_heads:g}")
+    if not cfg.tied:
+        block.append("untied head")
+    return (f"b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} ffn={cfg.ffn:g} "
+            f"{cfg.dtype}{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}, "
+            + ", ".join(block))
 
 
 def main(argv=None) -> int:

@@ -5,11 +5,16 @@ grid]`` (ranks in that Cartesian order, the tensor grid fastest: a tensor group 
 ``t`` consecutive ranks, a pipeline group has stride ``t``, a data-parallel group
 stride ``pp t``). The tensor grid is one of today's schemes: Megatron 1D over ``t``
 ranks, Optimus ``q x q``, SUMMA2.5-LM ``[q, q, d]``. The N layers are split into
-``pp`` equal contiguous stages (N not divisible by pp is refused: uneven stages are
-not priced); the first stage also holds the embedding (``wte``, ``wpe``), the last
-the final LayerNorm and, when pp > 1, a tied copy of ``wte`` for the LM head. The
-global batch B is split over dp and into ``m`` micro-batches of ``b = B/(dp m)``
-sequences, which must be a multiple of the scheme's batch divisor (d q).
+``pp`` contiguous stages, or ``pp V`` virtual stages under the interleaved schedule
+(virtual stage ``c pp + s`` is model chunk c of stage s), by
+:func:`summasim.spec.stage_layers`: evenly, or as ``stages`` says (a stage may hold no
+layer); the first stage also holds the embedding (``wte``, ``wpe``), the last the
+final LayerNorm and the LM head (a tied copy of ``wte`` when pp > 1, or an untied
+head's own ``[h, v]``). The global batch B is split over dp and into ``m``
+micro-batches of ``b = B/(dp m)`` sequences, which must be a multiple of the scheme's
+batch divisor (d q). How the layers train (recompute, attention, sequence
+parallelism) and the block (SwiGLU, grouped-query attention, the head) are the
+workload's (:class:`~summasim.costmodel.workload.scheme.TransformerConfig`).
 
 What a step costs (seconds; every piece below is in the result's breakdown)
 ---------------------------------------------------------------------------
@@ -26,8 +31,11 @@ tensor part      One micro-batch on one stage is priced with the per-scheme step
                  So at ``dp = pp = m = 1`` and ZeRO 0 the step is today's
                  ``step_cost`` (to float rounding; plus the Adam update on machines
                  whose ``step_cost`` leaves it out; the shared-core CPU model is linear
-                 in N only approximately). Checkpointing adds each layer's forward
-                 again (``scheme_cost``'s forward pass) to its backward.
+                 in N only approximately). Full recompute adds each layer's forward
+                 again (``scheme_cost``'s forward pass) to its backward; selective
+                 recompute its attention core (``tensor.selective_part``: ``Q K^T``
+                 and attention over V, ``4 b s^2 h`` flops over the ranks, and the
+                 softmax; Korthikanti et al. 2022, section 5).
 pipeline         Per micro-batch, stage s takes ``t_s = f_s + b_s`` (its forward and
                  backward, plus the point-to-point sends of the activation to s+1
                  and of its gradient to s-1). GPipe (Huang et al. 2019) runs all
@@ -36,6 +44,13 @@ pipeline         Per micro-batch, stage s takes ``t_s = f_s + b_s`` (its forward
                  sum(f + b)``. With equal stages both are ``(m + pp - 1) t`` and the
                  bubble ``(pp - 1) t`` is the fraction ``(pp-1)/(m+pp-1)`` of the
                  pipeline (:func:`bubble_fraction`); the schedules differ in memory.
+                 Interleaved 1F1B with V chunks per stage (Narayanan et al. 2021,
+                 section 2.2.2) ``T = m max(f + b) + (sum(f + b) - max(f + b)) / V``,
+                 the bubble ``(pp - 1)/V`` of a stage's time, with V hand-offs each
+                 way per micro-batch; m must be a multiple of pp (Megatron-LM's
+                 rule). Stages of equal layers are priced once
+                 (:func:`~summasim.costmodel.workload.stage_memory.stage_plan`); the
+                 slowest sets the pace.
 data parallel    ZeRO 0: the gradients are all-reduced over dp once per step,
                  after the last micro-batch, with summasim's ring (``2(dp-1)/dp`` of
                  the local gradient bytes sent per rank; ZeRO 1 reduce-scatters them
@@ -62,12 +77,16 @@ ZeRO             (Rajbhandari et al. 2020.) 1: Adam state partitioned; the gradi
 tied embedding   With pp > 1 the first and last stages all-reduce the ``wte``
                  gradient between them (Megatron; a ring of 2: the shard's bytes),
                  after the data-parallel reduction, on the 1/dp shard under ZeRO 2/3.
+                 An untied head has no such all-reduce.
 optimizer        The Adam update of the parameters a rank updates (P at ZeRO 0, P/dp
                  from ZeRO 1 on): at the rate ``step_cost`` prices it per parameter
                  when it does (GPU presets: roofline kernels), else Adam's bytes
                  (read params, grads, m, v, master; write params, m, v, master: ``2 bp
                  + bg + 4 bo + 2 bm`` per parameter) at the memory bandwidth
                  (``3 / gamma_reduce``: ``a += b`` streams 3 bytes per operand byte).
+                 Under a loss scale the gradients are first unscaled and checked (a
+                 pass reading and writing them), and dynamic scaling all-reduces one
+                 float32 overflow flag (:func:`_unscale_seconds`).
 
 Collectives over dp and pp: on MPICH machines summasim's ring algorithms (what the
 engine runs) on the inter-node link when a group of the kind spans nodes; on NCCL
@@ -84,10 +103,13 @@ and the tied ``wte`` copy on the last, from ``schemes.memory``). Model states ar
 lives before its buckets are reduce-scattered (the largest piece's and one bucket's,
 at most ``P bg``: the ZeRO paper's bucketed reduction, section 5.2), ZeRO 3 the largest
 gathered piece and its gradient. Activations per
-micro-batch come from ``schemes.memory`` (per layer, or per layer's checkpoint plus
-one layer being recomputed); a stage holds ``m`` micro-batches of them under GPipe
-and ``min(m, pp - s)`` under 1F1B (stage s, from 0); the last stage also holds the
-logits and their gradient per micro-batch in flight. Add the two activation-gradient
+micro-batch come from ``schemes.memory`` (per layer; per layer's checkpoint plus one
+layer being recomputed under full recompute; per layer without its attention core
+plus one core under selective recompute); a stage holds ``m`` micro-batches of them
+under GPipe, ``min(m, pp - s)`` under 1F1B (stage s, from 0) and under the interleaved
+schedule the chunk activations of Megatron-LM's schedule at their peak
+(:func:`~summasim.costmodel.workload.pipeline.interleaved_held`); the last stage also
+holds the logits and their gradient per micro-batch in flight. Add the two activation-gradient
 buffers and the SUMMA workspaces.
 
 Traffic per rank (bytes per step, what its trace records: summed ``nbytes``)
@@ -95,7 +117,8 @@ Traffic per rank (bytes per step, what its trace records: summed ``nbytes``)
 ``tensor``: the tensor-parallel collectives' payload (as ``schemes`` reports it,
 recomputation included); ``pipeline``: activations sent forward and gradients sent
 backward, per micro-batch (Megatron sends the replicated ``b s h`` activation, the
-2D/2.5D schemes their ``b s h / t`` block); ``embedding``: the tied-``wte``
+2D/2.5D schemes their ``b s h / t`` block, Megatron under sequence parallelism its
+``b s h / t`` shard; V times each way interleaved); ``embedding``: the tied-``wte``
 all-reduce; ``dp_allreduce``, ``zero_reduce_scatter``, ``zero_allgather``: the ring
 closed forms above (for the ring collectives the trace's summed ``nbytes`` is the
 bytes sent).
@@ -110,6 +133,9 @@ Parallelism", NeurIPS 2019 (bubble (K-1)/(M+K-1)).
 D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", SC 2021 (1F1B and the interleaved schedule, section 2.2; model
 FLOPs, section 5.1).
+V. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022 (sequence parallelism, section 4.2.2; selective recompute, section 5).
+P. Micikevicius et al., "Mixed Precision Training", ICLR 2018 (loss scaling, 3.2).
 """
 
 from __future__ import annotations
@@ -119,8 +145,9 @@ from dataclasses import dataclass
 from ..machine import Machine
 from .mesh import MeshGroup, _Coll, _memory_bandwidth, model_flops
 from .pipeline import _check_schedule, overlap_exposed
+from ...spec import MIXED_DTYPES, parse_loss_scale, parse_schedule, stage_layers
 from .scheme import Scheme, TransformerConfig
-from .stage_memory import _pieces, _rep_stages, stage_memory
+from .stage_memory import _pieces, stage_memory, stage_plan
 from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
                      tensor_memory, tensor_price)
 from .zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
@@ -132,7 +159,7 @@ class Stage:
 
     stage: int
     count: int                  # the stages it stands for
-    layers: int
+    layers: int                 # all its chunks'
     params: float               # parameters of the stage on one rank of its tensor grid
     work: Part                  # forward + backward of one micro-batch (and the recompute)
     sends: float                # pipeline hand-offs of one micro-batch
@@ -140,6 +167,7 @@ class Stage:
     forward_seconds: float
     backward_seconds: float
     traffic: dict               # bytes per rank per step by kind
+    chunks: tuple = ()          # layers of each of its model chunks (interleaved: V)
 
     @property
     def seconds(self) -> float:
@@ -161,14 +189,14 @@ class _Setup:
     B: int                      # global batch
     zero: int
     schedule: str
-    ck: bool
+    ck: bool                    # full recompute
     sb: StateBytes
     n_dev: int
     slow: float
     tm: TensorMemory
     tp: TensorPrice
     coll: _Coll
-    L: int                      # layers per stage
+    L: int                      # layers of the largest stage
     g_dp: MeshGroup
     g_emb: MeshGroup
     p2p_bytes: float
@@ -176,6 +204,12 @@ class _Setup:
     bucket_bytes: float
     optimizer: bool
     zero3_prefetch: bool
+    recompute: str = "none"     # none, selective, full
+    chunks: int = 1             # V model chunks per stage (interleaved)
+    stages: tuple | None = None  # layers per (virtual) stage, None: even
+    plan: tuple = ()            # stage_plan: (stage, count, chunk layers)
+    loss_scale: str = "none"
+    g_flag: MeshGroup | None = None  # the loss-scale overflow flag's group
 
 
 def _cached(cache: dict, key: tuple, make):
@@ -188,20 +222,25 @@ def _cached(cache: dict, key: tuple, make):
 
 def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
            schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
-           zero3_prefetch, cache) -> _Setup:
+           zero3_prefetch, cache, recompute=None, chunks=1, stages=None,
+           loss_scale="none") -> _Setup:
     """Check the composition and price what its stages share (cached per grid and
     micro-batch in ``cache``)."""
     sch = make_scheme(scheme, t=t, q=q, d=d)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of 0, 1, 2, 3, got {zero!r}")
-    _check_schedule(schedule)
+    _check_schedule(schedule, chunks)
+    recompute = _recompute_of(cfg, checkpoint, recompute)
+    loss_scale = parse_loss_scale(loss_scale)           # a ValueError naming the forms
+    stages = None if stages is None else tuple(int(x) for x in stages)
     B = cfg.b if global_batch is None else global_batch
     if isinstance(B, float) and B.is_integer():
         B = int(B)
     m = microbatches
     cache = {} if cache is None else cache
-    b = _cached(cache, ("ok", cfg, sch, dp, pp, m, B, devices),
-                lambda: check_composition(cfg, sch, dp, pp, m, B, devices))
+    b = _cached(cache, ("ok", cfg, sch, dp, pp, m, B, devices, stages, chunks),
+                lambda: check_composition(cfg, sch, dp, pp, m, B, devices, stages=stages,
+                                          chunks=chunks))
     T = sch.p
     n_dev = dp * pp * T
     rpn = machine.ranks_per_node(n_dev)
@@ -213,17 +252,41 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
                    lambda: _Coll(machine, slow if machine.shared_comm else 1.0, n_dev))
     g_pp = MeshGroup(T, pp, pp * T, T)                  # pipeline neighbours
     # the pipeline hand-off: Megatron's activations are replicated over its t ranks and
-    # each sends its copy; the 2D/2.5D schemes' are distributed and each sends its block
-    p2p_bytes = b * cfg.s * cfg.h * cfg.itemsize / (1 if sch.name == "megatron" else T)
+    # each sends its copy (under sequence parallelism its [s/t, b, h] shard); the 2D/2.5D
+    # schemes' are distributed and each sends its block
+    p2p_bytes = b * cfg.s * cfg.h * cfg.itemsize / (
+        1 if sch.name == "megatron" and not cfg.sequence_parallel else T)
+    plan = stage_plan(int(cfg.N), pp, stages, chunks)
     return _Setup(
         cfg=cfg, sch=sch, machine=machine, dp=dp, pp=pp, m=m, b=b, B=B, zero=zero,
-        schedule=schedule, ck=cfg.checkpoint if checkpoint is None else bool(checkpoint),
+        schedule=schedule, ck=recompute == "full",
         sb=state_bytes or StateBytes.for_dtype(cfg.dtype), n_dev=n_dev, slow=slow, tm=tm,
-        tp=tp, coll=coll, L=cfg.N // pp,
+        tp=tp, coll=coll, L=max(sum(per) for _, _, per in plan),
         g_dp=MeshGroup(pp * T, dp, n_dev, pp * T),      # data parallel
         g_emb=MeshGroup((pp - 1) * T, 2, pp * T, T),     # first and last stage
         p2p_bytes=p2p_bytes, t_p2p=coll("p2p", p2p_bytes, g_pp) if pp > 1 else 0.0,
-        bucket_bytes=bucket_bytes, optimizer=optimizer, zero3_prefetch=zero3_prefetch)
+        bucket_bytes=bucket_bytes, optimizer=optimizer, zero3_prefetch=zero3_prefetch,
+        recompute=recompute, chunks=chunks, stages=stages, plan=plan,
+        loss_scale=str(loss_scale),
+        # the overflow flag: over the model-parallel group (t x pp), and over every
+        # device once ZeRO shards the gradients over dp
+        g_flag=(MeshGroup(1, n_dev, n_dev, 1) if zero >= 1
+                else MeshGroup(1, pp * T, pp * T, 1)))
+
+
+def _recompute_of(cfg: TransformerConfig, checkpoint, recompute) -> str:
+    """The recompute a composition prices: ``recompute``, else ``checkpoint`` (True:
+    full, False: none), else the workload's; a ValueError when they contradict."""
+    if checkpoint is not None and recompute is not None \
+            and bool(checkpoint) != (recompute == "full"):
+        raise ValueError(f"checkpoint={checkpoint} contradicts recompute={recompute!r} "
+                         f"(checkpoint is recompute='full')")
+    if recompute is None:
+        recompute = cfg.recompute if checkpoint is None else (
+            "full" if checkpoint else "none")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    return recompute
 
 
 def _zero3_gathers(c: _Setup, pieces, fwd: Part, bwd: Part) -> tuple[float, float]:
@@ -241,31 +304,43 @@ def _zero3_gathers(c: _Setup, pieces, fwd: Part, bwd: Part) -> tuple[float, floa
             hid_b + piece_t[-1][0] - max(0.0, piece_t[-1][0] - cb))
 
 
-def stage_cost(c: _Setup, s: int, count: int) -> Stage:
-    """Stage ``s`` (standing for ``count`` stages): one micro-batch's tensor-parallel
-    work, its pipeline sends and ZeRO 2/3 collectives, and the stage's traffic."""
+def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> Stage:
+    """Stage ``s`` (standing for ``count`` stages; ``chunks``: the layers of each of its
+    model chunks, default the even split's): one micro-batch's tensor-parallel work
+    (and its recompute), its pipeline sends and ZeRO 2/3 collectives, and the stage's
+    traffic."""
     first, last = s == 0, s == c.pp - 1
-    tp, L, dp, zero, sb, m = c.tp, c.L, c.dp, c.zero, c.sb, c.m
-    pieces = _pieces(c.tm, L, c.pp, s)
+    if chunks is None:
+        chunks = next(per for st, _, per in c.plan if st == s)
+    tp, dp, zero, sb, m = c.tp, c.dp, c.zero, c.sb, c.m
+    L = sum(chunks)
+    pieces = _pieces(c.tm, L, c.pp, s, c.cfg.tied)
     P = sum(n * k for n, k in pieces)
-    # tensor-parallel work of one micro-batch on this stage
+    # tensor-parallel work of one micro-batch on this stage: full recompute runs each
+    # layer's forward again in backward, selective its attention core
+    again = (tp.layer_f if c.recompute == "full" else
+             tp.layer_sel if c.recompute == "selective" else None)
     fwd = tp.layer_f.scale(L)
-    bwd = tp.layer_b.scale(L) + (tp.layer_f.scale(L) if c.ck else Part())
+    bwd = tp.layer_b.scale(L) + (again.scale(L) if again is not None else Part())
     tbytes = L * (tp.layer_bytes_f + tp.layer_bytes_b + (tp.layer_bytes_f if c.ck else 0.0))
     if first:
         fwd, bwd, tbytes = fwd + tp.emb_f, bwd + tp.emb_b, tbytes + tp.emb_bytes
     if last:
         fwd, bwd, tbytes = fwd + tp.head_f, bwd + tp.head_b, tbytes + tp.head_bytes
-    send_f = 0.0 if last else c.t_p2p             # activation to s + 1
-    send_b = 0.0 if first else c.t_p2p            # its gradient to s - 1
+    # each of the V chunks hands its activation on (but the last virtual stage) and its
+    # gradient back (but the first): V times the hand-offs of 1F1B (Narayanan et al.
+    # 2021, section 2.2.2)
+    V = c.chunks
+    send_f = (V - (1 if last else 0)) * c.t_p2p   # activations to s + 1
+    send_b = (V - (1 if first else 0)) * c.t_p2p  # gradients to s - 1
     rs = ag_f = ag_b = 0.0
     if zero >= 2 and dp > 1:                      # every micro-batch, under its backward
         rs = overlap_exposed(P * sb.grad, c.bucket_bytes, bwd.total,
                              lambda nb: c.coll("reduce_scatter", nb, c.g_dp))
     if zero == 3 and dp > 1:                      # before each piece's forward and backward
         ag_f, ag_b = _zero3_gathers(c, pieces, fwd, bwd)
-    ebytes = c.tm.wte * sb.grad / (dp if zero >= 1 else 1) if (c.pp > 1 and (first or last)) \
-        else 0.0
+    ebytes = c.tm.wte * sb.grad / (dp if zero >= 1 else 1) \
+        if (c.pp > 1 and (first or last) and c.cfg.tied) else 0.0
     frac = (dp - 1) / dp
     return Stage(
         stage=s, count=count, layers=L, params=P, work=fwd + bwd, sends=send_f + send_b,
@@ -273,19 +348,24 @@ def stage_cost(c: _Setup, s: int, count: int) -> Stage:
         backward_seconds=bwd.total + send_b + rs + ag_b,
         traffic={
             "tensor": m * tbytes,
-            "pipeline": m * c.p2p_bytes * ((not last) + (not first)),
+            "pipeline": m * c.p2p_bytes * (2 * V - last - first),
             "embedding": ebytes,
             "dp_allreduce": 2 * frac * P * sb.grad if zero == 0 else 0.0,
             "zero_reduce_scatter": (m if zero >= 2 else 1) * frac * P * sb.grad
             if zero >= 1 else 0.0,
             "zero_allgather": (frac * P * sb.param if zero in (1, 2)
-                               else 2 * m * frac * P * sb.param if zero == 3 else 0.0)})
+                               else 2 * m * frac * P * sb.param if zero == 3 else 0.0)},
+        chunks=tuple(chunks))
 
 
 def pipeline_seconds(c: _Setup, stages: list[Stage]) -> float:
     """The pipeline of m micro-batches over the stages (:func:`pipeline_time`'s closed
-    form over the representative stages)."""
+    form over the representative stages): GPipe and 1F1B, and the interleaved
+    schedule's ``m max(f + b) + (sum(f + b) - max(f + b)) / V``."""
     per = [st.seconds for st in stages]
+    if c.schedule == "interleaved":
+        top = max(per)
+        return c.m * top + (sum(st.count * x for st, x in zip(stages, per)) - top) / c.chunks
     steady = (max(st.forward_seconds for st in stages)
               + max(st.backward_seconds for st in stages) if c.schedule == "gpipe"
               else max(per))
@@ -295,7 +375,8 @@ def pipeline_seconds(c: _Setup, stages: list[Stage]) -> float:
 def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
     """What stage ``st`` does after its last backward (which ends at ``end``): the
     drain of the dp all-reduce (ZeRO 0/1), the tied embedding's all-reduce, the
-    optimizer, the all-gather of the updated parameters (ZeRO 1/2); seconds."""
+    optimizer step (with the loss scale's unscaling and overflow check), the all-gather
+    of the updated parameters (ZeRO 1/2); seconds."""
     P, zero, dp, sb, tm, tp, pp = st.params, c.zero, c.dp, c.sb, c.tm, c.tp, c.pp
     ar = 0.0
     if zero <= 1 and dp > 1:                      # its last backward's buckets, the drain
@@ -308,16 +389,34 @@ def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
     if not c.optimizer:
         opt = 0.0
     elif tp.opt_layer > 0:                        # the machine's own optimizer pricing
-        ends = tm.wte + tm.wpe + tm.lnf
+        head = tm.head if not c.cfg.tied else (tm.wte if pp > 1 else 0.0)
+        ends = tm.wte + tm.wpe + tm.lnf + tm.head
         mine = (tm.wte + tm.wpe if st.stage == 0 else 0.0) + (
-            tm.lnf + (tm.wte if pp > 1 else 0.0) if st.stage == pp - 1 else 0.0)
-        opt = (c.L * tp.opt_layer + (tp.opt_ends * mine / ends if ends else 0.0)) / shard
+            tm.lnf + head if st.stage == pp - 1 else 0.0)
+        opt = (st.layers * tp.opt_layer + (tp.opt_ends * mine / ends if ends else 0.0)) / shard
     else:                                         # Adam streams its bytes once
         opt = (P / shard * (2 * sb.param + sb.grad + 4 * sb.optim + 2 * sb.master)
                / _memory_bandwidth(c.machine) * c.slow)
+    if c.optimizer and c.loss_scale != "none":
+        opt += _unscale_seconds(c, P / shard)
     gath = (c.coll("allgather", P * sb.param / dp, c.g_dp)
             if zero in (1, 2) and dp > 1 else 0.0)
     return {"dp": ar, "embedding": emb, "optimizer": opt, "allgather": gath}
+
+
+def _unscale_seconds(c: _Setup, params: float) -> float:
+    """The loss scale's part of the optimizer step on ``params`` parameters (Micikevicius
+    et al. 2018, section 3.2, mixed precision with loss scaling): the gradients are
+    divided by the scale and checked for inf/NaN in one pass that reads and writes each
+    (PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``: ``2 bg`` bytes per
+    parameter at the memory bandwidth); under dynamic scaling the overflow flag, one
+    float32, is all-reduced (max) so every rank skips the same steps (Megatron-LM's
+    ``found_inf``: over the model-parallel group, and over the data-parallel one once
+    ZeRO shards the gradients)."""
+    secs = params * 2 * c.sb.grad / _memory_bandwidth(c.machine) * c.slow
+    if c.loss_scale == "dynamic":
+        secs += c.coll("allreduce", 4, c.g_flag)
+    return secs
 
 
 def composition_breakdown(c: _Setup, crit: Stage, tail: dict, t_pipe: float) -> dict:
@@ -341,15 +440,18 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                       zero: int = 0, schedule: str = "1f1b", checkpoint: bool | None = None,
                       devices: int | None = None, bucket_bytes: float = BUCKET_BYTES,
                       state_bytes: StateBytes | None = None, optimizer: bool = True,
-                      zero3_prefetch: bool = False, cache: dict | None = None) -> dict:
+                      zero3_prefetch: bool = False, cache: dict | None = None,
+                      recompute: str | None = None, chunks: int = 1,
+                      stages: tuple | None = None, loss_scale: str = "none") -> dict:
     """Predicted step time, memory and traffic per device of one composition.
 
     Parameters
     ----------
     cfg : TransformerConfig
         The model (``b`` is the global batch unless ``global_batch`` is given;
-        ``checkpoint`` the default for ``checkpoint``; ``dtype`` the activations',
-        messages' and GEMMs').
+        ``recompute`` the default for ``recompute``; ``dtype`` the activations',
+        messages' and GEMMs'; ``attention``, ``sequence_parallel`` and the block
+        priced as it says).
     scheme : str or Scheme
         "megatron", "optimus" or "summa25"; its grid from ``t`` (Megatron) or ``q``, ``d``.
     machine : Machine
@@ -361,9 +463,9 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     global_batch : int, optional
         Sequences per step over all replicas (default ``cfg.b``).
     zero : {0, 1, 2, 3}
-    schedule : {"1f1b", "gpipe"}
+    schedule : {"1f1b", "gpipe", "interleaved"}
     checkpoint : bool, optional
-        Activation checkpointing of every layer.
+        Full recompute of every layer (True) or none (False); ``recompute`` names it.
     devices : int, optional
         When given, ``dp * pp * t`` must equal it.
     bucket_bytes : float
@@ -377,6 +479,15 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         ZeRO 3: hide each piece's all-gather behind the previous piece's compute.
     cache : dict, optional
         Reused across calls for the per-(grid, micro-batch) prices (the planner's).
+    recompute : {"none", "selective", "full"}, optional
+        Activation recompute (default ``cfg.recompute``, or ``checkpoint``'s).
+    chunks : int
+        Model chunks per stage V (>= 2 with ``schedule="interleaved"``, else 1).
+    stages : tuple of int, optional
+        Layers per (virtual) stage (:func:`summasim.spec.stage_layers`; default even).
+    loss_scale : str
+        ``none``, ``dynamic`` or ``static:S``: the optimizer step's unscaling and, when
+        dynamic, the overflow flag's all-reduce.
 
     Returns
     -------
@@ -400,14 +511,14 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
 
     Notes
     -----
-    Middle stages are identical in time and differ in memory only by what 1F1B keeps
-    in flight, so the cost is O(1) in pp.
+    Stages of equal layers are identical in time and differ in memory only by what
+    the schedule keeps in flight, so an even split costs O(1) in pp.
     """
     c = _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
                schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
-               zero3_prefetch, cache)
+               zero3_prefetch, cache, recompute, chunks, stages, loss_scale)
     m, sch, L = c.m, c.sch, c.L
-    stages = [stage_cost(c, s, count) for s, count in _rep_stages(pp)]
+    stages = [stage_cost(c, s, count, per) for s, count, per in c.plan]
     t_pipe = pipeline_seconds(c, stages)
     per = [st.seconds for st in stages]
     crit = stages[max(range(len(stages)), key=per.__getitem__)]
@@ -424,9 +535,9 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     out_stages = []
     worst = None
     for st, tail, fin in zip(stages, tails, finish):
-        mem = stage_memory(c.tm, L=L, pp=pp, s=st.stage, dp=dp, zero=zero, m=m,
-                           schedule=schedule, checkpoint=c.ck, sb=c.sb,
-                           bucket_bytes=bucket_bytes)
+        mem = stage_memory(c.tm, L=st.layers, pp=pp, s=st.stage, dp=dp, zero=zero, m=m,
+                           schedule=schedule, sb=c.sb, bucket_bytes=bucket_bytes,
+                           recompute=c.recompute, chunks=st.chunks, tied=cfg.tied)
         if worst is None or mem["total"] > worst["total"]:
             worst = {**mem, "stage": st.stage}
         out_stages.append({"stage": st.stage, "count": st.count, "layers": st.layers,
@@ -443,11 +554,17 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                         "schedule": schedule, "checkpoint": c.ck, "layers_per_stage": L,
                         "bucket_bytes": bucket_bytes, "state_bytes": c.sb.to_dict(),
                         "dtype": cfg.dtype, "zero3_prefetch": bool(zero3_prefetch),
-                        "optimizer": bool(optimizer)},
+                        "optimizer": bool(optimizer), "chunks": c.chunks,
+                        "stage_layers": [len(r) for r in stage_layers(
+                            int(cfg.N), pp, c.stages, c.chunks)],
+                        "recompute": c.recompute, "loss_scale": c.loss_scale,
+                        **{k: v for k, v in cfg.techniques().items() if k != "recompute"}},
         "step_seconds": step,
         "pipeline_seconds": t_pipe,
         "critical_stage": crit.stage,
         "bubble_fraction": (t_pipe - m * crit.seconds) / t_pipe if t_pipe else 0.0,
+        "bubble_over_ideal": (t_pipe - m * crit.seconds) / (m * crit.seconds)
+        if crit.seconds else 0.0,
         "breakdown": breakdown,
         "memory": worst,
         "traffic": traffic,
@@ -463,27 +580,44 @@ def predict_case(case: dict, machine: Machine, **kw) -> float | None:
     """Predicted seconds of one training step of a mesh case as the harness writes it
     (``MeshCase.to_dict()``: ``dp, pp, scheme, q, d, t, zero, schedule, m,
     checkpoint, bucket_bytes, b`` (the global batch), ``s, h, heads, v, layers, ffn,
-    dtype``), or None when it cannot be priced (a missing key, a composition that
-    cannot exist). The engine trains in its own dtype, so the model states are plain
-    (``StateBytes.for_dtype(dtype, mixed=False)``) and the Adam update is priced;
-    ``kw`` goes to :func:`price_composition`."""
+    dtype``, and where the case has them the techniques: ``chunks`` (or a schedule
+    ``interleaved:V``), ``stages``, ``recompute``, ``attention``,
+    ``sequence_parallel``, ``loss_scale``, ``grad_reduce`` and the block's ``mlp``,
+    ``kv_heads``, ``tied``), or None when it cannot be priced (a missing key, a
+    composition that cannot exist). The engine trains in its own dtype: plain model
+    states for float64/float32 (``StateBytes.for_dtype(dtype, mixed=False)``), mixed
+    precision for bfloat16/float16 (:meth:`StateBytes.for_training`); the Adam update is
+    priced; ``kw`` goes to :func:`price_composition`."""
     try:
         dtype = str(case.get("dtype", "float64"))
+        recompute = case.get("recompute") or (
+            "full" if case.get("checkpoint", False) else "none")
         cfg = TransformerConfig(b=int(case["b"]), s=int(case["s"]), h=int(case["h"]),
                                 n=int(case["heads"]), N=int(case["layers"]),
                                 v=int(case.get("v", 0)), dtype=dtype,
-                                checkpoint=bool(case.get("checkpoint", False)),
-                                ffn=case.get("ffn", 4))
+                                recompute=str(recompute), ffn=case.get("ffn", 4),
+                                attention=str(case.get("attention", "plain")),
+                                sequence_parallel=bool(case.get("sequence_parallel", False)),
+                                kv_heads=case.get("kv_heads"),
+                                mlp=str(case.get("mlp", "gelu")),
+                                tied=bool(case.get("tied", True)))
         name = str(case["scheme"])
         if name == "megatron":
             sch = Scheme.make(name, p=int(case["t"]))
         else:
             sch = Scheme.make(name, q=int(case["q"]), d=int(case.get("d", 1)))
-        kw.setdefault("state_bytes", StateBytes.for_dtype(dtype, mixed=False))
+        kind, chunks = parse_schedule(str(case.get("schedule", "1f1b")))
+        chunks = int(case.get("chunks") or chunks)
+        kw.setdefault("state_bytes", StateBytes.for_training(
+            dtype, case.get("grad_reduce")) if dtype in MIXED_DTYPES
+            else StateBytes.for_dtype(dtype, mixed=False))
+        stages = case.get("stages")
         res = price_composition(cfg, sch, machine=machine, dp=int(case["dp"]),
                                 pp=int(case["pp"]), microbatches=int(case.get("m", 1)),
                                 global_batch=int(case["b"]), zero=int(case.get("zero", 0)),
-                                schedule=str(case.get("schedule", "1f1b")),
+                                schedule=kind, chunks=chunks,
+                                stages=tuple(stages) if stages else None,
+                                loss_scale=str(case.get("loss_scale") or "none"),
                                 bucket_bytes=float(case.get("bucket_bytes", BUCKET_BYTES)),
                                 **kw)
     except (KeyError, TypeError, ValueError):

@@ -1,9 +1,13 @@
 """Memory per rank of a scheme's training step (bytes), and the largest batch that fits.
 
 Parameters, gradients and optimizer states of the rank's shards, the activations a
-layer keeps for its backward (all layers', or one layer's input under checkpointing),
-the workspace of the largest collective and the embedding and head; see
-:mod:`~summasim.costmodel.workload.layer` for the notation.
+layer keeps for its backward (all layers'; under full recompute each layer's input and
+one layer being recomputed; under selective recompute each layer's without its
+attention core, Korthikanti et al. 2022, Table 2), the workspace of the largest
+collective and the embedding and head (an untied head's ``[h, v]`` too); see
+:mod:`~summasim.costmodel.workload.layer` for the notation and
+:func:`_layer_activations` for sequence parallelism, blockwise attention, SwiGLU and
+grouped-query attention.
 """
 
 from __future__ import annotations
@@ -40,30 +44,44 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring)."""
     b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
     f = cfg.ffn_width                                  # MLP width f h
+    r, k = cfg.qkv_mult, cfg.mlp_matrices              # QKV r h wide (3 without GQA); MLP k
     it = cfg.itemsize
     p, q = scheme.p, scheme.q
     bsh = b * s * h
-    weights = 4 * h * h + 2 * h * f                    # QKV 3h^2, proj h^2, fc1 and fc2 h f h
+    weights = (1 + r) * h * h + k * h * f              # QKV r h^2, proj h^2, MLP k f h^2
     layer_act = _layer_activations(scheme, cfg)
+    head = 0.0 if cfg.tied else v * h                  # an untied LM head [h, v]
     if scheme.name == "megatron":
-        # QKV and fc1 biases (3h + f h) split over p; LayerNorms and 2 biases (6h) whole
-        layer_params = weights / p + (3 * h + f) / p + 6 * h
+        # QKV and the column-parallel MLP biases (r h + (k-1) f h) split over p;
+        # LayerNorms and 2 row-parallel biases (6h) whole
+        layer_params = weights / p + (r * h + (k - 1) * f) / p + 6 * h
         emb = v * h / p + s * h + 2 * h
-        grad_bufs = 2 * bsh
+        if head:
+            emb += head / p                            # vocabulary-parallel, like wte
+        # the two activation-gradient buffers of the layer input: [s/p, b, h] under SP
+        grad_bufs = 2 * bsh / p if cfg.sequence_parallel else 2 * bsh
         work = 0.0
     else:
-        vectors = 9 * h + f                            # LayerNorms 4h, biases 3h + h + f h + h
+        # LayerNorms 4h; biases: QKV r h, proj h, MLP (k-1) f h, fc2 h
+        vectors = (6 + r) * h + (k - 1) * f
         layer_params = (weights / p + vectors / q if scheme.name == "optimus"
                         else weights / (q * q) + vectors / q)
         # wte in q x q blocks (replicated over depth); wpe [s, h/q] and lnf g, b on row 0
         emb = v * h / (q * q) + s * h / q + 2 * h / q
+        if head:
+            emb += head / (q * q)                      # blocked like wte
         grad_bufs = 2 * bsh / p
-        wide = max(3 * h, f)                           # the widest linear: QKV or the MLP
+        wide = max(r * h, cfg.fc1_width)               # the widest linear: QKV or the MLP
         w_blk = h * wide / (q * q)
         act_blk = b * s * wide / p
         work = 2 * (act_blk + w_blk) + 2 * act_blk if q > 1 else 0.0
-    if cfg.checkpoint:
+    if cfg.recompute == "full":
         acts = N * bsh / p + layer_act
+    elif cfg.recompute == "selective":
+        # every layer without its attention core (Korthikanti et al. 2022, eq. 2), and
+        # the one core recomputed while its layer's backward runs
+        core = _layer_activations(scheme, cfg, core=False)
+        acts = N * core + (layer_act - core)
     else:
         acts = N * layer_act
     if v:
@@ -78,15 +96,39 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         # mixed precision: float32 optimizer states and a float32 master copy of the
         # weights (Megatron-LM, ZeRO section 3.1: 2 + 2 + 12 bytes per parameter)
         optimizer = (cfg.optimizer_states * 4 + 4) * model / it
-    masks = 0.0
-    if cfg.dropout > 0:
-        # one byte per element of the attention-probability and two hidden dropout masks
-        hid = bsh if scheme.name == "megatron" else bsh / p
-        per_layer = cfg.b * cfg.n * s * s / p + 2 * hid
-        masks = per_layer * (1 if cfg.checkpoint else N)
+    extra = _layer_extra_bytes(scheme, cfg)
+    held = {"none": N, "selective": N, "full": 1}[cfg.recompute]
+    masks = held * extra["kept"] + (N if cfg.recompute == "none" else 1) * extra["core"]
     return Memory(params=params, grads=model, optimizer=optimizer,
                   activations=(acts + grad_bufs) * it + masks, workspace=work * it,
                   embedding=emb_b)
+
+
+def _layer_extra_bytes(scheme: Scheme, cfg: TransformerConfig) -> dict:
+    """Bytes one layer keeps beyond its activation items: ``kept`` outside the attention
+    core, ``core`` inside it (what selective recompute drops).
+
+    Dropout (``cfg.dropout > 0``): one byte per element of the two hidden dropout masks
+    (``b s h`` each, on every Megatron rank, ``b s h / p`` under sequence parallelism or
+    on a 2D/2.5D block), and for the attention probabilities a mask byte and the dropped
+    probabilities in the activation dtype, ``b n s^2 / p (1 + it)``: Korthikanti et al.
+    2022, section 4.1, whose ``5 a s^2 b`` is the softmax output (2), the mask (1) and
+    the dropout output (2). With dropout 0 (summasim's model) these terms are dropped.
+    Blockwise attention keeps none of the attention terms (it regenerates the mask from
+    the random generator's state, Dao et al. 2022, section 3.1) and holds the float32
+    log-sum-exp of each query row, ``4 b n s / p`` bytes, for its backward.
+    """
+    b, s, h, p = cfg.b, cfg.s, cfg.h, scheme.p
+    kept = core = 0.0
+    if cfg.dropout > 0:
+        hid = b * s * h if scheme.name == "megatron" and not cfg.sequence_parallel \
+            else b * s * h / p
+        kept += 2 * hid
+        if cfg.attention == "plain":
+            core += cfg.b * cfg.n * s * s / p * (1 + cfg.itemsize)
+    if cfg.attention == "flash":
+        kept += 4 * b * cfg.n * s / p
+    return {"kept": kept, "core": core}
 
 
 def batch_step(scheme: Scheme) -> int:
@@ -121,17 +163,28 @@ def largest_batch(scheme: Scheme, cfg: TransformerConfig, budget_bytes: float,
     return lo * step
 
 
-def _layer_activations(scheme: Scheme, cfg: TransformerConfig) -> float:
-    """Items one rank keeps for the backward of one layer (see the module doc):
-    ``(8 + 2f) b s h + b n s^2`` split over p, plus the LayerNorm statistics
-    ``4 b s`` over d q; Megatron keeps the LayerNorm inputs and outputs (4 b s h)
-    and statistics whole."""
+def _layer_activations(scheme: Scheme, cfg: TransformerConfig, core: bool = True) -> float:
+    """Items one rank keeps for the backward of one layer (Korthikanti et al. 2022,
+    section 4.1, in summasim's accounting): ``(5 + r) b s h + k b s f h + b n s^2``
+    split over p, plus the LayerNorm statistics ``4 b s`` over d q, where the QKV output
+    is ``r b s h`` (r = 3, or ``1 + 2 k_v / n`` under grouped-query attention) and the
+    MLP keeps k of its ``[b s, f h]`` tensors (GELU 2: fc1 and GELU outputs; SwiGLU 3:
+    the gate and up outputs and their product, the down projection's input). Megatron
+    keeps the LayerNorm inputs and outputs (4 b s h) and statistics whole, or split
+    over p under sequence parallelism (their Table 2: ``34/t`` in place of ``10 +
+    24/t``). ``core=False`` leaves out the attention core's ``b n s^2`` probabilities
+    (selective recompute, their eq. 2); blockwise attention never holds them."""
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p, q, d = scheme.p, scheme.q, scheme.d
-    bsh, scores = b * s * h, b * n * s * s
+    r, k = cfg.qkv_mult, cfg.mlp_matrices
+    bsh = b * s * h
+    scores = b * n * s * s if core and cfg.attention == "plain" else 0.0
     bsf = b * s * cfg.ffn_width                  # fc1 output, and GELU output
     if scheme.name == "megatron":
-        # whole: LN1 in/out, LN2 in/out; split: QKV 3, attention out 1, fc1 and GELU f each
-        return 4 * bsh + 4 * b * s + (4 * bsh + 2 * bsf + scores) / p
-    # LN1 in/out 2, QKV 3, attention out 1, residual 1, LN2 out 1, fc1 and GELU f each
-    return (8 * bsh + 2 * bsf + scores) / p + 4 * b * s / (d * q)
+        # whole: LN1 in/out, LN2 in/out; split: QKV r, attention out 1, MLP k f h
+        whole = 4 * bsh + 4 * b * s
+        if cfg.sequence_parallel:
+            return whole / p + ((1 + r) * bsh + k * bsf + scores) / p
+        return whole + ((1 + r) * bsh + k * bsf + scores) / p
+    # LN1 in/out 2, QKV r, attention out 1, residual 1, LN2 out 1, MLP k f h
+    return ((5 + r) * bsh + k * bsf + scores) / p + 4 * b * s / (d * q)

@@ -78,7 +78,11 @@ inputs and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; 
 and SUMMA2.5-LM split everything over p (statistics over q or dq). Without
 checkpointing all N layers' activations are kept; with it, each layer's input
 (b s h / p, distributed checkpoints as in the paper) plus one layer's activations
-while it is recomputed. Add two activation-gradient buffers of the layer input
+while it is recomputed. The training techniques (selective recompute, Megatron
+sequence parallelism, blockwise attention) and the block variants (SwiGLU,
+grouped-query attention, an untied head) change these as
+:func:`~summasim.costmodel.workload.footprint._layer_activations`, :func:`layer_ops`
+and :func:`recompute_ops` say, each with its source. Add two activation-gradient buffers of the layer input
 size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums of
 the widest linear, w = max(3h, f h): (4 b s w + 2 h w)/p for Optimus [(16 b s h +
 8 h^2)/p]), and with a vocabulary the embedding table and
@@ -99,7 +103,8 @@ from ..machine.topology import Placement
 from .footprint import Memory, memory
 from .predict import price_messages
 from .pricer import make_pricer
-from .scheme import SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes
+from .scheme import (SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes,
+                     sequence_parallel_misfit)
 
 
 # -- the ops of one layer -----------------------------------------------------------------
@@ -111,12 +116,14 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
               checkpoint: bool | None = None, row0: bool = True) -> dict[str, list]:
     """``{"forward": [...], "backward": [...]}`` ops of one layer (see module doc).
 
-    The backward list includes the recomputed forward when checkpointing. ``row0``:
-    the rank is on grid row 0 (only those run the depth ring of the vector gradients).
+    The backward list starts with what the recompute re-runs (:func:`recompute_ops`:
+    the whole forward, or the attention core under selective recompute); ``checkpoint``
+    True or False overrides ``cfg.recompute`` with ``full`` or ``none``. ``row0``: the
+    rank is on grid row 0 (only those run the depth ring of the vector gradients).
     """
-    ck = cfg.checkpoint if checkpoint is None else checkpoint
-    b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
-    M, hd = b * s, _split(h, n)
+    recompute = cfg.recompute if checkpoint is None else ("full" if checkpoint else "none")
+    b, s, h = cfg.b, cfg.s, cfg.h
+    M = b * s
     p, q, d = scheme.p, scheme.q, scheme.d
     fwd, bwd = [], []
     if scheme.name == "megatron":
@@ -126,46 +133,115 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
                          else (_split(fin, p), fout))
             fwd.append(("gemm", M, fin, fout, 1))
             bwd += [("gemm", M, fout, fin, 1), ("gemm", fin, M, fout, 1)]
-        seqs = _split(b * n, p)
-        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
-        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        fwd += _core_ops(scheme, cfg)
+        bwd += _core_backward_ops(scheme, cfg)
         if p > 1:  # Megatron skips the all-reduce on a group of one (its _reduce)
-            fwd.append(("coll", "allreduce", "world", p, M * h, 2))
-            bwd.append(("coll", "allreduce", "world", p, M * h, 2))
+            fwd += _megatron_reductions(p, M * h, 2, cfg.sequence_parallel)
+            bwd += _megatron_reductions(p, M * h, 2, cfg.sequence_parallel)
     else:
+        if cfg.sequence_parallel:
+            raise ValueError(sequence_parallel_misfit(scheme, cfg))
         ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                         else ("summa25_ab", "summa25_abt", "summa25_atb"))
-        rows = d * q
         for _, fin, fout in _linears(cfg):
             fwd.append(("mm", ab, M, fin, fout))
             bwd += [("mm", abt, M, fout, fin), ("mm", atb, fin, M, fout)]
-        seqs = _split(b, rows) * _split(n, q)
-        fwd += [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
-        bwd += [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+        fwd += _core_ops(scheme, cfg)
+        bwd += _core_backward_ops(scheme, cfg)
         if include_minor:
-            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, ffn=cfg.ffn, row0=row0)
+            fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, ffn=cfg.ffn, row0=row0,
+                                                  vectors=_layer_vectors(cfg))
             fwd += fwd_aux
             bwd += bwd_aux
-    if ck:
+    if recompute == "full":
         bwd = list(fwd) + bwd
+    elif recompute == "selective" and cfg.attention == "plain":
+        bwd = _core_ops(scheme, cfg) + bwd
     return {"forward": fwd, "backward": bwd}
+
+
+def _megatron_reductions(p, items, count, sequence_parallel) -> list:
+    """The g operators of ``count`` Megatron reductions of ``items`` ([b s, h]) over p: an
+    all-reduce each, or under sequence parallelism a reduce-scatter of the ``[b s, h]``
+    partial sums and an all-gather of the ``[b s / p, h]`` shards (Korthikanti et al.
+    2022, section 4.2.2, Figure 5: g and g-bar; the same ring bytes as the all-reduce,
+    ``2 (p-1)/p b s h``, in two collectives). The all-gather of a layer's input that
+    Megatron-LM repeats in backward for the weight gradient runs under the
+    input-gradient GEMM (section 4.2.2) and is not priced."""
+    if not sequence_parallel:
+        return [("coll", "allreduce", "world", p, items, count)]
+    return [("coll", "reduce_scatter", "world", p, items, count),
+            ("coll", "allgather", "world", p, _split(items, p), count)]
+
+
+def _attention_seqs(scheme: Scheme, cfg: TransformerConfig):
+    """(sequence, head) pairs one rank attends: ``b n / p`` (Megatron, heads split) or
+    ``b/(d q) n/q`` (Optimus, SUMMA2.5-LM: its rows of sequences, its heads)."""
+    if scheme.name == "megatron":
+        return _split(cfg.b * cfg.n, scheme.p)
+    return _split(cfg.b, scheme.d * scheme.q) * _split(cfg.n, scheme.q)
+
+
+def _core_ops(scheme: Scheme, cfg: TransformerConfig) -> list:
+    """The attention core's forward GEMMs per (sequence, head): ``Q K^T`` ``[s, s/n h]
+    x [s/n h, s]`` and the probabilities over V ``[s, s] x [s, h/n]``: ``4 b s^2 h``
+    flops over the ranks (Korthikanti et al. 2022, section 5, selective recompute's
+    part). Grouped-query heads share K and V, not the products."""
+    seqs, hd, s = _attention_seqs(scheme, cfg), _split(cfg.h, cfg.n), cfg.s
+    return [("gemm", s, hd, s, seqs), ("gemm", s, s, hd, seqs)]
+
+
+def _core_backward_ops(scheme: Scheme, cfg: TransformerConfig) -> list:
+    """The attention core's backward GEMMs: dV, dP, dQ, dK (twice the forward's); with
+    blockwise attention ``Q K^T`` is recomputed first, so the backward's attention flops
+    are 2.5 times the forward's (Dao 2023, FlashAttention-2, section 3.1.2, Algorithm 2)."""
+    seqs, hd, s = _attention_seqs(scheme, cfg), _split(cfg.h, cfg.n), cfg.s
+    out = [("gemm", s, hd, s, 2 * seqs), ("gemm", s, s, hd, 2 * seqs)]
+    if cfg.attention == "flash":
+        out.insert(0, ("gemm", s, hd, s, seqs))
+    return out
+
+
+def recompute_ops(scheme: Scheme, cfg: TransformerConfig) -> list:
+    """The forward ops one layer's backward re-runs first: ``cfg.recompute`` ``full``:
+    the whole forward (its collectives included; Optimus section 4), ``selective``: the
+    attention core's two GEMMs, ``4 b s^2 h`` flops over the ranks (Korthikanti et al.
+    2022, section 5, Table 2; the softmax and dropout kernels are
+    :func:`~summasim.costmodel.compute.roofline.layer_kernels`'), and nothing under
+    blockwise attention, whose backward recomputes ``Q K^T`` anyway; ``none``: []."""
+    if cfg.recompute == "full":
+        return list(layer_ops(scheme, cfg, include_minor=True, checkpoint=False)["forward"])
+    if cfg.recompute == "selective" and cfg.attention == "plain":
+        return _core_ops(scheme, cfg)
+    return []
 
 
 _LINEARS_COL = {"qkv": True, "proj": False, "fc1": True, "fc2": False}
 
 
 def _linears(cfg: TransformerConfig) -> tuple:
-    """``(name, in, out)`` of the layer's four linears, in items: QKV [h, 3h],
-    projection [h, h], fc1 [h, f h], fc2 [f h, h]."""
+    """``(name, in, out)`` of the layer's four linears, in items: QKV [h, r h] (3h, or
+    h + 2 k_v h/n under grouped-query attention), projection [h, h], fc1 [h, f h] (SwiGLU:
+    the gate and up projections fused, [h, 2 f h], as Megatron-LM's ``linear_fc1``), fc2
+    [f h, h]."""
     h, f = cfg.h, cfg.ffn_width
-    return (("qkv", h, 3 * h), ("proj", h, h), ("fc1", h, f), ("fc2", f, h))
+    return (("qkv", h, cfg.qkv_width), ("proj", h, h), ("fc1", h, cfg.fc1_width),
+            ("fc2", f, h))
 
 
-def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
+def _layer_vectors(cfg: TransformerConfig):
+    """Items of one layer's vectors: two LayerNorms (4h), the QKV bias (r h), the
+    projection's and fc2's biases (2h) and the MLP's column biases ((k-1) f h):
+    ``(6 + r) h + (k-1) f h``, GPT-2's ``9h + f h``."""
+    return (6 + cfg.qkv_mult) * cfg.h + (cfg.mlp_matrices - 1) * _whole(cfg.ffn * cfg.h)
+
+
+def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True, vectors=None):
     """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer, as the code sends it.
 
-    Forward: the eight row-0 vectors (LayerNorm g and b, four biases: ``(9h + f)/q``
-    items) as ONE packed column broadcast; LayerNorm statistics as 4 row all-reduces
+    Forward: the row-0 vectors (LayerNorm g and b, the biases: ``(9h + f h)/q`` items
+    for GPT-2's block, ``vectors`` otherwise) as ONE packed column broadcast; LayerNorm
+    statistics as 4 row all-reduces
     of ``b s/(d q)`` items (2 LayerNorms, each all-reducing the mean and then the
     variance). Backward: 4 row all-reduces (each LayerNorm backward all-reduces two
     means), ONE packed column reduce of the vector gradients onto row 0, and for
@@ -173,7 +249,7 @@ def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True):
     Groups of one send nothing.
     """
     fwd, bwd = [], []
-    vec = _split(9 * h + _whole(ffn * h), q)
+    vec = _split(9 * h + _whole(ffn * h) if vectors is None else vectors, q)
     stats = _split(M, d * q)
     if q > 1:
         fwd.append(("coll", "bcast", "col", q, vec, 1))

@@ -128,7 +128,12 @@ def _memory_bandwidth(machine) -> float:
 
 def model_flops(cfg: TransformerConfig, global_batch: int) -> float:
     """Useful flops of one step (forward + backward, no recomputation): ``3 [N (2 b s
-    h^2 (4 + 2f) + 4 b s^2 h) + 2 b s h v]`` over the global batch; for f = 4 this is
-    Narayanan et al. 2021's ``72 B s N h^2 (1 + s/(6h) + v/(12 N h))``."""
+    h^2 (1 + r + k f) + 4 b s^2 h) + 2 b s h v]`` over the global batch, with the QKV
+    ``r h`` wide (r = 3; ``1 + 2 k_v / n`` under grouped-query attention) and k MLP
+    matrices (GELU 2, SwiGLU 3); for GPT-2's block (r = 3, k = 2, f = 4) this is
+    Narayanan et al. 2021's ``72 B s N h^2 (1 + s/(6h) + v/(12 N h))``. An untied head
+    does the same GEMMs as a tied one."""
     B, s, h, v, N, f = global_batch, cfg.s, cfg.h, cfg.v, cfg.N, cfg.ffn
-    return 3.0 * (N * (2 * B * s * h * h * (4 + 2 * f) + 4 * B * s * s * h) + 2 * B * s * h * v)
+    r, k = getattr(cfg, "qkv_mult", 3), getattr(cfg, "mlp_matrices", 2)
+    return 3.0 * (N * (2 * B * s * h * h * (1 + r + k * f) + 4 * B * s * s * h)
+                  + 2 * B * s * h * v)

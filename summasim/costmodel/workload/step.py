@@ -13,7 +13,7 @@ from ..compute.gemm import gemm_seconds as _gemm_seconds
 from ..compute.roofline import kernels_seconds, model_kernels
 from ..machine import Machine
 from ..machine.topology import Placement
-from .layer import _ring_allreduce_messages, _split, layer_ops
+from .layer import _ring_allreduce_messages, _split, layer_ops, recompute_ops
 from .footprint import Memory, _layer_activations, memory
 from .predict import price_messages
 from .pricer import Prediction, make_pricer
@@ -44,16 +44,27 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
     layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False, row0=row0)
     fwd, bwd = [], []
     if scheme.name == "megatron":
+        sp = cfg.sequence_parallel and p > 1
         if p > 1:
-            fwd.append(("coll", "allreduce", "world", p, M * h, 1))
+            # the vocabulary-parallel embedding's reduction; under sequence parallelism a
+            # reduce-scatter onto the sequence shards (Korthikanti et al. 2022, 4.2.2)
+            fwd.append(("coll", "reduce_scatter" if sp else "allreduce", "world", p,
+                        M * h, 1))
         fwd += N * layer["forward"]
+        if sp:                       # the head reads the whole sequence: all-gather it
+            fwd.append(("coll", "allgather", "world", p, _split(M * h, p), 1))
         if v:
             fwd.append(("gemm", M, h, _split(v, p), 1))
             bwd += [("gemm", M, _split(v, p), h, 1), ("gemm", _split(v, p), M, h, 1)]
         if p > 1:
             fwd.append(("coll", "allreduce", "world", p, M, 3))
-            bwd.append(("coll", "allreduce", "world", p, M * h, 1))
+            # the head's input gradient: all-reduced, or reduce-scattered (the conjugate
+            # of the all-gather) under sequence parallelism
+            bwd.append(("coll", "reduce_scatter" if sp else "allreduce", "world", p,
+                        M * h, 1))
         bwd += N * layer["backward"]
+        if sp:                       # the embedding's conjugate: all-gather its gradient
+            bwd.append(("coll", "allgather", "world", p, _split(M * h, p), 1))
         return {"forward": fwd, "backward": bwd}
     ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                     else ("summa25_ab", "summa25_abt", "summa25_atb"))
@@ -114,8 +125,10 @@ def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
     b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
     p = scheme.p
     bsh = b * s * h
-    layer = _layer_activations(scheme, cfg)
-    emb = bsh if scheme.name == "megatron" else bsh / p
+    # the work of plain attention (blockwise attention still computes its softmax)
+    layer = _layer_activations(scheme, cfg if cfg.attention == "plain"
+                               else cfg.replace(attention="plain"))
+    emb = bsh if scheme.name == "megatron" and not cfg.sequence_parallel else bsh / p
     return N * layer + b * s * v / p + emb
 
 
@@ -275,15 +288,16 @@ def _nonempty(op) -> bool:
 
 
 def step_ops(scheme: Scheme, cfg: TransformerConfig) -> dict[str, list]:
-    """:func:`model_ops` of one training step with ``cfg.checkpoint`` honoured (the
-    backward pass first recomputes every layer's forward, its collectives included)
+    """:func:`model_ops` of one training step with ``cfg.recompute`` honoured (the
+    backward pass first re-runs :func:`~summasim.costmodel.workload.layer.recompute_ops`
+    of every layer: its whole forward, collectives included, or its attention core)
     and no head when ``cfg.v == 0``."""
     ops = model_ops(scheme, cfg)
     fwd = [op for op in ops["forward"] if _nonempty(op)]
     bwd = [op for op in ops["backward"] if _nonempty(op)]
-    if cfg.checkpoint:
-        layer = layer_ops(scheme, cfg, include_minor=True, checkpoint=False)
-        bwd = cfg.N * layer["forward"] + bwd
+    again = recompute_ops(scheme, cfg)
+    if again:
+        bwd = cfg.N * again + bwd
     return {"forward": fwd, "backward": bwd}
 
 

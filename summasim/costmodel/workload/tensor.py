@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from ..machine import Machine
 from .footprint import memory
 from .traffic import MessageClass
-from .layer import layer_ops, scheme_cost
+from .layer import layer_ops, recompute_ops, scheme_cost
+from ..compute.gemm import gemm_seconds
+from ..compute.roofline import attention_kernels, kernels_seconds
 from .predict import price_messages
 from .pricer import make_pricer
 from .scheme import Scheme, TransformerConfig, misfit
 from .step import model_messages, model_ops, step_cost, step_work
-from .pipeline import _check_int
+from .pipeline import _check_int, check_interleaved
+from ...spec import stage_layers
 
 # -- checks ---------------------------------------------------------------------------------
 def make_scheme(scheme, t: int | None = None, q: int | None = None, d: int = 1) -> Scheme:
@@ -28,11 +31,15 @@ def make_scheme(scheme, t: int | None = None, q: int | None = None, d: int = 1) 
 
 
 def check_composition(cfg: TransformerConfig, scheme: Scheme, dp: int, pp: int,
-                      microbatches: int, global_batch: int, devices: int | None = None) -> int:
+                      microbatches: int, global_batch: int, devices: int | None = None,
+                      *, stages: tuple | None = None, chunks: int = 1) -> int:
     """The micro-batch size ``b = B / (dp m)`` of a composition that can exist, else a
-    ``ValueError`` with the numbers: ``dp pp t != devices``; N not divisible by pp
-    (uneven stages are not priced); B not divisible by ``dp m``; a micro-batch the
-    tensor grid cannot split, or a model it cannot divide (:func:`schemes.misfit`)."""
+    ``ValueError`` with the numbers: ``dp pp t != devices``; layers that
+    :func:`summasim.spec.stage_layers` cannot split into ``pp`` stages of ``chunks``
+    model chunks (``stages``: the layers of each); an interleaved schedule whose m is
+    not a multiple of pp (:func:`~summasim.costmodel.workload.pipeline.check_interleaved`);
+    B not divisible by ``dp m``; a micro-batch the tensor grid cannot split, or a model
+    it cannot divide (:func:`schemes.misfit`, sequence parallelism's rule included)."""
     for name, val in (("dp", dp), ("pp", pp), ("microbatches", microbatches),
                       ("global_batch", global_batch)):
         _check_int(name, val)
@@ -40,9 +47,14 @@ def check_composition(cfg: TransformerConfig, scheme: Scheme, dp: int, pp: int,
     if devices is not None and dp * pp * t != devices:
         raise ValueError(f"dp * pp * tensor = {dp} * {pp} * {t} = {dp * pp * t} is not the "
                          f"{devices} devices")
-    if not isinstance(cfg.N, numbers.Integral) or cfg.N % pp:
-        raise ValueError(f"layers N = {cfg.N} are not divisible by pp = {pp} (uneven "
-                         f"pipeline stages are not priced)")
+    if not isinstance(cfg.N, numbers.Integral):
+        raise ValueError(f"layers N = {cfg.N} must be whole to split into pipeline stages")
+    try:
+        stage_layers(int(cfg.N), pp, stages, chunks)
+    except ValueError as exc:
+        raise ValueError(f"layers N = {cfg.N} do not split into pp = {pp} stages"
+                         f"{f' of {chunks} chunks' if chunks > 1 else ''}: {exc}") from None
+    check_interleaved(pp, microbatches, chunks)
     if global_batch % (dp * microbatches):
         raise ValueError(f"global batch {global_batch} is not divisible by dp * microbatches "
                          f"= {dp} * {microbatches} = {dp * microbatches}")
@@ -85,11 +97,13 @@ class TensorMemory:
     wte: float                # the embedding table's shard (tied to the LM head)
     wpe: float                # position embedding
     lnf: float                # final LayerNorm
-    act_layer: float          # kept per layer per micro-batch (no checkpointing)
-    act_ckpt: float           # kept per layer per micro-batch (checkpointing)
+    act_layer: float          # kept per layer per micro-batch (no recompute)
+    act_ckpt: float           # kept per layer per micro-batch (full recompute)
     logits: float             # logits and their gradient, last stage, per micro-batch
     grad_bufs: float          # the two activation-gradient buffers
     workspace: float          # SUMMA workspaces
+    act_sel: float = 0.0      # kept per layer per micro-batch (selective recompute)
+    head: float = 0.0         # an untied LM head's shard (0: tied to wte)
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,8 @@ class TensorPrice:
     head_bytes: float
     opt_layer: float = 0.0    # the machine's own optimizer seconds of one layer's params
     opt_ends: float = 0.0     # and of the embedding and final LayerNorm (0: not priced)
+    layer_sel: Part = Part()  # selective recompute of one layer: its attention core again
+    layer_sel_bytes: float = 0.0
 
 
 def _membound_field(pred):
@@ -202,25 +218,32 @@ def _embedding_parts(scheme, cfg, machine, rpn, pricers=None):
 
 def tensor_memory(scheme: Scheme, cfg: TransformerConfig, b: int) -> TensorMemory:
     """The :class:`TensorMemory` of micro-batches of ``b`` sequences on ``scheme``:
-    ``schemes.memory`` at N = 1, 2, with and without checkpointing, the vocabulary
-    doubled and the sequence doubled, differenced (it is linear in each)."""
-    c1 = cfg.replace(b=b, N=1, checkpoint=False)
+    ``schemes.memory`` at N = 1, 2, under each recompute, the vocabulary doubled and
+    the sequence doubled, differenced (it is linear in each); an untied head is the
+    vocabulary's part of the embedding beyond ``wte``."""
+    c1 = cfg.replace(b=b, N=1, recompute="none")
     it = cfg.itemsize
     m1 = memory(scheme, c1)
     m2 = memory(scheme, c1.replace(N=2))
     act_layer = m2.activations - m1.activations
-    act_ckpt = (memory(scheme, c1.replace(N=2, checkpoint=True)).activations
-                - memory(scheme, c1.replace(checkpoint=True)).activations)
+    act_ckpt = (memory(scheme, c1.replace(N=2, recompute="full")).activations
+                - memory(scheme, c1.replace(recompute="full")).activations)
+    act_sel = (memory(scheme, c1.replace(N=2, recompute="selective")).activations
+               - memory(scheme, c1.replace(recompute="selective")).activations)
+    head = 0.0
     if cfg.v:
         grad_bufs = memory(scheme, c1.replace(v=0)).activations - act_layer
         logits = m1.activations - act_layer - grad_bufs
-        wte = (memory(scheme, c1.replace(v=2 * cfg.v)).embedding - m1.embedding) / it
+        vocab = (memory(scheme, c1.replace(v=2 * cfg.v)).embedding - m1.embedding) / it
+        if not cfg.tied:                           # wte and the head: the same blocks
+            vocab, head = vocab / 2, vocab / 2
+        wte = vocab
         wpe = (memory(scheme, c1.replace(s=2 * cfg.s)).embedding - m1.embedding) / it
-        lnf = m1.embedding / it - wte - wpe
+        lnf = m1.embedding / it - wte - wpe - head
     else:
         grad_bufs, logits, wte, wpe, lnf = m1.activations - act_layer, 0.0, 0.0, 0.0, 0.0
     return TensorMemory(m1.params / it, wte, wpe, lnf, act_layer, act_ckpt, logits, grad_bufs,
-                        m1.workspace)
+                        m1.workspace, act_sel, head)
 
 
 def tensor_price(scheme: Scheme, cfg: TransformerConfig, b: int, machine: Machine, *,
@@ -232,7 +255,7 @@ def tensor_price(scheme: Scheme, cfg: TransformerConfig, b: int, machine: Machin
     the layer's forward share is ``scheme_cost``'s forward pass plus a third of its
     memory-bound work, the head's forward a third of the head.
     """
-    c1 = cfg.replace(b=b, N=1, checkpoint=False)
+    c1 = cfg.replace(b=b, N=1, recompute="none")
     c2 = c1.replace(N=2)
     slow = machine.slowdown(ranks_per_node)
     p1 = step_cost(scheme, c1, machine, ranks_per_node=ranks_per_node)
@@ -259,7 +282,31 @@ def tensor_price(scheme: Scheme, cfg: TransformerConfig, b: int, machine: Machin
     head_f = head.scale(1 / 3)
     return TensorPrice(layer_f, layer - layer_f, emb_f, emb_b, head_f, head - head_f,
                        fw.payload * it, sc.backward.payload * it, emb_bytes,
-                       max(0.0, ends_bytes - emb_bytes), o2 - o1, max(0.0, 2 * o1 - o2))
+                       max(0.0, ends_bytes - emb_bytes), o2 - o1, max(0.0, 2 * o1 - o2),
+                       selective_part(scheme, c1, machine, slow))
+
+
+def selective_part(scheme: Scheme, cfg: TransformerConfig, machine: Machine,
+                   slow: float = 1.0) -> Part:
+    """Seconds one layer's selective recompute adds to its backward (Korthikanti et al.
+    2022, section 5): the attention core's forward again, its two GEMMs (``4 b s^2 h``
+    flops over the ranks, :func:`~summasim.costmodel.workload.layer.recompute_ops`) and
+    its softmax and dropout kernels (the roofline's on a GPU, else ``gamma_elementwise``
+    per score); no communication. Nothing under blockwise attention, whose backward
+    recomputes the scores anyway."""
+    ops = recompute_ops(scheme, cfg.replace(recompute="selective"))
+    if not ops:
+        return Part()
+    it = cfg.itemsize
+    gemm = sum(gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it, batched=True)
+               for _, m_, k_, n_, cnt in ops)
+    if machine.device is not None:
+        mem = kernels_seconds(attention_kernels(scheme, cfg)["forward"], machine.device,
+                              cfg.dtype)
+    else:
+        scores = sum(cnt * m_ * n_ for _, m_, k_, n_, cnt in ops[:1])   # b n s^2 / p
+        mem = machine.gamma_elementwise * scores
+    return Part(0.0, gemm * slow, mem * slow)
 
 
 # -- the composition ------------------------------------------------------------------------

@@ -51,6 +51,28 @@ class StateBytes:
         mixed = (str(getattr(dtype, "name", dtype)) in HALF_DTYPES) if mixed is None else mixed
         return cls(it, it, 4, 4) if mixed else cls(it, it, it, 0)
 
+    @classmethod
+    def for_training(cls, dtype, grad_reduce: str | None = None) -> "StateBytes":
+        """The model states of :class:`summasim.spec.Training` in ``dtype``: mixed
+        precision for bfloat16/float16 (16-bit parameters, float32 master weights and
+        Adam moments; Micikevicius et al. 2018, ZeRO section 3.1) with the gradients in
+        the type of the data-parallel reduction, ``grad_reduce``: ``float32`` (the
+        default) accumulates them in a float32 buffer and reduces 4 bytes per item
+        (Megatron-LM's ``main_grad``, ``--accumulate-allreduce-grads-in-fp32``):
+        ``(2, 4, 4, 4)``, 18 bytes per parameter; ``bfloat16`` keeps and reduces them in
+        16 bits, the ZeRO paper's ``(2, 2, 4, 4)``, 16 bytes. Plain dtypes: everything
+        in ``dtype`` (``grad_reduce`` must be None)."""
+        name = str(getattr(dtype, "name", dtype))
+        if name not in HALF_DTYPES:
+            if grad_reduce is not None:
+                raise ValueError(f"grad_reduce {grad_reduce} needs mixed precision "
+                                 f"(bfloat16 or float16), the dtype is {name}")
+            return cls.for_dtype(name, mixed=False)
+        grad_reduce = grad_reduce or "float32"
+        if grad_reduce not in ("float32", "bfloat16"):
+            raise ValueError(f"grad_reduce must be float32 or bfloat16, got {grad_reduce!r}")
+        return cls(itemsize_of(name), itemsize_of(grad_reduce), 4, 4)
+
     @property
     def optimizer(self) -> int:
         """Optimizer bytes per parameter: two moments and the master copy."""
