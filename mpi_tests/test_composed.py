@@ -67,6 +67,10 @@ def _compositions(p, limit):
 
 LIMIT = {1: 4, 4: 12, 8: 10, 9: 8, 16: 6}.get(P, 4)
 CASES = _compositions(P, LIMIT)
+# every other composition reduces over dp while the backward runs (Trainer overlap=True;
+# mpi_tests/test_overlap.py holds it bitwise to the blocking path); the rest, and every
+# other suite, run the blocking default
+OVERLAP = [i % 2 == 1 for i in range(len(CASES))]
 
 
 def _row(res):
@@ -108,12 +112,14 @@ def test_mesh_refuses_a_wrong_size_on_every_rank():
     parallel_assert(f"needs {P + 1} processes" in msg, msg)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.spec}-z{c.zero}-{c.schedule}-m"
-                                            f"{c.microbatches}{'-ckpt' if c.checkpoint else ''}"
-                                            for c in CASES])
-def test_composition_matches_the_serial_model(backend, case):
-    res = run_mesh(case, WORLD, backend, timed=False)
+@pytest.mark.parametrize("case,overlap", list(zip(CASES, OVERLAP)),
+                         ids=[f"{c.spec}-z{c.zero}-{c.schedule}-m{c.microbatches}"
+                              f"{'-ckpt' if c.checkpoint else ''}{'-overlap' if o else ''}"
+                              for c, o in zip(CASES, OVERLAP)])
+def test_composition_matches_the_serial_model(backend, case, overlap):
+    res = run_mesh(case, WORLD, backend, timed=False, overlap=overlap)
     r = res.extra["report"]
+    parallel_assert(r.overlap == overlap and r.replicas_ok and not r.drifted, _row(res))
     # within the derived bounds (validate.training_tolerance; adam_step_bound: param_err
     # is the worst ratio to it), which in float64 are far below the old flat 1e-10
     parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= r.bound

@@ -37,7 +37,8 @@ PROG = "python -m summasim.run"
 #: The transformer and mesh sections' model: every scheme shards it at p = 16.
 DEFAULT_MODEL = MODELS["tiny"]
 #: The techniques of ``spec.Training.techniques`` that ``run --mesh`` runs and validates.
-RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages"})
+RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", "--attention",
+                                      "--sequence-parallel"})
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 
 
@@ -53,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                          f"Default {' '.join(map(str, DEFAULT_SIZES))}, rounded up per grid.")
     ap.add_argument("--ring-size", type=int, default=None, metavar="N",
                     help=f"length of the ring_allreduce vector (default {DEFAULT_RING})")
-    options.add_dtype(ap, ("float64", "float32", "both"), "float64")
+    options.add_dtype(ap, ("float64", "float32", "both", "bfloat16", "float16"), "float64",
+                      help_more="; bfloat16 and float16 (mixed precision) run in the serial "
+                                "model (python -m summasim.transformer.train) and are priced "
+                                "by the cost model, not yet in this job")
     ap.add_argument("--backend", choices=("numpy", "cupy", "staged-host"), default="numpy",
                     help="array backend: numpy (CPU), cupy (GPU), or staged-host (NumPy through "
                          "the GPU staging path, for testing it on a CPU)")
@@ -89,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "serial model on --model and --batch. Without --mesh the job runs a few "
                      "default compositions that fit p")
     options.add_training(ap, zero=0, schedule="1f1b", microbatches=2)
+    ap.add_argument("--overlap", action="store_true",
+                    help="reduce each gradient bucket over dp with a non-blocking ring while "
+                         "the backward runs (docs/sharded-training.md: on this kind of "
+                         "machine it does not pay)")
+    options.add_steps(ap, default=3, most=1000)
+    ap.add_argument("--curves", metavar="PATH", type=cli.report_path("curves"),
+                    action=cli.ReportAction, default=None,
+                    help="write each mesh's loss at every step beside the serial model's "
+                         "as JSON to PATH (e.g. results/curves.json) and a plot beside it "
+                         "(PATH with .png); use with --steps")
     ap.add_argument("--bucket", type=cli.byte_size, default=None, metavar="BYTES",
                     help="gradient bucket of the --mesh runs (e.g. 64k; default 25 MiB, "
                          "PyTorch DDP's)")
@@ -143,6 +157,11 @@ def parse_args(argv=None):
                          "--model, --batch and --mesh")
     args.model = args.model or DEFAULT_MODEL
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
+    if args.dtype in ("bfloat16", "float16"):
+        raise UsageError(f"--dtype {args.dtype}: mixed precision runs in the serial model "
+                         f"(python -m summasim.transformer.train --dtype {args.dtype}) and is "
+                         f"priced by the cost model (python -m summasim.costmodel predict); "
+                         f"this job does not run it yet")
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
     try:
         args.training = options.training(args, dtype=args.dtypes[0])
@@ -188,11 +207,15 @@ def plan_mesh_cases(args, p: int):
     if args.self_test:             # the default compositions on the default model
         return plan_meshes(p, default_meshes(p), _config(DEFAULT_MODEL, "float64"),
                            DEFAULT_MODEL.batch, False)
-    kw = {} if args.bucket is None else {"bucket_bytes": args.bucket}
+    kw = {"steps": args.steps, "overlap": bool(args.overlap)}
+    if args.bucket is not None:
+        kw["bucket_bytes"] = args.bucket
     if args.mesh:
         t = args.training
         opts = dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks, stages=t.stages,
-                    microbatches=t.microbatches, checkpoint=t.checkpoint)
+                    microbatches=t.microbatches, checkpoint=t.checkpoint,
+                    recompute=t.recompute, attention=t.attention,
+                    sequence_parallel=t.sequence_parallel)
         specs = [(m, opts) for m in args.mesh]
     else:
         specs = default_meshes(p) if args.meshes == "default" else []
@@ -246,6 +269,28 @@ def _why(skips) -> str:
     return "; ".join(f"{s.name}{' ' + s.grid if s.grid else ''}: {s.reason}" for s in skips)
 
 
+def check_curves(args, jb: Job) -> str:
+    """``--curves``: a mesh row to draw, and a plot path that is free or may be
+    replaced (``--force``); an error message, or ""."""
+    if not args.curves:
+        return ""
+    import os
+
+    from .cli import check_writable_path
+    from .harness.curves import png_path
+
+    if not jb.mcases:
+        return "--curves draws the training rows' losses; no mesh runs at this p"
+    try:
+        check_writable_path(args.curves)
+    except UsageError as e:
+        return f"--curves: {e}"
+    png = png_path(args.curves)
+    if os.path.lexists(png) and not args.force:
+        return f"--curves: the plot {png} exists; pass --force to replace it"
+    return ""
+
+
 def named_but_unrunnable(args, jb: Job) -> str:
     """The user error of a section the user asked for by name of which nothing can run
     at this p (pure), even when other sections run: ``--algorithms`` naming only
@@ -290,7 +335,7 @@ def preflight(args, world) -> str:
         return f"--inject {args.inject}: rank {args.fault.rank} does not exist (p = {p})"
     if args.fail_on_rank is not None and not 0 <= args.fail_on_rank < p:
         return f"--fail-on-rank {args.fail_on_rank}: no such rank (p = {p})"
-    err = check_outputs(args.json, None)
+    err = check_outputs(args.json, None) or check_curves(args, jb)
     if err:
         return err
     if not args.no_predict:
@@ -478,6 +523,17 @@ def _main(args, world, jb: Job) -> int:
         ok &= written
         if written:
             say(f"report written to {args.json}")
+    if args.curves and rank == 0:
+        from .harness.curves import write_curves
+
+        c0 = jb.mcases[0].config
+        written, png = write_curves(meshes, args.curves, prog=PROG, title=(
+            f"{c0.layers} layers, h={c0.hidden}, batch {jb.mcases[0].batch}: each mesh's "
+            f"loss per Adam step beside the serial model's"))
+        ok &= written is not None
+        if written:
+            say(f"loss curves written to {written}" + (f" and {png}" if png else
+                                                        " (no plot: matplotlib is missing)"))
     if args.fault is not None and runs and len(untouched) == runs and ok:
         # (a run that failed anyway is a failure, exit 1, not this user error)
         return cli.print_error(PROG, f"--inject {args.fault}: rank {args.fault.rank} had "
@@ -505,8 +561,9 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch)
         f"the largest per-rank bytes of the step's data/pipeline/ZeRO phases against the "
         f"closed form, state the largest per-rank model state against the ZeRO formula\n")
     out = []
-    width = max(len(c.spec) + (len(f" stages={c.stages_label}") if c.stages_label else 0)
-                for c in mcases)
+    width = max(len(" ".join([c.spec] + ([f"stages={c.stages_label}"] if c.stages_label
+                                           else []) + list(c.techniques)
+                             + (["overlap"] if c.overlap else []))) for c in mcases)
     say(format_mesh_header(width), flush=True)
     for case in mcases:
         doing(f"running the mesh {case.spec} {case.dtype}")

@@ -107,7 +107,8 @@ def test_fault_parse_and_corrupt():
     for bad in ("nan", "nan@", "boom@1", "nan@-1", "@2"):
         with pytest.raises(ValueError, match="KIND@RANK"):
             Fault.parse(bad)
-    assert set(KINDS) == {"nan", "inf", "perturb", "drop"}
+    assert set(KINDS) == {"nan", "inf", "perturb", "drop", "drift"}
+    assert Fault.parse("drift@3") == Fault("drift", 3) and str(Fault("drift", 3)) == "drift@3"
     x = np.array([[1.0, -3.0], [2.0, 0.5]])
     y = x.copy()
     corrupt_entry(y, "perturb")              # the largest entry, relative 1e-6
@@ -117,6 +118,43 @@ def test_fault_parse_and_corrupt():
     z = x.astype(np.float32)
     corrupt_entry(z, "perturb")              # 1e-6 would be below float32's round-off
     assert z[0, 1] == np.float32(-3.0 * (1 + 1e-2)) and np.sum(z != x) == 1
+
+
+def test_drift_moves_one_entry_by_one_unit_in_the_last_place():
+    """``drift`` changes the largest entry by one ulp and nothing else; on an output with
+    no replicas (``corrupt_entry``) it changes it as ``perturb`` does; the ZeRO-3 hook
+    moves the first all-gather's result only, and puts the name back."""
+    import types
+
+    from summasim.harness.inject import drift_at_gathers, drift_entry
+
+    x = np.array([[1.0, -3.0], [2.0, 0.5]])
+    y = x.copy()
+    assert drift_entry(y) and np.sum(y != x) == 1
+    assert y[0, 1] == np.nextafter(-3.0, np.inf) and y[0, 1] != -3.0
+    assert not drift_entry(np.empty(0))
+    z = x.astype(np.float32)
+    drift_entry(z)
+    assert z[0, 1] == np.nextafter(np.float32(-3.0), np.float32(np.inf))
+    w = x.copy()
+    corrupt_entry(w, "drift")
+    assert w[0, 1] == -3.0 * (1 + 1e-6) and np.sum(w != x) == 1
+
+    class Two:
+        size = 2
+
+    def gather(flat, comm):
+        return flat
+
+    ns = types.SimpleNamespace(ring_allgather_unchecked=gather)
+    a, b = x.reshape(-1).copy(), x.reshape(-1).copy()
+    with drift_at_gathers(ns) as hook:
+        assert not hook.applied
+        ns.ring_allgather_unchecked(a, Two())
+        ns.ring_allgather_unchecked(b, Two())
+    assert hook.applied and np.sum(a != x.reshape(-1)) == 1 and np.array_equal(
+        b, x.reshape(-1))
+    assert ns.ring_allgather_unchecked is gather
 
 
 def test_inputs_match_the_split_of_the_global_matrix():
@@ -380,9 +418,11 @@ def test_the_drop_hook_is_armed_for_its_block_only():
         with pytest.raises(RuntimeError, match="inside"):
             with Comm.drop_next_sum(groups=("dp",)) as drop, drop_at_rings(composed):
                 assert composed.ring_allreduce_unchecked is not allreduce.ring_allreduce_unchecked
+                assert composed.ring_start is not allreduce.ring_start
                 raise RuntimeError("inside")
         assert not drop.armed and drop.groups is None
         assert composed.ring_allreduce_unchecked is allreduce.ring_allreduce_unchecked
         assert composed.ring_reduce_scatter_unchecked is allreduce.ring_reduce_scatter_unchecked
+        assert composed.ring_start is allreduce.ring_start
     finally:
         alone.mpi.Free()

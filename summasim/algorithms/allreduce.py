@@ -13,6 +13,18 @@ stores chunk (r - s) mod P.
 In total 2(P-1) sendrecvs of about N/P items each, 2(P-1)/P * N items per rank:
 the bandwidth-optimal all-reduce (Optimus eq. 5). Nothing is sent when P == 1.
 
+Non-blocking
+------------
+:func:`ring_start` starts the same ring (a reduce-scatter, an all-gather or both) as a
+:class:`RingInFlight` that never waits until asked: :meth:`RingInFlight.progress`
+completes the steps whose messages have arrived and posts the next ones, and returns at
+once; :meth:`RingInFlight.wait` finishes the ring. A caller that computes meanwhile
+calls ``progress`` between pieces of its work (the sharded trainer does, after each
+backward piece: the data-parallel reduction overlaps the backward, as PyTorch DDP's
+buckets do, Li et al. 2020, section 3.2.3). The steps, chunks and additions are those
+of the blocking ring, so the result is bitwise the same, and each step is traced as
+the same "sendrecv" event of the same bytes (its phase that of the start).
+
 References
 ----------
 P. Patarasuk and X. Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
@@ -22,11 +34,15 @@ workstations", J. Parallel Distrib. Comput. 69(2), 2009.
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ..backends import array_module
-from ..comm import as_comm
+from ..comm import NAP_AFTER_POLLS, as_comm
+from ..mpiutil import SLEEP_S
 from ._common import agree, check_writable_apart, dtype_of, local_error, shape_of
 
 
@@ -278,3 +294,197 @@ def ring_allreduce_unchecked(x, comm, out=None):
     _allgather_steps(flat, bounds, r, p, step)
     finish()
     return out
+
+
+# --------------------------------------------------------------------------- #
+# the non-blocking ring                                                       #
+# --------------------------------------------------------------------------- #
+#: The first tag of the non-blocking rings' messages: apart from the blocking ring's 0,
+#: so a blocking ring on the same communicator (a ZeRO-3 gather) never takes one of
+#: them. Rings in flight together on one communicator need tags of their own (the
+#: sharded trainer's are ``NONBLOCKING_TAG + k`` for k < its ``OVERLAP_RINGS``), and
+#: every rank must start them in the same order.
+NONBLOCKING_TAG = 1
+HALVES = ("rs", "ag", "ar")
+
+
+class RingInFlight:
+    """A ring reduce-scatter ("rs"), all-gather ("ag") or all-reduce ("ar") of the 1-D
+    host buffer ``flat``, in place, in flight (see :func:`ring_start`).
+
+    Each step posts ``MPI_Irecv`` from the left neighbour and ``MPI_Isend`` to the right;
+    :meth:`progress` tests the receive, adds it in (reduce-scatter) and posts the next
+    step as long as receives have arrived, and never waits. The sends are completed
+    together before the all-gather half (whose receives overwrite the chunks the
+    reduce-scatter sent) and at the end. ``on_done`` callables run once, when the ring
+    has finished; ``done`` says whether it has.
+
+    Each step is recorded as one "sendrecv" of its send's bytes when its receive has
+    arrived (``blocking=True``, the kind of the exchanger's steps: a receive polled, the
+    sends completed at the end), in the phase the ring started in, with the seconds
+    this rank spent in the step's own calls (posting, testing, adding, waiting), not
+    the wall time it was in flight: what the ring cost the rank, the overlap excluded.
+    """
+
+    __slots__ = ("flat", "comm", "work", "tag", "phase", "plan", "i", "req", "sends",
+                 "spent", "on_done", "done", "bounds", "_xp", "_nap")
+
+    def __init__(self, flat, comm, half: str, work, tag: int, phase: str):
+        p = comm.size
+        self.flat, self.comm, self.work, self.tag, self.phase = flat, comm, work, tag, phase
+        self.bounds = _bounds(flat.shape[0], p)
+        steps = {"rs": [("rs", s) for s in range(p - 1)],
+                 "ag": [("ag", s) for s in range(p - 1)]}
+        self.plan = steps["rs"] + steps["ag"] if half == "ar" else steps[half]
+        self.i, self.req, self.sends, self.spent = 0, None, [], 0.0
+        self.on_done: list = []
+        self.done = False
+        self._xp = _xp(flat)
+        chunk = flat.itemsize * (self.bounds[0][1] - self.bounds[0][0])
+        self._nap = comm.wait_policy != "spin" and chunk >= comm.nap_limit
+        t0 = time.perf_counter()
+        self._post()
+        self.spent += time.perf_counter() - t0
+
+    def _chunks(self):
+        """``(send slice, receive slice)`` of the current step (see the module doc)."""
+        p, r = self.comm.size, self.comm.rank
+        half, s = self.plan[self.i]
+        if half == "rs":
+            return self.bounds[(r - s) % p], self.bounds[(r - s - 1) % p]
+        return self.bounds[(r + 1 - s) % p], self.bounds[(r - s) % p]
+
+    def _post(self) -> None:
+        """Post the current step, or finish the ring when every step is done."""
+        if self.i == len(self.plan):
+            if MPI.Request.Testall(self.sends):
+                self._finish()
+            return
+        half, s = self.plan[self.i]
+        if half == "ag" and s == 0 and self.sends:
+            # the all-gather receives into the chunks the reduce-scatter sent
+            if not MPI.Request.Testall(self.sends):
+                return
+            self.sends = []
+        mpi, p, r = self.comm.mpi, self.comm.size, self.comm.rank
+        (s0, s1), (r0, r1) = self._chunks()
+        recv = self.work[: r1 - r0] if half == "rs" else self.flat[r0:r1]
+        self.req = mpi.Irecv(recv, (r - 1) % p, self.tag)
+        self.sends.append(mpi.Isend(self.flat[s0:s1], (r + 1) % p, self.tag))
+
+    def _complete_step(self, t0: float) -> None:
+        """The current step's receive has arrived: add it in, record it, go on."""
+        half, _ = self.plan[self.i]
+        (s0, s1), (r0, r1) = self._chunks()
+        if half == "rs":
+            dst = self.flat[r0:r1]
+            self._xp.add(dst, self.work[: r1 - r0], out=dst)
+        self.req = None
+        self.i += 1
+        trace = self.comm.trace
+        if trace.enabled:
+            trace.record("sendrecv", self.comm.name, self.comm.size, -1,
+                         (s1 - s0) * self.flat.itemsize,
+                         self.spent + time.perf_counter() - t0, phase=self.phase,
+                         blocking=True)
+        self.spent = 0.0
+
+    def _finish(self) -> None:
+        self.sends = []
+        self.done = True
+        for fn in self.on_done:
+            fn()
+
+    def progress(self) -> bool:
+        """Complete every step whose receive has arrived and post the next; never waits.
+        Returns :attr:`done`."""
+        t0 = time.perf_counter()
+        while not self.done:
+            if self.req is None:
+                self._post()
+                if self.req is None:            # sends still out (or just finished)
+                    break
+            if not self.req.Test():
+                break
+            self._complete_step(t0)
+            t0 = time.perf_counter()
+        self.spent += time.perf_counter() - t0
+        return self.done
+
+    def wait(self) -> None:
+        """Finish the ring, waiting as the communicator's exchanger does: a blocking
+        wait under "spin", else each receive polled with ``sched_yield`` (napping after
+        a few polls for long steps on a crowded node) and the sends completed at the
+        end."""
+        spin = self.comm.wait_policy == "spin"
+        while not self.done:
+            t0 = time.perf_counter()
+            if self.req is None:
+                self._post()
+                if self.req is None and not self.done:       # sends still out
+                    if spin:
+                        MPI.Request.Waitall(self.sends)
+                    else:
+                        while not MPI.Request.Testall(self.sends):
+                            os.sched_yield()
+                self.spent += time.perf_counter() - t0
+                continue
+            if spin:
+                self.req.Wait()
+            else:
+                polls = 0
+                while not self.req.Test():
+                    polls += 1
+                    if self._nap and polls > NAP_AFTER_POLLS:
+                        time.sleep(SLEEP_S)
+                    else:
+                        os.sched_yield()
+            self._complete_step(t0)
+
+
+def _done_ring(flat, comm, phase) -> RingInFlight:
+    """A :class:`RingInFlight` that has finished (nothing left to send)."""
+    ring = RingInFlight.__new__(RingInFlight)
+    ring.flat, ring.comm, ring.phase, ring.on_done, ring.done = flat, comm, phase, [], True
+    ring.plan, ring.i, ring.req, ring.sends, ring.spent = [], 0, None, [], 0.0
+    return ring
+
+
+def ring_start(flat, comm, half: str = "ar", work=None, tag: int = NONBLOCKING_TAG,
+               phase: str | None = None) -> RingInFlight:
+    """Start a ring ``half`` ("rs": reduce-scatter, "ag": all-gather, "ar": both, the
+    all-reduce) of the 1-D contiguous ``flat`` over ``comm``, in place, and return it in
+    flight (:class:`RingInFlight`); unchecked, for library callers that agreed on their
+    inputs, like the ``*_unchecked`` functions.
+
+    Afterwards (:meth:`RingInFlight.wait`, or :meth:`~RingInFlight.progress` until it
+    returns True) ``flat`` holds what :func:`ring_reduce_scatter_unchecked`,
+    :func:`ring_allgather_unchecked` or an in-place :func:`ring_allreduce_unchecked`
+    leaves, bitwise. ``work``: a receive workspace of at least ``ceil(N / P)`` items of
+    ``flat``'s dtype (reduce-scatter), held until the ring is done; one is allocated
+    when None. ``phase``: the trace phase of the ring's steps (default: the current one).
+
+    A device array, or any array whose path to MPI is not plain host memory, runs the
+    blocking ring here, traced in the current phase, and comes back done (no progress
+    engine for staged copies yet): the same result and the same traced steps, nothing
+    overlapped. So does P == 1.
+    """
+    if half not in HALVES:
+        raise ValueError(f"ring_start: half must be one of {', '.join(HALVES)}, got {half!r}")
+    comm = as_comm(comm, name="ring")
+    phase = comm.trace.current_phase if phase is None else phase
+    p = comm.size
+    be = comm.backend
+    host = type(flat) is np.ndarray and (be is None or getattr(be, "on_device", False)
+                                         or be.comm_mode == "host")
+    if p == 1 or not host:          # traced in the current phase, like any blocking ring
+        if half == "rs":
+            ring_reduce_scatter_unchecked(flat, comm, work)
+        elif half == "ag":
+            ring_allgather_unchecked(flat, comm)
+        else:
+            ring_allreduce_unchecked(flat, comm, out=flat)
+        return _done_ring(flat, comm, phase)
+    if work is None and half != "ag":
+        work = np.empty(-(-flat.shape[0] // p), dtype=flat.dtype)
+    return RingInFlight(flat, comm, half, work, tag, phase)

@@ -1,7 +1,10 @@
 """``bench mesh``: one training step (every micro-batch's forward and backward, the
 gradient reduction, Adam) of each sharded-training composition (``--mesh``, or the
 defaults that fit p) next to pure tensor parallelism of the same scheme on all p ranks
-(the same model, global batch and engine), with the cost model's prediction for both."""
+(the same model, global batch and engine), with the cost model's prediction for both.
+``--overlap`` reduces the gradient buckets while the backward runs (non-blocking rings,
+:class:`~summasim.transformer.composed.Trainer`'s ``overlap``); ``--overlap both`` times
+each mesh without and with it, side by side; ``--bucket`` sets the gradient bucket."""
 
 from __future__ import annotations
 
@@ -37,6 +40,21 @@ def add_training(ap):
     add_mesh(ap, repeat=True, help_more=" (default: the main job's default compositions "
                                         "that fit p)")
     add_techniques(ap, microbatches=DEFAULT_MICROBATCHES)
+    from ..cli import byte_size
+
+    ap.add_argument("--overlap", nargs="?", const="on", default="off",
+                    choices=OVERLAP_MODES,
+                    help="reduce each gradient bucket over dp with a non-blocking ring while "
+                         "the backward runs: on (--overlap alone), off (the default: the "
+                         "blocking ring after the backward) or both (each mesh timed both "
+                         "ways, side by side)")
+    ap.add_argument("--bucket", type=byte_size, default=None, metavar="BYTES",
+                    help="gradient bucket of the meshes (e.g. 64k; default 25 MiB, PyTorch "
+                         "DDP's); overlap needs several buckets per stage to overlap anything")
+
+
+#: ``--overlap``: which ways each mesh is timed.
+OVERLAP_MODES = ("off", "on", "both")
 
 
 #: The techniques of ``spec.Training.techniques`` that ``bench mesh`` runs.
@@ -75,7 +93,9 @@ def plan_mesh_bench(args, p: int):
                  for m in args.mesh]
     else:
         specs = default_meshes(p)
-    return plan_meshes(p, specs, config, batch, bool(args.mesh))
+    bucket = given(args, "bucket", None)
+    kw = {} if bucket is None else {"bucket_bytes": bucket}
+    return plan_meshes(p, specs, config, batch, bool(args.mesh), **kw)
 
 
 def preflight(args, world, gpu) -> str:
@@ -117,12 +137,17 @@ def _pure_tensor(case, p: int):
     return None
 
 
-def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> list[dict]:
+def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
+               overlap: str = "off") -> list[dict]:
     """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
     (collective), on ``backend`` (default NumPy). Each run is validated first
     (:func:`~summasim.harness.composed.run_mesh`: three Adam steps against the serial
     model); a failed validation fails the benchmark. The prediction prices each run's
-    traced step with ``machine`` (none given: no prediction)."""
+    traced step with ``machine`` (none given: no prediction). ``overlap`` (one of
+    :data:`OVERLAP_MODES`): the meshes' dp reductions overlapped with the backward, or
+    not, or "both": each mesh also timed with them overlapped (``overlap_seconds``,
+    ``overlap_gain`` = seconds without over seconds with, and ``rings``: how many of the
+    last timed step's rings finished while it computed, and how many were waited for)."""
     from ..harness.composed import run_mesh
     from ..harness.load import LoadWatch, mark, warn_busy
 
@@ -130,8 +155,8 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
     rows = []
     watch = LoadWatch(world)
 
-    def measure(case):
-        res = run_mesh(case, world, backend, repeats=repeats)
+    def measure(case, overlapped=overlap == "on"):
+        res = run_mesh(case, world, backend, repeats=repeats, overlap=overlapped)
         pred = None
         if machine is not None and world.Get_rank() == 0:
             from summasim.costmodel.workload.measured import predict_measured_mesh
@@ -156,23 +181,35 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None) -> l
         pure = _pure_tensor(case, p)
         watch.lap()
         res, pc = measure(case)
+        ores = measure(case, True)[0] if overlap == "both" else None
         pres, pp_ = measure(pure) if pure is not None else (None, None)
         load = world.bcast(watch.lap(), root=0)
         t = res.seconds
         tp = pres.seconds if pres is not None else None
-        ok = res.ok and (pres is None or pres.ok)
+        ok = res.ok and (pres is None or pres.ok) and (ores is None or ores.ok)
+        rep = (ores or res).extra["report"]
         rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule_label,
                      "stages": case.stages_label or None,
                      "microbatches": case.microbatches, "ok": ok, "seconds": t,
                      "predicted": pc, "pure": pure.spec if pure else None,
                      "pure_seconds": tp, "pure_predicted": pp_,
                      "ratio": (tp / t) if tp else None, "load": load,
-                     "quiet": load and load["quiet"]})
+                     "quiet": load and load["quiet"], "bucket_bytes": case.bucket_bytes,
+                     "overlap": overlap,
+                     "overlap_seconds": ores.seconds if ores is not None else None,
+                     "overlap_gain": (t / ores.seconds) if ores is not None and ores.seconds
+                     else None,
+                     "rings": rep.rings if overlap != "off" else None})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule_label:>13} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
             f"{(f'{tp / t:.2f}x') if tp else '-':>8}  {mark(load)}"
             + ("" if ok else "  FAILED validation"))
+        if ores is not None:
+            say(f"{'  with overlap':<28} {'':>4} {'':>13} {'':>2} {ores.seconds:>8.4f}   "
+                f"without/with {t / ores.seconds:.2f}x; last step's rings: "
+                f"{rep.rings.get('in_flight', 0)} finished in flight, "
+                f"{rep.rings.get('waited', 0)} waited for")
     warn_busy(rows, "meshes and their pure runs", say)
     return rows
 
@@ -181,7 +218,7 @@ def run(bench) -> bool:
     """Rows under ``report["mesh"]``; True when every run validated."""
     cases, skips, _ = plan_mesh_bench(bench.args, bench.p)
     rows = bench_mesh(bench.world, cases, repeats(bench.args), bench.say, bench.machine(),
-                      bench.backend)
+                      bench.backend, overlap=given(bench.args, "overlap", "off"))
     bench.report["mesh"] = rows
     from ..harness.report import mark_report
 

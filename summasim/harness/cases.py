@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..algorithms.table import get_algorithm
-from ..spec import SCHEDULE_KINDS, ZERO_STAGES, Mesh, stage_layers
+from ..spec import ATTENTIONS, RECOMPUTE, SCHEDULE_KINDS, ZERO_STAGES, Mesh, stage_layers
 from ..transformer.model import Config
 from ..transformer.schemes import get_scheme
 
@@ -147,8 +147,10 @@ class MeshCase:
     ``batch`` is the GLOBAL batch, cut into ``dp`` replicas of ``microbatches``
     micro-batches each. ``schedule`` is gpipe, 1f1b or interleaved (with ``chunks`` = V
     >= 2 model chunks per stage); ``stages`` the layers per (virtual) stage, or None
-    for the even split (:func:`summasim.spec.stage_layers`). Reports name the mesh as
-    ``str(mesh)`` (``dp=2,pp=1,tp=...``).
+    for the even split (:func:`summasim.spec.stage_layers`). ``recompute`` is none,
+    selective or full (``checkpoint`` is True exactly for full), ``attention`` plain or
+    flash, ``sequence_parallel`` Megatron's sequence parallelism. Reports name the mesh
+    as ``str(mesh)`` (``dp=2,pp=1,tp=...``).
     """
 
     mesh: Mesh
@@ -162,6 +164,10 @@ class MeshCase:
     steps: int = 3
     chunks: int = 1
     stages: tuple | None = None
+    recompute: str = "none"
+    attention: str = "plain"
+    sequence_parallel: bool = False
+    overlap: bool = False
     kind = "mesh"
 
     def __post_init__(self):
@@ -180,6 +186,16 @@ class MeshCase:
             raise ValueError("microbatches, steps and bucket_bytes must be positive")
         if self.stages is not None:
             object.__setattr__(self, "stages", tuple(int(x) for x in self.stages))
+        if self.recompute not in RECOMPUTE or self.attention not in ATTENTIONS:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)} and attention "
+                             f"one of {', '.join(ATTENTIONS)}; got {self.recompute!r}, "
+                             f"{self.attention!r}")
+        if self.checkpoint and self.recompute == "selective":
+            raise ValueError("checkpoint is whole-layer recompute; it contradicts "
+                             "recompute='selective'")
+        if self.checkpoint or self.recompute == "full":
+            object.__setattr__(self, "checkpoint", True)
+            object.__setattr__(self, "recompute", "full")
 
     @classmethod
     def parse(cls, mesh: "str | Mesh", batch: int, config: Config, **kw) -> "MeshCase":
@@ -265,6 +281,14 @@ class MeshCase:
             elif self.microbatches % self.pp:
                 bad.append(f"{self.schedule_label} needs micro-batches a multiple of pp = "
                            f"{self.pp}, got {self.microbatches}")
+        if self.sequence_parallel:
+            if self.grid_kind != "1d":
+                bad.append(f"sequence parallelism splits Megatron's 1D groups; "
+                           f"{self.mesh.tp.label} already splits every activation over "
+                           f"all its ranks")
+            elif self.config.seq % self.t:
+                bad.append(f"sequence parallelism needs seq = {self.config.seq} divisible "
+                           f"by the tensor group t = {self.t}")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
@@ -280,9 +304,18 @@ class MeshCase:
     def label(self, p: int | None = None) -> str:
         c = self.config
         stages = f" stages={self.stages_label}" if self.stages is not None else ""
+        extra = "".join(f" {t}" for t in self.techniques)
         return (f"{self.spec} zero={self.zero} {self.schedule_label}{stages} "
-                f"m={self.microbatches}{' ckpt' if self.checkpoint else ''} b{self.batch} "
-                f"s{c.seq} h{c.hidden} L{c.layers}")
+                f"m={self.microbatches}{' ckpt' if self.checkpoint else ''}{extra} "
+                f"b{self.batch} s{c.seq} h{c.hidden} L{c.layers}")
+
+    @property
+    def techniques(self) -> list[str]:
+        """The techniques beyond the schedule and ZeRO, as short labels (``selective``,
+        ``flash``, ``sp``); empty for plain training."""
+        return ([self.recompute] if self.recompute == "selective" else []) + \
+            (["flash"] if self.attention == "flash" else []) + \
+            (["sp"] if self.sequence_parallel else [])
 
     def to_dict(self) -> dict:
         c = self.config
@@ -295,7 +328,14 @@ class MeshCase:
                 "dtype": self.dtype,
                 # last and only when not the defaults: older records read the same
                 **({"chunks": self.chunks} if self.chunks != 1 else {}),
-                **({"stages": list(self.stages)} if self.stages is not None else {})}
+                **({"stages": list(self.stages)} if self.stages is not None else {}),
+                **({"recompute": self.recompute} if self.recompute == "selective" else {}),
+                **({"attention": self.attention} if self.attention != "plain" else {}),
+                **({"sequence_parallel": True} if self.sequence_parallel else {}),
+                **({"overlap": True} if self.overlap else {}),
+                **({"mlp": c.mlp} if c.mlp != "gelu" else {}),
+                **({"kv_heads": c.kv_heads} if c.kv_heads != c.heads else {}),
+                **({"tied": False} if not c.tied else {})}
 
 
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
@@ -319,11 +359,18 @@ def case_from_dict(data: dict):
                                 data["h"], data["heads"], data["v"], data["layers"],
                                 data.get("ffn", 4), data.get("dtype", "float64"))
     if kind == "mesh":
+        ffn = float(data.get("ffn", 4))
         config = Config(vocab=int(data["v"]), seq=int(data["s"]), hidden=int(data["h"]),
                         heads=int(data["heads"]), layers=int(data["layers"]),
-                        ffn_mult=int(data.get("ffn", 4)),
-                        dtype=np.dtype(data.get("dtype", "float64")).type)
+                        ffn_mult=int(ffn) if ffn.is_integer() else ffn,
+                        dtype=np.dtype(data.get("dtype", "float64")).type,
+                        mlp=data.get("mlp", "gelu"), kv_heads=data.get("kv_heads"),
+                        tied=bool(data.get("tied", True)))
         return MeshCase.parse(data["mesh"], int(data["b"]), config, zero=int(data["zero"]),
+                              recompute=data.get("recompute", "none"),
+                              attention=data.get("attention", "plain"),
+                              sequence_parallel=bool(data.get("sequence_parallel", False)),
+                              overlap=bool(data.get("overlap", False)),
                               schedule=data["schedule"], microbatches=int(data["m"]),
                               checkpoint=bool(data["checkpoint"]),
                               bucket_bytes=int(data["bucket_bytes"]), steps=int(data["steps"]),

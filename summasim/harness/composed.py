@@ -16,9 +16,17 @@ What a row checks (every rank, then one collective verdict)
   gradient is small next to its error may move by up to the whole update, about lr; one
   whose gradient is large is held to about ``lr * bound``). ``param_err`` is the worst
   entry's error over its bound (passes at 1 or less);
-* **replicas**: under ZeRO 0-2 every replica holds bit-identical parameters after the
-  last step (a digest all-gathered over ``mesh.dp_comm``); under ZeRO-3 the replicas
-  hold disjoint chunks, each checked against the serial model above;
+* **replicas**: after every step, the runtime replica audit
+  (:meth:`~summasim.transformer.composed.Trainer.audit`): every copy of a replicated
+  tensor is bit-identical to its replicas, by a blake2b digest all-gathered over each
+  replica group: the parameters (and under ZeRO 0 Adam's moments) over dp under ZeRO
+  0-2; under ZeRO-3, whose owned chunks are disjoint, the units every replica
+  all-gathered in the step; the parameters the tensor scheme replicates (Megatron's
+  LayerNorms and row-parallel biases over the tensor group, SUMMA2.5-LM's copies over
+  the depth) with their moments, held whole or as owned chunks; and the tied ``wte``
+  of the first and last stage. A replica that drifts by one bit fails the row (the
+  ``drift`` fault, :mod:`~summasim.harness.inject`, shows it; the values check cannot
+  see a drift so small);
 * **traffic**: the bytes sent in every phase of the step (``dp.grads``,
   ``zero.params``, ``zero.gather``, ``embed.tie``, ``pp.fwd``, ``pp.bwd``) equal
   :meth:`~summasim.transformer.composed.Trainer.expected_traffic` exactly (the ring's
@@ -50,8 +58,8 @@ A NaN or Inf anywhere fails the row on whichever rank it sits.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +75,7 @@ from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
 from ..validate import adam_step_bound, scaled_error, training_tolerance
 from .check import Check, collective
-from .inject import corrupt_entry, drop_at_rings
+from .inject import corrupt_entry, drift_at_gathers, drift_entry, drop_at_rings
 from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
@@ -118,6 +126,15 @@ class MeshReport:
     load: dict | None = None        # other processes' load while it ran (rank 0)
     chunks: int = 1                 # model chunks per stage (interleaved: V >= 2)
     stages: str = ""                # layers per (virtual) stage as given; "" = even
+    overlap: bool = False           # dp reductions overlapped with the backward
+    audit: dict = field(default_factory=dict)    # replica group -> largest group size
+    audit_bytes: int = 0            # largest per-rank bytes one step's audit hashes
+    drifted: list = field(default_factory=list)  # replica groups that disagreed
+    audit_s: float = 0.0            # the slowest rank's audit of one step, seconds
+    rings: dict = field(default_factory=dict)    # overlap: the last step's rings, all ranks
+    techniques: list = field(default_factory=list)   # e.g. ["selective", "flash", "sp"]
+    losses: list = field(default_factory=list)       # the mesh's loss at every step
+    serial_losses: list = field(default_factory=list)   # the serial model's, same steps
 
 
 class SerialReference:
@@ -214,11 +231,6 @@ def _phase_bytes(events) -> dict:
     return out
 
 
-def _digest(arr) -> int:
-    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(_host(arr)).tobytes(),
-                                          digest_size=8).digest(), "little")
-
-
 def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     """Bytes per step in each phase summed over this rank's data-parallel group (the
     ``dp`` replicas of its stage and tensor rank), from the parameter and activation
@@ -249,7 +261,7 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     out["dp.grads"] = (dp - 1) * n * {0: 2, 1: 1}.get(tr.zero, m)
     if tr.zero in (1, 2):
         out["zero.params"] = (dp - 1) * n
-    lm = not cfg.n_classes
+    lm = not cfg.n_classes and cfg.tied          # the head reads wte: the tied copy
     if tr.zero == 3:
         reads = 2 * n
         if tr.first:
@@ -263,6 +275,8 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     act = batch * seq * cfg.hidden
     if tr.spec.grid_kind != "1d":
         act //= g.d * g.q * g.q
+    elif tr.sp:                                   # sequence parallelism: s / t per rank
+        act //= g.p
     out["pp.fwd"] = act * (tr.chunks - (1 if tr.last else 0))
     out["pp.bwd"] = act * (tr.chunks - (1 if tr.first else 0))
     return {k: v * item for k, v in out.items()}
@@ -275,6 +289,18 @@ def _corrupt_held(tr, kind: str) -> bool:
             corrupt_entry(vals, kind)             # a device array: through the host
             return True
     return False
+
+
+def _drift_target(tr):
+    """The first non-empty view of a parameter this rank holds in a replica group of
+    more than one rank (:meth:`~summasim.transformer.composed.Trainer.replica_sets`),
+    or None: under ZeRO-3 with nothing replicated over the tensor group or the tied
+    pair, ``drift`` goes into a gathered unit instead."""
+    for rs in tr.replica_sets():
+        for view in rs.params:
+            if view.size:
+                return view
+    return None
 
 
 def _share(world, value, what: str, into: NodeShared | None = None) -> NodeShared:
@@ -317,10 +343,12 @@ def _within(tr, held, expected, bound) -> tuple[float, str]:
 
 
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
-             timed: bool = True, bound: float | None = None, fault=None, **_):
+             timed: bool = True, bound: float | None = None, fault=None,
+             overlap: bool | None = None, **_):
     """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
-    ``world`` (collective). Returns a :class:`Result` whose ``extra["report"]`` is the
-    :class:`MeshReport`."""
+    ``world`` (collective). ``overlap``: the trainer's (None: the case's ``overlap``
+    when it has one, else off). Returns a :class:`Result` whose ``extra["report"]`` is
+    the :class:`MeshReport`."""
     from summasim.costmodel.workload.zero import model_state_bytes
 
     spec = get_scheme(case.scheme)
@@ -341,9 +369,12 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     del first
     ref = shared.value
     tokens, targets = ref["tokens"], ref["targets"]
+    if overlap is None:
+        overlap = bool(getattr(case, "overlap", False))
     rep = MeshReport(case.spec, case.zero, case.schedule_label, case.microbatches,
                      case.checkpoint, p, case.dtype, case.steps, bound, chunks=case.chunks,
-                     stages=case.stages_label)
+                     stages=case.stages_label, overlap=bool(overlap),
+                     techniques=list(case.techniques))
     try:
         mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
                     backend=backend)
@@ -356,7 +387,11 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     try:
         tr = Trainer(ref["params"], config, mesh, spec, zero=case.zero, schedule=case.schedule,
                      microbatches=case.microbatches, chunks=case.chunks, stages=case.stages,
-                     checkpoint=case.checkpoint, bucket_bytes=case.bucket_bytes, lr=LR)
+                     checkpoint=case.checkpoint, recompute=case.recompute,
+                     attention=case.attention, sequence_parallel=case.sequence_parallel,
+                     bucket_bytes=case.bucket_bytes, overlap=bool(overlap), lr=LR)
+        tr.audit_gathers = True                  # ZeRO-3: the audit's digest of the gathers
+        audit_groups, audit_bytes, audit_s, drifted = {}, 0, 0.0, set()
         loss_err = grad_err = param_err = 0.0
         worst_grad = worst_param = ""
         traffic = tp_items = None
@@ -371,6 +406,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             if step:
                 tr.load_state(sref["start"], sref["m"], sref["v"], step)
             mesh.trace.clear()
+            drift = mine and step == 0 and fault.kind == "drift"
             if mine and step == 0 and fault.kind == "drop":
                 # drop: the first ring reduction of the step on this rank (a data-parallel
                 # bucket, else the tied embedding) keeps this rank's own contribution in
@@ -379,16 +415,32 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                         drop_at_rings(composed):
                     loss = tr.step(tokens, targets)
                 applied = drop.applied
+            elif drift and _drift_target(tr) is None and tr.zero == 3:
+                # drift, ZeRO-3 with nothing replicated between steps: the first unit
+                # the rank all-gathers in the step moves by one bit
+                with drift_at_gathers(composed) as hook:
+                    loss = tr.step(tokens, targets)
+                applied = hook.applied
             else:
                 loss = tr.step(tokens, targets)
-            if mine and step == 0 and fault.kind != "drop":
+            if drift and not applied:
+                # drift: one replicated parameter moves by one bit after the step, on
+                # this rank only, before the value checks and the audit read it
+                target = _drift_target(tr)
+                applied = target is not None and drift_entry(target)
+            elif mine and step == 0 and fault.kind not in ("drop", "drift"):
                 applied = _corrupt_held(tr, fault.kind)
             if step == 0:
                 events = list(mesh.trace.events)
                 traffic = _phase_bytes(events)
-                # the stage's first layer (none on a stage of the embedding or head alone)
-                tp_items = (layer_tp_items(events, tr.layers[0], "fwd", item)
+                # the stage's first layer (none on a stage of the embedding or head alone);
+                # under sequence parallelism its collectives are ring halves (sendrecv)
+                tp_items = (layer_tp_items(events, tr.layers[0], "fwd", item,
+                                           ring=case.sequence_parallel)
                             if tr.layers else 0)
+                sp_bytes = sum(e.nbytes for e in events if e.phase.split("/")[0] == "sp.grads")
+            rep.losses.append(float(loss))
+            rep.serial_losses.append(float(sref["loss"]))
             le = loss_error(loss, sref["loss"])
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
             expect = _pack_host(tr, sref["grads"])
@@ -402,23 +454,31 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             if math.isnan(pe) or pe > param_err or not worst_param:
                 param_err, worst_param = pe, f"step {step + 1} param {where}"
             expect = sref = None
+            # replicas: every replicated tensor bit-identical over its group, this step
+            t0 = time.perf_counter()
+            audited = tr.audit()
+            audit_s = max(audit_s, time.perf_counter() - t0)
+            audit_bytes = max(audit_bytes, sum(got["nbytes"] for got in audited.values()))
+            for name, got in audited.items():
+                audit_groups[name] = got["size"]
+                if not got["agree"]:
+                    drifted.add(name)
         if step_ref is not None:
             step_ref.free()
             step_ref = None
-        # replicas: bit-identical parameters over dp (ZeRO 0-2)
-        replicas_ok = True
-        if case.zero < 3 and mesh.dp > 1:
-            digests = mesh.dp_comm.mpi.allgather(_digest(tr.flat))
-            replicas_ok = len(set(digests)) == 1
+        tr.audit_gathers = False                 # the timed steps hash nothing
+        replicas_ok = not drifted
         expected = tr.expected_traffic(batch, config.seq)
         # per rank: the closed form, exactly; per data-parallel group: the nominal
         # (dp - 1) N forms (the sum over the group is untraced, after the traced step)
         group = mesh.dp_comm.mpi.allreduce(np.array([traffic[k] for k in PHASES], np.int64))
         nominal = nominal_group_traffic(tr, batch, config.seq)
         traffic_ok = traffic == expected and [int(v) for v in group] == [
-            nominal[k] for k in PHASES]
+            nominal[k] for k in PHASES] and sp_bytes == tr.sp_grad_bytes()
         table1 = table1_payload(case.scheme, config, case.micro_batch, case.tensor_size,
                                 case.q, case.d)["fwd"]
+        if case.sequence_parallel:   # each all-reduced item: a ring's 2 (t-1)/t sends
+            table1 = 2 * table1 * (case.t - 1) // case.t
         tp_ok = tp_items == (case.microbatches * table1 if tr.layers else 0)
         schedule_ok = tr.max_inflight == composed.peak_inflight(
             case.schedule, case.microbatches, mesh.pp, mesh.s, case.chunks)
@@ -448,7 +508,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                                  [traffic[k] for k in PHASES], [expected[k] for k in PHASES],
                                  [mem[k] for k in ("params", "grads", "optimizer", "total")],
                                  [formula[k] for k in ("params", "grads", "optimizer",
-                                                       "total")], tr.max_inflight))
+                                                       "total")], tr.max_inflight,
+                                 audit_groups, audit_bytes, sorted(drifted), audit_s))
         rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
         rep.fault = str(fault) if fault else ""
         rep.fault_applied = all(world.allgather(applied))
@@ -477,6 +538,13 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         rep.memory = {k: max(r[6][i] for r in every) for i, k in enumerate(keys)}
         rep.memory_formula = {k: max(r[7][i] for r in every) for i, k in enumerate(keys)}
         rep.inflight = max(r[8] for r in every)
+        for r in every:
+            for name, size in r[9].items():
+                rep.audit[name] = max(rep.audit.get(name, 0), size)
+        rep.audit = dict(sorted(rep.audit.items()))
+        rep.audit_bytes = max(r[10] for r in every)
+        rep.drifted = sorted({g for r in every for g in r[11]})
+        rep.audit_s = max(r[12] for r in every)
 
         timing = {}
         if timed and repeats > 0:
@@ -491,6 +559,10 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                 timing = time_calls(train_step, world, repeats, adaptive=False)
             mesh.trace.enabled = True
             rep.step_s = timing["median"]
+        # overlap: the last step's rings that finished while it computed, and waited for
+        names = sorted(tr.rings)
+        rep.rings = dict(zip(names, (int(v) for v in world.allreduce(
+            np.array([tr.rings[k] for k in names], np.int64)))))
         nbytes = int(reduce_max(world, [sum(traffic.values())])[0])
         msgs = int(reduce_max(world, [len(events)])[0])
         # what the cost model prices (costmodel.tools.accuracy): each rank's traced events of

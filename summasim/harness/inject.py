@@ -15,6 +15,16 @@ drop       one block is left unreduced: a product's block misses the summand of
            one k-panel; the all-reduce result misses another rank's input; in a
            training step, the first sum all-reduce on that rank returns the rank's
            own contribution instead of the sum
+drift      one entry of a replicated tensor moves by one unit in the last place
+           on that rank only, so its replicas differ by one bit: in a sharded
+           training step, the first replicated parameter the rank holds after the
+           step (over dp under ZeRO 0-2, else over the tensor group or the tied
+           embedding's pair), or, under ZeRO-3 with nothing else replicated, the
+           first unit it all-gathers in the step (a receive gone wrong). Far below
+           every value check's bound: only the replica audit sees it. A run with no
+           replica audit (a product, a ring, a pure tensor-parallel step) has no
+           replica to drift: there it changes its entry as ``perturb`` does, so it
+           still fails the row and never passes unseen
 =========  ====================================================================
 
 Which checks can catch which fault: :func:`uncatchable` says why a product check
@@ -29,8 +39,9 @@ step: in the rank's local gradient of the first weight), so ``perturb`` is not l
 next to a larger entry.
 
 Where each is applied: ``nan``, ``inf`` and ``perturb`` by :func:`corrupt_entry`, after
-the run computes, on every path. ``drop`` in a training step (the tensor schemes, the
-composed meshes) by the one hook at the reduction, :class:`summasim.comm.DropFault`,
+the run computes, on every path; ``drift`` by :func:`drift_entry` in the mesh executor
+(:func:`drift_at_gathers` inside a ZeRO-3 step). ``drop`` in a training step (the tensor
+schemes, the composed meshes) by the one hook at the reduction, :class:`summasim.comm.DropFault`,
 armed with :meth:`Comm.drop_next_sum <summasim.comm.Comm.drop_next_sum>`:
 :meth:`Comm.allreduce <summasim.comm.Comm.allreduce>` takes it, and so do the
 trainer's ring reductions, through :func:`drop_at_rings`. The product and ring runs
@@ -49,7 +60,7 @@ import numpy as np
 from ..algorithms.allreduce import chunk_bounds
 from .check import op_panels, product_block_slices, ring_input
 
-KINDS = ("nan", "inf", "perturb", "drop")
+KINDS = ("nan", "inf", "perturb", "drop", "drift")
 PERTURB = 1e-6               # double precision (float64, complex128)
 PERTURB_SINGLE = 1e-2        # anything coarser (float32, complex64)
 
@@ -137,11 +148,59 @@ def corrupt_entry(x, kind: str) -> None:
         x[at] = np.nan
     elif kind == "inf":
         x[at] = np.inf
-    elif kind == "perturb":
+    elif kind in ("perturb", "drift"):     # drift: on an output with no replicas
         eps = perturbation(x.dtype)
         x[at] = x[at] * (1.0 + eps) if x[at] != 0 else eps
     else:
         raise ValueError(f"corrupt_entry does not do {kind!r}")
+
+
+def drift_entry(x) -> bool:
+    """``drift`` in place: the entry of largest magnitude of array ``x`` moves by one
+    unit in the last place (``nextafter`` towards +inf; a device array through a host
+    copy). Returns whether ``x`` had an entry to move."""
+    if x.size == 0:
+        return False
+    if not isinstance(x, np.ndarray):
+        from ..backends import backend_of
+
+        be = backend_of(x)
+        host = np.array(be.to_numpy(x), copy=True)
+        drift_entry(host)
+        x[...] = be.asarray(host)
+        return True
+    at = _target(x)
+    x[at] = np.nextafter(x[at], np.inf)
+    return True
+
+
+class _Applied:
+    """Whether a one-shot hook fired (``applied``)."""
+
+    applied = False
+
+
+@contextmanager
+def drift_at_gathers(namespace):
+    """Route the ring all-gathers that ``namespace`` (a module) calls,
+    ``ring_allgather_unchecked``, through ``drift`` for the ``with`` block: the first
+    one's result moves by one unit in the last place in one entry (:func:`drift_entry`)
+    on this rank, as a receive gone wrong would leave it. Yields an object whose
+    ``applied`` says whether one did. The messages are unchanged, so no rank waits."""
+    ag = namespace.ring_allgather_unchecked
+    hook = _Applied()
+
+    def allgather(flat, comm):
+        out = ag(flat, comm)
+        if not hook.applied and comm.size > 1:
+            hook.applied = drift_entry(out)
+        return out
+
+    namespace.ring_allgather_unchecked = allgather
+    try:
+        yield hook
+    finally:
+        namespace.ring_allgather_unchecked = ag
 
 
 def drop_panel(host, case, g, seed: int) -> None:
@@ -163,13 +222,15 @@ def drop_summand(host, seed: int, rank: int, p: int) -> None:
 @contextmanager
 def drop_at_rings(namespace):
     """Route the ring reductions that ``namespace`` (a module) calls,
-    ``ring_allreduce_unchecked`` and ``ring_reduce_scatter_unchecked``, through the
-    ``drop`` hook for the ``with`` block: the one the armed hook picks
-    (:meth:`~summasim.comm.Comm.take_drop`) keeps this rank's own contribution in
-    what it returns (an all-reduce) or in the chunk it owns (a reduce-scatter). The
-    messages are unchanged, so no rank waits; every rank that reads the chunk later
-    sees the error."""
+    ``ring_allreduce_unchecked``, ``ring_reduce_scatter_unchecked`` and, when it has
+    it, the non-blocking ``ring_start`` (a reduce-scatter or all-reduce in flight, the
+    trainer's ``overlap``), through the ``drop`` hook for the ``with`` block: the one the
+    armed hook picks (:meth:`~summasim.comm.Comm.take_drop`) keeps this rank's own
+    contribution in what it returns (an all-reduce) or in the chunk it owns (a
+    reduce-scatter; a ring in flight: when it is done). The messages are unchanged, so
+    no rank waits; every rank that reads the chunk later sees the error."""
     ar, rs = namespace.ring_allreduce_unchecked, namespace.ring_reduce_scatter_unchecked
+    start = getattr(namespace, "ring_start", None)
 
     def allreduce(x, comm, out=None):
         if not comm.take_drop():
@@ -188,10 +249,32 @@ def drop_at_rings(namespace):
         flat[lo:hi] = mine[lo:hi]
         return own
 
+    def ring_start(flat, comm, half="ar", work=None, **kw):
+        if half == "ag" or not comm.take_drop():
+            return start(flat, comm, half, work, **kw)
+        mine = flat.copy()
+        ring = start(flat, comm, half, work, **kw)
+        p = comm.size
+        lo, hi = (0, flat.shape[0]) if half == "ar" else \
+            chunk_bounds(flat.shape[0], p)[(comm.rank + 1) % p]
+
+        def keep_mine():
+            flat[lo:hi] = mine[lo:hi]
+
+        if ring.done:
+            keep_mine()
+        else:
+            ring.on_done.insert(0, keep_mine)     # before any ``then`` reads the chunk
+        return ring
+
     namespace.ring_allreduce_unchecked = allreduce
     namespace.ring_reduce_scatter_unchecked = reduce_scatter
+    if start is not None:
+        namespace.ring_start = ring_start
     try:
         yield
     finally:
         namespace.ring_allreduce_unchecked = ar
         namespace.ring_reduce_scatter_unchecked = rs
+        if start is not None:
+            namespace.ring_start = start

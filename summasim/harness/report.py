@@ -191,7 +191,11 @@ def _mesh_widths(width: int) -> tuple:
 def _mesh_cell(r) -> str:
     """The mesh as given, and its layers per stage when the split is not the even one."""
     stages = getattr(r, "stages", "")        # "1,0,0,3", or "" for the even split
-    return r.mesh + (f" stages={stages}" if stages else "")
+    extra = [f"stages={stages}"] if stages else []
+    extra += list(getattr(r, "techniques", []) or [])
+    if getattr(r, "overlap", False):
+        extra.append("overlap")
+    return " ".join([r.mesh] + extra)
 
 
 def format_mesh_header(width: int) -> str:

@@ -52,26 +52,34 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     """Per-rank Table 1 payload of one layer, in scalars.
 
     Megatron: the all-reduced items, ``2 bsh`` forward, ``2 bsh`` backward and ``4 bsh``
-    backward with checkpointing (0 at p = 1). Optimus / SUMMA2.5: the broadcast and
-    reduce payload of the four SUMMA products, ``((3 + f) b s h / d + (4 + 2f) h^2) / q``
-    forward for the FFN multiplier f (``(7 bsh/d + 12 h^2)/q`` at f = 4), 2x that in
+    backward with checkpointing (0 at p = 1), for every model variant. Optimus /
+    SUMMA2.5: the broadcast and reduce payload of the layer's SUMMA products
+    (:func:`summasim.transformer.optimus.layer_payload`: ``((3 + f) b s h / d + (4 + 2f)
+    h^2) / q`` forward for GPT-2's MLP of multiplier f, ``(7 bsh/d + 12 h^2)/q`` at f = 4;
+    SwiGLU's gate and grouped-query attention's narrower QKV change it), 2x that in
     backward and 3x with checkpointing (0 when q = 1).
     """
-    b, s, h, f = batch, config.seq, config.hidden, config.ffn_mult
+    b, s, h = batch, config.seq, config.hidden
     if name == "megatron":
         fwd = 2 * b * s * h if p > 1 else 0
     else:
-        fwd = ((3 + f) * b * s * h // d + (4 + 2 * f) * h * h) // q if q > 1 else 0
+        from ..transformer.optimus import layer_payload
+
+        fwd = layer_payload(config, b, q, d)["fwd"] if q > 1 else 0
     return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd if name != "megatron"
             else 2 * fwd}
 
 
-def layer_tp_items(events, layer: int, direction: str, itemsize: int) -> int:
-    """Scalars of Table 1 traffic recorded for one layer and direction ("fwd"/"bwd")."""
+def layer_tp_items(events, layer: int, direction: str, itemsize: int,
+                   ring: bool = False) -> int:
+    """Scalars of Table 1 traffic recorded for one layer and direction ("fwd"/"bwd"):
+    its broadcasts, reduces and all-reduces, or with ``ring`` (Megatron's sequence
+    parallelism, whose collectives are ring halves) the items its ring steps send."""
     prefix = f"h{layer}.{direction}/tp."
+    ops = ("sendrecv",) if ring else ("bcast", "reduce", "allreduce")
     return sum(e.nbytes for e in events
-               if e.phase.startswith(prefix) and e.op in ("bcast", "reduce", "allreduce")
-               and e.group in ("row", "col", "world")) // itemsize
+               if e.phase.startswith(prefix) and e.op in ops
+               and (ring or e.group in ("row", "col", "world"))) // itemsize
 
 
 def scale_of(ser) -> float:

@@ -59,6 +59,26 @@ Data parallelism (``dp`` replicas) and ZeRO
     (:func:`~summasim.algorithms.allreduce.ring_reduce_scatter`,
     :func:`~summasim.algorithms.allreduce.ring_allgather`), traced like every other call.
 
+Overlap (``overlap=True``)
+    The data-parallel reduction of each bucket starts as soon as its gradients are
+    final, as a non-blocking ring (:func:`~summasim.algorithms.allreduce.ring_start`)
+    advanced by ``MPI_Test`` calls between the pieces of the backward (and forward):
+    under ZeRO 0-1 when every micro-batch has run the bucket's last writing piece (in
+    the last micro-batch's backward), under ZeRO 2-3 each micro-batch's reduce-scatter
+    of the bucket (PyTorch DDP's buckets, Li et al. 2020, section 3.2.3; Megatron-LM's
+    ``overlap_grad_reduce``). The rings are queued in bucket order, up to
+    :data:`OVERLAP_RINGS` in flight at once (each on its own tag; at most
+    :data:`OVERLAP_QUEUE` queued), and finished after the last backward.
+    The same rings, bytes (phase ``dp.grads``) and additions in the same order: the
+    parameters are bitwise those of the blocking path.
+
+The replica audit (:meth:`Trainer.audit`)
+    After a step every replicated tensor must be bit-identical on each of its replicas:
+    over dp the parameters (ZeRO 0-2; under ZeRO 0 Adam's moments too) or, under
+    ZeRO-3, every unit the step all-gathered; over the tensor group the parameters the
+    scheme replicates (:meth:`Trainer.tensor_replicated`); over the first and last stage
+    the tied ``wte``. One blake2b digest per group, all-gathered over it (untraced).
+
 The tensor-parallel scheme runs piece by piece through its module's ``embed_forward``,
 ``layer_forward``, ``head_forward`` and their backwards (see ``docs/transformer.md``).
 :meth:`Trainer.expected_traffic` gives the closed form of every phase above for this
@@ -81,18 +101,21 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..algorithms.allreduce import (_bounds, ring_allgather_unchecked,
-                                    ring_allreduce_unchecked, ring_reduce_scatter_unchecked)
-from ..backends import array_module, to_backend
-from ..mpiutil import agree, fields_of, fingerprint, local_error
+from ..algorithms.allreduce import (NONBLOCKING_TAG, _bounds, ring_allgather_unchecked,
+                                    ring_allreduce_unchecked, ring_reduce_scatter_unchecked,
+                                    ring_start)
+from ..backends import array_module, backend_of, to_backend
+from ..mpiutil import agree, allgather_objects, fields_of, fingerprint, local_error
 from ..spec import SCHEDULE_KINDS, stage_layers
 from . import model
-from .ops import BLOCK_KEYS
+from .ops import block_keys
 from .train import Adam
 
 #: Pipeline schedules (:data:`summasim.spec.SCHEDULE_KINDS`); "interleaved" runs V >= 2
@@ -104,6 +127,11 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 #: The largest tag every MPI library accepts (the standard's MPI_TAG_UB is at least
 #: 32767).
 MPI_TAG_FLOOR = 32767
+#: Overlapped reductions (``overlap=True``) in flight at once, each on its own tag and
+#: receive workspace; and queued at most (in flight or not yet started), beyond which
+#: the oldest is finished first, so that at most this many buckets' buffers wait.
+OVERLAP_RINGS = 4
+OVERLAP_QUEUE = 8
 
 
 # --------------------------------------------------------------------------- #
@@ -228,11 +256,12 @@ def ring_send_items(n: int, p: int, rank: int, half: str) -> int:
 
 
 def activation_shape(grid_kind: str, config: model.Config, grid, batch: int,
-                     seq: int) -> tuple:
+                     seq: int, sequence_parallel: bool = False) -> tuple:
     """The local shape of the activation between two layers for a micro-batch of
-    ``batch`` sequences: (b, s, h) replicated (1D), (b/(dq), s, h/q) (2D / 2.5D)."""
+    ``batch`` sequences: (b, s, h) replicated (1D), (b, s/t, h) under Megatron's
+    sequence parallelism, (b/(dq), s, h/q) (2D / 2.5D)."""
     if grid_kind == "1d":
-        return (batch, seq, config.hidden)
+        return (batch, seq // grid.p if sequence_parallel else seq, config.hidden)
     return (batch // (grid.d * grid.q), seq, config.hidden // grid.q)
 
 
@@ -294,6 +323,57 @@ class Unit:
     keys: tuple
     start: int
     stop: int
+
+
+@dataclass
+class ReplicaSet:
+    """State that every rank of ``comm`` holds bit for bit alike (:meth:`Trainer.
+    replica_sets`): views of the held parameters (``params``) and of Adam's moments
+    (``state``) in a fixed order, and ``extra``, the digest of what the step's ZeRO-3
+    gathers delivered (None elsewhere)."""
+
+    name: str
+    comm: object
+    params: list = field(default_factory=list)
+    state: list = field(default_factory=list)
+    extra: bytes | None = None
+    extra_nbytes: int = 0            # the bytes ``extra`` digested
+
+    def nbytes(self) -> int:
+        """Bytes hashed for the audit."""
+        return int(sum(v.nbytes for v in self.params + self.state) + self.extra_nbytes)
+
+    def digest(self) -> int:
+        """blake2b (8 bytes) of the views' bytes, in order, then ``extra``."""
+        h = hashlib.blake2b(digest_size=8)
+        for v in self.params + self.state:
+            h.update(_host_bytes(v))
+        if self.extra is not None:
+            h.update(self.extra)
+        return int.from_bytes(h.digest(), "little")
+
+
+def _host_bytes(a) -> memoryview:
+    """The bytes of array ``a`` (a device array through a host copy)."""
+    if type(a) is not np.ndarray:
+        a = backend_of(a).to_numpy(a)
+    return memoryview(np.ascontiguousarray(a)).cast("B")
+
+
+def _clip(ranges, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of sorted flat ``ranges`` inside ``[lo, hi)``."""
+    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]
+
+
+def _merge(ranges) -> list[tuple[int, int]]:
+    """Sorted ``ranges`` with touching ones joined."""
+    out: list = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -362,19 +442,36 @@ class Trainer:
         model's layers, 0 allowed (:func:`summasim.spec.stage_layers`); None: the even
         split.
     checkpoint : bool
-        Recompute each layer in backward from its saved input.
+        Recompute each layer in backward from its saved input (``recompute="full"``).
+    recompute : {"none", "selective", "full"}, optional
+        Activation recompute (default: "full" with ``checkpoint``, else "none");
+        "selective" recomputes only the attention core's probabilities.
+    attention : {"plain", "flash"}
+        The attention core: plain, or blockwise with an online softmax.
+    sequence_parallel : bool
+        Megatron's sequence parallelism (1D tensor grids, ZeRO 0-1): the pieces hand on
+        (b, s/t, h) and the sequence-parallel parameters' gradients are summed over the
+        tensor group once per step (phase ``sp.grads``).
     bucket_bytes : int
         Target size of a gradient bucket (ZeRO 0-2).
+    overlap : bool
+        Reduce each gradient bucket over dp with a non-blocking ring as soon as the
+        backward has finished it, advanced between backward (and forward) pieces,
+        instead of with a blocking ring (ZeRO 0-1: after the last backward; ZeRO 2-3:
+        per micro-batch). The same rings, bytes and sums, bitwise; whether it pays:
+        "Overlap and the replica audit" in ``docs/sharded-training.md``.
     lr, betas, eps :
         Adam (no weight decay: the flat shards carry no per-tensor decay mask).
     """
 
     def __init__(self, params: dict, config: model.Config, mesh, spec, *, zero: int = 0,
                  schedule: str = "1f1b", microbatches: int = 1, chunks: int = 1,
-                 stages=None, checkpoint: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, lr: float = 1e-3,
-                 betas=(0.9, 0.999), eps: float = 1e-8):
+                 stages=None, checkpoint: bool = False, recompute: str | None = None,
+                 attention: str = "plain", sequence_parallel: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False,
+                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
         stages = None if stages is None else tuple(int(x) for x in stages)
+        recompute = recompute or ("full" if checkpoint else "none")
 
         def local():
             if zero not in ZERO_STAGES:
@@ -394,6 +491,20 @@ class Trainer:
                 raise ValueError(f"scheme {spec.name} runs on a {spec.grid_kind} grid, the "
                                  f"mesh has a {mesh.kind} tensor grid")
             stage_layers(config.layers, mesh.pp, stages, chunks)
+            if recompute not in ("none", "selective", "full") or (
+                    checkpoint and recompute != "full"):
+                raise ValueError(f"recompute must be none, selective or full (checkpoint is "
+                                 f"full), got {recompute!r} with checkpoint={checkpoint}")
+            if attention not in ("plain", "flash"):
+                raise ValueError(f"attention must be plain or flash, got {attention!r}")
+            if sequence_parallel and spec.grid_kind != "1d":
+                raise ValueError(f"sequence parallelism splits Megatron's 1D groups; "
+                                 f"{spec.name} already splits every activation")
+            if sequence_parallel and zero > 1:
+                raise ValueError(f"sequence parallelism runs with ZeRO 0 or 1 here: its "
+                                 f"parameters' partial gradients are summed over the tensor "
+                                 f"group once per step, which ZeRO {zero}'s per-micro-batch "
+                                 f"reduce-scatter would have to follow")
             model.check_params(params, config)
 
         # a setting or parameter that is bad (or different) on one rank only raises the
@@ -402,13 +513,18 @@ class Trainer:
         agree("composed.Trainer", mesh.world, lambda: {
             **fields_of(config, "Config"), "scheme": spec.name, "zero": zero,
             "schedule": schedule, "microbatches": microbatches, "chunks": chunks,
-            "stages": repr(stages), "checkpoint": bool(checkpoint),
-            "bucket_bytes": bucket_bytes, "Adam": repr((lr, tuple(betas), eps)),
+            "stages": repr(stages), "checkpoint": bool(checkpoint), "recompute": recompute,
+            "attention": attention, "sequence_parallel": bool(sequence_parallel),
+            "bucket_bytes": bucket_bytes, "overlap": bool(overlap),
+            "Adam": repr((lr, tuple(betas), eps)),
             **{f"params[{k}]": fingerprint(v) for k, v in sorted(params.items())}}, err)
         self.config, self.mesh, self.spec, self.module = config, mesh, spec, spec.module
         self.zero, self.kind, self.m = zero, schedule, int(microbatches)
         self.chunks, self.stages = int(chunks), stages
-        self.checkpoint, self.bucket_bytes = bool(checkpoint), int(bucket_bytes)
+        self.checkpoint, self.bucket_bytes = recompute == "full", int(bucket_bytes)
+        self.recompute, self.attention = recompute, attention
+        self.sp = bool(sequence_parallel)
+        self._sp_kw = {"sequence_parallel": True} if self.sp else {}
         self.grid = mesh.tensor
         self.trace = mesh.trace
         pp, s, V = mesh.pp, mesh.s, self.chunks
@@ -446,6 +562,26 @@ class Trainer:
         self.max_inflight = 0
         self.steps = 0
         self._gathered = []
+        # overlap: the reductions queued in bucket order ([buf, half, then, ring]), one
+        # ring in flight at a time on one preallocated receive workspace
+        self.overlap = bool(overlap) and mesh.dp > 1
+        self._queue: deque = deque()
+        most = max([hi - lo for lo, hi in self.buckets] or [0])
+        self._ring_work = [self.xp.empty(-(-most // mesh.dp), dtype=dtype)
+                           for _ in range(OVERLAP_RINGS if self.overlap else 0)]
+        self._rings_started = 0                   # rings started in the step: tag, work
+        self._mb_piece: dict = {}                 # ZeRO 0-1 overlap: pieces run, per j
+        self._piece_runs = [0] * self._n_pieces   # micro-batches past each piece
+        self._next_final = 0                      # the next bucket to become final
+        #: ZeRO-3: digest what every gather of the step delivered (the replica audit's
+        #: dp evidence, :meth:`replica_sets`); costs a hash of each gathered unit
+        self.audit_gathers = False
+        self._gather_hash, self._gather_hashed = None, 0
+        #: overlap: the step's rings finished while the step computed (between pieces)
+        #: and those finished by waiting (the queue's limit, or after the last backward),
+        #: and the backward pieces of the step still to run when each was queued, summed
+        self.rings = {"in_flight": 0, "waited": 0, "pieces_left": 0}
+        self._pieces_run = 0
 
     # -- layout --------------------------------------------------------------
     def _layout(self, local: dict, keys: list) -> None:
@@ -454,11 +590,12 @@ class Trainer:
         if self.first:
             units += [("wte", ("wte",)), ("wpe", ("wpe",))]
         for l in self.layers:
-            units.append((f"h{l}", tuple(f"h{l}.{k}" for k in BLOCK_KEYS)))
+            units.append((f"h{l}", tuple(f"h{l}.{k}" for k in block_keys(cfg.mlp))))
         if self.last:
-            head = ("lnf.g", "lnf.b") + (("cls.w", "cls.b") if cfg.n_classes else ())
+            head = ("lnf.g", "lnf.b") + (("cls.w", "cls.b") if cfg.n_classes else ()) + \
+                (("head.w",) if self.lm and not cfg.tied else ())
             units.append(("head", head))
-            if self.lm and not self.first:
+            if self.lm and cfg.tied and not self.first:
                 units.append(("wte", ("wte",)))
         order = [k for _, ks in units for k in ks]
         assert sorted(order) == sorted(keys), (order, keys)   # one stage layout, two views
@@ -490,6 +627,7 @@ class Trainer:
         # head's on a last stage that is not first; it is a bucket of its own)
         pieces = (["head"] if self.last else []) + [f"h{l}" for l in reversed(self.layers)] \
             + (["embed"] if self.first else [])
+        self._n_pieces = len(pieces)
         writer = {f"h{l}": f"h{l}" for l in self.layers}
         writer.update(head="head", wpe="embed", wte="embed" if self.first else "head")
         self._bucket_lo = sorted((lo, i) for i, (lo, _) in enumerate(self.buckets))
@@ -613,6 +751,91 @@ class Trainer:
         return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
                 "total": int(params + grads + opt)}
 
+    # -- the replica audit --------------------------------------------------------
+    def tensor_replicated(self) -> tuple:
+        """``(comm, keys)``: the tensor-parallel group over which this rank's copies of
+        ``keys`` are replicas, and those keys (``(None, [])`` when there is none).
+        Megatron (1D over t > 1 ranks): every parameter held whole, as its serial shape
+        (the LayerNorms, the biases of the row-parallel layers, ``wpe``, ``lnf``, a
+        classifier), over the tensor group. SUMMA2.5-LM (d > 1): every parameter (its
+        2D blocks and row-0 vectors are copied over the depth), over ``grid.depth``.
+        Optimus (d = 1) stores nothing twice: a row-0 vector lives on row 0 only (its
+        column broadcasts are transient), each 2D block on one rank."""
+        grid, kind = self.grid, self.spec.grid_kind
+        if kind == "1d" and grid.p > 1:
+            serial = model.param_shapes(self.config)
+            return grid.comm, [k for k in self.keys if self.shapes[k] == tuple(serial[k])]
+        if kind == "2.5d" and grid.d > 1:
+            return grid.depth, list(self.keys)
+        return None, []
+
+    def _held_views(self, ranges) -> tuple[list, list]:
+        """Views of the parameters and of Adam's moments this rank holds inside flat
+        ``ranges`` (sorted), in flat order."""
+        params, state = [], []
+        for lo, hi, vals in self.held_params():
+            for a, b in _clip(ranges, lo, hi):
+                params.append(vals[a - lo:b - lo])
+        st = self.opt.state
+        if self.zero == 0 and "flat" in st:
+            held = [(0, self.n, st["flat"])]
+        else:
+            held = [(lo, hi, st[i]) for i, (lo, hi) in enumerate(self.owned) if i in st]
+        for lo, hi, moments in held:
+            for a, b in _clip(ranges, lo, hi):
+                state += [moments["m"][a - lo:b - lo], moments["v"][a - lo:b - lo]]
+        return params, state
+
+    def replica_sets(self) -> list[ReplicaSet]:
+        """Every group over which this rank holds state that must be bit-identical
+        after a step, with views of that state (groups of one rank left out):
+
+        ``dp``          ZeRO 0-2: all the stage's parameters over ``mesh.dp_comm``, and
+                        under ZeRO 0 Adam's moments (ZeRO 1-2 partition them);
+        ``dp.gathers``  ZeRO-3: nothing persistent is replicated over dp (the owned
+                        chunks are disjoint), but every unit each replica all-gathered
+                        in the step must be the same bytes: the digest of them all, in
+                        order (when :attr:`audit_gathers` was on for the step);
+        ``tensor``      the parameters the tensor scheme replicates
+                        (:meth:`tensor_replicated`), their held part (ZeRO-3: the owned
+                        chunks, the same ranges on every tensor rank) and its moments;
+        ``embed``       with pp > 1, ``wte`` on the first and the last stage (the tied
+                        copies, Megatron-LM's embedding group) and its moments.
+        """
+        mesh, out = self.mesh, []
+        everything = [(0, self.n)]
+        if mesh.dp > 1 and self.zero < 3:
+            params, state = self._held_views(everything)
+            out.append(ReplicaSet("dp", mesh.dp_comm, params,
+                                  state if self.zero == 0 else []))
+        elif mesh.dp > 1 and self._gather_hash is not None:
+            out.append(ReplicaSet("dp.gathers", mesh.dp_comm,
+                                  extra=self._gather_hash.digest(),
+                                  extra_nbytes=self._gather_hashed))
+        comm, keys = self.tensor_replicated()
+        if comm is not None and comm.size > 1 and keys:
+            ranges = _merge(self.key_ranges()[k] for k in keys)
+            out.append(ReplicaSet("tensor", comm, *self._held_views(ranges)))
+        if mesh.embed is not None and self.lm and self.config.tied:   # as _tie()
+            out.append(ReplicaSet("embed", mesh.embed,
+                                  *self._held_views([self.key_ranges()["wte"]])))
+        return out
+
+    def audit(self) -> dict:
+        """The runtime replica audit (collective over the mesh; untraced): the blake2b
+        digest of each :meth:`replica_sets` entry, all-gathered over its group.
+        Returns ``{name: {"size": ranks, "agree": bool, "nbytes": bytes hashed}}``;
+        a replica that drifted by one bit makes ``agree`` False on every rank of its
+        group. Costs one hash of the replicated state and, per group, an all-gather of
+        8 bytes per rank."""
+        out = {}
+        for rs in self.replica_sets():        # the same groups, in the same order
+            mine = rs.digest()
+            every = allgather_objects(rs.comm.mpi, mine, rs.comm.wait_policy)
+            out[rs.name] = {"size": rs.comm.size, "agree": len(set(every)) == 1,
+                            "nbytes": rs.nbytes()}
+        return out
+
     # -- ZeRO-3 gathers ----------------------------------------------------------
     def _gather(self, names) -> dict:
         """Parameters of units ``names`` (ZeRO-3: all-gathered now; else views)."""
@@ -634,6 +857,9 @@ class Trainer:
             buf[lo - u.start:hi - u.start] = self.shard[o:o + hi - lo]
             with self.trace.phase("zero.gather"):
                 ring_allgather_unchecked(buf, dp_comm)
+            if self._gather_hash is not None:
+                self._gather_hash.update(_host_bytes(buf))
+                self._gather_hashed += buf.nbytes
             self._gathered.append(buf)
             out.update(self._views(buf, u.start, u.keys))
         return out
@@ -655,7 +881,7 @@ class Trainer:
         return _map_arrays(cache, lambda a: a, lambda r: r.view(bufs))
 
     def _head_units(self) -> tuple:
-        return ("head", "wte") if self.lm else ("head",)
+        return ("head", "wte") if self.lm and self.config.tied else ("head",)
 
     # -- one micro-batch on one model chunk ------------------------------------------
     def _neighbours(self, c: int) -> tuple:
@@ -673,27 +899,33 @@ class Trainer:
         and its loss (0 off the last virtual stage)."""
         cfg, grid, mod, pp = self.config, self.grid, self.module, self.mesh.pp_comm
         V = self.chunks
-        shape = activation_shape(self.spec.grid_kind, cfg, grid, tok.shape[0], tok.shape[1])
+        shape = activation_shape(self.spec.grid_kind, cfg, grid, tok.shape[0], tok.shape[1],
+                                 self.sp)
         prev, _, nxt, c_next = self._neighbours(c)
         caches = []
         if self.first and c == 0:                        # virtual stage 0: the embedding
-            x, cache = mod.embed_forward(self._gather(("wte", "wpe")), tok, cfg, grid)
+            x, cache = mod.embed_forward(self._gather(("wte", "wpe")), tok, cfg, grid,
+                                         **self._sp_kw)
             caches.append(self._detach(cache))
+            self._poll()
         else:
             x = self.xp.empty(shape, dtype=cfg.dtype)
             with self.trace.phase("pp.fwd"):
                 pp.recv(x, prev, tag=hand_off_tag(j, c, V, False))
         for l in self.chunk_layers[c]:
             p = self._gather((f"h{l}",))
-            x, cache = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in BLOCK_KEYS}, l, cfg,
-                                         grid, checkpoint=self.checkpoint)
+            x, cache = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in block_keys(cfg.mlp)},
+                                         l, cfg, grid, recompute=self.recompute,
+                                         attention=self.attention, **self._sp_kw)
             del p
             caches.append(self._detach(cache))
+            self._poll()
         loss = 0.0
         if self.last and c == V - 1:                     # the last virtual stage: the head
             loss, cache = mod.head_forward(x, self._gather(self._head_units()), tgt, cfg,
-                                           grid, n_items=n_items)
+                                           grid, n_items=n_items, **self._sp_kw)
             caches.append(self._detach(cache))
+            self._poll()
         else:
             x = self.xp.ascontiguousarray(x)
             if tuple(x.shape) != shape:
@@ -720,9 +952,13 @@ class Trainer:
                     grads.add(o, v.reshape(-1))
                 else:
                     grads[o:o + v.size] += v.reshape(-1)
+            self._pieces_run += 1
             if bucketed:
                 grads.done(grads.piece)
                 grads.piece += 1
+            elif self.overlap:
+                self._piece_done(j)
+            self._poll()
 
         if self.last and c == V - 1:
             self._refresh(caches, self._head_units())
@@ -778,11 +1014,20 @@ class Trainer:
         B, seq = tokens.shape[0], tokens.shape[1]
         per = B // (mesh.dp * self.m)
         n_items = B if cfg.n_classes else B * seq
-        shape = activation_shape(self.spec.grid_kind, cfg, self.grid, per, seq)
+        shape = activation_shape(self.spec.grid_kind, cfg, self.grid, per, seq, self.sp)
         if self.zero < 2:
             self.grad[...] = 0
         else:
             self.gshard[...] = 0
+        self._mb_piece, self._next_final = {}, 0
+        self._piece_runs = [0] * self._n_pieces
+        self._gather_hash = (hashlib.blake2b(digest_size=8)
+                             if self.audit_gathers and self.zero == 3 and mesh.dp > 1
+                             else None)
+        self._gather_hashed = 0
+        self.rings = {"in_flight": 0, "waited": 0, "pieces_left": 0}
+        self._pieces_run = 0                      # backward pieces run in the step
+        self._rings_started = 0
         caches, pending, sends, loss = {}, {}, [], 0.0
         for op, j, c in schedule(self.kind, self.m, mesh.pp, mesh.s, self.chunks):
             rows = slice((mesh.a * self.m + j) * per, (mesh.a * self.m + j + 1) * per)
@@ -804,7 +1049,12 @@ class Trainer:
             sends = self._reap(sends)
         for req, _ in sends:
             req.wait()
-        if self.zero < 2:
+        if self.overlap:
+            # ZeRO 0-1: every bucket was queued as the last backward finished it; ZeRO 2-3:
+            # each micro-batch's. Finish what is still in flight.
+            self._final_buckets(everything=True)
+            self._drain()
+        elif self.zero < 2:
             with self.trace.phase("dp.grads"):
                 for lo, hi in self.buckets:
                     if self.zero == 0:
@@ -812,29 +1062,144 @@ class Trainer:
                                                  out=self.grad[lo:hi])
                     else:          # ZeRO 1 updates only the owned chunk: its sum is enough
                         ring_reduce_scatter_unchecked(self.grad[lo:hi], mesh.dp_comm)
+        if self.sp:     # partial sums over the sequence slices: one all-reduce per step
+            self.module.allreduce_sequence_parallel_grads(
+                {k: self.grad[self.offsets[k]:self.offsets[k] + math.prod(self.shapes[k])]
+                 for k in self._sp_keys()}, cfg, self.grid)
         self._tie()
         self._update()
         self.steps += 1
         return self._global_loss(loss)
+
+    def sp_grad_bytes(self) -> int:
+        """Bytes of the step's one all-reduce of the sequence-parallel parameters'
+        gradients over the tensor group (phase ``sp.grads``; 0 without sequence
+        parallelism or on a group of one)."""
+        if not self.sp or self.grid.p == 1:
+            return 0
+        item = np.dtype(self.config.dtype).itemsize
+        return item * sum(math.prod(self.shapes[k]) for k in self._sp_keys())
+
+    def _sp_keys(self) -> list:
+        """The parameters of this stage whose gradients sequence parallelism leaves as
+        partial sums over the tensor group (Megatron's :func:`sequence_parallel_keys`)."""
+        return self.module.sequence_parallel_keys(self.config, self.keys) if self.sp else []
 
     @staticmethod
     def _reap(sends):
         """Drop completed sends (their buffers may go)."""
         return [(r, b) for r, b in sends if not r.test()]
 
+    # -- overlapped reductions (overlap=True) ----------------------------------------
+    def _piece_done(self, j: int) -> None:
+        """ZeRO 0-1: micro-batch ``j`` has run one more backward piece; queue the
+        buckets whose gradients are now final."""
+        k = self._mb_piece.get(j, 0)
+        self._mb_piece[j] = k + 1
+        self._piece_runs[k] += 1
+        self._final_buckets()
+
+    def _final_buckets(self, everything: bool = False) -> None:
+        """ZeRO 0-1: queue, in bucket order, each bucket after whose last writing piece
+        (:attr:`bucket_piece`) every micro-batch has run (``everything``: the rest, at
+        the end of the step). Buckets are in backward order, so they become final in
+        order, on every replica alike."""
+        if self.zero >= 2:
+            return
+        half = "ar" if self.zero == 0 else "rs"    # ZeRO 1 needs the owned chunk only
+        while self._next_final < len(self.buckets) and (
+                everything or self._piece_runs[self.bucket_piece[self._next_final]]
+                == self.m):
+            lo, hi = self.buckets[self._next_final]
+            self._enqueue(self.grad[lo:hi], half)
+            self._next_final += 1
+
+    def _enqueue(self, buf, half: str, then=None) -> None:
+        """Queue a ring ``half`` of ``buf`` over dp (phase ``dp.grads``), ``then`` to run
+        when it is done; the oldest is finished first when more than
+        :data:`OVERLAP_QUEUE` wait."""
+        self._queue.append([buf, half, then, None])
+        self.rings["pieces_left"] += self.m * self._n_pieces - self._pieces_run
+        self._progress()
+        while len(self._queue) > OVERLAP_QUEUE:
+            self._finish_head()
+
+    def _poll(self) -> None:
+        """Advance the queued reductions, if any (a few MPI_Test calls; never waits)."""
+        if self._queue:
+            self._progress()
+
+    def _start(self, entry) -> None:
+        """Start queued ring ``entry`` on the next of :data:`OVERLAP_RINGS` tags and
+        workspaces. Rings start in queue order and at most OVERLAP_RINGS of the queue's
+        head are in flight, so ring k starts after ring k - OVERLAP_RINGS, the last one
+        on its tag, is done here, and every replica posts the same messages on the same
+        tags in the same order (MPI matches each tag's messages in order)."""
+        k = self._rings_started % OVERLAP_RINGS
+        with self.trace.phase("dp.grads"):
+            entry[3] = ring_start(entry[0], self.mesh.dp_comm, entry[1],
+                                  work=self._ring_work[k], tag=NONBLOCKING_TAG + k)
+        self._rings_started += 1
+
+    def _progress(self) -> None:
+        """Start the queue's first :data:`OVERLAP_RINGS` rings, advance each (never
+        waits), then retire the done ones at the head, in order, running their
+        ``then``: the adds into the gradient shard keep the blocking order."""
+        q = self._queue
+        for n, entry in enumerate(q):
+            if n == OVERLAP_RINGS:
+                break
+            if entry[3] is None:
+                self._start(entry)
+            entry[3].progress()
+        while q and q[0][3] is not None and q[0][3].done:
+            self._retire("in_flight")
+
+    def _retire(self, how: str) -> None:
+        _, _, then, _ = self._queue.popleft()
+        self.rings[how] += 1
+        if then is not None:
+            then()
+
+    def _finish_head(self) -> None:
+        """Wait for the oldest queued ring (started first if it is not yet) and retire
+        it. Every rank's head is its oldest unfinished ring, and a rank that finished a
+        ring sent all of its messages, so the lowest ring anyone waits for completes."""
+        head = self._queue[0]
+        if head[3] is None:
+            self._start(head)
+        done = head[3].done
+        head[3].wait()
+        self._retire("in_flight" if done else "waited")
+
+    def _drain(self) -> None:
+        """Finish every queued reduction, in order."""
+        while self._queue:
+            self._progress()
+            if self._queue:
+                self._finish_head()
+
     def _reduce_scatter(self, i: int, buf) -> None:
         """Reduce-scatter bucket ``i`` (``buf``: one micro-batch's gradient of its items)
-        over dp and add the owned chunk's sum to the gradient shard."""
+        over dp and add the owned chunk's sum to the gradient shard (``overlap``: queued,
+        and added when its ring is done; the adds keep the blocking order)."""
         lo = self.buckets[i][0]
         (olo, ohi), o = self.owned[i], self.shard_offsets[i]
+
+        def add_owned():
+            self.gshard[o:o + ohi - olo] += buf[olo - lo:ohi - lo]
+
+        if self.overlap:
+            self._enqueue(buf, "rs", add_owned)
+            return
         with self.trace.phase("dp.grads"):
             ring_reduce_scatter_unchecked(buf, self.mesh.dp_comm)
-            self.gshard[o:o + ohi - olo] += buf[olo - lo:ohi - lo]
+            add_owned()
 
     def _tie(self) -> None:
         """Sum the two copies of the tied embedding's gradient (first and last stage)."""
         emb = self.mesh.embed
-        if emb is None or not self.lm:
+        if emb is None or not self.lm or not self.config.tied:
             return
         u = self.units["wte"]
         with self.trace.phase("embed.tie"):
@@ -907,7 +1272,7 @@ class Trainer:
                 uses += list(self._head_units()) * 2
             out["zero.gather"] = m * sum(ring_send_items(
                 self.units[u].stop - self.units[u].start, dp, a, "ag") for u in uses)
-        if mesh.embed is not None and self.lm:
+        if mesh.embed is not None and self.lm and self.config.tied:
             u = self.units["wte"]
             n = u.stop - u.start
             if self.zero >= 1:
@@ -915,7 +1280,7 @@ class Trainer:
                 n = c1 - c0
             out["embed.tie"] = ring_send_items(n, 2, mesh.embed.rank, "ar")
         act = math.prod(activation_shape(self.spec.grid_kind, self.config, self.grid,
-                                         batch // (dp * m), seq))
+                                         batch // (dp * m), seq, self.sp))
         # every chunk hands each micro-batch on, but the last virtual stage's forward
         # and virtual stage 0's backward (0-layer chunks relay theirs unchanged)
         out["pp.fwd"] = m * act * (self.chunks - (1 if self.last else 0))

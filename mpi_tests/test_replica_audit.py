@@ -1,0 +1,171 @@
+"""The runtime replica audit of sharded training (``Trainer.audit``, run by the mesh
+executor after every step): which replica groups it covers on each mesh and ZeRO stage,
+what it hashes, and that one bit of drift on one rank in any group fails the row while
+every value check still passes (the ``drift`` fault)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from _util import WORLD, parallel_assert, skip_unless
+from summasim.grid import Mesh
+from summasim.harness.cases import MeshCase
+from summasim.harness.composed import mesh_inputs, run_mesh
+from summasim.harness.inject import Fault
+from summasim.transformer import model
+from summasim.transformer.composed import Trainer
+from summasim.transformer.model import Config
+from summasim.transformer.schemes import get_scheme
+
+P = WORLD.Get_size()
+
+
+def _config(unit: int) -> Config:
+    return Config(vocab=8 * unit, seq=4, hidden=8 * unit, heads=2 * unit, layers=2)
+
+
+def _case(mesh: str, zero: int, unit: int = 1, per: int = 1) -> MeshCase:
+    """``mesh`` with a model every grid side divides; ``per`` sequences per
+    micro-batch and replica (a 2D/2.5D grid needs d q of them)."""
+    m = MeshCase.parse(mesh, 1, _config(unit), zero=zero)
+    return MeshCase.parse(mesh, m.dp * 2 * per, _config(unit), zero=zero, microbatches=2,
+                          bucket_bytes=512)
+
+
+def _cases():
+    """Meshes of p ranks covering each replica group: dp x Megatron (dp, tensor), dp x
+    pp (dp, the tied embedding), pp x Megatron (tensor, embed), dp alone, and SUMMA2.5
+    over a depth of 2 (its copies over grid.depth) when p allows; every ZeRO stage."""
+    out = []
+    if P % 2 == 0 and P >= 4:
+        t = P // 2
+        for zero in (0, 1, 2, 3):
+            out.append(_case(f"dp=2,pp=1,tp=megatron:{t}", zero, unit=t))
+        out.append(_case(f"dp=2,pp=2,tp=megatron:{P // 4}", 1, unit=P // 4))
+        out.append(_case(f"dp=2,pp=2,tp=megatron:{P // 4}", 3, unit=P // 4))
+        out.append(_case(f"dp=1,pp=2,tp=megatron:{t}", 0, unit=t))
+    if P >= 2:
+        out.append(_case(f"dp={P},pp=1,tp=megatron:1", 3))
+    if P == 8:
+        out.append(_case("dp=1,pp=1,tp=summa25:2x2x2", 0, unit=2, per=4))
+        out.append(_case("dp=1,pp=1,tp=summa25:2x2x2", 3, unit=2, per=4))
+    return out
+
+
+CASES = _cases()
+IDS = [f"{c.spec}-z{c.zero}" for c in CASES]
+
+
+def _expected_groups(case) -> dict:
+    """The replica groups of ``case`` and their sizes, from the mesh alone."""
+    tp = case.mesh.tp
+    out = {}
+    if case.dp > 1:
+        out["dp" if case.zero < 3 else "dp.gathers"] = case.dp
+    if tp.kind == "1d" and tp.p > 1:
+        out["tensor"] = tp.p
+    if tp.kind == "2.5d" and tp.d > 1:
+        out["tensor"] = tp.d
+    if case.pp > 1:
+        out["embed"] = 2
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_clean_mesh_audits_every_replica_group(backend, case):
+    res = run_mesh(case, WORLD, backend, timed=False)
+    r = res.extra["report"]
+    parallel_assert(res.ok and r.replicas_ok and not r.drifted
+                    and r.audit == _expected_groups(case) and r.audit_bytes > 0,
+                    f"{case.spec} zero={case.zero}: audit {r.audit} (want "
+                    f"{_expected_groups(case)}), drifted {r.drifted}, {r.failures}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_one_bit_of_drift_fails_only_the_audit(backend, case):
+    """``drift@P-1``: one replicated entry moves by one unit in the last place on one
+    rank. The values stay within every bound (the value check alone would pass the
+    row); the audit fails it, on every rank alike."""
+    res = run_mesh(case, WORLD, backend, timed=False, fault=Fault("drift", P - 1))
+    r = res.extra["report"]
+    verdicts = WORLD.allgather((res.ok, tuple(r.failures), tuple(r.drifted)))
+    parallel_assert(all(v == verdicts[0] for v in verdicts), f"ranks disagree: {verdicts}")
+    parallel_assert(r.fault_applied and not res.ok and r.failures == ["replicas"]
+                    and r.values_ok and r.drifted and set(r.drifted) <= set(r.audit),
+                    f"{case.spec} zero={case.zero}: applied={r.fault_applied} ok={res.ok} "
+                    f"failures={r.failures} values_ok={r.values_ok} drifted={r.drifted} "
+                    f"param_err={r.param_err:.2e}")
+
+
+def test_drift_has_nothing_to_move_where_nothing_is_replicated(backend):
+    """Optimus on q x q (d = 1), one replica, one stage: no tensor is stored twice, so
+    ``drift`` is not applied and the row passes (reported as untouched)."""
+    skip_unless(P == 4, "optimus:2x2 alone needs p = 4")
+    case = _case("dp=1,pp=1,tp=optimus:2x2", 0, unit=2, per=2)
+    res = run_mesh(case, WORLD, backend, timed=False, fault=Fault("drift", P - 1))
+    r = res.extra["report"]
+    parallel_assert(not r.fault_applied and res.ok and r.audit == {},
+                    f"applied={r.fault_applied} ok={res.ok} audit={r.audit}")
+
+
+def test_the_audit_hashes_the_replicated_state():
+    """dp = p replicas of the whole model, ZeRO 0: the dp group's digest covers the
+    parameters and Adam's two moments, 3 N items (N from the serial shapes); ZeRO-1
+    partitions the moments: N items."""
+    skip_unless(P >= 2, "needs dp > 1")
+    config = _config(1)
+    n = sum(math.prod(s) for s in model.param_shapes(config).values())
+    item = np.dtype(config.dtype).itemsize
+    ok, why = True, ""
+    for zero, want in ((0, 3 * n * item), (1, n * item)):
+        case = _case(f"dp={P},pp=1,tp=megatron:1", zero)
+        res = run_mesh(case, WORLD, timed=False)
+        r = res.extra["report"]
+        if not (res.ok and r.audit == {"dp": P} and r.audit_bytes == want):
+            ok, why = False, f"zero={zero}: {r.audit} {r.audit_bytes} bytes, want {want}"
+    parallel_assert(ok, why)
+
+
+def _members(rs) -> list:
+    """World ranks of a replica set's group (collective over it)."""
+    return rs.comm.mpi.allgather(WORLD.Get_rank())
+
+
+@pytest.mark.parametrize("key", ["h0.attn.qkv.w", "h0.ln1.g", "wte"])
+def test_each_group_sees_exactly_the_drift_inside_it(key):
+    """ZeRO 0: one bit of ``key`` moved on rank 0 (first stage). Every group that holds a copy
+    of that entry and contains that rank disagrees, on each of its ranks; every other
+    group agrees. A sharded weight (qkv) is replicated over dp only, a LayerNorm gain
+    over dp and the tensor group, ``wte`` over dp and the tied first/last pair."""
+    skip_unless(P % 4 == 0, "needs dp = 2, pp = 2 and a tensor group of p / 4")
+    t = P // 4
+    case = _case(f"dp=2,pp=2,tp=megatron:{t}", 0, unit=t)
+    mesh = Mesh(WORLD, case.dp, case.pp, "1d", t=t)
+    try:
+        params, tokens, targets = mesh_inputs(case.config, case.batch, 0)
+        tr = Trainer(params, case.config, mesh, get_scheme("megatron"), zero=0,
+                     microbatches=case.microbatches, bucket_bytes=case.bucket_bytes)
+        tr.step(tokens, targets)
+        sets = tr.replica_sets()
+        members = {rs.name: _members(rs) for rs in sets}
+        drifter = 0
+        moved = WORLD.Get_rank() == drifter and key in tr.offsets
+        if moved:
+            lo, hi = tr.key_ranges()[key]
+            tr.flat[lo] = np.nextafter(tr.flat[lo], np.inf)
+        holds = WORLD.bcast(moved, root=drifter)
+        parallel_assert(holds, f"rank {drifter} holds no {key}")
+        got = tr.audit()
+        comm, tkeys = tr.tensor_replicated()
+        keys_of = {"dp": set(tr.offsets), "tensor": set(tkeys), "embed": {"wte"}}
+        want = {rs.name: not (holds and drifter in members[rs.name]
+                              and key in keys_of[rs.name]) for rs in sets}
+        parallel_assert({k: v["agree"] for k, v in got.items()} == want,
+                        f"{key}: agree {got}, want {want}")
+        if key == "h0.ln1.g":
+            parallel_assert(t == 1 or "tensor" in got, f"no tensor group: {got}")
+    finally:
+        mesh.free()
