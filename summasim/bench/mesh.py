@@ -58,7 +58,8 @@ OVERLAP_MODES = ("off", "on", "both")
 
 
 #: The techniques of ``spec.Training.techniques`` that ``bench mesh`` runs.
-MESH_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages"})
+MESH_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", "--attention",
+                                       "--sequence-parallel"})
 
 
 def training_of(args):
@@ -89,7 +90,8 @@ def plan_mesh_bench(args, p: int):
             return [], [], str(e)
         specs = [(str(m), dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks,
                                stages=t.stages, microbatches=t.microbatches,
-                               checkpoint=t.checkpoint))
+                               checkpoint=t.checkpoint, recompute=t.recompute,
+                               attention=t.attention, sequence_parallel=t.sequence_parallel))
                  for m in args.mesh]
     else:
         specs = default_meshes(p)
@@ -131,7 +133,10 @@ def _pure_tensor(case, p: int):
             pure = MeshCase.parse(f"tp={grid}", case.batch, case.config, zero=0,
                                   schedule="1f1b" if case.schedule == "interleaved"
                                   else case.schedule, microbatches=1,
-                                  checkpoint=case.checkpoint)
+                                  checkpoint=case.checkpoint, recompute=case.recompute,
+                                  attention=case.attention,
+                                  sequence_parallel=case.sequence_parallel
+                                  and spec.grid_kind == "1d")
             if not pure.misfit(p):
                 return pure
     return None

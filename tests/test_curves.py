@@ -1,0 +1,71 @@
+"""The main job's loss curves (--steps N --curves PATH) and its refusals of techniques it
+does not run (pure: no MPI)."""
+
+import json
+import types
+
+import pytest
+
+from summasim import run
+from summasim.cli import UsageError
+from summasim.harness.curves import curve_rows, png_path, write_curves
+
+
+def _report(mesh, losses, serial, **kw):
+    base = dict(mesh=mesh, schedule="1f1b", zero=0, dtype="float64", ok=True, bound=1e-12,
+                techniques=["sp"], losses=losses, serial_losses=serial)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_curves_are_written_beside_the_serial_model_with_their_largest_gap(tmp_path):
+    reps = [_report("dp=2", [4.0, 3.0, 2.0], [4.0, 3.0, 2.5]),
+            _report("pp=2", [1.0], [1.0, 2.0])]              # lengths differ: left out
+    rows = curve_rows(reps)
+    assert [r["mesh"] for r in rows] == ["dp=2"]
+    assert rows[0]["max_rel_gap"] == pytest.approx(0.2)
+    path = tmp_path / "c.json"
+    written, png = write_curves(reps, str(path), title="t")
+    data = json.loads(path.read_text())
+    assert data["summasim_report"] == "curves" and data["meshes"][0]["loss"] == [4.0, 3.0, 2.0]
+    assert data["meshes"][0]["serial_loss"] == [4.0, 3.0, 2.5]
+    assert png == png_path(str(path)) == str(tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _args(*argv):
+    return run.parse_args(list(argv))
+
+
+def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
+    png = tmp_path / "c.png"
+    png.write_bytes(b"mine")
+    args = _args("--mesh", "dp=4", "--curves", str(tmp_path / "c.json"), "--steps", "2")
+    assert "exists; pass --force" in run.check_curves(args, run.job(args, 4))
+    args = _args("--mesh", "dp=4", "--curves", str(tmp_path / "c.json"), "--force")
+    assert run.check_curves(args, run.job(args, 4)) == ""
+    args = _args("--meshes", "none", "--curves", str(tmp_path / "d.json"))
+    assert "no mesh runs" in run.check_curves(args, run.job(args, 4))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dtype", "bfloat16"], "mixed precision runs in the serial model"),
+    (["--recompute", "selective"], "give --mesh"),
+    (["--sequence-parallel"], "give --mesh"),
+    (["--mesh", "dp=4", "--checkpoint", "--recompute", "selective"], "contradicts"),
+    (["--mesh", "dp=4", "--loss-scale", "dynamic"], "needs mixed precision"),
+])
+def test_what_the_job_cannot_run_is_a_user_error(argv, words):
+    with pytest.raises(UsageError, match=words):
+        _args(*argv)
+
+
+def test_the_techniques_reach_every_mesh_case():
+    args = _args("--mesh", "tp=megatron:4", "--sequence-parallel", "--recompute", "selective",
+                 "--attention", "flash", "--overlap", "--steps", "5")
+    cases, _, err = run.plan_mesh_cases(args, 4)
+    assert err == "" and len(cases) == 1
+    c = cases[0]
+    assert (c.sequence_parallel, c.recompute, c.attention, c.overlap, c.steps) == \
+        (True, "selective", "flash", True, 5)
+    args = _args("--mesh", "tp=optimus:2x2", "--sequence-parallel")
+    assert "Megatron's 1D groups" in run.plan_mesh_cases(args, 4)[2]
