@@ -51,3 +51,28 @@ def skip_unless(cond: bool, reason: str):
     """Skip on every rank alike (the condition must be the same everywhere)."""
     if not cond:
         pytest.skip(reason)
+
+
+def mesh_row(res) -> str:
+    """One line naming a mesh row's verdict, errors, bounds, failures and traffic."""
+    r = res.extra["report"]
+    return (f"{r.mesh} {' '.join(getattr(r, 'techniques', []))} zero={r.zero} {r.schedule} "
+            f"stages={r.stages or 'even'} m={r.microbatches}: ok={res.ok} loss "
+            f"{r.loss_err:.1e} grad {r.grad_err:.1e} bound {r.bound:.1e} param/bnd "
+            f"{r.param_err:.1e} ({r.worst}) failures={r.failures} traffic {r.traffic} vs "
+            f"{r.traffic_expected} in flight {r.inflight}")
+
+
+def run_mesh_case(case, backend):
+    """Run a mesh case on the world (skipped, with the reason, when it does not fit) and
+    assert, collectively, that it passed every check within its bounds; returns the
+    result."""
+    from summasim.harness.composed import run_mesh
+
+    p = WORLD.Get_size()
+    skip_unless(case.misfit(p) == "", f"needs p = {case.p} (p = {p})")
+    res = run_mesh(case, WORLD, backend, timed=False)
+    r = res.extra["report"]
+    parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= r.bound
+                    and r.loss_err <= r.bound and r.param_err <= 1.0, mesh_row(res))
+    return res

@@ -7,13 +7,12 @@ fewer at the pipeline's ends, each of one activation."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from _util import WORLD, parallel_assert, skip_unless
+from _util import WORLD, mesh_row, parallel_assert, run_mesh_case, skip_unless
 from summasim.grid import Mesh as GridMesh
 from summasim.harness.cases import MeshCase
-from summasim.harness.composed import mesh_inputs, run_mesh
+from summasim.harness.composed import mesh_inputs
 from summasim.spec import Mesh
 from summasim.transformer import composed
 from summasim.transformer.model import Config
@@ -67,34 +66,22 @@ CASES = {
 }
 
 
-def _row(res):
-    r = res.extra["report"]
-    return (f"{r.mesh} zero={r.zero} {r.schedule} stages={r.stages or 'even'} "
-            f"m={r.microbatches}: ok={res.ok} loss {r.loss_err:.1e} grad {r.grad_err:.1e} "
-            f"bound {r.bound:.1e} param/bnd {r.param_err:.1e} ({r.worst}) "
-            f"failures={r.failures} traffic {r.traffic} vs {r.traffic_expected} "
-            f"in flight {r.inflight}")
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_interleaved_and_uneven_stages_match_the_serial_model(backend, name):
     case = CASES[name]
-    skip_unless(case.misfit(P) == "", f"needs p = {case.p} (p = {P})")
-    res = run_mesh(case, WORLD, backend, timed=False)
+    res = run_mesh_case(case, backend)
     r = res.extra["report"]
-    parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= r.bound
-                    and r.loss_err <= r.bound and r.param_err <= 1.0, _row(res))
     parallel_assert(r.schedule == case.schedule_label and r.chunks == case.chunks
-                    and r.stages == case.stages_label, _row(res))
+                    and r.stages == case.stages_label, mesh_row(res))
     # V chunks: the busiest stage holds more than the 1F1B min(pp, m) chunks in flight
     want = max(composed.peak_inflight(case.schedule, case.microbatches, case.pp, s,
                                       case.chunks) for s in range(case.pp))
-    parallel_assert(r.inflight == want, _row(res))
+    parallel_assert(r.inflight == want, mesh_row(res))
     if case.pp > 1:
         parallel_assert(r.traffic["pp.fwd"] > 0 and r.traffic["pp.bwd"] > 0
-                        and r.traffic["embed.tie"] > 0, _row(res))
+                        and r.traffic["embed.tie"] > 0, mesh_row(res))
     if case.zero == 3 and case.dp > 1:
-        parallel_assert(r.traffic["zero.gather"] > 0, _row(res))
+        parallel_assert(r.traffic["zero.gather"] > 0, mesh_row(res))
 
 
 @pytest.mark.parametrize("zero", [0, 3])
