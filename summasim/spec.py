@@ -2,8 +2,9 @@
 
 Every floor and every command speaks these, so one thing has one name and one rule:
 
-``Model``        a transformer's size (hidden, heads, layers, seq, vocab, ffn), with
-                 named presets (:data:`MODELS`, e.g. ``gpt3-175b``) and a parser for
+``Model``        a transformer's size (hidden, heads, layers, seq, vocab, ffn) and block
+                 (mlp gelu|swiglu, kv_heads, tied), with named presets (:data:`MODELS`,
+                 e.g. ``gpt3-175b``) and a parser for
                  ``--model NAME|h=...,heads=...,layers=...,seq=...,vocab=...,ffn=...``.
 ``TensorGrid``   a tensor-parallel scheme on its grid: ``megatron:4`` (1D over 4 ranks),
                  ``optimus:2x2`` (q x q), ``summa25:2x2x4`` ([q, q, d]);
@@ -14,6 +15,10 @@ Every floor and every command speaks these, so one thing has one name and one ru
                  runs on (and, given a model, that fit it). The main job runs exactly
                  these, and the cost model, ``predict``, ``plan`` and ``explore`` price
                  exactly these.
+``Training``     how a mesh trains: ZeRO, the schedule (interleaved:V), the stages
+                 (:func:`stage_layers`, THE split), recompute, attention, sequence
+                 parallelism, mixed precision; what ``--zero``, ``--schedule``, ...,
+                 ``--grad-reduce`` say (``summasim.options.add_training``).
 rank order       :func:`grid_rank`, :func:`grid_coords`, :func:`grid_groups` and
                  :func:`mesh_coords`, :func:`mesh_groups`: where each rank sits on a
                  ``[q, q, d]`` grid and on a ``[dp, pp, tensor]`` mesh, and which ranks
