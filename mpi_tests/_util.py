@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from summasim.spec import grid_shapes as summasim_grid_shapes
+from summasim.transformer import model
 
 WORLD = MPI.COMM_WORLD
 
@@ -76,3 +79,53 @@ def run_mesh_case(case, backend):
     parallel_assert(res.ok and r.values_ok and not r.failures and r.grad_err <= r.bound
                     and r.loss_err <= r.bound and r.param_err <= 1.0, mesh_row(res))
     return res
+
+
+def held_items(cache, exclude) -> int:
+    """Elements of the distinct buffers that arrays in ``cache`` (nested NamedTuples,
+    dicts, lists) keep alive, leaving out the buffers of ``exclude`` (the parameters)."""
+    def root(a):
+        while isinstance(getattr(a, "base", None), np.ndarray):
+            a = a.base
+        return a
+
+    skip = {id(root(a)) for a in exclude}
+    seen: dict = {}
+
+    def walk(obj):
+        if isinstance(obj, np.ndarray):
+            base = root(obj)
+            if id(base) not in skip:
+                seen[id(base)] = base.size
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(cache)
+    return sum(seen.values())
+
+
+def make_params(cfg: model.Config, seed: int = 0) -> dict:
+    """The serial parameters of a scheme's tests: ``model.init_params`` in float64 with every bias and LayerNorm gain/bias moved
+    off its init value, then rounded to ``cfg.dtype``."""
+    params = model.init_params(dataclasses.replace(cfg, dtype=np.float64), seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    for val in params.values():
+        if val.ndim == 1:
+            val += rng.normal(0.0, 0.1, val.shape)
+    return {k: v.astype(cfg.dtype) for k, v in params.items()}
+
+
+def rel_err(par, ref) -> float:
+    """``max |par - ref| / max |ref|`` in float64: inf when the shapes differ, NaN when
+    either holds a non-finite value (so a check against a bound fails)."""
+    par, ref = np.asarray(par, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if par.shape != ref.shape:
+        return float("inf")
+    if not (np.isfinite(par).all() and np.isfinite(ref).all()):
+        return float("nan")
+    return float(np.abs(par - ref).max(initial=0.0)
+                 / max(float(np.abs(ref).max(initial=0.0)), np.finfo(np.float64).tiny))

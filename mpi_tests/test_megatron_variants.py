@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from _util import WORLD, collective_raises, parallel_assert, skip_unless
+from _util import WORLD, collective_raises, held_items, make_params, rel_err, parallel_assert, skip_unless
 from summasim.grid import Grid1D
 from summasim.transformer import megatron, model
 from summasim.validate import training_tolerance
@@ -46,17 +46,6 @@ def make_config(mlp="gelu", gqa=False, tied=True, dtype=np.float64, n_classes=0,
                         mlp=mlp, kv_heads=P if gqa else None, tied=tied)
 
 
-def make_params(cfg: model.Config, seed: int = 0) -> dict:
-    """``model.init_params`` in float64 with every bias and LayerNorm gain/bias moved
-    off its init value, then rounded to ``cfg.dtype``."""
-    params = model.init_params(dataclasses.replace(cfg, dtype=np.float64), seed=seed)
-    rng = np.random.default_rng(seed + 100)
-    for val in params.values():
-        if val.ndim == 1:
-            val += rng.normal(0.0, 0.1, val.shape)
-    return {k: v.astype(cfg.dtype) for k, v in params.items()}
-
-
 def make_data(cfg: model.Config, seed: int = 3):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab, size=(B, S))
@@ -64,15 +53,6 @@ def make_data(cfg: model.Config, seed: int = 3):
                else rng.integers(0, cfg.vocab, size=(B, S)))
     return tokens, targets
 
-
-def rel_err(par, ref) -> float:
-    par, ref = np.asarray(par, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    if par.shape != ref.shape:
-        return float("inf")
-    if not (np.isfinite(par).all() and np.isfinite(ref).all()):
-        return float("nan")
-    return float(np.abs(par - ref).max(initial=0.0)
-                 / max(float(np.abs(ref).max(initial=0.0)), np.finfo(np.float64).tiny))
 
 
 def digests_differ(arrays: dict, grid) -> list[str]:
@@ -280,33 +260,6 @@ def test_variant_traffic_matches_the_closed_form(recompute, attention):
             if t > 1 and rec != (recompute == "full"):
                 problems.append(f"sp={sp}: recomputed collectives {rec}")
     parallel_assert(not problems, f"t={t}: " + "; ".join(problems[:4]))
-
-
-def held_items(cache, exclude) -> int:
-    """Elements of the distinct buffers that arrays in ``cache`` (nested NamedTuples,
-    dicts, lists) keep alive, leaving out the buffers of ``exclude`` (the parameters)."""
-    def root(a):
-        while isinstance(getattr(a, "base", None), np.ndarray):
-            a = a.base
-        return a
-
-    skip = {id(root(a)) for a in exclude}
-    seen: dict = {}
-
-    def walk(obj):
-        if isinstance(obj, np.ndarray):
-            base = root(obj)
-            if id(base) not in skip:
-                seen[id(base)] = base.size
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(cache)
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("mlp,gqa", [("gelu", False), ("swiglu", True)], ids=["gpt", "swiglu-gqa"])
