@@ -30,7 +30,7 @@ from .harness.frontend import Parser, check_outputs, mpi_main
 from .harness.inject import KINDS, Fault, check_method, uncatchable
 from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST_SIZES, \
     plan_products, plan_schemes
-from .spec import MODELS, SCHEME_NAMES, unsupported
+from .spec import MIXED_DTYPES, MODELS, SCHEME_NAMES, unsupported
 
 PROG = "python -m summasim.run"
 
@@ -38,7 +38,7 @@ PROG = "python -m summasim.run"
 DEFAULT_MODEL = MODELS["tiny"]
 #: The techniques of ``spec.Training.techniques`` that ``run --mesh`` runs and validates.
 RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", "--attention",
-                                      "--sequence-parallel"})
+                                      "--sequence-parallel", "--dtype"})
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 
 
@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ring-size", type=int, default=None, metavar="N",
                     help=f"length of the ring_allreduce vector (default {DEFAULT_RING})")
     options.add_dtype(ap, ("float64", "float32", "both", "bfloat16", "float16"), "float64",
-                      help_more="; bfloat16 and float16 (mixed precision) run in the serial "
-                                "model (python -m summasim.transformer.train) and are priced "
-                                "by the cost model, not yet in this job")
+                      help_more="; bfloat16 and float16 are mixed precision (16-bit compute, "
+                                "fp32 master weights and Adam; see --loss-scale, "
+                                "--grad-reduce) and run the training rows only: the products, "
+                                "the ring and the scheme rows run in float64 or float32")
     ap.add_argument("--backend", choices=("numpy", "cupy", "staged-host"), default="numpy",
                     help="array backend: numpy (CPU), cupy (GPU), or staged-host (NumPy through "
                          "the GPU staging path, for testing it on a CPU)")
@@ -157,11 +158,16 @@ def parse_args(argv=None):
                          "--model, --batch and --mesh")
     args.model = args.model or DEFAULT_MODEL
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
-    if args.dtype in ("bfloat16", "float16"):
-        raise UsageError(f"--dtype {args.dtype}: mixed precision runs in the serial model "
-                         f"(python -m summasim.transformer.train --dtype {args.dtype}) and is "
-                         f"priced by the cost model (python -m summasim.costmodel predict); "
-                         f"this job does not run it yet")
+    args.mixed = args.dtype in MIXED_DTYPES
+    if args.mixed:
+        named = [f"--{what} {text}" for what, text, names in (
+            ("algorithms", args.algorithms, args.algorithm_list),
+            ("schemes", args.schemes, args.scheme_list)) if text != "all" and names]
+        if named or args.self_test:
+            raise UsageError(f"--dtype {args.dtype} (mixed precision) runs the training rows "
+                             f"only; {' and '.join(named) or '--self-test'} run(s) in float64 "
+                             f"or float32: drop it or choose another --dtype")
+        args.algorithm_list, args.scheme_list = [], []
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
     try:
         args.training = options.training(args, dtype=args.dtypes[0])
@@ -208,6 +214,9 @@ def plan_mesh_cases(args, p: int):
         return plan_meshes(p, default_meshes(p), _config(DEFAULT_MODEL, "float64"),
                            DEFAULT_MODEL.batch, False)
     kw = {"steps": args.steps, "overlap": bool(args.overlap)}
+    if args.mixed:             # 16-bit compute over float32 master weights
+        t = args.training
+        kw.update(precision=args.dtype, loss_scale=t.loss_scale, grad_reduce=t.grad_reduce)
     if args.bucket is not None:
         kw["bucket_bytes"] = args.bucket
     if args.mesh:
@@ -221,8 +230,9 @@ def plan_mesh_cases(args, p: int):
         specs = default_meshes(p) if args.meshes == "default" else []
     cases, skips = [], []
     for dtype in args.dtypes:                      # --dtype both: each mesh in each
-        c, s, err = plan_meshes(p, specs, _config(args.model, dtype), args.batch,
-                                bool(args.mesh), **kw)
+        c, s, err = plan_meshes(p, specs,
+                                _config(args.model, "float32" if args.mixed else dtype),
+                                args.batch, bool(args.mesh), **kw)
         if err:
             return [], [], err
         cases += c

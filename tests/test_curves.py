@@ -48,7 +48,9 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dtype", "bfloat16"], "mixed precision runs in the serial model"),
+    (["--dtype", "bfloat16", "--algorithms", "summa_ab"], "runs the training rows only"),
+    (["--dtype", "float16", "--schemes", "megatron"], "runs the training rows only"),
+    (["--dtype", "bfloat16", "--self-test"], "runs the training rows only"),
     (["--recompute", "selective"], "give --mesh"),
     (["--sequence-parallel"], "give --mesh"),
     (["--mesh", "dp=4", "--checkpoint", "--recompute", "selective"], "contradicts"),
@@ -69,3 +71,19 @@ def test_the_techniques_reach_every_mesh_case():
         (True, "selective", "flash", True, 5)
     args = _args("--mesh", "tp=optimus:2x2", "--sequence-parallel")
     assert "Megatron's 1D groups" in run.plan_mesh_cases(args, 4)[2]
+
+
+def test_mixed_precision_reaches_every_mesh_case_over_float32_master_weights():
+    args = _args("--mesh", "dp=2,pp=2", "--mesh", "dp=4", "--dtype", "float16",
+                 "--loss-scale", "static:512", "--zero", "2")
+    cases, _, err = run.plan_mesh_cases(args, 4)
+    assert err == "" and len(cases) == 2
+    assert args.algorithm_list == [] and args.scheme_list == []    # the training rows only
+    for c in cases:
+        assert (c.precision, c.loss_scale, c.grad_reduce, c.dtype, c.master_dtype, c.zero) \
+            == ("float16", "static:512", "float32", "float16", "float32", 2)
+    args = _args("--dtype", "bfloat16", "--grad-reduce", "bfloat16")   # the default meshes
+    cases, _, err = run.plan_mesh_cases(args, 4)
+    assert err == "" and cases and all(
+        (c.precision, c.loss_scale, c.grad_reduce) == ("bfloat16", "none", "bfloat16")
+        for c in cases)

@@ -97,3 +97,24 @@ def test_mixed_tolerance_is_derived_from_the_16_bit_unit_roundoff():
             math.sqrt(d) * (acc + 17 * u16), rel=1e-12)
     assert validate.training_tolerance(c, 8, "float16") < \
         validate.training_tolerance(c, 8, "bfloat16") < 1.0
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_16_bit_messages_pack_exactly_and_add_in_16_bits(name):
+    """A message's bits: packing rounds to the 16-bit type (exact on values that are
+    16-bit already), unpacking is exact, and the ring's add is the 16-bit sum (rounded
+    once to nearest), not the float32 sum."""
+    from summasim.transformer.precision import bits_adder, pack_bits, unpack_bits
+
+    prec = Precision.of(name)
+    x = np.random.default_rng(1).standard_normal(4096).astype(np.float32)
+    bits = pack_bits(prec, x)
+    assert bits.dtype == np.uint16 and bits.nbytes == 2 * x.size
+    assert np.array_equal(unpack_bits(prec, bits), prec.round(x))
+    assert np.array_equal(pack_bits(prec, prec.round(x)), bits)          # exact
+    y = prec.round(np.random.default_rng(2).standard_normal(4096).astype(np.float32))
+    out = np.empty_like(bits)
+    bits_adder(prec)(bits, pack_bits(prec, y), out=out)
+    exact = prec.round(x).astype(np.float64) + y
+    assert np.array_equal(unpack_bits(prec, out), prec.round(exact.astype(np.float32)))
+    assert not np.array_equal(unpack_bits(prec, out), prec.round(x) + y)  # it rounds

@@ -112,7 +112,7 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
     return ring_reduce_scatter_unchecked(flat, comm, work)
 
 
-def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
+def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None) -> int:
     """:func:`ring_reduce_scatter` without the checks and the agreement (library use).
 
     With ``src`` (a buffer like ``flat``), this rank's contribution is read from
@@ -131,13 +131,14 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None) -> int:
             flat[...] = src
         return 0
     if src is flat and comm.staged_whole(flat, "reduce_scatter"):
-        _on_host_copy(flat, flat, comm, ring_reduce_scatter_unchecked)
+        _on_host_copy(flat, flat, comm, lambda h, twin: ring_reduce_scatter_unchecked(
+            h, twin, add=add))
         return (r + 1) % p
     bounds = _bounds(flat.shape[0], p)
     if work is None:
         work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
     step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
-    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, _xp(flat).add)
+    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or _xp(flat).add)
     finish()
     return (r + 1) % p
 
@@ -265,12 +266,13 @@ def _check_allreduce(x, out):
     check_writable_apart("ring_allreduce", out, (x,), ("x",), allow_same=True)
 
 
-def ring_allreduce_unchecked(x, comm, out=None):
+def ring_allreduce_unchecked(x, comm, out=None, add=None):
     """:func:`ring_allreduce` without the checks and the agreement, for library callers
     that checked and agreed on their inputs (summa25_atb's depth sum, the schemes).
     Out of place, the copy of ``x`` is fused into the reduce-scatter's adds. The two
     halves share one chunk table, one receive workspace and one exchange function
-    (per-call Python is on the critical path of every small all-reduce)."""
+    (per-call Python is on the critical path of every small all-reduce). ``add``: as in
+    :func:`ring_reduce_scatter_unchecked`."""
     comm = as_comm(comm, name="ring")
     xp = _xp(x)
     if out is None:
@@ -280,7 +282,8 @@ def ring_allreduce_unchecked(x, comm, out=None):
     p, r = comm.size, comm.rank
     if p > 1 and comm.staged_whole(src):
         # a small sum on a staged MPI path: the same ring on one pinned host copy
-        _on_host_copy(src, flat, comm, lambda h, twin: ring_allreduce_unchecked(h, twin, out=h))
+        _on_host_copy(src, flat, comm, lambda h, twin: ring_allreduce_unchecked(
+            h, twin, out=h, add=add))
         return out
     if p == 1:
         if src is not flat:
@@ -289,7 +292,7 @@ def ring_allreduce_unchecked(x, comm, out=None):
     bounds = _bounds(flat.shape[0], p)
     work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
     step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
-    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, xp.add)
+    _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or xp.add)
     finish()     # the all-gather receives into the chunks the reduce-scatter sent
     _allgather_steps(flat, bounds, r, p, step)
     finish()
@@ -327,9 +330,9 @@ class RingInFlight:
     """
 
     __slots__ = ("flat", "comm", "work", "tag", "phase", "plan", "i", "req", "sends",
-                 "spent", "on_done", "done", "bounds", "_xp", "_nap")
+                 "spent", "on_done", "done", "bounds", "_xp", "_nap", "_add")
 
-    def __init__(self, flat, comm, half: str, work, tag: int, phase: str):
+    def __init__(self, flat, comm, half: str, work, tag: int, phase: str, add=None):
         p = comm.size
         self.flat, self.comm, self.work, self.tag, self.phase = flat, comm, work, tag, phase
         self.bounds = _bounds(flat.shape[0], p)
@@ -340,6 +343,7 @@ class RingInFlight:
         self.on_done: list = []
         self.done = False
         self._xp = _xp(flat)
+        self._add = add or self._xp.add
         chunk = flat.itemsize * (self.bounds[0][1] - self.bounds[0][0])
         self._nap = comm.wait_policy != "spin" and chunk >= comm.nap_limit
         t0 = time.perf_counter()
@@ -378,7 +382,7 @@ class RingInFlight:
         (s0, s1), (r0, r1) = self._chunks()
         if half == "rs":
             dst = self.flat[r0:r1]
-            self._xp.add(dst, self.work[: r1 - r0], out=dst)
+            self._add(dst, self.work[: r1 - r0], out=dst)
         self.req = None
         self.i += 1
         trace = self.comm.trace
@@ -451,7 +455,7 @@ def _done_ring(flat, comm, phase) -> RingInFlight:
 
 
 def ring_start(flat, comm, half: str = "ar", work=None, tag: int = NONBLOCKING_TAG,
-               phase: str | None = None) -> RingInFlight:
+               phase: str | None = None, add=None) -> RingInFlight:
     """Start a ring ``half`` ("rs": reduce-scatter, "ag": all-gather, "ar": both, the
     all-reduce) of the 1-D contiguous ``flat`` over ``comm``, in place, and return it in
     flight (:class:`RingInFlight`); unchecked, for library callers that agreed on their
@@ -463,6 +467,7 @@ def ring_start(flat, comm, half: str = "ar", work=None, tag: int = NONBLOCKING_T
     leaves, bitwise. ``work``: a receive workspace of at least ``ceil(N / P)`` items of
     ``flat``'s dtype (reduce-scatter), held until the ring is done; one is allocated
     when None. ``phase``: the trace phase of the ring's steps (default: the current one).
+    ``add``: as in :func:`ring_reduce_scatter_unchecked`.
 
     A device array, or any array whose path to MPI is not plain host memory, runs the
     blocking ring here, traced in the current phase, and comes back done (no progress
@@ -479,12 +484,12 @@ def ring_start(flat, comm, half: str = "ar", work=None, tag: int = NONBLOCKING_T
                                          or be.comm_mode == "host")
     if p == 1 or not host:          # traced in the current phase, like any blocking ring
         if half == "rs":
-            ring_reduce_scatter_unchecked(flat, comm, work)
+            ring_reduce_scatter_unchecked(flat, comm, work, add=add)
         elif half == "ag":
             ring_allgather_unchecked(flat, comm)
         else:
-            ring_allreduce_unchecked(flat, comm, out=flat)
+            ring_allreduce_unchecked(flat, comm, out=flat, add=add)
         return _done_ring(flat, comm, phase)
     if work is None and half != "ag":
         work = np.empty(-(-flat.shape[0] // p), dtype=flat.dtype)
-    return RingInFlight(flat, comm, half, work, tag, phase)
+    return RingInFlight(flat, comm, half, work, tag, phase, add)

@@ -20,9 +20,12 @@ DEFAULT_MICROBATCHES = 2
 
 
 def add_arguments(ap):
-    from ..options import add_model
+    from ..options import add_dtype, add_model
 
-    add_model(ap, default=DEFAULT_MODEL, help_more="; trained in float64")
+    add_model(ap, default=DEFAULT_MODEL, help_more="; trained in --dtype")
+    add_dtype(ap, ("float64", "float32", "bfloat16", "float16"), "float64",
+              help_more="; bfloat16 and float16 are mixed precision (16-bit compute, fp32 "
+                        "master weights and Adam; --loss-scale, --grad-reduce)")
     add_training(ap)
     add_backend(ap, "the training steps")
     add_predict(ap, "each step")
@@ -59,16 +62,17 @@ OVERLAP_MODES = ("off", "on", "both")
 
 #: The techniques of ``spec.Training.techniques`` that ``bench mesh`` runs.
 MESH_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", "--attention",
-                                       "--sequence-parallel"})
+                                       "--sequence-parallel", "--dtype"})
 
 
 def training_of(args):
-    """The :class:`summasim.spec.Training` of ``args`` (float64), or ``ValueError``
-    naming a contradiction or a technique the benchmark does not run yet."""
+    """The :class:`summasim.spec.Training` of ``args`` (its ``--dtype``, float64 without
+    one), or ``ValueError`` naming a contradiction or a technique the benchmark does not
+    run yet."""
     from ..options import training
     from ..spec import unsupported
 
-    t = training(args, dtype="float64")
+    t = training(args, dtype=getattr(args, "dtype", None) or "float64")
     why = unsupported(t, MESH_TECHNIQUES, "bench mesh")
     if why:
         raise ValueError(why)
@@ -82,12 +86,15 @@ def plan_mesh_bench(args, p: int):
 
     model = given(args, "model", None) or Model.parse(DEFAULT_MODEL)
     batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
-    config = runtime_config(model, np.float64)
+    try:
+        t = training_of(args)
+    except ValueError as e:
+        return [], [], str(e)
+    # mixed precision: 16-bit compute over a float32 model (the master weights)
+    config = runtime_config(model, np.float32 if t.mixed else np.dtype(t.dtype).type)
+    kw = dict(precision=t.dtype, loss_scale=t.loss_scale,
+              grad_reduce=t.grad_reduce) if t.mixed else {}
     if args.mesh:
-        try:
-            t = training_of(args)
-        except ValueError as e:
-            return [], [], str(e)
         specs = [(str(m), dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks,
                                stages=t.stages, microbatches=t.microbatches,
                                checkpoint=t.checkpoint, recompute=t.recompute,
@@ -96,7 +103,8 @@ def plan_mesh_bench(args, p: int):
     else:
         specs = default_meshes(p)
     bucket = given(args, "bucket", None)
-    kw = {} if bucket is None else {"bucket_bytes": bucket}
+    if bucket is not None:
+        kw["bucket_bytes"] = bucket
     return plan_meshes(p, specs, config, batch, bool(args.mesh), **kw)
 
 
@@ -136,7 +144,8 @@ def _pure_tensor(case, p: int):
                                   checkpoint=case.checkpoint, recompute=case.recompute,
                                   attention=case.attention,
                                   sequence_parallel=case.sequence_parallel
-                                  and spec.grid_kind == "1d")
+                                  and spec.grid_kind == "1d", precision=case.precision,
+                                  loss_scale=case.loss_scale, grad_reduce=case.grad_reduce)
             if not pure.misfit(p):
                 return pure
     return None
@@ -173,7 +182,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     if c0 is not None:
         say(f"sharded training step: b={cases[0].batch} (global) s={c0.seq} h={c0.hidden} "
             f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers} "
-            f"{np.dtype(c0.dtype).name}; each run validated first; 'pure' is the same "
+            f"{cases[0].dtype}; each run validated first; 'pure' is the same "
             f"scheme on all {p} ranks")
     head = (f"{'mesh':<28} {'zero':>4} {'sched':>13} {'m':>2} {'step s':>8} {'pred s':>8} "
             f"{'err':>6} {'pure tp':<20} {'pure s':>8} {'pred s':>8} {'err':>6} {'vs pure':>8}  "

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..algorithms.table import get_algorithm
-from ..spec import ATTENTIONS, RECOMPUTE, SCHEDULE_KINDS, ZERO_STAGES, Mesh, stage_layers
+from ..spec import (ATTENTIONS, MIXED_DTYPES as MIXED, RECOMPUTE, SCHEDULE_KINDS,
+                    ZERO_STAGES, Mesh, stage_layers)
 from ..transformer.model import Config
 from ..transformer.schemes import get_scheme
 
@@ -149,8 +150,11 @@ class MeshCase:
     >= 2 model chunks per stage); ``stages`` the layers per (virtual) stage, or None
     for the even split (:func:`summasim.spec.stage_layers`). ``recompute`` is none,
     selective or full (``checkpoint`` is True exactly for full), ``attention`` plain or
-    flash, ``sequence_parallel`` Megatron's sequence parallelism. Reports name the mesh
-    as ``str(mesh)`` (``dp=2,pp=1,tp=...``).
+    flash, ``sequence_parallel`` Megatron's sequence parallelism. ``precision``
+    (bfloat16 or float16; ``config.dtype`` float32, the master weights) is mixed
+    precision with ``loss_scale`` (none, static:S or dynamic; default: none for
+    bfloat16, dynamic for float16) and ``grad_reduce`` (float32 or a 16-bit type).
+    Reports name the mesh as ``str(mesh)`` (``dp=2,pp=1,tp=...``).
     """
 
     mesh: Mesh
@@ -168,6 +172,9 @@ class MeshCase:
     attention: str = "plain"
     sequence_parallel: bool = False
     overlap: bool = False
+    precision: str | None = None
+    loss_scale: str | None = None
+    grad_reduce: str | None = None
     kind = "mesh"
 
     def __post_init__(self):
@@ -196,6 +203,22 @@ class MeshCase:
         if self.checkpoint or self.recompute == "full":
             object.__setattr__(self, "checkpoint", True)
             object.__setattr__(self, "recompute", "full")
+        if self.precision is not None:
+            if self.precision not in MIXED:
+                raise ValueError(f"precision must be one of {', '.join(MIXED)}, got "
+                                 f"{self.precision!r}")
+            if np.dtype(self.config.dtype) != np.float32:
+                raise ValueError(f"mixed precision keeps fp32 master weights: the model "
+                                 f"must be float32, got {np.dtype(self.config.dtype).name}")
+            if self.loss_scale is None:
+                object.__setattr__(self, "loss_scale", "dynamic" if self.precision ==
+                                   "float16" else "none")
+            if self.grad_reduce is None:
+                object.__setattr__(self, "grad_reduce", "float32")
+        elif self.loss_scale not in (None, "none") or self.grad_reduce not in (None,
+                                                                               "float32"):
+            raise ValueError("loss_scale and grad_reduce need mixed precision "
+                             "(precision bfloat16 or float16)")
 
     @classmethod
     def parse(cls, mesh: "str | Mesh", batch: int, config: Config, **kw) -> "MeshCase":
@@ -235,6 +258,12 @@ class MeshCase:
 
     @property
     def dtype(self) -> str:
+        """The compute type: the 16-bit type under mixed precision, else the model's."""
+        return self.precision or np.dtype(self.config.dtype).name
+
+    @property
+    def master_dtype(self) -> str:
+        """The type of the parameters Adam updates (the model's: float32 when mixed)."""
         return np.dtype(self.config.dtype).name
 
     @property
@@ -313,9 +342,15 @@ class MeshCase:
     def techniques(self) -> list[str]:
         """The techniques beyond the schedule and ZeRO, as short labels (``selective``,
         ``flash``, ``sp``); empty for plain training."""
+        mixed = []              # the dtype column names the precision itself
+        if self.precision:
+            if self.loss_scale != ("dynamic" if self.precision == "float16" else "none"):
+                mixed.append(f"loss-scale={self.loss_scale}")
+            if self.grad_reduce != "float32":
+                mixed.append(f"grad-reduce={self.grad_reduce}")
         return ([self.recompute] if self.recompute == "selective" else []) + \
             (["flash"] if self.attention == "flash" else []) + \
-            (["sp"] if self.sequence_parallel else [])
+            (["sp"] if self.sequence_parallel else []) + mixed
 
     def to_dict(self) -> dict:
         c = self.config
@@ -335,7 +370,9 @@ class MeshCase:
                 **({"overlap": True} if self.overlap else {}),
                 **({"mlp": c.mlp} if c.mlp != "gelu" else {}),
                 **({"kv_heads": c.kv_heads} if c.kv_heads != c.heads else {}),
-                **({"tied": False} if not c.tied else {})}
+                **({"tied": False} if not c.tied else {}),
+                **({"loss_scale": self.loss_scale, "grad_reduce": self.grad_reduce}
+                   if self.precision else {})}
 
 
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
@@ -360,10 +397,13 @@ def case_from_dict(data: dict):
                                 data.get("ffn", 4), data.get("dtype", "float64"))
     if kind == "mesh":
         ffn = float(data.get("ffn", 4))
+        dtype = data.get("dtype", "float64")
+        mixed = dtype in MIXED                 # mixed precision: float32 master weights
+        master = "float32" if mixed else dtype
         config = Config(vocab=int(data["v"]), seq=int(data["s"]), hidden=int(data["h"]),
                         heads=int(data["heads"]), layers=int(data["layers"]),
                         ffn_mult=int(ffn) if ffn.is_integer() else ffn,
-                        dtype=np.dtype(data.get("dtype", "float64")).type,
+                        dtype=np.dtype(master).type,
                         mlp=data.get("mlp", "gelu"), kv_heads=data.get("kv_heads"),
                         tied=bool(data.get("tied", True)))
         return MeshCase.parse(data["mesh"], int(data["b"]), config, zero=int(data["zero"]),
@@ -371,6 +411,9 @@ def case_from_dict(data: dict):
                               attention=data.get("attention", "plain"),
                               sequence_parallel=bool(data.get("sequence_parallel", False)),
                               overlap=bool(data.get("overlap", False)),
+                              precision=dtype if mixed else None,
+                              loss_scale=data.get("loss_scale") if mixed else None,
+                              grad_reduce=data.get("grad_reduce") if mixed else None,
                               schedule=data["schedule"], microbatches=int(data["m"]),
                               checkpoint=bool(data["checkpoint"]),
                               bucket_bytes=int(data["bucket_bytes"]), steps=int(data["steps"]),

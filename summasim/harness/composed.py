@@ -135,6 +135,9 @@ class MeshReport:
     techniques: list = field(default_factory=list)   # e.g. ["selective", "flash", "sp"]
     losses: list = field(default_factory=list)       # the mesh's loss at every step
     serial_losses: list = field(default_factory=list)   # the serial model's, same steps
+    skipped: list = field(default_factory=list)      # mixed precision: steps skipped (1-based)
+    loss_scale: str = ""            # mixed precision: none, static:S or dynamic
+    grad_reduce: str = ""           # mixed precision: the dp reduction's type
 
 
 class SerialReference:
@@ -252,9 +255,17 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     activation once per step, forward and backward: ``B s h`` items per rank of a 1D
     tensor grid (replicated), ``B s h / (d q^2)`` on a 2D/2.5D grid; a stage of V
     chunks sends across V boundaries each way, one fewer at the pipeline's ends.
+
+    Under mixed precision the hand-offs and the ZeRO parameter gathers carry 16-bit
+    values (2 bytes per item), and so does the gradient reduction when it is 16-bit;
+    the tied-embedding sum stays fp32.
     """
     mesh, cfg, m, dp = tr.mesh, tr.config, tr.m, tr.mesh.dp
     item = np.dtype(cfg.dtype).itemsize
+    half = 2 if tr.precision is not None else item
+    items = dict.fromkeys(PHASES, half)
+    items["embed.tie"] = item
+    items["dp.grads"] = 2 if tr.reduce16 is not None else item
     size = {nm: u.stop - u.start for nm, u in tr.units.items()}
     n = tr.n
     out = dict.fromkeys(PHASES, 0)
@@ -279,7 +290,7 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
         act //= g.p
     out["pp.fwd"] = act * (tr.chunks - (1 if tr.last else 0))
     out["pp.bwd"] = act * (tr.chunks - (1 if tr.first else 0))
-    return {k: v * item for k, v in out.items()}
+    return {k: v * items[k] for k, v in out.items()}
 
 
 def _corrupt_held(tr, kind: str) -> bool:
@@ -360,7 +371,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     if rank == 0:            # the serial reference's inputs; the other ranks sleep meanwhile
         try:
             params, tokens, targets = mesh_inputs(config, batch, seed)
-            serial = SerialReference(params, tokens, targets, config, bound, case.dtype)
+            serial = SerialReference(params, tokens, targets, config, bound,
+                                     case.master_dtype)   # Adam: fp32 when mixed
             first = {"params": params, "tokens": tokens, "targets": targets}
             del params
         except (ValueError, TypeError) as e:      # raised on every rank below, not alone
@@ -374,7 +386,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     rep = MeshReport(case.spec, case.zero, case.schedule_label, case.microbatches,
                      case.checkpoint, p, case.dtype, case.steps, bound, chunks=case.chunks,
                      stages=case.stages_label, overlap=bool(overlap),
-                     techniques=list(case.techniques))
+                     techniques=list(case.techniques),
+                     loss_scale=case.loss_scale or "", grad_reduce=case.grad_reduce or "")
     try:
         mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
                     backend=backend)
@@ -389,7 +402,9 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                      microbatches=case.microbatches, chunks=case.chunks, stages=case.stages,
                      checkpoint=case.checkpoint, recompute=case.recompute,
                      attention=case.attention, sequence_parallel=case.sequence_parallel,
-                     bucket_bytes=case.bucket_bytes, overlap=bool(overlap), lr=LR)
+                     bucket_bytes=case.bucket_bytes, overlap=bool(overlap),
+                     precision=case.precision, loss_scale=case.loss_scale,
+                     grad_reduce=case.grad_reduce or "float32", lr=LR)
         tr.audit_gathers = True                  # ZeRO-3: the audit's digest of the gathers
         audit_groups, audit_bytes, audit_s, drifted = {}, 0, 0.0, set()
         loss_err = grad_err = param_err = 0.0
@@ -443,14 +458,24 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             rep.serial_losses.append(float(sref["loss"]))
             le = loss_error(loss, sref["loss"])
             loss_err = le if math.isnan(le) or le > loss_err else loss_err
-            expect = _pack_host(tr, sref["grads"])
-            ge, where = _compare(tr, tr.held_grads(), expect, sref["grad_scales"])
-            expect = None                  # a stage's share at a time, freed as it goes
-            if math.isnan(ge) or ge > grad_err or not worst_grad:
-                grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
-            # the parameters, elementwise, within what Adam makes of the gradients' bound
-            pe, where = _within(tr, tr.held_params(), _pack_host(tr, sref["next"]),
-                                _pack_host(tr, sref["bound"]))
+            if tr.applied:
+                expect = _pack_host(tr, sref["grads"])
+                ge, where = _compare(tr, tr.held_grads(), expect, sref["grad_scales"])
+                expect = None              # a stage's share at a time, freed as it goes
+                if math.isnan(ge) or ge > grad_err or not worst_grad:
+                    grad_err, worst_grad = ge, f"step {step + 1} grad {where}"
+                # the parameters, elementwise, within what Adam makes of the gradients'
+                # bound
+                pe, where = _within(tr, tr.held_params(), _pack_host(tr, sref["next"]),
+                                    _pack_host(tr, sref["bound"]))
+            else:
+                # mixed precision skipped the step (an overflow on some rank): the
+                # parameters are the step's start, bit for bit in the master's type
+                rep.skipped.append(step + 1)
+                start = _pack_host(tr, sref["start"]).astype(config.dtype)
+                pe, where = _within(tr, tr.held_params(), start.astype(np.float64),
+                                    np.zeros(tr.n))
+                pe = 0.0 if pe == 0 else math.inf
             if math.isnan(pe) or pe > param_err or not worst_param:
                 param_err, worst_param = pe, f"step {step + 1} param {where}"
             expect = sref = None
@@ -486,21 +511,30 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         # the buckets are the pieces ZeRO partitions: the formula counts the largest
         # shard, ceil(n_b / dp) items of each; a rank holds ceil or floor of each
         sizes = [hi - lo for lo, hi in tr.buckets]
-        formula = model_state_bytes(sizes or [0], mesh.dp, case.zero, param_bytes=item,
-                                    grad_bytes=item, optim_bytes=item)
-        uneven = sum(1 for n in sizes if n % mesh.dp) * item
+        # mixed precision: a 16-bit compute copy, fp32 gradients (16-bit with a 16-bit
+        # reduction), fp32 moments and an fp32 master copy (optimizer state)
+        per = ({"params": 2, "grads": 2 if tr.reduce16 else item, "optimizer": 3 * item}
+               if case.precision else {"params": item, "grads": item, "optimizer": 2 * item})
+        formula = model_state_bytes(sizes or [0], mesh.dp, case.zero,
+                                    param_bytes=per["params"], grad_bytes=per["grads"],
+                                    optim_bytes=item,
+                                    master_bytes=item if case.precision else 0)
+        uneven = sum(1 for n in sizes if n % mesh.dp)
         memory_ok = tr.model_params() == sum(sizes) and all(
-            0 <= formula[k] - mem[k] <= mult * uneven
-            for k, mult in (("params", 1), ("grads", 1), ("optimizer", 2)))
+            0 <= formula[k] - mem[k] <= uneven * per[k] for k in per)
         errs = [loss_err, grad_err, param_err]
         # one verdict in units of each check's own bound: the loss and the gradients
         # against ``bound``, the parameters as their worst ratio to the elementwise bound
         ratios = [loss_err / bound, grad_err / bound, param_err]
         worst = max(ratios) if not any(math.isnan(e) for e in ratios) else math.nan
-        local_ok = replicas_ok and traffic_ok and tp_ok and schedule_ok and memory_ok
+        # mixed precision: a row whose every step was skipped validated no gradient
+        checked_ok = len(rep.skipped) < case.steps
+        local_ok = (replicas_ok and traffic_ok and tp_ok and schedule_ok and memory_ok
+                    and checked_ok)
         failures = [name for name, ok in (("replicas", replicas_ok), ("traffic", traffic_ok),
                                           ("table1", tp_ok), ("schedule", schedule_ok),
-                                          ("memory", memory_ok)) if not ok]
+                                          ("memory", memory_ok),
+                                          ("every step skipped", checked_ok)) if not ok]
         chk = Check(worst, 1.0, "serial model")
         chk.ok = chk.ok and local_ok
         chk = collective(world, chk)

@@ -115,7 +115,9 @@ from ..backends import array_module, backend_of, to_backend
 from ..mpiutil import agree, allgather_objects, fields_of, fingerprint, local_error
 from ..spec import SCHEDULE_KINDS, stage_layers
 from . import model
+from . import ops
 from .ops import block_keys
+from .precision import LossScaler, Precision, bits_adder, has_overflow, pack_bits, unpack_bits
 from .train import Adam
 
 #: Pipeline schedules (:data:`summasim.spec.SCHEDULE_KINDS`); "interleaved" runs V >= 2
@@ -449,9 +451,11 @@ class Trainer:
     attention : {"plain", "flash"}
         The attention core: plain, or blockwise with an online softmax.
     sequence_parallel : bool
-        Megatron's sequence parallelism (1D tensor grids, ZeRO 0-1): the pieces hand on
-        (b, s/t, h) and the sequence-parallel parameters' gradients are summed over the
-        tensor group once per step (phase ``sp.grads``).
+        Megatron's sequence parallelism (1D tensor grids): the pieces hand on (b, s/t, h)
+        and the sequence-parallel parameters' gradients are summed over the tensor group
+        once per step (phase ``sp.grads``): ZeRO 0-1 the whole of them, ZeRO 2-3 the parts
+        of them in the owned chunks (the same flat ranges on every rank of the tensor
+        group), after the per-micro-batch reduce-scatters over dp (both sums are linear).
     bucket_bytes : int
         Target size of a gradient bucket (ZeRO 0-2).
     overlap : bool
@@ -460,6 +464,26 @@ class Trainer:
         instead of with a blocking ring (ZeRO 0-1: after the last backward; ZeRO 2-3:
         per micro-batch). The same rings, bytes and sums, bitwise; whether it pays:
         "Overlap and the replica audit" in ``docs/sharded-training.md``.
+    precision : {None, "bfloat16", "float16"}
+        Mixed precision (``config.dtype`` float32): the forward and backward compute on
+        16-bit values (:func:`~summasim.transformer.ops.autocast`; the tensor schemes'
+        sums are rounded too) with a 16-bit compute copy of the fp32 master weights;
+        Adam updates the fp32 master weights (ZeRO 0: all of them; ZeRO 1-3: the owned
+        chunks, Adam's state) and the compute copy follows. The pipeline hand-offs and
+        the ZeRO parameter all-gathers send 16-bit messages (2 bytes per item).
+    loss_scale : str, optional
+        ``none``, ``static:S`` or ``dynamic`` (:class:`~summasim.transformer.precision.
+        LossScaler`; default: none for bfloat16, dynamic for float16). The backward is
+        seeded with S/n; after the reductions every rank votes on Inf/NaN in the
+        gradients it holds (one all-reduce over the mesh, phase ``aux.overflow``): an
+        overflow anywhere skips the step on every rank (:attr:`skipped`), otherwise the
+        gradients are divided by S before Adam.
+    grad_reduce : {"float32", "bfloat16", "float16"}
+        The gradients' type under mixed precision: float32 (they accumulate over the
+        micro-batches and are reduced over dp in fp32, Megatron-LM's fp32 ``main_grad``),
+        or 16-bit: they accumulate in 16 bits (each sum rounded) and the ring adds in 16
+        bits (2-byte messages), so they cost 2 bytes per parameter (the 2 + 2 + 12 of
+        the ZeRO paper).
     lr, betas, eps :
         Adam (no weight decay: the flat shards carry no per-tensor decay mask).
     """
@@ -469,9 +493,14 @@ class Trainer:
                  stages=None, checkpoint: bool = False, recompute: str | None = None,
                  attention: str = "plain", sequence_parallel: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False,
+                 precision: str | None = None, loss_scale: str | None = None,
+                 grad_reduce: str = "float32",
                  lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8):
         stages = None if stages is None else tuple(int(x) for x in stages)
         recompute = recompute or ("full" if checkpoint else "none")
+        if precision is not None and loss_scale is None:
+            loss_scale = "dynamic" if precision == "float16" else "none"
+        grad_reduce = grad_reduce or "float32"
 
         def local():
             if zero not in ZERO_STAGES:
@@ -500,11 +529,21 @@ class Trainer:
             if sequence_parallel and spec.grid_kind != "1d":
                 raise ValueError(f"sequence parallelism splits Megatron's 1D groups; "
                                  f"{spec.name} already splits every activation")
-            if sequence_parallel and zero > 1:
-                raise ValueError(f"sequence parallelism runs with ZeRO 0 or 1 here: its "
-                                 f"parameters' partial gradients are summed over the tensor "
-                                 f"group once per step, which ZeRO {zero}'s per-micro-batch "
-                                 f"reduce-scatter would have to follow")
+            if precision is not None:
+                Precision.of(precision)
+                if np.dtype(config.dtype) != np.float32:
+                    raise ValueError(f"mixed precision keeps fp32 master weights: the config's "
+                                     f"dtype must be float32, got {np.dtype(config.dtype).name}")
+                LossScaler(loss_scale)
+            elif loss_scale not in (None, "none") or grad_reduce != "float32":
+                raise ValueError(f"loss scaling and a 16-bit gradient reduction need mixed "
+                                 f"precision (precision bfloat16 or float16), got "
+                                 f"loss_scale={loss_scale!r}, grad_reduce={grad_reduce!r}")
+            if grad_reduce != "float32":
+                Precision.of(grad_reduce)
+                if overlap and mesh.dp > 1:
+                    raise ValueError(f"overlapped reductions run in float32 here; drop "
+                                     f"overlap or reduce in float32, not {grad_reduce}")
             model.check_params(params, config)
 
         # a setting or parameter that is bad (or different) on one rank only raises the
@@ -516,6 +555,8 @@ class Trainer:
             "stages": repr(stages), "checkpoint": bool(checkpoint), "recompute": recompute,
             "attention": attention, "sequence_parallel": bool(sequence_parallel),
             "bucket_bytes": bucket_bytes, "overlap": bool(overlap),
+            "precision": repr(precision), "loss_scale": repr(loss_scale),
+            "grad_reduce": grad_reduce,
             "Adam": repr((lr, tuple(betas), eps)),
             **{f"params[{k}]": fingerprint(v) for k, v in sorted(params.items())}}, err)
         self.config, self.mesh, self.spec, self.module = config, mesh, spec, spec.module
@@ -547,15 +588,40 @@ class Trainer:
         self.xp = (array_module(local[self.keys[0]]) if self.keys
                    else getattr(backend, "xp", np))
         dtype, n = config.dtype, self.n
-        if zero < 3:
-            self.flat = self.xp.empty(n, dtype=dtype)                           # (n,)
-            self.pack(local, out=self.flat)
-            self.params = self._views(self.flat, 0, self.keys)
-        else:
-            self.flat, self.params = None, None
-            full = self.pack(local)
-            self.shard = self.xp.concatenate([full[lo:hi] for lo, hi in self.owned])
+        #: mixed precision: the compute type, the loss scaler and the 16-bit reduction
+        self.precision = Precision.of(precision) if precision else None
+        self.scaler = LossScaler(loss_scale) if precision else None
+        self.reduce16 = Precision.of(grad_reduce) if grad_reduce != "float32" else None
+        self._add16 = bits_adder(self.reduce16) if self.reduce16 else None
+        self.skipped = 0                        # steps skipped on an overflow
+        self.applied = True                     # whether the last step updated
+        #: a test's hook: at this step (0-based) this rank puts an Inf into the first
+        #: gradient it holds, before the overflow vote
+        self.inject_overflow_at: int | None = None
+        # the parameters: ``flat`` (ZeRO 0-2) is what the pieces compute with, ``shard``
+        # the owned chunks (ZeRO-3; and under mixed precision ZeRO 1-2, the fp32 master);
+        # mixed ZeRO 0 keeps its fp32 master whole in ``master``, mixed ZeRO-3 its
+        # 16-bit compute copy of the owned chunks in ``cshard``
+        full = self.pack(local)                                                 # (n,)
         del local
+        self.flat = full if zero < 3 else None
+        self.params = self._views(self.flat, 0, self.keys) if zero < 3 else None
+        self.shard = self.cshard = self.master = None
+        if zero == 3 or (self.precision and zero >= 1):
+            self.shard = self.xp.concatenate([full[lo:hi] for lo, hi in self.owned]) \
+                if self.owned else self.xp.empty(0, dtype=dtype)
+        if self.precision:
+            if zero == 0:
+                self.master = full.copy()
+            if zero < 3:
+                self.precision.round(self.flat, out=self.flat)
+            else:
+                self.cshard = self.precision.round(self.shard)
+        del full
+        most = max([hi - lo for lo, hi in self.buckets] or [0])
+        # 16-bit messages: the bits of a bucket (ZeRO 1-2 all-gathers, 16-bit reductions)
+        self._bits = (self.xp.empty(most, dtype=np.uint16)
+                      if self.precision and (self.reduce16 or zero in (1, 2)) else None)
         self.grad = self.xp.zeros(n, dtype=dtype) if zero < 2 else None        # (n,)
         self.gshard = self.xp.zeros(self.shard_len, dtype=dtype) if zero >= 2 else None
         self.opt = Adam(lr=lr, betas=betas, eps=eps)
@@ -566,7 +632,6 @@ class Trainer:
         # ring in flight at a time on one preallocated receive workspace
         self.overlap = bool(overlap) and mesh.dp > 1
         self._queue: deque = deque()
-        most = max([hi - lo for lo, hi in self.buckets] or [0])
         self._ring_work = [self.xp.empty(-(-most // mesh.dp), dtype=dtype)
                            for _ in range(OVERLAP_RINGS if self.overlap else 0)]
         self._rings_started = 0                   # rings started in the step: tag, work
@@ -703,11 +768,18 @@ class Trainer:
             return self.pack(to_backend(getattr(self.mesh, "backend", None), local))
 
         full = flat(params)
-        if self.zero < 3:
-            self.flat[...] = full
-        else:
+        if self.master is not None:
+            self.master[...] = full
+        if self.shard is not None:
             for (lo, hi), o in zip(self.owned, self.shard_offsets):
                 self.shard[o:o + hi - lo] = full[lo:hi]
+        if self.flat is not None:
+            self.flat[...] = full
+        if self.precision:                           # the compute copy follows
+            if self.flat is not None:
+                self.precision.round(self.flat, out=self.flat)
+            else:
+                self.precision.round(self.shard, out=self.cshard)
         del full
         self.opt.state = {}             # the old moments go before the new ones come
         if m is None:
@@ -727,8 +799,12 @@ class Trainer:
 
     # -- what this rank holds --------------------------------------------------
     def held_params(self) -> list[tuple[int, int, object]]:
-        """``[(start, stop, values)]``: all parameters (ZeRO 0-2) or the owned chunks."""
-        if self.zero < 3:
+        """``[(start, stop, values)]``: all parameters (ZeRO 0-2) or the owned chunks
+        (ZeRO-3); under mixed precision the fp32 master weights (ZeRO 0: all of them,
+        ZeRO 1-3: the owned chunks)."""
+        if self.master is not None:
+            return [(0, self.n, self.master)]
+        if self.shard is None:
             return [(0, self.n, self.flat)]
         return [(lo, hi, self.shard[o:o + hi - lo])
                 for (lo, hi), o in zip(self.owned, self.shard_offsets)]
@@ -744,10 +820,20 @@ class Trainer:
 
     def state_bytes(self) -> dict:
         """Bytes of model state held between steps: parameters, gradients and Adam's
-        two moments (measured from the arrays this rank keeps)."""
-        params = self.flat.nbytes if self.zero < 3 else self.shard.nbytes
+        two moments (measured from the arrays this rank keeps). Under mixed precision the
+        parameters are the 16-bit compute copy (2 bytes per item: a float32 container
+        here), the gradients 16-bit with a 16-bit ``grad_reduce``, and the optimizer
+        adds the fp32 master weights."""
         grads = self.grad.nbytes if self.zero < 2 else self.gshard.nbytes
+        if self.reduce16:                      # 16-bit gradients in float32 containers
+            grads = grads // np.dtype(self.config.dtype).itemsize * self.reduce16.itemsize
         opt = sum(st["m"].nbytes + st["v"].nbytes for st in self.opt.state.values())
+        if self.precision:
+            compute = self.flat if self.flat is not None else self.cshard
+            params = compute.size * self.precision.itemsize
+            opt += (self.master if self.master is not None else self.shard).nbytes
+        else:
+            params = self.flat.nbytes if self.zero < 3 else self.shard.nbytes
         return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
                 "total": int(params + grads + opt)}
 
@@ -806,6 +892,8 @@ class Trainer:
         everything = [(0, self.n)]
         if mesh.dp > 1 and self.zero < 3:
             params, state = self._held_views(everything)
+            if self.shard is not None:         # mixed ZeRO 1-2: the compute copy is whole
+                params = [self.flat]
             out.append(ReplicaSet("dp", mesh.dp_comm, params,
                                   state if self.zero == 0 else []))
         elif mesh.dp > 1 and self._gather_hash is not None:
@@ -854,9 +942,16 @@ class Trainer:
             lo, hi = self.owned[idx]
             o = self.shard_offsets[idx]
             buf = self.xp.empty(u.stop - u.start, dtype=self.config.dtype)     # (unit,)
-            buf[lo - u.start:hi - u.start] = self.shard[o:o + hi - lo]
             with self.trace.phase("zero.gather"):
-                ring_allgather_unchecked(buf, dp_comm)
+                if self.precision:      # the 16-bit compute copy, 2 bytes per item
+                    bits = self.xp.empty(u.stop - u.start, dtype=np.uint16)
+                    pack_bits(self.precision, self.cshard[o:o + hi - lo],
+                              out=bits[lo - u.start:hi - u.start])
+                    ring_allgather_unchecked(bits, dp_comm)
+                    unpack_bits(self.precision, bits, out=buf)
+                else:
+                    buf[lo - u.start:hi - u.start] = self.shard[o:o + hi - lo]
+                    ring_allgather_unchecked(buf, dp_comm)
             if self._gather_hash is not None:
                 self._gather_hash.update(_host_bytes(buf))
                 self._gather_hashed += buf.nbytes
@@ -897,7 +992,7 @@ class Trainer:
         """Micro-batch ``j``'s forward through chunk ``c``: receive (or embed), the
         chunk's layers, then send on (or the head and the loss). Returns its caches
         and its loss (0 off the last virtual stage)."""
-        cfg, grid, mod, pp = self.config, self.grid, self.module, self.mesh.pp_comm
+        cfg, grid, mod = self.config, self.grid, self.module
         V = self.chunks
         shape = activation_shape(self.spec.grid_kind, cfg, grid, tok.shape[0], tok.shape[1],
                                  self.sp)
@@ -909,9 +1004,8 @@ class Trainer:
             caches.append(self._detach(cache))
             self._poll()
         else:
-            x = self.xp.empty(shape, dtype=cfg.dtype)
             with self.trace.phase("pp.fwd"):
-                pp.recv(x, prev, tag=hand_off_tag(j, c, V, False))
+                x = self._recv(shape, prev, hand_off_tag(j, c, V, False))
         for l in self.chunk_layers[c]:
             p = self._gather((f"h{l}",))
             x, cache = mod.layer_forward(x, {k: p[f"h{l}.{k}"] for k in block_keys(cfg.mlp)},
@@ -932,7 +1026,7 @@ class Trainer:
                 raise RuntimeError(f"stage {self.mesh.s} chunk {c} output "
                                    f"{tuple(x.shape)}, expected {shape}")
             with self.trace.phase("pp.fwd"):
-                sends.append((pp.isend(x, nxt, tag=hand_off_tag(j, c_next, V, False)), x))
+                sends.append(self._isend(x, nxt, hand_off_tag(j, c_next, V, False)))
         return caches, loss
 
     def _backward(self, j, c, caches, grads, shape, sends):
@@ -940,7 +1034,7 @@ class Trainer:
         is the flat gradient buffer to accumulate into (ZeRO 0-1) or the micro-batch's
         :class:`_BucketGrads` (ZeRO 2-3), told after each piece which buckets are final
         (its piece count runs on over the chunks, V - 1 down to 0)."""
-        mod, pp, V = self.module, self.mesh.pp_comm, self.chunks
+        mod, V = self.module, self.chunks
         prev, c_prev, nxt, _ = self._neighbours(c)
         caches = list(caches)
         bucketed = isinstance(grads, _BucketGrads)
@@ -952,6 +1046,8 @@ class Trainer:
                     grads.add(o, v.reshape(-1))
                 else:
                     grads[o:o + v.size] += v.reshape(-1)
+                    if self.reduce16:     # 16-bit gradients accumulate in 16 bits
+                        self.reduce16.round(grads[o:o + v.size], out=grads[o:o + v.size])
             self._pieces_run += 1
             if bucketed:
                 grads.done(grads.piece)
@@ -962,12 +1058,12 @@ class Trainer:
 
         if self.last and c == V - 1:
             self._refresh(caches, self._head_units())
-            dx, g = mod.head_backward(caches.pop())
+            seed = {"loss_scale": self.scaler.scale} if self.scaler else {}
+            dx, g = mod.head_backward(caches.pop(), **seed)
             add(g)
         else:
-            dx = self.xp.empty(shape, dtype=self.config.dtype)
             with self.trace.phase("pp.bwd"):
-                pp.recv(dx, nxt, tag=hand_off_tag(j, c, V, True))
+                dx = self._recv(shape, nxt, hand_off_tag(j, c, V, True))
         for l in reversed(self.chunk_layers[c]):
             self._refresh(caches, (f"h{l}",))
             dx, g = mod.layer_backward(dx, caches.pop())
@@ -977,7 +1073,27 @@ class Trainer:
         else:
             dx = self.xp.ascontiguousarray(dx)
             with self.trace.phase("pp.bwd"):
-                sends.append((pp.isend(dx, prev, tag=hand_off_tag(j, c_prev, V, True)), dx))
+                sends.append(self._isend(dx, prev, hand_off_tag(j, c_prev, V, True)))
+
+    def _recv(self, shape, source: int, tag: int):
+        """A pipeline hand-off from ``source``: float32 (or the config's dtype), or under
+        mixed precision 16-bit bits unpacked to float32."""
+        pp = self.mesh.pp_comm
+        if self.precision is None:
+            x = self.xp.empty(shape, dtype=self.config.dtype)
+            pp.recv(x, source, tag=tag)
+            return x
+        bits = self.xp.empty(shape, dtype=np.uint16)
+        pp.recv(bits, source, tag=tag)
+        return unpack_bits(self.precision, bits)
+
+    def _isend(self, x, dest: int, tag: int):
+        """``(request, buffer)`` of a hand-off of the contiguous ``x`` to ``dest`` (16-bit
+        under mixed precision: the activations are 16-bit values already, packed
+        exactly)."""
+        if self.precision is not None:
+            x = pack_bits(self.precision, x)
+        return self.mesh.pp_comm.isend(x, dest, tag=tag), x
 
     def _refresh(self, caches, names) -> None:
         """ZeRO-3: gather units ``names`` again for a backward piece and put the fresh
@@ -1029,24 +1145,25 @@ class Trainer:
         self._pieces_run = 0                      # backward pieces run in the step
         self._rings_started = 0
         caches, pending, sends, loss = {}, {}, [], 0.0
-        for op, j, c in schedule(self.kind, self.m, mesh.pp, mesh.s, self.chunks):
-            rows = slice((mesh.a * self.m + j) * per, (mesh.a * self.m + j + 1) * per)
-            if op == "F":
-                caches[j, c], lj = self._forward(j, c, tokens[rows], targets[rows], n_items,
-                                                 sends)
-                loss += lj
-                self.max_inflight = max(self.max_inflight, len(caches))
-                continue
-            # ZeRO 2-3: this micro-batch's gradient lives bucket by bucket, each
-            # reduce-scattered as soon as the backward has finished it (its chunks run
-            # V - 1 down to 0, so it is complete after chunk 0)
-            buf = self.grad if self.zero < 2 else pending.get(j)
-            if buf is None:
-                buf = pending[j] = _BucketGrads(self)
-            self._backward(j, c, caches.pop((j, c)), buf, shape, sends)
-            if c == 0:
-                pending.pop(j, None)
-            sends = self._reap(sends)
+        with ops.autocast(self.precision):        # None: no rounding
+            for op, j, c in schedule(self.kind, self.m, mesh.pp, mesh.s, self.chunks):
+                rows = slice((mesh.a * self.m + j) * per, (mesh.a * self.m + j + 1) * per)
+                if op == "F":
+                    caches[j, c], lj = self._forward(j, c, tokens[rows], targets[rows],
+                                                     n_items, sends)
+                    loss += lj
+                    self.max_inflight = max(self.max_inflight, len(caches))
+                    continue
+                # ZeRO 2-3: this micro-batch's gradient lives bucket by bucket, each
+                # reduce-scattered as soon as the backward has finished it (its chunks
+                # run V - 1 down to 0, so it is complete after chunk 0)
+                buf = self.grad if self.zero < 2 else pending.get(j)
+                if buf is None:
+                    buf = pending[j] = _BucketGrads(self)
+                self._backward(j, c, caches.pop((j, c)), buf, shape, sends)
+                if c == 0:
+                    pending.pop(j, None)
+                sends = self._reap(sends)
         for req, _ in sends:
             req.wait()
         if self.overlap:
@@ -1057,28 +1174,100 @@ class Trainer:
         elif self.zero < 2:
             with self.trace.phase("dp.grads"):
                 for lo, hi in self.buckets:
-                    if self.zero == 0:
-                        ring_allreduce_unchecked(self.grad[lo:hi], mesh.dp_comm,
-                                                 out=self.grad[lo:hi])
-                    else:          # ZeRO 1 updates only the owned chunk: its sum is enough
-                        ring_reduce_scatter_unchecked(self.grad[lo:hi], mesh.dp_comm)
-        if self.sp:     # partial sums over the sequence slices: one all-reduce per step
-            self.module.allreduce_sequence_parallel_grads(
+                    # ZeRO 1 updates only the owned chunk: its sum is enough
+                    self._dp_ring(self.grad[lo:hi], "ar" if self.zero == 0 else "rs")
+        if self.sp and self.zero < 2:   # partial sums over the sequence slices: one
+            self.module.allreduce_sequence_parallel_grads(      # all-reduce per step
                 {k: self.grad[self.offsets[k]:self.offsets[k] + math.prod(self.shapes[k])]
                  for k in self._sp_keys()}, cfg, self.grid)
+        elif self.sp:
+            self._allreduce_sp_owned()
         self._tie()
-        self._update()
+        self.applied = self._unscale() if self.precision else True
+        if self.applied:
+            self._update()
         self.steps += 1
         return self._global_loss(loss)
+
+    def _dp_ring(self, buf, half: str) -> None:
+        """A blocking ring ``half`` ("ar" or "rs") of gradient bucket ``buf`` over dp, in
+        place: in its own type, or with a 16-bit ``grad_reduce`` on its 16-bit bits (the
+        ring adds in 16 bits), unpacked back into ``buf``."""
+        comm = self.mesh.dp_comm
+        if self.reduce16 is None or comm.size == 1:
+            if half == "ar":
+                ring_allreduce_unchecked(buf, comm, out=buf)
+            else:
+                ring_reduce_scatter_unchecked(buf, comm)
+            return
+        bits = pack_bits(self.reduce16, buf, out=self._bits[:buf.shape[0]])
+        if half == "ar":
+            ring_allreduce_unchecked(bits, comm, out=bits, add=self._add16)
+        else:
+            ring_reduce_scatter_unchecked(bits, comm, add=self._add16)
+        unpack_bits(self.reduce16, bits, out=buf)
+
+    def _unscale(self) -> bool:
+        """Mixed precision, after the reductions: the collective overflow vote (an Inf or
+        NaN in a gradient any rank holds skips the step on every rank; phase
+        ``aux.overflow``, one 8-byte all-reduce over the mesh), the loss scaler's update,
+        and the held gradients divided by the step's scale. Returns whether to update."""
+        held = [g for _, _, g in self.held_grads()]
+        if self.inject_overflow_at == self.steps:
+            for g in held:
+                if g.size:
+                    g[0] = np.inf
+                    break
+        flag = np.array([1.0 if has_overflow(held) else 0.0])
+        with self.trace.phase("aux.overflow"):
+            flag = self.mesh.world.allreduce(flag, op="max")
+        scale = self.scaler.scale
+        if not self.scaler.update(bool(flag[0])):
+            self.skipped += 1
+            return False
+        if scale != 1.0:
+            for g in held:
+                g *= 1.0 / scale
+        return True
 
     def sp_grad_bytes(self) -> int:
         """Bytes of the step's one all-reduce of the sequence-parallel parameters'
         gradients over the tensor group (phase ``sp.grads``; 0 without sequence
-        parallelism or on a group of one)."""
+        parallelism or on a group of one): all of them (ZeRO 0-1), or their parts in
+        the owned chunks (ZeRO 2-3)."""
         if not self.sp or self.grid.p == 1:
             return 0
         item = np.dtype(self.config.dtype).itemsize
+        if self.zero >= 2:
+            return item * sum(n for _, n in self._sp_owned())
         return item * sum(math.prod(self.shapes[k]) for k in self._sp_keys())
+
+    def _sp_owned(self) -> list[tuple[int, int]]:
+        """ZeRO 2-3: ``[(offset in gshard, items)]`` of the sequence-parallel
+        parameters' gradients inside the owned chunks, in flat order."""
+        ranges = _merge(self.key_ranges()[k] for k in self._sp_keys())
+        out = []
+        for (lo, hi), o in zip(self.owned, self.shard_offsets):
+            out += [(o + a - lo, b - a) for a, b in _clip(ranges, lo, hi)]
+        return out
+
+    def _allreduce_sp_owned(self) -> None:
+        """ZeRO 2-3 with sequence parallelism: sum the sequence-parallel gradients'
+        owned parts over the tensor group, packed in one all-reduce (phase ``sp.grads``)."""
+        parts = self._sp_owned()
+        if self.grid.p == 1 or not parts:
+            return
+        buf = self.xp.empty(sum(n for _, n in parts), dtype=self.gshard.dtype)
+        off = 0
+        for o, n in parts:
+            buf[off:off + n] = self.gshard[o:o + n]
+            off += n
+        with self.trace.phase("sp.grads"):
+            self.grid.comm.allreduce(buf)
+        off = 0
+        for o, n in parts:
+            self.gshard[o:o + n] = buf[off:off + n]
+            off += n
 
     def _sp_keys(self) -> list:
         """The parameters of this stage whose gradients sequence parallelism leaves as
@@ -1187,13 +1376,16 @@ class Trainer:
         (olo, ohi), o = self.owned[i], self.shard_offsets[i]
 
         def add_owned():
-            self.gshard[o:o + ohi - olo] += buf[olo - lo:ohi - lo]
+            g = self.gshard[o:o + ohi - olo]
+            g += buf[olo - lo:ohi - lo]
+            if self.reduce16:             # 16-bit gradients accumulate in 16 bits
+                self.reduce16.round(g, out=g)
 
         if self.overlap:
             self._enqueue(buf, "rs", add_owned)
             return
         with self.trace.phase("dp.grads"):
-            ring_reduce_scatter_unchecked(buf, self.mesh.dp_comm)
+            self._dp_ring(buf, "rs")
             add_owned()
 
     def _tie(self) -> None:
@@ -1213,21 +1405,37 @@ class Trainer:
             ring_allreduce_unchecked(g, emb, out=g)
 
     def _update(self) -> None:
-        dp_comm = self.mesh.dp_comm
+        """Adam on the (master) parameters this rank owns, then what follows from them:
+        ZeRO 1-2 all-gather the updated chunks over dp (16-bit under mixed precision),
+        mixed precision rounds its compute copy."""
+        dp_comm, prec = self.mesh.dp_comm, self.precision
         if self.zero == 0:
-            self.opt.step({"flat": self.flat}, {"flat": self.grad})
+            master = self.flat if self.master is None else self.master
+            self.opt.step({"flat": master}, {"flat": self.grad})
+            if prec:
+                prec.round(master, out=self.flat)
             return
         params, grads = {}, {}
         for i, ((lo, hi), o) in enumerate(zip(self.owned, self.shard_offsets)):
             if hi == lo:
                 continue
-            params[i] = self.flat[lo:hi] if self.zero < 3 else self.shard[o:o + hi - lo]
+            params[i] = self.flat[lo:hi] if self.shard is None else self.shard[o:o + hi - lo]
             grads[i] = self.grad[lo:hi] if self.zero < 2 else self.gshard[o:o + hi - lo]
         self.opt.step(params, grads)
+        if prec and self.zero == 3:
+            prec.round(self.shard, out=self.cshard)
         if self.zero in (1, 2):
             with self.trace.phase("zero.params"):
-                for lo, hi in self.buckets:
-                    ring_allgather_unchecked(self.flat[lo:hi], dp_comm)
+                for (lo, hi), (olo, ohi), o in zip(self.buckets, self.owned,
+                                                   self.shard_offsets):
+                    if prec is None:
+                        ring_allgather_unchecked(self.flat[lo:hi], dp_comm)
+                        continue
+                    # the owned chunk's new 16-bit values, gathered as 2-byte items
+                    bits = self._bits[:hi - lo]
+                    pack_bits(prec, self.shard[o:o + ohi - olo], out=bits[olo - lo:ohi - lo])
+                    ring_allgather_unchecked(bits, dp_comm)
+                    unpack_bits(prec, bits, out=self.flat[lo:hi])
 
     def _global_loss(self, loss: float) -> float:
         """The step's loss on every rank: summed over the replicas on the last stage,
@@ -1250,7 +1458,6 @@ class Trainer:
         has none); the point-to-point hand-offs are ``V`` per micro-batch and
         direction, less one at the pipeline's two ends."""
         mesh, m = self.mesh, self.m
-        item = np.dtype(self.config.dtype).itemsize
         dp, a = mesh.dp, mesh.a
         sizes = [hi - lo for lo, hi in self.buckets]
         out = dict.fromkeys(("dp.grads", "zero.params", "zero.gather", "embed.tie",
@@ -1285,7 +1492,19 @@ class Trainer:
         # and virtual stage 0's backward (0-layer chunks relay theirs unchanged)
         out["pp.fwd"] = m * act * (self.chunks - (1 if self.last else 0))
         out["pp.bwd"] = m * act * (self.chunks - (1 if self.first else 0))
-        return {k: v * item for k, v in out.items()}
+        item = self.item_bytes()
+        return {k: v * item[k] for k, v in out.items()}
+
+    def item_bytes(self) -> dict:
+        """Bytes per item of each traced phase's messages: the config's dtype, or under
+        mixed precision 2 for the hand-offs and the ZeRO parameter gathers (16-bit
+        values) and for ``dp.grads`` with a 16-bit ``grad_reduce``; ``embed.tie`` sums
+        the fp32 gradients."""
+        item = np.dtype(self.config.dtype).itemsize
+        half = self.precision.itemsize if self.precision else item
+        return {"dp.grads": self.reduce16.itemsize if self.reduce16 else item,
+                "zero.params": half, "zero.gather": half, "embed.tie": item,
+                "pp.fwd": half, "pp.bwd": half}
 
     def model_params(self) -> int:
         """Parameters of this rank's stage without ZeRO (its tensor shards)."""

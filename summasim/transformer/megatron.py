@@ -357,7 +357,7 @@ def f_backward(dx, grid):
     (forward: identity, :func:`f_forward`)."""
     if grid.p == 1:
         return dx
-    return grid.comm.allreduce(dx)
+    return ops.stored(grid.comm.allreduce(dx))      # a 16-bit sum under autocast
 
 
 def g_forward(x, grid):
@@ -365,7 +365,7 @@ def g_forward(x, grid):
     (backward: identity, :func:`g_backward`)."""
     if grid.p == 1:
         return x
-    return grid.comm.allreduce(x)
+    return ops.stored(grid.comm.allreduce(x))       # a 16-bit sum under autocast
 
 
 def g_backward(dx, grid):
@@ -456,6 +456,7 @@ def seq_reduce_scatter(buf, grid):
                          f"(T, B, h) buffer, got strides {buf.strides}")
     c = buf.shape[0] // grid.p
     k = ring_reduce_scatter_unchecked(buf.reshape(-1), grid.comm)   # (r + 1) % p: summed
+    ops.stored(buf[k * c:(k + 1) * c])                 # a 16-bit sum under autocast
     return buf[k * c:(k + 1) * c].transpose(1, 0, 2)   # (B, T/p, h) view
 
 
@@ -1064,9 +1065,9 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
                            sequence_parallel=bool(sequence_parallel))
 
 
-def head_backward(cache: HeadCache):
+def head_backward(cache: HeadCache, loss_scale: float = 1.0):
     """``(dx (B, T, h) replicated, grads)`` of the head (phase ``loss.bwd``), seeded with
-    ``1/n_items`` per item. ``grads``: ``cls.w``, ``cls.b`` (classification), ``lnf.g``,
+    ``loss_scale/n_items`` per item (``loss_scale``: mixed precision's S). ``grads``: ``cls.w``, ``cls.b`` (classification), ``lnf.g``,
     ``lnf.b`` and, for the LM, the LM head's part of the tied ``wte`` gradient (v/p, h)
     or the untied ``head.w``'s gradient (h, v/p) (no ``wte`` part then).
     With sequence parallelism ``dx`` is this rank's slice (B, T/p, h): the LM head's
@@ -1080,8 +1081,8 @@ def head_backward(cache: HeadCache):
     sp = cache.sequence_parallel
     grads = {}
     with grid.trace.phase("loss.bwd"):
-        dlosses = xp.full(cache.ce.shape, 1.0 / cache.n_items,
-                          dtype=cache.logits.dtype)     # dloss = 1/n_items per item
+        dlosses = xp.full(cache.ce.shape, float(loss_scale) / cache.n_items,
+                          dtype=cache.logits.dtype)     # dloss = S/n_items per item
         dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)     # this rank's columns
         if cache.config.n_classes:
             dx, g = ops.classifier_backward(dlogits, cache.head)      # (B, T, h) replicated

@@ -102,13 +102,16 @@ def autocast(precision):
         _PRECISION.reset(token)
 
 
-def _stored(x):
+def stored(x):
     """``x`` as the next op receives it: rounded in place to the 16-bit compute type
     under :func:`autocast`, untouched otherwise."""
     precision = _PRECISION.get()
     if precision is not None and x is not None:
         precision.round(x, out=x)
     return x
+
+
+_stored = stored          # the ops' own name for it
 
 
 # --------------------------------------------------------------------------- #

@@ -557,6 +557,7 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
     with tr.phase("tp.attn.qkv"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, W/q)
     qkv += vec["attn.qkv.b"]
+    ops.stored(qkv)                                                        # 16-bit (autocast)
     qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, wq), nh, nkv)  # (bl, nh|nkv, t, hd) x 3
     y = xp.empty((bl, t, hq), dtype=x.dtype)                               # (bl, t, h/q)
     y_heads = y.reshape(bl, t, nh, hq // nh).transpose(0, 2, 1, 3)         # (bl, nh, t, hd) view
@@ -567,17 +568,20 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
         x1 = ab(y, p["attn.proj.w"], grid)                                 # (N, h/q)
     x1 += vec["attn.proj.b"]
     x1 += x                                                                # residual 1
+    ops.stored(x1)
     with tr.phase("aux.ln2"):      # row all-reduces (bwd: row all-reduces, sum_row)
         m, ln2 = ops.layernorm_forward(x1, vec["ln2.g"], vec["ln2.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
     with tr.phase("tp.mlp.fc"):    # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
         f = ab(m, p["mlp.fc.w"], grid)                                     # (N, F/q)
     f += vec["mlp.fc.b"]
+    ops.stored(f)
     gelu = swiglu = None
     if config.mlp == "swiglu":     # gate laid out as fc: matching (N, F/q) blocks
         with tr.phase("tp.mlp.gate"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
             gate = ab(m, p["mlp.gate.w"], grid)                            # (N, F/q)
         gate += vec["mlp.gate.b"]
+        ops.stored(gate)
         g, swiglu = ops.swiglu_forward(gate, f)                            # (N, F/q)
     else:
         g, gelu = ops.gelu_forward(f)                                      # (N, F/q)
@@ -585,6 +589,7 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
         out = ab(g, p["mlp.proj.w"], grid)                                 # (N, h/q)
     out += vec["mlp.proj.b"]
     out += x1                                                              # residual 2
+    ops.stored(out)
     return out, LayerCache(vec=vec, ln1=ln1, a=a, core=core, y=y, ln2=ln2, m=m, gelu=gelu, g=g,
                            swiglu=swiglu)
 
@@ -609,7 +614,7 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
 
     dout.sum(axis=0, out=view["mlp.proj.b"])                               # (h/q,)
     with tr.phase("tp.mlp.proj.dX"):   # abt (fwd: ab(g, W))
-        dg = abt(dout, p["mlp.proj.w"], grid)                              # (N, F/q)
+        dg = ops.stored(abt(dout, p["mlp.proj.w"], grid))                  # (N, F/q)
     with tr.phase("tp.mlp.proj.dW"):   # atb (fwd: ab(g, W)); d > 1: + depth all-reduce
         grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (F/q, h/q)
     if c.swiglu is None:
@@ -618,13 +623,14 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
         (dgate, df), _ = ops.swiglu_backward(dg, c.swiglu)                 # 2 x (N, F/q)
     df.sum(axis=0, out=view["mlp.fc.b"])                                   # (F/q,)
     with tr.phase("tp.mlp.fc.dX"):     # abt (fwd: ab(m, W))
-        dm = abt(df, p["mlp.fc.w"], grid)                                  # (N, h/q)
+        dm = ops.stored(abt(df, p["mlp.fc.w"], grid))                      # (N, h/q)
     with tr.phase("tp.mlp.fc.dW"):     # atb (fwd: ab(m, W)); d > 1: + depth all-reduce
         grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, F/q)
     if c.swiglu is not None:           # the gate read ln2's output too: add its dX
         dgate.sum(axis=0, out=view["mlp.gate.b"])                          # (F/q,)
         with tr.phase("tp.mlp.gate.dX"):   # abt (fwd: ab(m, W_gate))
             dm += abt(dgate, p["mlp.gate.w"], grid)                        # (N, h/q)
+            ops.stored(dm)
         with tr.phase("tp.mlp.gate.dW"):   # atb (fwd: ab(m, W_gate)); d > 1: + depth
             grads["mlp.gate.w"] = atb(c.m, dgate, grid)                    # (h/q, F/q)
     with tr.phase("aux.ln2"):          # row all-reduces (fwd: row all-reduces, sum_row)
@@ -632,9 +638,10 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     view["ln2.g"][...] = gl["g"]
     view["ln2.b"][...] = gl["b"]
     dx1 += dout                                                            # residual 2
+    ops.stored(dx1)
     dx1.sum(axis=0, out=view["attn.proj.b"])                               # (h/q,)
     with tr.phase("tp.attn.proj.dX"):  # abt (fwd: ab(y, W))
-        dy = abt(dx1, p["attn.proj.w"], grid)                              # (N, h/q)
+        dy = ops.stored(abt(dx1, p["attn.proj.w"], grid))                  # (N, h/q)
     with tr.phase("tp.attn.proj.dW"):  # atb (fwd: ab(y, W)); d > 1: + depth all-reduce
         grads["attn.proj.w"] = atb(c.y, dx1, grid)                         # (h/q, h/q)
     hd = hq // nh
@@ -645,7 +652,7 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     dqkv = dqkv.reshape(bl * t, wq)                                        # (N, W/q)
     dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (W/q,)
     with tr.phase("tp.attn.qkv.dX"):   # abt (fwd: ab(a, W))
-        da = abt(dqkv, p["attn.qkv.w"], grid)                              # (N, h/q)
+        da = ops.stored(abt(dqkv, p["attn.qkv.w"], grid))                  # (N, h/q)
     with tr.phase("tp.attn.qkv.dW"):   # atb (fwd: ab(a, W)); d > 1: + depth all-reduce
         grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, W/q)
     with tr.phase("aux.ln1"):          # row all-reduces (fwd: row all-reduces, sum_row)
@@ -653,6 +660,7 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     view["ln1.g"][...] = gl["g"]
     view["ln1.b"][...] = gl["b"]
     dx += dx1                                                              # residual 1
+    ops.stored(dx)
     # the vectors' gradients: column sums of every rank, onto row 0 (and over depth)
     total = _reduce_to_row0(grid, vgrad, xp, "grads")     # (fwd: _broadcast_vectors)
     for key in keys:
@@ -906,6 +914,7 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
             lg = abt(xf, p["wte"], grid)                                   # (N, v/q)
         else:             # ab (bwd: abt and atb)
             lg = ab(xf, p["head.w"], grid)                                 # (N, v/q)
+        ops.stored(lg)                                                     # 16-bit (autocast)
     loss, ce = None, None
     if targets is not None:
         if n_items is None:
@@ -926,8 +935,9 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
                            logits=lg, ce=ce, n_items=n_items)
 
 
-def head_backward(cache: HeadCache):
-    """``(dx (bl, t, h/q), grads)`` of the head, seeded with ``1/n_items`` per token;
+def head_backward(cache: HeadCache, loss_scale: float = 1.0):
+    """``(dx (bl, t, h/q), grads)`` of the head, seeded with ``loss_scale/n_items`` per
+    token (``loss_scale``: mixed precision's S);
     phases ``lmhead.bwd``, ``lnf.bwd``. ``grads``: ``lnf.g``, ``lnf.b`` (row 0; zero-size
     elsewhere) and the LM head's part of the tied ``wte`` gradient (v/q, h/q), or the
     untied ``head.w``'s whole gradient (h/q, v/q)."""
@@ -937,18 +947,18 @@ def head_backward(cache: HeadCache):
     xp = array_module(cache.logits)
     tr = grid.trace
     ab, abt, atb = _products(grid)
-    dlosses = xp.full(cache.logits.shape[0], 1.0 / cache.n_items,
-                      dtype=cache.logits.dtype)                            # (N,) 1/n_items
+    dlosses = xp.full(cache.logits.shape[0], float(loss_scale) / cache.n_items,
+                      dtype=cache.logits.dtype)                            # (N,) S/n_items
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
     with tr.phase("lmhead.bwd"):
         if config.tied:
             with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
-                dx = ab(dlogits, cache.params["wte"], grid)                # (N, h/q)
+                dx = ops.stored(ab(dlogits, cache.params["wte"], grid))    # (N, h/q)
             with tr.phase("aux.logits.dW"):    # atb (fwd: abt(xf, wte))
                 dhead = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
         else:
             with tr.phase("aux.logits.dX"):    # abt (fwd: ab(xf, head.w))
-                dx = abt(dlogits, cache.params["head.w"], grid)            # (N, h/q)
+                dx = ops.stored(abt(dlogits, cache.params["head.w"], grid))  # (N, h/q)
             with tr.phase("aux.logits.dW"):    # atb (fwd: ab(xf, head.w))
                 dhead = atb(cache.xf, dlogits, grid)                       # (h/q, v/q)
     with tr.phase("lnf.bwd"):

@@ -165,3 +165,61 @@ class LossScaler:
             self.scale *= self.growth
             self.good_steps = 0
         return True
+
+
+# --------------------------------------------------------------------------- #
+# 16-bit messages: the bits of a 16-bit value, two bytes per item on the wire  #
+# --------------------------------------------------------------------------- #
+def pack_bits(precision: Precision, x, out=None):
+    """``x`` (float32) rounded to ``precision``'s 16-bit type, as its uint16 bit
+    patterns (what a 16-bit message carries). A value that is already 16-bit (an
+    activation under :func:`summasim.transformer.ops.autocast`, a compute copy) packs
+    exactly."""
+    xp = array_module(x)
+    if out is None:
+        out = xp.empty(x.shape, dtype=np.uint16)
+    if precision.name == "float16":
+        with np.errstate(over="ignore"):
+            out.view(np.float16)[...] = x
+    elif xp is np:
+        out.view(_bfloat16_type())[...] = x
+    else:                                   # bfloat16 is the top half of float32
+        out[...] = (round_bfloat16_bits(x, xp).view(np.uint32) >> np.uint32(16)
+                    ).astype(np.uint16)
+    return out
+
+
+def unpack_bits(precision: Precision, bits, out=None):
+    """The float32 values of 16-bit patterns ``bits`` (exact: float32 holds every
+    16-bit value)."""
+    xp = array_module(bits)
+    if out is None:
+        out = xp.empty(bits.shape, dtype=np.float32)
+    if precision.name == "float16":
+        out[...] = bits.view(np.float16)
+    elif xp is np:
+        out[...] = bits.view(_bfloat16_type())
+    else:
+        out.view(np.uint32)[...] = bits.astype(np.uint32) << np.uint32(16)
+    return out
+
+
+def bits_adder(precision: Precision):
+    """``add(a, b, out=)`` on uint16 bit patterns: the 16-bit sum, rounded to nearest
+    (what a ring reduction in bfloat16 or float16 adds at each step). NumPy adds in the
+    16-bit type itself (ml_dtypes' bfloat16, NumPy's float16); other array modules
+    unpack, add in float32 and round."""
+    half = np.float16 if precision.name == "float16" else None
+
+    def add(a, b, out):
+        xp = array_module(out)
+        if xp is np or half is not None:
+            t = half or _bfloat16_type()
+            with np.errstate(over="ignore"):
+                xp.add(a.view(t), b.view(t), out=out.view(t))
+            return out
+        s = unpack_bits(precision, a)
+        s += unpack_bits(precision, b)
+        return pack_bits(precision, s, out=out)
+
+    return add

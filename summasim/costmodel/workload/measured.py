@@ -336,10 +336,13 @@ def mesh_features(run: MeasuredRun, machine: Machine) -> list:
            else Scheme.make(name, q=q, d=d))
     micro = int(run.b) // (dp * m)
     h, f, v, s = int(run.h), int(run.ffn), int(run.v), int(run.s)
+    # a mixed-precision row computes on 16-bit values held in float32 (the runtime's
+    # emulation, summasim.transformer.precision): its kernels run at float32's rate
+    dtype = "float32" if run.dtype in ("bfloat16", "float16") else run.dtype
 
     def work_seconds(layers: int) -> float:
         cfg = TransformerConfig(b=micro, s=s, h=h, n=int(run.heads), N=layers, v=v,
-                                dtype=run.dtype, checkpoint=False, ffn=f)
+                                dtype=dtype, checkpoint=False, ffn=f)
         w = step_work(sch, cfg)
         return (_compute_seconds(machine, w.gemms, cfg.dtype, w.reduce_bytes)
                 + machine.gamma_elementwise * w.elementwise_items
@@ -361,7 +364,7 @@ def mesh_features(run: MeasuredRun, machine: Machine) -> list:
         compute = m * ((hi - lo) * per_layer + (ends if last else 0.0))
         compute += machine.gamma_elementwise * ADAM_PASSES * n_params / shard
         out.append(trace_features(summary_messages(events), machine, p=run.p,
-                                  dtype=run.dtype, compute_seconds=compute))
+                                  dtype=dtype, compute_seconds=compute))
     return out
 
 
