@@ -52,12 +52,17 @@ CASES = {
                                          attention="flash"),
     "dp=2 pp=2 gpt2 untied zero3 flash": _case("dp=2,pp=2", variant=False, gqa=False,
                                                zero=3, attention="flash"),
+    "dp=2 megatron:2 sp zero2": _case("dp=2,tp=megatron:2", sequence_parallel=True, zero=2),
+    "dp=2 megatron:2 sp zero3 selective": _case("dp=2,tp=megatron:2", sequence_parallel=True,
+                                                zero=3, recompute="selective"),
     # 8 ranks
     "dp=2 optimus:2x2 full zero2": _case("dp=2,tp=optimus:2x2", recompute="full", zero=2),
     "summa25:2x2x2 selective": _case("tp=summa25:2x2x2", recompute="selective"),
     "dp=2 pp=2 megatron:2 sp zero1 flash": _case("dp=2,pp=2,tp=megatron:2",
                                                  sequence_parallel=True, zero=1,
                                                  attention="flash"),
+    "dp=2 pp=2 megatron:2 sp zero3": _case("dp=2,pp=2,tp=megatron:2", sequence_parallel=True,
+                                           zero=3),
     # 16 ranks
     "pp=2 summa25:2x2x2 flash selective": _case("pp=2,tp=summa25:2x2x2", attention="flash",
                                                 recompute="selective", steps=1),
@@ -83,6 +88,19 @@ def test_a_missing_sequence_parallel_gradient_sum_fails_the_row(backend, monkeyp
                  gqa=False, sequence_parallel=True, steps=1)
     skip_unless(P in (2, 4, 8) and case.misfit(P) == "", f"needs a Megatron group (p = {P})")
     monkeypatch.setattr(composed.Trainer, "_sp_keys", lambda self: [])
+    res = run_mesh(case, WORLD, backend, timed=False)
+    r = res.extra["report"]
+    parallel_assert(not res.ok and not r.values_ok, mesh_row(res))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_missing_owned_sequence_parallel_sum_fails_the_row(backend, monkeypatch, zero):
+    """ZeRO 2-3: skip the tensor-group sum of the sequence-parallel gradients' owned
+    parts; the row fails."""
+    case = _case("dp=2,tp=megatron:2", variant=False, gqa=False, sequence_parallel=True,
+                 zero=zero, steps=1)
+    skip_unless(case.misfit(P) == "", f"needs p = 4 (p = {P})")
+    monkeypatch.setattr(composed.Trainer, "_allreduce_sp_owned", lambda self: None)
     res = run_mesh(case, WORLD, backend, timed=False)
     r = res.extra["report"]
     parallel_assert(not res.ok and not r.values_ok, mesh_row(res))
