@@ -35,7 +35,7 @@ from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
 from summasim.costmodel.workload.composition import price_composition
-from summasim.costmodel.machine import DTYPE_SIZES
+from summasim.costmodel.machine import DTYPE_SIZES, load_preset
 from summasim.costmodel.workload.scheme import (TransformerConfig, misfit,
                                                 sequence_parallel_misfit)
 from summasim.costmodel.workload.footprint import batch_step, largest_batch, memory
@@ -43,6 +43,7 @@ from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
 from . import _cli, scheme_of
+from .explain import grid_bound, what_bounds, what_ifs
 from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
@@ -280,16 +281,18 @@ def check_args(args):
     return machine, sch, cfg, placement, budget
 
 
-def price_fixed_composition(args, machine, sch, cfg, m) -> dict:
+def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
+                            zero=None) -> dict:
     """:func:`~summasim.costmodel.workload.composition.price_composition` of the composition of
     ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it (the
     training's state bytes, :meth:`StateBytes.for_training`; the default bucket, no
     ZeRO 3 prefetch)."""
     mesh, tr = args.mesh, args.training
     return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
-                             microbatches=m, global_batch=int(cfg.b), zero=args.zero,
+                             microbatches=m, global_batch=int(cfg.b),
+                             zero=args.zero if zero is None else zero,
                              schedule=tr.schedule, chunks=tr.chunks, stages=tr.stages,
-                             recompute=tr.recompute, devices=mesh.devices,
+                             recompute=recompute or tr.recompute, devices=mesh.devices,
                              loss_scale=tr.loss_scale or "none",
                              state_bytes=StateBytes.for_training(cfg.dtype, tr.grad_reduce))
 
@@ -327,6 +330,8 @@ def run(args, out=None) -> dict:
     for (op, grp), secs in sorted(sb.by_op.items(), key=lambda kv: -kv[1]):
         algs = ", ".join(sb.algorithms.get((op, grp), ()))
         w(f"  {op + '/' + grp:<22s} {_s(secs)}   {algs}\n")
+    bound = grid_bound(sb)
+    w(f"\nbound by  {bound['why']} ({bound['share']:.0%} of the step)\n")
     w("\nmemory per device\n")
     for key, val in mem.to_dict().items():
         w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
@@ -334,7 +339,8 @@ def run(args, out=None) -> dict:
         fits = "fits" if mem.total <= budget else "does NOT fit"
         w(f"\n{fits} in {budget / GiB:.3g} GiB per device; largest batch that fits: "
           f"{best_b} (a multiple of {step})\n")
-    result = {**sb.to_dict(), "budget_bytes": budget, "fits": mem.total <= budget,
+    result = {**sb.to_dict(), "bound": bound, "budget_bytes": budget,
+              "fits": mem.total <= budget,
               "largest_batch": best_b, "training": training_dict(args.training)}
     if args.json is not None:
         write_report(args.json, "predict", result)
@@ -378,7 +384,22 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
         for key, val in traffic.items():
             if isinstance(val, (int, float)):
                 w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
-    res = {**res, "training": training_dict(args.training)}
+    bound = what_bounds(res, machine)
+    w(f"\nbound by  {bound['why']} ({bound['share']:.0%} of the step)\n")
+
+    def price(machine=machine, microbatches=m, cfg=cfg, recompute=None, zero=None):
+        return price_fixed_composition(args, machine, sch, cfg, microbatches,
+                                       recompute=recompute, zero=zero)
+
+    ifs = what_ifs(price, res, machine, cfg, load_preset)
+    if ifs:
+        w("what one change would do (the same model, each alone)\n")
+        for r in ifs:
+            fit = "" if r["fits"] else (f"   does NOT fit ({r['memory_bytes'] / GiB:.1f} "
+                                        f"GiB)")
+            w(f"  {r['change']:<44s} {_s(r['step_seconds'])}  {-r['gain']:+7.1%}{fit}\n")
+    res = {**res, "training": training_dict(args.training), "bound": bound,
+           "what_ifs": ifs}
     if args.json is not None:
         write_report(args.json, "predict", res)
         w(f"wrote {args.json}\n")

@@ -1,0 +1,59 @@
+"""predict says what bounds the step and what one change would do
+(summasim.costmodel.tools.explain)."""
+
+import io
+
+from summasim.costmodel.tools import predict
+
+
+def _run(*argv):
+    args = predict.build_parser().parse_args(list(argv))
+    out = io.StringIO()
+    res = predict.run(args, out=out)
+    return res, out.getvalue()
+
+
+def test_a_deep_pipeline_with_few_micro_batches_is_bound_by_its_bubble():
+    res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
+                     "dp=1,pp=32,tp=megatron:8", "--microbatches", "4", "--batch", "4",
+                     "--dtype", "bfloat16", "--recompute", "full")
+    b = res["bound"]
+    assert b["term"] == "bubble" and b["share"] > 0.5
+    assert "(32 - 1)/(1 x 4) = 775.0%" in b["why"]
+    assert "bound by  the pipeline bubble" in text
+
+
+def test_a_data_parallel_step_across_nodes_is_bound_by_its_nics_and_more_nics_help():
+    # a small model on 4 nodes of data parallelism: the ring all-reduce over the NICs
+    res, text = _run("--model", "h=2048,heads=16,layers=24,seq=1024,vocab=51200",
+                     "--batch", "32", "--machine", "dgx-a100", "--mesh",
+                     "dp=32,tp=megatron:1", "--microbatches", "1", "--dtype", "bfloat16")
+    b = res["bound"]
+    assert b["term"] == "comm.dp" and "inter-node NICs (8 x 200 Gb/s" in b["why"], b
+    ifs = {r["change"].split(" (")[0]: r for r in res["what_ifs"]}
+    nics = ifs["2x NICs per node"]
+    assert nics["fits"] and 0.05 < nics["gain"] < 1.0
+    assert ifs["the next GPU generation"]["gain"] > 0
+    gains = [r["gain"] for r in res["what_ifs"] if r["fits"]]
+    assert gains == sorted(gains, reverse=True)
+    assert "what one change would do" in text and "2x NICs per node (16)" in text
+
+
+def test_a_change_that_does_not_fit_is_marked_and_ranked_last():
+    res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
+                     "dp=16,pp=16,tp=megatron:4", "--microbatches", "96", "--zero", "1",
+                     "--dtype", "bfloat16")
+    ifs = res["what_ifs"]
+    tail = [r["fits"] for r in ifs]
+    assert tail == sorted(tail, reverse=True) and not tail[-1]       # fits first
+    zero0 = next(r for r in ifs if r["change"] == "ZeRO 0")
+    assert not zero0["fits"] and zero0["memory_bytes"] > 80 * 2 ** 30
+    assert "does NOT fit" in text
+    assert res["bound"]["term"] == "gemm" and "peak" in res["bound"]["why"]
+
+
+def test_a_tensor_grid_alone_names_its_bound():
+    res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
+                     "tp=optimus:4x4", "--batch", "16", "--dtype", "bfloat16")
+    assert res["bound"]["term"] in ("gemm", "memory_bound", "comm")
+    assert 0 < res["bound"]["share"] <= 1 and "bound by" in text
