@@ -50,6 +50,11 @@ CASES = {
                                                  sequence_parallel=True),
     "optimus:2x2 bf16": _case("tp=optimus:2x2"),
     "dp=4 fp16 zero2 dynamic": _case("dp=4", "float16", zero=2),
+    "dp=2 pp=2 bf16 zero1 bf16-reduce overlap": _case("dp=2,pp=2", zero=1,
+                                                      grad_reduce="bfloat16", overlap=True,
+                                                      bucket_bytes=4096),
+    "dp=4 bf16 zero3 bf16-reduce overlap": _case("dp=4", zero=3, grad_reduce="bfloat16",
+                                                 overlap=True, bucket_bytes=4096),
     # 8 ranks
     "dp=2 optimus:2x2 bf16 zero2 bf16-reduce": _case("dp=2,tp=optimus:2x2", zero=2,
                                                      grad_reduce="bfloat16"),
@@ -194,3 +199,22 @@ def test_a_local_overflow_vote_fails(backend, monkeypatch):
     # rank 0 skipped alone: its replica (rank 2, stage 0) applied the step
     drifted = WORLD.allgather(sorted(k for k, v in audit.items() if not v["agree"]))
     parallel_assert("dp" in drifted[0] and "dp" in drifted[2], f"drifted {drifted}")
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_overlapped_16_bit_reductions_equal_the_blocking_ones_bitwise(backend, zero):
+    """The overlapped rings of a 16-bit reduction add the same 16-bit values in the same
+    order as the blocking ones: the same losses and the same errors, bit for bit."""
+    import dataclasses
+
+    case = _case("dp=4", zero=zero, grad_reduce="bfloat16", bucket_bytes=4096)
+    skip_unless(case.misfit(P) == "", f"needs p = 4 (p = {P})")
+    blocking = run_mesh_case(case, backend).extra["report"]
+    overlapped = run_mesh_case(dataclasses.replace(case, overlap=True),
+                               backend).extra["report"]
+    parallel_assert(overlapped.overlap and sum(overlapped.rings.values()) > 0
+                    and overlapped.losses == blocking.losses
+                    and overlapped.grad_err == blocking.grad_err
+                    and overlapped.traffic == blocking.traffic,
+                    f"losses {overlapped.losses} vs {blocking.losses}, grad "
+                    f"{overlapped.grad_err} vs {blocking.grad_err}, rings {overlapped.rings}")

@@ -482,8 +482,8 @@ class Trainer:
         The gradients' type under mixed precision: float32 (they accumulate over the
         micro-batches and are reduced over dp in fp32, Megatron-LM's fp32 ``main_grad``),
         or 16-bit: they accumulate in 16 bits (each sum rounded) and the ring adds in 16
-        bits (2-byte messages), so they cost 2 bytes per parameter (the 2 + 2 + 12 of
-        the ZeRO paper).
+        bits (2-byte messages; overlapped or not), so they cost 2 bytes per parameter
+        (the 2 + 2 + 12 of the ZeRO paper).
     lr, betas, eps :
         Adam (no weight decay: the flat shards carry no per-tensor decay mask).
     """
@@ -541,9 +541,6 @@ class Trainer:
                                  f"loss_scale={loss_scale!r}, grad_reduce={grad_reduce!r}")
             if grad_reduce != "float32":
                 Precision.of(grad_reduce)
-                if overlap and mesh.dp > 1:
-                    raise ValueError(f"overlapped reductions run in float32 here; drop "
-                                     f"overlap or reduce in float32, not {grad_reduce}")
             model.check_params(params, config)
 
         # a setting or parameter that is bad (or different) on one rank only raises the
@@ -632,7 +629,8 @@ class Trainer:
         # ring in flight at a time on one preallocated receive workspace
         self.overlap = bool(overlap) and mesh.dp > 1
         self._queue: deque = deque()
-        self._ring_work = [self.xp.empty(-(-most // mesh.dp), dtype=dtype)
+        self._ring_work = [self.xp.empty(-(-most // mesh.dp),
+                                         dtype=np.uint16 if self.reduce16 else dtype)
                            for _ in range(OVERLAP_RINGS if self.overlap else 0)]
         self._rings_started = 0                   # rings started in the step: tag, work
         self._mb_piece: dict = {}                 # ZeRO 0-1 overlap: pieces run, per j
@@ -1306,7 +1304,18 @@ class Trainer:
     def _enqueue(self, buf, half: str, then=None) -> None:
         """Queue a ring ``half`` of ``buf`` over dp (phase ``dp.grads``), ``then`` to run
         when it is done; the oldest is finished first when more than
-        :data:`OVERLAP_QUEUE` wait."""
+        :data:`OVERLAP_QUEUE` wait. A 16-bit ``grad_reduce`` packs ``buf`` now (its
+        gradients are final), rings the bits, and unpacks them into ``buf`` before
+        ``then``."""
+        if self.reduce16 is not None:
+            bits, after = pack_bits(self.reduce16, buf), then
+
+            def then(bits=bits, buf=buf, after=after):
+                unpack_bits(self.reduce16, bits, out=buf)
+                if after is not None:
+                    after()
+
+            buf = bits
         self._queue.append([buf, half, then, None])
         self.rings["pieces_left"] += self.m * self._n_pieces - self._pieces_run
         self._progress()
@@ -1327,7 +1336,8 @@ class Trainer:
         k = self._rings_started % OVERLAP_RINGS
         with self.trace.phase("dp.grads"):
             entry[3] = ring_start(entry[0], self.mesh.dp_comm, entry[1],
-                                  work=self._ring_work[k], tag=NONBLOCKING_TAG + k)
+                                  work=self._ring_work[k], tag=NONBLOCKING_TAG + k,
+                                  add=self._add16)
         self._rings_started += 1
 
     def _progress(self) -> None:
