@@ -2,6 +2,7 @@
 (summasim.costmodel.tools.explain)."""
 
 import io
+import types
 
 from summasim.costmodel.tools import predict
 
@@ -57,3 +58,33 @@ def test_a_tensor_grid_alone_names_its_bound():
                      "tp=optimus:4x4", "--batch", "16", "--dtype", "bfloat16")
     assert res["bound"]["term"] in ("gemm", "memory_bound", "comm")
     assert 0 < res["bound"]["share"] <= 1 and "bound by" in text
+
+
+def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
+    import json
+
+    from summasim.costmodel.tools import intervals, plan_cli
+
+    res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
+                     "dp=16,pp=16,tp=megatron:4", "--microbatches", "96", "--zero", "1",
+                     "--dtype", "bfloat16")
+    lo, hi = res["interval_seconds"]
+    assert (lo, hi) == intervals.step_interval(res["step_seconds"]) and lo < hi
+    assert "80% interval" in text
+    out = io.StringIO()
+    args = plan_cli.build_parser().parse_args(
+        ["--model", "gpt3-175b", "--machine", "dgx-a100", "--devices", "64", "--batch", "64",
+         "--json", "/dev/null"])
+    args.json = None
+    assert plan_cli.run(args, out=out) == 0
+    text = out.getvalue()
+    assert "cannot be told apart" in text and "80% interval" in text
+    ratio = intervals.tie_ratio()
+    assert 1.0 < ratio < 2.0 and f"within {ratio:.2f}x" in text
+    # the ties are exactly the ranks within the ratio of the best
+    rows = [{"step_seconds": t} for t in (2.0, 2.0 * ratio * 0.999, 2.0 * ratio * 1.001, 9.0)]
+    got = plan_cli._uncertainty(types.SimpleNamespace(rows=rows))
+    assert got["ties"] == [1, 2] and got["tie_ratio"] == ratio
+    assert got["interval_seconds"] == list(intervals.step_interval(2.0))
+    json.dumps(got)
+    assert plan_cli._ranges([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"

@@ -51,6 +51,7 @@ from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfi
 
 from . import _cli
 from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
+from .intervals import step_interval, tie_ratio
 from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
 
 #: The bounds of a search: its cost grows with the divisors of each (the tensor grids
@@ -363,6 +364,15 @@ def run(args, out=None) -> int:
       f"{best['step_seconds']:.3g} s per step, bubble {100 * best['bubble_fraction']:.1f}%, "
       f"{best['tflops_per_device']:.0f} model TFLOP/s per device, "
       f"{best['memory_gib']:.1f} GiB per device\n")
+    lo, hi = step_interval(best["step_seconds"])
+    ratio = tie_ratio()
+    ties = [i for i, r in enumerate(res.rows, 1)
+            if r["step_seconds"] <= best["step_seconds"] * ratio]
+    w(f"  80% interval {lo:.3g}-{hi:.3g} s (from the dev set's published runs; its "
+      f"coverage is checked leaving each publication out: docs/devset.md)\n")
+    w(f"  {len(ties)} composition(s) within {ratio:.2f}x of the best cannot be told apart "
+      f"from it (the dev set's scatter between runs of one cluster, 80%): ranks "
+      f"{_ranges(ties)}\n")
     w("\nbest of each kind (why the winner wins):\n")
     kinds = (_best_by(res.rows, lambda r: r["scheme"])
              + _best_by(res.rows, lambda r: ("zero", r["zero"]))
@@ -386,6 +396,18 @@ def run(args, out=None) -> int:
                      f"{plan.global_batch}, {cfg.dtype}")
             w(f"wrote {make_plot(plan.plot, res.rows, plan.top, plan.budget / GiB, title)}\n")
     return 0
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
 
 
 def row_label(r: dict) -> str:
@@ -435,7 +457,19 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
                                     "grad_reduce": plan.training.grad_reduce
                                     if plan.training else None},
             "searched": res.counts, "search_seconds": res.seconds, "nothing_fits": nothing,
-            "top": full, "ranked": res.rows}
+            **_uncertainty(res), "top": full, "ranked": res.rows}
+
+
+def _uncertainty(res: SearchResult) -> dict:
+    """The best step's 80% interval and the ranks within the tie ratio of it (empty
+    when nothing fits)."""
+    if not res.rows:
+        return {}
+    best = res.rows[0]["step_seconds"]
+    ratio = tie_ratio()
+    return {"interval_seconds": list(step_interval(best)), "tie_ratio": ratio,
+            "ties": [i for i, r in enumerate(res.rows, 1)
+                     if r["step_seconds"] <= best * ratio]}
 
 
 def main(argv=None) -> int:
