@@ -151,10 +151,12 @@ def add_steps(ap, default: int = 3, most: int = 10_000):
 
 
 def add_machine(ap, default: str | None = None, help_more: str = ""):
-    """``--machine FILE|PRESET``: resolved by ``summasim.costmodel.machine.load_machine``."""
+    """``--machine FILE|PRESET[:key=value,...]``: resolved by
+    ``summasim.costmodel.machine.load_machine``."""
     ap.add_argument("--machine", default=default, metavar="FILE|PRESET",
                     help="cost-model machine: a preset name or a JSON file written by "
-                         "`python -m summasim.costmodel fit`"
+                         "`python -m summasim.costmodel fit`, optionally with changes, "
+                         "e.g. dgx-a100:memory=40GiB,nics=4 (docs/presets.md)"
                          + (f" (default {default})" if default else "") + help_more)
 
 

@@ -127,7 +127,8 @@ def _fit_main(args, prog: str) -> int:
 def main(argv=None) -> int:
     from .tools import devset, explore_cli, plan_cli
     from .tools import predict as predict_tool
-    from .machine import get_machine, list_presets
+    from .machine import get_machine
+    from .machine.presets import presets_listing
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     dsp = sub.add_parser("devset", help=COMMANDS["devset"], description=devset.__doc__.splitlines()[0])
     dsp.add_argument("--json", default=None, metavar="PATH", type=cli.report_path("devset"),
                      action=cli.ReportAction, help="write the table as JSON")
+    dsp.add_argument("--markdown", action="store_true",
+                     help="print the table as Markdown (what docs/devset.md shows)")
     cli.add_force(dsp)
     ep = explore_cli.build_parser(sub.add_parser("explore", help=COMMANDS["explore"],
                                                  description=explore_cli.__doc__.splitlines()[0]))
@@ -173,7 +176,8 @@ def main(argv=None) -> int:
                          "(MPICH: 8192, its CMA threshold), else the best split")
     fp.add_argument("--name", type=_name, default=None, help="machine name")
     pp = sub.add_parser("presets", help=COMMANDS["presets"])
-    pp.add_argument("name", nargs="?")
+    pp.add_argument("name", nargs="?", help="a preset (or a variant NAME:key=value,...) to "
+                    "print as JSON; none: list the presets and the variant keys")
     acc = sub.add_parser("accuracy", help=COMMANDS["accuracy"], description="The cost model's accuracy benchmark: "
                          "predicted against measured, on this machine.")
     if argv[:1] == ["accuracy"]:
@@ -204,7 +208,8 @@ def main(argv=None) -> int:
         except cli.UsageError as exc:
             return cli.print_error(dsp.prog, f"argument --json: {exc}")
         rows = devset.evaluate_all()
-        print(devset.format_table(rows))
+        print(devset.markdown_table(rows) if args.markdown else devset.format_table(rows),
+              end="\n" if not args.markdown else "")
         if args.json is not None:
             from ..jsonio import write_report
 
@@ -223,15 +228,13 @@ def main(argv=None) -> int:
         return worker_main(args.spec, args.out)
     if args.cmd == "presets":
         if args.name:
-            try:
+            try:     # a preset, an alias, or a variant NAME:key=value,... of one
                 machine = get_machine(preset=args.name)
-            except ValueError as exc:
+            except (OSError, ValueError) as exc:
                 return cli.print_error(pp.prog, f"argument name: {exc}")
             print(json.dumps(machine.to_dict(), indent=2))
         else:
-            for name in list_presets():
-                m = get_machine(preset=name)
-                print(f"{name:<22s} {m.source[:100]}")
+            print(presets_listing())
         return 0
     return _table1_main(args, tp.prog)
 

@@ -97,7 +97,9 @@ def check_machine_spec(spec) -> Machine | None:
                              f"({', '.join(list_presets())})") from None
         raise ValueError(f"--machine {spec!r}: cannot read it ({exc.strerror})") from None
     except ValueError as exc:
-        if not os.path.exists(spec) and spec not in list_presets():
+        base = spec.split(":", 1)[0]       # a variant's errors name its key: keep them
+        if not os.path.exists(spec) and base not in list_presets() \
+                and not os.path.exists(base):
             raise ValueError(f"--machine {spec!r}: no such file, and not a preset "
                              f"({', '.join(list_presets())})") from None
         text = str(exc)                          # the reader's message starts with the path

@@ -1,8 +1,20 @@
-"""The machine presets shipped with summasim, and THE resolver of ``--machine FILE|PRESET``."""
+"""The machine presets shipped with summasim, and THE resolver of ``--machine FILE|PRESET``.
+
+A preset is a JSON file in ``summasim/costmodel/presets/`` whose every number names its
+source (datasheet, white paper, benchmark) in ``notes``, ``topology.sources`` and
+``device.sources``. ``--machine`` also takes a derived variant, one flag away from a preset
+or a machine file: ``NAME:key=value,key=value`` (:func:`derive`), e.g.
+``dgx-a100:memory=40GiB,nics=4``. A variant sets exactly the fields its keys name (and
+the source of each, which becomes the variant itself); its name is the whole spec, so a
+report shows what was priced.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 from importlib import resources
 from typing import Any
 
@@ -10,6 +22,26 @@ from .record import Machine
 
 #: The preset used when none is named: this project's CPU VM.
 DEFAULT_PRESET = "local-2core-mpich"
+
+#: Other names of shipped presets: ``alias -> preset`` (the same machine, named as the preset).
+ALIASES = {"dgx-a100-80gb": "dgx-a100"}
+
+#: The keys of a ``NAME:key=value,...`` variant and what each sets (all read by the model:
+#: ``memory_bytes`` by the memory-fit checks of predict, plan and explore; the topology's
+#: fields by :func:`~summasim.costmodel.machine.topology.group_path`, which prices NCCL
+#: collectives). Leaf-switch fan-out and fat-tree oversubscription are not keys: the
+#: topology has no such fields (its NICs reach a non-blocking network).
+VARIANT_KEYS = {
+    "memory": "device memory per rank, a byte size with a unit (40GiB, 80GB, 512MiB; "
+              "k, M, G are powers of 1024 as in every summasim byte size, and NVIDIA's "
+              "'80 GB' is 80 GiB): Machine.memory_bytes",
+    "gpus": "devices (ranks) per node: topology.devices_per_node, node_size and cores",
+    "nics": "cluster NICs per node: topology.nics_per_node",
+    "nic_gbps": "line rate of one NIC, Gb/s per direction (200 = HDR, 400 = NDR): "
+                "topology.nic_bandwidth = value / 8 GB/s",
+}
+#: A variant spec to show in help text and docs.
+VARIANT_EXAMPLE = "dgx-a100:memory=40GiB,nics=4"
 
 
 def _preset_dir():
@@ -22,7 +54,9 @@ def list_presets() -> list[str]:
 
 
 def load_preset(name: str) -> Machine:
-    """The shipped preset called ``name``; ValueError lists the known names."""
+    """The shipped preset called ``name`` (or one of its :data:`ALIASES`); ValueError
+    lists the known names."""
+    name = ALIASES.get(name, name)
     names = list_presets()
     if name not in names:
         raise ValueError(f"unknown machine preset {name!r}; known presets: {', '.join(names)}")
@@ -31,34 +65,177 @@ def load_preset(name: str) -> Machine:
 
 
 def get_machine(machine: Any = None, preset: str | None = None) -> Machine:
-    """Resolve a Machine from an instance, a JSON path, or a preset name."""
+    """Resolve a Machine from an instance, a JSON path, or a preset name (either may
+    carry a variant, ``:key=value,...``: :func:`load_machine`)."""
     if isinstance(machine, Machine):
         return machine
     if machine is not None and preset is not None:
         raise ValueError("give a machine file or a preset name, not both")
     if machine is not None:
-        return Machine.load(machine)
+        return Machine.load(machine) if os.path.exists(machine) else load_machine(machine)
+    if preset is not None and ":" in preset:            # a variant NAME:key=value,...
+        return load_machine(preset)
     return load_preset(preset or DEFAULT_PRESET)
 
 
 def load_machine(text: "str | Machine") -> Machine:
-    """THE resolver of ``--machine FILE|PRESET``: an existing file is a machine JSON
-    (``costmodel fit``'s output, or a preset copied and edited); any other text is a
-    preset name. A file is read by :func:`summasim.cli.read_json_file` (regular files
-    only, bounded size and nesting). ``ValueError`` (a :class:`summasim.cli.UsageError`
-    naming the file when it cannot be read) otherwise, naming the known presets."""
-    import os
-
+    """THE resolver of ``--machine FILE|PRESET[:key=value,...]``: an existing file is a
+    machine JSON (``costmodel fit``'s output, or a preset copied and edited); any other
+    text is a preset name (or an alias, :data:`ALIASES`). Either may end in a variant,
+    ``:key=value,...`` (:func:`derive`; the keys are :data:`VARIANT_KEYS`). A file is read
+    by :func:`summasim.cli.read_json_file` (regular files only, bounded size and nesting).
+    ``ValueError`` (a :class:`summasim.cli.UsageError` naming the file when it cannot be
+    read) otherwise, naming the known presets, or the bad variant key and the valid ones."""
     if isinstance(text, Machine):
         return text
     text = str(text)
-    if os.path.exists(text) or os.sep in text or text.endswith(".json"):
+    if os.path.exists(text):
+        return Machine.load(text)
+    base, sep, spec = text.rpartition(":")
+    if sep and base and ("=" in spec or not spec or base in list_presets()
+                         or base in ALIASES or os.path.exists(base)):
+        return derive(load_machine(base), spec)          # NAME:key=value,...
+    if os.sep in text or text.endswith(".json"):
         return Machine.load(text)
     names = list_presets()
-    if text not in names:
+    if text not in names and text not in ALIASES:
         raise ValueError(f"{text!r} is neither a machine file nor a preset; known presets: "
                          f"{', '.join(names)}")
     return load_preset(text)
+
+
+# --------------------------------------------------------------------------- variants
+def _variant_keys(machine: Machine) -> list[str]:
+    """The :data:`VARIANT_KEYS` that apply to ``machine`` (the topology's need one; NICs
+    need a topology with NICs)."""
+    keys = ["memory"]
+    if machine.topology is not None:
+        keys.append("gpus")
+        if machine.topology.nics_per_node > 0:
+            keys += ["nics", "nic_gbps"]
+    return keys
+
+
+def _memory_bytes(text: str) -> float:
+    """``memory=``: a byte size that names its unit (a bare number is refused: 40 bytes
+    of device memory is a typo for 40GiB, not a machine)."""
+    from ...cli import byte_size
+
+    if not re.search(r"[kKmMgG]", text):
+        raise ValueError("needs a unit, e.g. 40GiB or 80GB")
+    try:
+        return float(byte_size(text))
+    except Exception as exc:                # argparse.ArgumentTypeError: not a byte size
+        raise ValueError(str(exc)) from None
+
+
+def _count(text: str) -> int:
+    """``gpus=``, ``nics=``: an integer >= 1."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise ValueError("must be a whole number >= 1")
+    return int(text)
+
+
+def _gbps(text: str) -> float:
+    """``nic_gbps=``: a finite number > 0 of Gb/s."""
+    import math
+
+    try:
+        val = float(text)
+    except ValueError:
+        raise ValueError("must be a number of Gb/s, e.g. 200") from None
+    if not math.isfinite(val) or val <= 0:
+        raise ValueError("must be a number of Gb/s > 0, e.g. 200")
+    return val
+
+
+def derive(machine: Machine, spec: str) -> Machine:
+    """``machine`` with the fields a variant ``spec`` (``"key=value,key=value"``) names set.
+
+    Parameters
+    ----------
+    machine : Machine
+        A preset or a loaded machine file.
+    spec : str
+        Comma-separated ``key=value`` pairs, the keys from :data:`VARIANT_KEYS`:
+        ``memory`` (``Machine.memory_bytes``), ``gpus`` (``topology.devices_per_node``,
+        ``node_size`` and ``cores``, one number), ``nics`` (``topology.nics_per_node``)
+        and ``nic_gbps`` (``topology.nic_bandwidth``, bytes/s = Gb/s * 1e9 / 8).
+
+    Returns
+    -------
+    Machine
+        Named ``"{machine.name}:{spec}"``; every other field equal to ``machine``'s,
+        but the sources of the fields set (``notes``, ``topology.sources``), which say
+        the variant set them, and ``notes["variant"]`` (``{"of": name, "set": {key:
+        value}}``).
+
+    Raises
+    ------
+    ValueError
+        An unknown key, a key that does not apply to ``machine`` (``gpus``, ``nics``
+        and ``nic_gbps`` need a topology, the last two one with NICs), a key given
+        twice, or a bad value (no unit, unparseable, not positive); the message names
+        the key and lists the valid ones.
+    """
+    pairs: dict = {}
+    whole = f"{machine.name}:{spec}"
+    valid = _variant_keys(machine)
+    listing = f"valid keys for {machine.name!r}: {', '.join(valid)} (e.g. {VARIANT_EXAMPLE})"
+    if not spec.strip():
+        raise ValueError(f"machine variant of {machine.name!r}: nothing after ':'; "
+                         f"give key=value pairs; {listing}")
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in VARIANT_KEYS:
+            raise ValueError(f"machine variant {whole!r}: unknown key {key!r}; {listing}")
+        if not eq or not value:
+            raise ValueError(f"machine variant {whole!r}: key {key!r} needs a value "
+                             f"({key}=VALUE); {listing}")
+        if key not in valid:
+            why = ("it has no topology" if machine.topology is None
+                   else "its topology has no NICs")
+            raise ValueError(f"machine variant {whole!r}: key {key!r} does not apply to "
+                             f"{machine.name!r} ({why}); {listing}")
+        if key in pairs:
+            raise ValueError(f"machine variant {whole!r}: key {key!r} is given twice; {listing}")
+        pairs[key] = value
+    name = f"{machine.name}:{','.join(f'{k}={v}' for k, v in pairs.items())}"
+    said = f"set by the variant {name} (not from the preset's sources)"
+    changes: dict = {}
+    topo: dict = {}
+    notes = dict(machine.notes)
+    tsources = dict(machine.topology.sources) if machine.topology is not None else {}
+    for key, value in pairs.items():
+        try:
+            if key == "memory":
+                changes["memory_bytes"] = _memory_bytes(value)
+                notes["memory_bytes"] = f"{value}: {said}"
+            elif key == "gpus":
+                n = _count(value)
+                topo["devices_per_node"] = n
+                changes["cores"] = n
+                changes["node_size"] = None if machine.node_size is None else n
+                tsources["devices_per_node"] = f"{n}: {said}"
+            elif key == "nics":
+                topo["nics_per_node"] = _count(value)
+                tsources["nics_per_node"] = f"{value}: {said}"
+            else:
+                topo["nic_bandwidth"] = _gbps(value) * 1e9 / 8
+                tsources["nic_bandwidth"] = f"{value} Gb/s: {said}"
+        except ValueError as exc:
+            raise ValueError(f"machine variant {whole!r}: key {key!r}: {value!r} {exc}; "
+                             f"{listing}") from None
+    notes["variant"] = {"of": machine.name, "set": dict(pairs)}
+    try:
+        if machine.topology is not None:
+            topo["sources"] = tsources
+            changes["topology"] = dataclasses.replace(machine.topology, **topo)
+        return machine.replace(name=name, notes=notes, **changes)
+    except ValueError as exc:             # e.g. gpus that do not split over the sockets
+        raise ValueError(f"machine variant {whole!r}: {exc}; "
+                         f"{listing}") from None
 
 
 def machine_from_args(machine: str | None, preset: str | None) -> Machine:
@@ -76,3 +253,50 @@ def machine_from_args(machine: str | None, preset: str | None) -> Machine:
         return get_machine(None, preset)
     except ValueError as exc:
         raise argument_error("--preset", exc) from None
+
+
+# --------------------------------------------------------------------------- listing
+def describe(machine: Machine) -> str:
+    """One line of what ``machine`` is: devices per node, device and its memory, the
+    intra-node link, the NICs and the collective library (all read from its fields)."""
+    gib = machine.memory_bytes / (1 << 30)
+    mem = f"{gib:.4g} GiB" if gib else "memory unknown"
+    topo = machine.topology
+    if topo is None:
+        return (f"{machine.cores} cores per node, {mem} per rank, {machine.library} "
+                f"alpha-beta links")
+    device = machine.device.name if machine.device is not None else "devices"
+    nics = (f"{topo.nics_per_node}x {topo.nic_bandwidth * 8 / 1e9:g} Gb/s NICs"
+            if topo.nics_per_node else "no NICs")
+    return (f"{topo.devices_per_node}x {device} ({mem}), {topo.intra_kind} "
+            f"{topo.intra_bandwidth / 1e9:.4g} GB/s per direction per device, {nics}, "
+            f"{machine.library}")
+
+
+def main_sources(machine: Machine, width: int = 200) -> str:
+    """The first sentence of ``machine.source`` (what it is and where its numbers come
+    from), cut at ``width`` characters."""
+    first = re.split(r"(?<=[.;])\s", machine.source.strip(), maxsplit=1)[0].rstrip(";")
+    return first if len(first) <= width else first[:width - 3].rstrip() + "..."
+
+
+def presets_listing() -> str:
+    """``python -m summasim.costmodel presets``: every preset with a one-line description
+    and its main sources, the aliases, and the variant keys with an example."""
+    lines = []
+    for name in list_presets():
+        m = load_preset(name)
+        lines.append(f"{name:<20s} {describe(m)}")
+        lines.append(f"{'':<20s} sources: {main_sources(m)}")
+    lines.append("")
+    lines.append("aliases: " + ", ".join(f"{a} = {p}" for a, p in sorted(ALIASES.items())))
+    lines.append("")
+    lines.append("variants: --machine NAME:key=value,key=value (any command that takes "
+                 "--machine; NAME a preset or a machine file); keys:")
+    for key, what in VARIANT_KEYS.items():
+        lines.append(f"  {key:<9s} {what}")
+    lines.append(f"  example: --machine {VARIANT_EXAMPLE}   "
+                 f"(`python -m summasim.costmodel presets {VARIANT_EXAMPLE}` prints it)")
+    lines.append("every number's source: python -m summasim.costmodel presets NAME "
+                 "(notes, topology.sources, device.sources); docs/presets.md")
+    return "\n".join(lines)
