@@ -28,7 +28,9 @@ import math
 from typing import Callable
 
 #: The presets of the next GPU generation, in the same form factor (DGX nodes).
-NEXT_GENERATION = {"dgx2h-v100": "dgx-a100", "dgx-a100": "h100-dgx-ndr"}
+NEXT_GENERATION = {"dgx1-v100": "dgx-a100", "dgx2-v100": "dgx-a100",
+                   "dgx2h-v100": "dgx-a100", "dgx-a100": "h100-dgx-ndr",
+                   "dgx-a100-80gb": "h100-dgx-ndr", "dgx-a100-40gb": "h100-dgx-ndr"}
 
 _COMPONENTS = {"gemm": "the GEMMs", "memory_bound": "memory-bound kernels",
                "bubble": "the pipeline bubble", "optimizer": "the optimizer"}
@@ -126,7 +128,7 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
         more = Topology(**{**topo.to_dict(), "nics_per_node": 2 * topo.nics_per_node})
         changes.append((f"2x NICs per node ({2 * topo.nics_per_node})",
                         {"machine": machine.replace(topology=more)}))
-    nxt = NEXT_GENERATION.get(machine.name)
+    nxt = NEXT_GENERATION.get(machine.name.split(":", 1)[0])     # a variant: its base
     if nxt and load_preset is not None:
         changes.append((f"the next GPU generation ({nxt})", {"machine": load_preset(nxt)}))
     m = comp["microbatches"]
