@@ -215,3 +215,28 @@ def test_a_kept_exchanger_whose_loop_never_finished_is_replaced():
                         f"kept {same}, fresh {step2 is not step}, then kept {again is step2}")
     finally:
         comm.mpi.Free()
+
+
+def test_ranks_waiting_for_rank_0s_long_work_leave_it_the_cores():
+    """While rank 0 works for 1.5 s (a benchmark's ceiling, a serial reference), the
+    others wait in quiet_bcast: their naps grow to LONG_WAIT_NAP_S, so together they
+    take a few percent of one core, not the cores rank 0 measures with (naps of 20 us
+    took about a tenth of a core per waiting rank, and the ceiling of bench gemm read
+    7-8 GFLOP/s against 58-68 at p = 16)."""
+    import time
+
+    from summasim.bench.common import quiet_bcast
+
+    if WORLD.rank == 0:
+        end = time.perf_counter() + 1.5
+        while time.perf_counter() < end:        # the long work
+            pass
+        quiet_bcast(WORLD, "done")
+        used = 0.0
+    else:
+        c0 = time.process_time()
+        assert quiet_bcast(WORLD, None) == "done"
+        used = time.process_time() - c0
+    total = WORLD.allreduce(used)
+    parallel_assert(total < 0.05 * 1.5 * max(1, WORLD.size - 1),
+                    f"the waiting ranks used {total:.3f} s of CPU in 1.5 s")

@@ -23,10 +23,13 @@ BACKENDS = ("numpy", "cupy", "staged-host")
 
 def quiet_bcast(world, value):
     """Broadcast rank 0's value after a barrier that waits without spinning (the
-    other ranks idle while rank 0 measures with all cores)."""
-    from ..mpiutil import quiet_barrier
+    other ranks idle while rank 0 measures with all cores). Their naps grow to
+    :data:`~summasim.mpiutil.LONG_WAIT_NAP_S`: 15 ranks polling every 20 us took the
+    cores rank 0 was measuring with (a 2-thread NumPy ceiling of 68 GFLOP/s read 7-8
+    at p = 16)."""
+    from ..mpiutil import LONG_WAIT_NAP_S, quiet_barrier
 
-    quiet_barrier(world)
+    quiet_barrier(world, longest=LONG_WAIT_NAP_S)
     return world.bcast(value, root=0)
 
 

@@ -68,7 +68,7 @@ from ..backends import backend_of
 from ..comm import Comm
 from summasim.costmodel.tools.accuracy import event_summary
 from ..grid import Mesh
-from ..mpiutil import agreement, quiet_barrier
+from ..mpiutil import LONG_WAIT_NAP_S, agreement, quiet_barrier
 from ..transformer import composed, model
 from ..transformer.composed import Trainer
 from ..transformer.schemes import get_scheme
@@ -318,7 +318,7 @@ def _share(world, value, what: str, into: NodeShared | None = None) -> NodeShare
     """Rank 0's ``value`` as one read-only copy per node (collective), published in
     ``into``'s window when given (its views then show ``value``). An exception in its
     place (rank 0's reference could not be built) is raised on every rank."""
-    quiet_barrier(world)                    # the other ranks sleep while rank 0 works
+    quiet_barrier(world, longest=LONG_WAIT_NAP_S)   # the others sleep while rank 0 works
     if world.bcast(isinstance(value, BaseException), root=0):
         err = world.bcast(value, root=0)
         raise type(err)(f"{what}: {err}")

@@ -34,7 +34,7 @@ import numpy as np
 from ..comm import Comm
 from summasim.costmodel.tools.accuracy import event_summary
 from ..backends import array_module, backend_of, is_device_array, to_backend
-from ..mpiutil import agreement, quiet_barrier
+from ..mpiutil import LONG_WAIT_NAP_S, agreement, quiet_barrier
 from ..transformer import model
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
@@ -291,7 +291,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
                "logits": cache.logits, "grads": grads, "logits_scale": scale_of(cache.logits),
                "grad_scales": {k: scale_of(v) for k, v in grads.items()}}
         del cache, params, grads
-    quiet_barrier(world)
+    quiet_barrier(world, longest=LONG_WAIT_NAP_S)   # the others sleep while rank 0 works
     shared = NodeShared(world, ref)      # one read-only copy per node; ranks read blocks
     del ref
     ref = shared.value
