@@ -166,13 +166,14 @@ def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
         comm, raw = Comm(WORLD.Dup(), name="ring", backend=be), WORLD.Dup()
         try:
             out = np.empty_like(x)
-            calls = _contenders(be, comm, raw, x, out)
+            calls, held = _contenders(be, comm, raw, x, out)
             for name, call in calls.items():
                 out[...] = np.nan
                 if be.comm_mode != "host":
                     be.reset_counters()
                 call()
-                parallel_assert(np.allclose(out, want, rtol=0, atol=1e-12),
+                got = held["call"] if name == "call" else out     # the plain call's own
+                parallel_assert(np.allclose(np.asarray(got), want, rtol=0, atol=1e-12),
                                 f"{be.name} {name}: wrong sum on rank {rank}")
                 if be.comm_mode == "staged" and name != "ring":
                     parallel_assert((be.d2h_copies, be.h2d_copies) == (1, 1),
@@ -295,7 +296,8 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
     """Without --repeats, ``bench allreduce`` times 9 repeats and then sizes the rest by
     their duration: every rank must take the same count (a rank that stopped early would
     leave the others waiting in a collective), each contender timed that many times, in
-    steps of the three contenders; an explicit count is exactly that count."""
+    steps of the four contenders (ring, plain ring, MPI, the plain call); an explicit
+    count is exactly that count."""
     from summasim.bench import allreduce as bench
 
     monkeypatch.setattr(bench, "ALLREDUCE_BUDGET_S", budget)
@@ -305,9 +307,9 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
     n = rows[0]["repeats"]
     counts = WORLD.allgather(n)
     parallel_assert(len(set(counts)) == 1, f"ranks took different counts: {counts}")
-    want = 15 if budget == 60.0 else 9
-    timed = [len(rows[0][k + "_times"]) for k in ("ring", "plain", "mpi")]
-    parallel_assert(n == want and timed == [n] * 3,
+    want = 13 if budget == 60.0 else 9          # 9 + one step of 4, at most 16
+    timed = [len(rows[0][k + "_times"]) for k in ("ring", "plain", "mpi", "call")]
+    parallel_assert(n == want and timed == [n] * 4,
                     f"{n} repeats ({timed} timed), want {want}")
     parallel_assert(fixed[0]["repeats"] == 4 and len(fixed[0]["ring_times"]) == 4
                     and rows[0]["ok"] and fixed[0]["ok"], "--repeats 4 not honoured")

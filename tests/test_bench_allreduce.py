@@ -65,7 +65,11 @@ def test_targets_count_only_the_sizes_they_apply_to():
             _row(16, 1.0, 0.99, 0.3, "tie", "faster"),     # the paired verdict decides,
             _row(32, 1.0, 1.02, None, "tie", "slower"),    # not the ratio of the medians
             _row(64, 1.1, 1.3, -0.05, None)]               # no interval: the median decides
+    calls = [(1.1, 0.9), (1.4, 1.3), (1.3, None), (1.2, None)]   # (median, interval low)
+    for r, (med, low) in zip(rows, calls):
+        r["call_vs_out_paired"] = {"median": med, "low": low, "high": None}
     tg = allreduce_targets(rows, 16)
+    assert tg["call"] == {"sizes": 4, "met": 2}        # the low end, else the median
     assert tg["vs_plain"] == {"sizes": 6, "met": 5, "faster": 1}
     assert tg["vs_mpi"] == {"sizes": 4, "met": 2}
     assert tg["prediction"] == {"sizes": 4, "met": 2}
