@@ -120,12 +120,12 @@ def test_nan_check_is_a_failure():
 
 def test_prediction_columns_and_summary():
     line = format_row(_result(), 0.0123 * 1.1)
-    assert line.split()[-2:] == ["0.0135", "+10%"]
+    assert line.split()[-3:-1] == ["0.0135", "+10%"]
     s = prediction_summary([(1.1, 1.0, "a"), (0.7, 1.0, "b")])
     assert s["mape"] == pytest.approx(0.2) and s["worst"] == pytest.approx(0.3)
     assert s["worst_run"] == "b"
     assert prediction_summary([]) is None
-    assert format_row(_result()).split()[-2:] == ["-", "-"]
+    assert format_row(_result()).split()[-3:-1] == ["-", "-"]
 
 
 def test_json_written_atomically_and_valid_with_nan(tmp_path):

@@ -80,6 +80,7 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
     from ..harness.execute import run_product
     from ..harness.load import LoadWatch, combine, mark, warning
     from ..harness.plan import plan_products
+    from ..harness.report import words_over_bound
 
     backend = backend or get_backend("numpy")
     p, rank = world.Get_size(), world.Get_rank()
@@ -87,7 +88,8 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
                                        else "NumPy GEMM, all cores")
         + f", n = {n}, {np.dtype(dtype).name}, measured before each algorithm")
     say(f"{'algorithm':<14} {'grid':<9} {'n':>6} {'median s':>9} {'best s':>8} "
-        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7}  check  load")
+        f"{'GFLOP/s':>8} {'ceiling':>8} {'% ceiling':>9} {'best %':>7} {'words/LB':>9}  "
+        f"check  load")
     cases, skips = plan_products(p, algorithms, (n, n, n), None, [np.dtype(dtype).name])
     for sk in skips:
         say(f"{sk.name:<14} skipped: {sk.reason}")
@@ -103,15 +105,17 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
         gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
         label = case.grid_label()
         load = world.bcast(watch.lap(), root=0)
-        rows.append({"algorithm": case.algorithm, "grid": label, "n": n,
+        lb = words_over_bound(res)            # words per rank over the lower bounds
+        ratio = "-" if lb["ratio"] is None else f"{lb['ratio']:.2f}"
+        rows.append({"algorithm": case.algorithm, "grid": label, "n": n, "lower_bounds": lb,
                      "dtype": case.dtype, "seconds": t, "times": spans, "ok": res.ok,
                      "gflops": gf, "ceiling_gflops": ceiling, "fraction": gf / ceiling,
                      "best_fraction": gf_best / ceiling, "load": load,
                      "quiet": load and load["quiet"],
                      "ceiling_under_load": bool(load and load["quiet"] is False)})
         say(f"{case.algorithm:<14} {label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
-            f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}%  "
-            f"{'OK' if res.ok else 'FAIL':<5} {mark(load)}")
+            f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}% "
+            f"{ratio:>9}  {'OK' if res.ok else 'FAIL':<5} {mark(load)}")
     busy = [r for r in rows if r["ceiling_under_load"]]
     line = warning(combine(r["load"] for r in busy),
                    f"{len(busy)} of {len(rows)} products and their ceilings were measured "

@@ -6,8 +6,9 @@ import math
 from dataclasses import asdict
 
 HEADER = ("algorithm", "grid", "shapes", "dtype", "max rel err", "bound", "check", "result",
-          "median s", "GFLOP/s", "MB/rank", "msgs", "peak MiB", "predicted s", "pred err")
-WIDTHS = (14, 11, 16, 7, 11, 9, 9, 6, 9, 14, 8, 4, 8, 11, 8)
+          "median s", "GFLOP/s", "MB/rank", "msgs", "peak MiB", "predicted s", "pred err",
+          "words/LB")
+WIDTHS = (14, 11, 16, 7, 11, 9, 9, 6, 9, 14, 8, 4, 8, 11, 8, 8)
 
 
 def _line(cells, widths=WIDTHS) -> str:
@@ -41,6 +42,29 @@ def rate(res) -> str:
     return f"{2.0 * c.m * c.k * c.n / t / 1e9:.2f}"
 
 
+def words_over_bound(res) -> dict | None:
+    """A product's words sent per rank (the busiest rank's ledger) against the
+    communication lower bounds (:func:`summasim.algorithms.bounds.product_bounds`):
+    ``{"words_per_rank", "memory_words", "memory_dependent", "memory_independent",
+    "bound", "ratio"}`` (``ratio``: words over the larger bound; None when the bound is
+    0, e.g. on one rank). None for a ring."""
+    c = res.case
+    if c.kind != "matmul":
+        return None
+    from ..algorithms.bounds import product_bounds
+    from ..algorithms.table import get_algorithm
+
+    b = product_bounds(get_algorithm(c.algorithm), c.m, c.k, c.n, c.q, c.d)
+    words = res.bytes_per_rank / (8 if c.dtype == "float64" else 4)
+    return {"words_per_rank": words, **b,
+            "ratio": words / b["bound"] if b["bound"] > 0 else None}
+
+
+def _ratio(res) -> str:
+    w = words_over_bound(res)
+    return "-" if w is None or w["ratio"] is None else f"{w['ratio']:.2f}"
+
+
 def prediction_error(predicted, measured) -> float | None:
     if predicted is None or not measured or measured <= 0:
         return None
@@ -58,7 +82,7 @@ def format_row(res, predicted=None, load: dict | None = None) -> str:
                   f"{res.bytes_per_rank / 2**20:.2f}", str(res.messages_per_rank),
                   f"{res.peak_rss / 2**20:.0f}",
                   "-" if predicted is None else f"{predicted:.4f}",
-                  "-" if pe is None else f"{100 * pe:+.0f}%")) + busy_mark(load)
+                  "-" if pe is None else f"{100 * pe:+.0f}%", _ratio(res))) + busy_mark(load)
 
 
 def busy_mark(load: dict | None) -> str:
@@ -82,7 +106,8 @@ def row_record(res, predicted=None, load: dict | None = None) -> dict:
             "gbytes_per_s": (c.n * it / t / 1e9) if c.kind == "ring" and t > 0 else None,
             "bytes_per_rank": res.bytes_per_rank, "messages_per_rank": res.messages_per_rank,
             "peak_rss_bytes": res.peak_rss, "predicted": predicted,
-            "prediction_error": prediction_error(predicted, t), "fault": res.fault,
+            "prediction_error": prediction_error(predicted, t),
+            "lower_bounds": words_over_bound(res), "fault": res.fault,
             "load": load, "quiet": None if load is None else load["quiet"]}
 
 

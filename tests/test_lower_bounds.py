@@ -1,0 +1,72 @@
+"""The communication lower bounds printed beside every product
+(summasim.algorithms.bounds): their closed forms, and their place in the report."""
+
+import math
+
+import pytest
+
+from summasim.algorithms import bounds
+from summasim.algorithms.table import get_algorithm
+
+
+def test_memory_independent_bound_is_the_loomis_whitney_form():
+    n, p = 4096, 64
+    want = 3 * n ** 2 / p ** (2 / 3) - 3 * n ** 2 / p          # square: 3 n^2 (p^-2/3 - 1/p)
+    assert bounds.memory_independent_words(n, n, n, p) == pytest.approx(want)
+    assert bounds.memory_independent_words(n, n, n, 1) == 0.0   # one processor sends nothing
+    # rectangular: 3 (m k n / p)^(2/3) - (m k + k n + m n) / p
+    assert bounds.memory_independent_words(100, 200, 300, 8) == pytest.approx(
+        3 * (100 * 200 * 300 / 8) ** (2 / 3) - (100 * 200 + 200 * 300 + 100 * 300) / 8)
+
+
+def test_memory_dependent_bound_is_irony_toledo_tiskin():
+    n, p, mem = 8192, 1024, 3 * 8192 ** 2 / 1024      # the least memory: positive from p ~ 216
+    want = n ** 3 / (2 * math.sqrt(2) * p * math.sqrt(mem)) - mem
+    assert want > 0 and bounds.memory_dependent_words(n, n, n, p, mem) == pytest.approx(want)
+    assert bounds.memory_dependent_words(n, n, n, 16, 3 * n * n / 16) == 0.0   # negative: 0
+    # more memory never raises it
+    assert bounds.memory_dependent_words(n, n, n, p, 4 * mem) <= \
+        bounds.memory_dependent_words(n, n, n, p, mem)
+    with pytest.raises(ValueError):
+        bounds.memory_dependent_words(n, n, n, p, 0)
+
+
+def test_a_product_holds_its_blocks_and_copies():
+    m = k = n = 1024
+    summa = bounds.product_bounds(get_algorithm("summa_ab"), m, k, n, 4, 1)
+    assert summa["p"] == 16 and summa["memory_words"] == pytest.approx(3 * n * n / 16)
+    # SUMMA2.5 on [2, 2, 4]: A and C split over d q^2 = 16 ranks, B copied over the depth
+    s25 = bounds.product_bounds(get_algorithm("summa25_ab"), m, k, n, 2, 4)
+    assert s25["memory_words"] == pytest.approx(2 * n * n / 16 + n * n / 4)
+    assert s25["bound"] == max(s25["memory_dependent"], s25["memory_independent"]) > 0
+
+
+def test_the_report_prints_words_over_the_bound():
+    import types
+
+    from summasim.harness.cases import MatmulCase
+    from summasim.harness.report import format_row, row_record, words_over_bound
+
+    case = MatmulCase("summa_ab", 4, 1, 1024, 1024, 1024, "float64")
+    chk = types.SimpleNamespace(error=0.0, bound=1e-12, method="exact", ok=True,
+                                nonfinite=False, false_pass=0.0, bad_ranks=[])
+    words = 3 * 1024 * 1024 / 4                  # what SUMMA sends per rank here, roughly
+    res = types.SimpleNamespace(case=case, p=16, check=chk, timing={}, seconds=0.0,
+                                bytes_per_rank=8 * words, messages_per_rank=8,
+                                peak_rss=0, fault="")
+    w = words_over_bound(res)
+    b = bounds.product_bounds(get_algorithm("summa_ab"), 1024, 1024, 1024, 4, 1)
+    assert w["ratio"] == pytest.approx(words / b["bound"]) and w["ratio"] > 1
+    assert format_row(res).split()[-1] == f"{w['ratio']:.2f}"
+    assert row_record(res)["lower_bounds"]["bound"] == b["bound"]
+
+
+def test_replicated_inputs_lower_the_memory_independent_bound():
+    """SUMMA2.5 on [1, 1, 4] starts with the whole weight on every rank: the bound is 0,
+    and the algorithm sends nothing; on [2, 2, 4] it is positive."""
+    n = 1024
+    flat = bounds.product_bounds(get_algorithm("summa25_ab"), n, n, n, 1, 4)
+    assert flat["memory_words"] == pytest.approx(n * n / 4 + n * n + n * n / 4)
+    assert flat["memory_independent"] == 0.0 and flat["bound"] == 0.0
+    even = bounds.memory_independent_words(n, n, n, 4)          # no copies: positive
+    assert even > 0
