@@ -43,18 +43,19 @@ def rate(res) -> str:
 
 
 def words_over_bound(res) -> dict | None:
-    """A product's words sent per rank (the busiest rank's ledger) against the
-    communication lower bounds (:func:`summasim.algorithms.bounds.product_bounds`):
+    """A product's words moved per rank (the busiest rank's ledger) against the
+    communication lower bounds (:func:`summasim.costmodel.workload.bounds.product_bounds`):
     ``{"words_per_rank", "memory_words", "memory_dependent", "memory_independent",
     "bound", "ratio"}`` (``ratio``: words over the larger bound; None when the bound is
     0, e.g. on one rank). None for a ring."""
     c = res.case
     if c.kind != "matmul":
         return None
-    from ..algorithms.bounds import product_bounds
     from ..algorithms.table import get_algorithm
+    from ..costmodel.workload.bounds import product_bounds
 
-    b = product_bounds(get_algorithm(c.algorithm), c.m, c.k, c.n, c.q, c.d)
+    b = product_bounds(get_algorithm(c.algorithm).operands(c.m, c.k, c.n), c.m, c.k, c.n,
+                       c.q, c.d)
     words = res.bytes_per_rank / (8 if c.dtype == "float64" else 4)
     return {"words_per_rank": words, **b,
             "ratio": words / b["bound"] if b["bound"] > 0 else None}

@@ -1,5 +1,5 @@
 """Communication lower bounds of classical matrix multiplication, beside what each
-product of the table sends (pure: no MPI, no arrays).
+product of the algorithm table moves (pure: no MPI, no arrays).
 
 C[m, n] = A[m, k] B[k, n] computed classically (all ``m k n`` scalar multiply-adds) on
 ``p`` processors, the work spread evenly (``F = m k n / p`` multiply-adds on the busiest
@@ -31,19 +31,19 @@ algorithm whose inputs arrive replicated (SUMMA2.5's weight, copied over the dep
 starts with more, ``S`` words, and the bound is ``3 F^(2/3) - S``; on ``[1, 1, d]`` it
 is 0, and SUMMA2.5 there sends nothing.
 
-:func:`product_bounds` gives both for a product of the table on its grid, with ``M``
-the words of A, B and C a rank holds there (its blocks in their layouts: the least
-memory the algorithm runs in, before its workspaces, and what it starts with). The ledger counts the words a
-rank *sends*; every product here receives as much over its group as it sends, so the
-busiest rank's sent words are compared with the bounds directly (the bounds count sends
-or receives, whichever is larger, on the busiest processor).
+:func:`product_bounds` gives both for a product on its grid, with ``M`` the words of
+A, B and C a rank holds there (its blocks in their layouts: the least memory the
+algorithm runs in, before its workspaces, and what it starts with). The ledger
+(:class:`summasim.trace.Event`) counts, per rank, the buffer of every broadcast or
+reduction it takes part in and what it sends in a sendrecv: the words it moves, sent or
+received, which is what the bounds count on the busiest processor.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..layout import block_counts
+from ...layout import block_counts
 
 
 def memory_dependent_words(m: int, k: int, n: int, p: int, memory_words: float) -> float:
@@ -66,24 +66,24 @@ def memory_independent_words(m: int, k: int, n: int, p: int,
     return max(0.0, 3.0 * (m * k * n / p) ** (2.0 / 3.0) - start)
 
 
-def held_words(spec, m: int, k: int, n: int, q: int, d: int) -> float:
-    """Words of A, B and C one rank holds for ``spec`` (an ``AlgorithmSpec``) on
-    ``[q, q, d]``: each stored operand's global size over its layout's block count."""
-    (ra, ca), (rb, cb) = spec.stored_shapes(m, k, n)
+def held_words(operands, q: int, d: int) -> float:
+    """Words one rank holds of ``operands``, ``[((rows, cols), layout), ...]`` (A, B and
+    C as stored, with their :mod:`summasim.layout` names) on ``[q, q, d]``: each one's
+    global size over its layout's block count."""
     out = 0.0
-    for (r, c), lay in (((ra, ca), spec.layout_a), ((rb, cb), spec.layout_b),
-                        ((m, n), spec.layout_c)):
+    for (r, c), lay in operands:
         br, bc = block_counts(lay, q, d)
         out += (r / br) * (c / bc)
     return out
 
 
-def product_bounds(spec, m: int, k: int, n: int, q: int, d: int) -> dict:
-    """Both lower bounds for ``spec`` on ``[q, q, d]`` (``p = d q^2``):
-    ``{"p", "memory_words", "memory_dependent", "memory_independent", "bound"}``, with
-    ``bound`` the larger of the two (words per rank)."""
+def product_bounds(operands, m: int, k: int, n: int, q: int, d: int) -> dict:
+    """Both lower bounds for C[m, n] = op(A) op(B) stored as ``operands``
+    (:func:`held_words`) on ``[q, q, d]`` (``p = d q^2``): ``{"p", "memory_words",
+    "memory_dependent", "memory_independent", "bound"}``, with ``bound`` the larger of
+    the two (words per rank)."""
     p = d * q * q
-    held = held_words(spec, m, k, n, q, d)
+    held = held_words(operands, q, d)
     dep = memory_dependent_words(m, k, n, p, held)
     ind = memory_independent_words(m, k, n, p, held)
     return {"p": p, "memory_words": held, "memory_dependent": dep,
