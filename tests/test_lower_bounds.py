@@ -70,3 +70,21 @@ def test_replicated_inputs_lower_the_memory_independent_bound():
     assert flat["memory_independent"] == 0.0 and flat["bound"] == 0.0
     even = bounds.memory_independent_words(n, n, n, 4)          # no copies: positive
     assert even > 0
+
+
+def test_explore_prices_words_against_the_bounds():
+    """explore's matrix table: SUMMA and Cannon move 2 n^2 / q words on the busiest rank
+    (q broadcasts or shifts of each operand's (n/q)^2 block), over the bounds."""
+    from summasim.costmodel.machine import load_preset
+    from summasim.costmodel.tools.explore import matmul_table
+
+    n = 4096
+    rows = matmul_table(n, load_preset("dgx-a100"), [16, 64])
+    for r in rows:
+        if r["algorithm"] in ("summa_ab", "cannon_ab"):
+            q = int(r["grid"].split(",")[0][1:])
+            assert r["words"] == 2 * n * n // q
+            b = bounds.memory_independent_words(n, n, n, q * q)
+            assert r["bound_independent"] == pytest.approx(b)
+            assert r["words_over_bound"] == pytest.approx(r["words"] / max(
+                b, r["bound_dependent"])) and r["words_over_bound"] > 1

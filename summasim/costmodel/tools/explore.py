@@ -9,7 +9,11 @@ For a machine and a transformer (a
                        scheme at each p; strong (fixed problem) or weak (the problem
                        grown by :func:`weak_config`: the batch, the hidden size and
                        heads, or both)
-:func:`matmul_table`   cannon_ab, summa_ab and summa25_ab (best d) on n x n
+:func:`matmul_table`   cannon_ab, summa_ab and summa25_ab (best d) on n x n, with the
+                       words the busiest rank moves against the communication lower
+                       bounds (:mod:`~summasim.costmodel.workload.bounds`; SUMMA2.5's
+                       weight starts copied over the depth, so its bound is 0 from
+                       d = 4 on: it pays no replication in this layout)
 :func:`iso_table`      fitted exponents of W(p) at a fixed efficiency under the papers'
                        assumptions (alpha = 0, paper formulas) and on this machine
 :func:`batch_table`    per scheme and p, the largest b whose memory per rank fits
@@ -31,7 +35,9 @@ import math
 from typing import NamedTuple
 
 from summasim import spec
+from summasim.costmodel.workload.bounds import product_bounds
 from summasim.costmodel.workload.predict import predict_algorithm
+from summasim.costmodel.workload.traffic import algorithm_traffic
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
 from summasim.costmodel.workload.footprint import batch_step, largest_batch
 from summasim.costmodel.workload.layer import scheme_cost
@@ -208,7 +214,7 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
             row = {"p": p, "algorithm": alg, "grid": f"[{qq},{qq},{dd}]",
                    "seconds": pr.seconds, "efficiency": t1 / (p * pr.seconds),
                    "comm_frac": pr.comm_seconds / pr.seconds if pr.seconds else 0.0,
-                   "algorithms": pr.describe_algorithms()}
+                   "algorithms": pr.describe_algorithms(), **words_moved(alg, n, qq, dd)}
             if alg == "summa25_ab":
                 if best25 is None or row["seconds"] < best25["seconds"]:
                     best25 = row
@@ -217,6 +223,24 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
         if best25:
             rows.append(best25)
     return rows
+
+
+def words_moved(alg: str, n: int, q: int, d: int) -> dict:
+    """The words the busiest rank of ``alg`` (an ``*_ab`` product on ``[q, q, d]``)
+    moves on n x n x n, from the closed-form events
+    (:func:`~summasim.costmodel.workload.traffic.algorithm_traffic`; Cannon's busiest rank
+    is one that skews both operands, (1, 1)), and the lower bounds with the blocks it
+    holds: ``{"words", "bound_independent", "bound_dependent", "words_over_bound"}``."""
+    coords = (1, 1, 0) if q > 1 else (0, 0, 0)
+    words = sum(b for _, b in algorithm_traffic(alg, n, n, n, q, d, itemsize=1,
+                                                coords=coords).values())
+    rows = d * q if alg.startswith("summa25") else q          # A's and C's row blocks
+    held = [((n, n), rows, q), ((n, n), q, q), ((n, n), rows, q)]   # A, B, C
+    b = product_bounds([((r, c), "2.5d" if br != q else "2d") for (r, c), br, _ in held],
+                       n, n, n, q, d)
+    return {"words": words, "bound_independent": b["memory_independent"],
+            "bound_dependent": b["memory_dependent"],
+            "words_over_bound": words / b["bound"] if b["bound"] > 0 else None}
 
 
 #: The problems of :func:`iso_table`, with the reference growth law of each.

@@ -106,7 +106,7 @@ def write_csv(path: str, tables: dict[str, list[dict]]) -> None:
 
 
 def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]:
-    """Write scaling.png and isoefficiency.png; return their paths."""
+    """Write scaling.png, bounds.png and isoefficiency.png; return their paths."""
     import numpy as np
 
     plt = _cli.pyplot()
@@ -143,6 +143,26 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=8)
     paths.append(_cli.save_figure(fig, os.path.join(outdir, "scaling.png"), title))
+
+    # words per rank of each product against the communication lower bounds
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for alg in ("cannon_ab", "summa_ab", "summa25_ab"):
+        rs = [r for r in tables["matmul"] if r["algorithm"] == alg and r["words"] > 0]
+        if rs:
+            ax.loglog([r["p"] for r in rs], [r["words"] for r in rs], "o-",
+                      color=colors[alg], label=alg if alg != "summa25_ab" else
+                      "summa25_ab (best d by time)")
+    rs = [r for r in tables["matmul"] if r["algorithm"] == "summa_ab"]
+    for key, style, label in (("bound_independent", "--", "memory-independent bound"),
+                              ("bound_dependent", ":", "memory-dependent bound (M: the blocks)")):
+        pts = [(r["p"], r[key]) for r in rs if r[key] > 0]
+        if pts:
+            ax.loglog(*zip(*pts), style, color="gray", label=label)
+    ax.set(xlabel="p (ranks)", ylabel="words moved by the busiest rank",
+           title="n x n matrix product: words against the lower bounds")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_cli.save_figure(fig, os.path.join(outdir, "bounds.png"), title))
 
     if curves:
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -396,7 +416,8 @@ def run(args, out=None) -> dict:
     w(f"\nn x n matrix products, n = {args.matmul_n}, float64 "
       f"(efficiency = T1 / (p Tp))\n")
     w(format_table(tables["matmul"], ["p", "algorithm", "grid", "seconds", "efficiency",
-                                      "comm_frac"]))
+                                      "comm_frac", "words", "bound_independent",
+                                      "bound_dependent", "words_over_bound"]))
     w(_skipped_lines(skipped["matmul"]))
     if tables.get("isoefficiency"):
         w(f"\nisoefficiency at E = {args.efficiency} (fitted log-log slope of W(p))\n")
