@@ -814,3 +814,15 @@ def module_available(name: str) -> bool:
     except (ImportError, ValueError):
         return False
 
+
+def number_ranges(values) -> str:
+    """Sorted integers as runs: ``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    runs, start = [], None
+    values = list(values)
+    for n, r in enumerate(values):
+        if start is None:
+            start = r
+        if n + 1 == len(values) or values[n + 1] != r + 1:
+            runs.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(runs)

@@ -331,14 +331,9 @@ def raw_mpi(comm):
 
 def ranks_text(ranks: list[int]) -> str:
     """``[0]`` -> "rank 0"; ``[1, 2, 3, 5]`` -> "ranks 1-3, 5"."""
-    runs, start = [], None
-    for n, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if n + 1 == len(ranks) or ranks[n + 1] != r + 1:
-            runs.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
+    from .cli import number_ranges
+
+    return ("rank " if len(ranks) == 1 else "ranks ") + number_ranges(ranks)
 
 
 def _groups(values: list) -> list:

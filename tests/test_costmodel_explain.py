@@ -87,4 +87,6 @@ def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
     assert got["ties"] == [1, 2] and got["tie_ratio"] == ratio
     assert got["interval_seconds"] == list(intervals.step_interval(2.0))
     json.dumps(got)
-    assert plan_cli._ranges([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"
+    from summasim.cli import number_ranges
+
+    assert number_ranges([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"

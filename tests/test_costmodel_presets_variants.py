@@ -138,12 +138,7 @@ def test_alias_resolves_to_the_same_machine():
 
 
 # --------------------------------------------------------------------------- variants
-def _leaves(x, path=""):
-    if isinstance(x, dict):
-        return {k: v for key, val in x.items() for k, v in _leaves(val, f"{path}/{key}").items()}
-    if isinstance(x, list):
-        return {k: v for i, val in enumerate(x) for k, v in _leaves(val, f"{path}[{i}]").items()}
-    return {path: x}
+from test_costmodel_frozen_presets import _leaves  # noqa: E402  (one flattener of JSON)
 
 
 def _changed(before: Machine, after: Machine) -> set:

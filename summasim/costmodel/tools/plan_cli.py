@@ -372,7 +372,7 @@ def run(args, out=None) -> int:
       f"coverage is checked leaving each publication out: docs/devset.md)\n")
     w(f"  {len(ties)} composition(s) within {ratio:.2f}x of the best cannot be told apart "
       f"from it (the dev set's scatter between runs of one cluster, 80%): ranks "
-      f"{_ranges(ties)}\n")
+      f"{cli.number_ranges(ties)}\n")
     w("\nbest of each kind (why the winner wins):\n")
     kinds = (_best_by(res.rows, lambda r: r["scheme"])
              + _best_by(res.rows, lambda r: ("zero", r["zero"]))
@@ -396,18 +396,6 @@ def run(args, out=None) -> int:
                      f"{plan.global_batch}, {cfg.dtype}")
             w(f"wrote {make_plot(plan.plot, res.rows, plan.top, plan.budget / GiB, title)}\n")
     return 0
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(out)
 
 
 def row_label(r: dict) -> str:
