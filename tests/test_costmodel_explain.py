@@ -63,7 +63,7 @@ def test_a_tensor_grid_alone_names_its_bound():
 def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
     import json
 
-    from summasim.costmodel.tools import intervals, plan_cli
+    from summasim.costmodel.tools import devset as intervals, plan_cli
 
     res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
                      "dp=16,pp=16,tp=megatron:4", "--microbatches", "96", "--zero", "1",

@@ -139,12 +139,14 @@ def test_random_effects_bounds_are_the_closed_form():
 
 
 def test_step_interval_uses_the_devset_training_residuals():
-    rs = iv.devset_residuals()
+    from summasim.costmodel.tools import devset
+
+    rs = devset.devset_residuals()
     assert len(rs) >= iv.MIN_EMPIRICAL and all(math.isfinite(r) for r in rs)
-    lo, hi = iv.step_interval(10.0, 0.8)
-    q_lo, q_hi, _ = iv.source_bounds(list(iv._devset_pairs()), 0.8)
+    lo, hi = devset.step_interval(10.0, 0.8)
+    q_lo, q_hi, _ = iv.source_bounds(list(devset._devset_pairs()), 0.8)
     assert (lo, hi) == (pytest.approx(10.0 * math.exp(q_lo)), pytest.approx(10.0 * math.exp(q_hi)))
-    lo90, hi90 = iv.step_interval(10.0, 0.9)
+    lo90, hi90 = devset.step_interval(10.0, 0.9)
     assert lo90 <= lo <= hi <= hi90
 
 

@@ -33,10 +33,10 @@ def test_memory_dependent_bound_is_irony_toledo_tiskin():
 
 def test_a_product_holds_its_blocks_and_copies():
     m = k = n = 1024
-    summa = bounds.product_bounds(get_algorithm("summa_ab").operands(m, k, n), m, k, n, 4, 1)
+    summa = bounds.product_bounds(get_algorithm("summa_ab").operands(m, k, n, 4, 1), m, k, n, 4, 1)
     assert summa["p"] == 16 and summa["memory_words"] == pytest.approx(3 * n * n / 16)
     # SUMMA2.5 on [2, 2, 4]: A and C split over d q^2 = 16 ranks, B copied over the depth
-    s25 = bounds.product_bounds(get_algorithm("summa25_ab").operands(m, k, n), m, k, n, 2, 4)
+    s25 = bounds.product_bounds(get_algorithm("summa25_ab").operands(m, k, n, 2, 4), m, k, n, 2, 4)
     assert s25["memory_words"] == pytest.approx(2 * n * n / 16 + n * n / 4)
     assert s25["bound"] == max(s25["memory_dependent"], s25["memory_independent"]) > 0
 
@@ -55,7 +55,8 @@ def test_the_report_prints_words_over_the_bound():
                                 bytes_per_rank=8 * words, messages_per_rank=8,
                                 peak_rss=0, fault="")
     w = words_over_bound(res)
-    b = bounds.product_bounds(get_algorithm("summa_ab").operands(1024, 1024, 1024), 1024, 1024, 1024, 4, 1)
+    b = bounds.product_bounds(get_algorithm("summa_ab").operands(1024, 1024, 1024, 4, 1),
+                              1024, 1024, 1024, 4, 1)
     assert w["ratio"] == pytest.approx(words / b["bound"]) and w["ratio"] > 1
     assert format_row(res).split()[-1] == f"{w['ratio']:.2f}"
     assert row_record(res)["lower_bounds"]["bound"] == b["bound"]
@@ -65,7 +66,7 @@ def test_replicated_inputs_lower_the_memory_independent_bound():
     """SUMMA2.5 on [1, 1, 4] starts with the whole weight on every rank: the bound is 0,
     and the algorithm sends nothing; on [2, 2, 4] it is positive."""
     n = 1024
-    flat = bounds.product_bounds(get_algorithm("summa25_ab").operands(n, n, n), n, n, n, 1, 4)
+    flat = bounds.product_bounds(get_algorithm("summa25_ab").operands(n, n, n, 1, 4), n, n, n, 1, 4)
     assert flat["memory_words"] == pytest.approx(n * n / 4 + n * n + n * n / 4)
     assert flat["memory_independent"] == 0.0 and flat["bound"] == 0.0
     even = bounds.memory_independent_words(n, n, n, 4)          # no copies: positive

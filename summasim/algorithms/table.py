@@ -79,12 +79,14 @@ class AlgorithmSpec:
         self._product_only("stored_shapes")
         return stored_shapes(self.op, m, k, n)
 
-    def operands(self, m: int, k: int, n: int) -> list:
-        """``[((rows, cols), layout)]`` of the stored A, B and C (the lower bounds' view,
+    def operands(self, m: int, k: int, n: int, q: int, d: int) -> list:
+        """``[((rows, cols), (row blocks, column blocks))]`` of the stored A, B and C on
+        ``[q, q, d]`` (the lower bounds' view,
         :func:`summasim.costmodel.workload.bounds.product_bounds`)."""
         self._product_only("operands")
         sa, sb = self.stored_shapes(m, k, n)
-        return [(sa, self.layout_a), (sb, self.layout_b), ((m, n), self.layout_c)]
+        return [(shape, block_counts(lay, q, d)) for shape, lay in
+                ((sa, self.layout_a), (sb, self.layout_b), ((m, n), self.layout_c))]
 
     def grids(self, p: int) -> list[tuple[int, int]]:
         """The ``(q, d)`` grids this algorithm runs on with p ranks (the ring: ``[(p, 1)]``

@@ -54,8 +54,8 @@ def words_over_bound(res) -> dict | None:
     from ..algorithms.table import get_algorithm
     from ..costmodel.workload.bounds import product_bounds
 
-    b = product_bounds(get_algorithm(c.algorithm).operands(c.m, c.k, c.n), c.m, c.k, c.n,
-                       c.q, c.d)
+    b = product_bounds(get_algorithm(c.algorithm).operands(c.m, c.k, c.n, c.q, c.d),
+                       c.m, c.k, c.n, c.q, c.d)
     words = res.bytes_per_rank / (8 if c.dtype == "float64" else 4)
     return {"words_per_rank": words, **b,
             "ratio": words / b["bound"] if b["bound"] > 0 else None}

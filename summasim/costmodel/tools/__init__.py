@@ -33,6 +33,13 @@ def scheme_of(grid: "spec.TensorGrid"):
     return Scheme(grid.name, grid.p, grid.q, grid.d)
 
 
+def parse_grid(scheme: str, text: str):
+    """A devset point's ``scheme`` and ``grid`` (``"8"``, ``"2x2"``, ``"2x2x4"``) as a
+    cost-model Scheme, through :meth:`summasim.spec.TensorGrid.parse`; ValueError says
+    what is expected."""
+    return scheme_of(spec.TensorGrid.parse(f"{scheme}:{text}"))
+
+
 def scheme_grids(p: int, name: str, cfg=None, *, batch: bool = True) -> list:
     """The grids of ``p`` ranks for scheme ``name`` (:func:`summasim.spec.grids`) as
     cost-model Schemes, in spec's order (q ascending);

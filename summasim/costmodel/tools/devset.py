@@ -58,6 +58,7 @@ point's leave-one-source-out interval); :func:`markdown_table` writes it for
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from importlib import resources
@@ -147,7 +148,7 @@ def _machine(point):
 
 
 def _step(machine, spec):
-    from .predict import parse_grid
+    from . import parse_grid
 
     sch = parse_grid(spec["scheme"], spec["grid"])
     cfg = TransformerConfig(**spec["model"])
@@ -160,7 +161,7 @@ def price_point_composition(point: dict, machine=None) -> dict:
     ``recompute`` (full, selective or none), the composition's ``zero``, ``schedule``,
     ``chunks`` (interleaved) and ``zero3_prefetch``; ValueError for a composition that
     cannot exist."""
-    from .predict import parse_grid
+    from . import parse_grid
 
     _check_composition_point(point)
     machine = _machine(point) if machine is None else machine
@@ -222,7 +223,7 @@ def layer_seconds(point: dict, machine=None) -> float:
     :func:`~summasim.costmodel.workload.composition.price_composition` for the model with
     ``N = 1`` and ``v = 0`` (no embedding, head or loss), one micro-batch of ``b``
     sequences, ``dp = pp = 1`` and no optimizer step."""
-    from .predict import parse_grid
+    from . import parse_grid
 
     machine = _machine(point) if machine is None else machine
     cfg = TransformerConfig(**{**point["model"], "N": 1, "v": 0})
@@ -398,3 +399,78 @@ def markdown_table(rows: list[dict] | None = None, level: float = 0.8) -> str:
             out.append(f"| `{r['id']}` | {r['gpu']} | {r['framework']} | {r['source_key']} | "
                        f"{r['published']:.4g} | {r['unit']} | {r['pending']} |")
     return "\n".join(out) + "\n"
+
+
+# --- the intervals that predict and plan print: the dev set's residuals ----------------
+@functools.lru_cache(maxsize=1)
+def _devset_pairs() -> tuple[tuple[str, float], ...]:
+    """``(source_key, residual)`` of every priced training point (the step pool)."""
+    from .intervals import _pool, _scored
+
+    return tuple((s["source_key"], s["residual"])
+                 for s in _pool(_scored(evaluate_all()), "step"))
+
+
+def _devset_residuals() -> tuple[float, ...]:
+    return tuple(r for _, r in _devset_pairs())
+
+
+def devset_residuals() -> list[float]:
+    """The residuals behind :func:`step_interval`: one per priced end-to-end training
+    point of the dev set (:data:`~summasim.costmodel.tools.intervals.STEP_KINDS`; its
+    ``used_in_preset`` points left out), in
+    the order of ``devset.json``. Computed once per process."""
+    return list(_devset_residuals())
+
+
+def step_interval(seconds: float, level: float = 0.8) -> tuple[float, float]:
+    """The ``level`` interval for the real seconds of a training step predicted as
+    ``seconds``.
+
+    Its residuals are :func:`devset_residuals`: the dev set's published step times and
+    throughputs (Megatron-LM, PyTorch FSDP, torchtitan on V100, A100 and H100 clusters;
+    not the NCCL-tests points) against the model's predictions with the shipped presets,
+    nothing fitted. The interval says how far off the model has been on published runs,
+    not how far it is for this machine; :func:`~summasim.costmodel.tools.intervals.
+    loso_rows` checks the construction by leaving each publication out.
+    """
+    from .intervals import interval
+
+    pairs = _devset_pairs()
+    iv = interval(seconds, "step_time", [r for _, r in pairs], level,
+                  sources=[s for s, _ in pairs])
+    if iv is None:                                   # pragma: no cover - dev set has > 3
+        raise ValueError("the dev set has too few priced training points for an interval")
+    return iv
+
+
+def within_source_sd() -> float:
+    """The pooled within-source standard deviation ``sigma`` of the dev set's training
+    residuals (:func:`~summasim.costmodel.tools.intervals.source_bounds`' ``sigma^2``,
+    square-rooted): how far apart the
+    model's errors on two configurations of one publication (one cluster, one code base)
+    are."""
+    groups: dict = {}
+    for src, r in _devset_pairs():
+        groups.setdefault(src, []).append(r)
+    n_total, k = sum(len(v) for v in groups.values()), len(groups)
+    if n_total <= k:                                 # pragma: no cover - dev set has more
+        raise ValueError("the dev set has no source with two training points")
+    within = sum((r - sum(v) / len(v)) ** 2 for v in groups.values() for r in v)
+    return math.sqrt(within / (n_total - k))
+
+
+def tie_ratio(level: float = 0.8) -> float:
+    """The largest ratio of two predicted step times on one machine that the model cannot
+    tell apart at ``level``: ``exp(z sqrt(2) sigma)`` with ``sigma`` =
+    :func:`within_source_sd`. Two compositions priced for one cluster share its source
+    effect (``a_source`` above cancels in their ratio), so what separates their real
+    times beyond the predicted ratio is the difference of two within-source errors, of
+    standard deviation ``sqrt(2) sigma``; ``z`` is the normal's two-sided ``level``
+    quantile."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf((1.0 + level) / 2.0)
+    return math.exp(z * math.sqrt(2.0) * within_source_sd())

@@ -67,13 +67,12 @@ Nothing in the cost model is fitted to the dev set, so a point's leave-one-sourc
 prediction and error are its in-sample ones; what leaving the source out changes is the
 interval, which no longer contains the point's own residual.
 
-:func:`step_interval` is the interval the ``predict`` and ``plan`` commands can print
-next to a step time: the step pool of the whole dev set (:func:`devset_residuals`).
+:func:`summasim.costmodel.tools.devset.step_interval` is the interval the ``predict``
+and ``plan`` commands print next to a step time: the step pool of the whole dev set.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from statistics import NormalDist
 
@@ -82,7 +81,7 @@ TIME_KINDS = ("step_time", "composition_step_time", "layer_time")
 #: Kinds whose value is a rate: r = log(published / predicted).
 RATE_KINDS = ("nccl_busbw", "weak_efficiency", "composition_throughput", "composition_tokens",
               "mfu")
-#: End-to-end training kinds: the residuals behind :func:`step_interval`.
+#: End-to-end training kinds: the residuals behind ``devset.step_interval``.
 STEP_KINDS = ("step_time", "composition_step_time", "composition_throughput",
               "composition_tokens", "mfu")
 #: Fewest residuals for empirical quantiles; below it the normal approximation.
@@ -254,70 +253,3 @@ def coverage(loso) -> float | None:
     inside it (None when no row has one)."""
     judged = [r["covered"] for r in loso if r["covered"] is not None]
     return sum(judged) / len(judged) if judged else None
-
-
-@functools.lru_cache(maxsize=1)
-def _devset_pairs() -> tuple[tuple[str, float], ...]:
-    from .devset import evaluate_all
-
-    return tuple((s["source_key"], s["residual"])
-                 for s in _pool(_scored(evaluate_all()), "step"))
-
-
-def _devset_residuals() -> tuple[float, ...]:
-    return tuple(r for _, r in _devset_pairs())
-
-
-def devset_residuals() -> list[float]:
-    """The residuals behind :func:`step_interval`: one per priced end-to-end training
-    point of the dev set (:data:`STEP_KINDS`; its ``used_in_preset`` points left out), in
-    the order of ``devset.json``. Computed once per process."""
-    return list(_devset_residuals())
-
-
-def step_interval(seconds: float, level: float = 0.8) -> tuple[float, float]:
-    """The ``level`` interval for the real seconds of a training step predicted as
-    ``seconds``.
-
-    Its residuals are :func:`devset_residuals`: the dev set's published step times and
-    throughputs (Megatron-LM, PyTorch FSDP, torchtitan on V100, A100 and H100 clusters;
-    not the NCCL-tests points) against the model's predictions with the shipped presets,
-    nothing fitted. The interval says how far off the model has been on published runs,
-    not how far it is for this machine; :func:`loso_rows` checks the construction by
-    leaving each publication out.
-    """
-    pairs = _devset_pairs()
-    iv = interval(seconds, "step_time", [r for _, r in pairs], level,
-                  sources=[s for s, _ in pairs])
-    if iv is None:                                   # pragma: no cover - dev set has > 3
-        raise ValueError("the dev set has too few priced training points for an interval")
-    return iv
-
-
-def within_source_sd() -> float:
-    """The pooled within-source standard deviation ``sigma`` of the dev set's training
-    residuals (:func:`source_bounds`' ``sigma^2``, square-rooted): how far apart the
-    model's errors on two configurations of one publication (one cluster, one code base)
-    are."""
-    groups: dict = {}
-    for src, r in _devset_pairs():
-        groups.setdefault(src, []).append(r)
-    n_total, k = sum(len(v) for v in groups.values()), len(groups)
-    if n_total <= k:                                 # pragma: no cover - dev set has more
-        raise ValueError("the dev set has no source with two training points")
-    within = sum((r - sum(v) / len(v)) ** 2 for v in groups.values() for r in v)
-    return math.sqrt(within / (n_total - k))
-
-
-def tie_ratio(level: float = 0.8) -> float:
-    """The largest ratio of two predicted step times on one machine that the model cannot
-    tell apart at ``level``: ``exp(z sqrt(2) sigma)`` with ``sigma`` =
-    :func:`within_source_sd`. Two compositions priced for one cluster share its source
-    effect (``a_source`` above cancels in their ratio), so what separates their real
-    times beyond the predicted ratio is the difference of two within-source errors, of
-    standard deviation ``sqrt(2) sigma``; ``z`` is the normal's two-sided ``level``
-    quantile."""
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}")
-    z = NormalDist().inv_cdf((1.0 + level) / 2.0)
-    return math.exp(z * math.sqrt(2.0) * within_source_sd())

@@ -51,7 +51,7 @@ from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfi
 
 from . import _cli
 from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
-from .intervals import step_interval, tie_ratio
+from .devset import step_interval, tie_ratio
 from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
 
 #: The bounds of a search: its cost grows with the divisors of each (the tensor grids

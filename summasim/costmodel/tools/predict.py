@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import sys
 
-from summasim import cli, options, spec
+from summasim import cli, options
 from summasim.spec import unsupported
 from summasim.jsonio import write_report
 from summasim.costmodel.workload.zero import StateBytes
@@ -42,9 +42,9 @@ from summasim.costmodel.workload.footprint import batch_step, largest_batch, mem
 from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
-from . import _cli, scheme_of
+from . import _cli, parse_grid, scheme_of  # noqa: F401  (parse_grid: predict's name too)
+from .devset import step_interval
 from .explain import grid_bound, what_bounds, what_ifs
-from .intervals import step_interval
 from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
@@ -134,13 +134,6 @@ def step_breakdown_layers(scheme, cfg: TransformerConfig, machine, **kw) -> Step
         two, config=cfg, memory=memory(scheme, cfg),
         **{f: at_n(getattr(one, f), getattr(two, f)) for f in fields},
         by_op={k: at_n(one.by_op.get(k, 0.0), v) for k, v in two.by_op.items()})
-
-
-def parse_grid(scheme: str, text: str):
-    """A devset point's ``scheme`` and ``grid`` (``"8"``, ``"2x2"``, ``"2x2x4"``) as a
-    cost-model Scheme, through :meth:`summasim.spec.TensorGrid.parse`; ValueError says
-    what is expected."""
-    return scheme_of(spec.TensorGrid.parse(f"{scheme}:{text}"))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

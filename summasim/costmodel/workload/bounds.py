@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import math
 
-from ...layout import block_counts
-
 
 def memory_dependent_words(m: int, k: int, n: int, p: int, memory_words: float) -> float:
     """Irony-Toledo-Tiskin: ``m k n / (2 sqrt(2) p sqrt(M)) - M``, at least 0."""
@@ -66,24 +64,21 @@ def memory_independent_words(m: int, k: int, n: int, p: int,
     return max(0.0, 3.0 * (m * k * n / p) ** (2.0 / 3.0) - start)
 
 
-def held_words(operands, q: int, d: int) -> float:
-    """Words one rank holds of ``operands``, ``[((rows, cols), layout), ...]`` (A, B and
-    C as stored, with their :mod:`summasim.layout` names) on ``[q, q, d]``: each one's
-    global size over its layout's block count."""
-    out = 0.0
-    for (r, c), lay in operands:
-        br, bc = block_counts(lay, q, d)
-        out += (r / br) * (c / bc)
-    return out
+def held_words(operands) -> float:
+    """Words one rank holds of ``operands``, ``[((rows, cols), (row blocks, column
+    blocks)), ...]`` (A, B and C as stored, each with the blocks its layout cuts it
+    into): each one's global size over its block count."""
+    return sum((r / br) * (c / bc) for (r, c), (br, bc) in operands)
 
 
 def product_bounds(operands, m: int, k: int, n: int, q: int, d: int) -> dict:
     """Both lower bounds for C[m, n] = op(A) op(B) stored as ``operands``
-    (:func:`held_words`) on ``[q, q, d]`` (``p = d q^2``): ``{"p", "memory_words",
+    (:func:`held_words`; ``AlgorithmSpec.operands``) on ``[q, q, d]`` (``p = d q^2``):
+    ``{"p", "memory_words",
     "memory_dependent", "memory_independent", "bound"}``, with ``bound`` the larger of
     the two (words per rank)."""
     p = d * q * q
-    held = held_words(operands, q, d)
+    held = held_words(operands)
     dep = memory_dependent_words(m, k, n, p, held)
     ind = memory_independent_words(m, k, n, p, held)
     return {"p": p, "memory_words": held, "memory_dependent": dep,
