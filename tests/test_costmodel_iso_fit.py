@@ -151,3 +151,146 @@ def test_summa25_isoefficiency_solves_on_the_grids_spec_lists():
     assert isoefficiency("summa25", 0.5, [4, 9], d=None).p == []   # no [q,q,d], q, d >= 2
     mm = isoefficiency("summa25_mm", 0.5, [16], d=4, mode="mpich")
     assert mm.grid == ["[2,2,4]"]
+
+
+# -- SUMMA2.5-LM: the closed form ------------------------------------------------------------
+import math  # noqa: E402
+
+from summasim.costmodel.tools.isoefficiency import (  # noqa: E402
+    CLOSED_FORM_CASES, EXACT_SLOPE_TOL, LEADING_SLOPE_TOL, print_closed_forms,
+    summa25_check, summa25_closed_form, summa25_exponent, summa25_overhead)
+from summasim.costmodel.workload.layer import scheme_cost  # noqa: E402
+from summasim.costmodel.workload.scheme import Scheme, TransformerConfig  # noqa: E402
+
+ISO_CFG = TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)   # isoefficiency's
+VARIANTS = [ISO_CFG,
+            ISO_CFG.replace(recompute="none", dtype="float64"),
+            ISO_CFG.replace(recompute="selective", ffn=2),
+            ISO_CFG.replace(attention="flash", s=1024, dtype="bfloat16"),
+            ISO_CFG.replace(recompute="none", attention="flash", ffn=8 / 3)]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c.recompute}-{c.attention}-f{c.ffn:.3g}")
+@pytest.mark.parametrize("q,d", [(2, 2), (4, 2), (2, 4), (4, 4), (8, 4), (3, 5), (2, 8)])
+def test_summa25_overhead_is_the_cost_models_communication(q, d, cfg):
+    """Phi beta w h^2 / p is scheme_cost's forward + backward seconds in paper mode, per
+    grid (d > q and q not a power of two included) and training variant; nothing fitted."""
+    m = paper_machine()
+    h = 768.0
+    cfg = cfg.replace(h=h, b=h / 64, n=12)
+    c = cfg.replace(checkpoint=None)
+    cost = scheme_cost(Scheme("summa25", d * q * q, q, d), cfg, m, mode="paper", compute=False)
+    passes = 4 if cfg.recompute == "full" else 3
+    phi = summa25_overhead(q, d, c=cfg.b * cfg.s / h, ffn=cfg.ffn, passes=passes)
+    want = 1e-9 * cfg.itemsize * h * h * phi / (d * q * q)
+    got = cost.forward.comm_seconds + cost.backward.comm_seconds
+    assert got == pytest.approx(want, rel=1e-12), (c.recompute, got, want)
+
+
+def test_summa25_overhead_at_d1_is_optimus_table1():
+    """d = 1: 4 passes of Optimus Table 1's forward ``log(p)/(2 sqrt p) (7bsh + 12h^2)``
+    times p, in units of beta w h^2: ``4 q log2 q (7 c + 12)``; no depth term."""
+    for q in (2, 4, 8, 64):
+        p, c = q * q, 8.0
+        table1 = 4 * p * math.log2(p) / (2 * math.sqrt(p)) * (7 * c + 12)
+        assert summa25_overhead(q, 1, c=c) == pytest.approx(table1, rel=1e-14)
+    # the depth all-reduce is 2 (4+2f)(d-1), whatever q
+    assert summa25_overhead(1, 5, c=8.0) == pytest.approx(2 * 12 * 4)
+
+
+@pytest.mark.parametrize("cfg", VARIANTS[:4], ids=lambda c: f"{c.recompute}-{c.attention}")
+@pytest.mark.parametrize("d,ps", [(2, [8, 32, 128, 512, 2048, 8192]),
+                                  (4, [16, 64, 256, 1024, 4096]),
+                                  (None, [16, 64, 256, 1024, 4096]),
+                                  (None, [8, 64, 512, 4096, 32768])])      # the cube
+def test_summa25_fitted_slope_is_the_closed_forms(d, ps, cfg):
+    """The cost model's W(p) (root finding on scheme_cost) is the closed form's, point by
+    point, so the fitted slope equals the closed form's within EXACT_SLOPE_TOL."""
+    row = summa25_check(0.5, ps, d=d, cfg=cfg)
+    assert len(row["grids"]) == len(ps)
+    assert row["max_rel_W"] < 1e-9
+    assert abs(row["measured_minus_closed"]) <= EXACT_SLOPE_TOL
+    # brentq agrees too
+    fit = isoefficiency("summa25", 0.5, ps, d=d, cfg=cfg)
+    assert abs(fit.slope - summa25_closed_form(0.5, ps, d=d, cfg=cfg).slope) <= EXACT_SLOPE_TOL
+
+
+def test_summa25_closed_form_reduces_to_optimus_at_d1():
+    """At d = 1 the closed form is Optimus's: the fitted Optimus W point by point, and its
+    leading order is exactly the paper's (sqrt(p) log p)^3 (Optimus section 3.1.2)."""
+    closed = summa25_closed_form(0.5, P2, d=1)
+    fit = isoefficiency("optimus", 0.5, P2)
+    assert closed.p == fit.p == P4 and closed.grid == fit.grid
+    assert np.allclose(closed.W, fit.W, rtol=1e-9)
+    lead = summa25_closed_form(0.5, P4, d=1, order="leading")
+    assert lead.slope == pytest.approx(reference_slope("(sqrt(p) log p)^3", P4), abs=1e-12)
+    assert reference_slope("summa25 leading", P4, d=1) == pytest.approx(lead.slope)
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.2, 1 / 3])
+def test_summa25_asymptotic_exponent(delta):
+    """W ~ Phi^3 ~ (p^((1+delta)/2) log p)^3 with d ~ p^delta: 3/2 at a fixed d (Optimus's
+    law), 2 at the cube. Far out (p ~ 2^60..2^90, real q and d) the closed form's local
+    slope divided by that law's is flat."""
+    e = summa25_exponent(delta)
+    ps = np.logspace(60, 90, 7, base=2.0)
+    d = 4.0 * np.ones_like(ps) if delta == 0 else ps ** delta
+    q = np.sqrt(ps / d)
+    W = np.array([summa25_overhead(qi, di, c=8.0) ** 3 for qi, di in zip(q, d)])
+    law = ps ** e * np.log2(ps) ** 3
+    assert abs(loglog_slope(ps, W / law)) < 0.01
+    assert abs(loglog_slope(ps, W) - loglog_slope(ps, law)) < 0.01
+    assert summa25_exponent(0) == 1.5 and summa25_exponent(1 / 3) == 2.0
+
+
+class _Sink:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+
+def test_summa25_measured_slopes_against_the_laws():
+    """The printed table: over its ranges the fitted slope equals the exact closed
+    form's, sits within LEADING_SLOPE_TOL above the leading order's (finite s makes it
+    steeper), and at a fixed d within 0.25 of (sqrt(p) log p)^3, the tolerance the other
+    schemes' laws get; at the cube the asymptotic p^2 log^3 p is not reached by
+    p = 262144 (the activation term outweighs the weights' until d > (3+f) c/(4+2f) = 4.7)."""
+    out = _Sink()
+    rows = {r["case"]: r for r in print_closed_forms(0.5, out=out)}
+    head = out.text.splitlines()[1]
+    assert "slope_measured" in head and "slope_closed_form" in head
+    assert set(rows) == {case for case, *_ in CLOSED_FORM_CASES}
+    for case, r in rows.items():
+        assert case in out.text
+        assert abs(r["measured_minus_closed"]) <= EXACT_SLOPE_TOL
+        assert 0 < r["slope_measured"] - r["slope_leading"] <= LEADING_SLOPE_TOL
+    for case in ("d = 1 (Optimus)", "d = 2", "d = 4"):
+        assert abs(rows[case]["slope_measured"] - rows[case]["slope_law"]) <= 0.25
+    cube = rows["d = p^(1/3)"]
+    assert cube["grids"][-1] == "SUMMA2.5 [64,64,64]"
+    assert cube["slope_measured"] < cube["slope_law"] - 0.2
+    assert cube["slope_measured"] > rows["d = 2"]["slope_measured"]
+
+
+def test_summa25_reference_kinds_and_bad_input():
+    P = [16, 64, 256, 1024]
+    fit = isoefficiency("summa25", 0.5, P)
+    assert reference_slope("summa25 closed form", P) == pytest.approx(fit.slope, abs=1e-9)
+    assert reference_slope("summa25 closed form", P, E=0.7) != pytest.approx(fit.slope)
+    # (p^(2/3) log2 p)^3 from 8 to 64: 2 + 3 ln(6/3) / ln(8) = 3
+    assert reference_slope("(p^(2/3) log p)^3", [8, 64]) == pytest.approx(3.0, abs=1e-12)
+    with pytest.raises(ValueError, match="unknown reference"):
+        reference_slope("p^2", P)
+    with pytest.raises(ValueError, match="order"):
+        summa25_closed_form(0.5, P, order="first")
+    with pytest.raises(ValueError, match="efficiency E"):
+        summa25_closed_form(1.0, P)
+    with pytest.raises(ValueError, match="papers' block"):
+        summa25_closed_form(0.5, P, cfg=ISO_CFG.replace(mlp="swiglu"))
+    with pytest.raises(ValueError, match="delta"):
+        summa25_exponent(0.5)
+    with pytest.raises(ValueError, match="q, d >= 1"):
+        summa25_overhead(0, 2, c=1.0)
+    assert summa25_closed_form(0.5, [4, 9]).p == []       # no [q,q,d] with q, d >= 2

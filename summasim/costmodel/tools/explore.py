@@ -235,9 +235,8 @@ def words_moved(alg: str, n: int, q: int, d: int) -> dict:
     words = sum(b for _, b in algorithm_traffic(alg, n, n, n, q, d, itemsize=1,
                                                 coords=coords).values())
     rows = d * q if alg.startswith("summa25") else q          # A's and C's row blocks
-    held = [((n, n), rows, q), ((n, n), q, q), ((n, n), rows, q)]   # A, B, C
-    b = product_bounds([((r, c), "2.5d" if br != q else "2d") for (r, c), br, _ in held],
-                       n, n, n, q, d)
+    b = product_bounds([((n, n), (rows, q)), ((n, n), (q, q)), ((n, n), (rows, q))],
+                       n, n, n, q, d)                          # A, B (copied over d), C
     return {"words": words, "bound_independent": b["memory_independent"],
             "bound_dependent": b["memory_dependent"],
             "words_over_bound": words / b["bound"] if b["bound"] > 0 else None}
@@ -245,7 +244,7 @@ def words_moved(alg: str, n: int, q: int, d: int) -> dict:
 
 #: The problems of :func:`iso_table`, with the reference growth law of each.
 ISO_REFERENCES = {"megatron": "p^3", "optimus": "(sqrt(p) log p)^3",
-                  "summa25": "(sqrt(p) log p)^3", "cannon": "p^1.5", "summa": "p^1.5"}
+                  "summa25": "summa25 closed form", "cannon": "p^1.5", "summa": "p^1.5"}
 
 
 def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
@@ -266,7 +265,8 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
         curves[prob] = {"paper": r, "machine": rm}
         rows.append({"problem": prob, "E": E, "p_range": f"{p4[0]}..{p4[-1]}",
                      "slope_paper_assumptions": r.slope, "slope_this_machine": rm.slope,
-                     "reference": ref, "reference_slope": reference_slope(ref, p4)})
+                     "reference": ref,
+                     "reference_slope": reference_slope(ref, p4, E=E, cfg=cfg.replace(N=1))})
         if tick is not None:
             tick()
     return rows, curves

@@ -22,10 +22,31 @@ MPICH's algorithms for the matrix products) the exponents are: Megatron p^3,
 Optimus (sqrt(p) log p)^3, Cannon and SUMMA (with the scatter-allgather broadcast
 MPICH uses for long messages) p^1.5.
 
+Closed forms (what a fitted slope is checked against)
+-----------------------------------------------------
+Megatron    W ~ h^3 ~ p^3 (Optimus section 3.1.2: "the isoefficiency function for
+            Megatron is W ~ h^3 ~ p^3").
+Optimus     W ~ h^3 ~ (sqrt(p) log p)^3 (Optimus section 3.1.2, from a communication
+            time "in O(2 beta q h^2/p log q)" on a q x q mesh; also its abstract).
+SUMMA2.5-LM :func:`summa25_closed_form` (derived there from summasim.algorithms.summa25's
+            per-call traffic; the SUMMA2.5-LM paper states no isoefficiency function):
+            ``p T_comm = beta w h^2 Phi(q, d)`` with
+            ``Phi = P q log2(q) ((3+f) c + (4+2f) d) + 2 (4+2f)(d-1)``, c = b s / h,
+            P = 4 passes with checkpointing. Hence W ~ Phi^3: (sqrt(p) log p)^3 at a
+            fixed d (Optimus's law; exactly Optimus's closed form at d = 1) and
+            (p^(2/3) log p)^3 = p^2 log^3 p at d = p^(1/3), the cube
+            (:func:`summa25_exponent`). :func:`reference_slope` prices it ("summa25
+            closed form", "summa25 leading"), :func:`summa25_check` sets it next to the
+            fitted slope and :func:`print_closed_forms` prints that comparison.
+
 References
 ----------
 A. Grama, A. Gupta, G. Karypis, V. Kumar, "Introduction to Parallel Computing",
 2nd ed., Addison-Wesley 2003, section 5.4.
+Q. Xu, S. Li, C. Gong, Y. You, "An Efficient 2D Method for Training Super-Large Deep
+Learning Models" (Optimus), 2021, sections 2.5 and 3.1.2.
+B. Wang, Q. Xu, Z. Bian, Y. You, "2.5-dimensional distributed model training"
+(SUMMA2.5-LM), 2021, sections 2.3 and 3.1, Algorithm 3.
 """
 
 from __future__ import annotations
@@ -290,9 +311,297 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
     return IsoResult(problem, E, ps, xs, Ws, loglog_slope(ps, Ws), grids)
 
 
-def reference_slope(kind: str, p_values) -> float:
-    """Log-log slope of a reference growth law over ``p_values``: "p^3", "p^1.5",
-    or "(sqrt(p) log p)^3" (log base 2)."""
+# -- SUMMA2.5-LM: the closed form ----------------------------------------------------------
+#: The growth law of :func:`reference_slope`'s ``"summa25 leading"`` (leading order in h).
+SUMMA25_LAW = "Phi^3, Phi = P q log2(q) ((3+f) bs/h + (4+2f) d) + 2 (4+2f)(d-1)"
+
+
+def summa25_exponent(delta: float) -> float:
+    """The power of p in SUMMA2.5-LM's isoefficiency W ~ (p^((1+delta)/2) log p)^3 with
+    the depth growing as d ~ p^delta, 0 <= delta <= 1/3 (log factors aside): 3/2 at a
+    fixed d (Optimus's), 2 at the cube d = p^(1/3) (:func:`summa25_closed_form`)."""
+    if not 0 <= delta <= 1 / 3:
+        raise ValueError(f"delta must be in [0, 1/3] (d <= q), got {delta}")
+    return 1.5 * (1 + delta)
+
+
+def _passes(cfg: TransformerConfig) -> tuple[float, float, float]:
+    """(linear GEMM passes, attention-core passes in forward units, communication passes)
+    of one layer's forward + backward: forward 1, backward 2 (its dX and dW products),
+    plus 1 for what the recompute re-runs; the blockwise (flash) backward is 2.5 forward
+    attention cores (Dao 2023), and under it selective recompute is none (layer_ops)."""
+    att_bwd = 2.5 if cfg.attention == "flash" else 2.0
+    if cfg.recompute == "full":
+        return 4.0, 2.0 + att_bwd, 4.0
+    if cfg.recompute == "selective" and cfg.attention == "plain":
+        return 3.0, 2.0 + att_bwd, 3.0
+    return 3.0, 1.0 + att_bwd, 3.0
+
+
+def _paper_block(cfg: TransformerConfig) -> None:
+    """ValueError unless ``cfg`` is the papers' block (GELU MLP, every head its own K, V):
+    the closed form's two linear sums (3+f) h and (4+2f) h^2 are that block's."""
+    if cfg.mlp != "gelu" or cfg.kv_heads is not None:
+        raise ValueError("the SUMMA2.5-LM closed form is derived for the papers' block "
+                         f"(mlp='gelu', kv_heads=None); got mlp={cfg.mlp!r}, "
+                         f"kv_heads={cfg.kv_heads!r}")
+    if cfg.sequence_parallel:
+        raise ValueError("sequence parallelism is Megatron's; SUMMA2.5-LM has none")
+
+
+def summa25_overhead(q: int, d: int, *, c: float, ffn: float = 4.0,
+                     passes: float = 4.0) -> float:
+    """``Phi = p T_comm / (beta w h^2)``: a SUMMA2.5-LM layer's total overhead on [q, q, d]
+    in units of ``beta w h^2`` (paper formulas, alpha = 0; see :func:`summa25_closed_form`).
+
+    ``Phi = passes q log2(q) ((3+f) c + (4+2f) d) + 2 (4+2f)(d-1)`` with ``c = b s / h``;
+    d = 1 is Optimus on q x q. ``passes``: 4 with whole-layer recompute, else 3.
+    """
+    if q < 1 or d < 1:
+        raise ValueError(f"need q, d >= 1, got q={q}, d={d}")
+    f = ffn
+    return (passes * q * math.log2(q) * ((3 + f) * c + (4 + 2 * f) * d)
+            + 2 * (4 + 2 * f) * (d - 1))
+
+
+def summa25_closed_form(E: float, p_values, *, d: int | None = None,
+                        cfg: TransformerConfig | None = None, b_per_h: float = 1 / 64,
+                        beta: float = 1e-9, gamma: float = 1e-11, order: str = "exact",
+                        x_bounds=(1e-3, 1e12)) -> IsoResult:
+    r"""The isoefficiency function of SUMMA2.5-LM in closed form: W(p) and its slope.
+
+    The same problem as :func:`isoefficiency` ("summa25" with ``mode="paper"`` on
+    :func:`paper_machine`: alpha = 0, ``beta`` s/byte, ``gamma`` s/flop), solved by
+    hand instead of by root finding, on the same grids (:func:`_scheme_for`; ``d=1``
+    is Optimus on q x q, p = q^2).
+
+    Parameters
+    ----------
+    E : float
+        Efficiency, 0 < E < 1.
+    p_values : iterable of int
+        Ranks; those without a grid of the rule are skipped, as in :func:`isoefficiency`.
+    d : int, optional
+        A fixed depth, or None for :func:`_scheme_for`'s rule (the deepest d <= q; on
+        p = q^3 that is the cube d = q = p^(1/3)).
+    cfg : TransformerConfig, optional
+        s, f, dtype (w bytes per item), recompute, attention; default as
+        :func:`isoefficiency`'s. Must be the papers' block (GELU, no grouped-query heads).
+    b_per_h : float
+        b = b_per_h h (so c = b s / h = b_per_h s is constant).
+    beta, gamma : float
+        :func:`paper_machine`'s.
+    order : {"exact", "leading"}
+        "exact": h from the linear equation below, finite s included (equals the
+        cost model's solution to rounding); "leading": the ``2 s`` attention term of W
+        dropped, so ``W = (beta w)^3 Phi^3 / (4 P_l^2 gamma^2 c^2 (4+2f)^2 r^3)`` ~ Phi^3.
+    x_bounds : (float, float)
+        h is clamped to ``x_bounds[0]`` (efficient at any size), as the solver does.
+
+    Returns
+    -------
+    IsoResult
+        problem ``"summa25 closed form"`` (or ``"... (leading)"``); ``slope`` the
+        log-log slope of the closed-form W over the solved p.
+
+    Notes
+    -----
+    *Communication per layer per rank* (summasim.algorithms.summa25's module docstring:
+    what every rank sends per call). Each linear ``Y = X W``, X ``[M, i]`` (M = b s,
+    2.5d layout), W ``[i, o]`` (2d, replicated over depth), runs
+
+    - forward ``summa25_ab``: q row broadcasts of ``(M/(dq))(i/q)`` items and q column
+      broadcasts of ``(i/q)(o/q)``;
+    - backward dX ``summa25_abt(dY, W)``: q column broadcasts of ``(i/q)(o/q)`` and q
+      row reduces of ``(M/(dq))(i/q)``;
+    - backward dW ``summa25_atb(X, dY)``: q row broadcasts of ``(M/(dq))(i/q)``, q
+      column reduces of ``(i/q)(o/q)``, then a ring all-reduce over ``grid.depth`` of
+      ``(i/q)(o/q)`` items (2(d-1) sendrecvs of 1/d of it).
+
+    With the Optimus eq. (4) broadcast = reduce = ``log2(q) beta B`` and the ring
+    ``2 (d-1)/d beta B`` (eq. (5); B bytes, w bytes per item), each of the three
+    products costs ``(log2 q / q) beta w (M i / d + i o)``, and the depth all-reduce
+    ``2 (d-1)/(d q^2) beta w i o``. The four linears of the papers' block (QKV
+    [h, 3h], projection [h, h], fc1 [h, f h], fc2 [f h, h]) sum to
+    ``sum i = (3+f) h`` and ``sum i o = (4+2f) h^2`` [7h, 12h^2 for f = 4]; the
+    attention core sends nothing. The forward is therefore
+
+        T_f = (log2 q / q) beta w ((3+f) M h / d + (4+2f) h^2)
+
+    (Optimus Table 1's ``log(p)/(2 sqrt p) (7bsh + 12h^2)`` at d = 1), the backward
+    ``2 T_f + T_depth`` with ``T_depth = 2 (d-1)/(d q^2) (4+2f) beta w h^2``, and with
+    whole-layer recompute the backward re-runs the forward: ``T_comm = P T_f +
+    T_depth`` with P = 4 (3 without recompute).
+
+    *Computation.* The serial layer takes ``W = gamma (P_l 2 M (4+2f) h^2 + P_a 4 b s^2
+    h)`` (linears, attention core; P_l = P_a = 4 with recompute), and a rank ``W/p``.
+
+    *Overhead.* ``T_o = p T_comm``; with ``p = d q^2`` (so p/q = d q, p/q^2 = d) and
+    b = b_per_h h, i.e. ``M = c h`` with c = b s / h = b_per_h s constant:
+
+        T_o = beta w h^2 Phi(q, d),
+        Phi = P q log2(q) ((3+f) c + (4+2f) d) + 2 (4+2f)(d-1).
+
+    *Isoefficiency.* ``E = 1 / (1 + T_o/W)``, so ``W = K T_o`` with K = E/(1-E) = 1/r.
+    Both sides are ``h^2`` times something: with W = ``2 gamma c h^2 (P_l (4+2f) h +
+    P_a 2 s)``,
+
+        P_l (4+2f) h + 2 P_a s = beta w Phi / (2 gamma c r),
+
+    linear in h: ``h = (beta w Phi / (2 gamma c r) - 2 P_a s) / (P_l (4+2f))`` and
+    W = W(h). To leading order in h (h >> s), ``W ~ h^3 ~ Phi^3``:
+
+    - fixed d: q = sqrt(p/d), ``Phi ~ q log q`` so ``W ~ (sqrt(p) log p)^3``, power
+      exponent 3/2: Optimus's law (section 3.1.2); d only changes the constant
+      (activations' term shrinks as 1/d, the weights' grows as d);
+    - d = p^(1/3) (the cube, q = d): ``Phi ~ P (4+2f) q^2 log2 q = P (4+2f)/3
+      p^(2/3) log2 p``, so ``W ~ (p^(2/3) log p)^3 = p^2 log^3 p``, exponent 2;
+    - d = p^delta, 0 < delta <= 1/3: ``W ~ (p^((1+delta)/2) log p)^3``.
+
+    The depth all-reduce adds ``2 (4+2f)(d-1)`` to Phi: a constant at fixed d and
+    ~ p^(1/3) at the cube, below the broadcasts' ``q log q`` terms in order; it stays
+    in the exact form. The weights are replicated over the depth and every depth
+    layer broadcasts them again, so the weight term (4+2f) d q log q grows with d at
+    fixed p while the activation term (3+f) c q log q shrinks: deeper pays while
+    ``d < (3+f) c / (4+2f)`` (log factors aside), which is why a growing d ends up
+    with a steeper law than Optimus's. The SUMMA2.5-LM paper (sections 2.3 and 3.1)
+    quotes Solomonik and Demmel's 2.5D lower bounds (words ``Omega(n^2/sqrt(d p))``,
+    messages ``Omega(p^(1/2)/d^(3/2))``) and concludes "greater d could lead to less
+    communication time"; that bound is met by Solomonik and Demmel's algorithm, whose d
+    layers each run 1/d of the q steps on replicated A and B, whereas SUMMA2.5 gives
+    each layer 1/d of A's rows and all q steps, so every layer broadcasts the whole
+    of B (the weights) again. It states no isoefficiency function.
+
+    What this leaves out, as the cost model's "paper" mode does: latency (alpha = 0),
+    the LayerNorm and bias traffic (``include_minor``; the paper's "negligible"),
+    elementwise compute, and the embedding and head.
+    """
+    if not 0 < E < 1:
+        raise ValueError(f"efficiency E must be in (0, 1), got {E}")
+    if order not in ("exact", "leading"):
+        raise ValueError(f"unknown order {order!r}; choose 'exact' or 'leading'")
+    cfg = cfg or TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)
+    _paper_block(cfg)
+    r = (1.0 - E) / E
+    f, s, w = cfg.ffn, cfg.s, cfg.itemsize
+    c = b_per_h * s
+    P_l, P_a, P = _passes(cfg)
+    ps, hs, Ws, grids = [], [], [], []
+    for p in p_values:
+        p = int(p)
+        sch = _scheme_for("optimus" if d == 1 else "summa25", p, None if d == 1 else d)
+        if sch is None:
+            continue
+        phi = summa25_overhead(sch.q, sch.d, c=c, ffn=f, passes=P)
+        rhs = beta * w * phi / (2 * gamma * c * r)      # = P_l (4+2f) h + 2 P_a s
+        if order == "leading":
+            h = rhs / (P_l * (4 + 2 * f))
+            W = 2 * gamma * c * h * h * P_l * (4 + 2 * f) * h
+        else:
+            h = max((rhs - 2 * P_a * s) / (P_l * (4 + 2 * f)), x_bounds[0])
+            W = 2 * gamma * c * h * h * (P_l * (4 + 2 * f) * h + 2 * P_a * s)
+        ps.append(p)
+        hs.append(h)
+        Ws.append(W)
+        grids.append(sch.label)
+    name = "summa25 closed form" + (" (leading)" if order == "leading" else "")
+    return IsoResult(name, E, ps, hs, Ws, loglog_slope(ps, Ws), grids)
+
+
+#: How far the fitted slope may sit from the exact closed form's (both solve the same
+#: equation; the root finder's tolerance, 1e-10 in log h, is far below it).
+EXACT_SLOPE_TOL = 1e-6
+
+
+def summa25_check(E: float, p_values, *, d: int | None = None,
+                  cfg: TransformerConfig | None = None, b_per_h: float = 1 / 64,
+                  law: str | None = None, case: str | None = None,
+                  solver: str = "illinois") -> dict:
+    """The fitted SUMMA2.5 slope (:func:`isoefficiency`, paper assumptions; d = 1:
+    Optimus) next to its closed forms over the same p and grids.
+
+    Returns ``{"case", "p_range", "grids", "slope_measured", "slope_closed_form",
+    "measured_minus_closed", "slope_leading", "law", "slope_law", "max_rel_W"}``: the
+    exact closed form's slope (equal to the measured one within :data:`EXACT_SLOPE_TOL`:
+    the same equation, solved by hand), the leading-order law's (Phi^3; the fitted slope is steeper while h is not
+    >> s, by the attention core's ``2 s`` term of W: within :data:`LEADING_SLOPE_TOL`
+    here), and, when ``law`` (a :func:`reference_slope` kind) is given, the asymptotic
+    law's over the same p, which also differs by the log factors' local slope
+    (``log2 p = 2 log2 q + log2 d``), by the d - 1 term and, while ``d < (3+f) c /
+    (4+2f)``, by the activation term that the law drops. ``max_rel_W`` is the largest
+    relative difference between the fitted and the exact closed-form W.
+    """
+    cfg = cfg or TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)
+    kw = dict(cfg=cfg, b_per_h=b_per_h, n_per_h=b_per_h)
+    if d == 1:
+        meas = isoefficiency("optimus", E, p_values, solver=solver, **kw)
+    else:
+        meas = isoefficiency("summa25", E, p_values, d=d, solver=solver, **kw)
+    exact = summa25_closed_form(E, meas.p, d=d, cfg=cfg, b_per_h=b_per_h)
+    lead = summa25_closed_form(E, meas.p, d=d, cfg=cfg, b_per_h=b_per_h, order="leading")
+    rel = max((abs(a / b - 1) for a, b in zip(meas.W, exact.W)), default=float("nan"))
+    if case is None:
+        case = "d = 1 (Optimus)" if d == 1 else (f"d = {d}" if d else "d by the rule")
+    return {"case": case, "p_range": f"{meas.p[0]}..{meas.p[-1]}" if meas.p else "-",
+            "grids": meas.grid, "slope_measured": meas.slope,
+            "slope_closed_form": exact.slope,
+            "measured_minus_closed": meas.slope - exact.slope, "slope_leading": lead.slope,
+            "law": law or "-",
+            "slope_law": reference_slope(law, meas.p) if law else float("nan"),
+            "max_rel_W": rel}
+
+
+#: How far the fitted slope may sit from the leading-order law's over
+#: :data:`CLOSED_FORM_CASES` (s = 512, b = h/64: h from 260 up, 2 s/(4+2f) = 85).
+LEADING_SLOPE_TOL = 0.05
+
+#: The rows of :func:`print_closed_forms`: (case, d, p values, asymptotic law).
+CLOSED_FORM_CASES = (
+    ("d = 1 (Optimus)", 1, [4 ** k for k in range(2, 9)], "(sqrt(p) log p)^3"),  # 16..65536
+    ("d = 2", 2, [2 * 4 ** k for k in range(1, 9)], "(sqrt(p) log p)^3"),        # 8..131072
+    ("d = 4", 4, [4 ** k for k in range(2, 10)], "(sqrt(p) log p)^3"),           # 16..262144
+    ("d by the rule", None, [4 ** k for k in range(2, 9)], None),   # explore's p: a staircase
+    ("d = p^(1/3)", None, [8 ** k for k in range(1, 7)], "(p^(2/3) log p)^3"),  # cubes 8..262144
+)
+
+
+def print_closed_forms(E: float = 0.5, out=None) -> list[dict]:
+    """Print (to ``out``, default stdout) and return :func:`summa25_check`'s rows for
+    :data:`CLOSED_FORM_CASES`: the measured SUMMA2.5 slopes next to the closed forms."""
+    import sys
+
+    from ._cli import fmt, table
+
+    rows = [summa25_check(E, ps, d=d, law=law, case=case)
+            for case, d, ps, law in CLOSED_FORM_CASES]
+    heads = ["case", "p_range", "slope_measured", "slope_closed_form",
+             "measured_minus_closed", "slope_leading", "law", "slope_law", "max_rel_W"]
+    out = out or sys.stdout
+    out.write(f"SUMMA2.5-LM isoefficiency at E = {E}, papers' assumptions (alpha = 0): "
+              f"fitted slope of W(p) against the closed form\n")
+    out.write(table(heads, [[fmt(r[k]) for k in heads] for r in rows]))
+    return rows
+
+
+def reference_slope(kind: str, p_values, *, E: float = 0.5,
+                    cfg: TransformerConfig | None = None, b_per_h: float = 1 / 64,
+                    d: int | None = None) -> float:
+    """Log-log slope of a reference growth law over ``p_values``.
+
+    Kinds: "p^3", "p^1.5", "(sqrt(p) log p)^3" (log base 2; alias "optimus"),
+    "(p^(2/3) log p)^3" (SUMMA2.5 at d = p^(1/3), asymptotically), and SUMMA2.5-LM's
+    closed forms of :func:`summa25_closed_form` on the grids :func:`isoefficiency` takes
+    at each p for depth ``d`` (p without one are skipped), with ``cfg``'s s, f, dtype
+    and recompute and ``b_per_h`` (defaults: :func:`isoefficiency`'s), on
+    :func:`paper_machine`: "summa25 closed form" (exact, at efficiency ``E``: what the
+    "paper assumptions" fit must equal) and "summa25 leading" (:data:`SUMMA25_LAW`,
+    W ~ Phi^3, independent of E, beta and gamma). Only the SUMMA2.5 kinds read ``E``,
+    ``cfg``, ``b_per_h`` and ``d``.
+    """
+    if kind in ("summa25 closed form", "summa25 leading"):
+        order = "exact" if kind == "summa25 closed form" else "leading"
+        return summa25_closed_form(E, p_values, d=d, cfg=cfg, b_per_h=b_per_h,
+                                   order=order).slope
     p = np.asarray(list(p_values), float)
     if kind == "p^3":
         y = p ** 3
@@ -300,6 +609,8 @@ def reference_slope(kind: str, p_values) -> float:
         y = p ** 1.5
     elif kind in ("(sqrt(p) log p)^3", "optimus"):
         y = (np.sqrt(p) * np.log2(p)) ** 3
+    elif kind == "(p^(2/3) log p)^3":
+        y = (p ** (2 / 3) * np.log2(p)) ** 3
     else:
         raise ValueError(f"unknown reference {kind!r}")
     return loglog_slope(p, y)
