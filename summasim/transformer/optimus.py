@@ -36,6 +36,10 @@ biases, LayerNorm ``g``/``b``,    hosted on row 0: rank ``(0, j, k)`` holds colu
 ``mlp.gate.w [h, F]``, ``.b``     SwiGLU's gate: laid out exactly as ``mlp.fc.w``/``.b``
                                   (its own SUMMA product), so ``swiglu`` runs elementwise
                                   on matching ``[N, F/q]`` blocks of gate and up
+``cls.w [h, k]`` (classifier)     hosted on row 0: rank ``(0, j, k)`` holds the rows that
+                                  meet its hidden block, ``cls.w[H_j, :]`` ``[h/q, k]``;
+                                  ranks with ``i > 0`` hold ``[0, k]``
+``cls.b [k]`` (classifier)        hosted whole on rank ``(0, 0, k)``; ``[0]`` elsewhere
 ================================  ===================================================
 
 Attention is local: a rank holds whole sequences (``bl`` of them), ``n/q`` whole query
@@ -58,6 +62,47 @@ linear layer without bias: ``logits = ab(x, head.w)``, ``dx = abt(dlogits, head.
 ``dhead.w = atb(x, dlogits)`` (``[h/q, v/q]``), and ``wte``'s gradient is the
 embedding's alone. Either way the logits block is ``[N, v/q]``, vocab block j, and the
 vocab-parallel cross-entropy is the same.
+
+Classification head (``Config.n_classes = k > 0``; Optimus section 2.1's second
+branch, which "selects the embedding at certain token position" and predicts a label
+per sequence, and leaves its partition open). As the serial model
+(:func:`ops.classifier_forward`): the final LayerNorm runs on every token, the logits
+are ``lnf(x)[:, -1] cls.w + cls.b`` from each sequence's LAST token (position ``t - 1``
+of the ``t`` tokens given), the loss is the mean cross-entropy over the ``b``
+sequences (``n_items = b``). The layout above treats ``cls.w`` as Optimus treats every
+non-SUMMA parameter (section 3.2.1: hosted on row 0, broadcast down the columns,
+gradients reduced onto row 0), cut along h to meet the activation's hidden block j:
+k is small (2 for the paper's binary label) and need not divide q, so no SUMMA
+product over a ``[h/q, k/q]`` block is needed, and every k runs on every grid. (Blocking
+``cls.w`` 2d like ``head.w`` would need ``q | k``, which a binary label on q = 4 fails,
+and its ``ab`` would move ``(b h / d + h k) / q`` items per rank forward against
+``(b k / d + h k) / q`` here: more whenever k < h.) The
+bias, whose k entries cannot be split into q column blocks in general, lives once, on
+``(0, 0)``, and is added by column 0 only, into its partial logits before the row sum.
+Per step and rank (``bl = b/(dq)`` sequences, ``hk = h k / q``, ``+k`` on column 0):
+
+=====================================  ==============================================
+``clshead.fwd/aux.params.bcast``       one ``grid.col`` broadcast from row 0 of the
+                                       packed ``[cls.w[H_j, :] | cls.b]``: hk (+k) items
+``clshead.fwd/aux.logits``             partial ``x_last[:, H_j] cls.w[H_j, :]`` (bl, k)
+                                       (+ ``cls.b`` on column 0), one ``grid.row``
+                                       all-reduce of ``bl k`` items: the logits
+                                       ``[bl, k]``, replicated over the row
+``loss/aux.mean``                      the cross-entropy is local (whole rows of k);
+                                       the loss sum: one ``grid.col`` and one
+                                       ``grid.depth`` all-reduce of 1 item
+``clshead.bwd``                        ``dlogits`` is the same on every rank of the row
+                                       (the conjugate of the row all-reduce is this
+                                       copy: no message); ``dx[:, -1] = dlogits
+                                       cls.w[H_j, :]^T`` locally; ``aux.grads.reduce``:
+                                       one ``grid.col`` reduce onto row 0 of the packed
+                                       ``[x_last^T dlogits | dlogits summed (column 0)]``,
+                                       hk (+k) items; ``aux.grads.depth`` (d > 1, row
+                                       0): a ring all-reduce of them over ``grid.depth``
+=====================================  ==============================================
+
+Groups of one send nothing, so q = 1, d = 1 sends nothing at all. :func:`classifier_payload`
+states these per rank; ``lnf.fwd``/``lnf.bwd`` are the LM's.
 
 Row-0 hosted vectors of one layer (LayerNorm ``g``/``b`` and the four biases) travel
 as ONE packed buffer: one ``grid.col`` broadcast per layer forward, one ``grid.col``
@@ -88,7 +133,10 @@ Trace phases (each event's phase is ``"<top>/<sub>"``; sub starts with "tp." or 
 ``lnf.fwd``    ``aux.params.bcast``, ``aux.ln``;  ``lnf.bwd``: ``aux.ln``,
                ``aux.grads.reduce``, ``aux.grads.depth``
 ``lmhead.fwd`` ``aux.logits``;  ``lmhead.bwd``: ``aux.logits.dX``, ``aux.logits.dW``
-``loss``       ``aux.ce`` (row max / sums), ``aux.mean`` (col and depth sums of the loss)
+``clshead.fwd`` (classifier, in place of ``lmhead``) ``aux.params.bcast``, ``aux.logits``;
+               ``clshead.bwd``: ``aux.grads.reduce``, ``aux.grads.depth``
+``loss``       ``aux.ce`` (row max / sums; LM only), ``aux.mean`` (col and depth sums of
+               the loss)
 
 Per rank, one layer's ``tp.*`` broadcast and reduce payload is exactly
 ``(7 b s h / d + 12 h^2) / q`` items forward (Optimus Table 1 with ``ffn_mult = 4``;
@@ -179,16 +227,14 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     Needs ``b % (d q) == 0`` (whole sequences per rank), ``h % q``, ``n % q``
     (whole heads per column), ``kv_heads % q`` (whole key/value heads per column,
     grouped-query attention), ``v % q`` and ``ffn % q`` (the MLP width ``round(f h)``).
-    Pure: no communication, so every rank raises the same ``ValueError`` (naming the
-    dimension, its size and the divisor) before anything is sent. ``TypeError`` for a
-    non-Grid.
+    A classification head (``n_classes = k > 0``) adds nothing: any k fits (``cls.w``
+    is cut along h only, see the module docstring). Pure: no communication, so every
+    rank raises the same ``ValueError`` (naming the dimension, its size and the divisor)
+    before anything is sent. ``TypeError`` for a non-Grid.
     """
     if not isinstance(config, Config):
         raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
     _check_grid(grid, ("q", "d", "row", "col", "depth", "layer"))    # pure: no world needed
-    if config.n_classes:
-        raise ValueError(f"optimus: Config.n_classes = {config.n_classes}: the classification "
-                         f"head is not implemented (language model only)")
     q, d = grid.q, grid.d
     where = f"optimus on a {_grid_label(grid)} grid"
     dims = [("hidden h = Config.hidden", config.hidden, q, "q", "hidden columns split over q"),
@@ -215,9 +261,22 @@ def _vec_sizes(config: Config, q: int) -> dict:
     return {key: full[key] // q for key in vec_keys(config.mlp)}
 
 
+CLS_KEYS = ("cls.w", "cls.b")     # the classification head's: neither 2d nor column-blocked
+
+
 def _is_row0_key(name: str) -> bool:
-    """Vectors (biases, LayerNorm) and wpe are hosted on row 0; wte and weights are 2d."""
+    """Vectors (biases, LayerNorm) and wpe are hosted on row 0; wte and weights are 2d.
+    (The classifier's :data:`CLS_KEYS` are neither: see :func:`_cls_shape`.)"""
     return name == "wpe" or name.rsplit(".", 1)[-1] in ("b", "g")
+
+
+def _cls_shape(name: str, config: Config, q: int, i: int, j: int) -> tuple:
+    """Local shape of ``cls.w`` (row 0: ``[h/q, k]``, the rows ``H_j``; else ``[0, k]``)
+    or ``cls.b`` (rank (0, 0): ``[k]``; else ``[0]``). Pure."""
+    k = config.n_classes
+    if name == "cls.w":
+        return (config.hidden // q if i == 0 else 0, k)
+    return (k if i == 0 and j == 0 else 0,)
 
 
 def local_shapes(config: Config, grid) -> dict:
@@ -227,13 +286,17 @@ def local_shapes(config: Config, grid) -> dict:
     ``(h/q, W/q)`` with ``W = h + 2 kv_width``; SwiGLU's ``mlp.gate.w`` ``(h/q, F/q)``
     like ``mlp.fc.w``; the untied ``head.w`` ``(h/q, v/q)``); on row 0 the column block
     of each row-0 hosted array (``(n/q,)``, ``wpe``: ``(s, h/q)``), elsewhere a
-    zero-size array (``(0,)``, ``wpe``: ``(0, h/q)``).
+    zero-size array (``(0,)``, ``wpe``: ``(0, h/q)``). A classifier's ``cls.w`` is
+    ``(h/q, k)`` on row 0 and ``(0, k)`` elsewhere, ``cls.b`` ``(k,)`` on rank (0, 0)
+    and ``(0,)`` elsewhere.
     """
     check(config, grid)
     q = grid.q
     out = {}
     for name, shape in model.param_shapes(config).items():
-        if _is_row0_key(name):      # column block j on row 0; leading extent 0 elsewhere
+        if name in CLS_KEYS:
+            out[name] = _cls_shape(name, config, q, grid.i, grid.j)
+        elif _is_row0_key(name):      # column block j on row 0; leading extent 0 elsewhere
             block = shape[:-1] + (shape[-1] // q,)
             out[name] = block if grid.i == 0 else (0,) + block[1:]
         else:
@@ -288,6 +351,41 @@ def layer_payload(config: Config, batch: int, q: int, d: int = 1,
     else:
         fwd = sum(m * k // d + k * k2 for k, k2 in layer_products(config).values()) // q
     return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd}
+
+
+def classifier_payload(config: Config, batch: int, q: int, d: int = 1, *, i: int = 0,
+                       j: int = 0) -> dict:
+    """Per-rank items of the classification head's own messages on rank ``(i, j, .)``.
+
+    ``{"fwd": {(op, group): items}, "bwd": {(op, group): items}}`` for the phases
+    ``clshead.fwd``, ``loss`` and ``clshead.bwd`` (module docstring), ``b = batch``,
+    ``k = config.n_classes``, ``bl = b/(dq)``, ``own = h k / q`` (``+ k`` on column
+    ``j = 0``, which also carries ``cls.b``)::
+
+        fwd  ("bcast", "col"): own    ("allreduce", "row"): bl k
+             ("allreduce", "col"): 1  ("allreduce", "depth"): 1      (the loss sum)
+        bwd  ("reduce", "col"): own   ("ring", "depth"): own   (row 0, d > 1: the length
+                                                                  of the ring all-reduce)
+
+    A group of one sends nothing: row/col entries only when q > 1, depth entries only
+    when d > 1. The final LayerNorm (``lnf.*``) is the LM head's and not counted. Pure.
+    """
+    q, d, k = int(q), int(d), int(config.n_classes)
+    if k <= 0:
+        raise ValueError(f"classifier_payload needs Config.n_classes > 0, got {k}")
+    own = config.hidden // q * k + (k if j == 0 else 0)
+    bl = int(batch) // (d * q)
+    fwd, bwd = {}, {}
+    if q > 1:
+        fwd[("bcast", "col")] = own
+        fwd[("allreduce", "row")] = bl * k
+        fwd[("allreduce", "col")] = 1
+        bwd[("reduce", "col")] = own
+    if d > 1:
+        fwd[("allreduce", "depth")] = 1
+        if i == 0:
+            bwd[("ring", "depth")] = own
+    return {"fwd": fwd, "bwd": bwd}
 
 
 def _check_local(local_params: dict, config: Config, grid, what: str) -> None:
@@ -429,6 +527,11 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
     for name, arr in params.items():
         if wanted is not None and name not in wanted:
             continue
+        if name in CLS_KEYS:                       # row 0: cls.w[H_j, :]; (0, 0): cls.b
+            n0 = shapes[name][0]
+            blk = arr[j * n0:(j + 1) * n0] if name == "cls.w" else arr[:n0]
+            local[name] = xp.array(blk, copy=True, order="C")
+            continue
         nc = shapes[name][-1]
         cols = slice(j * nc, (j + 1) * nc)
         if name.endswith(("attn.qkv.w", "attn.qkv.b")):
@@ -448,7 +551,8 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
     """Serial-layout arrays (keys and shapes of ``model.init_params``) on every rank.
 
     Works for local params as well as local grads: 2d blocks come from every rank of
-    the layer, row-0 hosted arrays from row 0; the qkv permutation is undone. One
+    the layer, row-0 hosted arrays from row 0 (a classifier's ``cls.w`` from row 0,
+    ``cls.b`` from rank (0, 0)); the qkv permutation is undone. One
     all-gather over ``grid.layer`` (phase ``"unshard/aux.gather"``) of a packed buffer.
     Bad ``local_grads`` on any rank, or configs that differ, raise on every rank
     before it (the untraced agreement).
@@ -463,7 +567,9 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
     # every rank packs the same layout: 2d blocks, then row-0 blocks (zeros off row 0)
     sizes = {}
     for name, shape in shapes.items():
-        if _is_row0_key(name):
+        if name in CLS_KEYS:      # cls.w: (h/q, k) from each of row 0; cls.b: (k,) from (0, 0)
+            sizes[name] = math.prod(shape) // q if name == "cls.w" else shape[0]
+        elif _is_row0_key(name):
             sizes[name] = math.prod(shape) // q
         else:
             sizes[name] = math.prod(shape) // (q * q)
@@ -489,7 +595,12 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
     out = {}
     for name, shape in shapes.items():
         seg = parts[:, off[name]:off[name] + sizes[name]]                  # (q*q, size)
-        if _is_row0_key(name):
+        if name == "cls.w":       # row 0 (layer ranks 0..q-1) holds the rows H_j
+            full = xp.concatenate([seg[jj].reshape(shape[0] // q, shape[1])
+                                   for jj in range(q)], axis=0)             # (h, k)
+        elif name == "cls.b":     # rank (0, 0) alone
+            full = seg[0].reshape(shape)                                    # (k,)
+        elif _is_row0_key(name):
             lead = shape[:-1]
             nc = shape[-1] // q
             blocks = [seg[jj].reshape(lead + (nc,)) for jj in range(q)]    # row 0: ranks 0..q-1
@@ -887,27 +998,109 @@ class HeadCache(NamedTuple):
     shape: tuple                 # (bl, t): local sequences and their length
     lnf: ops.LayerNormCache
     xf: Array                    # final hidden states (lnf output), (N, h/q)
-    logits: Array                # local logits block, (N, v/q): vocab block j
+    logits: Array                # local logits block, (N, v/q): vocab block j; classifier:
+    #                              (bl, k), the whole logits of the row's sequences
     ce: Optional[ops.CrossEntropyCache]   # None when no targets were given
     n_items: Optional[int]       # the denominator of the mean loss (None: no targets)
+    cls_w: Optional[Array] = None   # classifier: cls.w[H_j, :] as broadcast, (h/q, k)
+
+
+def _cls_sizes(config: Config, grid) -> tuple:
+    """``(h/q * k, own)``: the items of this column's ``cls.w`` rows, and of the packed
+    ``[cls.w[H_j, :] | cls.b]`` buffer (``cls.b`` rides on column 0 only)."""
+    k = config.n_classes
+    hk = config.hidden // grid.q * k
+    return hk, hk + (k if grid.j == 0 else 0)
+
+
+def _cls_forward(xf, p: dict, config: Config, grid, bl: int, t: int):
+    """Logits (bl, k) of the last tokens of the block xf (N, h/q), replicated over the
+    row, and the broadcast ``cls.w[H_j, :]`` (h/q, k) (phase ``clshead.fwd``)."""
+    xp = array_module(xf)
+    tr = grid.trace
+    hq, k = config.hidden // grid.q, config.n_classes
+    hk, own = _cls_sizes(config, grid)
+    # row 0 packs [cls.w[H_j, :] | cls.b]; cls.b is (0,) off column 0, so one expression
+    local = (xp.concatenate([p["cls.w"].reshape(-1), p["cls.b"]]) if grid.i == 0
+             else None)                                                    # (own,)
+    with tr.phase("aux.params.bcast"):  # col bcast from row 0 (bwd: _reduce_to_row0)
+        buf = _bcast_from_row0(grid, local, own, xp, xf.dtype)             # (own,)
+    w = buf[:hk].reshape(hq, k)                                            # (h/q, k)
+    x_last = xf.reshape(bl, t, hq)[:, -1]                                  # (bl, h/q) last token
+    z = x_last @ w                                                         # (bl, k) partial: H_j
+    if grid.j == 0:
+        z += buf[hk:]                                                      # + cls.b, once per row
+    with tr.phase("aux.logits"):   # all-reduce over grid.row (bwd: none, dlogits replicated)
+        lg = _allreduce(grid.row, z)                                       # (bl, k)
+    return ops.stored(lg), w                                               # 16-bit (autocast)
+
+
+def _cls_backward(dlogits, cache: HeadCache):
+    """``dx`` (N, h/q) of the classifier, zero but at the last tokens, and its grads
+    (phase ``clshead.bwd``): row 0 ``cls.w`` (h/q, k), rank (0, 0) ``cls.b`` (k,),
+    zero-size elsewhere."""
+    config, grid = cache.config, cache.grid
+    xp = array_module(dlogits)
+    bl, t = cache.shape
+    hq, k = config.hidden // grid.q, config.n_classes
+    hk, own = _cls_sizes(config, grid)
+    # dlogits (bl, k) is the same on every rank of the row: the conjugate of the forward's
+    # row all-reduce is this copy, so dx's column block needs no message
+    dx = xp.zeros((bl, t, hq), dtype=dlogits.dtype)                        # (bl, t, h/q)
+    dx[:, -1] = dlogits @ cache.cls_w.T                                    # (bl, h/q)
+    x_last = cache.xf.reshape(bl, t, hq)[:, -1]                            # (bl, h/q)
+    part = xp.empty(own, dtype=dlogits.dtype)                              # packed partials
+    part[:hk].reshape(hq, k)[...] = x_last.T @ dlogits                     # (h/q, k)
+    if grid.j == 0:                # the bias was added by column 0 alone
+        dlogits.sum(axis=0, out=part[hk:])                                 # (k,)
+    # column sums onto row 0, then (d > 1) over depth (fwd: _bcast_from_row0)
+    total = _reduce_to_row0(grid, part, xp, "grads")
+    if grid.i == 0:
+        grads = {"cls.w": total[:hk].reshape(hq, k), "cls.b": total[hk:]}
+    else:
+        grads = {"cls.w": xp.empty((0, k), dtype=dlogits.dtype),
+                 "cls.b": xp.empty((0,), dtype=dlogits.dtype)}
+    return ops.stored(dx.reshape(bl * t, hq)), grads                       # (N, h/q)
 
 
 def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[int] = None):
-    """Final LayerNorm, LM head and loss on the block x (bl, t, h/q).
+    """Final LayerNorm, LM head (or classifier) and loss on the block x (bl, t, h/q).
 
-    Phases ``lnf.fwd``, ``lmhead.fwd`` and, with ``targets`` (the global micro-batch's
-    [b, s], or None for logits only), ``loss``. ``p`` needs ``lnf.g``, ``lnf.b`` and the
-    head: ``wte`` (tied, ``logits = abt(x, wte)``) or, with ``config.tied`` False,
-    ``head.w`` (``logits = ab(x, head.w)``). Returns ``(loss, cache)``: the sum of the
-    per-token losses over ``n_items`` (default: the micro-batch's ``b*s`` tokens), the
-    same float on every rank; None without targets.
+    Phases ``lnf.fwd``, ``lmhead.fwd`` (``clshead.fwd`` for a classifier) and, with
+    ``targets`` (the global micro-batch's [b, s], [b] classes for a classifier, or None
+    for logits only), ``loss``. ``p`` needs ``lnf.g``, ``lnf.b`` and the head: ``wte``
+    (tied, ``logits = abt(x, wte)``), with ``config.tied`` False ``head.w`` (``logits =
+    ab(x, head.w)``), or with ``config.n_classes = k > 0`` ``cls.w``, ``cls.b``
+    (``logits = x[:, -1] cls.w + cls.b`` from each sequence's last token, ``[bl, k]``
+    replicated over the row; module docstring). Returns ``(loss, cache)``: the sum of
+    the per-item losses over ``n_items`` (default: the micro-batch's ``b*s`` tokens, or
+    its ``b`` sequences for a classifier), the same float on every rank; None without
+    targets.
     """
-    head_key = "wte" if config.tied else "head.w"
+    head_key = "cls.w" if config.n_classes else "wte" if config.tied else "head.w"
     xp = array_module(p[head_key])
     tr = grid.trace
     bl, t, hq = x.shape
     with tr.phase("lnf.fwd"):
         xf, lnf = _lnf_forward(x.reshape(bl * t, hq), p, config, grid)   # (N, h/q)
+    if config.n_classes:
+        with tr.phase("clshead.fwd"):
+            lg, cls_w = _cls_forward(xf, p, config, grid, bl, t)          # (bl, k), (h/q, k)
+        loss, ce = None, None
+        if targets is not None:
+            if n_items is None:
+                n_items = math.prod(targets.shape)                         # b
+            tgt = _local_rows(targets, grid, xp)                           # (bl,)
+            with tr.phase("loss"):
+                # whole rows of k logits: a local cross-entropy, no row reduction
+                losses, ce = ops.cross_entropy_forward(lg, tgt)            # (bl,)
+                total = losses.sum().reshape(1)                            # (1,) this row block
+                with tr.phase("aux.mean"):  # col, depth all-reduces (bwd: none, 1/n_items)
+                    total = _allreduce(grid.col, total)
+                    total = _allreduce(grid.depth, total)
+            loss = float(total[0]) / n_items
+        return loss, HeadCache(config=config, grid=grid, params=p, shape=(bl, t), lnf=lnf,
+                               xf=xf, logits=lg, ce=ce, n_items=n_items, cls_w=cls_w)
     ab, abt, _ = _products(grid)
     with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
         if config.tied:   # abt (bwd: ab and atb)
@@ -937,10 +1130,12 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
 
 def head_backward(cache: HeadCache, loss_scale: float = 1.0):
     """``(dx (bl, t, h/q), grads)`` of the head, seeded with ``loss_scale/n_items`` per
-    token (``loss_scale``: mixed precision's S);
-    phases ``lmhead.bwd``, ``lnf.bwd``. ``grads``: ``lnf.g``, ``lnf.b`` (row 0; zero-size
-    elsewhere) and the LM head's part of the tied ``wte`` gradient (v/q, h/q), or the
-    untied ``head.w``'s whole gradient (h/q, v/q)."""
+    token (per sequence for a classifier) (``loss_scale``: mixed precision's S);
+    phases ``lmhead.bwd`` (``clshead.bwd``), ``lnf.bwd``. ``grads``: ``lnf.g``, ``lnf.b``
+    (row 0; zero-size elsewhere) and the LM head's part of the tied ``wte`` gradient
+    (v/q, h/q), or the untied ``head.w``'s whole gradient (h/q, v/q), or the
+    classifier's ``cls.w`` (row 0: (h/q, k)) and ``cls.b`` (rank (0, 0): (k,)),
+    zero-size elsewhere."""
     if cache.ce is None:
         raise ValueError("optimus.backward needs a forward with targets")
     config, grid = cache.config, cache.grid
@@ -950,6 +1145,13 @@ def head_backward(cache: HeadCache, loss_scale: float = 1.0):
     dlosses = xp.full(cache.logits.shape[0], float(loss_scale) / cache.n_items,
                       dtype=cache.logits.dtype)                            # (N,) S/n_items
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
+    if config.n_classes:          # dlosses (bl,): S/n_items per sequence; dlogits (bl, k)
+        with tr.phase("clshead.bwd"):
+            dx, cls_grads = _cls_backward(dlogits, cache)                  # (N, h/q)
+        with tr.phase("lnf.bwd"):
+            dx, grads = _lnf_backward(dx, cache.lnf, config, grid)         # (N, h/q)
+        grads.update(cls_grads)
+        return dx.reshape(cache.shape + (-1,)), grads                      # (bl, t, h/q)
     with tr.phase("lmhead.bwd"):
         if config.tied:
             with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
@@ -980,7 +1182,8 @@ class OptimusCache(NamedTuple):
     emb: EmbedCache
     layers: list                 # per layer: LayerPieceCache
     head: HeadCache
-    logits: Array                # local logits block, (N, v/q): vocab block j
+    logits: Array                # local logits block, (N, v/q): vocab block j; classifier:
+    #                              (bl, k), replicated over the row
     loss: Optional[float]
 
     @property
@@ -992,13 +1195,14 @@ class OptimusCache(NamedTuple):
 def forward(local_params: dict, tokens, targets, config: Config, grid,
             checkpoint: bool = False, *, recompute: Optional[str] = None,
             attention: str = "plain", tile: Optional[int] = None):
-    """Mean cross-entropy over the ``b*s`` tokens and the cache, on every rank.
+    """Mean cross-entropy over the ``b*s`` tokens (over the ``b`` sequences, from each
+    one's last token, with ``config.n_classes > 0``) and the cache, on every rank.
 
     Parameters
     ----------
     local_params : dict
         This rank's parameters from :func:`shard` (keys of ``model.param_shapes``).
-    tokens, targets : integer arrays [b, s]
+    tokens, targets : integer arrays [b, s] (targets [b] classes for a classifier)
         The GLOBAL batch on every rank; each rank takes its b/(dq) sequences.
         ``targets`` may be None (logits only; :func:`backward` then refuses).
     config : model.Config
@@ -1021,7 +1225,8 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     loss : float or None
         The same on every rank.
     cache : OptimusCache
-        ``cache.logits`` is the local block ``[N, v/q]``; see :func:`logits`.
+        ``cache.logits`` is the local block ``[N, v/q]`` (a classifier's ``[b/(dq), k]``,
+        replicated over the row); see :func:`logits`.
 
     Raises
     ------
@@ -1075,8 +1280,8 @@ def backward(cache: OptimusCache) -> dict:
     and are zero-size elsewhere; 2d gradients are identical on every layer k. The
     pieces in reverse (:func:`head_backward`, :func:`layer_backward` from the last
     layer down, :func:`embed_backward`); the tied ``wte`` gradient is the embedding's
-    part plus the LM head's; with an untied head it is the embedding's alone and
-    ``head.w`` has its own.
+    part plus the LM head's; with an untied head (or a classifier) it is the
+    embedding's alone and ``head.w`` (``cls.w``, ``cls.b``) has its own.
     """
     dx, grads = head_backward(cache.head)                                  # (bl, t, h/q)
     for l in reversed(range(len(cache.layers))):
@@ -1093,13 +1298,35 @@ def backward(cache: OptimusCache) -> dict:
 
 def local_logits(full, config: Config, grid):
     """This rank's block ``[N, v/q]`` of the global logits ``full`` ``[b, s, v]`` (what
-    ``cache.logits`` holds); the inverse of :func:`logits`, and no data moves."""
+    ``cache.logits`` holds; a classifier's: rows ``k q + i`` of ``[b, k]``, ``[b/(dq), k]``);
+    the inverse of :func:`logits`, and no data moves."""
+    if config.n_classes:
+        bl = full.shape[0] // (grid.d * grid.q)
+        r = grid.k * grid.q + grid.i
+        return full[r * bl:(r + 1) * bl]                                   # (bl, k)
     lay = "2d" if grid.d == 1 else "2.5d"
     return layout.split(full.reshape(-1, config.vocab), grid, lay)
 
 
+def _join_cls_logits(lg, grid):
+    """A classifier's logits [b, k] from every rank's (bl, k): all-gathers over
+    ``grid.col`` (row blocks i), then ``grid.depth`` (k), each skipped on a group of one."""
+    xp = array_module(lg)
+    full = xp.ascontiguousarray(lg)                                        # (bl, k)
+    for comm in (grid.col, grid.depth):        # row block k q + i: i inner, k outer
+        if comm.size > 1:
+            parts = xp.empty((comm.size,) + full.shape, dtype=full.dtype)  # (size, rows, k)
+            comm.allgather(full, parts)
+            full = parts.reshape(-1, full.shape[-1])                       # (size rows, k)
+    return full
+
+
 def logits(cache: OptimusCache, config: Config, grid):
-    """The global logits [b, s, v] on every rank (an all-gather; for checks)."""
+    """The global logits [b, s, v] on every rank (a classifier's [b, k]; an all-gather;
+    for checks)."""
+    if config.n_classes:
+        with grid.trace.phase("logits"), grid.trace.phase("aux.join"):
+            return _join_cls_logits(cache.logits, grid)                    # (b, k)
     lay = "2d" if grid.d == 1 else "2.5d"
     t = cache.shape[1]
     with grid.trace.phase("logits"), grid.trace.phase("aux.join"):
