@@ -201,9 +201,9 @@ def test_bench_gemm_labels_a_ceiling_measured_under_load(monkeypatch):
 
 
 def test_bench_allreduce_prints_one_statistic_inside_its_own_interval(tmp_path):
-    """mpiexec -n 2 bench allreduce, 9 repeats: the printed "vs plain" and "vs MPI" are
-    the medians of the paired ratios (the JSON's), each inside the interval printed
-    beside it; each row and the report carry the load."""
+    """mpiexec -n 2 bench allreduce, 9 repeats: the printed "vs plain", "vs MPI" and
+    "call/out" are the medians of the paired ratios (the JSON's), each inside the
+    interval printed beside it; each row and the report carry the load."""
     out = tmp_path / "ar.json"
     proc = subprocess.run(
         ["timeout", "150", "mpiexec", "-n", "2", sys.executable, "-m", "summasim.bench",
@@ -217,8 +217,9 @@ def test_bench_allreduce_prints_one_statistic_inside_its_own_interval(tmp_path):
     assert len(lines) == 2, proc.stdout
     for line, row in zip(lines, report["allreduce"]):
         cells = re.findall(r"(\S+)x\s+\[(\S+),(\S+)\]", line)
-        assert len(cells) == 2, line
-        for (shown, low, high), key in zip(cells, ("vs_plain_paired", "vs_mpi_paired")):
+        assert len(cells) == 3, line
+        for (shown, low, high), key in zip(cells, ("vs_plain_paired", "vs_mpi_paired",
+                                                   "call_vs_out_paired")):
             shown, low, high = float(shown), float(low), float(high)
             assert shown == pytest.approx(row[key]["median"], abs=0.006), (line, row[key])
             assert low <= shown <= high, (line, row[key])
