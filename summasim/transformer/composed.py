@@ -616,9 +616,10 @@ class Trainer:
                 self.cshard = self.precision.round(self.shard)
         del full
         most = max([hi - lo for lo, hi in self.buckets] or [0])
-        # 16-bit messages: the bits of a bucket (ZeRO 1-2 all-gathers, 16-bit reductions)
+        # 16-bit messages: the bits of a bucket (ZeRO 1-3 all-gathers; under ZeRO-3 a
+        # bucket is a unit), or of a 16-bit reduction; one workspace, reused
         self._bits = (self.xp.empty(most, dtype=np.uint16)
-                      if self.precision and (self.reduce16 or zero in (1, 2)) else None)
+                      if self.precision and (self.reduce16 or zero >= 1) else None)
         self.grad = self.xp.zeros(n, dtype=dtype) if zero < 2 else None        # (n,)
         self.gshard = self.xp.zeros(self.shard_len, dtype=dtype) if zero >= 2 else None
         self.opt = Adam(lr=lr, betas=betas, eps=eps)
@@ -942,7 +943,7 @@ class Trainer:
             buf = self.xp.empty(u.stop - u.start, dtype=self.config.dtype)     # (unit,)
             with self.trace.phase("zero.gather"):
                 if self.precision:      # the 16-bit compute copy, 2 bytes per item
-                    bits = self.xp.empty(u.stop - u.start, dtype=np.uint16)
+                    bits = self._bits[:u.stop - u.start]          # the unit is a bucket
                     pack_bits(self.precision, self.cshard[o:o + hi - lo],
                               out=bits[lo - u.start:hi - u.start])
                     ring_allgather_unchecked(bits, dp_comm)
