@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from _util import CollectiveFailure
 
+from summasim.backends import NAMES as BACKENDS
 from summasim.mpiutil import abort_job
 
 settings.register_profile(
@@ -42,7 +43,7 @@ WORLD = MPI.COMM_WORLD
 
 
 def pytest_addoption(parser):
-    parser.addoption("--backend", default="numpy", choices=("numpy", "cupy", "staged-host"),
+    parser.addoption("--backend", default="numpy", choices=BACKENDS,
                      help="array backend the algorithm tests run on (default numpy)")
 
 

@@ -60,7 +60,8 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .backends import backend_of, is_device_array
+from .backends import backend_of, ipc, is_device_array
+from .backends.cupy_backend import launcher_local_ranks
 from .mpiutil import SLEEP_S, WAIT_POLICIES, install_abort_hook, wait_requests
 from .trace import Trace
 
@@ -140,13 +141,9 @@ _DROP = DropFault()         # the process's one hook; armed only through Comm.dr
 
 
 def local_ranks() -> int:
-    """Ranks on this node according to the launcher (no communication)."""
-    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-                "SLURM_NTASKS_PER_NODE"):
-        val = os.environ.get(var, "")
-        if val.isdigit():
-            return int(val)
-    return MPI.COMM_WORLD.Get_size()
+    """Ranks on this node according to the launcher (no communication; the job's size
+    when the launcher does not say)."""
+    return launcher_local_ranks() or MPI.COMM_WORLD.Get_size()
 
 
 def cores() -> int:
@@ -413,16 +410,18 @@ class Comm:
     def staged_whole(self, arr, op: str = "allreduce") -> bool:
         """Whether a ring all-reduce of ``arr`` (``op`` "allreduce"), or an in-place
         "reduce_scatter" or "allgather", runs on one host copy of it: its path to MPI
-        is "staged" (a device array on an MPI that is not CUDA-aware, or the staged-host
+        is "staged" or "ipc" (a device array on an MPI that is not CUDA-aware, or a host
         backend that stands in for one) and it has fewer bytes than
         :attr:`stage_whole_limit` times the op's share (:data:`STAGE_WHOLE_SHARES`). Per
         ring step a staged sum copies a chunk each way and waits for the stream, 4(P-1)
         copies in all, which costs more than two whole copies below that size
-        (docs/gpu.md)."""
+        (docs/gpu.md). A device-to-device ("ipc") step costs a stream wait and two small
+        messages whatever its size: 1.1 ms a step with 4 ranks time-slicing one H200,
+        0.22 ms under MPS, so below the same limit the host copy wins there too."""
         if self.backend is None and type(arr) is _NDARRAY:       # the host ring's fast path
             return False
         return (arr.nbytes < self.stage_whole_limit * STAGE_WHOLE_SHARES[op]
-                and self._backend(arr).comm_mode == "staged")
+                and self._backend(arr).comm_mode in ("staged", "ipc"))
 
     def host_twin(self) -> "Comm":
         """This communicator with host arrays going to MPI as they are (same group,
@@ -479,6 +478,21 @@ class Comm:
         if len(self._scratch_free) < 8:
             self._scratch_free.append(buf)
 
+    # -- device-to-device (comm_mode "ipc") -----------------------------------
+    def _ipc(self, arr) -> bool:
+        """Whether ``arr`` travels through the IPC outboxes (:mod:`summasim.backends.ipc`)."""
+        if type(arr) is _NDARRAY and self.backend is None:      # the host fast path
+            return False
+        return self._backend(arr).comm_mode == "ipc"
+
+    def _eager(self, arr, op, root, run) -> Request:
+        """An operation on ``arr`` done at once through the IPC outboxes, as a completed
+        request (traced when waited on, like any other)."""
+        phase = self.trace.current_phase
+        t0 = time.perf_counter()
+        run(ipc.outbox_of(self._backend(arr)))
+        return Request(self, [], op, root, arr.nbytes, time.perf_counter() - t0, phase, [])
+
     # -- completion ----------------------------------------------------------
     def _waitall(self, reqs):
         wait_requests(reqs, self.wait_policy)
@@ -493,6 +507,9 @@ class Comm:
     def ibcast(self, buf, root: int = 0) -> Request:
         """Non-blocking broadcast of ``buf`` (in place) from group rank ``root``."""
         self._check(buf, "bcast")
+        if self._ipc(buf):
+            return self._eager(buf, "bcast", root, lambda box: ipc.bcast(
+                self.mpi, box, buf, root, self._waitall))
         cleanup: list = []
         if self.rank == root:
             view = self._outgoing(buf, cleanup)
@@ -732,6 +749,15 @@ class Comm:
                 if trace.enabled:
                     trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
                                  blocking=True)
+        elif self._backend(like).comm_mode == "ipc":
+            mpi, box, waiter = self.mpi, ipc.outbox_of(self._backend(like)), self._waitall
+
+            def step(sb, dest, rb, source):   # device to device (summasim.backends.ipc)
+                t0 = clock()
+                ipc.sendrecv(mpi, box, sb, dest, rb, source, tag, waiter)
+                if trace.enabled:
+                    trace.record("sendrecv", name, size, -1, sb.nbytes, clock() - t0,
+                                 blocking=True)
         else:
             outgoing, incoming = self._outgoing, self._incoming
 
@@ -762,6 +788,9 @@ class Comm:
         from ``source`` (group ranks). ``sendbuf`` and ``recvbuf`` must not overlap."""
         self._check(sendbuf, "sendrecv")
         self._check(recvbuf, "sendrecv")
+        if self._ipc(sendbuf):
+            return self._eager(sendbuf, "sendrecv", -1, lambda box: ipc.sendrecv(
+                self.mpi, box, sendbuf, dest, recvbuf, source, tag, self._waitall))
         cleanup: list = []
         sview = self._outgoing(sendbuf, cleanup)
         rview = self._incoming(recvbuf, cleanup)

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import cli, options
 from .algorithms.table import ALGORITHMS
+from .backends import NAMES as BACKENDS
 from .cli import UsageError
 from .harness.check import METHODS
 from .harness.frontend import Parser, check_outputs, mpi_main
@@ -59,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "fp32 master weights and Adam; see --loss-scale, "
                                 "--grad-reduce) and run the training rows only: the products, "
                                 "the ring and the scheme rows run in float64 or float32")
-    ap.add_argument("--backend", choices=("numpy", "cupy", "staged-host"), default="numpy",
-                    help="array backend: numpy (CPU), cupy (GPU), or staged-host (NumPy through "
-                         "the GPU staging path, for testing it on a CPU)")
+    ap.add_argument("--backend", choices=BACKENDS, default="numpy",
+                    help="array backend: numpy (CPU), cupy (GPU), or staged-host / ipc-host "
+                         "(NumPy through the GPU's staged or IPC path, for testing them on a "
+                         "CPU)")
     ap.add_argument("--algorithms", default="all",
                     help="comma-separated subset of: " + ", ".join(ALGORITHMS)
                          + ", or 'none' (default all)")

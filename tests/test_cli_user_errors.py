@@ -324,7 +324,7 @@ BENCH_CASES = [
     (["--blocks", "0"], "--blocks"),
     (["--threads", "0"], "--threads"),
     (["--threads", "1", "-2"], "--threads"),
-    (["--dtype", "float16"], "--dtype"),
+    (["--dtype", "int8"], "--dtype"),
     (["--mem-layers", "1"], "--mem-layers"),            # the old spellings are gone
     (["--hidden", "8"], "--hidden"),
 ]

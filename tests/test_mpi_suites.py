@@ -39,9 +39,10 @@ PROGRESS = re.compile(r"\[\s*(\d+)%\]\s*$")
 
 
 @pytest.mark.parametrize("n,backend", [(1, "numpy"), (4, "numpy"), (8, "numpy"), (9, "numpy"),
-                                       (16, "numpy"), (4, "staged-host")])
+                                       (16, "numpy"), (4, "staged-host"), (4, "ipc-host")])
 def test_mpi_suite(mpiexec, n, backend, capsys):
-    """mpi_tests under mpiexec -n N; staged-host runs the suite through the GPU staging path.
+    """mpi_tests under mpiexec -n N; staged-host and ipc-host run the suite through the GPU's
+    staged and device-to-device (IPC) paths.
     Its progress (pytest's percentage, as rank 0 prints it) shows while it runs."""
     name = f"mpi_tests -n {n}" + (f" --backend {backend}" if backend != "numpy" else "")
 

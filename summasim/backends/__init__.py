@@ -6,18 +6,21 @@ inputs with :func:`array_module` and never imports NumPy or CuPy by name.
 
 A backend object has:
 
-``name``            "numpy", "cupy" or "staged-host"
+``name``            "numpy", "cupy", "staged-host" or "ipc-host"
 ``xp``              the array module
 ``on_device``       whether its arrays live on a device (CuPy); a host array handed to a
                     device backend's communicator goes to MPI as it is, never staged
 ``comm_mode``       how :class:`summasim.comm.Comm` hands its arrays to MPI:
                     "host" (they are host memory), "direct" (device pointers to a
-                    CUDA-aware MPI) or "staged" (copied through pinned host buffers)
+                    CUDA-aware MPI), "staged" (copied through pinned host buffers) or
+                    "ipc" (device to device between the processes of a node,
+                    :mod:`summasim.backends.ipc`)
 ``asarray(x, dtype=None)``, ``to_numpy(x)``, ``empty(shape, dtype)``,
 ``zeros(shape, dtype)``, ``synchronize()``, ``peak_memory()``,
 ``reset_peak_memory()``, ``gemm(a, b, c, ...)``
 and, for staged backends, ``pinned_empty(nbytes)``, ``copy_to_host(src, dst)``,
-``copy_from_host(src, dst)``.
+``copy_from_host(src, dst)``; for "ipc" ones also ``ipc_alloc(nbytes)``,
+``ipc_open(handle, capacity)`` and ``ipc_copy(src, dst)``.
 """
 
 from __future__ import annotations
@@ -27,14 +30,18 @@ import sys
 import numpy as np
 
 from .numpy_backend import NumpyBackend
+from .ipc import IpcHostBackend
 from .staged import StagedHostBackend
 
-_NAMES = ("numpy", "cupy", "staged-host")
+#: every backend's name; the two host stand-ins run NumPy arrays through the GPU's
+#: staged and IPC paths, for CI
+NAMES = ("numpy", "cupy", "staged-host", "ipc-host")
+_NAMES = NAMES
 _cache: dict = {}
 
 
 def get_backend(name: str = "numpy"):
-    """Return the backend called ``name`` ("numpy", "cupy" or "staged-host").
+    """Return the backend called ``name`` (one of :data:`NAMES`).
 
     The instance is created once per process and reused, so its pinned buffers and
     its memory statistics persist across calls.
@@ -46,6 +53,8 @@ def get_backend(name: str = "numpy"):
             _cache[name] = NumpyBackend()
         elif name == "staged-host":
             _cache[name] = StagedHostBackend()
+        elif name == "ipc-host":
+            _cache[name] = IpcHostBackend()
         else:
             from .cupy_backend import CupyBackend  # imports cupy: only on request
 
@@ -120,4 +129,5 @@ def array_module(*arrays):
 
 
 __all__ = ["get_backend", "unavailable", "device_share", "backend_of", "array_module",
-           "is_device_array", "to_backend", "NumpyBackend", "StagedHostBackend"]
+           "is_device_array", "to_backend", "NumpyBackend", "StagedHostBackend",
+           "IpcHostBackend", "NAMES"]

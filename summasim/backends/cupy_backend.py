@@ -2,12 +2,16 @@
 
 Mode selection (reported as ``comm_mode`` and ``comm_mode_reason``):
 
-1. ``SUMMASIM_GPU_COMM=staged|direct`` forces a mode.
+1. ``SUMMASIM_GPU_COMM=staged|direct|ipc`` forces a mode.
 2. Otherwise "direct" when the MPI library says it is CUDA-aware: the MPI-4.1 info
    key ``mpi_memory_alloc_kinds`` of ``COMM_WORLD`` lists ``cuda``, or the vendor
    call ``MPIX_Query_cuda_support()`` returns 1.
-3. Otherwise "staged": the PyPI MPI wheels are not CUDA-aware, and handing a device
-   pointer to such an MPI segfaults instead of raising, so staging is the default.
+3. Otherwise "ipc" when every rank of the job is on this node (the launcher's local
+   rank count equals the job's size): device-to-device copies between the processes
+   through CUDA IPC handles (:mod:`summasim.backends.ipc`).
+4. Otherwise "staged": the PyPI MPI wheels are not CUDA-aware, and handing a device
+   pointer to such an MPI segfaults instead of raising, so staging through pinned host
+   buffers is the fallback.
 
 Each rank uses device ``local_rank % device_count``; several ranks may share one GPU
 (staged MPI works for that; NCCL would refuse it).
@@ -43,6 +47,41 @@ def cuda_aware_mpi() -> tuple[bool, str]:
         pass
     return False, (f"no CUDA support reported (mpi_memory_alloc_kinds = {kinds!r}, "
                    "no MPIX_Query_cuda_support)")
+
+
+GPU_COMM_MODES = ("staged", "direct", "ipc")
+
+
+def choose_mode(forced: str, aware: bool, why: str, ranks_on_node: int,
+                world_size: int) -> tuple[str, str]:
+    """``(comm_mode, reason)`` of the CuPy backend (pure; the rules of the module doc).
+
+    ``forced``: ``SUMMASIM_GPU_COMM`` ("" when unset); ``aware``/``why``: what
+    :func:`cuda_aware_mpi` found; ``ranks_on_node``: the launcher's count of ranks on
+    this node; ``world_size``: ranks in the job.
+    """
+    if forced:
+        if forced not in GPU_COMM_MODES:
+            raise ValueError(f"SUMMASIM_GPU_COMM={forced!r}: expected one of "
+                             f"{', '.join(GPU_COMM_MODES)}")
+        return forced, "forced by SUMMASIM_GPU_COMM"
+    if aware:
+        return "direct", why
+    if ranks_on_node >= world_size:
+        return "ipc", (f"all {world_size} ranks on one node: CUDA IPC device-to-device "
+                       f"(MPI not CUDA-aware: {why})")
+    return "staged", (f"{world_size} ranks over several nodes ({ranks_on_node} on this "
+                      f"one) and MPI not CUDA-aware ({why})")
+
+
+def launcher_local_ranks() -> int | None:
+    """Ranks on this node according to the launcher's environment (None: it says not)."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                "SLURM_NTASKS_PER_NODE"):
+        val = os.environ.get(var, "")
+        if val.isdigit():
+            return int(val)
+    return None
 
 
 def _local_rank() -> int:
@@ -82,16 +121,15 @@ class CupyBackend:
             raise RuntimeError("the cupy backend needs a CUDA device; none was found")
         self.device = cupy.cuda.Device(_local_rank() % ndev)
         self.device.use()
+        from mpi4py import MPI
+
         forced = (mode or os.environ.get("SUMMASIM_GPU_COMM", "")).strip().lower()
-        if forced:
-            if forced not in ("staged", "direct"):
-                raise ValueError(f"SUMMASIM_GPU_COMM={forced!r}: expected 'staged' or 'direct'")
-            self.comm_mode, self.comm_mode_reason = forced, "forced by SUMMASIM_GPU_COMM"
-        else:
-            aware, why = cuda_aware_mpi()
-            self.comm_mode = "direct" if aware else "staged"
-            self.comm_mode_reason = why
+        aware, why = (False, "") if forced else cuda_aware_mpi()
+        self.comm_mode, self.comm_mode_reason = choose_mode(
+            forced, aware, why, launcher_local_ranks() or MPI.COMM_WORLD.Get_size(),
+            MPI.COMM_WORLD.Get_size())
         self._pool = cupy.get_default_memory_pool()
+        self._ipc_owned: list = []
 
     # -- arrays ---------------------------------------------------------------
     def asarray(self, x, dtype=None):
@@ -145,3 +183,24 @@ class CupyBackend:
 
     def copy_from_host(self, src, dst):
         dst.set(src)
+
+    # -- CUDA IPC (comm_mode "ipc"; summasim.backends.ipc) ----------------------
+    def ipc_alloc(self, nbytes: int):
+        """A device buffer of ``nbytes`` outside CuPy's pool, and its IPC handle."""
+        cupy = self.xp
+        ptr = cupy.cuda.runtime.malloc(nbytes)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
+        buf = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+        self._ipc_owned.append(ptr)   # freed never: peers may have it open until the end
+        return buf, bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr))
+
+    def ipc_open(self, handle: bytes, capacity: int):
+        """A peer's outbox, opened once (cudaIpcOpenMemHandle)."""
+        cupy = self.xp
+        ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        mem = cupy.cuda.UnownedMemory(ptr, capacity, None)
+        return cupy.ndarray((capacity,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+    def ipc_copy(self, src, dst):
+        """Device-to-device copy on the current stream (waited for by synchronize)."""
+        self.xp.copyto(dst, src)

@@ -252,7 +252,7 @@ def _contenders(backend, comm, raw, x, out) -> tuple[dict, dict]:
             sync()
         return call
 
-    if mode == "staged":          # one pair of pinned buffers for both baselines
+    if mode in ("staged", "ipc"):  # one pair of pinned buffers for both baselines
         hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
         hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
         base = {"plain": staged(plain), "mpi": staged(mpi)}

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from .. import cli
+from ..backends import NAMES
 
 DEFAULT_REPEATS = 3
 #: The most timed repeats a benchmark takes (each repeat is a full call of every
@@ -18,7 +19,7 @@ DEFAULT_SIZES_MIB = "0.0625,0.25,1,4,16,64"
 #: The most message sizes one run takes (each is timed for seconds; the largest is
 #: bounded by the node's memory, checked before any work).
 MAX_SIZES = 32
-BACKENDS = ("numpy", "cupy", "staged-host")
+BACKENDS = NAMES
 
 
 def quiet_bcast(world, value):
@@ -71,8 +72,9 @@ def add_json(ap):
 
 def add_backend(ap, what: str):
     ap.add_argument("--backend", choices=BACKENDS, default="numpy",
-                    help=f"array backend of {what}: numpy (CPU), cupy (GPU), or staged-host "
-                         f"(NumPy through the GPU staging path) (default numpy)")
+                    help=f"array backend of {what}: numpy (CPU), cupy (GPU), or staged-host / "
+                         f"ipc-host (NumPy through the GPU's staged or IPC path) (default "
+                         f"numpy)")
 
 
 def add_predict(ap, what: str):

@@ -3,6 +3,7 @@ PyTorch eager (serial: no MPI).
 
     python -m summasim.bench layer                          # b=8 s=256 h=1024 n=16 float32
     python -m summasim.bench layer --threads 1 2 --torch    # also PyTorch eager, same threads
+    python -m summasim.bench layer --backend cupy --torch --dtype bfloat16   # on the GPU
 
 Times ``block_forward`` and ``block_backward`` (best of ``--repeats`` steps in each of
 ``--blocks`` blocks), and measures with ``tracemalloc`` the peak memory of the whole
@@ -11,9 +12,16 @@ checkpointing (``--no-memory``: skip).
 
 ``--torch`` times the same layer in PyTorch eager (imported lazily; torch is not a
 summasim dependency: run this under a Python that has torch and summasim on its path).
-NumPy and torch run in alternating blocks of steps in one process, so the ratio is fair
-on a shared machine; the torch layer gets the same weights, and its output and gradients
-are compared with ours.
+summasim and torch run in alternating blocks of steps in one process, so the ratio is
+fair on a shared machine; the torch layer gets the same weights, and its output and
+gradients are compared with ours.
+
+``--backend cupy`` runs our layer on CuPy arrays and torch's on the same GPU (``cuda``);
+each timed step ends with a wait for the device, and the memory measurement (host
+``tracemalloc``) is skipped. ``--dtype bfloat16`` (or float16) is mixed precision: our
+layer under :func:`summasim.transformer.ops.autocast` (16-bit values handed between ops,
+float32 arithmetic) on weights and inputs rounded to 16 bits, torch's under
+``torch.autocast`` with the same rounded weights.
 
 Every argument is checked before anything is timed (``--torch`` needs torch importable,
 the ``--json`` file can be written); a user error is one line on stderr and exit status 2.
@@ -21,6 +29,7 @@ the ``--json`` file can be written); a user error is one line on stderr and exit
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -49,7 +58,12 @@ def add_arguments(ap):
               help_more="; the layer is timed at its h, heads and seq, the memory "
                         "measured on the whole model")
     add_batch(ap, help_more=f"; {DEFAULT_BATCH} for a model without one")
-    add_dtype(ap, choices=("float32", "float64"), default="float32")
+    add_dtype(ap, choices=("float32", "float64", "bfloat16", "float16"), default="float32",
+              help_more="; bfloat16 and float16: mixed precision (16-bit values between "
+                        "ops, float32 arithmetic and weights)")
+    ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
+                    help="our layer's arrays: numpy (CPU) or cupy (GPU; torch then runs on "
+                         "the same GPU) (default numpy)")
     ap.add_argument("--threads", type=cli.int_between(1, MAX_THREADS), nargs="+", default=[1],
                     help=f"BLAS / torch thread counts to time, 1 to {MAX_THREADS} each "
                          f"(default 1)")
@@ -67,9 +81,18 @@ def add_arguments(ap):
 
 def check(args) -> None:
     """What the parser cannot tell; raises :class:`summasim.cli.UsageError`."""
+    from ..backends import unavailable
+
     cli.require(not args.torch or cli.module_available("torch"),
                 "argument --torch: PyTorch is not installed in this Python (pip install "
                 "torch, or run under a Python that has torch and summasim on its path)")
+    why = unavailable(args.backend)
+    cli.require(not why, f"argument --backend: {why}")
+    if args.torch and args.backend == "cupy":
+        import torch
+
+        cli.require(torch.cuda.is_available(),
+                    "argument --torch with --backend cupy: this torch sees no GPU")
     if args.json:
         try:
             cli.check_writable_path(args.json)
@@ -86,29 +109,36 @@ def _layer(model, dtype, seed=0):
     return serial.layer_params(serial.init_params(cfg, seed), 0)
 
 
-def _numpy_step(x, p, heads, dout):
+def _our_step(x, p, heads, dout, precision, sync):
+    """One forward and backward of our layer: ``(forward s, backward s, outputs)``;
+    ``sync()`` waits for the device before each clock reading."""
     from ..transformer import ops
 
-    t0 = time.perf_counter()
-    out, cache = ops.block_forward(x, p, heads)
-    t1 = time.perf_counter()
-    dx, grads = ops.block_backward(dout, cache)
-    t2 = time.perf_counter()
+    with ops.autocast(precision):
+        sync()
+        t0 = time.perf_counter()
+        out, cache = ops.block_forward(x, p, heads)
+        sync()
+        t1 = time.perf_counter()
+        dx, grads = ops.block_backward(dout, cache)
+        sync()
+        t2 = time.perf_counter()
     return t1 - t0, t2 - t1, (out, dx, grads)
 
 
 class _TorchLayer:
     """The same GPT-2 layer in PyTorch eager (weights held [out, in] like nn.Linear)."""
 
-    def __init__(self, p, heads, sdpa=True):
+    def __init__(self, p, heads, sdpa=True, device="cpu", autocast=None):
         import torch
         import torch.nn.functional as F
 
         self.torch, self.F, self.heads, self.sdpa = torch, F, heads, sdpa
+        self.device, self.autocast = device, autocast
         self.params = {}
         for key, val in p.items():
             arr = val.T.copy() if key.endswith(".w") else val.copy()
-            self.params[key] = torch.from_numpy(arr).requires_grad_(True)
+            self.params[key] = torch.from_numpy(arr).to(device).requires_grad_(True)
 
     def forward(self, x):
         from ..transformer.ops import LN_EPS
@@ -122,7 +152,7 @@ class _TorchLayer:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:   # nanoGPT's explicit path
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // nh))
-            mask = self.torch.ones(t, t, dtype=self.torch.bool).tril()
+            mask = self.torch.ones(t, t, dtype=self.torch.bool, device=x.device).tril()
             att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
             y = att @ v
         y = y.transpose(1, 2).contiguous().view(b, t, c)
@@ -133,44 +163,75 @@ class _TorchLayer:
 
     def step(self, x_np, dout_np):
         torch = self.torch
-        x = torch.from_numpy(x_np).requires_grad_(True)
-        dout = torch.from_numpy(dout_np)
+        x = torch.from_numpy(x_np).to(self.device).requires_grad_(True)
+        dout = torch.from_numpy(dout_np).to(self.device)
         for prm in self.params.values():
             prm.grad = None
+        sync = torch.cuda.synchronize if self.device == "cuda" else _nothing
+        cast = (torch.autocast(self.device, dtype=getattr(torch, self.autocast))
+                if self.autocast else contextlib.nullcontext())
+        sync()
         t0 = time.perf_counter()
-        out = self.forward(x)
+        with cast:
+            out = self.forward(x)
+        sync()
         t1 = time.perf_counter()
-        out.backward(dout)
+        out.backward(dout.to(out.dtype))
+        sync()
         t2 = time.perf_counter()
-        grads = {k: (v.grad.numpy().T if k.endswith(".w") else v.grad.numpy())
+
+        def host(t):
+            return t.detach().float().cpu().numpy()
+
+        grads = {k: (host(v.grad).T if k.endswith(".w") else host(v.grad))
                  for k, v in self.params.items()}
-        return t1 - t0, t2 - t1, (out.detach().numpy(), x.grad.numpy(), grads)
+        return t1 - t0, t2 - t1, (host(out), host(x.grad), grads)
+
+
+def _nothing() -> None:
+    """A host-only step's wait for the device."""
 
 
 def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2):
+def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2, backend="numpy"):
     """Best forward/backward seconds of one layer of ``model`` (its h, heads and seq) over
-    ``blocks`` blocks of ``repeats`` timed steps per framework, NumPy and (optionally)
-    torch (:func:`~summasim.harness.timing.time_contenders`, serial, in blocks)."""
+    ``blocks`` blocks of ``repeats`` timed steps per framework, ours and (optionally)
+    torch (:func:`~summasim.harness.timing.time_contenders`, serial, in blocks).
+    ``dtype`` bfloat16/float16: mixed precision (weights and inputs rounded to it, float32
+    arithmetic); ``backend`` "cupy": on the GPU, torch too."""
     from threadpoolctl import threadpool_limits
 
+    from ..backends import get_backend
     from ..harness.timing import time_contenders
+    from ..transformer.precision import Precision
 
+    dtype = np.dtype(dtype) if str(dtype) not in ("bfloat16", "float16") else str(dtype)
+    precision = Precision.of(dtype) if isinstance(dtype, str) else None
+    store = np.float32 if precision is not None else dtype
     rng = np.random.default_rng(0)
-    p = _layer(model, dtype)
+    p = _layer(model, store)
     heads = model.heads
-    x = rng.standard_normal((batch, model.seq, model.hidden)).astype(dtype)
-    dout = rng.standard_normal((batch, model.seq, model.hidden)).astype(dtype)
-    res = {"threads": threads}
-    runners = {"numpy": lambda: _numpy_step(x, p, heads, dout)}
+    x = rng.standard_normal((batch, model.seq, model.hidden)).astype(store)
+    dout = rng.standard_normal((batch, model.seq, model.hidden)).astype(store)
+    if precision is not None:            # 16-bit weights and inputs, as a trainer holds them
+        p, x, dout = precision.round_tree(p), precision.round(x), precision.round(dout)
+    be = get_backend(backend)
+    dev_p = {k: be.asarray(v) for k, v in p.items()}
+    dev_x, dev_dout = be.asarray(x), be.asarray(dout)
+    sync = be.synchronize if be.on_device else _nothing
+    res = {"threads": threads, "backend": backend}
+    runners = {backend: lambda: _our_step(dev_x, dev_p, heads, dev_dout, precision, sync)}
     if use_torch:
         import torch
 
         torch.set_num_threads(threads)
-        tl_sdpa, tl_manual = _TorchLayer(p, heads, sdpa=True), _TorchLayer(p, heads, sdpa=False)
+        device = "cuda" if be.on_device else "cpu"
+        cast = dtype if precision is not None else None
+        tl_sdpa = _TorchLayer(p, heads, sdpa=True, device=device, autocast=cast)
+        tl_manual = _TorchLayer(p, heads, sdpa=False, device=device, autocast=cast)
         runners["torch"] = lambda: tl_sdpa.step(x, dout)
         runners["torch_manual_attn"] = lambda: tl_manual.step(x, dout)
     outputs = {}
@@ -201,11 +262,13 @@ def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2):
         res[name] = {"forward_s": tf, "backward_s": tb, "total_s": tf + tb}
     if use_torch:
         ref_out, ref_dx, ref_g = outputs["torch"]
-        out, dx, g = outputs["numpy"]
+        ours = outputs[backend]
+        out, dx, g = (be.to_numpy(ours[0]), be.to_numpy(ours[1]),
+                      {k: be.to_numpy(v) for k, v in ours[2].items()})
         res["max_rel_diff_vs_torch"] = max(
             [_rel(out, ref_out), _rel(dx, ref_dx)] + [_rel(g[k], ref_g[k]) for k in g])
         for name in ("torch", "torch_manual_attn"):
-            res["ratio_vs_" + name] = res["numpy"]["total_s"] / res[name]["total_s"]
+            res["ratio_vs_" + name] = res[backend]["total_s"] / res[name]["total_s"]
     return res
 
 
@@ -244,10 +307,13 @@ def run(args, world=None) -> dict:
 
     model = args.model
     batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
-    dtype = np.dtype(args.dtype)
-    print(f"one layer: b={batch} s={model.seq} h={model.hidden} n={model.heads} {dtype}, "
-          f"best of {args.blocks} x {args.repeats} steps")
-    shape = {"model": str(model), "batch": batch, "dtype": dtype.name,
+    mixed = args.dtype in ("bfloat16", "float16")
+    dtype = args.dtype if mixed else np.dtype(args.dtype)
+    ours = args.backend
+    print(f"one layer: b={batch} s={model.seq} h={model.hidden} n={model.heads} "
+          f"{args.dtype}{' (mixed)' if mixed else ''} on {ours}, best of {args.blocks} x "
+          f"{args.repeats} steps")
+    shape = {"model": str(model), "batch": batch, "dtype": args.dtype, "backend": ours,
              "threads": args.threads, "repeats": args.repeats, "blocks": args.blocks,
              "torch": args.torch}
     from ..harness.load import LoadWatch, combine, describe, warning
@@ -256,24 +322,30 @@ def run(args, world=None) -> dict:
     watch = LoadWatch(None)
     for threads in args.threads:
         watch.lap()
-        r = time_layer(model, batch, dtype, threads, args.repeats, args.torch, args.blocks)
+        r = time_layer(model, batch, dtype, threads, args.repeats, args.torch, args.blocks,
+                       backend=ours)
         r["load"] = watch.lap()
         r["quiet"] = r["load"]["quiet"]
         results["timing"].append(r)
         print(f"  threads={threads} load: {describe(r['load'])}")
-        for name in ("numpy", "torch", "torch_manual_attn"):
+        for name in (ours, "torch", "torch_manual_attn"):
             if name in r:
                 t = r[name]
-                print(f"  threads={threads} {name:18s} forward {t['forward_s']*1e3:8.1f} ms  "
-                      f"backward {t['backward_s']*1e3:8.1f} ms  total {t['total_s']*1e3:8.1f} ms")
+                print(f"  threads={threads} {name:18s} forward {t['forward_s']*1e3:8.2f} ms  "
+                      f"backward {t['backward_s']*1e3:8.2f} ms  total {t['total_s']*1e3:8.2f} "
+                      f"ms")
         if args.torch:
-            print(f"  threads={threads} numpy/torch {r['ratio_vs_torch']:.3f}  "
-                  f"numpy/torch(manual attention) {r['ratio_vs_torch_manual_attn']:.3f}  "
+            print(f"  threads={threads} {ours}/torch {r['ratio_vs_torch']:.3f}  "
+                  f"{ours}/torch(manual attention) {r['ratio_vs_torch_manual_attn']:.3f}  "
                   f"max rel diff vs torch {r['max_rel_diff_vs_torch']:.2e}")
     results["load"] = combine(r["load"] for r in results["timing"])
     line = warning(results["load"], "the layer was timed")
     if line:
         print(line)
+    if ours != "numpy" or mixed:
+        args.no_memory = True
+        print("  memory: not measured (the measurement is the host's tracemalloc of the "
+              "float32/float64 model)")
     if not args.no_memory:
         with threadpool_limits(max(args.threads)):
             for ckpt in (False, True):
