@@ -149,3 +149,32 @@ def test_ipc_sendrecv_pairs_and_cannon():
                         f"{be.ipc_copies} IPC copies, {be.d2h_copies} staged")
     finally:
         comm.mpi.Free()
+
+
+@pytest.mark.parametrize("root", sorted({0, P - 1, P // 2}))
+def test_ipc_tree_reduce_equals_the_staged_tree_bit_for_bit(root):
+    """The reduce goes up the same tree through the outboxes: the same sum, bitwise, as
+    the staged tree's, with no staging copy."""
+    be = _fresh()
+    dev = Comm(WORLD.Dup(), name="red", backend=be)
+    host = Comm(WORLD.Dup(), name="red")
+    try:
+        x = np.random.default_rng(10 + dev.rank).standard_normal((7, 5))
+        want = np.empty_like(x) if dev.rank == root else None
+        got = np.full_like(x, np.nan) if dev.rank == root else None
+        host.reduce(x, want, root=root)
+        dev.reduce(x, got, root=root)
+        ok = dev.rank != root or np.array_equal(got, want)
+        parallel_assert(ok, "the IPC tree reduce differs from the host tree")
+        # a rank with children copies each child's partial sum out of its outbox, a rank
+        # with a parent copies its own (partial) sum into its outbox
+        children, parent = ipc.tree_links(dev.rank, P, root)
+        want_copies = len(children) + (parent is not None)
+        parallel_assert((be.ipc_copies, be.d2h_copies) == (want_copies, 0),
+                        f"{be.ipc_copies} IPC copies, {be.d2h_copies} staged; want "
+                        f"{want_copies} and 0")
+        ev = [e for e in dev.trace.events if e.op == "reduce"]
+        parallel_assert(len(ev) == 1 and ev[0].nbytes == x.nbytes, f"reduce ledger {ev}")
+    finally:
+        dev.mpi.Free()
+        host.mpi.Free()

@@ -16,6 +16,10 @@ How an array reaches MPI depends on the backend's ``comm_mode``:
               the host buffer, and received data is copied back (one host-to-device
               copy per incoming buffer). Staging buffers stay alive until the request
               that uses them completes, then return to the backend's pool.
+``"ipc"``     ranks of one node: broadcasts, send-receive pairs (ring steps) and the
+              tree reduce copy device to device through each sender's CUDA IPC outbox
+              (:mod:`summasim.backends.ipc`), done when the call returns; the other
+              operations are staged.
 
 Reduce
 ------
@@ -230,16 +234,7 @@ class _TreeReduce(Request):
     """
 
     def __init__(self, comm: "Comm", sendbuf, recvbuf, root: int, tag: int):
-        P = comm.size
-        rel = (comm.rank - root) % P
-        self.children, self.parent, mask = [], None, 1
-        while mask < P:
-            if rel & mask:
-                self.parent = (rel - mask + root) % P
-                break
-            if rel + mask < P:
-                self.children.append((rel + mask + root) % P)
-            mask <<= 1
+        self.children, self.parent = ipc.tree_links(comm.rank, comm.size, root)
         phase = comm.trace.current_phase
         t0 = time.perf_counter()
         self.sendbuf, self.recvbuf, self.tag = sendbuf, recvbuf, tag
@@ -493,6 +488,22 @@ class Comm:
         run(ipc.outbox_of(self._backend(arr)))
         return Request(self, [], op, root, arr.nbytes, time.perf_counter() - t0, phase, [])
 
+    def _ipc_reduce(self, sendbuf, recvbuf, root, tag) -> Request:
+        """The tree reduce through the IPC outboxes, done at once (every rank of the
+        group enters it together, like any collective)."""
+        held: list = []
+
+        def scratch():
+            held.append(self._scratch(sendbuf))
+            return held[-1]
+
+        try:
+            return self._eager(sendbuf, "reduce", root, lambda box: ipc.reduce(
+                self.mpi, box, sendbuf, recvbuf, root, tag, self._waitall, scratch))
+        finally:
+            for buf in held:
+                self._release_scratch(buf)
+
     # -- completion ----------------------------------------------------------
     def _waitall(self, reqs):
         wait_requests(reqs, self.wait_policy)
@@ -536,6 +547,8 @@ class Comm:
         if self.reduce_algorithm == "tree":
             tag = _REDUCE_TAG + self._reduces % _REDUCE_TAG
             self._reduces += 1
+            if self._ipc(sendbuf):
+                return self._ipc_reduce(sendbuf, recvbuf, root, tag)
             return _TreeReduce(self, sendbuf, recvbuf, root, tag)
         cleanup: list = []
         sview = self._outgoing(sendbuf, cleanup)

@@ -261,3 +261,45 @@ def bcast(mpi, box: Outbox, buf, root: int, waiter) -> None:
         waiter([mpi.Ibcast(hdr, root=root)])
         box.fetch(hdr, buf)
         mpi.Send(_ACK, dest=root, tag=ACK_TAG)
+
+
+def tree_links(rank: int, size: int, root: int) -> tuple[list, int | None]:
+    """``(children, parent)`` of group rank ``rank`` in the binomial tree rooted at
+    ``root`` (the tree of :class:`summasim.comm.Comm`'s reduce, module doc there)."""
+    rel, children, parent, mask = (rank - root) % size, [], None, 1
+    while mask < size:
+        if rel & mask:
+            parent = (rel - mask + root) % size
+            break
+        if rel + mask < size:
+            children.append((rel + mask + root) % size)
+        mask <<= 1
+    return children, parent
+
+
+def reduce(mpi, box: Outbox, sendbuf, recvbuf, root: int, tag: int, waiter, scratch) -> None:
+    """Sum-reduce ``sendbuf`` into ``recvbuf`` on ``root`` over the binomial tree, each
+    partial sum passed up through the sender's outbox. The sum is ``sendbuf + child_0 +
+    child_1 + ...`` in the tree's fixed order on every rank, as on the staged path, so
+    the result is the same bit for bit. ``scratch()`` gives a buffer shaped like
+    ``sendbuf`` (returned to the caller's pool by the caller)."""
+    children, parent = tree_links(mpi.Get_rank(), mpi.Get_size(), root)
+    if not children:
+        acc = sendbuf
+        if parent is None:                     # a group of one
+            recvbuf[...] = sendbuf
+    else:
+        acc = recvbuf if parent is None else scratch()
+        acc[...] = sendbuf
+        part = scratch()
+        hdr = np.empty(HEADER_BYTES, dtype=np.uint8)
+        for child in children:
+            waiter([mpi.Irecv(hdr, source=child, tag=tag)])
+            box.fetch(hdr, part)
+            mpi.Send(_ACK, dest=child, tag=ACK_TAG)
+            acc += part
+    if parent is not None:
+        box.settle()
+        ack = np.empty(1, dtype=np.uint8)
+        out = box.post(acc, [mpi.Irecv(ack, source=parent, tag=ACK_TAG)], waiter)
+        waiter([mpi.Isend(out, dest=parent, tag=tag)])

@@ -74,12 +74,13 @@ from typing import Any, Callable, NamedTuple, Optional
 from summasim.backends import array_module
 from summasim.spec import ATTENTIONS, MLPS
 
+from . import fused
+from .fused import GELU_C, GELU_K
+
 LN_EPS = 1e-5
-GELU_K = math.sqrt(2.0 / math.pi)
-GELU_C = 0.044715
 # exp(-2z) is clamped at exp(80) so it never overflows in float32 (max ~exp(88));
 # x * sigmoid(2z) is then about 1e-35 * x instead of 0: far below any tolerance.
-_GELU_EXP_CLAMP = 80.0
+_GELU_EXP_CLAMP = fused.GELU_EXP_CLAMP
 
 Array = Any
 Reduction = Callable[[Array], Array]
@@ -201,9 +202,12 @@ def layernorm_forward(x, g, b, *, eps=LN_EPS, sum_hidden: Optional[Reduction] = 
     xhat = x - mean                                     # (..., C)
     var = sum_hidden(xhat * xhat) * inv_h               # (..., 1)
     rstd = 1.0 / xp.sqrt(var + eps)                     # (..., 1)
-    xhat *= rstd
-    out = xhat * g                                      # (..., C)
-    out += b
+    if fused.applies(xp):                               # one kernel for the tail
+        xhat, out = fused.layernorm_tail(xhat, rstd, g, b)
+    else:
+        xhat *= rstd
+        out = xhat * g                                  # (..., C)
+        out += b
     return _stored(out), LayerNormCache(xhat=xhat, rstd=rstd, g=g, hidden=hidden,
                                sum_hidden=sum_hidden)
 
@@ -222,6 +226,8 @@ def layernorm_backward(dout, cache):
     dxhat = dout * g                                           # (..., C)
     mean_d = cache.sum_hidden(dxhat) * inv_h                   # (..., 1)
     mean_dx = cache.sum_hidden(dxhat * xhat) * inv_h           # (..., 1)
+    if fused.applies(array_module(dxhat)):
+        return _stored(fused.layernorm_dx(dxhat, mean_d, xhat, mean_dx, rstd)), grads
     dx = dxhat
     dx -= mean_d
     dx -= xhat * mean_dx
@@ -256,6 +262,8 @@ def gelu_forward(x):
     Elementwise, so any sharding of ``x`` is fine.
     """
     xp = array_module(x)
+    if fused.applies(xp):
+        return _stored(fused.gelu_forward(x)), GeluCache(x=x)
     out = _gelu_exp(x)                                  # (...)
     out += 1.0
     xp.reciprocal(out, out=out)                         # sigmoid(2z)
@@ -267,6 +275,8 @@ def gelu_backward(dout, cache):
     """``d/dx = s + 2 x s (1-s) K (1 + 3 C x^2)`` with ``s = (1 + tanh z)/2``, ``1-s = e s``."""
     xp = array_module(dout)
     x = cache.x
+    if fused.applies(xp):
+        return _stored(fused.gelu_backward(dout, x)), {}
     e = _gelu_exp(x)                                    # (...)
     s = e + 1.0                                         # (...)
     xp.reciprocal(s, out=s)                             # s = sigmoid(2z), recomputed
@@ -480,9 +490,13 @@ def attention_probs(qs, k):
     b, nh, t, _ = qs.shape
     nkv = k.shape[1]
     att = _grouped(qs, nkv) @ _shared(k, nh // nkv).swapaxes(-1, -2)   # (B, nkv, g, T, T)
-    att += causal_mask(xp, t, att.dtype)
-    att -= att.max(axis=-1, keepdims=True)
-    xp.exp(att, out=att)
+    if fused.applies(xp):
+        att += fused.causal_mask(xp, t, att.dtype)
+        fused.exp_sub(att, att.max(axis=-1, keepdims=True), att)
+    else:
+        att += causal_mask(xp, t, att.dtype)
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
     att *= 1.0 / att.sum(axis=-1, keepdims=True)
     return att.reshape(b, nh, t, t)                     # (B, nh, T, T) view
 
