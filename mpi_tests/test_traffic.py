@@ -61,11 +61,29 @@ def expected(name, m, k, n, grid) -> dict:
     if name == "summa25_atb" and d > 1:
         for items in ring_items((m // q) * (n // q), d, grid.k):
             add("sendrecv", "depth", 1, items)
+    if name == "sd25_ab":
+        # layer k's share of the q steps: q // d, one more on the first q % d layers
+        steps = q // d + (1 if grid.k < q % d else 0)
+        if d > 1:       # replicate layer 0's blocks, sum the layers' partial products
+            add("bcast", "depth", 1, (m // q) * (k // q))
+            add("bcast", "depth", 1, (k // q) * (n // q))
+            for items in ring_items((m // q) * (n // q), d, grid.k):
+                add("sendrecv", "depth", 1, items)
+        if q > 1:
+            add("bcast", "row", steps, (m // q) * (k // q))
+            add("bcast", "col", steps, (k // q) * (n // q))
+    if name == "mm3d_ab" and q > 1:
+        # gather the A and B pieces, then the first half of the ring over the depth
+        add("allgather", "row", 1, (m // (q * q)) * (k // q))
+        add("allgather", "col", 1, (k // (q * q)) * (n // q))
+        for items in ring_items((m // q) * (n // q), q, grid.k)[: q - 1]:
+            add("sendrecv", "depth", 1, items)
     return out
 
 
 CASES = [(name, q, d) for name, spec in ALGORITHMS.items() if spec.is_product
-         for q, d in grid_shapes(P) if not (name == "cannon_ab" and d > 1)]
+         for q, d in grid_shapes(P) if not (name == "cannon_ab" and d > 1)
+         and not (name == "mm3d_ab" and d != q)]
 
 
 @pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])

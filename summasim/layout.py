@@ -8,6 +8,9 @@ name           global ``[m, n]`` split              rank ``(i, j, k)`` holds
 =============  ===================================  ===============================
 ``"2d"``       q x q blocks                         block ``(i, j)``; same for all k
 ``"2.5d"``     rows in d*q blocks, cols in q        block ``(k*q + i, j)``
+``"3d-a"``     rows in q*q blocks, cols in q        block ``(i*q + j, k)`` (3D A [m, k])
+``"3d-b"``     rows in q*q blocks, cols in q        block ``(k*q + i, j)`` (3D B [k, n])
+``"3d-c"``     rows in q*q blocks, cols in q        block ``(i*q + (k+1) % q, j)`` (3D C)
 ``"row"``      rows (axis 0) in p blocks            block ``r`` of the 1D group
 ``"col"``      columns (last axis) in p blocks      block ``r`` of the 1D group
 ``"replicated"``  none                              the whole array
@@ -30,7 +33,9 @@ from typing import NamedTuple
 
 from .backends import array_module
 
-LAYOUTS = ("2d", "2.5d", "row", "col", "replicated")
+LAYOUTS = ("2d", "2.5d", "3d-a", "3d-b", "3d-c", "row", "col", "replicated")
+#: the layouts of 2-D arrays on a [q, q, d] Grid
+GRID_LAYOUTS = ("2d", "2.5d", "3d-a", "3d-b", "3d-c")
 
 
 class GridNumbers(NamedTuple):
@@ -53,14 +58,16 @@ def _check_name(name: str) -> None:
 def block_counts(name: str, q: int = 1, d: int = 1, p: int = 1) -> tuple[int, int]:
     """Number of ``(row, column)`` blocks a 2-D array is cut into by layout ``name``."""
     _check_name(name)
-    return {"2d": (q, q), "2.5d": (d * q, q), "row": (p, 1), "col": (1, p),
-            "replicated": (1, 1)}[name]
+    return {"2d": (q, q), "2.5d": (d * q, q), "3d-a": (q * q, q), "3d-b": (q * q, q),
+            "3d-c": (q * q, q), "row": (p, 1), "col": (1, p), "replicated": (1, 1)}[name]
 
 
 def block_index(name: str, g: GridNumbers) -> tuple[int, int]:
     """``(row block, column block)`` held by the rank described by ``g``."""
     _check_name(name)
-    return {"2d": (g.i, g.j), "2.5d": (g.k * g.q + g.i, g.j), "row": (g.r, 0),
+    return {"2d": (g.i, g.j), "2.5d": (g.k * g.q + g.i, g.j),
+            "3d-a": (g.i * g.q + g.j, g.k), "3d-b": (g.k * g.q + g.i, g.j),
+            "3d-c": (g.i * g.q + (g.k + 1) % g.q, g.j), "row": (g.r, 0),
             "col": (0, g.r), "replicated": (0, 0)}[name]
 
 
@@ -73,7 +80,8 @@ def check_divisible(what: str, size: int, divisor: int, why: str = "") -> int:
 
 
 def _divisor_names(name: str) -> tuple[str, str]:
-    return {"2d": ("q", "q"), "2.5d": ("d*q", "q"), "row": ("p", ""), "col": ("", "p"),
+    return {"2d": ("q", "q"), "2.5d": ("d*q", "q"), "3d-a": ("q*q", "q"),
+            "3d-b": ("q*q", "q"), "3d-c": ("q*q", "q"), "row": ("p", ""), "col": ("", "p"),
             "replicated": ("", "")}[name]
 
 
@@ -89,7 +97,7 @@ def local_shape(global_shape, name: str, q: int = 1, d: int = 1, p: int = 1,
     shape = tuple(int(s) for s in global_shape)
     if name == "replicated":
         return shape
-    if name in ("2d", "2.5d") and len(shape) != 2:
+    if name in GRID_LAYOUTS and len(shape) != 2:
         raise ValueError(f"layout {name!r} needs a 2-D array, got shape {shape}")
     if not shape:
         raise ValueError(f"layout {name!r} needs at least one dimension")
@@ -131,7 +139,7 @@ def grid_numbers(grid) -> GridNumbers:
 
 def _check_layout_for(grid, name: str) -> None:
     _check_name(name)
-    if name in ("2d", "2.5d") and not hasattr(grid, "q"):
+    if name in GRID_LAYOUTS and not hasattr(grid, "q"):
         raise ValueError(f"layout {name!r} needs a Grid, not a {type(grid).__name__}")
 
 
@@ -175,5 +183,14 @@ def join(block, grid, name: str):
             if block.ndim > 1 else parts.reshape(width)
     mb, nb = block.shape
     nr, nc = block_counts(name, grid.q, grid.d, grid.p)
-    # ranks are numbered row-major over (k, i, j), so (k, i) flattens to k*q + i
-    return parts.reshape(nr, nc, mb, nb).transpose(0, 2, 1, 3).reshape(nr * mb, nc * nb)
+    if name in ("2d", "2.5d"):
+        # ranks are numbered row-major over (k, i, j), so (k, i) flattens to k*q + i
+        return parts.reshape(nr, nc, mb, nb).transpose(0, 2, 1, 3).reshape(nr * mb, nc * nb)
+    from .spec import grid_coords
+
+    out = xp.empty((nr * mb, nc * nb), dtype=block.dtype)
+    for rank in range(comm.size):       # each rank's block where its layout puts it
+        i, j, k = grid_coords(rank, grid.q)
+        bi, bj = block_index(name, GridNumbers(q=grid.q, d=grid.d, p=grid.p, i=i, j=j, k=k))
+        out[bi * mb:(bi + 1) * mb, bj * nb:(bj + 1) * nb] = parts[rank]
+    return out

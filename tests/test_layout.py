@@ -71,3 +71,16 @@ def test_bad_layout_names_and_ranks():
         layout.local_shape((4, 4), "3d", 2)
     with pytest.raises(ValueError, match="needs a 2-D array"):
         layout.local_shape((4, 4, 4), "2d", 2)
+
+
+@pytest.mark.parametrize("name", ["3d-a", "3d-b", "3d-c"])
+@pytest.mark.parametrize("q", [1, 2, 3])
+def test_3d_layouts_hold_every_block_once_on_the_cube(name, q):
+    """On a q x q x q cube each of the q^2 x q blocks sits on exactly one rank."""
+    from summasim.layout import GridNumbers, block_counts, block_index
+
+    held = [block_index(name, GridNumbers(q=q, d=q, p=q ** 3, i=i, j=j, k=k))
+            for i in range(q) for j in range(q) for k in range(q)]
+    nr, nc = block_counts(name, q, q)
+    assert (nr, nc) == (q * q, q)
+    assert sorted(held) == [(r, c) for r in range(nr) for c in range(nc)]

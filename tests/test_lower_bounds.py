@@ -89,3 +89,35 @@ def test_explore_prices_words_against_the_bounds():
             assert r["bound_independent"] == pytest.approx(b)
             assert r["words_over_bound"] == pytest.approx(r["words"] / max(
                 b, r["bound_dependent"])) and r["words_over_bound"] > 1
+
+
+def test_the_3d_product_attains_the_memory_independent_bound():
+    """mm3d_ab moves 3 (q-1)/q n^2/q^2 words per rank (its all-gathers counted as the
+    q - 1 pieces they bring in): exactly 3 (n^3/p)^(2/3) - 3 n^2/p, the Loomis-Whitney
+    bound with each operand held once."""
+    from summasim.costmodel.workload.bounds import product_bounds
+    from summasim.costmodel.workload.traffic import algorithm_messages, moved_bytes
+
+    for q in (2, 3, 4):
+        n = 6 * q * q
+        words = moved_bytes(algorithm_messages("mm3d_ab", n, n, n, q, q, itemsize=1))
+        assert words == 3 * (q - 1) * n * n // q ** 3
+        b = product_bounds([((n, n), (q * q, q))] * 3, n, n, n, q, q)
+        assert abs(words / b["memory_independent"] - 1) < 1e-12
+
+
+def test_sd25_splits_the_steps_and_replicates_once():
+    """sd25_ab on [q, q, c]: the layer's share of the q steps, two depth broadcasts and
+    the ring all-reduce over c; with c = 1 it is summa_ab's traffic."""
+    from summasim.costmodel.workload.traffic import algorithm_traffic
+
+    n, q = 48, 4
+    assert algorithm_traffic("sd25_ab", n, n, n, q, 1) == algorithm_traffic("summa_ab", n, n,
+                                                                            n, q, 1)
+    for c, k in ((2, 0), (3, 0), (3, 2)):
+        t = algorithm_traffic("sd25_ab", n, n, n, q, c, coords=(0, 0, k))
+        steps = q // c + (1 if k < q % c else 0)
+        block = (n // q) ** 2 * 8
+        assert t[("bcast", "row")] == (steps, steps * block)
+        assert t[("bcast", "depth")] == (2, 2 * block)
+        assert t[("sendrecv", "depth")][0] == 2 * (c - 1)

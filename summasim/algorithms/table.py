@@ -15,6 +15,8 @@ summa_atb       2d      atb   2d        2d        2d
 summa25_ab      2.5d    ab    2.5d      2d        2.5d
 summa25_abt     2.5d    abt   2.5d      2d        2.5d
 summa25_atb     2.5d    atb   2.5d      2.5d      2d
+sd25_ab         2.5d    ab    2d        2d        2d
+mm3d_ab         3d      ab    3d-a      3d-b      3d-c
 ring_allreduce  ring    -     -         -         -
 ==============  ======  ====  ========  ========  ========
 
@@ -51,7 +53,7 @@ class AlgorithmSpec:
     """One row of the table."""
 
     name: str
-    kind: str                 # "2d" (q x q grid), "2.5d" ([q, q, d]) or "ring"
+    kind: str                 # "2d" (q x q grid), "2.5d" ([q, q, d]), "3d" (cube) or "ring"
     op: str | None = None     # "ab", "abt", "atb"; None for the ring
     layout_a: str | None = None
     layout_b: str | None = None
@@ -98,6 +100,8 @@ class AlgorithmSpec:
     def grid_label(self, q: int, d: int) -> str:
         if self.kind == "ring":
             return f"ring p={q}"
+        if self.kind == "3d":
+            return f"{q}x{q}x{q}"
         return f"{q}x{q}" if self.kind == "2d" else f"[{q},{q},{d}]"
 
     def divisors(self, q: int, d: int) -> dict[str, int]:
@@ -135,6 +139,8 @@ _ROWS = {
     "summa25_ab": ("ab", "2.5d", "2d", "2.5d"),
     "summa25_abt": ("abt", "2.5d", "2d", "2.5d"),
     "summa25_atb": ("atb", "2.5d", "2.5d", "2d"),
+    "sd25_ab": ("ab", "2d", "2d", "2d"),
+    "mm3d_ab": ("ab", "3d-a", "3d-b", "3d-c"),
     "ring_allreduce": (None, None, None, None),
 }
 ALGORITHMS: dict[str, AlgorithmSpec] = {

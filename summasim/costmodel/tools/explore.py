@@ -9,7 +9,8 @@ For a machine and a transformer (a
                        scheme at each p; strong (fixed problem) or weak (the problem
                        grown by :func:`weak_config`: the batch, the hidden size and
                        heads, or both)
-:func:`matmul_table`   cannon_ab, summa_ab and summa25_ab (best d) on n x n, with the
+:func:`matmul_table`   cannon_ab, summa_ab, summa25_ab and sd25_ab (best d each) and
+                       mm3d_ab (cubes) on n x n, with the
                        words the busiest rank moves against the communication lower
                        bounds (:mod:`~summasim.costmodel.workload.bounds`; SUMMA2.5's
                        weight starts copied over the depth, so its bound is 0 from
@@ -37,7 +38,7 @@ from typing import NamedTuple
 from summasim import spec
 from summasim.costmodel.workload.bounds import product_bounds
 from summasim.costmodel.workload.predict import predict_algorithm
-from summasim.costmodel.workload.traffic import algorithm_traffic
+from summasim.costmodel.workload.traffic import algorithm_messages, moved_bytes
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
 from summasim.costmodel.workload.footprint import batch_step, largest_batch
 from summasim.costmodel.workload.layer import scheme_cost
@@ -196,14 +197,21 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
             cands += [("cannon_ab", q, 1), ("summa_ab", q, 1)]
         for g in spec.grids(p, "summa25_ab"):      # the grids the main job runs it on
             cands.append(("summa25_ab", g.q, g.d))
-        best25 = None
+        for g in spec.grids(p, "sd25_ab"):          # Solomonik-Demmel with c = d copies
+            if g.d > 1 and g.q > 1:
+                cands.append(("sd25_ab", g.q, g.d))
+        for g in spec.grids(p, "mm3d_ab"):          # the q x q x q cube
+            if g.q > 1:
+                cands.append(("mm3d_ab", g.q, g.d))
+        best = {}
         for alg, qq, dd in list(cands):
-            if n % (qq * dd):
+            need = (qq * qq, "q^2") if alg == "mm3d_ab" else \
+                (qq, "q") if alg == "sd25_ab" or dd == 1 else (qq * dd, "d q")
+            if n % need[0]:
                 cands.remove((alg, qq, dd))
                 if skipped is not None:
                     skipped.append({"p": p, "scheme": alg, "reason":
-                                    f"n = {n} is not divisible by "
-                                    f"{'d q' if dd > 1 else 'q'} = {qq * dd}"})
+                                    f"n = {n} is not divisible by {need[1]} = {need[0]}"})
         for alg, qq, dd in cands:
             try:
                 pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
@@ -215,28 +223,31 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                    "seconds": pr.seconds, "efficiency": t1 / (p * pr.seconds),
                    "comm_frac": pr.comm_seconds / pr.seconds if pr.seconds else 0.0,
                    "algorithms": pr.describe_algorithms(), **words_moved(alg, n, qq, dd)}
-            if alg == "summa25_ab":
-                if best25 is None or row["seconds"] < best25["seconds"]:
-                    best25 = row
+            if alg in ("summa25_ab", "sd25_ab"):     # the best depth of each
+                if alg not in best or row["seconds"] < best[alg]["seconds"]:
+                    best[alg] = row
             else:
                 rows.append(row)
-        if best25:
-            rows.append(best25)
+        rows += [best[a] for a in ("summa25_ab", "sd25_ab") if a in best]
     return rows
 
 
 def words_moved(alg: str, n: int, q: int, d: int) -> dict:
     """The words the busiest rank of ``alg`` (an ``*_ab`` product on ``[q, q, d]``)
     moves on n x n x n, from the closed-form events
-    (:func:`~summasim.costmodel.workload.traffic.algorithm_traffic`; Cannon's busiest rank
+    (:func:`~summasim.costmodel.workload.traffic.algorithm_messages`, an all-gather
+    counted as the g - 1 contributions it brings in; Cannon's busiest rank
     is one that skews both operands, (1, 1)), and the lower bounds with the blocks it
     holds: ``{"words", "bound_independent", "bound_dependent", "words_over_bound"}``."""
     coords = (1, 1, 0) if q > 1 else (0, 0, 0)
-    words = sum(b for _, b in algorithm_traffic(alg, n, n, n, q, d, itemsize=1,
-                                                coords=coords).values())
-    rows = d * q if alg.startswith("summa25") else q          # A's and C's row blocks
-    b = product_bounds([((n, n), (rows, q)), ((n, n), (q, q)), ((n, n), (rows, q))],
-                       n, n, n, q, d)                          # A, B (copied over d), C
+    words = moved_bytes(algorithm_messages(alg, n, n, n, q, d, itemsize=1, coords=coords,
+                                           strict=False))
+    if alg == "mm3d_ab":                    # every operand cut into q^2 x q pieces
+        blocks = [(q * q, q)] * 3
+    else:                                   # A's and C's row blocks; B copied over d
+        rows = d * q if alg.startswith("summa25") else q
+        blocks = [(rows, q), (q, q), (rows, q)]
+    b = product_bounds([((n, n), bl) for bl in blocks], n, n, n, q, d)
     return {"words": words, "bound_independent": b["memory_independent"],
             "bound_dependent": b["memory_dependent"],
             "words_over_bound": words / b["bound"] if b["bound"] > 0 else None}

@@ -204,8 +204,10 @@ def _worst_coords(name, q, d, m, k, n, count, p):
     """Coordinates of a rank on the critical path (most traffic)."""
     if name == "cannon_ab":
         return [(1 % q, 1 % q)]
-    if name == "summa25_atb" and d > 1:
-        return [(0, 0, kk) for kk in range(d)]
+    if (name == "summa25_atb" or name == "sd25_ab") and d > 1:
+        return [(0, 0, kk) for kk in range(d)]     # the ring's chunks (sd25: and the steps)
+    if name == "mm3d_ab" and q > 1:
+        return [(0, 0, kk) for kk in range(q)]
     if name in _traffic.RING_NAMES:
         n_items = count if count is not None else m
         extra = int(n_items) % p if p else 0

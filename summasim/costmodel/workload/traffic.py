@@ -32,6 +32,15 @@ algorithm          events on every rank of the ``[q, q, d]`` grid
                    (m/q)(k/q) A block if i % q != 0, 1 sendrecv on "col" of the
                    (k/q)(n/q) B block if j % q != 0; then q-1 sendrecvs on "row"
                    of the A block and q-1 on "col" of the B block
+``sd25_ab``        (rank (i, j, k) of [q, q, c]) 2 bcasts on "depth" from layer 0 of
+                   the (m/q)(k/q) A and (k/q)(n/q) B blocks (if c > 1); for each
+                   SUMMA step l of layer k (chunk k of range(q) in c near-equal
+                   chunks) a bcast on "row" of (m/q)(k/q) and one on "col" of
+                   (k/q)(n/q) (root l); then a ring all-reduce over "depth" of
+                   (m/q)(n/q) items
+``mm3d_ab``        (q x q x q cube, rank (i, j, k)) 1 allgather on "row" of
+                   (m/q^2)(k/q) items, 1 on "col" of (k/q^2)(n/q), then a ring
+                   reduce-scatter over "depth" of (m/q)(n/q) items: q-1 sendrecvs
 ``ring_allreduce`` N items over P ranks at group rank r: chunk c has
                    N//P + (1 if c < N%P else 0) items; reduce-scatter step
                    s = 0..P-2 sends chunk (r - s) mod P, allgather step
@@ -136,6 +145,12 @@ def _blocks(name, m, k, n, q, d, strict=True):
     div = _div if strict else _real
     if name == "cannon_ab" and d != 1:
         raise ValueError(f"cannon_ab needs d == 1 (p = q*q), got d={d}")
+    if name == "mm3d_ab":                           # A (m/q^2, k/q), B (k/q^2, n/q)
+        if d != q:
+            raise ValueError(f"mm3d_ab needs a cube (d == q), got q={q}, d={d}")
+        div(name, "k", k, q * q, "q*q")
+        return (div(name, "m", m, q * q, "q*q"), div(name, "k", k, q, "q"),
+                div(name, "n", n, q, "q"))
     rows, what = (d * q, "d*q") if name.startswith("summa25") else (q, "q")
     if name in ("summa_atb", "summa25_atb"):       # A [k, m] and B [k, n]: k is split in rows
         return (div(name, "k", k, rows, what), div(name, "m", m, q, "q"),
@@ -244,6 +259,8 @@ def _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict=True):
         raise ValueError(f"itemsize must be >= 1, got {itemsize}")
     if q == 1:
         plan = []
+    elif name in ("sd25_ab", "mm3d_ab"):             # their own events (algorithm_events)
+        plan = []
     elif name in ("summa_ab", "summa25_ab"):        # blocks: (m/q or m/dq, k/q, n/q)
         plan = [("bcast", "row", b0 * b1 * it), ("bcast", "col", b1 * b2 * it)]
     elif name in ("summa_abt", "summa25_abt"):      # B block (n/q, k/q), C (m/., n/q)
@@ -307,6 +324,8 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
             events.append(EventSpec("sendrecv", "row", q, -1, a_bytes))
             events.append(EventSpec("sendrecv", "col", q, -1, b_bytes))
         return events
+    if name in ("sd25_ab", "mm3d_ab"):
+        return _deep_events(name, b0, b1, b2, q, int(d), int(itemsize), coords)
     for l in range(q if plan else 0):
         for op, grp, nbytes in plan:
             events.append(EventSpec(op, grp, q, l, nbytes))
@@ -314,6 +333,58 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
         depth_rank = _coords(coords, 3)[2]
         events += ring_allreduce_events(b1 * b2, int(d), depth_rank, "depth", itemsize)
     return events
+
+
+def layer_steps(q: int, c: int, k: int) -> int:
+    """How many SUMMA steps layer ``k`` of ``c`` runs in ``sd25_ab`` (chunk k of
+    range(q) in c near-equal chunks)."""
+    return _chunk(k, q, c)
+
+
+def _deep_events(name, b0, b1, b2, q, d, it, coords) -> list[EventSpec]:
+    """The events of ``sd25_ab`` and ``mm3d_ab`` (see the module docstring)."""
+    kk = _coords(coords, 3)[2]
+    events: list[EventSpec] = []
+    if name == "mm3d_ab":
+        if q > 1:
+            events += [EventSpec("allgather", "row", q, -1, b0 * b1 * it),
+                       EventSpec("allgather", "col", q, -1, (b1 // q) * b2 * it)]
+            events += ring_reduce_scatter_events(q * b0 * b2, q, kk, "depth", it)
+        return events
+    if d > 1:
+        events += [EventSpec("bcast", "depth", d, 0, b0 * b1 * it),
+                   EventSpec("bcast", "depth", d, 0, b1 * b2 * it)]
+    if q > 1:
+        first = sum(layer_steps(q, d, x) for x in range(kk))
+        for l in range(first, first + layer_steps(q, d, kk)):
+            events += [EventSpec("bcast", "row", q, l, b0 * b1 * it),
+                       EventSpec("bcast", "col", q, l, b1 * b2 * it)]
+    if d > 1:
+        events += ring_allreduce_events(b0 * b2, d, kk, "depth", it)
+    return events
+
+
+def _deep_messages(name, b0, b1, b2, q, d, it, coords, strict) -> list[MessageClass]:
+    """:func:`_deep_events` grouped, without enumerating the steps."""
+    kk = _coords(coords, 3)[2]
+    if name == "mm3d_ab":
+        if q == 1:
+            return []
+        return ([MessageClass("allgather", "row", q, b0 * b1 * it, 1),
+                 MessageClass("allgather", "col", q, (b1 / q if not strict else b1 // q)
+                              * b2 * it, 1)]
+                + _ring_messages("ring_reduce_scatter", q * b0 * b2, q, kk, "depth", it, strict))
+    out: list[MessageClass] = []
+    if d > 1:
+        out += [MessageClass("bcast", "depth", d, b0 * b1 * it, 1),
+                MessageClass("bcast", "depth", d, b1 * b2 * it, 1)]
+    steps = layer_steps(q, d, kk) if strict else q / d
+    if q > 1 and steps:
+        out += [MessageClass("bcast", "row", q, b0 * b1 * it, steps),
+                MessageClass("bcast", "col", q, b1 * b2 * it, steps)]
+    if d > 1:
+        out += _ring_messages("ring_allreduce", b0 * b2, d, kk, "depth", it, strict)
+    return out
 
 
 def _ring_args(name, count, p, coords, m):
@@ -348,12 +419,22 @@ def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
         cols = (q - 1) + (1 if j % q else 0)
         return [MessageClass("sendrecv", "row", q, b0 * b1 * itemsize, rows),
                 MessageClass("sendrecv", "col", q, b1 * b2 * itemsize, cols)]
+    if name in ("sd25_ab", "mm3d_ab"):
+        return _deep_messages(name, b0, b1, b2, q, int(d), int(itemsize), coords, strict)
     out = [MessageClass(op, grp, q, nbytes, q) for op, grp, nbytes in plan]
     if name == "summa25_atb" and int(d) > 1:
         depth_rank = _coords(coords, 3)[2]
         out += _ring_messages("ring_allreduce", b1 * b2, int(d), depth_rank, "depth", itemsize,
                               strict)
     return out
+
+
+def moved_bytes(messages) -> float:
+    """Bytes a rank moves (sends or receives) in ``messages``: the ledger's ``nbytes``,
+    except that an all-gather, whose event holds the rank's own contribution, moves the
+    other ``group_size - 1`` contributions (what the lower bounds count)."""
+    return sum(mc.count * mc.nbytes * (mc.group_size - 1 if mc.op == "allgather" else 1)
+               for mc in messages)
 
 
 def summarize_events(events: Iterable) -> dict[tuple[str, str], tuple[int, int]]:
@@ -409,10 +490,22 @@ def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
         return Compute((gemm,), red)
     if name == "summa_atb":
         return Compute(((b1, b0, b2, q),), 0)
+    if name in ("sd25_ab", "mm3d_ab"):
+        kk, d = _coords(coords, 3)[2], int(d)
+        group = q if name == "mm3d_ab" else d
+        gemm = ((q * b0, b1, b2, 1) if name == "mm3d_ab" else
+                (b0, b1, b2, layer_steps(q, d, kk) if strict else q / d))
+        red = 0
+        if group > 1:
+            count = (q * b0 if name == "mm3d_ab" else b0) * b2
+            red = algorithm_compute("ring_reduce_scatter", count=count, p=group, coords=kk,
+                                    itemsize=itemsize, strict=strict).reduce_bytes
+        return Compute(tuple(g for g in (gemm,) if g[3]), red)
     return Compute(((b0, b1, b2, q),), 0)
 
 
 def algorithm_flops(name: str, m: int, k: int, n: int, q: int = 1, d: int = 1) -> int:
     """Flops of one rank's GEMMs (2 per multiply-add): ``2 m k n / (d q^2)`` for the
-    2.5D forms, ``2 m k n / q^2`` otherwise."""
+    2.5D and 3D forms (sd25_ab: its layer's share of the q steps), ``2 m k n / q^2``
+    otherwise."""
     return sum(2 * a * b * c * cnt for a, b, c, cnt in algorithm_compute(name, m, k, n, q, d).gemms)
