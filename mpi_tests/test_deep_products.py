@@ -13,7 +13,7 @@ import pytest
 from _util import WORLD, collective_raises, grid_shapes, parallel_assert
 from summasim import algorithms as algs
 from summasim import layout
-from summasim.algorithms.sd25 import layer_steps
+from summasim.algorithms.deep import layer_steps
 from summasim.grid import Grid
 
 P = WORLD.Get_size()

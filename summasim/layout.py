@@ -11,6 +11,8 @@ name           global ``[m, n]`` split              rank ``(i, j, k)`` holds
 ``"3d-a"``     rows in q*q blocks, cols in q        block ``(i*q + j, k)`` (3D A [m, k])
 ``"3d-b"``     rows in q*q blocks, cols in q        block ``(k*q + i, j)`` (3D B [k, n])
 ``"3d-c"``     rows in q*q blocks, cols in q        block ``(i*q + (k+1) % q, j)`` (3D C)
+``"3d-bt"``    rows in q*q blocks, cols in q        block ``(j*q + i, k)`` (3D B [n, k])
+``"3d-at"``    rows in q*q blocks, cols in q        block ``(k*q + j, i)`` (3D A [k, m])
 ``"row"``      rows (axis 0) in p blocks            block ``r`` of the 1D group
 ``"col"``      columns (last axis) in p blocks      block ``r`` of the 1D group
 ``"replicated"``  none                              the whole array
@@ -33,9 +35,10 @@ from typing import NamedTuple
 
 from .backends import array_module
 
-LAYOUTS = ("2d", "2.5d", "3d-a", "3d-b", "3d-c", "row", "col", "replicated")
+_CUBE_LAYOUTS = ("3d-a", "3d-b", "3d-c", "3d-bt", "3d-at")
+LAYOUTS = ("2d", "2.5d") + _CUBE_LAYOUTS + ("row", "col", "replicated")
 #: the layouts of 2-D arrays on a [q, q, d] Grid
-GRID_LAYOUTS = ("2d", "2.5d", "3d-a", "3d-b", "3d-c")
+GRID_LAYOUTS = ("2d", "2.5d") + _CUBE_LAYOUTS
 
 
 class GridNumbers(NamedTuple):
@@ -58,8 +61,10 @@ def _check_name(name: str) -> None:
 def block_counts(name: str, q: int = 1, d: int = 1, p: int = 1) -> tuple[int, int]:
     """Number of ``(row, column)`` blocks a 2-D array is cut into by layout ``name``."""
     _check_name(name)
-    return {"2d": (q, q), "2.5d": (d * q, q), "3d-a": (q * q, q), "3d-b": (q * q, q),
-            "3d-c": (q * q, q), "row": (p, 1), "col": (1, p), "replicated": (1, 1)}[name]
+    if name in _CUBE_LAYOUTS:
+        return (q * q, q)
+    return {"2d": (q, q), "2.5d": (d * q, q), "row": (p, 1), "col": (1, p),
+            "replicated": (1, 1)}[name]
 
 
 def block_index(name: str, g: GridNumbers) -> tuple[int, int]:
@@ -67,7 +72,8 @@ def block_index(name: str, g: GridNumbers) -> tuple[int, int]:
     _check_name(name)
     return {"2d": (g.i, g.j), "2.5d": (g.k * g.q + g.i, g.j),
             "3d-a": (g.i * g.q + g.j, g.k), "3d-b": (g.k * g.q + g.i, g.j),
-            "3d-c": (g.i * g.q + (g.k + 1) % g.q, g.j), "row": (g.r, 0),
+            "3d-c": (g.i * g.q + (g.k + 1) % g.q, g.j), "3d-bt": (g.j * g.q + g.i, g.k),
+            "3d-at": (g.k * g.q + g.j, g.i), "row": (g.r, 0),
             "col": (0, g.r), "replicated": (0, 0)}[name]
 
 
@@ -80,8 +86,9 @@ def check_divisible(what: str, size: int, divisor: int, why: str = "") -> int:
 
 
 def _divisor_names(name: str) -> tuple[str, str]:
-    return {"2d": ("q", "q"), "2.5d": ("d*q", "q"), "3d-a": ("q*q", "q"),
-            "3d-b": ("q*q", "q"), "3d-c": ("q*q", "q"), "row": ("p", ""), "col": ("", "p"),
+    if name in _CUBE_LAYOUTS:
+        return ("q*q", "q")
+    return {"2d": ("q", "q"), "2.5d": ("d*q", "q"), "row": ("p", ""), "col": ("", "p"),
             "replicated": ("", "")}[name]
 
 

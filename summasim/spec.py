@@ -55,6 +55,8 @@ ALGORITHM_KINDS: dict[str, str] = {
     "summa25_atb": "2.5d",
     "sd25_ab": "2.5d",
     "mm3d_ab": "3d",
+    "mm3d_abt": "3d",
+    "mm3d_atb": "3d",
     "ring_allreduce": "ring",
 }
 #: The matrix products (every algorithm but the ring).

@@ -173,7 +173,10 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
     # spec.grids: [1,1,p] where p has no [q,q,d] with q, d >= 2; [2,2,2] at 8 (1020 % 4 == 0)
     assert {(r["p"], r["grid"]) for r in matmul if r["algorithm"] == "summa25_ab"} == {
         (1, "[1,1,1]"), (2, "[1,1,2]"), (4, "[1,1,4]"), (8, "[2,2,2]")}
-    assert not [r for r in matmul if r["p"] == 64]
+    # at 64 only Solomonik-Demmel on [4,4,4] (it needs n % q); the 3D cube needs n % q^2
+    assert {(r["algorithm"], r["grid"]) for r in matmul if r["p"] == 64} == {
+        ("sd25_ab", "[4,4,4]")}
+    assert "mm3d_ab at p = 64 (n = 1020 is not divisible by q^2 = 16)" in out
     assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
 
 

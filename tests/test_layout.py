@@ -73,7 +73,7 @@ def test_bad_layout_names_and_ranks():
         layout.local_shape((4, 4, 4), "2d", 2)
 
 
-@pytest.mark.parametrize("name", ["3d-a", "3d-b", "3d-c"])
+@pytest.mark.parametrize("name", ["3d-a", "3d-b", "3d-c", "3d-bt", "3d-at"])
 @pytest.mark.parametrize("q", [1, 2, 3])
 def test_3d_layouts_hold_every_block_once_on_the_cube(name, q):
     """On a q x q x q cube each of the q^2 x q blocks sits on exactly one rank."""

@@ -12,6 +12,8 @@ function                  C =       A layout  B layout  C layout
 ``summa25_atb``           A^T B     2.5d      2.5d      2d (all-reduced over depth)
 ``sd25_ab``               A B       2d        2d        2d (2.5D: c = d copies)
 ``mm3d_ab``               A B       3d-a      3d-b      3d-c (q x q x q cube)
+``mm3d_abt``              A B^T     3d-a      3d-bt     3d-c
+``mm3d_atb``              A^T B     3d-at     3d-b      3d-c
 ``ring_allreduce``        sum       any                 same shape, every rank
 ========================  ========  ========  ========  ===========================
 
@@ -27,7 +29,8 @@ import importlib
 
 _HOME = {"cannon_ab": "cannon", "summa_ab": "summa", "summa_abt": "summa",
          "summa_atb": "summa", "summa25_ab": "summa25", "summa25_abt": "summa25",
-         "summa25_atb": "summa25", "sd25_ab": "sd25", "mm3d_ab": "sd25",
+         "summa25_atb": "summa25", "sd25_ab": "deep", "mm3d_ab": "deep", "mm3d_abt": "deep",
+         "mm3d_atb": "deep",
          "ring_allreduce": "allreduce",
          "ring_reduce_scatter": "allreduce", "ring_allgather": "allreduce",
          "chunk_bounds": "allreduce", "set_agreement": "_common", "agreement": "_common",

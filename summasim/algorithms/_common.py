@@ -159,13 +159,15 @@ _FORMS = {"ab": ((1, 0), (0, 1)), "abt": ((1, 1), (0, 0)), "atb": ((0, 0), (1, 1
 
 
 def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None,
-                  inner_scale: int = 1):
+                  inner_scale: int = 1, out_shape=None):
     """The checked entry of a distributed product: local checks, then :func:`agree`.
 
     ``form`` is "ab", "abt" or "atb"; ``k_block`` names the contracted block extent in
     messages ("k/q", "k/(dq)"); ``extra()`` is one more local check (Cannon's d == 1).
     ``inner_scale``: the contracted extent of a is that many times b's (the 3D
-    algorithm's blocks: A (m/q^2, k/q), B (k/q^2, n/q)).
+    algorithm's blocks: A (m/q^2, k/q), B (k/q^2, n/q)); ``out_shape()``: the result
+    block's shape when it is not ``(a.shape[r], b.shape[r])`` (called after the operand
+    checks).
     Returns the backend to compute with. Raises on every rank alike (see :func:`agree`).
     """
     check_grid(grid, fn)           # no grid, no communicator to agree over: raise alone
@@ -178,7 +180,8 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None,
         scale = f"{inner_scale} x " if inner_scale != 1 else ""
         check_inner(fn, f"a.shape[{ia}] ({k_block}) vs {scale}b.shape[{ib}]",
                     a.shape[ia], inner_scale * b.shape[ib])
-        check_out(fn, out, (a.shape[ra], b.shape[rb]), a, (a, b), ("a", "b"))
+        shape = out_shape() if out_shape is not None else (a.shape[ra], b.shape[rb])
+        check_out(fn, out, shape, a, (a, b), ("a", "b"))
         return be
 
     be, err = local_error(local)

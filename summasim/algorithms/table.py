@@ -17,6 +17,8 @@ summa25_abt     2.5d    abt   2.5d      2d        2.5d
 summa25_atb     2.5d    atb   2.5d      2.5d      2d
 sd25_ab         2.5d    ab    2d        2d        2d
 mm3d_ab         3d      ab    3d-a      3d-b      3d-c
+mm3d_abt        3d      abt   3d-a      3d-bt     3d-c
+mm3d_atb        3d      atb   3d-at     3d-b      3d-c
 ring_allreduce  ring    -     -         -         -
 ==============  ======  ====  ========  ========  ========
 
@@ -141,6 +143,8 @@ _ROWS = {
     "summa25_atb": ("atb", "2.5d", "2.5d", "2d"),
     "sd25_ab": ("ab", "2d", "2d", "2d"),
     "mm3d_ab": ("ab", "3d-a", "3d-b", "3d-c"),
+    "mm3d_abt": ("abt", "3d-a", "3d-bt", "3d-c"),
+    "mm3d_atb": ("atb", "3d-at", "3d-b", "3d-c"),
     "ring_allreduce": (None, None, None, None),
 }
 ALGORITHMS: dict[str, AlgorithmSpec] = {

@@ -206,7 +206,7 @@ def _worst_coords(name, q, d, m, k, n, count, p):
         return [(1 % q, 1 % q)]
     if (name == "summa25_atb" or name == "sd25_ab") and d > 1:
         return [(0, 0, kk) for kk in range(d)]     # the ring's chunks (sd25: and the steps)
-    if name == "mm3d_ab" and q > 1:
+    if name.startswith("mm3d") and q > 1:
         return [(0, 0, kk) for kk in range(q)]
     if name in _traffic.RING_NAMES:
         n_items = count if count is not None else m

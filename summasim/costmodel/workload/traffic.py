@@ -40,7 +40,9 @@ algorithm          events on every rank of the ``[q, q, d]`` grid
                    (m/q)(n/q) items
 ``mm3d_ab``        (q x q x q cube, rank (i, j, k)) 1 allgather on "row" of
                    (m/q^2)(k/q) items, 1 on "col" of (k/q^2)(n/q), then a ring
-                   reduce-scatter over "depth" of (m/q)(n/q) items: q-1 sendrecvs
+                   reduce-scatter over "depth" of (m/q)(n/q) items: q-1 sendrecvs;
+                   ``mm3d_abt`` and ``mm3d_atb`` the same (A's and B's pieces are
+                   m k/q^3 and k n/q^3 items whatever the form)
 ``ring_allreduce`` N items over P ranks at group rank r: chunk c has
                    N//P + (1 if c < N%P else 0) items; reduce-scatter step
                    s = 0..P-2 sends chunk (r - s) mod P, allgather step
@@ -85,6 +87,8 @@ from ...spec import PRODUCTS
 
 MATMUL_NAMES = PRODUCTS            # the algorithm table's products
 RING_NAMES = ("ring_allreduce", "ring_reduce_scatter", "ring_allgather")
+#: the 2.5D and 3D products of algorithms.deep (events of their own shape)
+DEEP_NAMES = ("sd25_ab", "mm3d_ab", "mm3d_abt", "mm3d_atb")
 ALGORITHM_NAMES = MATMUL_NAMES + RING_NAMES
 
 
@@ -145,10 +149,13 @@ def _blocks(name, m, k, n, q, d, strict=True):
     div = _div if strict else _real
     if name == "cannon_ab" and d != 1:
         raise ValueError(f"cannon_ab needs d == 1 (p = q*q), got d={d}")
-    if name == "mm3d_ab":                           # A (m/q^2, k/q), B (k/q^2, n/q)
+    if name.startswith("mm3d"):   # (m/q^2, k/q, n/q); each piece is 1/p of its operand
         if d != q:
-            raise ValueError(f"mm3d_ab needs a cube (d == q), got q={q}, d={d}")
-        div(name, "k", k, q * q, "q*q")
+            raise ValueError(f"{name} needs a cube (d == q), got q={q}, d={d}")
+        # the dimension cut into q^2 row pieces besides m: B's rows k (ab), B's rows n
+        # (abt), A's and B's rows k (atb)
+        div(name, *{"mm3d_ab": ("k", k), "mm3d_abt": ("n", n),
+                    "mm3d_atb": ("k", k)}[name], q * q, "q*q")
         return (div(name, "m", m, q * q, "q*q"), div(name, "k", k, q, "q"),
                 div(name, "n", n, q, "q"))
     rows, what = (d * q, "d*q") if name.startswith("summa25") else (q, "q")
@@ -259,7 +266,7 @@ def _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict=True):
         raise ValueError(f"itemsize must be >= 1, got {itemsize}")
     if q == 1:
         plan = []
-    elif name in ("sd25_ab", "mm3d_ab"):             # their own events (algorithm_events)
+    elif name in DEEP_NAMES:                         # their own events (algorithm_events)
         plan = []
     elif name in ("summa_ab", "summa25_ab"):        # blocks: (m/q or m/dq, k/q, n/q)
         plan = [("bcast", "row", b0 * b1 * it), ("bcast", "col", b1 * b2 * it)]
@@ -324,7 +331,7 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
             events.append(EventSpec("sendrecv", "row", q, -1, a_bytes))
             events.append(EventSpec("sendrecv", "col", q, -1, b_bytes))
         return events
-    if name in ("sd25_ab", "mm3d_ab"):
+    if name in DEEP_NAMES:
         return _deep_events(name, b0, b1, b2, q, int(d), int(itemsize), coords)
     for l in range(q if plan else 0):
         for op, grp, nbytes in plan:
@@ -345,10 +352,10 @@ def _deep_events(name, b0, b1, b2, q, d, it, coords) -> list[EventSpec]:
     """The events of ``sd25_ab`` and ``mm3d_ab`` (see the module docstring)."""
     kk = _coords(coords, 3)[2]
     events: list[EventSpec] = []
-    if name == "mm3d_ab":
+    if name.startswith("mm3d"):       # pieces of A and B: 1/p of each, whatever the form
         if q > 1:
             events += [EventSpec("allgather", "row", q, -1, b0 * b1 * it),
-                       EventSpec("allgather", "col", q, -1, (b1 // q) * b2 * it)]
+                       EventSpec("allgather", "col", q, -1, (b1 * b2 // q) * it)]
             events += ring_reduce_scatter_events(q * b0 * b2, q, kk, "depth", it)
         return events
     if d > 1:
@@ -367,12 +374,12 @@ def _deep_events(name, b0, b1, b2, q, d, it, coords) -> list[EventSpec]:
 def _deep_messages(name, b0, b1, b2, q, d, it, coords, strict) -> list[MessageClass]:
     """:func:`_deep_events` grouped, without enumerating the steps."""
     kk = _coords(coords, 3)[2]
-    if name == "mm3d_ab":
+    if name.startswith("mm3d"):
         if q == 1:
             return []
         return ([MessageClass("allgather", "row", q, b0 * b1 * it, 1),
-                 MessageClass("allgather", "col", q, (b1 / q if not strict else b1 // q)
-                              * b2 * it, 1)]
+                 MessageClass("allgather", "col", q, (b1 * b2 / q if not strict
+                                                      else b1 * b2 // q) * it, 1)]
                 + _ring_messages("ring_reduce_scatter", q * b0 * b2, q, kk, "depth", it, strict))
     out: list[MessageClass] = []
     if d > 1:
@@ -419,7 +426,7 @@ def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
         cols = (q - 1) + (1 if j % q else 0)
         return [MessageClass("sendrecv", "row", q, b0 * b1 * itemsize, rows),
                 MessageClass("sendrecv", "col", q, b1 * b2 * itemsize, cols)]
-    if name in ("sd25_ab", "mm3d_ab"):
+    if name in DEEP_NAMES:
         return _deep_messages(name, b0, b1, b2, q, int(d), int(itemsize), coords, strict)
     out = [MessageClass(op, grp, q, nbytes, q) for op, grp, nbytes in plan]
     if name == "summa25_atb" and int(d) > 1:
@@ -490,14 +497,14 @@ def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
         return Compute((gemm,), red)
     if name == "summa_atb":
         return Compute(((b1, b0, b2, q),), 0)
-    if name in ("sd25_ab", "mm3d_ab"):
-        kk, d = _coords(coords, 3)[2], int(d)
-        group = q if name == "mm3d_ab" else d
-        gemm = ((q * b0, b1, b2, 1) if name == "mm3d_ab" else
+    if name in DEEP_NAMES:
+        kk, d, cube = _coords(coords, 3)[2], int(d), name.startswith("mm3d")
+        group = q if cube else d
+        gemm = ((q * b0, b1, b2, 1) if cube else
                 (b0, b1, b2, layer_steps(q, d, kk) if strict else q / d))
         red = 0
         if group > 1:
-            count = (q * b0 if name == "mm3d_ab" else b0) * b2
+            count = (q * b0 if cube else b0) * b2
             red = algorithm_compute("ring_reduce_scatter", count=count, p=group, coords=kk,
                                     itemsize=itemsize, strict=strict).reduce_bytes
         return Compute(tuple(g for g in (gemm,) if g[3]), red)

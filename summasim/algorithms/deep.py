@@ -31,6 +31,13 @@ Every operand is held once (no copies): per rank, for m = k = n, 3 (q-1)/q n^2/q
 words = O(n^2/p^(2/3)), the memory-independent lower bound (Ballard et al., SPAA 2012,
 Theorem 3.2; Irony, Toledo and Tiskin 2004).
 
+``mm3d_abt`` (C = A B^T, B [n, k] in ``"3d-bt"``: rank (i, j, k) holds row piece i of
+``B[N_j, K_k]``) and ``mm3d_atb`` (C = A^T B, A [k, m] in ``"3d-at"``: rank (i, j, k)
+holds row piece j of ``A[K_k, M_i]``) are the same three steps with the product
+transposed: what the backward of a 3D layer needs. All three move the same words: a
+1/p share of A and of B gathered from q ranks each, and a (m/q)(n/q) partial product
+reduce-scattered over q.
+
 The closed forms of every rank's events are
 :func:`summasim.costmodel.workload.traffic.algorithm_events`. Checks and the agreement
 are those of every product (:mod:`summasim.algorithms._common`).
@@ -112,6 +119,14 @@ def _sd25_ab(a, b, grid, be, out):
     return c
 
 
+def _cube(fn: str, grid):
+    def check():
+        if grid.d != grid.q:
+            raise ValueError(f"{fn} needs a q x q x q cube, got [q, q, d] = "
+                             f"[{grid.q}, {grid.q}, {grid.d}]")
+    return check
+
+
 def mm3d_ab(a, b, grid, out=None):
     """C = A B, the 3D algorithm on a q x q x q cube (``grid.d == grid.q``).
 
@@ -134,31 +149,94 @@ def mm3d_ab(a, b, grid, out=None):
     of (k/q^2)(n/q), and a ring reduce-scatter of (m/q)(n/q) items over ``grid.depth``
     (q - 1 sendrecvs).
     """
-    def cube():
-        if grid.d != grid.q:
-            raise ValueError(f"mm3d_ab needs a q x q x q cube, got [q, q, d] = "
-                             f"[{grid.q}, {grid.q}, {grid.d}]")
-
-    be = check_product("mm3d_ab", "ab", a, b, grid, out, "k/q", extra=cube,
-                       inner_scale=getattr(grid, "q", 1))
-    return _mm3d_ab(contiguous(a), contiguous(b), grid, be, out)
+    q = getattr(grid, "q", 1)
+    be = check_product("mm3d_ab", "ab", a, b, grid, out, "k/q", extra=_cube("mm3d_ab", grid),
+                       inner_scale=q)
+    return _mm3d(contiguous(a), contiguous(b), grid, be, out, False, False)
 
 
-def _mm3d_ab(a, b, grid, be, out):
+def mm3d_abt(a, b, grid, out=None):
+    """C = A B^T on a q x q x q cube.
+
+    Parameters
+    ----------
+    a : array, shape (m/q^2, k/q)
+        Block ``A[M_{iq+j}, K_k]`` of A [m, k] (layout ``"3d-a"``).
+    b : array, shape (n/q^2, k/q)
+        Block ``B[N_{jq+i}, K_k]`` of B [n, k] (layout ``"3d-bt"``).
+    grid : summasim.grid.Grid
+
+    Returns
+    -------
+    array, shape (m/q^2, n/q)
+        Block ``C[M_{iq+(k+1) mod q}, N_j]`` (layout ``"3d-c"``).
+
+    Notes
+    -----
+    Per rank: one all-gather on ``grid.row`` of (m/q^2)(k/q) items, one on ``grid.col``
+    of (n/q^2)(k/q), and a ring reduce-scatter of (m/q)(n/q) items over ``grid.depth``.
+    """
+    q = getattr(grid, "q", 1)
+    be = check_product("mm3d_abt", "abt", a, b, grid, out, "k/q",
+                       extra=_cube("mm3d_abt", grid),
+                       out_shape=lambda: (a.shape[0], q * b.shape[0]))
+    return _mm3d(contiguous(a), contiguous(b), grid, be, out, False, True)
+
+
+def mm3d_atb(a, b, grid, out=None):
+    """C = A^T B on a q x q x q cube.
+
+    Parameters
+    ----------
+    a : array, shape (k/q^2, m/q)
+        Block ``A[K_{kq+j}, M_i]`` of A [k, m] (layout ``"3d-at"``).
+    b : array, shape (k/q^2, n/q)
+        Block ``B[K_{kq+i}, N_j]`` of B [k, n] (layout ``"3d-b"``).
+    grid : summasim.grid.Grid
+
+    Returns
+    -------
+    array, shape (m/q^2, n/q)
+        Block ``C[M_{iq+(k+1) mod q}, N_j]`` (layout ``"3d-c"``).
+
+    Notes
+    -----
+    Per rank: one all-gather on ``grid.row`` of (k/q^2)(m/q) items, one on ``grid.col``
+    of (k/q^2)(n/q), and a ring reduce-scatter of (m/q)(n/q) items over ``grid.depth``.
+    """
+    q = getattr(grid, "q", 1)
+    def cube_and_rows():
+        _cube("mm3d_atb", grid)()
+        if a.shape[1] % q:
+            raise ValueError(f"mm3d_atb: a.shape[1] (m/q = {a.shape[1]}) is not divisible "
+                             f"by q = {q}: C is cut into q^2 row pieces")
+
+    be = check_product("mm3d_atb", "atb", a, b, grid, out, "k/q^2", extra=cube_and_rows,
+                       out_shape=lambda: (a.shape[1] // q, b.shape[1]))
+    return _mm3d(contiguous(a), contiguous(b), grid, be, out, True, False)
+
+
+def _mm3d(a, b, grid, be, out, trans_a, trans_b):
+    """Gather A's pieces along the row and B's down the column, multiply, and
+    reduce-scatter the product over the depth (each rank keeps chunk (k + 1) mod q)."""
     q, xp = grid.q, be.xp
-    rows_a, rows_b = a.shape[0], b.shape[0]
+    ga = grid.row.workspace("mm3d.a", a, 1, shape=(q,) + a.shape)[0] if q > 1 else a[None]
+    gb = grid.col.workspace("mm3d.b", b, 1, shape=(q,) + b.shape)[0] if q > 1 else b[None]
+    if q > 1:
+        grid.row.allgather(a, ga)                      # A's block: pieces in j order
+        grid.col.allgather(b, gb)                      # B's block: pieces in i order
+    fa = ga.reshape(q * a.shape[0], a.shape[1])
+    fb = gb.reshape(q * b.shape[0], b.shape[1])
+    rows = fa.shape[1] if trans_a else fa.shape[0]     # m/q
+    cols = fb.shape[0] if trans_b else fb.shape[1]     # n/q
     if q == 1:
-        c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
-        return be.gemm(a, b, c)
-    ga = grid.row.workspace("mm3d.a", a, 1, shape=(q,) + a.shape)[0]
-    gb = grid.col.workspace("mm3d.b", b, 1, shape=(q,) + b.shape)[0]
-    grid.row.allgather(a, ga)                          # A[I_i, K_k]: pieces in j order
-    grid.col.allgather(b, gb)                          # B[K_k, J_j]: pieces in i order
-    full = grid.depth.workspace("mm3d.c", a, 1, shape=(q * rows_a, b.shape[1]))[0]
-    be.gemm(ga.reshape(q * rows_a, a.shape[1]), gb.reshape(q * rows_b, b.shape[1]), full)
+        c = out if out is not None else xp.empty((rows, cols), dtype=a.dtype)
+        return be.gemm(fa, fb, c, trans_a=trans_a, trans_b=trans_b)
+    full = grid.depth.workspace("mm3d.c", a, 1, shape=(rows, cols))[0]
+    be.gemm(fa, fb, full, trans_a=trans_a, trans_b=trans_b)
     flat = full.reshape(-1)
     owned = ring_reduce_scatter_unchecked(flat, grid.depth)   # chunk (k + 1) mod q
     lo, hi = _bounds(flat.shape[0], q)[owned]
-    c = out if out is not None else xp.empty((rows_a, b.shape[1]), dtype=a.dtype)
+    c = out if out is not None else xp.empty((rows // q, cols), dtype=a.dtype)
     c[...] = flat[lo:hi].reshape(c.shape)
     return c
