@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 # The registries of names: the algorithms and the tensor-parallel schemes, with the kind
 # of grid each runs on. algorithms.table and transformer.schemes attach the code.
 
-#: Each algorithm and the kind of grid it runs on: "2d" (q x q), "2.5d" ([q, q, d]), "3d"
-#: (a q x q x q cube) or "ring" (all p ranks in one group).
+#: Each algorithm and the kind of grid it runs on: "2d" (q x q), "2.5d" ([q, q, d]),
+#: "2.5d-deep" ([q, q, d] with q, d >= 2 only), "3d" (a q x q x q cube) or "ring" (all p
+#: ranks in one group).
 ALGORITHM_KINDS: dict[str, str] = {
     "cannon_ab": "2d",
     "summa_ab": "2d",
@@ -53,7 +54,7 @@ ALGORITHM_KINDS: dict[str, str] = {
     "summa25_ab": "2.5d",
     "summa25_abt": "2.5d",
     "summa25_atb": "2.5d",
-    "sd25_ab": "2.5d",
+    "sd25_ab": "2.5d-deep",
     "mm3d_ab": "3d",
     "mm3d_abt": "3d",
     "mm3d_atb": "3d",
@@ -67,7 +68,7 @@ PRODUCTS: tuple[str, ...] = tuple(n for n, k in ALGORITHM_KINDS.items() if k != 
 SCHEME_KINDS: dict[str, str] = {"megatron": "1d", "optimus": "2d", "summa25": "2.5d"}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEME_KINDS)
 
-GRID_KINDS = ("2d", "2.5d", "3d", "any")
+GRID_KINDS = ("2d", "2.5d", "2.5d-deep", "3d", "any")
 
 
 def positive_int(name: str, value) -> int:
@@ -85,6 +86,9 @@ def grid_shapes(p: int, kind: str = "any") -> list[tuple[int, int]]:
     ``"2.5d"``  every grid with ``d >= 2`` and ``q >= 2``; when none exists, the
                 degenerate ``[(1, p)]`` (a depth-only grid; ``[(1, 1)]`` at p = 1), on
                 which the 2.5D products still run.
+    ``"2.5d-deep"``  every grid with ``d >= 2`` and ``q >= 2``, and no fallback (the
+                Solomonik-Demmel product: with d = 1 it is SUMMA, with q = 1 one layer
+                does all the work).
     ``"3d"``    ``[(q, q)]`` when p = q^3 is a perfect cube (the q x q x q cube), else
                 ``[]``.
     """
@@ -99,6 +103,8 @@ def grid_shapes(p: int, kind: str = "any") -> list[tuple[int, int]]:
     if kind == "3d":
         return [(q, d) for q, d in every if d == q]
     deep = [(q, d) for q, d in every if d >= 2 and q >= 2]
+    if kind == "2.5d-deep":
+        return deep
     return deep or [(1, p)]
 
 
@@ -487,8 +493,9 @@ def grids(p: int, scheme: str, model: Model | None = None,
     ``optimus``          ``[optimus:qxq]`` when p = q^2, else ``[]``
     ``summa25``          every ``summa25:qxqxd`` with q >= 2, d >= 2 (d > q included)
     a "2d" algorithm     as optimus; a "2.5d" algorithm: as summa25, or the degenerate
-                         ``[1, 1, p]`` when no such grid exists; a "3d" algorithm: the
-                         q x q x q cube when p = q^3; the ring: all p ranks.
+                         ``[1, 1, p]`` when no such grid exists; a "2.5d-deep" one
+                         (sd25_ab): as summa25; a "3d" algorithm: the q x q x q cube when
+                         p = q^3; the ring: all p ranks.
 
     With ``model`` (and ``batch``), only the grids that shard it (:meth:`TensorGrid.misfit`).
     """
@@ -503,6 +510,8 @@ def grids(p: int, scheme: str, model: Model | None = None,
         out = [TensorGrid(scheme, p, q, 1) for q, _ in grid_shapes(p, "2d")]
     elif kind == "3d":
         out = [TensorGrid(scheme, p, q, d) for q, d in grid_shapes(p, "3d")]
+    elif kind == "2.5d-deep":
+        out = [TensorGrid(scheme, p, q, d) for q, d in grid_shapes(p, "2.5d-deep")]
     else:
         shapes = grid_shapes(p, "2.5d")
         if scheme in SCHEME_KINDS:

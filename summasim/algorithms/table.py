@@ -5,22 +5,22 @@ Every front-end, test and benchmark reads this table; nothing else lists the
 algorithms. ``ALGORITHMS[name]`` is an :class:`AlgorithmSpec`; ``spec.fn`` is the
 function itself.
 
-==============  ======  ====  ========  ========  ========
-name            kind    op    A layout  B layout  C layout
-==============  ======  ====  ========  ========  ========
-cannon_ab       2d      ab    2d        2d        2d
-summa_ab        2d      ab    2d        2d        2d
-summa_abt       2d      abt   2d        2d        2d
-summa_atb       2d      atb   2d        2d        2d
-summa25_ab      2.5d    ab    2.5d      2d        2.5d
-summa25_abt     2.5d    abt   2.5d      2d        2.5d
-summa25_atb     2.5d    atb   2.5d      2.5d      2d
-sd25_ab         2.5d    ab    2d        2d        2d
-mm3d_ab         3d      ab    3d-a      3d-b      3d-c
-mm3d_abt        3d      abt   3d-a      3d-bt     3d-c
-mm3d_atb        3d      atb   3d-at     3d-b      3d-c
-ring_allreduce  ring    -     -         -         -
-==============  ======  ====  ========  ========  ========
+==============  =========  ====  ========  ========  ========
+name            kind       op    A layout  B layout  C layout
+==============  =========  ====  ========  ========  ========
+cannon_ab       2d         ab    2d        2d        2d
+summa_ab        2d         ab    2d        2d        2d
+summa_abt       2d         abt   2d        2d        2d
+summa_atb       2d         atb   2d        2d        2d
+summa25_ab      2.5d       ab    2.5d      2d        2.5d
+summa25_abt     2.5d       abt   2.5d      2d        2.5d
+summa25_atb     2.5d       atb   2.5d      2.5d      2d
+sd25_ab         2.5d-deep  ab    2d        2d        2d
+mm3d_ab         3d         ab    3d-a      3d-b      3d-c
+mm3d_abt        3d         abt   3d-a      3d-bt     3d-c
+mm3d_atb        3d         atb   3d-at     3d-b      3d-c
+ring_allreduce  ring       -     -         -         -
+==============  =========  ====  ========  ========  ========
 
 ``op`` names C[m, n] = op(A)[m, k] op(B)[k, n]: ``ab`` stores A [m, k] and B [k, n],
 ``abt`` stores B as [n, k], ``atb`` stores A as [k, m].
@@ -55,7 +55,7 @@ class AlgorithmSpec:
     """One row of the table."""
 
     name: str
-    kind: str                 # "2d" (q x q grid), "2.5d" ([q, q, d]), "3d" (cube) or "ring"
+    kind: str                 # "2d" (q x q), "2.5d" ([q, q, d]), "2.5d-deep", "3d" or "ring"
     op: str | None = None     # "ab", "abt", "atb"; None for the ring
     layout_a: str | None = None
     layout_b: str | None = None

@@ -48,8 +48,11 @@ def plan_products(p: int, algorithms, sizes=None, ring_n: int | None = None,
             grids = spec.grids(p)
             if not grids:
                 if dtype == dtypes[0]:
-                    skips.append(Skip(name, f"needs a square number of ranks (q x q); "
-                                            f"p = {p} is not"))
+                    skips.append(Skip(name, {
+                        "2d": f"needs a square number of ranks (q x q); p = {p} is not",
+                        "3d": f"needs a cube number of ranks (q x q x q); p = {p} is not",
+                        "2.5d-deep": f"needs p = c q^2 ranks with q, c >= 2; p = {p} is "
+                                     f"not"}[spec.kind]))
                 continue
             for q, d in grids:
                 shapes = (m, k, n) if exact else spec.round_up(m, k, n, q, d)

@@ -83,12 +83,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, NamedTuple
 
-from ...spec import PRODUCTS
+from ...spec import ALGORITHM_KINDS, PRODUCTS
 
 MATMUL_NAMES = PRODUCTS            # the algorithm table's products
 RING_NAMES = ("ring_allreduce", "ring_reduce_scatter", "ring_allgather")
 #: the 2.5D and 3D products of algorithms.deep (events of their own shape)
-DEEP_NAMES = ("sd25_ab", "mm3d_ab", "mm3d_abt", "mm3d_atb")
+DEEP_NAMES = tuple(n for n, kind in ALGORITHM_KINDS.items() if kind in ("2.5d-deep", "3d"))
 ALGORITHM_NAMES = MATMUL_NAMES + RING_NAMES
 
 
