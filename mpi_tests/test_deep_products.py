@@ -81,3 +81,23 @@ def test_mm3d_refuses_a_grid_that_is_not_a_cube():
         msg = collective_raises(ValueError, algs.mm3d_ab, np.ones((q * q, q)),
                                 np.ones((q, q)), grid)
         parallel_assert("cube" in msg, msg)
+
+
+@pytest.mark.skipif(not CUBES or CUBES == [(1, 1)], reason=f"p = {P} is not a cube > 1")
+@pytest.mark.parametrize("name", ["mm3d_ab", "mm3d_abt", "mm3d_atb"])
+def test_a_bad_block_on_one_rank_is_refused_on_every_rank(name):
+    """Rank 0 alone passes a B block one row short: every rank raises the same error,
+    before anything is sent."""
+    (q, _), = CUBES
+    spec = __import__("summasim.algorithms.table", fromlist=["ALGORITHMS"]).ALGORITHMS[name]
+    m, k, n = spec.round_up(2 * q * q, 2 * q * q, 2 * q * q, q, q)
+    sa, sb = spec.stored_shapes(m, k, n)
+    rng = np.random.default_rng(5)
+    with Grid(WORLD, q, q) as grid:
+        a = layout.split(rng.standard_normal(sa), grid, spec.layout_a)
+        b = layout.split(rng.standard_normal(sb), grid, spec.layout_b)
+        if WORLD.Get_rank() == 0:
+            b = b[:-1]
+        msg = collective_raises(ValueError, getattr(algs, name), a, b, grid)
+        parallel_assert("rank 0" in msg or "do not conform" in msg or "differ" in msg, msg)
+        parallel_assert(len(grid.trace.events) == 0, "something was sent before the refusal")
