@@ -85,15 +85,12 @@ def sd25_ab(a, b, grid, out=None):
 def _sd25_ab(a, b, grid, be, out):
     depth, row, col = grid.depth, grid.row, grid.col
     if depth.size > 1:              # replicate layer 0's operands over the layers
-        abuf = depth.workspace("sd25.a", a, 1)[0]
-        bbuf = depth.workspace("sd25.b", b, 1)[0]
-        if depth.rank == 0:
-            abuf[...] = a
-            bbuf[...] = b
-        ra, rb = depth.ibcast(abuf, root=0), depth.ibcast(bbuf, root=0)
+        if depth.rank > 0:          # the root sends its own blocks; the others receive
+            a = depth.workspace("sd25.a", a, 1)[0]
+            b = depth.workspace("sd25.b", b, 1)[0]
+        ra, rb = depth.ibcast(a, root=0), depth.ibcast(b, root=0)
         ra.wait()
         rb.wait()
-        a, b = abuf, bbuf
     xp = be.xp
     c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     steps = layer_steps(row.size, depth.size, depth.rank)

@@ -167,7 +167,7 @@ class IpcHostBackend(StagedHostBackend):
 
     def ipc_alloc(self, nbytes: int):
         self.ipc_allocs += 1
-        if next(_SERIAL_PEEK) == 0:
+        if not _ORPHANS_REMOVED:
             _remove_orphans()
         name = f"/dev/shm/summasim-ipc-{os.getpid()}-{next(_SERIAL)}"
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -195,14 +195,16 @@ class IpcHostBackend(StagedHostBackend):
 
 
 _SERIAL = itertools.count()   # names of this process's shared-memory outboxes
-_SERIAL_PEEK = itertools.count()
+_ORPHANS_REMOVED = False
 
 
 def _remove_orphans() -> None:
     """Remove the outboxes of processes that are gone (a job that aborted skips the
-    unlink at exit)."""
+    unlink at exit); once per process."""
     import glob
 
+    global _ORPHANS_REMOVED
+    _ORPHANS_REMOVED = True
     for path in glob.glob("/dev/shm/summasim-ipc-*-*"):
         try:
             os.kill(int(path.split("-")[-2]), 0)
