@@ -338,6 +338,13 @@ def test_bench_bad_arguments(args, flag):
     assert_user_error(run(*BENCH, *args), flag)
 
 
+@pytest.mark.skipif(__import__("summasim.backends", fromlist=["unavailable"])
+                    .unavailable("cupy") == "", reason="CuPy and a GPU are here")
+def test_bench_layer_on_a_gpu_that_is_not_there():
+    """--backend cupy without CuPy or a GPU: one line naming --backend, exit 2."""
+    assert_user_error(run(*BENCH, "--backend", "cupy"), "--backend", "CuPy")
+
+
 def test_bench_bad_json_path_and_missing_torch(files):
     assert_user_error(run(*BENCH, "--json", files / "plain.txt" / "r.json"), "--json")
     assert_user_error(run(*BENCH, "--json", files / "folder"), "--json")
