@@ -152,11 +152,12 @@ class _DirectHost(StagedHostBackend):
 
 
 def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
-    """``bench allreduce``'s three contenders on host, staged and direct arrays: the
-    same sums, the staged baselines copy the whole vector once each way, and in direct
-    mode the plain ring synchronizes the stream before each of its 2(P-1) steps."""
+    """``bench allreduce``'s contenders on host, staged and direct arrays: the same
+    sums (the in-place ones in their own buffer, refilled), the staged baselines copy
+    the whole vector once each way, and in direct mode the plain in-place ring
+    synchronizes the stream before each of its 2(P-1) steps."""
     from summasim.backends import get_backend
-    from summasim.bench.allreduce import _contenders
+    from summasim.bench.allreduce import IN_PLACE, _contenders
 
     rank = WORLD.Get_rank()
     x = np.random.default_rng(rank).standard_normal(37)
@@ -165,14 +166,20 @@ def test_bench_contenders_in_every_mode_sum_alike_and_sync_before_mpi():
     for be in (get_backend("numpy"), StagedHostBackend(), _DirectHost()):
         comm, raw = Comm(WORLD.Dup(), name="ring", backend=be), WORLD.Dup()
         try:
-            out = np.empty_like(x)
-            calls, held = _contenders(be, comm, raw, x, out)
+            out, y = np.empty_like(x), np.empty_like(x)
+            calls, held = _contenders(be, comm, raw, x, out, y)
+            parallel_assert(set(calls) == {"ring", "mpi", "inplace", "plain", "call"}
+                            and IN_PLACE == {"inplace", "plain"}, f"contenders {set(calls)}")
             for name, call in calls.items():
                 out[...] = np.nan
+                y[...] = x if name in IN_PLACE else np.nan
                 if be.comm_mode != "host":
                     be.reset_counters()
                 call()
-                got = held["call"] if name == "call" else out     # the plain call's own
+                got = (held["call"] if name == "call"      # the plain call's own
+                       else y if name in IN_PLACE else out)
+                parallel_assert(name in IN_PLACE or np.isnan(y).all(),
+                                f"{be.name} {name}: wrote the in-place buffer")
                 parallel_assert(np.allclose(np.asarray(got), want, rtol=0, atol=1e-12),
                                 f"{be.name} {name}: wrong sum on rank {rank}")
                 if be.comm_mode == "staged" and name not in ("ring", "call"):   # summasim's own
@@ -296,7 +303,8 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
     """Without --repeats, ``bench allreduce`` times 9 repeats and then sizes the rest by
     their duration: every rank must take the same count (a rank that stopped early would
     leave the others waiting in a collective), each contender timed that many times, in
-    steps of the four contenders (ring, plain ring, MPI, the plain call); an explicit
+    steps of the five contenders (ring and MPI into out, ring and plain ring in place,
+    the plain call); an explicit
     count is exactly that count."""
     from summasim.bench import allreduce as bench
 
@@ -307,9 +315,9 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
     n = rows[0]["repeats"]
     counts = WORLD.allgather(n)
     parallel_assert(len(set(counts)) == 1, f"ranks took different counts: {counts}")
-    want = 13 if budget == 60.0 else 9          # 9 + one step of 4, at most 16
-    timed = [len(rows[0][k + "_times"]) for k in ("ring", "plain", "mpi", "call")]
-    parallel_assert(n == want and timed == [n] * 4,
+    want = 14 if budget == 60.0 else 9          # 9 + one step of 5, at most 16
+    timed = [len(rows[0][k + "_times"]) for k in ("ring", "plain", "mpi", "inplace", "call")]
+    parallel_assert(n == want and timed == [n] * 5,
                     f"{n} repeats ({timed} timed), want {want}")
     parallel_assert(fixed[0]["repeats"] == 4 and len(fixed[0]["ring_times"]) == 4
                     and rows[0]["ok"] and fixed[0]["ok"], "--repeats 4 not honoured")

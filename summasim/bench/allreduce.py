@@ -1,10 +1,18 @@
-"""``bench allreduce``: ``ring_allreduce`` next to the plain mpi4py ring
-(:func:`plain_ring_allreduce`) and MPI's own ``Allreduce`` on the same buffers, 64 KiB to
-64 MiB, with the ratios and the cost model's prediction for the ring, and the host memory
-throughput of all ranks at once before and after (:func:`node_memory_gibs`; on a shared VM
-it changes from launch to launch, and the largest sizes follow it). Each size's prediction
-prices its memory floor at the throughput read in every round of its repeats (the
-median).
+"""``bench allreduce``: ``ring_allreduce`` called three ways, each next to what a user
+would run instead, on the same buffers, 64 KiB to 64 MiB:
+
+- **in place** (``ring_allreduce(y, comm, out=y)``) against the plain in-place mpi4py
+  loop (:func:`plain_ring_allreduce`: ``MPI_Sendrecv`` and ``+=``);
+- **into a given out** (``ring_allreduce(x, comm, out=out)``) against MPI's own
+  ``Allreduce(x, out)``;
+- **the plain call** (``ring_allreduce(x, comm)``, a fresh result each time) against the
+  call into ``out``.
+
+With the ratios, the cost model's prediction for the ring into ``out``, and the host
+memory throughput of all ranks at once before and after (:func:`node_memory_gibs`; on a
+shared VM it changes from launch to launch, and the largest sizes follow it). Each
+size's prediction prices its memory floor at the throughput read in every round of its
+repeats (the median).
 
 Each ratio printed is one statistic with its own interval: the median of the paired
 per-repeat ratios (:func:`paired_ratio`) beside the sign test's interval of that median
@@ -111,14 +119,16 @@ def preflight(args, world, gpu) -> str:
 def plain_ring_allreduce(x, out, comm, sync=None):
     """The baseline: a 20-line ring all-reduce in plain mpi4py (``MPI_Sendrecv`` and an
     in-place add, no workspace reuse, no wait policy, no trace), what a user would write
-    first. ``comm`` is a raw mpi4py communicator; ``x`` and ``out`` are 1-D arrays of
+    first; in place when ``out is x`` (no copy), else ``x`` is copied into ``out`` first.
+    ``comm`` is a raw mpi4py communicator; ``x`` and ``out`` are 1-D arrays of
     one array module (device arrays only with a CUDA-aware MPI, and then ``sync``, the
     stream's synchronize, runs before every ``Sendrecv``)."""
     from ..algorithms import chunk_bounds
     from ..backends import array_module
 
     p, r = comm.Get_size(), comm.Get_rank()
-    out[...] = x
+    if out is not x:
+        out[...] = x
     bounds = chunk_bounds(out.size, p)
     right, left = (r + 1) % p, (r - 1) % p
     work = array_module(out).empty(bounds[0][1] - bounds[0][0], out.dtype)
@@ -163,8 +173,9 @@ def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
             "coverage": coverage, "verdict": verdict}
 
 
-#: The benchmark's targets: at least as fast as the plain ring from 64 KiB, faster than MPI
-#: from 4 MiB, the prediction within 10% from 1 MiB (at p = 16; reported at every p; the
+#: The benchmark's targets: in place, at least as fast as the plain in-place ring from
+#: 64 KiB; into out, faster than MPI from 4 MiB; the plain call within 1.25x of the call
+#: into out; the prediction within 10% from 1 MiB (at p = 16; reported at every p; the
 #: prediction's target is the cost model's, :mod:`summasim.costmodel.tools.bench`)
 TARGETS = {"plain_from_mib": 0.0625, "mpi_from_mib": 4.0,
            "prediction_from_mib": bp.PREDICTION_FROM_MIB,
@@ -211,16 +222,20 @@ def _faster(r: dict) -> bool:
     return r["median"] > 1 if r["verdict"] is None else r["verdict"] == "faster"
 
 
-def _contenders(backend, comm, raw, x, out) -> tuple[dict, dict]:
+def _contenders(backend, comm, raw, x, out, y) -> tuple[dict, dict]:
     """The all-reduces of ``x`` as calls that return when the result is there (device
-    work waited for), and where the plain call keeps its result: ``ring``, ``plain``
-    and ``mpi`` into ``out``, and ``call``, ``ring_allreduce(x, comm)`` returning a fresh
-    result each time (``held["call"]``). On the host the plain ring and ``MPI_Allreduce``
-    get the arrays themselves; with a CUDA-aware MPI ("direct") the device arrays, the
-    stream synchronized before each MPI call; without one ("staged") what a user would
-    write first: copy the vector into a pinned host buffer, all-reduce it there, copy
-    the sum back. summasim's ring does the same below ``STAGE_WHOLE_BYTES`` (16 MiB), with
-    its own host ring, and from there stages per step (``Comm``) and adds on the device."""
+    work waited for), and where the plain call keeps its result. Out of place, into
+    ``out``: ``ring`` (``ring_allreduce(x, comm, out=out)``) and ``mpi``
+    (``MPI_Allreduce``). In place on ``y`` (which :data:`IN_PLACE` contenders get refilled
+    with ``x`` before each call, untimed): ``inplace`` (``ring_allreduce(y, comm,
+    out=y)``) and ``plain``, the plain 20-line loop (:func:`plain_ring_allreduce`) on
+    ``y``. And ``call``, ``ring_allreduce(x, comm)`` returning a fresh result each time
+    (``held["call"]``). On the host the baselines get the arrays themselves; with a
+    CUDA-aware MPI ("direct") the device arrays, the stream synchronized before each MPI
+    call; without one ("staged", "ipc") what a user would write first: copy the vector
+    into a pinned host buffer, all-reduce it there, copy the sum back. summasim's ring
+    does the same below ``STAGE_WHOLE_BYTES`` (16 MiB), with its own host ring, and from
+    there stages per step (``Comm``) and adds on the device."""
     from mpi4py import MPI
 
     from ..algorithms import ring_allreduce
@@ -243,29 +258,35 @@ def _contenders(backend, comm, raw, x, out) -> tuple[dict, dict]:
                 sync()
         return call
 
-    def staged(f):
+    def staged(f, src, dst):
         def call():
             sync()
-            backend.copy_to_host(x, hx)
-            f(hx, hout)
-            backend.copy_from_host(hout, out)
+            backend.copy_to_host(src, hx)
+            f(hx, hx if src is dst else hout)
+            backend.copy_from_host(hx if src is dst else hout, dst)
             sync()
         return call
 
     if mode in ("staged", "ipc"):  # one pair of pinned buffers for both baselines
         hx = backend.pinned_empty(x.nbytes).view(x.dtype)[:x.size]
         hout = backend.pinned_empty(out.nbytes).view(out.dtype)[:out.size]
-        base = {"plain": staged(plain), "mpi": staged(mpi)}
+        base = {"mpi": staged(mpi, x, out), "plain": staged(plain, y, y)}
     else:
-        base = {"plain": done(plain, x, out), "mpi": done(mpi, x, out)}
+        base = {"mpi": done(mpi, x, out), "plain": done(plain, y, y)}
 
     def fresh(a, b):              # the call a user writes first: a fresh result each time,
         held["call"] = None       # the last one held until the next (as ``y = ...`` does)
         held["call"] = ring_allreduce(a, comm)
 
     held = {"call": None}
-    return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out), **base,
-            "call": done(fresh, x, out)}, held
+    return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out),
+            "mpi": base["mpi"],
+            "inplace": done(lambda a, b: ring_allreduce(a, comm, out=a), y, y),
+            "plain": base["plain"], "call": done(fresh, x, out)}, held
+
+
+#: The contenders that reduce their buffer in place: it is refilled before each call.
+IN_PLACE = frozenset({"inplace", "plain"})
 
 
 def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
@@ -329,10 +350,12 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     comm = Comm(world.Dup(), name="world", backend=backend)
     comm.trace.enabled = False
     raw = world.Dup()
-    say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'MPI ms':>9} {'vs plain':>9} "
-        f"{'95% interval':>13} {'':>6} {'vs MPI':>8} {'95% interval':>13} {'':>6} "
-        f"{'call ms':>9} {'call/out':>9} {'95% interval':>13} {'ring GB/s':>10} {'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  "
-        f"check  load")
+    say(f"{'':>8} {'in place':-^48} {'into out':-^48} {'plain call':-^33}")
+    say(f"{'MiB':>8} {'ring ms':>9} {'plain ms':>9} {'vs plain':>9} "
+        f"{'95% interval':>13} {'':>6} {'ring ms':>9} {'MPI ms':>9} "
+        f"{'vs MPI':>8} {'95% interval':>13} {'':>6} "
+        f"{'call ms':>9} {'call/out':>9} {'95% interval':>13} {'ring GB/s':>10} "
+        f"{'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  check  load")
     rows = []
     watch = LoadWatch(world)
     try:
@@ -343,14 +366,22 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
             world.Allreduce(hx, ref, op=MPI.SUM)
             tol = 8 * np.sqrt(p) * np.finfo(hx.dtype).eps * max(1.0, float(np.abs(ref).max()))
             x, out = message_buffers(backend, hx, huge)
+            y = message_buffers(backend, hx, huge)[0]      # the in-place contenders'
             del hx                            # its values are in x: one message less held
-            calls, held = _contenders(backend, comm, raw, x, out)
+
+            def refill(k):
+                if k in IN_PLACE:
+                    y[...] = x
+
+            calls, held = _contenders(backend, comm, raw, x, out, y)
             good = True
             for k in calls:                   # each checked once, the ring agreed too
                 out[...] = 0
+                refill(k)
                 calls[k]()
-                got = held["call"] if k == "call" else out
+                got = held["call"] if k == "call" else y if k in IN_PLACE else out
                 good &= bool(np.allclose(backend.to_numpy(got), ref, rtol=0, atol=p * tol))
+            del ref
             ok = bool(world.allreduce(good, op=MPI.LAND))
             readings = []
             spill = machine is not None and bp.memory_floor_counts(machine, count, p, dtype)
@@ -370,30 +401,35 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
 
             watch.lap()
             with agreement(False):    # interleaved, so that all see the same machine state
-                timed = time_contenders(calls, world, reps[0], after_round=after_round)
+                timed = time_contenders(calls, world, reps[0], before=refill,
+                                        after_round=after_round)
             load = world.bcast(watch.lap(), root=0)
             t = {k: timed[k]["spans"] for k in calls}
             reps = reps[0]
-            tr, tp, tm = (statistics.median(t[k]) for k in ("ring", "plain", "mpi"))
+            tr, tp, tm, ti = (statistics.median(t[k])
+                              for k in ("ring", "plain", "mpi", "inplace"))
             nbytes = count * np.dtype(dtype).itemsize
             mem = statistics.median(readings) if readings else None
             pred = (bp.ring_prediction(count, dtype, p, machine, comm.blocking_limit, mem)
                     if machine is not None else None)
-            vp, vm = paired_ratio(t["plain"], t["ring"]), paired_ratio(t["mpi"], t["ring"])
+            vp, vm = paired_ratio(t["plain"], t["inplace"]), paired_ratio(t["mpi"], t["ring"])
             vc = paired_ratio(t["call"], t["ring"])       # the plain call over into ``out``
             tc = statistics.median(t["call"])
             rows.append({"mib": mib, "bytes": nbytes, "ring_seconds": tr, "plain_seconds": tp,
-                         "mpi_seconds": tm, "ring_times": t["ring"], "plain_times": t["plain"],
-                         "mpi_times": t["mpi"], "call_seconds": tc, "call_times": t["call"],
+                         "mpi_seconds": tm, "inplace_seconds": ti, "ring_times": t["ring"],
+                         "plain_times": t["plain"], "mpi_times": t["mpi"],
+                         "inplace_times": t["inplace"], "call_seconds": tc,
+                         "call_times": t["call"],
                          "call_vs_out_paired": vc, "ring_gbps": nbytes / tr / 1e9,
                          "mpi_gbps": nbytes / tm / 1e9, "ratio": tm / tr,
-                         "vs_plain": tp / tr, "vs_plain_paired": vp, "vs_mpi_paired": vm,
+                         "vs_plain": tp / ti, "vs_plain_paired": vp, "vs_mpi_paired": vm,
                          "predicted": pred, "ok": ok, "repeats": reps, "memory_gibs": mem,
                          "memory_readings": readings,
                          "prediction_error": bp.prediction_error(pred, tr),
                          "load": load, "quiet": load and load["quiet"]})
-            say(f"{mib:>8g} {1e3 * tr:>9.3f} {1e3 * tp:>9.3f} {1e3 * tm:>9.3f} "
+            say(f"{mib:>8g} {1e3 * ti:>9.3f} {1e3 * tp:>9.3f} "
                 f"{vp['median']:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
+                f"{1e3 * tr:>9.3f} {1e3 * tm:>9.3f} "
                 f"{vm['median']:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
                 f"{1e3 * tc:>9.3f} {vc['median']:>8.2f}x {_interval(vc):>13} "
                 f"{nbytes / tr / 1e9:>10.2f} "
@@ -404,20 +440,25 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     finally:
         comm.mpi.Free()
         raw.Free()
-    say("vs plain / vs MPI: the median of the paired per-repeat ratios, their time over "
-        "the ring's (> 1: the ring is faster); 95% interval: of that same median (the sign "
-        "test's; faster/slower: the interval excludes 1; tie: the difference is within the "
-        "noise); call: ring_allreduce(x, comm), a fresh result per call, and call/out its "
-        "time over the ring's into a given out (target: at most 1.25x)")
+    say("in place: ring_allreduce(y, comm, out=y) against the plain 20-line in-place loop "
+        "(MPI_Sendrecv and +=), y refilled before each call, untimed; into out: "
+        "ring_allreduce(x, comm, out=out) against MPI_Allreduce(x, out); vs plain / vs MPI: "
+        "the median of the paired per-repeat ratios, their time over the ring's (> 1: the "
+        "ring is faster); 95% interval: of that same median (the sign test's; "
+        "faster/slower: the interval excludes 1; tie: the difference is within the noise); "
+        "call: ring_allreduce(x, comm), a fresh result per call, and call/out its time over "
+        "the ring's into out (target: at most 1.25x); ring GB/s and the prediction: into out")
     busy = [r for r in rows if r["quiet"] is False]
     line = warning(combine(r["load"] for r in busy),
                    f"{len(busy)} of {len(rows)} sizes were timed (rows marked BUSY)")
     if line:
         say(line)
     tg = allreduce_targets(rows, p)
-    say(f"targets at p = {p}: not slower than the plain ring at {tg['vs_plain']['met']}/"
+    say(f"targets at p = {p}: in place, not slower than the plain ring at "
+        f"{tg['vs_plain']['met']}/"
         f"{tg['vs_plain']['sizes']} sizes from 64 KiB ({tg['vs_plain']['faster']} faster); "
-        f"faster than MPI at {tg['vs_mpi']['met']}/{tg['vs_mpi']['sizes']} from 4 MiB"
+        f"into out, faster than MPI at {tg['vs_mpi']['met']}/{tg['vs_mpi']['sizes']} from "
+        f"4 MiB"
         + (f"; prediction within 10% at {tg['prediction']['met']}/"
            f"{tg['prediction']['sizes']} from 1 MiB" if tg["prediction"]["sizes"] else "")
         + f"; the plain call within {TARGETS['call_over_out']}x of the call into out at "

@@ -27,8 +27,9 @@ from summasim.costmodel.workload.traffic import algorithm_messages, ring_working
 # sum, the result, MPI's own temporary and the check's. Measured (peak RSS over the ~120 MiB
 # an idle rank holds) at 256 MiB: 6.3 messages on 2 ranks, 6.1 on 4; ring-steps: 2.1. With
 # the huge-page buffers (whose slack is never touched) 6.8 messages on 2 ranks counting the
-# idle rank and the node-memory probe's arrays, the same with --np-empty (2026-11-26).
-ALLREDUCE_MESSAGES = 7
+# idle rank and the node-memory probe's arrays, the same with --np-empty; one message more
+# for the in-place contenders' buffer.
+ALLREDUCE_MESSAGES = 8
 RING_STEPS_MESSAGES = 3
 #: The node-memory probe's arrays (MiB per array, two per rank): past any CPU's last-level
 #: cache per rank, so that the probe measures DRAM.
