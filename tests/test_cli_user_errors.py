@@ -361,6 +361,8 @@ MPI_BENCH_CASES = [
     (["mesh", "--zero", "4"], "--zero"),
     (["allreduce", "--sizes-mib", "x"], "--sizes-mib"),
     (["ring-steps", "--backend", "cupy"], "--backend"),
+    (["mesh", "--torch", "--dtype", "bfloat16"], "--torch"),    # no mixed-precision peer
+    (["mesh", "--torch", "--backend", "staged-host"], "--torch"),   # the peers run on the CPU
 ]
 
 

@@ -86,6 +86,8 @@ def parse_args(argv=None):
         args = build_parser().parse_args(argv)
     if args.what == "layer":
         layer.check(args)
+    if args.what == "mesh":
+        mesh.check(args)
     return args
 
 

@@ -4,7 +4,16 @@ defaults that fit p) next to pure tensor parallelism of the same scheme on all p
 (the same model, global batch and engine), with the cost model's prediction for both.
 ``--overlap`` reduces the gradient buckets while the backward runs (non-blocking rings,
 :class:`~summasim.transformer.composed.Trainer`'s ``overlap``); ``--overlap both`` times
-each mesh without and with it, side by side; ``--bucket`` sets the gradient bucket."""
+each mesh without and with it, side by side; ``--bucket`` sets the gradient bucket.
+
+``--torch`` also trains the same model with PyTorch where it has a peer
+(:mod:`summasim.bench.torch_peers`): DDP over gloo next to pure data parallelism
+(``dp=P``, ZeRO 0) and DTensor next to pure Megatron tensor parallelism (the "pure tp"
+run of ``megatron``). Without ``--mesh`` it times ``dp=P``, whose pure run is
+``tp=megatron:P``: both peers. Run it under a Python that has torch::
+
+    mpiexec -n 4 python -m summasim.bench mesh --torch --dtype float32
+"""
 
 from __future__ import annotations
 
@@ -30,7 +39,29 @@ def add_arguments(ap):
     add_backend(ap, "the training steps")
     add_predict(ap, "each step")
     add_repeats(ap)
+    ap.add_argument("--torch", action="store_true",
+                    help="also train the model with PyTorch where it has a peer: DDP (gloo) "
+                         "next to dp=P, DTensor next to pure Megatron tensor parallelism "
+                         "(without --mesh: dp=P and its pure run tp=megatron:P; needs torch "
+                         "in this Python)")
     add_json(ap)
+
+
+def check(args) -> None:
+    """``--torch``'s needs, before MPI starts; raises :class:`summasim.cli.UsageError`."""
+    from .. import cli
+
+    if not getattr(args, "torch", False):
+        return
+    cli.require(cli.module_available("torch"),
+                "argument --torch: PyTorch is not installed in this Python (pip install "
+                "torch, or run under a Python that has torch and summasim on its path)")
+    cli.require(getattr(args, "dtype", None) in (None, "float32", "float64"),
+                f"argument --torch: the PyTorch peers train float32 or float64 models, not "
+                f"--dtype {args.dtype}")
+    cli.require(getattr(args, "backend", "numpy") == "numpy",
+                f"argument --torch: the PyTorch peers run on the CPU, next to --backend "
+                f"numpy, not {args.backend}")
 
 
 def add_training(ap):
@@ -94,7 +125,9 @@ def plan_mesh_bench(args, p: int):
     config = runtime_config(model, np.float32 if t.mixed else np.dtype(t.dtype).type)
     kw = dict(precision=t.dtype, loss_scale=t.loss_scale,
               grad_reduce=t.grad_reduce) if t.mixed else {}
-    if args.mesh:
+    if not args.mesh and getattr(args, "torch", False):   # the peers' own compositions
+        specs = [(f"dp={p}", dict(zero=0, schedule=t.schedule, microbatches=t.microbatches))]
+    elif args.mesh:
         specs = [(str(m), dict(zero=t.zero, schedule=t.schedule, chunks=t.chunks,
                                stages=t.stages, microbatches=t.microbatches,
                                checkpoint=t.checkpoint, recompute=t.recompute,
@@ -105,7 +138,8 @@ def plan_mesh_bench(args, p: int):
     bucket = given(args, "bucket", None)
     if bucket is not None:
         kw["bucket_bytes"] = bucket
-    return plan_meshes(p, specs, config, batch, bool(args.mesh), **kw)
+    return plan_meshes(p, specs, config, batch,
+                       bool(args.mesh) or bool(getattr(args, "torch", False)), **kw)
 
 
 def preflight(args, world, gpu) -> str:
@@ -152,7 +186,7 @@ def _pure_tensor(case, p: int):
 
 
 def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
-               overlap: str = "off") -> list[dict]:
+               overlap: str = "off", torch: bool = False) -> list[dict]:
     """Step seconds of each mesh case and of pure tensor parallelism on the same ranks
     (collective), on ``backend`` (default NumPy). Each run is validated first
     (:func:`~summasim.harness.composed.run_mesh`: three Adam steps against the serial
@@ -161,7 +195,12 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     :data:`OVERLAP_MODES`): the meshes' dp reductions overlapped with the backward, or
     not, or "both": each mesh also timed with them overlapped (``overlap_seconds``,
     ``overlap_gain`` = seconds without over seconds with, and ``rings``: how many of the
-    last timed step's rings finished while it computed, and how many were waited for)."""
+    last timed step's rings finished while it computed, and how many were waited for).
+    ``torch``: each mesh and pure run with a PyTorch peer
+    (:func:`~summasim.bench.torch_peers.peer_reason`) is also trained by it, right after
+    (``torch``/``pure_torch``: :func:`~summasim.bench.torch_peers.run_peer`'s dict,
+    ``vs_torch``/``pure_vs_torch``: torch's seconds over summasim's, > 1: summasim is
+    faster); a peer that fails its check fails the benchmark."""
     from ..harness.composed import run_mesh
     from ..harness.load import LoadWatch, mark, warn_busy
 
@@ -202,6 +241,11 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
         tp = pres.seconds if pres is not None else None
         ok = res.ok and (pres is None or pres.ok) and (ores is None or ores.ok)
         rep = (ores or res).extra["report"]
+        peers = {}
+        for key, c, r in (("torch", case, res), ("pure_torch", pure, pres)):
+            if torch and c is not None and (key == "torch" or pure.spec != case.spec):
+                peers[key] = _peer(c, r, world, repeats)
+        ok = ok and all(v["ok"] for v in peers.values() if v.get("ok") is not None)
         rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule_label,
                      "stages": case.stages_label or None,
                      "microbatches": case.microbatches, "ok": ok, "seconds": t,
@@ -213,7 +257,10 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
                      "overlap_seconds": ores.seconds if ores is not None else None,
                      "overlap_gain": (t / ores.seconds) if ores is not None and ores.seconds
                      else None,
-                     "rings": rep.rings if overlap != "off" else None})
+                     "rings": rep.rings if overlap != "off" else None, **peers,
+                     **{("vs_torch" if k == "torch" else "pure_vs_torch"):
+                        (v["seconds"] / (t if k == "torch" else tp))
+                        for k, v in peers.items() if v.get("seconds")}})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule_label:>13} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
@@ -224,15 +271,50 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
                 f"without/with {t / ores.seconds:.2f}x; last step's rings: "
                 f"{rep.rings.get('in_flight', 0)} finished in flight, "
                 f"{rep.rings.get('waited', 0)} waited for")
+        for key, label in (("torch", case.spec), ("pure_torch", pure.spec if pure else "")):
+            if key in peers:
+                say(_peer_line(label, peers[key], t if key == "torch" else tp))
     warn_busy(rows, "meshes and their pure runs", say)
     return rows
+
+
+def _peer(case, res, world, repeats: int) -> dict:
+    """The PyTorch peer's run of ``case`` (collective), or ``{"reason"}`` without one."""
+    from . import torch_peers
+
+    why = torch_peers.peer_reason(case)
+    if why:
+        return {"peer": None, "reason": why, "ok": None}
+    rep = res.extra["report"]
+    return torch_peers.run_peer(case, world, repeats, rep.serial_losses[0], rep.bound)
+
+
+def _peer_line(label: str, peer: dict, ours: float) -> str:
+    """One line under a row: the peer's step and summasim's against it."""
+    if peer["peer"] is None:
+        return f"  torch peer of {label}: none ({peer['reason']})"
+    name = "DDP (gloo)" if peer["peer"] == "DDP" else "DTensor (gloo)"
+    return (f"  torch {peer['torch']} {name:<15} of {label:<22} step {peer['seconds']:.4f} s; "
+            f"summasim {ours:.4f} s, {peer['seconds'] / ours:.2f}x torch's speed; against the "
+            f"serial model: first loss {peer['loss_error']:.1e}, gradients "
+            f"{peer['grad_error']:.1e} (bound {peer['bound']:.1e}); replicas "
+            f"{'agree' if peer['replicas_agree'] else 'DIFFER'}"
+            + ("" if peer["ok"] else "  FAILED check"))
 
 
 def run(bench) -> bool:
     """Rows under ``report["mesh"]``; True when every run validated."""
     cases, skips, _ = plan_mesh_bench(bench.args, bench.p)
-    rows = bench_mesh(bench.world, cases, repeats(bench.args), bench.say, bench.machine(),
-                      bench.backend, overlap=given(bench.args, "overlap", "off"))
+    use_torch = bool(given(bench.args, "torch", False))
+    try:
+        rows = bench_mesh(bench.world, cases, repeats(bench.args), bench.say,
+                          bench.machine(), bench.backend,
+                          overlap=given(bench.args, "overlap", "off"), torch=use_torch)
+    finally:
+        if use_torch:
+            from . import torch_peers
+
+            torch_peers.close()
     bench.report["mesh"] = rows
     from ..harness.report import mark_report
 
