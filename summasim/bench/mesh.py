@@ -9,7 +9,8 @@ each mesh without and with it, side by side; ``--bucket`` sets the gradient buck
 ``--torch`` also trains the same model with PyTorch where it has a peer
 (:mod:`summasim.bench.torch_peers`): DDP over gloo next to pure data parallelism
 (``dp=P``, ZeRO 0) and DTensor next to pure Megatron tensor parallelism (the "pure tp"
-run of ``megatron``). Without ``--mesh`` it times ``dp=P``, whose pure run is
+run of ``megatron``), step for step in a rotating order, with the paired ratio's 95%
+interval (from 6 ``--repeats``). Without ``--mesh`` it times ``dp=P``, whose pure run is
 ``tp=megatron:P``: both peers. Run it under a Python that has torch::
 
     mpiexec -n 4 python -m summasim.bench mesh --torch --dtype float32
@@ -197,10 +198,11 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     ``overlap_gain`` = seconds without over seconds with, and ``rings``: how many of the
     last timed step's rings finished while it computed, and how many were waited for).
     ``torch``: each mesh and pure run with a PyTorch peer
-    (:func:`~summasim.bench.torch_peers.peer_reason`) is also trained by it, right after
-    (``torch``/``pure_torch``: :func:`~summasim.bench.torch_peers.run_peer`'s dict,
-    ``vs_torch``/``pure_vs_torch``: torch's seconds over summasim's, > 1: summasim is
-    faster); a peer that fails its check fails the benchmark."""
+    (:func:`~summasim.bench.torch_peers.peer_reason`) is also trained by it, its steps
+    timed interleaved with summasim's (``torch``/``pure_torch``: the peer's verdict and
+    times, :func:`_verdict`; ``vs_torch``/``pure_vs_torch``: the median paired ratio of
+    torch's step over summasim's, > 1: summasim is faster); a peer that fails its check
+    fails the benchmark. A mesh that is its own pure run is run once."""
     from ..harness.composed import run_mesh
     from ..harness.load import LoadWatch, mark, warn_busy
 
@@ -208,8 +210,10 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     rows = []
     watch = LoadWatch(world)
 
-    def measure(case, overlapped=overlap == "on"):
-        res = run_mesh(case, world, backend, repeats=repeats, overlap=overlapped)
+    def measure(case, overlapped=overlap == "on", peer=None):
+        res = run_mesh(case, world, backend, repeats=repeats, overlap=overlapped,
+                       alongside=None if isinstance(peer, (dict, type(None)))
+                       else {"torch": peer.step})
         pred = None
         if machine is not None and world.Get_rank() == 0:
             from summasim.costmodel.workload.measured import predict_measured_mesh
@@ -232,19 +236,28 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     err = lambda pr, t: "-" if pr is None else f"{100 * (pr - t) / t:+.0f}%"  # noqa: E731
     for case in cases:
         pure = _pure_tensor(case, p)
+        same = pure is not None and pure.spec == case.spec     # the mesh is pure already
         watch.lap()
-        res, pc = measure(case)
+        peers = {}
+        peer = _peer(case, world) if torch else None
+        res, pc = measure(case, peer=peer)
+        if torch:
+            peers["torch"] = _verdict(peer, res)
         ores = measure(case, True)[0] if overlap == "both" else None
-        pres, pp_ = measure(pure) if pure is not None else (None, None)
+        if pure is None:
+            pres, pp_ = None, None
+        elif same:
+            pres, pp_ = res, pc
+        else:
+            peer = _peer(pure, world) if torch else None
+            pres, pp_ = measure(pure, peer=peer)
+            if torch:
+                peers["pure_torch"] = _verdict(peer, pres)
         load = world.bcast(watch.lap(), root=0)
         t = res.seconds
         tp = pres.seconds if pres is not None else None
         ok = res.ok and (pres is None or pres.ok) and (ores is None or ores.ok)
         rep = (ores or res).extra["report"]
-        peers = {}
-        for key, c, r in (("torch", case, res), ("pure_torch", pure, pres)):
-            if torch and c is not None and (key == "torch" or pure.spec != case.spec):
-                peers[key] = _peer(c, r, world, repeats)
         ok = ok and all(v["ok"] for v in peers.values() if v.get("ok") is not None)
         rows.append({"mesh": case.spec, "zero": case.zero, "schedule": case.schedule_label,
                      "stages": case.stages_label or None,
@@ -259,8 +272,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
                      else None,
                      "rings": rep.rings if overlap != "off" else None, **peers,
                      **{("vs_torch" if k == "torch" else "pure_vs_torch"):
-                        (v["seconds"] / (t if k == "torch" else tp))
-                        for k, v in peers.items() if v.get("seconds")}})
+                        v["paired"]["median"] for k, v in peers.items() if v.get("paired")}})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule_label:>13} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
@@ -278,15 +290,34 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     return rows
 
 
-def _peer(case, res, world, repeats: int) -> dict:
-    """The PyTorch peer's run of ``case`` (collective), or ``{"reason"}`` without one."""
+def _peer(case, world):
+    """The PyTorch peer of ``case``, built and checked (collective:
+    :class:`~summasim.bench.torch_peers.Peer`), or ``{"peer": None, "reason"}``."""
     from . import torch_peers
 
     why = torch_peers.peer_reason(case)
     if why:
         return {"peer": None, "reason": why, "ok": None}
-    rep = res.extra["report"]
-    return torch_peers.run_peer(case, world, repeats, rep.serial_losses[0], rep.bound)
+    return torch_peers.Peer(case, world)
+
+
+def _verdict(peer, res) -> dict:
+    """The peer's verdict after ``res`` timed it beside the mesh (collective), with its
+    step's ``seconds`` (median), ``times`` and ``paired``: the paired per-step ratios
+    of its time over the mesh's (:func:`~summasim.bench.allreduce.paired_ratio`; > 1:
+    summasim is faster)."""
+    import statistics
+
+    from .allreduce import paired_ratio
+
+    if isinstance(peer, dict):
+        return peer
+    got = peer.finish()
+    spans = res.timing.get("alongside", {}).get("torch", [])
+    if spans:
+        got.update(seconds=statistics.median(spans), times=spans,
+                   paired=paired_ratio(spans, res.timing["spans"]))
+    return got
 
 
 def _peer_line(label: str, peer: dict, ours: float) -> str:
@@ -294,8 +325,13 @@ def _peer_line(label: str, peer: dict, ours: float) -> str:
     if peer["peer"] is None:
         return f"  torch peer of {label}: none ({peer['reason']})"
     name = "DDP (gloo)" if peer["peer"] == "DDP" else "DTensor (gloo)"
-    return (f"  torch {peer['torch']} {name:<15} of {label:<22} step {peer['seconds']:.4f} s; "
-            f"summasim {ours:.4f} s, {peer['seconds'] / ours:.2f}x torch's speed; against the "
+    pr = peer.get("paired")
+    speed = ("-" if pr is None else f"{pr['median']:.2f}x" + (
+        f" [{pr['low']:.2f},{pr['high']:.2f}] {pr['verdict']}" if pr["low"] is not None
+        else " (too few steps for an interval)"))
+    took = f"{peer['seconds']:.4f} s" if "seconds" in peer else "not timed"
+    return (f"  torch {peer['torch']} {name:<15} of {label:<22} step {took}; "
+            f"summasim {ours:.4f} s, {speed} torch's speed; against the "
             f"serial model: first loss {peer['loss_error']:.1e}, gradients "
             f"{peer['grad_error']:.1e} (bound {peer['bound']:.1e}); replicas "
             f"{'agree' if peer['replicas_agree'] else 'DIFFER'}"

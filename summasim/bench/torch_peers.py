@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import socket
-import statistics
 
 import numpy as np
 
@@ -199,100 +198,109 @@ def process_group(world):
     return dist
 
 
-def run_peer(case, world, repeats: int, serial_loss: float, bound: float) -> dict:
-    """Train ``case``'s model with its PyTorch peer (collective). Checked before it is
-    timed: the first loss against ``serial_loss``, and the first step's gradients (every
-    micro-batch's backward, DDP's averages, DTensor's shards gathered) against the
-    serial model's (:func:`summasim.transformer.model.backward` on the whole batch, rank
-    0), each parameter's relative error (Frobenius) within ``bound`` (the mesh's own).
-    That first step is the untimed one; then ``repeats`` timed steps (the median of
-    their spans), and the replicated parameters checked bit-identical over the ranks.
-    Returns ``{"peer", "seconds", "times", "loss_error", "grad_error", "worst",
-    "replicas_agree", "ok", "torch"}``."""
-    import torch
+class Peer:
+    """The PyTorch peer of ``case`` on ``world`` (collective), built and checked: the
+    first loss and the first step's gradients (every micro-batch's backward, DDP's
+    averages, DTensor's shards gathered) against the serial model's on the whole batch
+    (:func:`summasim.transformer.model.backward`, rank 0), each parameter's relative
+    error (Frobenius) within ``bound`` (:func:`summasim.validate.training_tolerance`,
+    the mesh's own). That checked step is the peer's warm-up. Then :meth:`step` is one
+    training step (to be timed, e.g. beside the mesh's:
+    :func:`summasim.harness.composed.run_mesh`'s ``alongside``), and :meth:`finish`
+    checks the replicated parameters bit-identical over the ranks and returns the
+    verdict."""
 
-    from ..harness.composed import LR, mesh_inputs
-    from ..harness.timing import time_calls
-    from ..harness.transformer import loss_error
+    def __init__(self, case, world):
+        import torch
 
-    dist = process_group(world)
-    rank, p = world.Get_rank(), world.Get_size()
-    torch.set_num_threads(1 if p > 1 else torch.get_num_threads())
-    cfg, batch, m = case.config, case.batch, case.microbatches
-    params, tokens, targets = mesh_inputs(cfg, batch, 0)
-    model = _gpt_class()(params, cfg)
-    ref = _serial_grads(params, tokens, targets, cfg) if rank == 0 else None
-    del params
-    tokens, targets = torch.from_numpy(tokens), torch.from_numpy(targets)
-    name = peer_name(case)
-    if name == "DDP":
-        from torch.nn.parallel import DistributedDataParallel
+        from ..harness.composed import LR, mesh_inputs
+        from ..harness.transformer import loss_error
+        from ..validate import training_tolerance
 
-        share = batch // p
-        tokens, targets = (a[rank * share:(rank + 1) * share] for a in (tokens, targets))
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=case.bucket_bytes / 2**20)
-        sync_off = wrapped.no_sync
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        self.world, self.torch = world, torch
+        process_group(world)
+        rank, p = world.Get_rank(), world.Get_size()
+        torch.set_num_threads(1 if p > 1 else torch.get_num_threads())
+        cfg, batch, m = case.config, case.batch, case.microbatches
+        self.name = peer_name(case)
+        self.bound = training_tolerance(cfg, batch, case.dtype)
+        params, tokens, targets = mesh_inputs(cfg, batch, 0)
+        self.model = model = _gpt_class()(params, cfg)
+        ref = _serial_loss_and_grads(params, tokens, targets, cfg) if rank == 0 else None
+        del params
+        tokens, targets = torch.from_numpy(tokens), torch.from_numpy(targets)
+        if self.name == "DDP":
+            from torch.nn.parallel import DistributedDataParallel
 
-        mesh = init_device_mesh("cpu", (p,))
-        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()}
-        for blk in model.blocks:
-            parallelize_module(blk, mesh, plan)
-        wrapped = model
+            share = batch // p
+            tokens, targets = (a[rank * share:(rank + 1) * share] for a in (tokens, targets))
+            self.wrapped = DistributedDataParallel(model,
+                                                   bucket_cap_mb=case.bucket_bytes / 2**20)
+            self._sync_off = self.wrapped.no_sync
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import (ColwiseParallel,
+                                                           RowwiseParallel,
+                                                           parallelize_module)
 
-        def sync_off():
-            import contextlib
-            return contextlib.nullcontext()
-    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
-                           foreach=False)
-    micro = tokens.shape[0] // m
+            mesh = init_device_mesh("cpu", (p,))
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                    "proj": RowwiseParallel(), "fc": ColwiseParallel(),
+                    "out": RowwiseParallel()}
+            for blk in model.blocks:
+                parallelize_module(blk, mesh, plan)
+            self.wrapped, self._sync_off = model, _nullcontext
+        self.opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999),
+                                    eps=1e-8, foreach=False)
+        self.tokens, self.targets, self.m = tokens, targets, m
+        self.micro = tokens.shape[0] // m
+        with torch.no_grad():                     # the same model on the same data
+            first = float(model(tokens, targets))
+        if self.name == "DDP":
+            first = world.allreduce(first) / p    # equal shares: the global mean
+        got = self.step(check=True)               # the warm-up step, checked
+        errs = None
+        if rank == 0:
+            errs = (loss_error(first, ref[0]),) + _grad_error(got, ref[1])
+        self.loss_error, self.grad_error, self.worst = world.bcast(errs, root=0)
 
-    with torch.no_grad():                         # the same model on the same data
-        first = float(model(tokens, targets))
-    if name == "DDP":
-        first = world.allreduce(first) / p        # equal shares: the global mean
-    err = loss_error(first, serial_loss)
-
-    def step(check=False):
-        opt.zero_grad(set_to_none=True)
+    def step(self, check: bool = False):
+        """One training step (collective): every micro-batch's forward and backward
+        (DDP's all-reduces on the last), then Adam. ``check``: returns the gradients in
+        summasim's serial keys, before the update."""
+        self.opt.zero_grad(set_to_none=True)
+        m, mb = self.m, self.micro
         for i in range(m):
-            sl = slice(i * micro, (i + 1) * micro)
-            ctx = sync_off() if i < m - 1 else _nullcontext()
-            with ctx:
-                (wrapped(tokens[sl], targets[sl]) / m).backward()
-        got = model.serial_grads() if check else None
-        opt.step()
+            sl = slice(i * mb, (i + 1) * mb)
+            with (self._sync_off() if i < m - 1 else _nullcontext()):
+                (self.wrapped(self.tokens[sl], self.targets[sl]) / m).backward()
+        got = self.model.serial_grads() if check else None
+        self.opt.step()
         return got
 
-    got = step(check=True)                        # the untimed first step, checked
-    grad_err, worst = (_grad_error(got, ref) if rank == 0 else (None, None))
-    grad_err, worst = world.bcast((grad_err, worst), root=0)
-    del got, ref
-    timing = time_calls(step, world, repeats, adaptive=False)
-    replicated = [t for t in model.parameters() if not hasattr(t, "placements")]
-    digest = float(sum(float(t.detach().double().sum()) for t in replicated))
-    finite = all(bool(torch.isfinite(t.detach()).all()) for t in replicated)
-    digests = world.allgather(digest)
-    agree = len(set(digests)) == 1
-    good = err <= bound and grad_err <= bound and agree and finite
-    ok = bool(world.allreduce(int(good), op=_min())) == 1
-    dist.barrier()
-    return {"peer": name, "seconds": statistics.median(timing["spans"]),
-            "times": timing["spans"], "loss_error": err, "grad_error": grad_err,
-            "worst": worst, "bound": bound,
-            "replicas_agree": agree, "ok": ok, "torch": torch.__version__}
+    def finish(self) -> dict:
+        """The replicated parameters compared over the ranks (collective); the verdict:
+        ``{"peer", "loss_error", "grad_error", "worst", "bound", "replicas_agree",
+        "ok", "torch"}``."""
+        torch = self.torch
+        replicated = [t for t in self.model.parameters() if not hasattr(t, "placements")]
+        digest = float(sum(float(t.detach().double().sum()) for t in replicated))
+        finite = all(bool(torch.isfinite(t.detach()).all()) for t in replicated)
+        agree = len(set(self.world.allgather(digest))) == 1
+        good = (self.loss_error <= self.bound and self.grad_error <= self.bound and agree
+                and finite)
+        ok = self.world.allreduce(int(good), op=_min()) == 1
+        return {"peer": self.name, "loss_error": self.loss_error,
+                "grad_error": self.grad_error, "worst": self.worst, "bound": self.bound,
+                "replicas_agree": agree, "ok": ok, "torch": torch.__version__}
 
 
-def _serial_grads(params, tokens, targets, cfg) -> dict:
-    """The serial model's gradients of the mean loss on the whole batch."""
+def _serial_loss_and_grads(params, tokens, targets, cfg) -> tuple[float, dict]:
+    """The serial model's mean loss and its gradients on the whole batch."""
     from ..transformer import model as serial
 
-    _, cache = serial.forward(params, tokens, targets, cfg)
-    return serial.backward(cache)
+    loss, cache = serial.forward(params, tokens, targets, cfg)
+    return loss, serial.backward(cache)
 
 
 def _grad_error(got: dict, ref: dict) -> tuple[float, str]:

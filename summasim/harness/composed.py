@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -79,7 +80,7 @@ from .inject import corrupt_entry, drift_at_gathers, drift_entry, drop_at_rings
 from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
-from .timing import reduce_max, time_calls
+from .timing import reduce_max, time_calls, time_contenders
 from .transformer import (_inputs, block_err, layer_tp_items, loss_error, scale_of,
                           table1_payload)
 
@@ -355,11 +356,14 @@ def _within(tr, held, expected, bound) -> tuple[float, str]:
 
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
              timed: bool = True, bound: float | None = None, fault=None,
-             overlap: bool | None = None, **_):
+             overlap: bool | None = None, alongside: dict | None = None, **_):
     """Validate and time ``case`` (a :class:`~summasim.harness.cases.MeshCase`) on
     ``world`` (collective). ``overlap``: the trainer's (None: the case's ``overlap``
-    when it has one, else off). Returns a :class:`Result` whose ``extra["report"]`` is
-    the :class:`MeshReport`."""
+    when it has one, else off). ``alongside``: ``{name: step}``, other collective
+    training steps timed interleaved with the mesh's, step by step, in a rotating order
+    (:func:`~summasim.harness.timing.time_contenders`: repeat i of each shares the
+    machine's state), their spans in ``timing["alongside"][name]``. Returns a
+    :class:`Result` whose ``extra["report"]`` is the :class:`MeshReport`."""
     from summasim.costmodel.workload.zero import model_state_bytes
 
     spec = get_scheme(case.scheme)
@@ -590,7 +594,16 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                 sync()
 
             with agreement(False):
-                timing = time_calls(train_step, world, repeats, adaptive=False)
+                if alongside:
+                    timed = time_contenders({"mesh": train_step, **alongside}, world,
+                                            repeats)
+                    spans = timed.pop("mesh")
+                    timing = {"spans": spans["spans"], "times": spans["times"],
+                              "rank_max": spans["rank_max"],
+                              "median": statistics.median(spans["spans"]),
+                              "alongside": {k: v["spans"] for k, v in timed.items()}}
+                else:
+                    timing = time_calls(train_step, world, repeats, adaptive=False)
             mesh.trace.enabled = True
             rep.step_s = timing["median"]
         # overlap: the last step's rings that finished while it computed, and waited for
