@@ -606,3 +606,25 @@ def test_scatter_add_device_path_is_add_at_bit_for_bit(n, vocab):
     got = ops._scatter_add_rows(_NotNumpy(), idx, rows, vocab + 3)
     np.testing.assert_array_equal(got, ref)
     assert ops._scatter_add_rows(_NotNumpy(), idx[:0], rows[:0], 5).shape == (5, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 64])
+def test_gelu_in_blocks_is_the_whole_chain_bit_for_bit(monkeypatch, dtype, n):
+    """The host GELU runs its chains block by block (ops.GELU_BLOCK items): forward and
+    backward equal the whole-array chains bit for bit, on sizes that are and are not
+    multiples of the block, a strided input (no blocks) included (test_gelu checks
+    the chain against GELU itself)."""
+    rng = np.random.default_rng(n)
+    x = (4 * rng.standard_normal((3, n))).astype(dtype)
+    d = rng.standard_normal((3, n)).astype(dtype)
+    got = []
+    for block in (8, 1 << 40):                  # blocks of 8 items; one block of all
+        monkeypatch.setattr(ops, "GELU_BLOCK", block)
+        y, cache = ops.gelu_forward(x)
+        g, _ = ops.gelu_backward(d, cache)
+        ys, cs = ops.gelu_forward(x[:, ::2])      # not contiguous: the whole chain
+        gs, _ = ops.gelu_backward(d[:, ::2], cs)
+        got.append((y, g, ys, gs))
+    for a, b in zip(*got):
+        assert a.dtype == dtype and np.array_equal(a, b)

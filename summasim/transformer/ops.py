@@ -242,16 +242,65 @@ class GeluCache(NamedTuple):
     x: Array   # input, (...); the sigmoid is recomputed in backward (memory as torch)
 
 
-def _gelu_exp(x):
-    """``e = exp(-2z)``, ``z = K (x + C x^3)`` (clamped so it cannot overflow)."""
+#: Items per block of the host GELU's elementwise chains (:func:`_in_blocks`). Each op
+#: of a chain is one pass over its arrays; over a whole (B, T, F) tensor every pass
+#: streams it through main memory (9 passes forward, 14 backward), over a block of
+#: 64 Ki items (256 KiB in float32; 5 such arrays at most) the passes stay in the
+#: core's caches. On the (8, 256, 4096) float32 GELU of the default ``bench layer`` on
+#: one thread: forward 64-79 ms whole against 42-55 ms in blocks, backward 121-141 ms
+#: against 59-74 (16-64 Ki items per block alike; one float32 ``exp`` pass alone takes
+#: 38 ms of each).
+GELU_BLOCK = 1 << 16
+
+
+def _gelu_exp(x, out=None):
+    """``e = exp(-2z)``, ``z = K (x + C x^3)`` (clamped so it cannot overflow), into
+    ``out`` when given."""
     xp = array_module(x)
-    e = x * x                                           # (...)
+    e = xp.multiply(x, x, out=out)                      # (...)
     e *= -2.0 * GELU_K * GELU_C
     e += -2.0 * GELU_K
     e *= x                                              # -2z, using u*u*u not u**3
     xp.minimum(e, _GELU_EXP_CLAMP, out=e)
     xp.exp(e, out=e)
     return e
+
+
+def _in_blocks(x) -> bool:
+    """Whether a GELU chain on ``x`` runs block by block (:data:`GELU_BLOCK`): a
+    C-contiguous NumPy array of more than one block. The blocks compute the same ops in
+    the same order on each item as the whole-array chain, so the results are equal bit
+    for bit."""
+    return (array_module(x).__name__ == "numpy" and x.size > GELU_BLOCK
+            and x.flags.c_contiguous)
+
+
+def _gelu_forward_into(x, out):
+    """``out = x * sigmoid(2z)`` (:func:`gelu_forward`'s chain) on arrays of one shape."""
+    xp = array_module(x)
+    _gelu_exp(x, out)
+    out += 1.0
+    xp.reciprocal(out, out=out)                         # sigmoid(2z)
+    out *= x
+    return out
+
+
+def _gelu_backward_into(dout, x, u, e, s):
+    """:func:`gelu_backward`'s chain into ``u``, with ``e`` and ``s`` as scratch."""
+    xp = array_module(x)
+    _gelu_exp(x, e)
+    xp.add(e, 1.0, out=s)
+    xp.reciprocal(s, out=s)                             # s = sigmoid(2z), recomputed
+    e *= s                                              # 1 - s
+    e *= s                                              # s (1 - s)
+    xp.multiply(x, x, out=u)
+    u *= 6.0 * GELU_K * GELU_C
+    u += 2.0 * GELU_K
+    u *= x                                              # 2 K x (1 + 3 C x^2)
+    u *= e
+    u += s
+    u *= dout
+    return u
 
 
 def gelu_forward(x):
@@ -264,10 +313,13 @@ def gelu_forward(x):
     xp = array_module(x)
     if fused.applies(xp):
         return _stored(fused.gelu_forward(x)), GeluCache(x=x)
-    out = _gelu_exp(x)                                  # (...)
-    out += 1.0
-    xp.reciprocal(out, out=out)                         # sigmoid(2z)
-    out *= x
+    out = xp.empty_like(x)                              # (...)
+    if _in_blocks(x):
+        fx, fo, n = x.reshape(-1), out.reshape(-1), GELU_BLOCK
+        for i in range(0, fx.size, n):
+            _gelu_forward_into(fx[i:i + n], fo[i:i + n])
+    else:
+        _gelu_forward_into(x, out)
     return _stored(out), GeluCache(x=x)
 
 
@@ -277,18 +329,16 @@ def gelu_backward(dout, cache):
     x = cache.x
     if fused.applies(xp):
         return _stored(fused.gelu_backward(dout, x)), {}
-    e = _gelu_exp(x)                                    # (...)
-    s = e + 1.0                                         # (...)
-    xp.reciprocal(s, out=s)                             # s = sigmoid(2z), recomputed
-    e *= s                                              # 1 - s
-    e *= s                                              # s (1 - s)
-    u = x * x                                           # (...)
-    u *= 6.0 * GELU_K * GELU_C
-    u += 2.0 * GELU_K
-    u *= x                                              # 2 K x (1 + 3 C x^2)
-    u *= e
-    u += s
-    u *= dout
+    u = xp.empty_like(x)                                # (...)
+    if _in_blocks(x) and _in_blocks(dout) and dout.shape == x.shape:
+        n = GELU_BLOCK
+        e, s = xp.empty(n, x.dtype), xp.empty(n, x.dtype)
+        fx, fd, fu = x.reshape(-1), dout.reshape(-1), u.reshape(-1)
+        for i in range(0, fx.size, n):
+            k = min(n, fx.size - i)
+            _gelu_backward_into(fd[i:i + k], fx[i:i + k], fu[i:i + k], e[:k], s[:k])
+    else:
+        _gelu_backward_into(dout, x, u, xp.empty_like(x), xp.empty_like(x))
     return _stored(u), {}
 
 
