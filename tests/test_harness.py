@@ -213,6 +213,13 @@ def test_training_memory_check_names_a_batch_that_fits():
         over = dataclasses.replace(case, batch=best + step)
         assert memory.check_training_fits(fit, 16, 16, available=avail) == ""
         assert memory.check_training_fits(over, 16, 16, available=avail) != ""
+        # a peer beside every rank (bench mesh --torch): what fitted alone fits no more,
+        # and the batch it offers fits with the peer
+        with_peer = memory.check_training_fits(fit, 16, 16, available=avail, peer=True)
+        assert "largest global batch that fits is about" in with_peer, with_peer
+        half = dataclasses.replace(case, batch=int(with_peer.rsplit(" ", 1)[-1]))
+        assert 0 < half.batch < best
+        assert memory.check_training_fits(half, 16, 16, available=avail, peer=True) == ""
     # Optimus on a 4x4 grid holds a quarter of what it holds on 2x2 (the reference is one
     # copy per node, not one per rank); Megatron on 16 ranks less than on 4
     o16 = memory.training_bytes(transformer_case("optimus", 4, 1, 64, 256, 1024, 8, 2048, 2), 16)

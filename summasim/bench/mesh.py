@@ -145,7 +145,7 @@ def plan_mesh_bench(args, p: int):
 
 def preflight(args, world, gpu) -> str:
     """The meshes plan (a --mesh that cannot run is an error) and each fits this node
-    (and GPU), rank 0."""
+    (and GPU), with ``--torch``'s peer beside it, rank 0."""
     from ..comm import local_ranks
     from ..harness.memory import check_node_and_gpu, check_training_fits
 
@@ -153,9 +153,11 @@ def preflight(args, world, gpu) -> str:
     cases, _, err = plan_mesh_bench(args, p)
     if err:
         return err
+    peer = bool(getattr(args, "torch", False))     # the PyTorch peer beside each run
     for case in cases:
         why = check_node_and_gpu(
-            lambda n, c=case, **kw: check_training_fits(c, p, n, **kw), local_ranks(), gpu)
+            lambda n, c=case, **kw: check_training_fits(c, p, n, peer=peer, **kw),
+            local_ranks(), gpu)
         if why:
             return why
     return ""

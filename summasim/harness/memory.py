@@ -229,19 +229,23 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
 
 
 def check_training_fits(case, p: int, ranks_on_node: int, available: int | None = None,
-                        device: bool = False) -> str:
+                        device: bool = False, peer: bool = False) -> str:
     """"" when a transformer or mesh case fits this node (rank 0 and the others on
     it), else a message with what it needs, what can be used and the largest global
     batch of the same shape that fits.
 
     ``device=True``: the check of one GPU that ``ranks_on_node`` ranks share, with
     ``available`` its free memory. The serial reference and its shared copy stay on
-    the host, so each of them holds a shard rank's share there, rank 0 included."""
+    the host, so each of them holds a shard rank's share there, rank 0 included.
+    ``peer=True``: every rank also holds a peer that trains the same composition
+    (``bench mesh --torch``), counted as a second shard rank's share."""
     avail = available_bytes() if available is None else available
     budget = int(HEADROOM * avail)
 
     def need(c):
         root, other, window = training_bytes(c, p)
+        if peer:
+            root, other = root + other, 2 * other
         if device:
             return ranks_on_node * other, root, other, window
         return root + window + (ranks_on_node - 1) * other, root, other, window
