@@ -184,10 +184,13 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
                                   "--json", str(path)], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
-    gemm = {r["algorithm"]: r for r in report["gemm"]}
+    gemm = {r["algorithm"]: r for r in report["gemm"] if not r.get("peer")}
     assert set(gemm) == {"cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
                          "summa25_abt", "summa25_atb"}
-    for r in gemm.values():
+    peers = [r for r in report["gemm"] if r.get("peer")]    # ScaLAPACK's, where installed
+    assert [r["algorithm"] for r in peers] in ([], ["pdgemm"])
+    assert bool(peers) != ("pdgemm         skipped: " in proc.stdout)
+    for r in list(gemm.values()) + peers:
         assert r["gflops"] == pytest.approx(2 * 128**3 / r["seconds"] / 1e9)
         assert r["fraction"] == pytest.approx(r["gflops"] / r["ceiling_gflops"])
     (ar,) = report["allreduce"]

@@ -8,7 +8,11 @@ Each row is marked with the load of other processes while its ceiling and its pr
 ran (:class:`~summasim.harness.load.LoadWatch`, column ``load``): a ceiling measured
 under load is too low, and its "% ceiling" too high (above 100% here at n = 4096 on a
 busy machine), so such rows say so, in the table, in a warning and in the JSON
-(``load``, ``quiet``, ``ceiling_under_load``)."""
+(``load``, ``quiet``, ``ceiling_under_load``).
+
+After summasim's products, ScaLAPACK's PDGEMM runs as a peer on the same blocks, check
+and timer (:mod:`~summasim.bench.pdgemm`; NumPy backend, square p, where ScaLAPACK is
+installed, else one line says why not): row ``pdgemm``, ``"peer": True`` in the JSON."""
 
 from __future__ import annotations
 
@@ -75,7 +79,8 @@ def ceiling_gflops(n: int, dtype, repeats: int, threads: int | None = None,
 def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
                backend=None) -> list[dict]:
     """Time each distributed product on the grids that fit (validated first, with the
-    harness's Freivalds check) on ``backend`` (default NumPy); return result rows."""
+    harness's Freivalds check) on ``backend`` (default NumPy), then ScaLAPACK's PDGEMM
+    as a peer where it runs (:func:`_pdgemm_rows`); return result rows."""
     from ..backends import get_backend
     from ..harness.execute import run_product
     from ..harness.load import LoadWatch, combine, mark, warning
@@ -116,6 +121,7 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
         say(f"{case.algorithm:<14} {label:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
             f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}% "
             f"{ratio:>9}  {'OK' if res.ok else 'FAIL':<5} {mark(load)}")
+    rows += _pdgemm_rows(world, n, dtype, repeats, say, backend, watch)
     busy = [r for r in rows if r["ceiling_under_load"]]
     line = warning(combine(r["load"] for r in busy),
                    f"{len(busy)} of {len(rows)} products and their ceilings were measured "
@@ -124,6 +130,48 @@ def bench_gemm(world, n: int, dtype, repeats: int, algorithms, say,
     if line:
         say(line)
     return rows
+
+
+def _pdgemm_rows(world, n: int, dtype, repeats: int, say, backend, watch) -> list[dict]:
+    """ScaLAPACK's PDGEMM on the same blocks, timer and check as the products
+    (:mod:`~summasim.bench.pdgemm`), its ceiling measured right before it: one row,
+    ``"peer": True``, or none and one line saying why it was skipped (host backend
+    only; ScaLAPACK optional)."""
+    from ..harness.load import mark
+    from .pdgemm import available, pdgemm_peer
+
+    why = (f"the ScaLAPACK peer runs with --backend numpy only, not {backend.name}"
+           if backend.name != "numpy" else available(world, n, dtype).reason)
+    if why:
+        say(f"{'pdgemm':<14} skipped: {why}")
+        return []
+    rank = world.Get_rank()
+    watch.lap()
+    ceiling = quiet_bcast(world, ceiling_gflops(n, dtype, repeats) if rank == 0 else None)
+    res = pdgemm_peer(world, n, dtype, repeats)
+    load = world.bcast(watch.lap(), root=0)
+    if res.reason:
+        say(f"{'pdgemm':<14} skipped: {res.reason}")
+        return []
+    lib = res.library
+    say(f"pdgemm (ScaLAPACK): a peer, not summasim: {lib.path}"
+        + (f" (its {', '.join(lib.relinked)} relinked to mpi4py's "
+           f"{', '.join(sorted(set(lib.relinked.values())))})" if lib.relinked else "")
+        + (f", BLAS {lib.blas}" if lib.blas else ""))
+    spans = res.timing["spans"]
+    t, best = res.seconds, min(spans)
+    gf, gf_best = 2.0 * n**3 / t / 1e9, 2.0 * n**3 / best / 1e9
+    say(f"{'pdgemm':<14} {res.grid:<9} {n:>6} {t:>9.4f} {best:>8.4f} {gf:>8.1f} "
+        f"{ceiling:>8.1f} {100 * gf / ceiling:>8.1f}% {100 * gf_best / ceiling:>6.1f}% "
+        f"{'-':>9}  {'OK' if res.ok else 'FAIL':<5} {mark(load)}")
+    return [{"algorithm": "pdgemm", "peer": True, "label": "pdgemm (ScaLAPACK)",
+             "library": lib.path, "relinked": lib.relinked, "blas": lib.blas,
+             "grid": res.grid, "n": n, "lower_bounds": None,
+             "dtype": np.dtype(dtype).name, "seconds": t, "times": spans, "ok": res.ok,
+             "gflops": gf, "ceiling_gflops": ceiling, "fraction": gf / ceiling,
+             "best_fraction": gf_best / ceiling, "load": load,
+             "quiet": load and load["quiet"],
+             "ceiling_under_load": bool(load and load["quiet"] is False)}]
 
 
 def preflight(args, world, gpu) -> str:
