@@ -318,3 +318,26 @@ def test_contenders_rotate_or_alternate_in_blocks_and_may_resize_the_rounds():
                           after_round=lambda i, spans: 2 if i == 1 else None)
     assert order == list("aaabbbccc") * 2 and seen == order
     assert all(len(out[k]["spans"]) == 4 for k in "abc")
+
+
+def test_shuffled_rounds_rotate_the_first_and_vary_what_each_follows():
+    """shuffle: each round starts as rotated does and holds every contender once; the
+    others' order is drawn from the round's seed (the same on every rank, so the same
+    call again), and over rounds a contender follows more than one other (a fixed
+    cyclic order gave each always the same predecessor)."""
+    from summasim.harness.timing import rotated, shuffled, time_contenders
+
+    names = list("abcde")
+    rounds = [shuffled(names, i) for i in range(40)]
+    assert rounds == [shuffled(names, i) for i in range(40)]            # seeded
+    assert all(sorted(r) == names and r[0] == rotated(names, i)[0]
+               for i, r in enumerate(rounds))
+    before = {k: {r[r.index(k) - 1] for r in rounds if r.index(k)} for k in names}
+    assert all(len(v) >= 3 for v in before.values()), before
+    fixed = {k: {r[r.index(k) - 1] for r in (rotated(names, i) for i in range(40))
+                 if r.index(k)} for k in names}
+    assert all(len(v) == 1 for v in fixed.values())
+    order = []
+    calls = {k: (lambda k=k: order.append(k)) for k in names}
+    time_contenders(calls, None, 3, shuffle=True)
+    assert order == sum((shuffled(names, i) for i in range(3)), [])

@@ -401,8 +401,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
 
             watch.lap()
             with agreement(False):    # interleaved, so that all see the same machine state
-                timed = time_contenders(calls, world, reps[0], before=refill,
-                                        after_round=after_round)
+                timed = time_contenders(calls, world, reps[0], shuffle=True,
+                                        before=refill, after_round=after_round)
             load = world.bcast(watch.lap(), root=0)
             t = {k: timed[k]["spans"] for k in calls}
             reps = reps[0]
