@@ -170,6 +170,7 @@ def process_group(world):
     import datetime
 
     import torch.distributed as dist
+    from mpi4py import MPI
 
     if dist.is_initialized():
         return dist
@@ -188,7 +189,7 @@ def process_group(world):
     where, err = world.bcast((where, err), root=0)
     if err:
         raise RuntimeError(f"torch.distributed: rank 0 could not open its store ({err})")
-    node = world.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = node.Get_size() == p
     node.Free()
     if rank:
