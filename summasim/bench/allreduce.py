@@ -29,6 +29,7 @@ import numpy as np
 
 from ..costmodel.tools import bench as bp
 from ..costmodel.tools.bench import NODE_MEMORY_MIB, bench_bytes
+from ..harness.timing import paired_ratio  # noqa: F401 -- bench allreduce's statistic
 from .common import (add_backend, add_json, add_predict, add_repeats, add_sizes, given,
                      message_buffers)
 
@@ -145,32 +146,6 @@ def plain_ring_allreduce(x, out, comm, sync=None):
         sync()
         comm.Sendrecv(out[s0:s1], right, recvbuf=out[r0:r1], source=left)
     return out
-
-
-def paired_ratio(base, ours, confidence: float = 0.95) -> dict:
-    """How much faster ``ours`` is than ``base`` from paired timings: repeat i of each
-    ran back to back on the same machine state, so the ratios ``base[i] / ours[i]``
-    cancel the drift between repeats. Returns the median ratio, a distribution-free
-    interval for it (order statistics of the ratios, the sign test's interval:
-    ``low``/``high`` None when there are too few repeats for ``confidence``; 6 give
-    96.9%), the interval's real coverage, and a verdict: "faster" (low > 1), "slower"
-    (high < 1), "tie" (the interval holds 1: the difference is within the noise), or
-    None without an interval."""
-    from scipy.stats import binom
-
-    ratios = sorted(b / o for b, o in zip(base, ours))
-    n = len(ratios)
-    if n == 0:
-        raise ValueError("paired_ratio: no timings")
-    k = int(binom.ppf((1 - confidence) / 2, n, 0.5))   # the k-th smallest is the low end
-    low, high, coverage = None, None, None
-    if k >= 1:
-        low, high = float(ratios[k - 1]), float(ratios[n - k])
-        coverage = float(1 - 2 * binom.cdf(k - 1, n, 0.5))
-    verdict = (None if low is None else "tie" if low <= 1 <= high
-               else "faster" if low > 1 else "slower")
-    return {"median": float(statistics.median(ratios)), "low": low, "high": high,
-            "coverage": coverage, "verdict": verdict}
 
 
 #: The benchmark's targets: in place, at least as fast as the plain in-place ring from

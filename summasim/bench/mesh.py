@@ -306,11 +306,11 @@ def _peer(case, world):
 def _verdict(peer, res) -> dict:
     """The peer's verdict after ``res`` timed it beside the mesh (collective), with its
     step's ``seconds`` (median), ``times`` and ``paired``: the paired per-step ratios
-    of its time over the mesh's (:func:`~summasim.bench.allreduce.paired_ratio`; > 1:
+    of its time over the mesh's (:func:`~summasim.harness.timing.paired_ratio`; > 1:
     summasim is faster)."""
     import statistics
 
-    from .allreduce import paired_ratio
+    from ..harness.timing import paired_ratio
 
     if isinstance(peer, dict):
         return peer

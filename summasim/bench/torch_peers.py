@@ -26,6 +26,7 @@ torch is not a summasim dependency: it is imported only here, only when asked fo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 
@@ -250,7 +251,7 @@ class Peer:
                     "out": RowwiseParallel()}
             for blk in model.blocks:
                 parallelize_module(blk, mesh, plan)
-            self.wrapped, self._sync_off = model, _nullcontext
+            self.wrapped, self._sync_off = model, contextlib.nullcontext
         self.opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999),
                                     eps=1e-8, foreach=False)
         self.tokens, self.targets, self.m = tokens, targets, m
@@ -273,7 +274,7 @@ class Peer:
         m, mb = self.m, self.micro
         for i in range(m):
             sl = slice(i * mb, (i + 1) * mb)
-            with (self._sync_off() if i < m - 1 else _nullcontext()):
+            with (self._sync_off() if i < m - 1 else contextlib.nullcontext()):
                 (self.wrapped(self.tokens[sl], self.targets[sl]) / m).backward()
         got = self.model.serial_grads() if check else None
         self.opt.step()
@@ -283,6 +284,8 @@ class Peer:
         """The replicated parameters compared over the ranks (collective); the verdict:
         ``{"peer", "loss_error", "grad_error", "worst", "bound", "replicas_agree",
         "ok", "torch"}``."""
+        from mpi4py import MPI
+
         torch = self.torch
         replicated = [t for t in self.model.parameters() if not hasattr(t, "placements")]
         digest = float(sum(float(t.detach().double().sum()) for t in replicated))
@@ -290,7 +293,7 @@ class Peer:
         agree = len(set(self.world.allgather(digest))) == 1
         good = (self.loss_error <= self.bound and self.grad_error <= self.bound and agree
                 and finite)
-        ok = self.world.allreduce(int(good), op=_min()) == 1
+        ok = self.world.allreduce(int(good), op=MPI.MIN) == 1
         return {"peer": self.name, "loss_error": self.loss_error,
                 "grad_error": self.grad_error, "worst": self.worst, "bound": self.bound,
                 "replicas_agree": agree, "ok": ok, "torch": torch.__version__}
@@ -318,18 +321,6 @@ def _grad_error(got: dict, ref: dict) -> tuple[float, str]:
         if e > worst or not where:
             worst, where = e, key
     return worst, where
-
-
-def _min():
-    from mpi4py import MPI
-
-    return MPI.MIN
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def close() -> None:
