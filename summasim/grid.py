@@ -1,14 +1,15 @@
 """Process grids: the ONLY place that maps ranks to coordinates.
 
-A :class:`Grid` arranges ``p = d * q * q`` ranks as ``[d, q, q]`` with
+A :class:`Grid` arranges ``p = d * q * q`` ranks as ``[d, q, q]`` (or, rectangular,
+``p = d * pr * pc`` as ``[d, pr, pc]``) with
 coordinates ``(k, i, j)``: ``k`` is the depth (layer), ``i`` the row, ``j`` the
-column. It is built with ``Create_cart([d, q, q], periods=[False, True, True])``
+column. It is built with ``Create_cart([d, pr, pc], periods=[False, True, True])``
 (rows and columns are periodic so Cannon can shift) and split with ``Sub`` into
 
 ``grid.row``    fixed (k, i), ranks ordered by j   -- rank in row   == j
 ``grid.col``    fixed (k, j), ranks ordered by i   -- rank in col   == i
 ``grid.depth``  fixed (i, j), ranks ordered by k   -- rank in depth == k
-``grid.layer``  fixed k: the q x q plane, rank == i * q + j
+``grid.layer``  fixed k: the pr x pc plane, rank == i * pc + j
 ``grid.world``  all ranks of the grid
 
 so a SUMMA step l is ``grid.row.bcast(buf, root=l)``: no global rank arithmetic.
@@ -43,13 +44,18 @@ def _raw(comm):
                     f"{type(comm).__name__}")
 
 
-def check_grid_size(size: int, q: int, d: int = 1) -> None:
-    """Raise ``ValueError`` unless ``size == d * q * q`` (pure; no communication)."""
+def check_grid_size(size: int, q: int, d: int = 1, pc: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``size == d * q * pc`` (``pc`` default ``q``; pure, no
+    communication)."""
     q = positive_int("q", q)
     d = positive_int("d", d)
-    if size != d * q * q:
-        raise ValueError(f"a [q, q, d] = [{q}, {q}, {d}] grid needs d*q*q = {d * q * q} "
-                         f"processes, but the communicator has {size}")
+    pc = q if pc is None else positive_int("pc", pc)
+    if size != d * q * pc:
+        if pc == q:
+            raise ValueError(f"a [q, q, d] = [{q}, {q}, {d}] grid needs d*q*q = {d * q * q} "
+                             f"processes, but the communicator has {size}")
+        raise ValueError(f"a [pr, pc, d] = [{q}, {pc}, {d}] grid needs d*pr*pc = "
+                         f"{d * q * pc} processes, but the communicator has {size}")
 
 
 class _Groups:
@@ -79,16 +85,22 @@ class _Groups:
 
 
 class Grid(_Groups):
-    """A ``[q, q, d]`` process grid with row, column, depth and layer communicators.
+    """A ``[q, q, d]`` (or ``[pr, pc, d]``) process grid with row, column, depth and layer
+    communicators.
 
     Parameters
     ----------
     comm : mpi4py.MPI.Comm or Comm
-        The ranks to arrange; its size must be ``d * q * q``.
+        The ranks to arrange; its size must be ``d * q * q`` (``d * q * pc``).
     q : int
-        Rows and columns of each layer.
+        Rows and columns of each layer (rows only, when ``pc`` is given).
     d : int, default 1
         Depth (number of layers); ``d == 1`` is a 2D grid.
+    pc : int, keyword-only, optional
+        Columns of each layer, for a rectangular ``q x pc`` grid. ``grid.pr`` and
+        ``grid.pc`` are the rows and columns on every grid; ``grid.q`` is their common
+        value on a square grid and ``None`` on a rectangular one (an algorithm that
+        needs a square grid says so).
     trace : Trace, optional
         Shared ledger for all of the grid's communicators (new by default).
     backend : optional
@@ -106,16 +118,18 @@ class Grid(_Groups):
     """
 
     def __init__(self, comm, q: int, d: int = 1, trace: Trace | None = None, backend=None,
-                 wait: str | None = None):
+                 wait: str | None = None, *, pc: int | None = None):
         from .comm import Comm
 
         raw = _raw(comm)
-        check_grid_size(raw.Get_size(), q, d)
-        self.q, self.d = int(q), int(d)
-        self.p = self.d * self.q * self.q
+        check_grid_size(raw.Get_size(), q, d, pc)
+        self.pr, self.d = int(q), int(d)
+        self.pc = self.pr if pc is None else int(pc)
+        self.q = self.pr if self.pr == self.pc else None
+        self.p = self.d * self.pr * self.pc
         self.trace = trace if trace is not None else Trace()
         self.backend = backend
-        self._cart = raw.Create_cart([self.d, self.q, self.q], periods=[False, True, True],
+        self._cart = raw.Create_cart([self.d, self.pr, self.pc], periods=[False, True, True],
                                      reorder=False)
         self.k, self.i, self.j = self._cart.Get_coords(self._cart.Get_rank())
         self.rank = self._cart.Get_rank()
@@ -132,12 +146,16 @@ class Grid(_Groups):
         self.row, self.col, self.depth, self.layer = (
             make(c, name) for c, name in zip(self._mpi_comms[1:], subs))
         assert self.row.rank == self.j and self.col.rank == self.i and self.depth.rank == self.k
-        assert (self.i, self.j, self.k) == grid_coords(self.rank, self.q)   # spec's order
+        assert (self.i, self.j, self.k) == grid_coords(self.rank, self.pr, self.pc)
+
+    @property
+    def square(self) -> bool:
+        return self.pr == self.pc
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(q, q, d)`` as the papers write it."""
-        return (self.q, self.q, self.d)
+        """``(q, q, d)`` (``(pr, pc, d)``) as the papers write it."""
+        return (self.pr, self.pc, self.d)
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -145,7 +163,8 @@ class Grid(_Groups):
         return (self.i, self.j, self.k)
 
     def __repr__(self):
-        return f"Grid(q={self.q}, d={self.d}, coords(i,j,k)={self.coords})"
+        size = f"q={self.q}" if self.square else f"pr={self.pr}, pc={self.pc}"
+        return f"Grid({size}, d={self.d}, coords(i,j,k)={self.coords})"
 
 
 class Grid1D(_Groups):

@@ -6,8 +6,8 @@ Block notation follows the papers: ``A[I_row, J_col]`` is the block in row block
 =============  ===================================  ===============================
 name           global ``[m, n]`` split              rank ``(i, j, k)`` holds
 =============  ===================================  ===============================
-``"2d"``       q x q blocks                         block ``(i, j)``; same for all k
-``"2.5d"``     rows in d*q blocks, cols in q        block ``(k*q + i, j)``
+``"2d"``       pr x pc blocks (q x q)               block ``(i, j)``; same for all k
+``"2.5d"``     rows in d*pr blocks, cols in pc      block ``(k*pr + i, j)``
 ``"3d-a"``     rows in q*q blocks, cols in q        block ``(i*q + j, k)`` (3D A [m, k])
 ``"3d-b"``     rows in q*q blocks, cols in q        block ``(k*q + i, j)`` (3D B [k, n])
 ``"3d-c"``     rows in q*q blocks, cols in q        block ``(i*q + (k+1) % q, j)`` (3D C)
@@ -25,8 +25,24 @@ The functions :func:`block_counts`, :func:`block_index`, :func:`local_shape` and
 all-gathers. For a :class:`~summasim.grid.Grid`, ``"row"``/``"col"`` split over
 all ``p`` ranks in grid-rank order.
 
-Dimensions must divide evenly; when one does not, a ``ValueError`` names the
-dimension, its size and the divisor.
+Grids are ``[pr, pc, d]``: ``pr`` rows and ``pc`` columns of ranks per layer (``pr = pc
+= q`` on the square grids; :class:`GridNumbers` ``pc = 0`` means square). The cube
+layouts need a square grid.
+
+Even and uneven blocks
+----------------------
+A dimension of size ``n`` cut into ``b`` blocks is cut into the balanced partition:
+block ``t`` spans ``[t*(n//b) + min(t, n%b), ...)`` and holds ``n//b + 1`` items when
+``t < n % b``, ``n//b`` otherwise. The first ``n mod b`` blocks are one larger; no block
+is more than one item larger than another (ScaLAPACK's block-cyclic layout with one
+block per process is the same thing when the sizes divide). :func:`partition` gives
+the offsets, :func:`block_slices` and :func:`block_shape` a rank's block, and
+:func:`split`/:func:`join` work on any sizes.
+
+:func:`local_shape` is the even case only: a dimension that does not divide raises a
+``ValueError`` naming the dimension, its size and the divisor (for callers, such as
+the transformer schemes, whose blocks must all be alike). :func:`max_block_shape` is
+the largest block of any sizes (what a workspace or a memory estimate needs).
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .backends import array_module
+from .spec import block_range, partition  # noqa: F401  (the balanced partition)
 
 _CUBE_LAYOUTS = ("3d-a", "3d-b", "3d-c", "3d-bt", "3d-at")
 LAYOUTS = ("2d", "2.5d") + _CUBE_LAYOUTS + ("row", "col", "replicated")
@@ -42,7 +59,9 @@ GRID_LAYOUTS = ("2d", "2.5d") + _CUBE_LAYOUTS
 
 
 class GridNumbers(NamedTuple):
-    """What the block math needs to know about a grid and a rank."""
+    """What the block math needs to know about a grid and a rank: ``q`` rows of ranks
+    (``pr``), ``pc`` columns (0: ``q``, a square grid), depth ``d``, ``p`` ranks, the
+    rank's ``(i, j, k)`` and its rank ``r`` in a 1D group."""
 
     q: int = 1
     d: int = 1
@@ -51,6 +70,11 @@ class GridNumbers(NamedTuple):
     j: int = 0
     k: int = 0
     r: int = 0  # rank in the 1D group ("row"/"col")
+    pc: int = 0  # columns of ranks; 0: square (q)
+
+    @property
+    def cols(self) -> int:
+        return self.pc or self.q
 
 
 def _check_name(name: str) -> None:
@@ -58,12 +82,15 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")
 
 
-def block_counts(name: str, q: int = 1, d: int = 1, p: int = 1) -> tuple[int, int]:
-    """Number of ``(row, column)`` blocks a 2-D array is cut into by layout ``name``."""
+def block_counts(name: str, q: int = 1, d: int = 1, p: int = 1,
+                 pc: int = 0) -> tuple[int, int]:
+    """Number of ``(row, column)`` blocks a 2-D array is cut into by layout ``name`` on
+    a ``[q, pc, d]`` grid (``pc = 0``: square, ``pc = q``)."""
     _check_name(name)
+    pc = pc or q
     if name in _CUBE_LAYOUTS:
         return (q * q, q)
-    return {"2d": (q, q), "2.5d": (d * q, q), "row": (p, 1), "col": (1, p),
+    return {"2d": (q, pc), "2.5d": (d * q, pc), "row": (p, 1), "col": (1, p),
             "replicated": (1, 1)}[name]
 
 
@@ -85,33 +112,41 @@ def check_divisible(what: str, size: int, divisor: int, why: str = "") -> int:
     return size // divisor
 
 
-def _divisor_names(name: str) -> tuple[str, str]:
+def _divisor_names(name: str, square: bool = True) -> tuple[str, str]:
     if name in _CUBE_LAYOUTS:
         return ("q*q", "q")
-    return {"2d": ("q", "q"), "2.5d": ("d*q", "q"), "row": ("p", ""), "col": ("", "p"),
+    r, c = ("q", "q") if square else ("pr", "pc")
+    return {"2d": (r, c), "2.5d": (f"d*{r}", c), "row": ("p", ""), "col": ("", "p"),
             "replicated": ("", "")}[name]
 
 
+def _check_shape(global_shape, name: str) -> tuple[int, ...]:
+    _check_name(name)
+    shape = tuple(int(s) for s in global_shape)
+    if name in GRID_LAYOUTS and len(shape) != 2:
+        raise ValueError(f"layout {name!r} needs a 2-D array, got shape {shape}")
+    if name != "replicated" and not shape:
+        raise ValueError(f"layout {name!r} needs at least one dimension")
+    return shape
+
+
 def local_shape(global_shape, name: str, q: int = 1, d: int = 1, p: int = 1,
-                dims: tuple[str, ...] | None = None) -> tuple[int, ...]:
-    """Shape of one block of an array of ``global_shape`` under layout ``name``.
+                dims: tuple[str, ...] | None = None, pc: int = 0) -> tuple[int, ...]:
+    """Shape of one block of an array of ``global_shape`` under layout ``name``, when
+    every block is alike (the sizes divide; ``ValueError`` naming the dimension
+    otherwise).
 
     ``"2d"`` and ``"2.5d"`` need 2-D arrays; ``"row"`` splits axis 0 and ``"col"``
     the last axis of an array of any rank. ``dims`` names the axes in errors
     (default ``("rows", "columns")`` for matrices, ``"axis N"`` otherwise).
     """
-    _check_name(name)
-    shape = tuple(int(s) for s in global_shape)
+    shape = _check_shape(global_shape, name)
     if name == "replicated":
         return shape
-    if name in GRID_LAYOUTS and len(shape) != 2:
-        raise ValueError(f"layout {name!r} needs a 2-D array, got shape {shape}")
-    if not shape:
-        raise ValueError(f"layout {name!r} needs at least one dimension")
     labels = dims or (("rows", "columns") if len(shape) == 2 else
                       tuple(f"axis {a}" for a in range(len(shape))))
-    nr, nc = block_counts(name, q, d, p)
-    rname, cname = _divisor_names(name)
+    nr, nc = block_counts(name, q, d, p, pc)
+    rname, cname = _divisor_names(name, not pc or pc == q)
     out = list(shape)
     if name != "col":
         out[0] = check_divisible(labels[0], shape[0], nr,
@@ -123,30 +158,56 @@ def local_shape(global_shape, name: str, q: int = 1, d: int = 1, p: int = 1,
 
 
 def block_slices(global_shape, name: str, g: GridNumbers) -> tuple[slice, ...]:
-    """Index of the rank's block in the global array (one slice per axis)."""
-    loc = local_shape(global_shape, name, g.q, g.d, g.p)
-    sl = [slice(None)] * len(loc)
+    """Index of the rank's block in the global array (one slice per axis), for any
+    sizes (the balanced partition of :func:`partition`)."""
+    shape = _check_shape(global_shape, name)
+    if name in _CUBE_LAYOUTS and g.cols != g.q:
+        raise ValueError(f"layout {name!r} needs a square grid, got {g.q} x {g.cols}")
+    sl = [slice(None)] * len(shape)
     if name == "replicated":
         return tuple(sl)
+    nr, nc = block_counts(name, g.q, g.d, g.p, g.pc)
     bi, bj = block_index(name, g)
     if name != "col":
-        sl[0] = slice(bi * loc[0], (bi + 1) * loc[0])
+        sl[0] = slice(*block_range(shape[0], nr, bi))
     if name != "row":
-        sl[-1] = slice(bj * loc[-1], (bj + 1) * loc[-1])
+        sl[-1] = slice(*block_range(shape[-1], nc, bj))
     return tuple(sl)
+
+
+def block_shape(global_shape, name: str, g: GridNumbers) -> tuple[int, ...]:
+    """Shape of the rank's block, for any sizes (:func:`block_slices`)."""
+    shape = _check_shape(global_shape, name)
+    return tuple(sl.indices(n)[1] - sl.indices(n)[0]
+                 for sl, n in zip(block_slices(shape, name, g), shape))
+
+
+def max_block_shape(global_shape, name: str, q: int = 1, d: int = 1, p: int = 1,
+                    pc: int = 0) -> tuple[int, ...]:
+    """The largest block of layout ``name`` (each dimension rounded up), for any sizes."""
+    shape = _check_shape(global_shape, name)
+    if name == "replicated":
+        return shape
+    nr, nc = block_counts(name, q, d, p, pc)
+    out = list(shape)
+    if name != "col":
+        out[0] = -(-shape[0] // nr)
+    if name != "row":
+        out[-1] = -(-shape[-1] // nc)
+    return tuple(out)
 
 
 def grid_numbers(grid) -> GridNumbers:
     """The :class:`GridNumbers` of a Grid or Grid1D for this rank."""
-    if hasattr(grid, "q"):
-        return GridNumbers(q=grid.q, d=grid.d, p=grid.p, i=grid.i, j=grid.j, k=grid.k,
-                           r=grid.world.rank)
+    if hasattr(grid, "pr"):
+        return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=grid.i, j=grid.j, k=grid.k,
+                           r=grid.world.rank, pc=grid.pc if grid.pc != grid.pr else 0)
     return GridNumbers(p=grid.p, r=grid.rank)
 
 
 def _check_layout_for(grid, name: str) -> None:
     _check_name(name)
-    if name in GRID_LAYOUTS and not hasattr(grid, "q"):
+    if name in GRID_LAYOUTS and not hasattr(grid, "pr"):
         raise ValueError(f"layout {name!r} needs a Grid, not a {type(grid).__name__}")
 
 
@@ -171,6 +232,8 @@ def join(block, grid, name: str):
 
     The gather runs over ``grid.layer`` for ``"2d"`` (layers hold the same blocks)
     and over all ranks otherwise; it is traced under the phase ``"layout.join"``.
+    Blocks of any sizes (the balanced partition) are joined: when they differ, each is
+    padded to the largest for the gather (the block shapes travel first, untraced).
     """
     _check_layout_for(grid, name)
     xp = array_module(block)
@@ -178,6 +241,46 @@ def join(block, grid, name: str):
         return block.copy()
     block = xp.ascontiguousarray(block)
     comm = grid.layer if name == "2d" else grid.world
+    shapes = [tuple(s) for s in comm.mpi.allgather(tuple(int(n) for n in block.shape))]
+    if len(set(shapes)) == 1:
+        return _join_alike(block, grid, name, comm, xp)
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"join: the blocks differ in rank: {sorted(set(shapes))}")
+    big = tuple(max(s[a] for s in shapes) for a in range(block.ndim))
+    padded = xp.zeros(big, dtype=block.dtype)
+    padded[tuple(slice(0, n) for n in block.shape)] = block
+    parts = xp.empty((comm.size,) + big, dtype=block.dtype)
+    with comm.trace.phase("layout.join"):
+        comm.allgather(padded, parts)
+    nums = [_numbers_of(grid, name, r, comm.size) for r in range(comm.size)]
+    index = [block_index(name, g) for g in nums]
+    rows = sum({bi: s[0] for (bi, _), s in zip(index, shapes)}.values())
+    cols = sum({bj: s[-1] for (_, bj), s in zip(index, shapes)}.values())
+    full = ((rows,) + shapes[0][1:] if name == "row" else
+            shapes[0][:-1] + (cols,) if name == "col" else (rows, cols))
+    out = xp.empty(full, dtype=block.dtype)
+    for r, (g, s) in enumerate(zip(nums, shapes)):
+        sl = block_slices(full, name, g)
+        if tuple(out[sl].shape) != s:
+            raise ValueError(f"join: rank {r}'s block {s} is not its block of the balanced "
+                             f"partition of {full} ({tuple(out[sl].shape)})")
+        out[sl] = parts[r][tuple(slice(0, n) for n in s)]
+    return out
+
+
+def _numbers_of(grid, name: str, rank: int, size: int) -> GridNumbers:
+    """The :class:`GridNumbers` of ``rank`` of the gather's communicator."""
+    if name in ("row", "col") or not hasattr(grid, "pr"):
+        return GridNumbers(p=size, r=rank)
+    from .spec import grid_coords
+
+    i, j, k = grid_coords(rank, grid.pr, grid.pc)
+    pc = grid.pc if grid.pc != grid.pr else 0
+    return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=i, j=j, k=k, pc=pc)
+
+
+def _join_alike(block, grid, name: str, comm, xp):
+    """:func:`join` of blocks of one shape."""
     parts = xp.empty((comm.size,) + block.shape, dtype=block.dtype)
     with comm.trace.phase("layout.join"):
         comm.allgather(block, parts)
@@ -189,15 +292,12 @@ def join(block, grid, name: str):
         return xp.moveaxis(parts, 0, -2).reshape(block.shape[:-1] + (width,)).copy() \
             if block.ndim > 1 else parts.reshape(width)
     mb, nb = block.shape
-    nr, nc = block_counts(name, grid.q, grid.d, grid.p)
+    nr, nc = block_counts(name, grid.pr, grid.d, grid.p, grid.pc)
     if name in ("2d", "2.5d"):
-        # ranks are numbered row-major over (k, i, j), so (k, i) flattens to k*q + i
+        # ranks are numbered row-major over (k, i, j), so (k, i) flattens to k*pr + i
         return parts.reshape(nr, nc, mb, nb).transpose(0, 2, 1, 3).reshape(nr * mb, nc * nb)
-    from .spec import grid_coords
-
     out = xp.empty((nr * mb, nc * nb), dtype=block.dtype)
     for rank in range(comm.size):       # each rank's block where its layout puts it
-        i, j, k = grid_coords(rank, grid.q)
-        bi, bj = block_index(name, GridNumbers(q=grid.q, d=grid.d, p=grid.p, i=i, j=j, k=k))
+        bi, bj = block_index(name, _numbers_of(grid, name, rank, comm.size))
         out[bi * mb:(bi + 1) * mb, bj * nb:(bj + 1) * nb] = parts[rank]
     return out

@@ -475,13 +475,52 @@ def agree(fn: str, comm, signature: dict, error: BaseException | None = None) ->
     # fast path, one collective: the max of (digest, -digest, failed) over the ranks shows
     # whether every digest is the same and no rank failed (a digest that differs for equal
     # signatures only costs the slow path, which compares by ==)
-    data = repr((fn, signature)).encode()
-    digest = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+    digest = _digest(fn, signature)
     mine = np.array([digest, -digest, error is not None], np.int64)
     top = np.empty(3, np.int64)
     wait_requests(raw.Iallreduce(mine, top, op=MPI.MAX), policy)
     if top[0] == digest and top[1] == -digest and not top[2]:
         return
+    _disagreement(fn, raw, signature, error, policy)
+
+
+def _digest(fn: str, signature: dict) -> int:
+    data = repr((fn, signature)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def gather_agreed(fn: str, comm, signature, values, error: BaseException | None = None):
+    """Collective: :func:`agree` on ``signature`` and, in the same collective, every
+    rank's ``values`` (a few ints, e.g. its block shapes), returned as an int64 array
+    ``[rank, value]`` on every rank.
+
+    One ``Iallgather`` of ``3 + len(values)`` int64 (the signature's digest, a failure
+    flag, the values) over the raw communicator, waited for by the Comm's wait policy.
+    When a rank failed or the digests differ, every rank raises as :func:`agree` does.
+    It runs whether or not the agreement is switched off: its caller needs the values
+    (an uneven layout's global sizes, say).
+    """
+    raw = raw_mpi(comm)
+    vals = [int(v) for v in values]
+    if raw.Get_size() == 1:
+        if error is not None:
+            raise error
+        return np.array([vals], np.int64).reshape(1, len(vals))
+    if callable(signature):
+        signature = signature()
+    policy = _wait_policy(comm)
+    digest = _digest(fn, signature)
+    mine = np.array([digest, error is not None] + vals, np.int64)
+    every = np.empty((raw.Get_size(), mine.size), np.int64)
+    wait_requests(raw.Iallgather(mine, every), policy)
+    if (every[:, 0] != digest).any() or every[:, 1].any():
+        _disagreement(fn, raw, signature, error, policy)
+        raise ValueError(f"{fn}: the ranks' checks differ")      # not reached
+    return every[:, 2:]
+
+
+def _disagreement(fn: str, raw, signature: dict, error, policy: str) -> None:
+    """The slow path of :func:`agree`: gather every signature and error, raise."""
     # someone differs or failed (every rank knows it): gather everything to say what
     mine = None if error is None else (
         TypeError if isinstance(error, TypeError) else ValueError, str(error))

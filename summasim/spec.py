@@ -62,6 +62,15 @@ ALGORITHM_KINDS: dict[str, str] = {
 }
 #: The matrix products (every algorithm but the ring).
 PRODUCTS: tuple[str, ...] = tuple(n for n, k in ALGORITHM_KINDS.items() if k != "ring")
+#: The products that run on any sizes (blocks of the balanced partition; the others need
+#: sizes that divide their grid).
+ANY_SIZE: tuple[str, ...] = ("cannon_ab", "summa_ab", "summa_abt", "summa_atb",
+                             "summa25_ab", "summa25_abt", "summa25_atb")
+#: The products that also run on rectangular ``pr x pc`` (and ``[pr, pc, d]``) grids.
+#: Cannon needs a square torus; the 2.5D and 3D products of Solomonik-Demmel and
+#: Agarwal a square layer or a cube.
+RECTANGULAR: tuple[str, ...] = ("summa_ab", "summa_abt", "summa_atb", "summa25_ab",
+                                "summa25_abt", "summa25_atb")
 
 #: Each tensor-parallel scheme and its grid kind: "1d" (Megatron over p), "2d"
 #: (Optimus, q x q) or "2.5d" (SUMMA2.5-LM, [q, q, d] with d >= 2).
@@ -356,13 +365,16 @@ class TensorGrid:
 
     ``name`` is a scheme of :data:`SCHEME_KINDS` (or an algorithm of
     :data:`ALGORITHM_KINDS`); ``megatron`` is 1D over ``p`` (q = d = 1), ``optimus``
-    a ``q x q`` grid, ``summa25`` a ``[q, q, d]`` grid (``p = d q^2``).
+    a ``q x q`` grid, ``summa25`` a ``[q, q, d]`` grid (``p = d q^2``). ``pc`` > 0 makes
+    the grid rectangular, ``q`` rows by ``pc`` columns (``p = d q pc``): the products of
+    :data:`RECTANGULAR` run there.
     """
 
     name: str
     p: int
     q: int = 1
     d: int = 1
+    pc: int = 0
 
     def __post_init__(self):
         for key in ("p", "q", "d"):
@@ -370,16 +382,33 @@ class TensorGrid:
         if self.name not in SCHEME_KINDS and self.name not in ALGORITHM_KINDS:
             raise ValueError(f"unknown scheme {self.name!r}; choose from "
                              f"{', '.join(SCHEME_NAMES)}")
-        if self.kind not in ("1d", "ring") and self.p != self.d * self.q * self.q:
+        if self.pc == self.q:
+            object.__setattr__(self, "pc", 0)
+        if self.pc:
+            positive_int("TensorGrid.pc", self.pc)
+            if self.name not in RECTANGULAR:
+                raise ValueError(f"{self.name} needs a square grid (q x q); rectangular "
+                                 f"grids run {', '.join(RECTANGULAR)}")
+        if self.kind not in ("1d", "ring") and self.p != self.d * self.q * self.cols:
             raise ValueError(f"{self.name} needs p = d*q*q, got p={self.p}, q={self.q}, "
-                             f"d={self.d}")
+                             f"d={self.d}" if not self.pc else
+                             f"{self.name} needs p = d*pr*pc, got p={self.p}, pr={self.q}, "
+                             f"pc={self.pc}, d={self.d}")
 
     @classmethod
-    def of(cls, name: str, q: int = 1, d: int = 1, p: int | None = None) -> "TensorGrid":
-        """The grid of scheme ``name`` with ``q`` and ``d`` (Megatron: ``p`` ranks)."""
+    def of(cls, name: str, q: int = 1, d: int = 1, p: int | None = None,
+           pc: int = 0) -> "TensorGrid":
+        """The grid of scheme ``name`` with ``q`` (rows; ``pc`` columns when given) and
+        ``d`` (Megatron: ``p`` ranks)."""
         if SCHEME_KINDS.get(name) == "1d" or ALGORITHM_KINDS.get(name) == "ring":
             return cls(name, positive_int("p", p if p is not None else q), 1, 1)
-        return cls(name, positive_int("d", d) * positive_int("q", q) ** 2, q, d)
+        cols = positive_int("pc", pc) if pc else positive_int("q", q)
+        return cls(name, positive_int("d", d) * positive_int("q", q) * cols, q, d, pc)
+
+    @property
+    def cols(self) -> int:
+        """Columns of ranks: ``pc``, or ``q`` on a square grid."""
+        return self.pc or self.q
 
     @property
     def kind(self) -> str:
@@ -388,10 +417,12 @@ class TensorGrid:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """``(p,)`` for a 1D group, ``(q, q)`` or ``(q, q, d)``."""
+        """``(p,)`` for a 1D group, ``(q, q)`` or ``(q, q, d)`` (``(q, pc[, d])``)."""
         if self.kind in ("1d", "ring"):
             return (self.p,)
-        return (self.q, self.q) if self.d == 1 and self.kind == "2d" else (self.q, self.q, self.d)
+        if self.d == 1 and self.kind == "2d":
+            return (self.q, self.cols)
+        return (self.q, self.cols, self.d)
 
     def __str__(self) -> str:
         return f"{self.name}:" + "x".join(map(str, self.shape))
@@ -402,17 +433,18 @@ class TensorGrid:
         if self.kind in ("1d", "ring"):
             return f"{_LONG_LABEL.get(self.name, self.name)} p={self.p}"
         if self.kind == "2d" and self.name in _LONG_LABEL:
-            return f"{_LONG_LABEL[self.name]} [{self.q},{self.q}]"
-        return f"{_LONG_LABEL.get(self.name, self.name)} [{self.q},{self.q},{self.d}]"
+            return f"{_LONG_LABEL[self.name]} [{self.q},{self.cols}]"
+        return f"{_LONG_LABEL.get(self.name, self.name)} [{self.q},{self.cols},{self.d}]"
 
     @property
     def grid_label(self) -> str:
-        """The grid alone, as the main job's rows print it: "1D p=4", "4x4", "[2,2,4]"."""
+        """The grid alone, as the main job's rows print it: "1D p=4", "4x4", "2x3",
+        "[2,2,4]"."""
         if self.kind == "ring":
             return f"ring p={self.p}"
         if self.kind == "1d":
             return f"1D p={self.p}"
-        return f"{self.q}x{self.q}" if self.kind == "2d" else f"[{self.q},{self.q},{self.d}]"
+        return grid_label(self.kind, self.q, self.d, self.pc)
 
     @classmethod
     def parse(cls, text: str) -> "TensorGrid":
@@ -483,6 +515,56 @@ class TensorGrid:
                          for what, size, by in self.misfits(model, batch, seq))
 
 
+def grid_label(kind: str, q: int, d: int = 1, pc: int = 0) -> str:
+    """How a product's grid is printed: "4x4" or "2x3" (2D), "[2,2,4]" or "[1,3,2]"
+    (2.5D and the rest), "2x2x2" (the 3D cube)."""
+    pc = pc or q
+    if kind == "3d":
+        return f"{q}x{q}x{q}"
+    if kind == "2d" and d == 1:
+        return f"{q}x{pc}"
+    return f"[{q},{pc},{d}]"
+
+
+def most_square(p: int) -> tuple[int, int]:
+    """``(pr, pc)`` with ``pr * pc = p``, ``pr <= pc`` and ``pr`` as large as it can be:
+    the layer that sends the fewest words in SUMMA (each rank receives about
+    ``m k / pr + k n / pc`` items: least when pr and pc are closest). A prime p
+    gives ``(1, p)``."""
+    p = positive_int("p", p)
+    pr = max(r for r in range(1, math.isqrt(p) + 1) if p % r == 0)
+    return pr, p // pr
+
+
+def product_grids(p: int, name: str) -> list[tuple[int, int, int]]:
+    """THE grids ``(pr, pc, d)`` of ``p`` ranks that product ``name`` runs on (the main
+    job runs each; :func:`grids` gives them as :class:`TensorGrid`).
+
+    Square grids as :func:`grid_shapes` gives them for the algorithm's kind, as
+    ``(q, q, d)``. Where a kind has none, the products of :data:`RECTANGULAR` take a
+    rectangular one instead: a "2d" SUMMA the most square ``pr x pc`` layer
+    (:func:`most_square`: 2 x 3 at p = 6, 3 x 4 at 12, 4 x 6 at 24, 1 x p for a prime);
+    a SUMMA2.5 product the depth ``d``, the smallest divisor of p that leaves a layer
+    of at least two ranks, over the most square ``pr x pc`` layer (``[1, 3, 2]`` at
+    p = 6), and ``[1, 1, p]`` only when no such layer exists (p prime).
+    """
+    kind = ALGORITHM_KINDS.get(name)
+    if kind is None or kind == "ring":
+        raise ValueError(f"{name!r} is not a distributed product")
+    if kind == "2.5d":
+        deep = grid_shapes(p, "2.5d-deep")
+        if deep or name not in RECTANGULAR:
+            return [(q, q, d) for q, d in (deep or grid_shapes(p, "2.5d"))]
+        for d in range(2, p + 1):
+            if p % d == 0 and p // d >= 2:
+                return [(*most_square(p // d), d)]
+        return [(1, 1, p)]
+    square = [(q, q, d) for q, d in grid_shapes(p, kind)]
+    if square or name not in RECTANGULAR:
+        return square
+    return [(*most_square(p), 1)]
+
+
 def grids(p: int, scheme: str, model: Model | None = None,
           batch: int | None = None) -> list[TensorGrid]:
     """THE grids of ``p`` ranks that ``scheme`` runs on, q ascending.
@@ -492,10 +574,12 @@ def grids(p: int, scheme: str, model: Model | None = None,
     ``megatron``         ``[megatron:p]``
     ``optimus``          ``[optimus:qxq]`` when p = q^2, else ``[]``
     ``summa25``          every ``summa25:qxqxd`` with q >= 2, d >= 2 (d > q included)
-    a "2d" algorithm     as optimus; a "2.5d" algorithm: as summa25, or the degenerate
-                         ``[1, 1, p]`` when no such grid exists; a "2.5d-deep" one
+    a product            :func:`product_grids`: a "2d" algorithm as optimus, a "2.5d"
+                         one as summa25, and where p has no such grid the SUMMA forms a
+                         rectangular one (``summa_ab:2x3`` at p = 6); a "2.5d-deep" one
                          (sd25_ab): as summa25; a "3d" algorithm: the q x q x q cube when
-                         p = q^3; the ring: all p ranks.
+                         p = q^3
+    the ring             all p ranks
 
     With ``model`` (and ``batch``), only the grids that shard it (:meth:`TensorGrid.misfit`).
     """
@@ -506,12 +590,10 @@ def grids(p: int, scheme: str, model: Model | None = None,
                          f"or an algorithm ({', '.join(ALGORITHM_KINDS)})")
     if kind in ("1d", "ring"):
         out = [TensorGrid(scheme, p)]
+    elif scheme in ALGORITHM_KINDS:
+        out = [TensorGrid(scheme, p, pr, d, pc) for pr, pc, d in product_grids(p, scheme)]
     elif kind == "2d":
         out = [TensorGrid(scheme, p, q, 1) for q, _ in grid_shapes(p, "2d")]
-    elif kind == "3d":
-        out = [TensorGrid(scheme, p, q, d) for q, d in grid_shapes(p, "3d")]
-    elif kind == "2.5d-deep":
-        out = [TensorGrid(scheme, p, q, d) for q, d in grid_shapes(p, "2.5d-deep")]
     else:
         shapes = grid_shapes(p, "2.5d")
         if scheme in SCHEME_KINDS:
@@ -820,38 +902,64 @@ def unsupported(training: Training, supported, who: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The balanced partition: how every layout cuts a dimension that does not divide.
+
+
+def partition(size: int, parts: int) -> list[int]:
+    """The ``parts + 1`` offsets of the balanced partition of ``size`` items into
+    ``parts`` blocks: the first ``size % parts`` blocks hold ``size // parts + 1``
+    items, the others ``size // parts`` (no block is more than one item larger)."""
+    size, parts = int(size), int(parts)
+    if parts < 1 or size < 0:
+        raise ValueError(f"cannot cut {size} items into {parts} blocks")
+    base, extra = divmod(size, parts)
+    return [t * base + min(t, extra) for t in range(parts + 1)]
+
+
+def block_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of block ``index`` of the balanced partition (:func:`partition`)."""
+    base, extra = divmod(int(size), int(parts))
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+# ---------------------------------------------------------------------------------------
 # Rank order: the one place that says where each rank sits.
 
 GRID_GROUPS = ("row", "col", "depth", "layer")
 
 
-def grid_rank(i: int, j: int, k: int, q: int) -> int:
-    """Rank of coordinate ``(i, j, k)`` on a ``[q, q, d]`` grid: ``(k q + i) q + j``
-    (row-major over ``[d, q, q]``, as ``Create_cart([d, q, q], reorder=False)`` numbers)."""
-    return (k * q + i) * q + j
+def grid_rank(i: int, j: int, k: int, q: int, pc: int | None = None) -> int:
+    """Rank of coordinate ``(i, j, k)`` on a ``[q, pc, d]`` grid (``pc`` columns, default
+    ``q``): ``(k q + i) pc + j`` (row-major over ``[d, q, pc]``, as
+    ``Create_cart([d, q, pc], reorder=False)`` numbers)."""
+    return (k * q + i) * (pc or q) + j
 
 
-def grid_coords(rank: int, q: int) -> tuple[int, int, int]:
-    """``(i, j, k)`` of ``rank`` on a ``[q, q, d]`` grid (inverse of :func:`grid_rank`)."""
-    return (rank // q) % q, rank % q, rank // (q * q)
+def grid_coords(rank: int, q: int, pc: int | None = None) -> tuple[int, int, int]:
+    """``(i, j, k)`` of ``rank`` on a ``[q, pc, d]`` grid (inverse of :func:`grid_rank`)."""
+    pc = pc or q
+    return (rank // pc) % q, rank % pc, rank // (q * pc)
 
 
-def grid_groups(kind: str, q: int, d: int) -> list[list[int]]:
-    """Every communicator of ``kind`` on a ``[q, q, d]`` grid as lists of ranks, each
-    ordered by its free coordinate (so a rank's position in its group is that coordinate):
+def grid_groups(kind: str, q: int, d: int, pc: int | None = None) -> list[list[int]]:
+    """Every communicator of ``kind`` on a ``[q, pc, d]`` grid (``q`` rows and ``pc``
+    columns of ranks per layer, ``pc`` default ``q``) as lists of ranks, each ordered by
+    its free coordinate (so a rank's position in its group is that coordinate):
 
     ``row``    fixed (k, i), ordered by j      ``col``    fixed (k, j), ordered by i
-    ``depth``  fixed (i, j), ordered by k      ``layer``  fixed k, ordered by i q + j
+    ``depth``  fixed (i, j), ordered by k      ``layer``  fixed k, ordered by i pc + j
     """
-    r = lambda i, j, k: grid_rank(i, j, k, q)  # noqa: E731
+    pc = pc or q
+    r = lambda i, j, k: grid_rank(i, j, k, q, pc)  # noqa: E731
     if kind == "row":
-        return [[r(i, j, k) for j in range(q)] for k in range(d) for i in range(q)]
+        return [[r(i, j, k) for j in range(pc)] for k in range(d) for i in range(q)]
     if kind == "col":
-        return [[r(i, j, k) for i in range(q)] for k in range(d) for j in range(q)]
+        return [[r(i, j, k) for i in range(q)] for k in range(d) for j in range(pc)]
     if kind == "depth":
-        return [[r(i, j, k) for k in range(d)] for i in range(q) for j in range(q)]
+        return [[r(i, j, k) for k in range(d)] for i in range(q) for j in range(pc)]
     if kind == "layer":
-        return [[r(i, j, k) for i in range(q) for j in range(q)] for k in range(d)]
+        return [[r(i, j, k) for i in range(q) for j in range(pc)] for k in range(d)]
     raise ValueError(f"grid group must be one of {', '.join(GRID_GROUPS)}, got {kind!r}")
 
 

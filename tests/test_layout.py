@@ -84,3 +84,49 @@ def test_3d_layouts_hold_every_block_once_on_the_cube(name, q):
     nr, nc = block_counts(name, q, q)
     assert (nr, nc) == (q * q, q)
     assert sorted(held) == [(r, c) for r in range(nr) for c in range(nc)]
+
+
+# -- any sizes, any [pr, pc, d] grid: the balanced partition ---------------------------------
+@settings(max_examples=80, deadline=None)
+@given(size=st.integers(0, 60), parts=st.integers(1, 9))
+def test_partition_is_balanced(size, parts):
+    """The first size mod parts blocks hold one item more; the blocks tile [0, size)."""
+    cut = layout.partition(size, parts)
+    lengths = [b - a for a, b in zip(cut, cut[1:])]
+    assert cut[0] == 0 and cut[-1] == size and len(lengths) == parts
+    assert lengths == sorted(lengths, reverse=True) and max(lengths) - min(lengths) <= 1
+    assert sum(1 for n in lengths if n > size // parts) == size % parts
+    assert all(layout.block_range(size, parts, t) == (cut[t], cut[t + 1]) for t in range(parts))
+
+
+@settings(max_examples=80, deadline=None)
+@given(pr=st.integers(1, 4), pc=st.integers(1, 4), d=st.integers(1, 3),
+       shape=st.tuples(st.integers(1, 23), st.integers(1, 23)),
+       name=st.sampled_from(["2d", "2.5d"]))
+def test_uneven_blocks_on_rectangular_grids_tile_the_array(pr, pc, d, shape, name):
+    """Any sizes on any [pr, pc, d] grid: every entry is held once per layer ("2d") or
+    once ("2.5d"), each block has block_shape's shape, none exceeds max_block_shape."""
+    p = d * pr * pc
+    cover = np.zeros(shape, dtype=int)
+    big = layout.max_block_shape(shape, name, pr, d, p, pc)
+    for k in range(d):
+        for i in range(pr):
+            for j in range(pc):
+                g = GridNumbers(q=pr, d=d, p=p, i=i, j=j, k=k, pc=pc)
+                sl = layout.block_slices(shape, name, g)
+                assert cover[sl].shape == layout.block_shape(shape, name, g)
+                assert all(a <= b for a, b in zip(cover[sl].shape, big))
+                cover[sl] += 1
+    assert np.all(cover == (d if name == "2d" else 1))
+
+
+def test_rectangular_block_counts_and_the_cube_layouts_need_a_square_grid():
+    assert layout.block_counts("2d", 2, 1, 6, pc=3) == (2, 3)
+    assert layout.block_counts("2.5d", 2, 2, 12, pc=3) == (4, 3)
+    g = GridNumbers(q=2, d=1, p=6, i=1, j=2, pc=3)
+    assert layout.block_slices((5, 7), "2d", g) == (slice(3, 5), slice(5, 7))
+    with pytest.raises(ValueError, match="square grid"):
+        layout.block_slices((8, 8), "3d-a", g)
+    # local_shape is the even question: it still names what does not divide
+    with pytest.raises(ValueError, match="columns = 7 is not divisible by 3"):
+        layout.local_shape((4, 7), "2d", 2, pc=3)

@@ -4,6 +4,8 @@ the one the grids are built on."""
 
 from __future__ import annotations
 
+import math
+
 import subprocess
 import sys
 
@@ -118,8 +120,23 @@ def test_summa25_admits_depth_past_q():
         ["optimus:6x6"]
     assert [str(g) for g in grids(8, "summa25")] == ["summa25:2x2x2"]
     assert grids(6, "summa25") == [] and grids(4, "summa25") == []
-    # the 2.5D products also run on a depth-only grid where no [q, q, d >= 2] exists
-    assert [(g.q, g.d) for g in grids(6, "summa25_ab")] == [(1, 6)]
+    # where no [q, q, d >= 2] exists the 2.5D products run on a rectangular layer (the
+    # most square one of the smallest depth that leaves two ranks), and on a depth-only
+    # grid only when p is prime
+    assert [str(g) for g in grids(6, "summa25_ab")] == ["summa25_ab:1x3x2"]
+    assert [str(g) for g in grids(9, "summa25_atb")] == ["summa25_atb:1x3x3"]
+    assert [str(g) for g in grids(7, "summa25_abt")] == ["summa25_abt:1x1x7"]
+
+
+@pytest.mark.parametrize("p,want", [(6, "2x3"), (12, "3x4"), (24, "4x6"), (8, "2x4"),
+                                    (7, "1x7"), (16, "4x4"), (2, "1x2")])
+def test_summa_runs_on_the_most_square_grid_of_any_p(p, want):
+    for name in ("summa_ab", "summa_abt", "summa_atb"):
+        assert [g.grid_label for g in grids(p, name)] == [want]
+    square = p == math.isqrt(p) ** 2
+    assert bool(grids(p, "cannon_ab")) == square          # Cannon: square grids only
+    with pytest.raises(ValueError, match="square grid"):
+        TensorGrid("cannon_ab", 6, 2, 1, 3)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8, 9, 12, 16, 32, 64, 128])
@@ -131,7 +148,7 @@ def test_runtime_and_cost_model_enumerate_the_same_grids(p):
         assert s.grids(p) == [(g.q, g.d) for g in grids(p, name)]
     for name, a in ALGORITHMS.items():
         if a.is_product:
-            assert a.grids(p) == [(g.q, g.d) for g in grids(p, name)]
+            assert a.grids(p) == [(g.q, g.cols, g.d) for g in grids(p, name)]
 
 
 def test_grids_filter_by_model():

@@ -57,8 +57,10 @@ from __future__ import annotations
 
 from ..backends import array_module, backend_of
 from ..comm import Comm
-from ..mpiutil import (agree, agreement, agreement_enabled, dtype_of, local_error,  # noqa: F401
-                       set_agreement, shape_of)
+from ..layout import GridNumbers, block_index, block_shape
+from ..mpiutil import (agree, agreement, agreement_enabled, dtype_of, gather_agreed,  # noqa: F401
+                       local_error, ranks_text, set_agreement, shape_of)
+from ..spec import grid_coords
 
 _FLOAT_KINDS = ("f", "c")
 
@@ -188,3 +190,133 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None,
     agree(fn, grid, lambda: {"grid [q, q, d]": (grid.q, grid.q, grid.d), "dtype": dtype_of(a),
                              "A block shape": shape_of(a), "B block shape": shape_of(b)}, err)
     return be
+
+
+# --------------------------------------------------------------------------- #
+# the balanced-block entry check: any sizes, any [pr, pc, d] grid             #
+# --------------------------------------------------------------------------- #
+# the global dimension names of the stored A and B, per form
+_NAMES = {"ab": (("m", "k"), ("k", "n")), "abt": (("m", "k"), ("n", "k")),
+          "atb": (("k", "m"), ("k", "n"))}
+
+
+def _numbers(grid, rank: int) -> GridNumbers:
+    i, j, k = grid_coords(rank, grid.pr, grid.pc)
+    return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=i, j=j, k=k,
+                       pc=0 if grid.pr == grid.pc else grid.pc)
+
+
+def _stored(form: str, sizes: dict) -> tuple:
+    (ra, ca), (rb, cb) = _NAMES[form]
+    return (sizes[ra], sizes[ca]), (sizes[rb], sizes[cb])
+
+
+def _two(x) -> tuple[int, int]:
+    """A 2-D array's shape, or (-1, -1) for anything else (it failed its local check)."""
+    shape = getattr(x, "shape", None)
+    return tuple(int(v) for v in shape) if shape is not None and len(shape) == 2 else (-1, -1)
+
+
+def _sum_blocks(fn: str, what: str, axis_name: str, grid, layout: str, every, col: int,
+                axis: int) -> int:
+    """The global extent of one axis of an operand: the sum of its distinct blocks'
+    extents along it; ``ValueError`` when ranks holding the same block disagree."""
+    seen: dict = {}
+    for r in range(len(every)):
+        bi = block_index(layout, _numbers(grid, r))[axis]
+        seen.setdefault(bi, {}).setdefault(int(every[r, col]), []).append(r)
+    for bi, sizes in seen.items():
+        if len(sizes) > 1:
+            held = ", ".join(f"{ranks_text(rs)} {'has' if len(rs) == 1 else 'have'} {v}"
+                             for v, rs in sizes.items())
+            raise ValueError(f"{fn}: ranks disagree on the {what} block's "
+                             f"{'rows' if axis == 0 else 'columns'} ({axis_name}): {held}")
+    return sum(next(iter(sizes)) for sizes in seen.values())
+
+
+def block_sizes(fn: str, form: str, grid, layouts, every) -> dict:
+    """``{"m": m, "k": k, "n": n}`` from every rank's ``(A rows, A cols, B rows, B cols)``
+    (the first four columns of ``every``), checked: the blocks of one operand conform
+    across ranks, A and B agree on their shared size, and every block is the rank's
+    block of the balanced partition. Pure and the same on every rank, so each raises
+    the same ``ValueError``."""
+    (ra, ca), (rb, cb) = _NAMES[form]
+    lay_a, lay_b, _ = layouts
+    ext = [_sum_blocks(fn, what, name, grid, lay, every, col, axis)
+           for name, what, lay, col, axis in ((ra, "A", lay_a, 0, 0), (ca, "A", lay_a, 1, 1),
+                                              (rb, "B", lay_b, 2, 0), (cb, "B", lay_b, 3, 1))]
+    for r in range(len(every)):
+        g = _numbers(grid, r)
+        for what, shape, lay, cols in (("A", ext[:2], lay_a, (0, 1)),
+                                       ("B", ext[2:], lay_b, (2, 3))):
+            want = block_shape(shape, lay, g)
+            have = (int(every[r, cols[0]]), int(every[r, cols[1]]))
+            if have != want:
+                raise ValueError(
+                    f"{fn}: the {what} blocks are not the balanced partition of {what} "
+                    f"{list(shape)}: rank {r} has {have}, its block is {want} (the first "
+                    f"size mod blocks blocks are one larger)")
+    sizes = {}
+    for name, size, what in zip((ra, ca, rb, cb), ext, "AABB"):
+        if name in sizes and sizes[name] != size:
+            raise ValueError(f"{fn}: block shapes do not conform: A's blocks add up to "
+                             f"{name} = {sizes[name]}, B's to {name} = {size}")
+        sizes[name] = size
+    return sizes
+
+
+def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra=None):
+    """The checked entry of a product whose blocks may be uneven (any sizes, the
+    balanced partition of :mod:`summasim.layout`) on any ``[pr, pc, d]`` grid.
+
+    ``layouts`` are the A, B and C layouts; ``sizes`` the global ``(m, k, n)`` when the
+    caller knows them (every rank checks its own blocks against them, then the ranks
+    agree: one small collective), else one small all-gather of the block shapes
+    derives them (:func:`summasim.mpiutil.gather_agreed`; it runs even with the
+    agreement off, since the algorithm needs the sizes). Returns ``(backend, sizes)``
+    with ``sizes = {"m":, "k":, "n":}``; raises the same error on every rank.
+    """
+    check_grid(grid, fn)           # no grid, no communicator to agree over: raise alone
+    g = _numbers(grid, grid.world.rank)
+    lay_c = layouts[2]
+    given = None
+    if sizes is not None:
+        m, k, n = (int(v) for v in sizes)
+        given = {"m": m, "k": k, "n": n}
+
+    def local():
+        be = check_operands(a, b, fn)
+        if extra is not None:
+            extra()
+        if form != "ab":       # abt and atb contract an axis both operands cut alike
+            (ia, ib), _ = _FORMS[form]
+            check_inner(fn, f"a.shape[{ia}] vs b.shape[{ib}]", a.shape[ia], b.shape[ib])
+        if given is not None:
+            sa, sb = _stored(form, given)
+            for what, x, shape, lay in (("a", a, sa, layouts[0]), ("b", b, sb, layouts[1])):
+                want = block_shape(shape, lay, g)
+                if tuple(x.shape) != want:
+                    raise ValueError(f"{fn}: {what} has shape {tuple(x.shape)}; this rank's "
+                                     f"block of {list(shape)} is {want}")
+            check_out(fn, out, block_shape((m, n), lay_c, g), a, (a, b), ("a", "b"))
+        elif out is not None:
+            check_out(fn, out, tuple(out.shape) if hasattr(out, "shape") else (), a,
+                      (a, b), ("a", "b"))
+        return be
+
+    be, err = local_error(local)
+    signature = lambda: {"grid [pr, pc, d]": grid.shape, "dtype": dtype_of(a)}  # noqa: E731
+    if given is not None:
+        agree(fn, grid, lambda: {**signature(), "sizes (m, k, n)": tuple(given.values())},
+              err)
+        return be, given
+    every = gather_agreed(fn, grid, signature, _two(a) + _two(b) + _two(out), err)
+    found = block_sizes(fn, form, grid, layouts, every)
+    if out is not None:
+        for r in range(len(every)):
+            want = block_shape((found["m"], found["n"]), lay_c, _numbers(grid, r))
+            have = (int(every[r, 4]), int(every[r, 5]))
+            if have != want and have != (-1, -1):
+                raise ValueError(f"{fn}: out has shape {have} on rank {r}, the result "
+                                 f"block is {want}")
+    return be, found

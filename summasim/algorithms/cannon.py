@@ -30,10 +30,11 @@ PhD thesis, Montana State University, 1969.
 from __future__ import annotations
 
 from ..backends import backend_of
-from ._common import check_product, contiguous
+from ..spec import partition
+from ._common import check_blocks, contiguous
 
 
-def cannon_ab(a, b, grid, out=None):
+def cannon_ab(a, b, grid, out=None, *, sizes=None):
     """C = A B with Cannon's algorithm on a q x q grid.
 
     Parameters
@@ -43,7 +44,13 @@ def cannon_ab(a, b, grid, out=None):
     b : array, shape (k/q, n/q)
         Block ``B[K_i, N_j]`` of B [k, n].
     grid : summasim.grid.Grid
-        A grid with ``d == 1``.
+        A square grid with ``d == 1``.
+    out : optional
+        Where to write the result block.
+    sizes : (m, k, n), keyword-only, optional
+        The global sizes. Blocks may be uneven (the balanced partition of
+        :mod:`summasim.layout`; the shapes above are for sizes that divide); without
+        ``sizes`` one small all-gather of the block shapes finds them.
 
     Returns
     -------
@@ -53,50 +60,66 @@ def cannon_ab(a, b, grid, out=None):
     Raises
     ------
     ValueError
-        If ``grid.d != 1`` (Cannon needs p = q*q) or the blocks do not conform, on
-        any rank, or the ranks' block shapes differ: on every rank alike.
+        If the grid is not q x q with ``d == 1`` (Cannon shifts whole blocks around a
+        square torus: a rectangular grid has no such cycle; SUMMA runs there), or the
+        blocks do not conform, on any rank, or are not the balanced partition: on
+        every rank alike.
     TypeError
         For dtypes that are not floating or differ (between a and b, or between ranks).
 
     Notes
     -----
     Per rank: the skew (at most one sendrecv of each block) plus q-1 shifts of the A
-    block on ``grid.row`` and q-1 of the B block on ``grid.col``.
+    block on ``grid.row`` and q-1 of the B block on ``grid.col``. With uneven blocks
+    the block a rank sends and the one it receives may differ by a row or column.
     """
     def needs_2d():
-        if grid.d != 1:
-            raise ValueError(f"cannon_ab needs a q x q grid (p = q*q), got [q, q, d] = "
-                             f"[{grid.q}, {grid.q}, {grid.d}] with p = {grid.p}")
+        if grid.d != 1 or grid.pr != grid.pc:
+            raise ValueError(f"cannon_ab needs a q x q grid (p = q*q), got [pr, pc, d] = "
+                             f"[{grid.pr}, {grid.pc}, {grid.d}] with p = {grid.p}")
 
-    be = check_product("cannon_ab", "ab", a, b, grid, out, "k/q", extra=needs_2d)
-    return _cannon_ab(a, b, grid, be, out)
+    be, found = check_blocks("cannon_ab", "ab", a, b, grid, out, ("2d", "2d", "2d"), sizes,
+                             extra=needs_2d)
+    return _cannon_ab(a, b, grid, be, out, partition(found["k"], grid.pr))
 
 
 def cannon_ab_unchecked(a, b, grid, out=None):
     """:func:`cannon_ab` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once."""
+    checked and agreed on their inputs once (blocks of one shape)."""
     return _cannon_ab(a, b, grid, backend_of(a), out)
 
 
-def _cannon_ab(a, b, grid, be, out):
-    """The skew, then q multiply-and-shift steps (see the module docstring)."""
+def _cannon_ab(a, b, grid, be, out, kcut=None):
+    """The skew, then q multiply-and-shift steps (see the module docstring); ``kcut``
+    the offsets of k's q blocks (even when not given)."""
     a, b = contiguous(a), contiguous(b)
     xp, q = be.xp, grid.q
     c = out if out is not None else xp.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     if q == 1:
         return be.gemm(a, b, c)
-    abuf = grid.row.workspace("cannon.a", a)                                 # 2 x (m/q, k/q)
-    bbuf = grid.col.workspace("cannon.b", b)                                 # 2 x (k/q, n/q)
+    kcut = kcut or [t * a.shape[1] for t in range(q + 1)]
+    mb, nb = a.shape[0], b.shape[1]
+    wide = max(hi - lo for lo, hi in zip(kcut, kcut[1:]))
+    abuf = grid.row.workspace("cannon.a", a, shape=(mb * wide,))          # 2 x (m/q, k/q)
+    bbuf = grid.col.workspace("cannon.b", b, shape=(wide * nb,))          # 2 x (k/q, n/q)
+
+    def width(step):           # k extent of the blocks rank (i, j) holds at this step
+        t = (grid.i + grid.j + step) % q
+        return kcut[t + 1] - kcut[t]
+
+    def view(ws, slot, shape):
+        return ws[slot][:shape[0] * shape[1]].reshape(shape)
 
     # skew: row i rotates A left by i, column j rotates B up by j
     reqs = []
     acur, bcur = a, b
+    w = width(0)
     if grid.i % q:
-        reqs.append(grid.row.ishift(a, abuf[0], -grid.i))
-        acur = abuf[0]
+        acur = view(abuf, 0, (mb, w))
+        reqs.append(grid.row.ishift(a, acur, -grid.i))
     if grid.j % q:
-        reqs.append(grid.col.ishift(b, bbuf[0], -grid.j))
-        bcur = bbuf[0]
+        bcur = view(bbuf, 0, (w, nb))
+        reqs.append(grid.col.ishift(b, bcur, -grid.j))
     for r in reqs:
         r.wait()
 
@@ -104,10 +127,12 @@ def _cannon_ab(a, b, grid, be, out):
     for l in range(q):
         reqs = []
         if l + 1 < q:  # shift the next operands while multiplying the current ones
-            reqs = [grid.row.ishift(acur, abuf[slot], -1), grid.col.ishift(bcur, bbuf[slot], -1)]
+            w = width(l + 1)
+            anext, bnext = view(abuf, slot, (mb, w)), view(bbuf, slot, (w, nb))
+            reqs = [grid.row.ishift(acur, anext, -1), grid.col.ishift(bcur, bnext, -1)]
         be.gemm(acur, bcur, c, accumulate=l > 0)
         for r in reqs:
             r.wait()
         if reqs:
-            acur, bcur, slot = abuf[slot], bbuf[slot], 1 - slot
+            acur, bcur, slot = anext, bnext, 1 - slot
     return c

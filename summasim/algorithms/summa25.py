@@ -17,7 +17,10 @@ What every rank sends (per call)
                 then :func:`~summasim.algorithms.allreduce.ring_allreduce` over
                 ``grid.depth`` of (m/q)(n/q) items: 2(d-1) sendrecvs (none if d = 1).
 
-With d = 1 these are exactly ``summa_ab``, ``summa_abt`` and ``summa_atb``.
+With d = 1 these are exactly ``summa_ab``, ``summa_abt`` and ``summa_atb``. Like them,
+they take any sizes (the balanced partition of :mod:`summasim.layout`; the activation's
+rows are cut into d*pr blocks) and rectangular ``[pr, pc, d]`` grids, with the global
+sizes as the keyword ``sizes=(m, k, n)`` or found by one small all-gather.
 Backward of C = A B with A 2.5d and B 2d: dA = summa25_abt(dC, B), dB = summa25_atb(A, dC)
 (the depth all-reduce of dB is the paper's "all-reduce after the computation of B'").
 
@@ -40,12 +43,14 @@ B. Wang, Q. Xu, Z. Bian, Y. You, "Tesseract / 2.5-dimensional tensor parallelism
 from __future__ import annotations
 
 from ..backends import backend_of
-from ._common import check_product, contiguous
+from ._common import contiguous
 from .allreduce import ring_allreduce_unchecked
-from .summa import _summa_ab, _summa_abt, _summa_atb
+from .summa import _summa_ab, _summa_abt, _summa_atb, run_checked
+
+_AB, _ABT, _ATB = ("2.5d", "2d", "2.5d"), ("2.5d", "2d", "2.5d"), ("2.5d", "2.5d", "2d")
 
 
-def summa25_ab(a, b, grid, out=None):
+def summa25_ab(a, b, grid, out=None, *, sizes=None):
     """C = A B with A and C in the ``"2.5d"`` layout and B in ``"2d"``.
 
     Parameters
@@ -55,6 +60,11 @@ def summa25_ab(a, b, grid, out=None):
     b : array, shape (k/q, n/q)
         Block ``B[K_i, N_j]`` of B [k, n] (the same on every layer).
     grid : summasim.grid.Grid
+    out : optional
+        Where to write the result block.
+    sizes : (m, k, n), keyword-only, optional
+        The global sizes, for blocks that may be uneven (see
+        :func:`summasim.algorithms.summa.summa_ab`).
 
     Returns
     -------
@@ -66,8 +76,7 @@ def summa25_ab(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.row`` of (m/(dq))(k/q) items and q on
     ``grid.col`` of (k/q)(n/q) items.
     """
-    be = check_product("summa25_ab", "ab", a, b, grid, out, "k/q")
-    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+    return run_checked("summa25_ab", "ab", _summa_ab, a, b, grid, out, sizes, _AB)
 
 
 def summa25_ab_unchecked(a, b, grid, out=None):
@@ -76,7 +85,7 @@ def summa25_ab_unchecked(a, b, grid, out=None):
     return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
-def summa25_abt(a, b, grid, out=None):
+def summa25_abt(a, b, grid, out=None, *, sizes=None):
     """C = A B^T with A and C in the ``"2.5d"`` layout and B in ``"2d"``.
 
     Parameters
@@ -86,6 +95,11 @@ def summa25_abt(a, b, grid, out=None):
     b : array, shape (n/q, k/q)
         Block ``B[N_i, K_j]`` of B [n, k].
     grid : summasim.grid.Grid
+    out : optional
+        Where to write the result block.
+    sizes : (m, k, n), keyword-only, optional
+        The global sizes, for blocks that may be uneven (see
+        :func:`summasim.algorithms.summa.summa_ab`).
 
     Returns
     -------
@@ -97,8 +111,7 @@ def summa25_abt(a, b, grid, out=None):
     Per rank: q broadcasts on ``grid.col`` of (n/q)(k/q) items and q sum-reduces
     on ``grid.row`` of (m/(dq))(n/q) items.
     """
-    be = check_product("summa25_abt", "abt", a, b, grid, out, "k/q")
-    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
+    return run_checked("summa25_abt", "abt", _summa_abt, a, b, grid, out, sizes, _ABT)
 
 
 def summa25_abt_unchecked(a, b, grid, out=None):
@@ -107,7 +120,7 @@ def summa25_abt_unchecked(a, b, grid, out=None):
     return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
 
 
-def summa25_atb(a, b, grid, out=None):
+def summa25_atb(a, b, grid, out=None, *, sizes=None):
     """C = A^T B with A and B in the ``"2.5d"`` layout and C in ``"2d"`` on every layer.
 
     Parameters
@@ -117,6 +130,11 @@ def summa25_atb(a, b, grid, out=None):
     b : array, shape (k/(dq), n/q)
         Block ``B[K_{kq+i}, N_j]`` of B [k, n].
     grid : summasim.grid.Grid
+    out : optional
+        Where to write the result block.
+    sizes : (m, k, n), keyword-only, optional
+        The global sizes, for blocks that may be uneven (see
+        :func:`summasim.algorithms.summa.summa_ab`).
 
     Returns
     -------
@@ -129,20 +147,21 @@ def summa25_atb(a, b, grid, out=None):
     ``grid.col`` of (m/q)(n/q) items, and a ring all-reduce of (m/q)(n/q) items over
     ``grid.depth`` (2(d-1) sendrecvs).
     """
-    be = check_product("summa25_atb", "atb", a, b, grid, out, "k/(dq)")
-    return _summa25_atb(a, b, grid, be, out)
+    kernel = lambda *args: _summa25_atb(*args, depth=grid.depth)  # noqa: E731
+    return run_checked("summa25_atb", "atb", kernel, a, b, grid, out, sizes, _ATB)
 
 
 def summa25_atb_unchecked(a, b, grid, out=None):
     """:func:`summa25_atb` without the checks and the agreement, for library callers that
     checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa25_atb(a, b, grid, backend_of(a), out)
+    return _summa25_atb(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                        depth=grid.depth)
 
 
-def _summa25_atb(a, b, grid, be, out):
+def _summa25_atb(a, b, row, col, be, out, mparts=None, *, depth):
     """The layer's SUMMA A^T B, then the ring all-reduce over the depth."""
-    c = _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, be, out)
-    if grid.depth.size > 1:
+    c = _summa_atb(a, b, row, col, be, out, mparts)
+    if depth.size > 1:
         # each layer summed its own rows of A^T B; the depth sum completes C
-        ring_allreduce_unchecked(c, grid.depth, out=c)
+        ring_allreduce_unchecked(c, depth, out=c)
     return c

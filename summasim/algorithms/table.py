@@ -24,6 +24,10 @@ ring_allreduce  ring       -     -         -         -
 
 ``op`` names C[m, n] = op(A)[m, k] op(B)[k, n]: ``ab`` stores A [m, k] and B [k, n],
 ``abt`` stores B as [n, k], ``atb`` stores A as [k, m].
+
+Cannon, SUMMA and SUMMA2.5 take any sizes (``spec.any_size``: blocks of the balanced
+partition); SUMMA and SUMMA2.5 also rectangular grids (``spec.rectangular``). The deep
+products need sizes that divide (``spec.divisors``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from ..layout import block_counts
-from ..spec import ALGORITHM_KINDS, grid_shapes
+from ..spec import ALGORITHM_KINDS, ANY_SIZE, RECTANGULAR, grid_label, product_grids
 
 OPS = ("ab", "abt", "atb")
 
@@ -83,51 +87,68 @@ class AlgorithmSpec:
         self._product_only("stored_shapes")
         return stored_shapes(self.op, m, k, n)
 
-    def operands(self, m: int, k: int, n: int, q: int, d: int) -> list:
+    @property
+    def any_size(self) -> bool:
+        """Whether it runs on sizes that do not divide its grid (the balanced partition)."""
+        return self.name in ANY_SIZE
+
+    @property
+    def rectangular(self) -> bool:
+        """Whether it runs on rectangular ``pr x pc`` grids."""
+        return self.name in RECTANGULAR
+
+    def operands(self, m: int, k: int, n: int, q: int, d: int, pc: int = 0) -> list:
         """``[((rows, cols), (row blocks, column blocks))]`` of the stored A, B and C on
-        ``[q, q, d]`` (the lower bounds' view,
+        ``[q, q, d]`` (``[q, pc, d]``; the lower bounds' view,
         :func:`summasim.costmodel.workload.bounds.product_bounds`)."""
         self._product_only("operands")
         sa, sb = self.stored_shapes(m, k, n)
-        return [(shape, block_counts(lay, q, d)) for shape, lay in
+        return [(shape, block_counts(lay, q, d, pc=pc)) for shape, lay in
                 ((sa, self.layout_a), (sb, self.layout_b), ((m, n), self.layout_c))]
 
-    def grids(self, p: int) -> list[tuple[int, int]]:
-        """The ``(q, d)`` grids this algorithm runs on with p ranks (the ring: ``[(p, 1)]``
-        meaning all p ranks in one group)."""
+    def grids(self, p: int) -> list[tuple[int, int, int]]:
+        """The ``(pr, pc, d)`` grids this algorithm runs on with p ranks
+        (:func:`summasim.spec.product_grids`; the ring: ``[(p, 1, 1)]`` meaning all p
+        ranks in one group)."""
         if self.kind == "ring":
-            return [(p, 1)]
-        return grid_shapes(p, self.kind)
+            return [(p, 1, 1)]
+        return product_grids(p, self.name)
 
-    def grid_label(self, q: int, d: int) -> str:
+    def grid_label(self, q: int, d: int, pc: int = 0) -> str:
         if self.kind == "ring":
             return f"ring p={q}"
-        if self.kind == "3d":
-            return f"{q}x{q}x{q}"
-        return f"{q}x{q}" if self.kind == "2d" else f"[{q},{q},{d}]"
+        return grid_label(self.kind if self.kind != "2.5d-deep" else "2.5d", q, d, pc)
 
-    def divisors(self, q: int, d: int) -> dict[str, int]:
-        """What each of m, k, n must be divisible by on a [q, q, d] grid."""
+    def divisors(self, q: int, d: int, pc: int = 0) -> dict[str, int]:
+        """What each of m, k, n must be divisible by on a ``[q, q, d]`` (``[q, pc, d]``)
+        grid: 1 for the products that take any sizes."""
         self._product_only("divisors")
         need = {"m": 1, "k": 1, "n": 1}
+        if self.any_size:
+            return need
         (ra, ca), (rb, cb) = _DIMS[self.op]
         for (r, c), lay in (((ra, ca), self.layout_a), ((rb, cb), self.layout_b),
                             (("m", "n"), self.layout_c)):
-            nr, nc = block_counts(lay, q, d)
+            nr, nc = block_counts(lay, q, d, pc=pc)
             need[r] = math.lcm(need[r], nr)
             need[c] = math.lcm(need[c], nc)
         return need
 
-    def misfit(self, m: int, k: int, n: int, q: int, d: int) -> str:
+    def misfit(self, m: int, k: int, n: int, q: int, d: int, pc: int = 0) -> str:
         """Why (m, k, n) cannot run on [q, q, d] ("" when it can)."""
-        need = self.divisors(q, d)
-        bad = [f"{name}={size} is not divisible by {need[name]}"
-               for name, size in zip("mkn", (m, k, n)) if size % need[name]]
+        bad = [f"{name}={size} must be at least 1" for name, size in zip("mkn", (m, k, n))
+               if size < 1]
+        if pc and pc != q and not self.rectangular:
+            bad.append(f"{self.name} needs a square grid, got {q} x {pc}")
+        need = self.divisors(q, d, pc)
+        bad += [f"{name}={size} is not divisible by {need[name]}"
+                for name, size in zip("mkn", (m, k, n)) if size >= 1 and size % need[name]]
         return "; ".join(bad)
 
-    def round_up(self, m: int, k: int, n: int, q: int, d: int) -> tuple[int, int, int]:
-        """The smallest sizes at least (m, k, n) that fit [q, q, d]."""
-        need = self.divisors(q, d)
+    def round_up(self, m: int, k: int, n: int, q: int, d: int,
+                 pc: int = 0) -> tuple[int, int, int]:
+        """The smallest sizes at least (m, k, n) that fit ``[q, q, d]`` (``[q, pc, d]``)."""
+        need = self.divisors(q, d, pc)
         return tuple(-(-size // need[name]) * need[name]
                      for name, size in zip("mkn", (m, k, n)))
 
