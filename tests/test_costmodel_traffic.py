@@ -91,14 +91,35 @@ def test_cannon_by_hand(coords, rows, cols):
 
 
 def test_errors_name_the_dimension():
-    with pytest.raises(ValueError, match=r"summa_ab: m=10 is not divisible by q=4"):
-        algorithm_traffic("summa_ab", 10, 8, 8, 4)
-    with pytest.raises(ValueError, match=r"summa25_ab: m=8 is not divisible by d\*q=6"):
-        algorithm_traffic("summa25_ab", 8, 6, 6, 2, 3)
-    with pytest.raises(ValueError, match=r"summa_atb: k=9 is not divisible by q=2"):
-        algorithm_traffic("summa_atb", 4, 9, 4, 2)
+    """The deep products need sizes that divide; the errors name the dimension."""
+    with pytest.raises(ValueError, match=r"mm3d_ab: m=10 is not divisible by q\*q=4"):
+        algorithm_traffic("mm3d_ab", 10, 8, 8, 2, 2)
+    with pytest.raises(ValueError, match=r"sd25_ab: k=9 is not divisible by q=2"):
+        algorithm_traffic("sd25_ab", 4, 9, 4, 2, 2)
     with pytest.raises(ValueError, match="unknown algorithm"):
         algorithm_traffic("fox_ab", 4, 4, 4, 2)
+    with pytest.raises(ValueError, match="m must be a positive integer"):
+        algorithm_traffic("summa_ab", 0, 8, 8, 2, pc=3)
+
+
+def test_balanced_blocks_closed_form():
+    """Sizes that do not divide: each rank's blocks are those of the balanced partition
+    (the first size mod blocks one larger), and the steps the pieces of k that lie in
+    one block of A's columns and one of B's rows."""
+    # m = 10 over 4 rows: 3, 3, 2, 2; k = 8 over 4: 2 each; n = 8 over 4: 2 each
+    assert algorithm_traffic("summa_ab", 10, 8, 8, 4, coords=(0, 0, 0)) == {
+        ("bcast", "row"): (4, 4 * 3 * 2 * 8), ("bcast", "col"): (4, 4 * 2 * 2 * 8)}
+    assert algorithm_traffic("summa_ab", 10, 8, 8, 4, coords=(3, 1, 0)) == {
+        ("bcast", "row"): (4, 4 * 2 * 2 * 8), ("bcast", "col"): (4, 4 * 2 * 2 * 8)}
+    # a 2 x 3 grid, k = 7: A's columns cut 3, 2, 2 (pc = 3), B's rows 4, 3 (pr = 2); the
+    # pieces are [0,3) [3,4) [4,5) [5,7): four steps, row roots 0 1 1 2, column roots 0 0 1 1
+    ev = algorithm_events("summa_ab", 5, 7, 9, 2, 1, 8, (0, 0, 0), pc=3)
+    assert [(e.group, e.root, e.nbytes // 8) for e in ev] == [
+        ("row", 0, 3 * 3), ("col", 0, 3 * 3), ("row", 1, 3 * 1), ("col", 0, 1 * 3),
+        ("row", 1, 3 * 1), ("col", 1, 1 * 3), ("row", 2, 3 * 2), ("col", 1, 2 * 3)]
+    # on a square grid with sizes that divide it is the q-step table
+    assert algorithm_events("summa_abt", 8, 8, 8, 2, 1, 8, (1, 0, 0), pc=2) == \
+        algorithm_events("summa_abt", 8, 8, 8, 2, 1, 8, (1, 0, 0))
 
 
 def test_messages_equal_events_everywhere():
@@ -197,7 +218,12 @@ def test_predict_algorithm_worst_rank_and_overlap():
     loose = predict_algorithm("summa_ab", 10, 10, 10, 4, machine=M, strict=False)
     assert loose.seconds > 0
     with pytest.raises(ValueError, match="not divisible"):
-        predict_algorithm("summa_ab", 10, 10, 10, 4, machine=M)
+        predict_algorithm("sd25_ab", 9, 10, 10, 2, 2, machine=M)
+    # SUMMA takes them as they are: the balanced blocks, priced on the busiest rank
+    uneven = predict_algorithm("summa_ab", 10, 10, 10, 4, machine=M)
+    assert uneven.counts[("bcast", "row")] == (4, 3 * 10 * 8)     # m_0 = 3 rows, all of k
+    rect = predict_algorithm("summa_ab", 12, 12, 12, 2, machine=M, pc=3)
+    assert rect.counts[("bcast", "row")][0] == 4 and rect.seconds > 0  # pieces of k
 
 
 def test_group_placement():

@@ -214,24 +214,28 @@ class Topology:
 # --------------------------------------------------------------------------- placement
 @dataclass(frozen=True)
 class GridShape:
-    """The ranks being placed: a 1D group of p (Megatron) or a [q, q, d] grid."""
+    """The ranks being placed: a 1D group of p (Megatron) or a [q, q, d] grid
+    (``[q, pc, d]`` when ``pc`` is set: q rows by pc columns)."""
 
     p: int
     q: int = 1
     d: int = 1
     one_d: bool = False
+    pc: int = 0
 
     @classmethod
-    def of(cls, p: int | None = None, q: int = 1, d: int = 1) -> "GridShape":
-        """A [q, q, d] grid when q > 1 (p = d q^2), else a 1D group of p ranks."""
-        if q > 1:
-            return cls(d * q * q, q, d, False)
+    def of(cls, p: int | None = None, q: int = 1, d: int = 1, pc: int = 0) -> "GridShape":
+        """A [q, q, d] grid ([q, pc, d]) when it has more than one rank per layer
+        (p = d q pc), else a 1D group of p ranks."""
+        cols = pc or q
+        if q * cols > 1:
+            return cls(d * q * cols, q, d, False, 0 if cols == q else cols)
         return cls(int(p if p is not None else d), 1, 1, True)
 
     def coords(self, rank: int) -> tuple:
-        """(i, j, k) of ``rank`` in summasim's Cartesian order ``(k q + i) q + j``
+        """(i, j, k) of ``rank`` in summasim's Cartesian order ``(k q + i) pc + j``
         (:func:`summasim.spec.grid_coords`)."""
-        return grid_coords(rank, self.q)
+        return grid_coords(rank, self.q, self.pc or None)
 
     def groups(self, kind: str, size: int | None = None) -> list[list[int]]:
         """Every group of ``kind`` as lists of ranks (ordered by the free coordinate:
@@ -243,7 +247,8 @@ class GridShape:
         p = self.p
         if self.one_d or kind not in GROUP_KINDS:
             return [list(range(p if size is None else int(size)))]
-        out = grid_groups(kind, self.q, self.d) if kind in GRID_GROUPS else [list(range(p))]
+        out = grid_groups(kind, self.q, self.d, self.pc or None) if kind in GRID_GROUPS \
+            else [list(range(p))]
         if size is not None and out and len(out[0]) != size:
             return [list(range(min(int(size), p)))]
         return out

@@ -71,13 +71,14 @@ def held_words(operands) -> float:
     return sum((r / br) * (c / bc) for (r, c), (br, bc) in operands)
 
 
-def product_bounds(operands, m: int, k: int, n: int, q: int, d: int) -> dict:
+def product_bounds(operands, m: int, k: int, n: int, q: int, d: int, pc: int = 0) -> dict:
     """Both lower bounds for C[m, n] = op(A) op(B) stored as ``operands``
-    (:func:`held_words`; ``AlgorithmSpec.operands``) on ``[q, q, d]`` (``p = d q^2``):
-    ``{"p", "memory_words",
+    (:func:`held_words`; ``AlgorithmSpec.operands``) on ``[q, q, d]`` (``p = d q^2``;
+    ``[q, pc, d]`` with ``p = d q pc`` when ``pc`` is given): ``{"p", "memory_words",
     "memory_dependent", "memory_independent", "bound"}``, with ``bound`` the larger of
-    the two (words per rank)."""
-    p = d * q * q
+    the two (words per rank). With sizes that do not divide, ``memory_words`` is the
+    average rank's share."""
+    p = d * q * (pc or q)
     held = held_words(operands)
     dep = memory_dependent_words(m, k, n, p, held)
     ind = memory_independent_words(m, k, n, p, held)

@@ -101,6 +101,8 @@ class MeasuredRun:
         Tensor-parallel scheme of a training step ("megatron", "optimus", "summa25").
     q, d : int
         The [q, q, d] grid (1, 1 for Megatron and the ring).
+    pc : int
+        Columns of a rectangular product grid [q, pc, d] (0: square).
     b, s, h, heads, v, layers, ffn : int
         A training step's global batch (sequences), sequence, hidden size, heads,
         vocabulary, layers and MLP multiplier.
@@ -125,6 +127,7 @@ class MeasuredRun:
     scheme: str = ""
     q: int = 1
     d: int = 1
+    pc: int = 0
     b: int = 0
     s: int = 0
     h: int = 0
@@ -187,8 +190,10 @@ class MeasuredRun:
                 continue
             name = "microbatches" if (kind == "mesh" and key == "m") else key
             fields[name] = data[key]
+        if kind == "matmul" and data.get("pc"):
+            fields["pc"] = int(data["pc"])
         known = {"kind", "p", "dtype", "spans", "rank_max", "events", "coords",
-                 *cls._keys(kind)}
+                 *cls._keys(kind), *(("pc",) if kind == "matmul" else ())}
         return cls(kind=kind, p=int(data["p"]), dtype=str(data.get("dtype", "float64")),
                    spans=tuple(float(x) for x in data.get("spans") or ()),
                    rank_max=tuple(float(x) for x in data.get("rank_max") or ()),
@@ -209,6 +214,8 @@ class MeasuredRun:
         for key in self._keys(self.kind):
             name = "microbatches" if (self.kind == "mesh" and key == "m") else key
             out[key] = getattr(self, name)
+        if self.kind == "matmul" and self.pc:
+            out["pc"] = self.pc
         out["dtype"] = self.dtype
         out.update(p=self.p, spans=list(self.spans), rank_max=list(self.rank_max),
                    events=[[e.to_list() for e in rank] for rank in self.events],
@@ -244,8 +251,9 @@ class MeasuredRun:
         if self.kind == "ring":
             return f"ring p={self.p}"
         if self.kind == "matmul":
-            return (f"{self.q}x{self.q}" if self.d == 1 and not
-                    self.algorithm.startswith("summa25") else f"[{self.q},{self.q},{self.d}]")
+            pc = self.pc or self.q
+            return (f"{self.q}x{pc}" if self.d == 1 and not
+                    self.algorithm.startswith("summa25") else f"[{self.q},{pc},{self.d}]")
         if self.scheme == "megatron":
             return f"1D p={self.p}"
         return f"{self.q}x{self.q}" if self.scheme == "optimus" else \

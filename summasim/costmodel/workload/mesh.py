@@ -84,7 +84,7 @@ class _Coll:
         if hit is None:
             if self.nccl:
                 groups = grp.near(self.machine.topology.devices_per_node)
-                grid = _MeshGrid(self.devices, 1, 1, True, tuple(map(tuple, groups)))
+                grid = _MeshGrid(self.devices, 1, 1, True, members=tuple(map(tuple, groups)))
                 hit = group_path(self.machine.topology, grid, "world", grp.size, Placement())
             else:
                 ns = self.machine.node_size

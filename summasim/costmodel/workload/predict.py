@@ -126,7 +126,7 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
                    itemsize: int | None = None, reduce_impl: str | None = None,
                    elementwise_items: float = 0.0, layers: float = 0.0,
                    reduce_streams: int = ADD_STREAMS,
-                   working_set: float | None = None) -> SharedFeatures:
+                   working_set: float | None = None, pc: int | None = None) -> SharedFeatures:
     """:class:`SharedFeatures` of one rank's events and compute (arguments as in
     :func:`predict_trace`); what
     :func:`~summasim.costmodel.machine.regression.fit_shared_core` fits.
@@ -138,7 +138,7 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
     probe = machine if machine.shared_core is not None else machine.replace(
         shared_core=_UNIT_SHARED)
-    pricer = _Pricer(probe, "mpich", None, None, itemsize, q or 1, d, p, reduce_impl)
+    pricer = _Pricer(probe, "mpich", None, None, itemsize, q or 1, d, p, reduce_impl, pc=pc)
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
         tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
@@ -200,8 +200,13 @@ def merge_features(features: Iterable[SharedFeatures]) -> SharedFeatures:
     return SharedFeatures(**top)
 
 
-def _worst_coords(name, q, d, m, k, n, count, p):
+def _worst_coords(name, q, d, m, k, n, count, p, pc=None):
     """Coordinates of a rank on the critical path (most traffic)."""
+    if _traffic.is_general(name, m, k, n, q, d, pc):
+        # balanced blocks: the first rank of each layer holds the largest ones; Cannon's
+        # skewed ranks shift twice more
+        cols = pc or q
+        return [(0, 0, kk) for kk in range(d)] + [(1 % q, 1 % cols, 0)]
     if name == "cannon_ab":
         return [(1 % q, 1 % q)]
     if (name == "summa25_atb" or name == "sd25_ab") and d > 1:
@@ -243,7 +248,8 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
                       algorithms: Mapping[str, str] | None = None,
                       thresholds: Thresholds | None = None, overlap: bool = False,
                       strict: bool = True, reduce_impl: str | None = None,
-                      placement: Placement | None = None) -> Prediction:
+                      placement: Placement | None = None,
+                      pc: int | None = None) -> Prediction:
     """Closed-form predicted time of one call of algorithm ``name`` on one rank.
 
     Parameters
@@ -255,6 +261,9 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     q, d : int
         Grid ``[q, q, d]``.
     machine : Machine
+    pc : int, keyword-only, optional
+        Columns of a rectangular ``[q, pc, d]`` grid (SUMMA and SUMMA2.5). With it, or
+        with sizes that do not divide, the balanced blocks are priced.
     dtype : str
         Item dtype (sets the item size and the GEMM gamma).
     coords : "worst", tuple or None
@@ -292,28 +301,31 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
                                              out)
         add_streams = ADD_OUT_STREAMS if out else ADD_STREAMS
     else:
-        ranks = d * q * q
+        ranks = d * q * (pc or q)
         q_, d_ = q, d
     rpn = ranks_per_node if ranks_per_node is not None else machine.ranks_per_node(ranks)
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
-    cands = _worst_coords(name, q, d, m, k, n, count, p) if coords == "worst" else [coords]
+    cands = _worst_coords(name, q, d, m, k, n, count, p, pc) if coords == "worst" \
+        else [coords]
+    general = name not in _traffic.RING_NAMES and _traffic.is_general(name, m, k, n, q, d, pc)
     pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q_, d_, ranks, reduce_impl,
-                     placement)
+                     placement, pc=pc if name not in _traffic.RING_NAMES else None)
     best = None
     for c in cands:
         msgs = _traffic.algorithm_messages(name, m, k, n, q, d, itemsize, c, count=count, p=p,
-                                           group=group, strict=strict)
+                                           group=group, strict=strict, pc=pc)
         tally = _Tally(pricer)
         for mc in msgs:
             tally.add(mc.op, mc.group, mc.group_size, mc.nbytes, mc.count)
         work = _traffic.algorithm_compute(name, m, k, n, q, d, itemsize, c, count=count, p=p,
-                                          group=group, strict=strict)
+                                          group=group, strict=strict, pc=pc)
         compute = _compute_seconds(machine, work.gemms, dtype, work.reduce_bytes)
         dedicated = None
         if overlap and not (machine.shared_comm and slow > 1) and name in _traffic.MATMUL_NAMES \
-                and q > 1:
-            steps = q
+                and ranks > d:
+            # the steps: q, or one per piece of the stepped dimension (balanced blocks)
+            steps = sum(g[3] for g in work.gemms) if general else q
             by_op = {kk: v + tally.shared[kk][1] * machine.call_seconds
                      for kk, v in tally.crit.items()}
             comm = sum(by_op.values())

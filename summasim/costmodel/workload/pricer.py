@@ -70,17 +70,19 @@ ADD_STREAMS = 3
 ADD_OUT_STREAMS = 4
 
 #: (stride, size) of each named group on a [q, q, d] grid in Cartesian rank order.
-_GROUP_SHAPES = {"row": lambda q, d, p: (1, q), "col": lambda q, d, p: (q, q),
-                 "layer": lambda q, d, p: (1, q * q), "depth": lambda q, d, p: (q * q, d),
-                 "world": lambda q, d, p: (1, p)}
+_GROUP_SHAPES = {"row": lambda q, d, p, c: (1, c), "col": lambda q, d, p, c: (c, q),
+                 "layer": lambda q, d, p, c: (1, q * c), "depth": lambda q, d, p, c: (q * c, d),
+                 "world": lambda q, d, p, c: (1, p)}
 
 
 def group_spans_nodes(group: str, machine: Machine, *, q: int = 1, d: int = 1,
-                      p: int | None = None, group_size: int | None = None) -> bool:
+                      p: int | None = None, group_size: int | None = None,
+                      pc: int | None = None) -> bool:
     """Whether a group's ranks lie on more than one node.
 
     Ranks fill nodes of ``machine.node_size`` in Cartesian order
-    (``rank = (k q + i) q + j``): a group of ``size`` ranks ``stride`` apart stays
+    (``rank = (k q + i) pc + j`` on a ``[q, pc, d]`` grid, ``pc = q`` unless given): a
+    group of ``size`` ranks ``stride`` apart stays
     inside a node iff ``stride * size`` divides into ``node_size``. Unknown group
     names (1D groups, "ring") count as contiguous. Always False when the machine
     has no ``node_size`` (one node).
@@ -88,9 +90,10 @@ def group_spans_nodes(group: str, machine: Machine, *, q: int = 1, d: int = 1,
     ns = machine.node_size
     if ns is None:
         return False
-    p = p if p is not None else d * q * q
+    pc = pc or q
+    p = p if p is not None else d * q * pc
     shape = _GROUP_SHAPES.get(group)
-    stride, size = shape(q, d, p) if shape else (1, group_size or p)
+    stride, size = shape(q, d, p, pc) if shape else (1, group_size or p)
     if group_size is not None and shape is None:
         size = group_size
     extent = stride * size
@@ -163,12 +166,13 @@ class _Pricer:
     """Prices (op, group, size, nbytes) with caching and the placement rule."""
 
     def __init__(self, machine, mode, algorithms, thresholds, itemsize, q, d, p,
-                 reduce_impl=None, placement=None):
+                 reduce_impl=None, placement=None, pc=None):
         self.machine, self.mode = machine, mode
         self.reduce_impl = reduce_impl or default_reduce_impl()
         self.algorithms = dict(algorithms or {})
         self.thresholds = thresholds or MPICH
         self.itemsize, self.q, self.d, self.p = itemsize, q, d, p
+        self.pc = pc or q
         self.cache: dict = {}
         self.nccl = machine.library == "nccl" and mode != "paper"
         self.placement = placement if placement is not None else Placement()
@@ -179,7 +183,8 @@ class _Pricer:
         key = (group, size)
         hit = self.paths.get(key)
         if hit is None:
-            grid = GridShape.of(self.p if self.p is not None else size, self.q, self.d)
+            grid = GridShape.of(self.p if self.p is not None else size, self.q, self.d,
+                                pc=self.pc)
             if grid.p < size:
                 grid = GridShape.of(size)
             hit = group_path(self.machine.topology, grid, group, size, self.placement)
@@ -202,7 +207,7 @@ class _Pricer:
             self.cache[key] = hit
         if hit is None:
             inter = group_spans_nodes(group, self.machine, q=self.q, d=self.d, p=self.p,
-                                      group_size=size)
+                                      group_size=size, pc=self.pc)
             hit = collective_time(op, nbytes, size, self.machine,
                                   algorithm=self.algorithms.get(op), mode=self.mode,
                                   thresholds=self.thresholds, itemsize=self.itemsize,
@@ -224,7 +229,7 @@ class _Pricer:
             else:
                 sh = collective_shape(op, cost.algorithm, nbytes, size)
                 inter = group_spans_nodes(group, self.machine, q=self.q, d=self.d, p=self.p,
-                                          group_size=size)
+                                          group_size=size, pc=self.pc)
                 link = self.machine.link(inter)
                 per = sh.nbytes / sh.msgs if sh.msgs else 0.0
                 gr = (self.machine.gamma_reduce if sh.reduce_kind == "add"

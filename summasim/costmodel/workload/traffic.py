@@ -11,8 +11,18 @@ An event is ``(op, group, group_size, root, nbytes)`` as in
 every member, or the bytes this rank sends in a sendrecv; ``root`` is the root's
 rank inside the group, -1 for sendrecv. Global shapes: ``A [m, k]``, ``B [k, n]``
 for ``*_ab``; ``A [m, k]``, ``B [n, k]`` for ``*_abt``; ``A [k, m]``, ``B [k, n]``
-for ``*_atb``. ``itemsize`` is bytes per item. Dimensions must divide evenly
-(ValueError names the one that does not).
+for ``*_atb``. ``itemsize`` is bytes per item. For the deep products (``sd25_ab``,
+``mm3d_*``) dimensions must divide evenly (ValueError names the one that does not).
+
+The SUMMA family and Cannon (:data:`GENERAL_NAMES`) also take sizes that do not divide
+and, but for Cannon, rectangular ``[pr, pc, d]`` grids (``pc=``): each block is the
+rank's block of the balanced partition (the first ``size mod blocks`` blocks one
+larger), and a SUMMA form steps over the pieces of its stepped dimension that lie in
+one block of each of its two cuts (ab over k: A's columns in pc blocks, B's rows in pr;
+abt over n: B's rows in pr, C's columns in pc; atb over m: A's columns in pc, C's rows
+in pr), one broadcast (and for abt/atb one reduce) per piece on groups of more than
+one rank; at most ``pr + pc - 1`` pieces. On a square grid with sizes that divide,
+those are the q steps of the table below.
 
 =================  =============================================================
 algorithm          events on every rank of the ``[q, q, d]`` grid
@@ -83,7 +93,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, NamedTuple
 
-from ...spec import ALGORITHM_KINDS, PRODUCTS
+from ...spec import ALGORITHM_KINDS, ANY_SIZE, PRODUCTS, partition
 
 MATMUL_NAMES = PRODUCTS            # the algorithm table's products
 RING_NAMES = ("ring_allreduce", "ring_reduce_scatter", "ring_allgather")
@@ -279,10 +289,121 @@ def _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict=True):
     return (b0, b1, b2), plan
 
 
+# -- any sizes, any [pr, pc, d] grid (the balanced partition) ------------------------
+#: the products that take uneven blocks and, but for Cannon, rectangular grids
+GENERAL_NAMES = ANY_SIZE
+
+
+def _cut(size: int, parts: int) -> list[int]:
+    """Offsets of the balanced partition (:func:`summasim.spec.partition`)."""
+    return partition(size, parts)
+
+
+def _extent(size: int, parts: int, t: int) -> int:
+    base, extra = divmod(size, parts)
+    return base + (1 if t < extra else 0)
+
+
+def _pieces(first: list[int], second: list[int]) -> list[tuple[int, int, int]]:
+    """``[(width, block of first, block of second)]``: the pieces of [0, size) that lie
+    inside one block of each cut, in order."""
+    out = []
+    x = y = 0
+    lo = 0
+    size = first[-1]
+    while lo < size:
+        while first[x + 1] <= lo:
+            x += 1
+        while second[y + 1] <= lo:
+            y += 1
+        hi = min(first[x + 1], second[y + 1])
+        out.append((hi - lo, x, y))
+        lo = hi
+    return out
+
+
+def is_general(name: str, m, k, n, q: int, d: int, pc=None) -> bool:
+    """Whether ``name`` on ``[q, pc, d]`` with these sizes takes the general form: a
+    rectangular grid, or sizes that do not divide it."""
+    if name not in GENERAL_NAMES or m is None:
+        return False
+    if pc is not None and int(pc) != int(q):
+        return True
+    try:
+        _blocks(name, m, k, n, q, d, True)
+    except ValueError as e:
+        return "divisible" in str(e)
+    return False
+
+
+def _general(name, m, k, n, pr, pc, d, it, coords):
+    """``(events, gemms, reduce_bytes)`` of one rank of a SUMMA-family product or
+    Cannon on ``[pr, pc, d]`` with any sizes: the balanced blocks, and one step per
+    piece of the stepped dimension's two cuts (see :mod:`summasim.algorithms.summa`)."""
+    m, k, n, pr, pc, d = (int(v) for v in (m, k, n, pr, pc, d))
+    for dim, v in (("m", m), ("k", k), ("n", n)):
+        if v < 1:
+            raise ValueError(f"{name}: {dim} must be a positive integer, got {v}")
+    i, j, kk = _coords(coords, 3)
+    deep = name.startswith("summa25")
+    rows = d * pr if deep else pr
+    ri = kk * pr + i if deep else i              # the activation's row block
+    events: list[EventSpec] = []
+    gemms: list = []
+    red = 0
+    if name == "cannon_ab":
+        if pr != pc or d != 1:
+            raise ValueError(f"cannon_ab needs a q x q grid, got [{pr}, {pc}, {d}]")
+        q = pr
+        mi, nj = _extent(m, q, i), _extent(n, q, j)
+        kw = lambda t: _extent(k, q, t % q)  # noqa: E731
+        if q > 1:
+            if i % q:
+                events.append(EventSpec("sendrecv", "row", q, -1, mi * kw(j) * it))
+            if j % q:
+                events.append(EventSpec("sendrecv", "col", q, -1, kw(i) * nj * it))
+            for s in range(q - 1):          # the block held at step s moves on
+                events.append(EventSpec("sendrecv", "row", q, -1, mi * kw(i + j + s) * it))
+                events.append(EventSpec("sendrecv", "col", q, -1, kw(i + j + s) * nj * it))
+        gemms = [(mi, kw(i + j + s), nj, 1) for s in range(q)]
+        return events, gemms, red
+    # each form: the stepped dimension, its cut over the broadcast's group and over the
+    # other op's, those two ops (op, group, size, items of a piece of width w), the GEMM
+    form = name.split("_")[-1]
+    if form == "ab":
+        mi, nj = _extent(m, rows, ri), _extent(n, pc, j)
+        size, cuts = k, (pc, pr)
+        ops = (("bcast", "row", pc, lambda w: mi * w), ("bcast", "col", pr, lambda w: w * nj))
+        gemm = lambda w: (mi, w, nj, 1)  # noqa: E731
+    elif form == "abt":
+        mi, kj = _extent(m, rows, ri), _extent(k, pc, j)
+        size, cuts = n, (pr, pc)
+        ops = (("bcast", "col", pr, lambda w: w * kj), ("reduce", "row", pc, lambda w: mi * w))
+        gemm = lambda w: (mi, kj, w, 1)  # noqa: E731
+    else:                                           # atb: A [k, m], B [k, n]
+        ki, nj = _extent(k, rows, ri), _extent(n, pc, j)
+        size, cuts = m, (pc, pr)
+        ops = (("bcast", "row", pc, lambda w: ki * w), ("reduce", "col", pr, lambda w: w * nj))
+        gemm = lambda w: (w, ki, nj, 1)  # noqa: E731
+    for w, x, y in _pieces(_cut(size, cuts[0]), _cut(size, cuts[1])):
+        for (op, group, g, items), root in zip(ops, (x, y)):
+            if g > 1:                               # groups of one rank send nothing
+                events.append(EventSpec(op, group, g, root, items(w) * it))
+        gemms.append(gemm(w))
+    if pr == 1 and pc == 1:                         # one GEMM, no steps
+        gemms = [gemm(size)]
+    if name == "summa25_atb" and d > 1:
+        items = _extent(m, pr, i) * _extent(n, pc, j)
+        events += ring_allreduce_events(items, d, kk, "depth", it)
+        red = algorithm_compute("ring_reduce_scatter", count=items, p=d, coords=kk,
+                                itemsize=it).reduce_bytes
+    return events, gemms, red
+
+
 def algorithm_events(name: str, m: int | None = None, k: int | None = None,
                      n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                      coords=None, *, count: int | None = None, p: int | None = None,
-                     group: str | None = None) -> list[EventSpec]:
+                     group: str | None = None, pc: int | None = None) -> list[EventSpec]:
     """The events one rank records when it runs algorithm ``name``.
 
     Parameters
@@ -292,9 +413,13 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
     m, k, n : int
         Global dimensions (see the module docstring for each algorithm's shapes).
     q, d : int
-        Grid ``[q, q, d]``.
+        Grid ``[q, q, d]`` (``q`` rows when ``pc`` is given).
     itemsize : int
         Bytes per item.
+    pc : int, keyword-only, optional
+        Columns of a rectangular ``[q, pc, d]`` grid (SUMMA and SUMMA2.5). A rectangular
+        grid, or sizes that do not divide, give the events of the balanced blocks
+        (:data:`GENERAL_NAMES`).
     coords : tuple or int, optional
         ``(i, j, k)`` grid coordinates (Cannon: ``(i, j)``; rings: the group rank r).
     count, p, group : optional
@@ -313,6 +438,9 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
         if name == "ring_allgather":
             return ring_allgather_events(n_items, size, r, grp, itemsize)
         return ring_allreduce_events(n_items, size, r, grp, itemsize)
+    if is_general(name, m, k, n, q, d, pc):
+        return _general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
+                        coords)[0]
     (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords)
     q = int(q)
     events: list[EventSpec] = []
@@ -405,7 +533,8 @@ def _ring_args(name, count, p, coords, m):
 def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
                        n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                        coords=None, *, count: int | None = None, p: int | None = None,
-                       group: str | None = None, strict: bool = True) -> list[MessageClass]:
+                       group: str | None = None, strict: bool = True,
+                       pc: int | None = None) -> list[MessageClass]:
     """The events of :func:`algorithm_events` grouped into :class:`MessageClass`
     entries, computed in O(1) per class (no enumeration; fast for q, P ~ 10^5).
 
@@ -415,6 +544,9 @@ def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
     if name in RING_NAMES:
         n_items, size, r = _ring_args(name, count, p, coords, m)
         return _ring_messages(name, n_items, size, r, group or "ring", itemsize, strict)
+    if strict and is_general(name, m, k, n, q, d, pc):
+        return _grouped(_general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
+                                 coords)[0])
     (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
     q = int(q)
     out: list[MessageClass] = []
@@ -434,6 +566,15 @@ def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
         out += _ring_messages("ring_allreduce", b1 * b2, int(d), depth_rank, "depth", itemsize,
                               strict)
     return out
+
+
+def _grouped(events) -> list[MessageClass]:
+    """Identical events as :class:`MessageClass` entries, in first-seen order."""
+    acc: dict = {}
+    for e in events:
+        key = (e.op, e.group, e.group_size, e.nbytes)
+        acc[key] = acc.get(key, 0) + 1
+    return [MessageClass(*key, c) for key, c in acc.items()]
 
 
 def moved_bytes(messages) -> float:
@@ -459,7 +600,8 @@ def summarize_events(events: Iterable) -> dict[tuple[str, str], tuple[int, int]]
 def algorithm_traffic(name: str, m: int | None = None, k: int | None = None,
                       n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                       coords=None, *, count: int | None = None, p: int | None = None,
-                      group: str | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+                      group: str | None = None,
+                      pc: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
     """``{(op, group): (number of events, total nbytes)}`` of one rank running ``name``.
 
     Same arguments as :func:`algorithm_events`. Example: ``summa_ab`` with
@@ -467,13 +609,14 @@ def algorithm_traffic(name: str, m: int | None = None, k: int | None = None,
     ("bcast", "col"): (2, 256)}``.
     """
     return summarize_events(algorithm_messages(name, m, k, n, q, d, itemsize, coords,
-                                               count=count, p=p, group=group))
+                                               count=count, p=p, group=group, pc=pc))
 
 
 def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
                       n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                       coords=None, *, count: int | None = None, p: int | None = None,
-                      group: str | None = None, strict: bool = True) -> Compute:
+                      group: str | None = None, strict: bool = True,
+                      pc: int | None = None) -> Compute:
     """Local work of one rank: GEMM shapes ``(m_, k_, n_, count)`` (flops = 2 m_ k_ n_
     each) and bytes added locally (the ring reduce-scatter's ``+=``; SUMMA's reduce
     sums happen inside MPI and are priced with the reduce)."""
@@ -485,6 +628,10 @@ def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
         rs = _ring_messages("ring_reduce_scatter", n_items, size, (r - 1) % size, "ring",
                             itemsize, strict)
         return Compute((), sum(mc.nbytes * mc.count for mc in rs))
+    if strict and is_general(name, m, k, n, q, d, pc):
+        _, gemms, red = _general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
+                                 coords)
+        return Compute(tuple(gemms), red)
     (b0, b1, b2), _ = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
     q = int(q)
     if name == "summa25_atb":                        # A block (k/(dq), m/q): C += A^T B
@@ -511,8 +658,10 @@ def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
     return Compute(((b0, b1, b2, q),), 0)
 
 
-def algorithm_flops(name: str, m: int, k: int, n: int, q: int = 1, d: int = 1) -> int:
+def algorithm_flops(name: str, m: int, k: int, n: int, q: int = 1, d: int = 1,
+                    coords=None, *, pc: int | None = None) -> int:
     """Flops of one rank's GEMMs (2 per multiply-add): ``2 m k n / (d q^2)`` for the
     2.5D and 3D forms (sd25_ab: its layer's share of the q steps), ``2 m k n / q^2``
     otherwise."""
-    return sum(2 * a * b * c * cnt for a, b, c, cnt in algorithm_compute(name, m, k, n, q, d).gemms)
+    return sum(2 * a * b * c * cnt for a, b, c, cnt in
+               algorithm_compute(name, m, k, n, q, d, coords=coords, pc=pc).gemms)
