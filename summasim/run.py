@@ -1,8 +1,10 @@
 """The main job: ``mpirun -n 16 python -m summasim.run``.
 
 A thin front-end over :mod:`summasim.harness`: it plans the cases that fit the world
-size (2D algorithms on a q x q grid when p is square, 2.5D ones on every [q, q, d]
-with d >= 2, the ring on all p ranks, each tensor-parallel scheme on its grids),
+size (the grids of :func:`summasim.spec.product_grids`: 2D algorithms on a q x q grid
+when p is square and SUMMA on the most square pr x pc one when it is not, 2.5D ones on
+every [q, q, d] with d >= 2 (else a rectangular [pr, pc, d]), the ring on all p ranks,
+each tensor-parallel scheme on its grids; Cannon, SUMMA and SUMMA2.5 on any sizes),
 checks its arguments, files and per-rank memory before any work, then runs each
 case (rank-local inputs, the traced call, a rank-local check, timing), prints one
 row per case with the cost model's prediction, and exits 1 if any check fails.
@@ -17,6 +19,7 @@ algorithm, scheme and default composition that fits and shows each one caught. A
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -247,7 +250,8 @@ def plan(args, p: int):
     if args.self_test:
         cases, skips = plan_products(p, args.algorithm_list, None, SELF_TEST_RING, ["float64"])
         m, k, n = SELF_TEST_SIZES
-        cases = [type(c)(c.algorithm, c.q, c.d, *c.spec.round_up(m, k, n, c.q, c.d), c.dtype)
+        cases = [dataclasses.replace(c, **dict(zip("mkn", c.spec.round_up(m, k, n, c.q, c.d,
+                                                                          c.pc))))
                  if c.kind == "matmul" else c for c in cases]
         tcases, tskips = plan_schemes(p, args.scheme_list,
                                       lambda dt: _config(SELF_TEST_MODEL, dt),

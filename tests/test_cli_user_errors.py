@@ -169,13 +169,19 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
     for r in doc["tables"]["largest_batch"]:
         assert r["scheme"] != "megatron" or r["p"] <= 16
     matmul = doc["tables"]["matmul"]                  # 1020 % 8 != 0, 1020 % 16 != 0
-    assert {r["p"] for r in matmul if r["algorithm"] == "cannon_ab"} == {1, 4, 16}
-    # spec.grids: [1,1,p] where p has no [q,q,d] with q, d >= 2; [2,2,2] at 8 (1020 % 4 == 0)
-    assert {(r["p"], r["grid"]) for r in matmul if r["algorithm"] == "summa25_ab"} == {
-        (1, "[1,1,1]"), (2, "[1,1,2]"), (4, "[1,1,4]"), (8, "[2,2,2]")}
-    # at 64 only Solomonik-Demmel on [4,4,4] (it needs n % q); the 3D cube needs n % q^2
-    assert {(r["algorithm"], r["grid"]) for r in matmul if r["p"] == 64} == {
-        ("sd25_ab", "[4,4,4]")}
+    # Cannon, SUMMA and SUMMA2.5 take any n (balanced blocks): every square p for Cannon,
+    # every p for SUMMA (rectangular where p is not a square), SUMMA2.5 on spec.grids
+    assert {r["p"] for r in matmul if r["algorithm"] == "cannon_ab"} == {1, 4, 16, 64}
+    assert {(r["p"], r["grid"]) for r in matmul if r["algorithm"] == "summa_ab"} == {
+        (1, "[1,1,1]"), (2, "[1,2,1]"), (4, "[2,2,1]"), (8, "[2,4,1]"), (16, "[4,4,1]"),
+        (32, "[4,8,1]"), (64, "[8,8,1]")}
+    assert {r["p"] for r in matmul if r["algorithm"] == "summa25_ab"} == {1, 2, 4, 8, 16, 32,
+                                                                          64}
+    assert [r["grid"] for r in matmul if r["algorithm"] == "summa25_ab" and r["p"] == 4] == \
+        ["[1,2,2]"]
+    # at 64 Solomonik-Demmel runs on [4,4,4] (it needs n % q); the 3D cube needs n % q^2
+    assert {(r["algorithm"], r["grid"]) for r in matmul if r["p"] == 64
+            and r["algorithm"] in ("sd25_ab", "mm3d_ab")} == {("sd25_ab", "[4,4,4]")}
     assert "mm3d_ab at p = 64 (n = 1020 is not divisible by q^2 = 16)" in out
     assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
 

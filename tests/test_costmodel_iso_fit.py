@@ -294,3 +294,58 @@ def test_summa25_reference_kinds_and_bad_input():
     with pytest.raises(ValueError, match="q, d >= 1"):
         summa25_overhead(0, 2, c=1.0)
     assert summa25_closed_form(0.5, [4, 9]).p == []       # no [q,q,d] with q, d >= 2
+
+
+# -- the 2.5D and 3D products: closed forms ---------------------------------------------------
+from summasim.costmodel.tools.isoefficiency import (  # noqa: E402
+    deep_closed_form, deep_grid, deep_overhead)
+from summasim.costmodel.workload.traffic import algorithm_messages, moved_bytes  # noqa: E402
+
+SCATTER_BCAST = {"bcast": "scatter_ring_allgather"}
+
+
+@pytest.mark.parametrize("problem,d,ps", [("mm3d_mm", None, [8, 64, 512, 4096]),
+                                          ("sd25_mm", None, [8, 64, 512, 4096]),
+                                          ("sd25_mm", 2, [8, 32, 128, 512, 2048])])
+def test_deep_fitted_slope_is_the_closed_forms(problem, d, ps):
+    """The numerical isoefficiency of the 2.5D and 3D products (the cost model's events
+    priced with bandwidth-optimal broadcasts, alpha = 0) is the closed form's, point by
+    point: n at each p and the slope."""
+    fit = isoefficiency(problem, 0.5, ps, mode="mpich", solver="illinois", d=d,
+                        algorithms=SCATTER_BCAST)
+    closed = deep_closed_form(problem, 0.5, ps, d=d)
+    assert fit.p == closed.p == ps and fit.grid == closed.grid
+    assert fit.x == pytest.approx(closed.x, rel=1e-6)
+    assert fit.slope == pytest.approx(closed.slope, abs=1e-6)
+    assert fit.slope == pytest.approx(reference_slope(f"{problem[:4]} closed form", ps, d=d),
+                                      abs=1e-6)
+
+
+def test_deep_laws_the_3d_product_tends_to_p_the_2_5d_one_at_fixed_c_to_p_1_5():
+    cubes = [q ** 3 for q in (64, 128, 256, 512)]
+    assert deep_closed_form("mm3d_mm", 0.5, cubes).slope == pytest.approx(
+        reference_slope("(p^(1/3) - 1)^3", cubes)) and \
+        reference_slope("(p^(1/3) - 1)^3", cubes) == pytest.approx(1.0, abs=0.02)
+    fixed = [2 * q * q for q in (256, 512, 1024, 2048)]
+    assert deep_closed_form("sd25_mm", 0.5, fixed, d=2).slope == pytest.approx(1.5, abs=0.01)
+
+
+@pytest.mark.parametrize("problem,q,c", [("mm3d_mm", 2, 2), ("mm3d_mm", 4, 4),
+                                         ("sd25_mm", 4, 2), ("sd25_mm", 4, 4),
+                                         ("sd25_mm", 8, 2)])
+def test_deep_overhead_is_the_events_words(problem, q, c):
+    """deep_overhead's words are the closed-form events' words with every broadcast at
+    2 (g-1)/g of its buffer (an all-gather's ledger entry is its own contribution)."""
+    name = {"mm3d_mm": "mm3d_ab", "sd25_mm": "sd25_ab"}[problem]
+    n = 4 * q * q * c
+    words = 0.0
+    for mc in algorithm_messages(name, n, n, n, q, c, itemsize=1, coords=(0, 0, 0)):
+        g = mc.group_size
+        factor = {"bcast": 2 * (g - 1) / g, "allgather": g - 1}.get(mc.op, 1.0)
+        words += mc.count * mc.nbytes * factor
+    if problem == "mm3d_mm":
+        assert words == pytest.approx(moved_bytes(algorithm_messages(
+            name, n, n, n, q, c, itemsize=1, coords=(0, 0, 0))))
+    assert words / n ** 2 == pytest.approx(deep_overhead(problem, q, c))
+    assert deep_grid(problem, c * q * q, None if problem == "mm3d_mm" or c == q else c) == \
+        (q, c)

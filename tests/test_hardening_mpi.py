@@ -287,10 +287,8 @@ def _cmdline(pid):
 
 # -- 2. honest exit codes -------------------------------------------------------------------
 @pytest.mark.parametrize("args,needles", [
-    (["--algorithms", "cannon_ab,summa_ab", "--sizes", "5", "7", "9"],
-     ["--algorithms cannon_ab,summa_ab: none can run at p = 4", "m=5 is not divisible"]),
-    (["--sizes", "5", "7", "9", "--schemes", "none", "--meshes", "none"],
-     ["--sizes 5 7 9: no product fits them at p = 4"]),
+    (["--algorithms", "sd25_ab,mm3d_ab", "--sizes", "5", "7", "9"],
+     ["--algorithms sd25_ab,mm3d_ab: none can run at p = 4", "needs p = c q^2"]),
     (["--schemes", "summa25", "--algorithms", "none"],
      ["--schemes summa25: none can run at p = 4"]),
     (["--schemes", "megatron,bogus"], ["unknown scheme(s) bogus"]),

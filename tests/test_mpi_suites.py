@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT, mpi_env
+from summasim.algorithms.table import ALGORITHMS
 
 SUITE_TIMEOUT = int(os.environ.get("SUMMASIM_MPI_TIMEOUT", "900"))
 
@@ -115,11 +116,36 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
 
 def test_main_job_at_a_world_size_without_square_grid(mpiexec):
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--sizes", "32", "16", "24",
-                                  "--repeats", "1", "--algorithms", "summa_ab,summa25_ab",
+                                  "--repeats", "1", "--algorithms", "summa_ab,summa25_ab,cannon_ab",
                                   "--no-predict"], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "summa_ab: needs a square number of ranks" in proc.stdout
-    assert "[1,1,2]" in proc.stdout
+    assert "cannon_ab: needs a square number of ranks" in proc.stdout
+    assert re.search(r"^summa_ab\s+1x2\s", proc.stdout, re.M) and "[1,1,2]" in proc.stdout
+
+
+@pytest.mark.parametrize("p,sizes,grids", [
+    (6, (101, 67, 83), {"summa_ab": "2x3", "summa25_atb": "[1,3,2]"}),
+    (12, (101, 67, 83), {"summa_abt": "3x4", "summa25_ab": "[2,2,3]"}),
+    (24, (101, 67, 83), {"summa_atb": "4x6", "summa25_abt": "[2,2,6]"}),
+    (27, (63, 45, 54), {"mm3d_ab": "3x3x3", "sd25_ab": "[3,3,3]", "summa_ab": "3x9"})])
+def test_main_job_on_rectangular_grids_and_sizes_that_do_not_divide(mpiexec, tmp_path, p,
+                                                                    sizes, grids):
+    """At p = 6, 12 and 24 SUMMA runs on the most square pr x pc grid and SUMMA2.5 on
+    [pr, pc, d], on sizes no grid dimension divides; at 27 the 3D cube and the 2.5D
+    product with c = 3 copies. Every row validates and its ledger is priced."""
+    path = tmp_path / "run.json"
+    proc, _ = launch(mpiexec, p, ["-m", "summasim.run", "--sizes", *map(str, sizes),
+                                  "--repeats", "1", "--schemes", "none", "--meshes", "none",
+                                  "--algorithms", ",".join(n for n in ALGORITHMS
+                                                           if n != "ring_allreduce"),
+                                  "--json", str(path)], 600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(path.read_text())
+    ran = {r["algorithm"]: r["grid"] for r in report["rows"]}
+    assert report["ok"] and all(r["ok"] and r["error"] <= r["bound"] for r in report["rows"])
+    for name, grid in grids.items():
+        assert ran[name] == grid, (name, ran)
+    assert all(r["bytes_per_rank"] > 0 for r in report["rows"]), report["rows"]
 
 
 def test_one_failing_rank_aborts_the_whole_job(mpiexec):
@@ -166,7 +192,7 @@ def test_failed_validation_exits_nonzero(mpiexec):
     """A run whose result is wrong must FAIL and exit 1 (the bound is not a formality)."""
     code = ("import sys, summasim.algorithms as a, summasim.run as r;"
             "orig = a.summa_ab;"
-            "a.summa_ab = lambda x, y, g, out=None: orig(x, y, g) * (1 + 1e-9);"
+            "a.summa_ab = lambda x, y, g, out=None, **kw: orig(x, y, g) * (1 + 1e-9);"
             "sys.exit(r.main(['--algorithms', 'summa_ab', '--sizes', '32', '32', '32',"
             " '--repeats', '1', '--no-predict', '--schemes', 'none']))")
     proc, _ = launch(mpiexec, 4, ["-c", code], 120)
@@ -283,10 +309,11 @@ def _user_error(proc, *needles):
 
 
 def test_a_run_that_checks_nothing_is_an_error(mpiexec):
-    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", "--sizes", "5", "7", "9",
-                                  "--algorithms", "summa_ab", "--schemes", "none",
+    """SUMMA takes any sizes; the 3D product's blocks must divide them."""
+    proc, _ = launch(mpiexec, 8, ["-m", "summasim.run", "--sizes", "5", "7", "9",
+                                  "--algorithms", "mm3d_ab", "--schemes", "none",
                                   "--meshes", "none"], 120)
-    _user_error(proc, "nothing would be checked", "m=5 is not divisible by 2")
+    _user_error(proc, "nothing would be checked", "m=5 is not divisible by 4")
 
 
 def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):

@@ -24,9 +24,12 @@ from summasim.layout import local_shape
 
 @pytest.mark.parametrize("p,ran,skipped", [
     (1, {"cannon_ab": ["1x1"], "summa25_ab": ["[1,1,1]"], "ring_allreduce": ["ring p=1"]}, []),
-    (2, {"summa25_ab": ["[1,1,2]"]}, ["cannon_ab", "summa_ab", "summa_abt", "summa_atb"]),
-    (8, {"summa25_atb": ["[2,2,2]"]}, ["cannon_ab", "summa_ab"]),
-    (9, {"cannon_ab": ["3x3"], "summa25_ab": ["[1,1,9]"]}, []),
+    (2, {"summa25_ab": ["[1,1,2]"], "summa_ab": ["1x2"]}, ["cannon_ab"]),
+    (6, {"summa_abt": ["2x3"], "summa25_atb": ["[1,3,2]"]}, ["cannon_ab", "sd25_ab"]),
+    (8, {"summa25_atb": ["[2,2,2]"], "summa_ab": ["2x4"]}, ["cannon_ab"]),
+    (9, {"cannon_ab": ["3x3"], "summa25_ab": ["[1,3,3]"]}, []),
+    (12, {"summa_atb": ["3x4"], "summa25_ab": ["[2,2,3]"]}, ["cannon_ab"]),
+    (24, {"summa_ab": ["4x6"]}, ["cannon_ab", "mm3d_ab"]),
     (16, {"cannon_ab": ["4x4"], "summa_atb": ["4x4"], "summa25_ab": ["[2,2,4]"],
           "ring_allreduce": ["ring p=16"]}, []),
     (64, {"summa_ab": ["8x8"], "summa25_abt": ["[2,2,16]", "[4,4,4]"]}, []),
@@ -37,7 +40,7 @@ def test_plan_fits_world_size(p, ran, skipped):
     for c in cases:
         done.setdefault(c.algorithm, []).append(c.grid_label(p))
         if c.kind == "matmul":
-            assert c.d * c.q * c.q == p and c.misfit() == ""
+            assert c.d * c.q * c.cols == p and c.misfit() == ""
     for name, labels in ran.items():
         assert done[name] == labels
     assert set(skipped) <= {s.name for s in skips}
@@ -48,25 +51,34 @@ def test_plan_fits_world_size(p, ran, skipped):
 @pytest.mark.parametrize("name", PRODUCTS)
 @pytest.mark.parametrize("q,d", [(3, 1), (2, 4), (4, 1), (1, 9)])
 def test_default_sizes_are_rounded_to_fit(name, q, d):
+    """The deep products round the default sizes up to divide their grid; Cannon, SUMMA
+    and SUMMA2.5 take them as they are (balanced blocks)."""
     spec = ALGORITHMS[name]
     m, k, n = spec.round_up(*DEFAULT_SIZES, q, d)
     assert spec.misfit(m, k, n, q, d) == "" and m >= 1536 and k >= 1024 and n >= 1280
+    if spec.any_size:
+        assert (m, k, n) == DEFAULT_SIZES
+        return
     sa, sb = spec.stored_shapes(m, k, n)
     for shape, lay in ((sa, spec.layout_a), (sb, spec.layout_b), ((m, n), spec.layout_c)):
         local_shape(shape, lay, q, d, d * q * q)  # raises if it does not divide
 
 
-def test_user_sizes_that_do_not_divide_are_skipped_with_reason():
-    cases, skips = plan_products(16, ["summa_ab", "summa25_ab"], sizes=(10, 8, 8))
-    assert cases == []
-    reasons = {s.name: s.reason for s in skips}
-    assert reasons["summa_ab"] == "m=10 is not divisible by 4"
-    assert "m=10 is not divisible by 8" in reasons["summa25_ab"]
+def test_user_sizes_that_do_not_divide():
+    """Cannon, SUMMA and SUMMA2.5 run on them (balanced blocks); a product that needs
+    sizes that divide is skipped with the reason."""
+    cases, skips = plan_products(16, ["summa_ab", "summa25_ab", "cannon_ab", "sd25_ab"],
+                                 sizes=(9, 7, 5))
+    assert [c.label() for c in cases] == ["summa_ab 4x4 9x7x5", "summa25_ab [2,2,4] 9x7x5",
+                                          "cannon_ab 4x4 9x7x5"]
+    assert {s.name: s.reason for s in skips} == {
+        "sd25_ab": "m=9 is not divisible by 2; k=7 is not divisible by 2; "
+                   "n=5 is not divisible by 2"}
 
 
 def test_the_ring_row_of_the_table_has_no_product_sizes():
     ring = ALGORITHMS["ring_allreduce"]
-    assert not ring.is_product and ring.grids(6) == [(6, 1)]
+    assert not ring.is_product and ring.grids(6) == [(6, 1, 1)]
     for call in (lambda: ring.divisors(2, 1), lambda: ring.misfit(4, 4, 4, 2, 1),
                  lambda: ring.round_up(3, 3, 3, 2, 1), lambda: ring.stored_shapes(2, 2, 2)):
         with pytest.raises(ValueError, match="ring_allreduce is not a product"):

@@ -6,7 +6,8 @@ through plain dicts (the worker's spec files, ``measured.json`` and the cost mod
 analysis read that form: ``kind`` plus the fields below, the transformer's model
 shape spelled ``b, s, h, heads, v, layers, ffn``).
 
-``MatmulCase(algorithm, q, d, m, k, n, dtype)``   C[m, n] = op(A) op(B) on [q, q, d]
+``MatmulCase(algorithm, q, d, m, k, n, dtype, pc)``  C[m, n] = op(A) op(B) on [q, q, d]
+                                                  (``pc`` > 0: on [q, pc, d])
 ``RingCase(n, dtype)``                            ring_allreduce of n items, all ranks
 ``TransformerCase(scheme, q, d, batch, config)``  one training step of a scheme
 ``MeshCase(mesh, batch, config, ...)``             sharded training on a spec.Mesh
@@ -36,7 +37,8 @@ def _dtype_name(dtype) -> str:
 
 @dataclass(frozen=True)
 class MatmulCase:
-    """A distributed product C[m, n] = op(A)[m, k] op(B)[k, n] on a [q, q, d] grid."""
+    """A distributed product C[m, n] = op(A)[m, k] op(B)[k, n] on a [q, q, d] grid, or
+    on a rectangular [q, pc, d] one (``pc`` > 0, ``q`` rows by ``pc`` columns)."""
 
     algorithm: str
     q: int
@@ -45,6 +47,7 @@ class MatmulCase:
     k: int
     n: int
     dtype: str = "float64"
+    pc: int = 0
     kind = "matmul"
 
     def __post_init__(self):
@@ -52,32 +55,42 @@ class MatmulCase:
         if not spec.is_product:
             raise ValueError(f"{self.algorithm} is not a distributed product")
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        if self.pc == self.q:
+            object.__setattr__(self, "pc", 0)
 
     @property
     def spec(self):
         return get_algorithm(self.algorithm)
 
     @property
+    def cols(self) -> int:
+        """Columns of ranks: ``pc``, or ``q`` on a square grid."""
+        return self.pc or self.q
+
+    @property
     def p(self) -> int:
-        return self.d * self.q * self.q
+        return self.d * self.q * self.cols
 
     @property
     def shapes(self) -> tuple[int, int, int]:
         return (self.m, self.k, self.n)
 
     def misfit(self) -> str:
-        """Why the sizes do not divide the grid ("" when they do)."""
-        return self.spec.misfit(self.m, self.k, self.n, self.q, self.d)
+        """Why the sizes cannot run on the grid ("" when they can)."""
+        return self.spec.misfit(self.m, self.k, self.n, self.q, self.d, self.pc)
 
     def grid_label(self, p: int | None = None) -> str:
-        return self.spec.grid_label(self.q, self.d)
+        return self.spec.grid_label(self.q, self.d, self.pc)
 
     def label(self, p: int | None = None) -> str:
         return f"{self.algorithm} {self.grid_label()} {self.m}x{self.k}x{self.n}"
 
     def to_dict(self) -> dict:
-        return {"kind": "matmul", "algorithm": self.algorithm, "q": self.q, "d": self.d,
-                "m": self.m, "k": self.k, "n": self.n, "dtype": self.dtype}
+        out = {"kind": "matmul", "algorithm": self.algorithm, "q": self.q, "d": self.d,
+               "m": self.m, "k": self.k, "n": self.n, "dtype": self.dtype}
+        if self.pc:
+            out["pc"] = self.pc
+        return out
 
 
 @dataclass(frozen=True)
@@ -388,7 +401,8 @@ def case_from_dict(data: dict):
     kind = data.get("kind")
     if kind == "matmul":
         return MatmulCase(data["algorithm"], int(data["q"]), int(data["d"]), int(data["m"]),
-                          int(data["k"]), int(data["n"]), data.get("dtype", "float64"))
+                          int(data["k"]), int(data["n"]), data.get("dtype", "float64"),
+                          int(data.get("pc") or 0))
     if kind == "ring":
         return RingCase(int(data["N"]), data.get("dtype", "float64"))
     if kind == "transformer":

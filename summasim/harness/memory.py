@@ -22,7 +22,7 @@ import numpy as np
 
 from ..spec import stage_layers
 
-from ..layout import local_shape
+from ..layout import max_block_shape
 from .check import choose_method, panel_width
 
 HEADROOM = 0.85      # use at most this share of the memory the OS calls available
@@ -60,18 +60,20 @@ def product_device_bytes(case, method: str = "exact") -> int:
 
 def _product_parts(case, method: str) -> tuple[int, int]:
     """``(blocks and workspaces, the check's host buffers)`` of a product run."""
-    spec, q, d, p = case.spec, case.q, case.d, case.p
+    spec, q, d, p, pc = case.spec, case.q, case.d, case.p, case.pc
     it = 8 if case.dtype == "float64" else 4
     sa, sb = spec.stored_shapes(case.m, case.k, case.n)
-    na = math.prod(local_shape(sa, spec.layout_a, q, d, p))
-    nb_ = math.prod(local_shape(sb, spec.layout_b, q, d, p))
-    mb, nb = local_shape((case.m, case.n), spec.layout_c, q, d, p)
+    # the largest blocks (uneven blocks differ by at most one row and column)
+    na = math.prod(max_block_shape(sa, spec.layout_a, q, d, p, pc))
+    nb_ = math.prod(max_block_shape(sb, spec.layout_b, q, d, p, pc))
+    mb, nb = max_block_shape((case.m, case.n), spec.layout_c, q, d, p, pc)
     method = choose_method(method, mb, nb, case.k)      # "auto" as the check resolves it
     nc = mb * nb
     blocks = (na + nb_ + nc) * it
-    work = (2 * na + 2 * nb_) * it if q > 1 else 0
-    if spec.op != "ab" and q > 1:
-        work += (2 + max(1, math.ceil(math.log2(q)))) * nc * it
+    side = max(q, case.cols)                            # the larger group of a layer
+    work = (2 * na + 2 * nb_) * it if side > 1 else 0
+    if spec.op != "ab" and side > 1:
+        work += (2 + max(1, math.ceil(math.log2(side)))) * nc * it
     if d > 1 and spec.op == "atb":
         work += nc * it // d + 1
     host = nc * 8                                       # float64 copy of C for the check
@@ -92,10 +94,11 @@ def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact",
     ``budget`` bytes on a node running ``ranks_on_node`` ranks (0 if none does);
     ``size`` gives a rank's bytes (:func:`product_device_bytes` for a GPU's share)."""
     spec = case.spec
-    step = math.lcm(*spec.divisors(case.q, case.d).values())
+    step = math.lcm(*spec.divisors(case.q, case.d, case.pc).values())
     lo, hi = 0, 1
     fits = lambda n: ranks_on_node * size(  # noqa: E731
-        type(case)(case.algorithm, case.q, case.d, n, n, n, case.dtype), method) <= budget
+        type(case)(case.algorithm, case.q, case.d, n, n, n, case.dtype, case.pc),
+        method) <= budget
     while fits(hi * step):
         lo, hi = hi, hi * 2
     while hi - lo > 1:

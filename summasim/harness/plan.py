@@ -49,19 +49,20 @@ def plan_products(p: int, algorithms, sizes=None, ring_n: int | None = None,
             if not grids:
                 if dtype == dtypes[0]:
                     skips.append(Skip(name, {
-                        "2d": f"needs a square number of ranks (q x q); p = {p} is not",
+                        "2d": f"needs a square number of ranks (q x q: Cannon shifts around "
+                              f"a square torus; SUMMA runs on pr x pc); p = {p} is not",
                         "3d": f"needs a cube number of ranks (q x q x q); p = {p} is not",
                         "2.5d-deep": f"needs p = c q^2 ranks with q, c >= 2; p = {p} is "
                                      f"not"}[spec.kind]))
                 continue
-            for q, d in grids:
-                shapes = (m, k, n) if exact else spec.round_up(m, k, n, q, d)
-                why = spec.misfit(*shapes, q, d)
+            for q, pc, d in grids:
+                shapes = (m, k, n) if exact else spec.round_up(m, k, n, q, d, pc)
+                why = spec.misfit(*shapes, q, d, pc)
                 if why:
                     if dtype == dtypes[0]:
-                        skips.append(Skip(name, why, spec.grid_label(q, d)))
+                        skips.append(Skip(name, why, spec.grid_label(q, d, pc)))
                     continue
-                cases.append(MatmulCase(name, q, d, *shapes, dtype))
+                cases.append(MatmulCase(name, q, d, *shapes, dtype, pc))
     return cases, skips
 
 

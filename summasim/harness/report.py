@@ -56,13 +56,15 @@ def words_over_bound(res) -> dict | None:
 
     from ..costmodel.workload.traffic import algorithm_messages
 
-    b = product_bounds(get_algorithm(c.algorithm).operands(c.m, c.k, c.n, c.q, c.d),
-                       c.m, c.k, c.n, c.q, c.d)
+    pc = getattr(c, "pc", 0)
+    b = product_bounds(get_algorithm(c.algorithm).operands(c.m, c.k, c.n, c.q, c.d, pc),
+                       c.m, c.k, c.n, c.q, c.d, pc)
     it = 8 if c.dtype == "float64" else 4
     # an all-gather's ledger event holds the rank's own contribution; it moves the other
     # g - 1 (mm3d_ab's gathers: the same on every rank)
     extra = sum(mc.count * mc.nbytes * (mc.group_size - 2) for mc in algorithm_messages(
-        c.algorithm, c.m, c.k, c.n, c.q, c.d, itemsize=it) if mc.op == "allgather")
+        c.algorithm, c.m, c.k, c.n, c.q, c.d, itemsize=it, pc=pc or None)
+        if mc.op == "allgather")
     words = (res.bytes_per_rank + extra) / it
     return {"words_per_rank": words, **b,
             "ratio": words / b["bound"] if b["bound"] > 0 else None}

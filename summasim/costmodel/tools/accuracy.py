@@ -187,8 +187,9 @@ def rank_features(run: MeasuredRun, machine) -> list:
         extra = {}
         if kind == "matmul":
             w = algorithm_compute(run.algorithm, run.m, run.k, run.n, run.q, run.d, it,
-                                  tuple(coords))
-            extra = dict(gemms=w.gemms, reduce_bytes=w.reduce_bytes, q=run.q, d=run.d)
+                                  tuple(coords), pc=run.pc or None)
+            extra = dict(gemms=w.gemms, reduce_bytes=w.reduce_bytes, q=run.q, d=run.d,
+                         pc=run.pc or None)
         elif kind == "ring":
             # timed out of place (the harness and the bench): each add writes ``out``
             w = algorithm_compute("ring_allreduce", count=run.N, p=p, coords=r, itemsize=it)

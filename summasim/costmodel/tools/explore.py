@@ -184,45 +184,48 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
 def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                  mode: str = "mpich", skipped: list | None = None,
                  placement: Placement | None = None) -> list[dict]:
-    """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n.
+    """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n on the
+    grids :func:`summasim.spec.grids` gives each product (SUMMA on a rectangular
+    ``pr x pc`` grid where p is not a square).
 
-    Only grids whose blocks are whole are priced: n divisible by q ([q, q]) and by
-    d q ([q, q, d]); the others go to ``skipped`` as ``{p, scheme, reason}``."""
+    Cannon, SUMMA and SUMMA2.5 take any n (balanced blocks, priced exactly); the deep
+    products only an n their blocks divide (n by q for sd25_ab, by q^2 for mm3d_ab);
+    the others go to ``skipped`` as ``{p, scheme, reason}``."""
     rows = []
     t1 = machine.gemm_time(n, n, n, dtype) * machine.slowdown(1)
     for p in p_values:
-        q = math.isqrt(p)
         cands = []
-        if q * q == p:
-            cands += [("cannon_ab", q, 1), ("summa_ab", q, 1)]
-        for g in spec.grids(p, "summa25_ab"):      # the grids the main job runs it on
-            cands.append(("summa25_ab", g.q, g.d))
+        for alg in ("cannon_ab", "summa_ab", "summa25_ab"):   # the grids the main job runs
+            cands += [(alg, g.q, g.d, g.pc) for g in spec.grids(p, alg)
+                      if alg != "summa25_ab" or g.d > 1 or p == 1]
         for g in spec.grids(p, "sd25_ab"):          # Solomonik-Demmel with c = d copies
             if g.d > 1 and g.q > 1:
-                cands.append(("sd25_ab", g.q, g.d))
+                cands.append(("sd25_ab", g.q, g.d, 0))
         for g in spec.grids(p, "mm3d_ab"):          # the q x q x q cube
             if g.q > 1:
-                cands.append(("mm3d_ab", g.q, g.d))
+                cands.append(("mm3d_ab", g.q, g.d, 0))
         best = {}
-        for alg, qq, dd in list(cands):
-            need = (qq * qq, "q^2") if alg == "mm3d_ab" else \
-                (qq, "q") if alg == "sd25_ab" or dd == 1 else (qq * dd, "d q")
+        for alg, qq, dd, pc in list(cands):
+            if alg in spec.ANY_SIZE:
+                continue
+            need = (qq * qq, "q^2") if alg == "mm3d_ab" else (qq, "q")
             if n % need[0]:
-                cands.remove((alg, qq, dd))
+                cands.remove((alg, qq, dd, pc))
                 if skipped is not None:
                     skipped.append({"p": p, "scheme": alg, "reason":
                                     f"n = {n} is not divisible by {need[1]} = {need[0]}"})
-        for alg, qq, dd in cands:
+        for alg, qq, dd, pc in cands:
+            exact = alg in spec.ANY_SIZE        # balanced blocks, any n, any pr x pc
+            kw = dict(machine=machine, dtype=dtype, mode=mode, strict=exact,
+                      pc=pc or None)
             try:
-                pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
-                                       mode=mode, strict=False, placement=placement)
+                pr = predict_algorithm(alg, n, n, n, qq, dd, placement=placement, **kw)
             except ValueError:           # the placement does not fit this grid
-                pr = predict_algorithm(alg, n, n, n, qq, dd, machine=machine, dtype=dtype,
-                                       mode=mode, strict=False)
-            row = {"p": p, "algorithm": alg, "grid": f"[{qq},{qq},{dd}]",
+                pr = predict_algorithm(alg, n, n, n, qq, dd, **kw)
+            row = {"p": p, "algorithm": alg, "grid": f"[{qq},{pc or qq},{dd}]",
                    "seconds": pr.seconds, "efficiency": t1 / (p * pr.seconds),
                    "comm_frac": pr.comm_seconds / pr.seconds if pr.seconds else 0.0,
-                   "algorithms": pr.describe_algorithms(), **words_moved(alg, n, qq, dd)}
+                   "algorithms": pr.describe_algorithms(), **words_moved(alg, n, qq, dd, pc)}
             if alg in ("summa25_ab", "sd25_ab"):     # the best depth of each
                 if alg not in best or row["seconds"] < best[alg]["seconds"]:
                     best[alg] = row
@@ -232,22 +235,28 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
     return rows
 
 
-def words_moved(alg: str, n: int, q: int, d: int) -> dict:
-    """The words the busiest rank of ``alg`` (an ``*_ab`` product on ``[q, q, d]``)
-    moves on n x n x n, from the closed-form events
+def words_moved(alg: str, n: int, q: int, d: int, pc: int = 0) -> dict:
+    """The words the busiest rank of ``alg`` (an ``*_ab`` product on ``[q, q, d]``, or
+    ``[q, pc, d]``) moves on n x n x n, from the closed-form events
     (:func:`~summasim.costmodel.workload.traffic.algorithm_messages`, an all-gather
     counted as the g - 1 contributions it brings in; Cannon's busiest rank
-    is one that skews both operands, (1, 1)), and the lower bounds with the blocks it
-    holds: ``{"words", "bound_independent", "bound_dependent", "words_over_bound"}``."""
-    coords = (1, 1, 0) if q > 1 else (0, 0, 0)
-    words = moved_bytes(algorithm_messages(alg, n, n, n, q, d, itemsize=1, coords=coords,
-                                           strict=False))
+    is one that skews both operands, (1, 1); with balanced blocks the first rank, whose
+    blocks are the largest), and the lower bounds with the blocks it holds:
+    ``{"words", "bound_independent", "bound_dependent", "words_over_bound"}``."""
+    cols = pc or q
+    exact = alg in spec.ANY_SIZE
+    coords = (1 % q, 1 % cols, 0)
+    msgs = lambda c: algorithm_messages(alg, n, n, n, q, d, itemsize=1,  # noqa: E731
+                                        coords=c, strict=exact, pc=pc or None)
+    words = moved_bytes(msgs(coords))
+    if exact and (pc or n % (d * q)):     # uneven: the first rank holds the most
+        words = max(words, moved_bytes(msgs((0, 0, 0))))
     if alg == "mm3d_ab":                    # every operand cut into q^2 x q pieces
         blocks = [(q * q, q)] * 3
     else:                                   # A's and C's row blocks; B copied over d
         rows = d * q if alg.startswith("summa25") else q
-        blocks = [(rows, q), (q, q), (rows, q)]
-    b = product_bounds([((n, n), bl) for bl in blocks], n, n, n, q, d)
+        blocks = [(rows, cols), (q, cols), (rows, cols)]
+    b = product_bounds([((n, n), bl) for bl in blocks], n, n, n, q, d, pc)
     return {"words": words, "bound_independent": b["memory_independent"],
             "bound_dependent": b["memory_dependent"],
             "words_over_bound": words / b["bound"] if b["bound"] > 0 else None}
@@ -255,7 +264,13 @@ def words_moved(alg: str, n: int, q: int, d: int) -> dict:
 
 #: The problems of :func:`iso_table`, with the reference growth law of each.
 ISO_REFERENCES = {"megatron": "p^3", "optimus": "(sqrt(p) log p)^3",
-                  "summa25": "summa25 closed form", "cannon": "p^1.5", "summa": "p^1.5"}
+                  "summa25": "summa25 closed form", "cannon": "p^1.5", "summa": "p^1.5",
+                  "sd25_mm": "sd25 closed form", "mm3d_mm": "mm3d closed form"}
+#: The 2.5D and 3D products' fits under the papers' assumptions take every broadcast as
+#: scatter + all-gather (bandwidth-optimal, what their closed forms assume; MPICH picks
+#: a binomial tree below 8 ranks), on cubes p = q^3 (sd25 with c = q copies).
+DEEP_ISO = {"sd25_mm", "mm3d_mm"}
+DEEP_BCAST = {"bcast": "scatter_ring_allgather"}
 
 
 def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
@@ -264,20 +279,27 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
     when given, is called once per problem fitted."""
     rows, curves = [], {}
     p4 = [p for p in p_values if p >= 16 and math.isqrt(p) ** 2 == p]
+    cubes = [p for p in p_values if p >= 8 and round(p ** (1 / 3)) ** 3 == p]
     if len(p4) < 2:
         return rows, curves
     paper = paper_machine()
     for prob, ref in ISO_REFERENCES.items():
+        deep = prob in DEEP_ISO
+        ps = cubes if deep else p4
+        if len(ps) < 2:             # fewer than two cubes in range: nothing to fit
+            if tick is not None:
+                tick()
+            continue
         mode = "paper" if prob in SCHEMES else "mpich"
-        r = isoefficiency(prob, E, p4, machine=paper, mode=mode, cfg=cfg.replace(N=1),
-                          solver="illinois")
-        rm = isoefficiency(prob, E, p4, machine=machine, mode="mpich", cfg=cfg.replace(N=1),
+        r = isoefficiency(prob, E, ps, machine=paper, mode=mode, cfg=cfg.replace(N=1),
+                          solver="illinois", algorithms=DEEP_BCAST if deep else None)
+        rm = isoefficiency(prob, E, ps, machine=machine, mode="mpich", cfg=cfg.replace(N=1),
                            dtype=cfg.dtype if prob in SCHEMES else "float64", solver="illinois")
         curves[prob] = {"paper": r, "machine": rm}
-        rows.append({"problem": prob, "E": E, "p_range": f"{p4[0]}..{p4[-1]}",
+        rows.append({"problem": prob, "E": E, "p_range": f"{ps[0]}..{ps[-1]}",
                      "slope_paper_assumptions": r.slope, "slope_this_machine": rm.slope,
                      "reference": ref,
-                     "reference_slope": reference_slope(ref, p4, E=E, cfg=cfg.replace(N=1))})
+                     "reference_slope": reference_slope(ref, ps, E=E, cfg=cfg.replace(N=1))})
         if tick is not None:
             tick()
     return rows, curves

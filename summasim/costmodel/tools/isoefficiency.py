@@ -13,9 +13,10 @@ Transformer schemes ("megatron", "optimus", "summa25"):
     s and N constant, as the paper assumes; W = serial compute of one layer's
     forward + backward (with checkpointing), ~ h^3. ``T_comm`` is the scheme's
     forward + backward communication (:func:`~summasim.costmodel.workload.layer.scheme_cost`).
-Matrix products ("cannon", "summa", "summa25_mm"):
+Matrix products ("cannon", "summa", "summa25_mm", "sd25_mm", "mm3d_mm"):
     x = n for n x n matrices, W = 2 n^3 gamma; ``T_comm`` from the closed forms of
-    :func:`~summasim.costmodel.workload.predict.predict_algorithm`.
+    :func:`~summasim.costmodel.workload.predict.predict_algorithm`. The 2.5D product
+    runs on the [q, q, c] grid with c = q where p is a cube, the 3D one on the cube.
 
 Under the papers' assumptions (alpha = 0; the paper's own collective formulas, or
 MPICH's algorithms for the matrix products) the exponents are: Megatron p^3,
@@ -24,6 +25,9 @@ MPICH uses for long messages) p^1.5.
 
 Closed forms (what a fitted slope is checked against)
 -----------------------------------------------------
+2.5D, 3D    :func:`deep_closed_form`: W ~ (p D(q, c))^3 with D the per-rank overhead of
+            :func:`deep_overhead`; (p^(1/3) - 1)^3 -> p for the 3D product and for the
+            2.5D one at c = p^(1/3), p^1.5 for the 2.5D one at a fixed c.
 Megatron    W ~ h^3 ~ p^3 (Optimus section 3.1.2: "the isoefficiency function for
             Megatron is W ~ h^3 ~ p^3").
 Optimus     W ~ h^3 ~ (sqrt(p) log p)^3 (Optimus section 3.1.2, from a communication
@@ -56,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from summasim import spec
 from summasim.costmodel.machine import Machine
 from summasim.costmodel.workload.predict import predict_algorithm
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
@@ -64,7 +69,8 @@ from summasim.costmodel.workload.layer import layer_ops, scheme_cost
 from . import scheme_grids
 
 TRANSFORMER_PROBLEMS = SCHEMES
-MATMUL_PROBLEMS = {"cannon": "cannon_ab", "summa": "summa_ab", "summa25_mm": "summa25_ab"}
+MATMUL_PROBLEMS = {"cannon": "cannon_ab", "summa": "summa_ab", "summa25_mm": "summa25_ab",
+                   "sd25_mm": "sd25_ab", "mm3d_mm": "mm3d_ab"}
 PROBLEMS = TRANSFORMER_PROBLEMS + tuple(MATMUL_PROBLEMS)
 
 
@@ -208,9 +214,29 @@ def _transformer_fns(problem, p, machine, mode, cfg, b_per_h, n_per_h, d):
     return sch, W, T
 
 
-def _matmul_fns(problem, p, machine, mode, dtype, d):
+def deep_grid(problem: str, p: int, d: int | None = None) -> tuple[int, int] | None:
+    """``(q, c)`` of the 2.5D or 3D product at p ranks: mm3d on the q x q x q cube
+    (p = q^3); sd25 on the ``[q, q, c]`` grid of :func:`summasim.spec.grids` with
+    ``c = d``, or with ``d=None`` the one with c = q (the cube, Solomonik and Demmel's
+    most replicated optimal choice, c = p^(1/3)) else the deepest with c <= q. None
+    when p has no such grid."""
     name = MATMUL_PROBLEMS[problem]
-    if name == "summa25_ab":
+    shapes = [(g.q, g.d) for g in spec.grids(p, name) if g.q > 1 and g.d > 1]
+    if name == "mm3d_ab" or d is not None:
+        return next(((q, c) for q, c in shapes if d is None or c == d), None)
+    cube = [(q, c) for q, c in shapes if c == q]
+    fit = [(q, c) for q, c in shapes if c <= q]
+    return (cube or fit[-1:] or [None])[0]
+
+
+def _matmul_fns(problem, p, machine, mode, dtype, d, algorithms=None):
+    name = MATMUL_PROBLEMS[problem]
+    if name in ("sd25_ab", "mm3d_ab"):
+        grid = deep_grid(problem, p, d)
+        if grid is None:
+            return None, None, None
+        q, dd = grid
+    elif name == "summa25_ab":
         sch = _scheme_for("summa25", p, d)
         if sch is None:
             return None, None, None
@@ -225,7 +251,7 @@ def _matmul_fns(problem, p, machine, mode, dtype, d):
 
     def T(n):
         return predict_algorithm(name, n, n, n, q, dd, machine=machine, dtype=dtype, mode=mode,
-                                 strict=False).comm_seconds
+                                 strict=False, algorithms=algorithms).comm_seconds
 
     return f"[{q},{q},{dd}]", W, T
 
@@ -234,7 +260,7 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
                   mode: str = "paper", cfg: TransformerConfig | None = None,
                   b_per_h: float = 1 / 64, n_per_h: float = 1 / 64, d: int | None = None,
                   dtype: str = "float64", x_bounds=(1e-3, 1e12),
-                  solver: str = "brentq") -> IsoResult:
+                  solver: str = "brentq", algorithms: dict | None = None) -> IsoResult:
     """Solve for the problem size keeping efficiency ``E`` at each p; fit W ~ p^slope.
 
     Parameters
@@ -265,6 +291,9 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
         Search interval for h or n.
     solver : {"brentq", "illinois"}
         ``scipy.optimize.brentq``, or :func:`illinois_root` (no SciPy import).
+    algorithms : dict, optional
+        The matrix products' collectives forced per op (``{"bcast":
+        "scatter_ring_allgather"}``), as :func:`predict_algorithm` takes them.
 
     Returns
     -------
@@ -293,7 +322,7 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
             sch, W, T = _transformer_fns(problem, p, machine, mode, cfg, b_per_h, n_per_h, d)
             label = sch.label if sch else None
         else:
-            label, W, T = _matmul_fns(problem, p, machine, mode, dtype, d)
+            label, W, T = _matmul_fns(problem, p, machine, mode, dtype, d, algorithms)
         if W is None or label is None:
             continue
 
@@ -309,6 +338,61 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
         Ws.append(W(x) if math.isfinite(x) else float("nan"))
         grids.append(label)
     return IsoResult(problem, E, ps, xs, Ws, loglog_slope(ps, Ws), grids)
+
+
+# -- 2.5D and 3D matrix multiplication: the closed forms -----------------------------------
+def deep_overhead(problem: str, q: int, c: int) -> float:
+    """``T_comm / (beta w n^2)`` of one rank of the 2.5D or 3D product (alpha = 0, every
+    collective at its bandwidth-optimal form: a broadcast as scatter + all-gather,
+    ``2 (g-1)/g`` of the buffer, an all-gather or reduce-scatter ``(g-1)/g``, an
+    all-reduce ``2 (g-1)/g``, what MPICH selects for long messages and summasim's ring
+    sends), from the events of
+    :func:`~summasim.costmodel.workload.traffic.algorithm_events`:
+
+    mm3d on q x q x q:  all-gathers of the A and B pieces over q (``n^2/q^3`` each) and a
+                        reduce-scatter of the ``n^2/q^2`` C block over q:
+                        ``3 (q-1) / q^3``
+    sd25 on [q, q, c]:  two depth broadcasts of ``n^2/q^2`` blocks over c, q/c SUMMA
+                        steps of a row and a column broadcast over q, an all-reduce of
+                        the C block over c:
+                        ``(6 (c-1) + 4 (q-1)) / (c q^2)``
+    """
+    if problem == "mm3d_mm":
+        return 3.0 * (q - 1) / q ** 3
+    if problem == "sd25_mm":
+        return (6.0 * (c - 1) + 4.0 * (q - 1)) / (c * q * q)
+    raise ValueError(f"no deep closed form for {problem!r}")
+
+
+def deep_closed_form(problem: str, E: float, p_values, *, d: int | None = None,
+                     beta: float = 1e-9, gamma: float = 1e-11, itemsize: int = 8
+                     ) -> IsoResult:
+    """Isoefficiency of the 2.5D (``"sd25_mm"``) and 3D (``"mm3d_mm"``) n x n products in
+    closed form, on the grids :func:`isoefficiency` takes (:func:`deep_grid`).
+
+    With ``W = 2 n^3 gamma`` and ``T_comm = beta w n^2 D(q, c)`` (:func:`deep_overhead`),
+    ``p T_comm / W = (1-E)/E`` gives ``n = p beta w D E / (2 gamma (1-E))`` and W = 2 gamma
+    n^3 ~ (p D)^3. For mm3d, ``p D = 3 (q-1)`` with q = p^(1/3): W ~ (p^(1/3) - 1)^3,
+    which tends to p (the 3D algorithm's isoefficiency with alpha = 0; Grama et al.
+    section 8.2.3 give p log^3 p once the latency of its log p steps counts). For sd25
+    at c = q it is the same law, ``p D = 10 (q-1)`` (constant aside); at a fixed c,
+    ``p D = 6 (c-1) + 4 (q-1)`` with q = sqrt(p/c): W tends to p^1.5, SUMMA's law, the
+    copies only shrinking the constant (Solomonik and Demmel 2011, section 4).
+    """
+    if not 0 < E < 1:
+        raise ValueError(f"efficiency E must be in (0, 1), got {E}")
+    ps, xs, Ws, grids = [], [], [], []
+    for p in p_values:
+        grid = deep_grid(problem, int(p), d)
+        if grid is None:
+            continue
+        q, c = grid
+        n = int(p) * beta * itemsize * deep_overhead(problem, q, c) * E / (2 * gamma * (1 - E))
+        ps.append(int(p))
+        xs.append(n)
+        Ws.append(2 * gamma * n ** 3)
+        grids.append(f"[{q},{q},{c}]")
+    return IsoResult(f"{problem} closed form", E, ps, xs, Ws, loglog_slope(ps, Ws), grids)
 
 
 # -- SUMMA2.5-LM: the closed form ----------------------------------------------------------
@@ -589,7 +673,10 @@ def reference_slope(kind: str, p_values, *, E: float = 0.5,
     """Log-log slope of a reference growth law over ``p_values``.
 
     Kinds: "p^3", "p^1.5", "(sqrt(p) log p)^3" (log base 2; alias "optimus"),
-    "(p^(2/3) log p)^3" (SUMMA2.5 at d = p^(1/3), asymptotically), and SUMMA2.5-LM's
+    "(p^(2/3) log p)^3" (SUMMA2.5 at d = p^(1/3), asymptotically), "(p^(1/3) - 1)^3"
+    (the 3D product, and the 2.5D one at c = p^(1/3)), the 2.5D and 3D products' closed
+    forms "sd25 closed form" and "mm3d closed form" (:func:`deep_closed_form`, at depth
+    ``d`` for sd25), and SUMMA2.5-LM's
     closed forms of :func:`summa25_closed_form` on the grids :func:`isoefficiency` takes
     at each p for depth ``d`` (p without one are skipped), with ``cfg``'s s, f, dtype
     and recompute and ``b_per_h`` (defaults: :func:`isoefficiency`'s), on
@@ -602,6 +689,8 @@ def reference_slope(kind: str, p_values, *, E: float = 0.5,
         order = "exact" if kind == "summa25 closed form" else "leading"
         return summa25_closed_form(E, p_values, d=d, cfg=cfg, b_per_h=b_per_h,
                                    order=order).slope
+    if kind in ("sd25 closed form", "mm3d closed form"):
+        return deep_closed_form(kind.split()[0] + "_mm", E, p_values, d=d).slope
     p = np.asarray(list(p_values), float)
     if kind == "p^3":
         y = p ** 3
@@ -611,6 +700,8 @@ def reference_slope(kind: str, p_values, *, E: float = 0.5,
         y = (np.sqrt(p) * np.log2(p)) ** 3
     elif kind == "(p^(2/3) log p)^3":
         y = (p ** (2 / 3) * np.log2(p)) ** 3
+    elif kind == "(p^(1/3) - 1)^3":
+        y = (np.cbrt(p) - 1) ** 3
     else:
         raise ValueError(f"unknown reference {kind!r}")
     return loglog_slope(p, y)
