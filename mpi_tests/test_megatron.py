@@ -123,6 +123,46 @@ def test_agrees_with_serial(backend, dtype, checkpoint):
                              f"error above {tol:g} in {bad}")
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("extra", [1, -1, 2 - 3 * P], ids=["3P+1", "3P-1", "v=2"])
+def test_a_vocabulary_p_does_not_divide_is_padded(backend, extra, tied):
+    """v = 3P + 1, 3P - 1 and 2 (fewer ids than ranks at P > 2): the vocabulary is padded
+    to P ceil(v/P) ids, as Megatron-LM pads it. Loss, logits and every gradient agree with
+    the serial model; every rank holds a ceil(v/P) block (the padding zeros, whose
+    gradients stay zero), and unshard and logits give the serial shapes."""
+    vocab = 3 * P + extra
+    skip_unless(vocab >= 2 and vocab % P != 0, f"v = {vocab} divides p = {P} or is too small")
+    cfg = model.Config(vocab=vocab, seq=S + 1, hidden=HEAD_SIZE * HEADS, heads=HEADS,
+                       layers=1, dtype=np.float64, tied=tied)
+    params = make_params(cfg, seed=2)
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, vocab, size=(B, S))
+    targets = rng.integers(0, vocab, size=(B, S))
+    ser_loss, ser_cache = model.forward(params, tokens, targets, cfg)
+    ser_grads = model.backward(ser_cache)
+    block = megatron.vocab_block(vocab, P)
+    with Grid1D(WORLD, backend=backend) as grid:
+        local, loss, cache, local_grads = run_parallel(params, tokens, targets, cfg, grid,
+                                                       False, backend)
+        key, axis = ("wte", 0) if tied else ("head.w", 1)
+        start = grid.rank * block
+        pad = host({key: local_grads[key]}, backend)[key]
+        pad = pad[max(vocab - start, 0):] if axis == 0 else pad[:, max(vocab - start, 0):]
+        shapes_ok = local[key].shape[axis] == block and not np.any(pad)
+        grads = host(megatron.unshard(local_grads, cfg, grid), backend)
+        logits = backend.to_numpy(megatron.logits(cache, cfg, grid))
+        back = backend.to_numpy(megatron.local_logits(ser_cache.logits, cfg, grid))
+    errs = {"loss": abs(loss - ser_loss) / abs(ser_loss),
+            "logits": rel_err(logits, ser_cache.logits)}
+    errs.update({k: rel_err(grads[k], ser_grads[k]) for k in params})
+    bad = {k: f"{e:.2e}" for k, e in errs.items() if not e <= TOL[cfg.dtype]}
+    parallel_assert(shapes_ok and logits.shape == (B, S, vocab) and back.shape[-1] == block,
+                    f"v = {vocab}: local block {local[key].shape}, padding grads "
+                    f"{np.abs(pad).max() if pad.size else 0}, logits {logits.shape}")
+    parallel_assert(not bad and all(grads[k].shape == params[k].shape for k in params),
+                    f"v = {vocab} tied={tied}: {bad}")
+
+
 @pytest.mark.parametrize("group", ["world", "self"])
 def test_f_and_g_pair_up_in_closed_form(group):
     """f and g on ``x = rank + 1`` everywhere: each all-reduce direction (g_forward,
@@ -319,10 +359,11 @@ def test_bad_config_raises_everywhere_before_communicating():
     good = make_config(np.float64)
     bad_heads = model.Config(vocab=3 * P, seq=S + 1, hidden=HEAD_SIZE * (P + 1), heads=P + 1,
                              layers=1)
-    bad_vocab = model.Config(vocab=3 * P + 1, seq=S + 1, hidden=HEAD_SIZE * P, heads=P, layers=1)
+    bad_ffn = model.Config(vocab=3 * P + 1, seq=S + 1, hidden=HEAD_SIZE * P, heads=P, layers=1,
+                           ffn_mult=Fraction(2 * P + 1, HEAD_SIZE * P))   # (any vocab runs)
     tokens, targets = make_data(good)
     with Grid1D(WORLD) as grid:
-        for cfg, dim, size in ((bad_heads, "heads", P + 1), (bad_vocab, "vocab", 3 * P + 1)):
+        for cfg, dim, size in ((bad_heads, "heads", P + 1), (bad_ffn, "ffn", 2 * P + 1)):
             for fn, args in ((megatron.check, (cfg, grid)),
                              (megatron.shard, (model.init_params(cfg), cfg, grid)),
                              (megatron.forward, ({}, tokens, targets, cfg, grid))):

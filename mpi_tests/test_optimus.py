@@ -123,6 +123,40 @@ def digest(arr) -> str:
 # agreement with the serial model                                             #
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("q,d", GRIDS, ids=GRID_IDS)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_vocabulary_q_does_not_divide_is_padded(q, d, tied, backend):
+    """v = 3q + 1 and v = 2 (fewer ids than a row of ranks at q > 2): the vocabulary is
+    padded to q ceil(v/q) ids, as Megatron-LM pads it. Loss, logits and every gradient
+    agree with the serial model; wte's (head.w's) blocks are ceil(v/q) ids on every rank,
+    the padding's gradients stay zero, and local_logits and logits are each other's
+    inverse on the serial shapes."""
+    for vocab in sorted({3 * q + 1, 2}):
+        if vocab % q == 0:
+            continue
+        cfg = model.Config(vocab=vocab, seq=5, hidden=4 * q, heads=2 * q, layers=1,
+                           dtype=np.float64, tied=tied)
+        params = make_params(cfg)
+        tokens, targets = make_batch(cfg, 2 * d * q, 4)
+        ref = serial(cfg, params, tokens, targets)
+        block = optimus.vocab_block(vocab, q)
+        with Grid(WORLD, q, d, backend=backend) as grid:
+            run = run_parallel(grid, cfg, params, tokens, targets, False, backend)
+            key, axis, idx = ("wte", 0, grid.i) if tied else ("head.w", 1, grid.j)
+            g = run["lgrads"][key]
+            start = idx * block
+            pad = g[max(vocab - start, 0):] if axis == 0 else g[:, max(vocab - start, 0):]
+            back = optimus.local_logits(ref[1], cfg, grid)
+        errs = errors(run, ref)
+        parallel_assert(max(errs.values()) <= FLOAT64_TOL,
+                        f"v = {vocab} tied={tied} on [{q},{q},{d}]: {worst(errs)}")
+        parallel_assert(run["local"][key].shape[axis] == block and not np.any(pad)
+                        and run["logits"].shape == ref[1].shape
+                        and back.shape == run["local_logits"].shape,
+                        f"v = {vocab}: block {run['local'][key].shape}, padding grads "
+                        f"{np.abs(pad).max(initial=0)}, logits {run['logits'].shape}")
+
+
+@pytest.mark.parametrize("q,d", GRIDS, ids=GRID_IDS)
 def test_matches_serial(q, d, backend):
     """float64, 2 layers, heads = 2q, head size 2, vocab = 3q, b = 2dq, s = 4 < seq = 5:
     loss, logits and every gradient within 1e-10, checkpoint off and on; the
@@ -423,9 +457,10 @@ def _bad_configs(q, d):
         out.append((["Config.heads", f"= {q + 1}", f"q = {q}"],
                     model.Config(vocab=2 * q, seq=4, hidden=q * (q + 1), heads=q + 1, layers=1),
                     d * q))
-        out.append((["Config.vocab", f"= {2 * q + 1}", f"q = {q}"],
-                    model.Config(vocab=2 * q + 1, seq=4, hidden=2 * q, heads=q, layers=1),
-                    d * q))
+        # (any vocabulary runs: it is padded to a multiple of q)
+        out.append((["ffn", f"= {2 * q + 1}", f"q = {q}"],
+                    model.Config(vocab=2 * q + 1, seq=4, hidden=2 * q, heads=q, layers=1,
+                                 ffn_mult=Fraction(2 * q + 1, 2 * q)), d * q))
     return out
 
 

@@ -472,9 +472,11 @@ class TensorGrid:
                  seq=None) -> list[tuple[str, object, int, str]]:
         """THE rule of which sizes this grid must divide: ``(what, size, divisor,
         symbol)`` for each, in order. Megatron over p: whole heads, column and row slices
-        and vocabulary slices per rank (heads, hidden, ffn width, vocab by p). Optimus
+        per rank (heads, hidden, ffn width by p; any vocabulary, padded to a multiple of
+        p as Megatron-LM pads it: ``megatron.vocab_block``). Optimus
         and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
-        heads, ffn width, vocab by q. Grouped-query attention (``kv_heads`` given) also
+        heads, ffn width by q (the vocabulary padded to a multiple of q:
+        ``optimus.vocab_block``). Grouped-query attention (``kv_heads`` given) also
         needs whole key/value heads per rank (kv heads by p, or by q), and Megatron's
         sequence parallelism (``seq`` given) whole sequence slices (seq by p). A size
         given as None is left out. The runtime
@@ -484,12 +486,12 @@ class TensorGrid:
         if self.kind in ("1d", "ring"):
             dims = [("heads", heads, p, "p"), ("kv heads", kv_heads, p, "p"),
                     ("hidden", hidden, p, "p"), ("ffn width", ffn_width, p, "p"),
-                    ("vocab", vocab, p, "p"), ("sequence", seq, p, "p")]
+                    ("sequence", seq, p, "p")]
         else:
             dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
                     ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
                     ("kv heads", kv_heads, q, "q"),
-                    ("ffn width", ffn_width, q, "q"), ("vocab", vocab, q, "q")]
+                    ("ffn width", ffn_width, q, "q")]
         return [dim for dim in dims if dim[1] is not None]
 
     def misfits(self, model: Model, batch: int | None = None,
@@ -505,11 +507,11 @@ class TensorGrid:
     def misfit(self, model: Model, batch: int | None = None, seq: int | None = None) -> str:
         """Why this grid cannot shard ``model`` (with ``batch`` sequences); "" when it can.
 
-        Megatron over p: whole heads, column and row slices and vocabulary slices per
-        rank (heads, hidden, ffn width and vocab divisible by p). Optimus and SUMMA2.5-LM
-        on [q, q, d]: the batch by d q (whole sequences per rank) and hidden, heads,
-        vocab and ffn width by q. The schemes' own checks (``megatron.check``,
-        ``optimus.check``) enforce the same.
+        Megatron over p: whole heads, column and row slices per rank (heads, hidden and
+        ffn width divisible by p). Optimus and SUMMA2.5-LM on [q, q, d]: the batch by d q
+        (whole sequences per rank) and hidden, heads and ffn width by q. Any vocabulary:
+        the schemes pad it to a multiple of p (q), as Megatron-LM does. The schemes' own
+        checks (``megatron.check``, ``optimus.check``) enforce the same.
         """
         return "; ".join(f"{what} = {size} is not divisible by {by}"
                          for what, size, by in self.misfits(model, batch, seq))
@@ -921,6 +923,16 @@ def block_range(size: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(int(size), int(parts))
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+def vocab_block(vocab: int, parts: int) -> int:
+    """Vocabulary ids per block when a vocabulary is cut into ``parts`` blocks (Megatron's
+    p ranks, Optimus's and SUMMA2.5-LM's q rows or columns): ``ceil(v / parts)``. A
+    vocabulary that does not divide is padded to ``parts ceil(v / parts)`` ids, as
+    Megatron-LM pads it (``--make-vocab-size-divisible-by``, times the tensor size): the
+    padding rows of ``wte`` (columns of ``head.w``) are zeros that no token looks up,
+    their logits are left out of the softmax, their gradients stay zero."""
+    return -(-int(vocab) // int(parts))
 
 
 # ---------------------------------------------------------------------------------------

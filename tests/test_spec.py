@@ -158,7 +158,10 @@ def test_grids_filter_by_model():
     assert [str(g) for g in grids(16, "summa25", tiny, batch=8)] == ["summa25:2x2x4"]
     assert grids(16, "summa25", tiny, batch=4) == []   # 4 sequences on d q = 8
     why = TensorGrid.parse("megatron:3").misfit(tiny)
-    assert "heads = 16 is not divisible by 3" in why and "vocab = 64" in why
+    assert "heads = 16 is not divisible by 3" in why and "vocab" not in why  # (padded)
+    gpt2 = tiny.replace(vocab=50257)             # any vocabulary: padded to p (q) blocks
+    assert TensorGrid.parse("megatron:16").misfit(gpt2) == ""
+    assert TensorGrid.parse("optimus:4x4").misfit(gpt2, batch=8) == ""
 
 
 # -- rank order --------------------------------------------------------------------------
@@ -192,14 +195,17 @@ def test_one_divisibility_rule_for_the_runtime_and_the_cost_model():
     """spec's TensorGrid.divisors is the rule; both floors phrase it, neither keeps its own."""
     from summasim.costmodel.workload.scheme import Scheme, TransformerConfig, misfit
 
-    odd = Model(vocab=63, seq=16, hidden=64, heads=16, layers=2)    # 63 divides by nothing
-    for text, want in (("megatron:4", ["vocab"]), ("optimus:2x2", ["vocab"]),
-                       ("summa25:2x2x2", ["batch", "vocab"])):
+    # 60 heads of 1: 60 divides by 4 (megatron:4, optimus:2x2) but not by 8 (megatron:8)
+    odd = Model(vocab=63, seq=16, hidden=60, heads=60, layers=2, ffn_mult=2)
+    for text, want in (("megatron:4", []), ("megatron:8", ["heads", "hidden"]),
+                       ("optimus:2x2", []), ("summa25:2x2x2", ["batch"])):
         g = TensorGrid.parse(text)
         assert [w for w, *_ in g.misfits(odd, batch=6)] == want, text
         cfg = TransformerConfig.from_model(odd, 6, dtype="float32")
         why = misfit(Scheme.of_grid(g), cfg) or ""
-        assert ("vocabulary v = 63" in why) and (("batch b = 6" in why) == ("batch" in want))
+        # any vocabulary: padded to a multiple of p (q), never a misfit
+        assert "vocabulary" not in why and (("batch b = 6" in why) == ("batch" in want))
+        assert ("heads n = 60" in why) == ("heads" in want)
     # the cost model's sizes may be real: a size that is not whole divides by nothing
     cfg = TransformerConfig(b=8, s=16, h=64.5, n=16, N=2, v=0)
     assert "hidden h = 64.5" in misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg)

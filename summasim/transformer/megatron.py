@@ -44,7 +44,9 @@ Parameter gradients need no communication: ``dA_r = X^T dY_r``, ``db_r = sum dY_
 gradients are computed from replicated arrays, identically on every rank.
 
 Vocabulary parallelism. ``wte = [E_1; ...; E_p]`` is split by rows (vocabulary ids
-``[r v/p, (r+1) v/p)``, layout ``"row"``). The embedding is a masked lookup (ids
+``[r v/p, (r+1) v/p)``, layout ``"row"``; a vocabulary p does not divide is padded to
+``p ceil(v/p)`` ids, :func:`summasim.spec.vocab_block`, whose zero rows no token looks up
+and whose logits the cross-entropy leaves out). The embedding is a masked lookup (ids
 outside the shard give 0) followed by an all-reduce; ``wpe`` is replicated. The
 tied LM head gives each rank its logit columns ``Z_r = x E_r^T [b*s, v/p]``; the
 cross-entropy reduces over the vocabulary with three all-reduces of ``[b*s, 1]``
@@ -233,7 +235,7 @@ from summasim.algorithms.allreduce import ring_allgather_unchecked, ring_reduce_
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
-from summasim.spec import ATTENTIONS, positive_int
+from summasim.spec import ATTENTIONS, positive_int, vocab_block  # noqa: F401  (padding)
 
 from . import model, ops
 from .model import Config
@@ -268,11 +270,12 @@ def param_layout(config: Config) -> dict:
 
 
 def _local_shape(shape: tuple, kind: str, p: int) -> tuple:
+    # a split axis p does not divide is padded (only the vocabulary can be: check())
     if kind == "replicated":
         return tuple(shape)
     if kind == "row":
-        return (shape[0] // p,) + tuple(shape[1:])
-    return tuple(shape[:-1]) + (shape[-1] // p,)          # "col" and "qkv"
+        return (-(-shape[0] // p),) + tuple(shape[1:])
+    return tuple(shape[:-1]) + (-(-shape[-1] // p),)     # "col" and "qkv"
 
 
 def local_param_shapes(config: Config, p: int) -> dict:
@@ -293,7 +296,8 @@ def check(config: Config, grid, *, seq: Optional[int] = None,
           sequence_parallel: bool = False) -> None:
     """Raise ``ValueError`` (on every rank, without communicating) unless ``config``
     can be split over ``grid.p`` ranks: heads, key/value heads (grouped-query
-    attention), vocab and the MLP width divisible by p; with ``sequence_parallel``, also
+    attention) and the MLP width divisible by p (any vocabulary: it is padded to a
+    multiple of p, :func:`vocab_block`); with ``sequence_parallel``, also
     the sequence length ``seq`` (default ``config.seq``: pass the micro-batch's T),
     since each rank holds T/p positions. (The same list as
     :meth:`summasim.spec.TensorGrid.divisors` for a 1D grid, phrased for the runtime.)
@@ -305,10 +309,8 @@ def check(config: Config, grid, *, seq: Optional[int] = None,
     p = grid.p
     why = {"heads": "every rank holds whole attention heads",
            "kv_heads": "every rank holds whole key/value heads",
-           "vocab": "wte rows (head.w columns) and the logits are split over the vocabulary",
            "ffn": "the MLP's fc (and gate) columns and proj rows are split"}
-    sizes = {"heads": config.heads, "kv_heads": config.kv_heads, "vocab": config.vocab,
-             "ffn": config.ffn}
+    sizes = {"heads": config.heads, "kv_heads": config.kv_heads, "ffn": config.ffn}
     bad = [f"Config.{dim} = {size} is not divisible by p = {p} ({why[dim]})"
            for dim, size in sizes.items() if size % p]
     if sequence_parallel:
@@ -559,7 +561,20 @@ def _split(a, kind: str, grid, config: Config):
     view (an in-place optimizer step on the shards must not touch the serial model)."""
     xp = array_module(a)
     if kind in ("row", "col"):
-        a = a[layout.block_slices(a.shape, kind, layout.grid_numbers(grid))]   # view
+        axis = 0 if kind == "row" else a.ndim - 1
+        n = vocab_block(a.shape[axis], grid.p)          # the padded vocabulary's block
+        lo, hi = min(grid.rank * n, a.shape[axis]), min((grid.rank + 1) * n, a.shape[axis])
+        if hi - lo < n:                                 # a block in the padding: zeros
+            out = xp.zeros(_local_shape(a.shape, kind, grid.p), dtype=a.dtype)
+            idx = [slice(None)] * a.ndim
+            idx[axis] = slice(0, hi - lo)
+            src = [slice(None)] * a.ndim
+            src[axis] = slice(lo, hi)
+            out[tuple(idx)] = a[tuple(src)]
+            return out
+        idx = [slice(None)] * a.ndim
+        idx[axis] = slice(lo, hi)
+        a = a[tuple(idx)]                               # view
     elif kind == "qkv":
         # [..., Q | K | V] (h + 2 kv_width columns) -> [..., Q_r | K_r | V_r]: block r of
         # the p contiguous column blocks of each section (this rank's query heads and
@@ -664,8 +679,11 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             out[name] = local_grads[name].copy()
             continue
         n = blocks[name]
-        out[name] = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind,
-                              config)
+        whole = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind,
+                          config)
+        serial = model.param_shapes(config)[name]
+        out[name] = whole if whole.shape == serial else xp.ascontiguousarray(
+            whole[tuple(slice(0, k) for k in serial)])          # drop the vocabulary pad
         off += n
     return out
 
@@ -876,7 +894,7 @@ def embed_forward(p: dict, tokens, config: Config, grid, sequence_parallel: bool
     is copied. Unchecked but for T % p (:func:`forward` checks).
     """
     combine_vocab, _, _ = _vocab_hooks(grid)
-    vocab_start = grid.rank * (config.vocab // grid.p)
+    vocab_start = grid.rank * vocab_block(config.vocab, grid.p)
     if not sequence_parallel:
         with grid.trace.phase("embed.fwd"):
             x, emb = ops.embedding_forward(tokens, p["wte"], p["wpe"],
@@ -1050,8 +1068,9 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
                 logits, head = ops.lm_head_forward(x, p["wte"])  # (B, T, v/p) or (T, B, v/p)
             else:          # untied: x head.w_r, this rank's vocabulary columns
                 logits, head = ops.linear_forward(x, p["head.w"])  # (B, T, v/p) or (T, B, v/p)
-            reductions = dict(vocab_start=grid.rank * (config.vocab // grid.p),
-                              max_vocab=max_vocab, sum_vocab=sum_vocab)
+            start = grid.rank * vocab_block(config.vocab, grid.p)
+            reductions = dict(vocab_start=start, max_vocab=max_vocab, sum_vocab=sum_vocab,
+                              vocab_valid=config.vocab - start)
         if n_items is None:
             n_items = math.prod(logits.shape[:-1])
         loss, ce = None, None
@@ -1229,7 +1248,7 @@ def local_logits(full, config: Config, grid):
     classification); the inverse of :func:`logits`, and no data moves."""
     if config.n_classes or grid.p == 1:
         return array_module(full).array(full, copy=True)
-    return layout.split(full, grid, "col")
+    return _split(full, "col", grid, config)                   # the padded vocabulary's block
 
 
 def logits(cache: MegatronCache, config: Config, grid):
@@ -1240,7 +1259,9 @@ def logits(cache: MegatronCache, config: Config, grid):
     if config.n_classes or grid.p == 1:
         return local.copy()
     with grid.trace.phase("logits"), grid.trace.phase("aux.gather"):
-        return layout.join(local, grid, "col")                      # (B, T, v)
+        full = layout.join(local, grid, "col")                      # (B, T, padded v)
+    return full if full.shape[-1] == config.vocab else \
+        array_module(full).ascontiguousarray(full[..., :config.vocab])
 
 
 # --------------------------------------------------------------------------- #

@@ -871,7 +871,8 @@ class CrossEntropyCache(NamedTuple):
 
 def cross_entropy_forward(logits, targets, *, vocab_start=0,
                           max_vocab: Optional[Reduction] = None,
-                          sum_vocab: Optional[Reduction] = None):
+                          sum_vocab: Optional[Reduction] = None,
+                          vocab_valid: Optional[int] = None):
     """Per-token cross-entropy ``logsumexp(logits) - logits[target]``.
 
     Parameters
@@ -889,6 +890,9 @@ def cross_entropy_forward(logits, targets, *, vocab_start=0,
         It is called twice: on the exponentials (N, V_local), and on the picked
         target logit (N, 1), which is 0 on ranks that do not hold the target,
         so the sum delivers it to every rank.
+    vocab_valid : how many of this rank's columns are real ids (default all); the rest
+        pad the vocabulary to a multiple of the ranks and are left out of the softmax
+        (their probability and gradient are 0).
 
     Returns the per-token losses (...) -- the caller takes the mean and seeds
     the backward with ``dlosses = 1 / n_tokens`` -- and the cache. Every rank of
@@ -901,6 +905,9 @@ def cross_entropy_forward(logits, targets, *, vocab_start=0,
     v_local = logits.shape[-1]
     z = logits.reshape(-1, v_local)                     # (N, V)
     n = z.shape[0]
+    if vocab_valid is not None and vocab_valid < v_local:  # padding ids: out of the softmax
+        z = z.copy()
+        z[:, max(int(vocab_valid), 0):] = -xp.inf
     m = max_vocab(z)                                    # (N, 1)
     probs = z - m                                       # (N, V)
     xp.exp(probs, out=probs)
@@ -913,8 +920,8 @@ def cross_entropy_forward(logits, targets, *, vocab_start=0,
     else:
         tgt = xp.where(mask, tgt, 0)                    # (N,)
     picked = z[xp.arange(n), tgt][:, None]              # (N, 1)
-    if mask is not None:
-        picked = picked * mask[:, None]                 # (N, 1) 0 off-shard
+    if mask is not None:                                # 0 off-shard (where, not *: a
+        picked = xp.where(mask[:, None], picked, 0)     # padding column is -inf) (N, 1)
     picked = sum_vocab(picked)                          # (N, 1)
     losses = (xp.log(total) + m - picked)[:, 0]         # (N,)
     probs *= 1.0 / total

@@ -182,7 +182,7 @@ from summasim.algorithms.summa25 import summa25_abt_unchecked as summa25_abt
 from summasim.algorithms.summa25 import summa25_atb_unchecked as summa25_atb
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
-from summasim.spec import ATTENTIONS
+from summasim.spec import ATTENTIONS, vocab_block  # noqa: F401  (the padded vocabulary)
 
 from . import model, ops
 from .model import Config
@@ -241,7 +241,6 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
             ("heads n = Config.heads", config.heads, q, "q", "each column holds n/q whole heads"),
             ("kv heads = Config.kv_heads", config.kv_heads, q, "q",
              "each column holds kv/q whole key/value heads"),
-            ("vocab v = Config.vocab", config.vocab, q, "q", "wte is split into q x q blocks"),
             ("ffn = round(Config.ffn_mult * hidden)", config.ffn, q, "q",
              "MLP columns split over q")]
     if batch is not None:
@@ -300,7 +299,34 @@ def local_shapes(config: Config, grid) -> dict:
             block = shape[:-1] + (shape[-1] // q,)
             out[name] = block if grid.i == 0 else (0,) + block[1:]
         else:
-            out[name] = (shape[0] // q, shape[1] // q)
+            out[name] = _block_shape(name, shape, config, q)
+    return out
+
+
+def _block_shape(name: str, shape: tuple, config: Config, q: int) -> tuple:
+    """A 2d block's shape: ``(rows/q, cols/q)``, the vocabulary axis padded
+    (:func:`vocab_block`)."""
+    if name == "wte":
+        return (vocab_block(config.vocab, q), shape[1] // q)
+    if name == "head.w":
+        return (shape[0] // q, vocab_block(config.vocab, q))
+    return (shape[0] // q, shape[1] // q)
+
+
+def _padded_shape(name: str, shape: tuple, config: Config, q: int) -> tuple:
+    """The serial shape of a 2d parameter with its vocabulary axis padded."""
+    nr, nc = _block_shape(name, shape, config, q)
+    return (nr * q, nc * q)
+
+
+def _pad_vocab(arr, name: str, config: Config, q: int):
+    """``arr`` (a serial 2d parameter) with zero rows (``wte``) or columns (``head.w``)
+    padding its vocabulary to a multiple of q; ``arr`` itself when q divides it."""
+    full = _padded_shape(name, arr.shape, config, q)
+    if tuple(arr.shape) == full:
+        return arr
+    out = array_module(arr).zeros(full, dtype=arr.dtype)
+    out[:arr.shape[0], :arr.shape[1]] = arr
     return out
 
 
@@ -538,6 +564,7 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
             cols = perm[cols]                      # column block j = [Q_j | K_j | V_j]
         if not _is_row0_key(name):                 # 2d block (i, j)
             nr = shapes[name][0]
+            arr = _pad_vocab(arr, name, config, q)
             blk = arr[i * nr:(i + 1) * nr][:, cols]
         elif i == 0:                               # row 0 hosts column block j
             blk = arr[..., cols]
@@ -572,7 +599,7 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
         elif _is_row0_key(name):
             sizes[name] = math.prod(shape) // q
         else:
-            sizes[name] = math.prod(shape) // (q * q)
+            sizes[name] = math.prod(_block_shape(name, shape, config, q))
     total = sum(sizes.values())
     buf = xp.zeros(total, dtype=config.dtype)                              # (S,)
     off = {}
@@ -606,8 +633,9 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             blocks = [seg[jj].reshape(lead + (nc,)) for jj in range(q)]    # row 0: ranks 0..q-1
             full = xp.concatenate(blocks, axis=-1)                          # shape
         else:
-            nr, nc = shape[0] // q, shape[1] // q
-            full = seg.reshape(q, q, nr, nc).transpose(0, 2, 1, 3).reshape(shape)
+            nr, nc = _block_shape(name, shape, config, q)
+            full = seg.reshape(q, q, nr, nc).transpose(0, 2, 1, 3).reshape(nr * q, nc * q)
+            full = full[:shape[0], :shape[1]]                               # the pad dropped
         if name.endswith("attn.qkv.w") or name.endswith("attn.qkv.b"):
             full = full[..., xp.asarray(inv)]
         out[name] = xp.ascontiguousarray(full)
@@ -1116,9 +1144,10 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
         sum_row, max_row = _row_hooks(grid)
         with tr.phase("loss"):
             with tr.phase("aux.ce"):   # row all-reduces (bwd: none, dlogits is local)
+                start = grid.j * vocab_block(config.vocab, grid.q)
                 losses, ce = ops.cross_entropy_forward(
-                    lg, tgt, vocab_start=grid.j * (config.vocab // grid.q),
-                    max_vocab=max_row, sum_vocab=sum_row)                  # (N,)
+                    lg, tgt, vocab_start=start, max_vocab=max_row, sum_vocab=sum_row,
+                    vocab_valid=config.vocab - start)                      # (N,)
             total = losses.sum().reshape(1)                                # (1,) this row block
             with tr.phase("aux.mean"):  # col, depth all-reduces (bwd: none, 1/n_items seed)
                 total = _allreduce(grid.col, total)
@@ -1305,7 +1334,13 @@ def local_logits(full, config: Config, grid):
         r = grid.k * grid.q + grid.i
         return full[r * bl:(r + 1) * bl]                                   # (bl, k)
     lay = "2d" if grid.d == 1 else "2.5d"
-    return layout.split(full.reshape(-1, config.vocab), grid, lay)
+    flat = full.reshape(-1, config.vocab)
+    padded = vocab_block(config.vocab, grid.q) * grid.q
+    if padded != config.vocab:                                             # zero columns
+        wide = array_module(flat).zeros((flat.shape[0], padded), dtype=flat.dtype)
+        wide[:, :config.vocab] = flat
+        flat = wide
+    return layout.split(flat, grid, lay)
 
 
 def _join_cls_logits(lg, grid):
@@ -1330,5 +1365,7 @@ def logits(cache: OptimusCache, config: Config, grid):
     lay = "2d" if grid.d == 1 else "2.5d"
     t = cache.shape[1]
     with grid.trace.phase("logits"), grid.trace.phase("aux.join"):
-        full = layout.join(cache.logits, grid, lay)                        # (b*t, v)
+        full = layout.join(cache.logits, grid, lay)                        # (b*t, padded v)
+    if full.shape[-1] != config.vocab:                                     # drop the pad
+        full = array_module(full).ascontiguousarray(full[:, :config.vocab])
     return full.reshape(cache.batch, t, config.vocab)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scheme import Scheme, TransformerConfig
+from .scheme import Scheme, TransformerConfig, vocab_block
 
 
 @dataclass
@@ -55,9 +55,10 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         # QKV and the column-parallel MLP biases (r h + (k-1) f h) split over p;
         # LayerNorms and 2 row-parallel biases (6h) whole
         layer_params = weights / p + (r * h + (k - 1) * f) / p + 6 * h
-        emb = v * h / p + s * h + 2 * h
+        vb = vocab_block(v, p)                         # the padded vocabulary's block
+        emb = vb * h + s * h + 2 * h
         if head:
-            emb += head / p                            # vocabulary-parallel, like wte
+            emb += vb * h                              # vocabulary-parallel, like wte
         # the two activation-gradient buffers of the layer input: [s/p, b, h] under SP
         grad_bufs = 2 * bsh / p if cfg.sequence_parallel else 2 * bsh
         work = 0.0
@@ -66,10 +67,12 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         vectors = (6 + r) * h + (k - 1) * f
         layer_params = (weights / p + vectors / q if scheme.name == "optimus"
                         else weights / (q * q) + vectors / q)
-        # wte in q x q blocks (replicated over depth); wpe [s, h/q] and lnf g, b on row 0
-        emb = v * h / (q * q) + s * h / q + 2 * h / q
+        # wte in q x q blocks (replicated over depth, the vocabulary padded to q
+        # blocks); wpe [s, h/q] and lnf g, b on row 0
+        vb = vocab_block(v, q)
+        emb = vb * h / q + s * h / q + 2 * h / q
         if head:
-            emb += head / (q * q)                      # blocked like wte
+            emb += vb * h / q                          # blocked like wte
         grad_bufs = 2 * bsh / p
         wide = max(r * h, cfg.fc1_width)               # the widest linear: QKV or the MLP
         w_blk = h * wide / (q * q)
@@ -85,7 +88,8 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     else:
         acts = N * layer_act
     if v:
-        acts += 2 * b * s * v / p
+        acts += 2 * b * s * (vocab_block(v, p) if scheme.name == "megatron"
+                             else vocab_block(v, q) * q / p)
     else:
         emb = 0.0
     params = (N * layer_params) * it

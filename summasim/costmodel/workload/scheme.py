@@ -13,6 +13,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 from ...spec import ATTENTIONS, MLPS, RECOMPUTE, SCHEME_NAMES, TensorGrid, grids
+from ...spec import vocab_block as spec_vocab_block
 from ..machine import itemsize_of
 
 SCHEMES = SCHEME_NAMES       # the one registry: summasim.transformer.schemes
@@ -280,6 +281,16 @@ def grid_shapes(p: int, name: str, cfg: "TransformerConfig | None" = None) -> li
     if cfg is not None:
         out = [sch for sch in out if misfit(sch, cfg) is None]
     return out
+
+
+def vocab_block(v, p):
+    """Vocabulary ids per block of the tensor-parallel layers: the padded block
+    (:func:`summasim.spec.vocab_block`, ``ceil(v / p)``) for a whole v, what the schemes
+    run; ``v / p`` for a real v (scaling studies)."""
+    whole = _whole(v)
+    if isinstance(whole, numbers.Integral) and isinstance(p, numbers.Integral):
+        return spec_vocab_block(whole, p)
+    return v / p
 
 
 def _divides(div: int, size) -> bool:

@@ -14,6 +14,7 @@ from ..compute.roofline import kernels_seconds, model_kernels
 from ..machine import Machine
 from ..machine.topology import Placement
 from .layer import _ring_allreduce_messages, _split, layer_ops, recompute_ops
+from .scheme import vocab_block
 from .footprint import Memory, _layer_activations, memory
 from .predict import price_messages
 from .pricer import Prediction, make_pricer
@@ -53,9 +54,10 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
         fwd += N * layer["forward"]
         if sp:                       # the head reads the whole sequence: all-gather it
             fwd.append(("coll", "allgather", "world", p, _split(M * h, p), 1))
-        if v:
-            fwd.append(("gemm", M, h, _split(v, p), 1))
-            bwd += [("gemm", M, _split(v, p), h, 1), ("gemm", _split(v, p), M, h, 1)]
+        if v:                        # the padded vocabulary's block (megatron.vocab_block)
+            vb = vocab_block(v, p)
+            fwd.append(("gemm", M, h, vb, 1))
+            bwd += [("gemm", M, vb, h, 1), ("gemm", vb, M, h, 1)]
         if p > 1:
             fwd.append(("coll", "allreduce", "world", p, M, 3))
             # the head's input gradient: all-reduced, or reduce-scattered (the conjugate
@@ -69,6 +71,8 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
     ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                     else ("summa25_ab", "summa25_abt", "summa25_atb"))
     rows = _split(M, d * q)
+    if v:                            # the vocabulary padded to q blocks (optimus.vocab_block)
+        v = vocab_block(v, q) * q
     if q > 1:
         if v:
             fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
@@ -129,7 +133,9 @@ def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
     layer = _layer_activations(scheme, cfg if cfg.attention == "plain"
                                else cfg.replace(attention="plain"))
     emb = bsh if scheme.name == "megatron" and not cfg.sequence_parallel else bsh / p
-    return N * layer + b * s * v / p + emb
+    logits = b * s * (vocab_block(v, p) if scheme.name == "megatron"
+                      else vocab_block(v, scheme.q) * scheme.q / p)
+    return N * layer + logits + emb
 
 
 
