@@ -27,8 +27,11 @@ def _product_cases():
     for name, spec in ALGORITHMS.items():
         if not spec.is_product:
             continue
-        for q, d in spec.grids(P)[-1:]:
-            out.append(MatmulCase(name, q, d, *spec.round_up(24, 16, 20, q, d)))
+        for q, pc, d in spec.grids(P)[-1:]:
+            # sizes that divide every grid of the deep products; Cannon, SUMMA and
+            # SUMMA2.5 take them as they are (uneven blocks on most grids)
+            out.append(MatmulCase(name, q, d, *spec.round_up(25, 17, 21, q, d, pc),
+                                  pc=pc))
     return out
 
 

@@ -69,6 +69,9 @@ def _model(h="1024", heads="16", seq="256", vocab="2048", ffn=""):
 
 
 EXPLORE_CASES = [
+    (["--crossover-n", "0"], "--crossover-n"),
+    (["--crossover-n", "64,x"], "--crossover-n"),
+    (["--crossover-n", str(2 ** 41)], "--crossover-n"),
     (["--batch", "0"], "--batch"),
     (["--batch", "-3"], "--batch"),
     (["--batch", "1.5"], "--batch"),
@@ -183,6 +186,12 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
     assert {(r["algorithm"], r["grid"]) for r in matmul if r["p"] == 64
             and r["algorithm"] in ("sd25_ab", "mm3d_ab")} == {("sd25_ab", "[4,4,4]")}
     assert "mm3d_ab at p = 64 (n = 1020 is not divisible by q^2 = 16)" in out
+    # the crossovers: --matmul-n and three GPT-3 hidden sizes; the 3D product moves fewer
+    # words than SUMMA from its first cube on (n = 1020 it cannot run at 64: not a cube of it)
+    cross = doc["tables"]["crossovers"]
+    assert {c["n"] for c in cross} == {1020, 2560, 4096, 12288} and "crossovers:" in out
+    assert all(c["p_words"] == 8 for c in cross if c["algorithm"] == "mm3d_ab"
+               and c["n"] != 1020)
     assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
 
 

@@ -121,3 +121,41 @@ def test_sd25_splits_the_steps_and_replicates_once():
         assert t[("bcast", "row")] == (steps, steps * block)
         assert t[("bcast", "depth")] == (2, 2 * block)
         assert t[("sendrecv", "depth")][0] == 2 * (c - 1)
+
+
+def test_crossovers_are_the_start_of_the_last_run_of_wins():
+    """crossovers(): the smallest p from which a product beats SUMMA at every larger p of
+    the sweep (a win followed by a loss is not a crossover), in time and in words."""
+    from summasim.costmodel.tools.explore import crossovers
+
+    def row(alg, p, seconds, words):
+        return {"algorithm": alg, "p": p, "n": 64, "seconds": seconds, "words": words}
+
+    rows = [row("summa_ab", p, 1.0, 100) for p in (2, 4, 8, 16, 32)]
+    rows += [row("mm3d_ab", 2, 0.5, 50), row("mm3d_ab", 4, 2.0, 150),     # win, loss, then
+             row("mm3d_ab", 8, 0.9, 90), row("mm3d_ab", 16, 0.8, 120),    # wins in time
+             row("mm3d_ab", 32, 0.5, 40)]
+    rows += [row("sd25_ab", 8, 0.9, 90), row("sd25_ab", 32, 1.5, 50)]    # loses at the end
+    got = {c["algorithm"]: c for c in crossovers(rows)}
+    assert (got["mm3d_ab"]["p_time"], got["mm3d_ab"]["p_words"]) == (8, 32)
+    assert got["mm3d_ab"]["speedup"] == pytest.approx(2.0)
+    assert got["mm3d_ab"]["words_ratio"] == pytest.approx(2.5)
+    assert (got["sd25_ab"]["p_time"], got["sd25_ab"]["p_words"]) == (None, 8)
+    rows = [r for r in rows if r["algorithm"] != "sd25_ab"]
+    assert [c["algorithm"] for c in crossovers(rows)] == ["mm3d_ab"]   # sd25 never ran
+
+
+def test_the_3d_product_crosses_summa_at_its_first_cube_in_words():
+    """On every cube p the 3D product moves the memory-independent bound's words, fewer
+    than SUMMA's on the most square grid of the same p: its words crossover is the first
+    cube of the sweep, for any n."""
+    from summasim.costmodel.machine import load_preset
+    from summasim.costmodel.tools.explore import crossovers, matmul_table
+
+    ps = [2 ** k for k in range(1, 10)]
+    for n in (2560, 12288):
+        rows = matmul_table(n, load_preset("dgx-a100"), ps)
+        mm3d = {c["algorithm"]: c for c in crossovers(rows)}["mm3d_ab"]
+        assert mm3d["p_words"] == 8 and mm3d["words_ratio"] > 1
+        assert all(r["words_over_bound"] == pytest.approx(1.0) for r in rows
+                   if r["algorithm"] == "mm3d_ab")

@@ -103,8 +103,11 @@ class AlgorithmSpec:
         :func:`summasim.costmodel.workload.bounds.product_bounds`)."""
         self._product_only("operands")
         sa, sb = self.stored_shapes(m, k, n)
-        return [(shape, block_counts(lay, q, d, pc=pc)) for shape, lay in
-                ((sa, self.layout_a), (sb, self.layout_b), ((m, n), self.layout_c))]
+        out = [(shape, block_counts(lay, q, d, pc=pc)) for shape, lay in
+               ((sa, self.layout_a), (sb, self.layout_b), ((m, n), self.layout_c))]
+        if self.name == "sd25_ab":      # A and B are read from layer 0 only: d times
+            out[:2] = [(shape, (r * d, c)) for shape, (r, c) in out[:2]]   # fewer per rank
+        return out
 
     def grids(self, p: int) -> list[tuple[int, int, int]]:
         """The ``(pr, pc, d)`` grids this algorithm runs on with p ranks

@@ -183,14 +183,15 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
 
 def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                  mode: str = "mpich", skipped: list | None = None,
-                 placement: Placement | None = None) -> list[dict]:
+                 placement: Placement | None = None, algorithms=None) -> list[dict]:
     """Rows ``{p, algorithm, grid, seconds, efficiency, comm_frac}`` for n x n x n on the
     grids :func:`summasim.spec.grids` gives each product (SUMMA on a rectangular
     ``pr x pc`` grid where p is not a square).
 
     Cannon, SUMMA and SUMMA2.5 take any n (balanced blocks, priced exactly); the deep
     products only an n their blocks divide (n by q for sd25_ab, by q^2 for mm3d_ab);
-    the others go to ``skipped`` as ``{p, scheme, reason}``."""
+    the others go to ``skipped`` as ``{p, scheme, reason}``. ``algorithms``: price only
+    these (default all five)."""
     rows = []
     t1 = machine.gemm_time(n, n, n, dtype) * machine.slowdown(1)
     for p in p_values:
@@ -204,6 +205,8 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
         for g in spec.grids(p, "mm3d_ab"):          # the q x q x q cube
             if g.q > 1:
                 cands.append(("mm3d_ab", g.q, g.d, 0))
+        if algorithms is not None:
+            cands = [c for c in cands if c[0] in algorithms]
         best = {}
         for alg, qq, dd, pc in list(cands):
             if alg in spec.ANY_SIZE:
@@ -222,7 +225,7 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                 pr = predict_algorithm(alg, n, n, n, qq, dd, placement=placement, **kw)
             except ValueError:           # the placement does not fit this grid
                 pr = predict_algorithm(alg, n, n, n, qq, dd, **kw)
-            row = {"p": p, "algorithm": alg, "grid": f"[{qq},{pc or qq},{dd}]",
+            row = {"p": p, "n": n, "algorithm": alg, "grid": f"[{qq},{pc or qq},{dd}]",
                    "seconds": pr.seconds, "efficiency": t1 / (p * pr.seconds),
                    "comm_frac": pr.comm_seconds / pr.seconds if pr.seconds else 0.0,
                    "algorithms": pr.describe_algorithms(), **words_moved(alg, n, qq, dd, pc)}
@@ -233,6 +236,47 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
                 rows.append(row)
         rows += [best[a] for a in ("summa25_ab", "sd25_ab") if a in best]
     return rows
+
+
+#: The products :func:`crossovers` sets against SUMMA: Solomonik-Demmel 2.5D (its best
+#: copies) and the 3D product, the communication-avoiding ones. (SUMMA2.5 starts from
+#: its weight replicated over the depth: on [1, 1, d] it sends nothing at all, a
+#: "crossover" at p = 2 that says nothing.)
+CROSSOVER_ALGS = ("sd25_ab", "mm3d_ab")
+
+
+def crossovers(rows: list[dict], against: str = "summa_ab") -> list[dict]:
+    """Where each of :data:`CROSSOVER_ALGS` overtakes SUMMA in a :func:`matmul_table`:
+    ``[{"algorithm", "against", "n", "p_time", "p_words", "p_max", "speedup",
+    "words_ratio"}]``. ``p_time`` is the crossover in predicted time: the smallest p of
+    the table from which on the product is faster than SUMMA at every larger p the two
+    share (None when it is slower at the largest); ``p_words`` the same for the words
+    the busiest rank moves. ``speedup`` and ``words_ratio`` are SUMMA's time and words
+    over the product's at the largest p both ran."""
+    out = []
+    base = {r["p"]: r for r in rows if r["algorithm"] == against}
+
+    def crossover(mine, key):
+        p0 = None
+        for r in reversed(mine):                 # the longest run of wins up to the end
+            if not r[key] < base[r["p"]][key]:
+                break
+            p0 = r["p"]
+        return p0
+
+    for alg in CROSSOVER_ALGS:
+        mine = sorted((r for r in rows if r["algorithm"] == alg and r["p"] in base),
+                      key=lambda r: r["p"])
+        if not mine:
+            continue
+        last = mine[-1]
+        out.append({"algorithm": alg, "against": against, "n": last.get("n"),
+                    "p_time": crossover(mine, "seconds"), "p_words": crossover(mine, "words"),
+                    "p_max": last["p"],
+                    "speedup": base[last["p"]]["seconds"] / last["seconds"],
+                    "words_ratio": (base[last["p"]]["words"] / last["words"]
+                                    if last["words"] else None)})
+    return out
 
 
 def words_moved(alg: str, n: int, q: int, d: int, pc: int = 0) -> dict:
@@ -253,6 +297,8 @@ def words_moved(alg: str, n: int, q: int, d: int, pc: int = 0) -> dict:
         words = max(words, moved_bytes(msgs((0, 0, 0))))
     if alg == "mm3d_ab":                    # every operand cut into q^2 x q pieces
         blocks = [(q * q, q)] * 3
+    elif alg == "sd25_ab":                  # A and B on layer 0 only, C on every layer
+        blocks = [(d * q, q), (d * q, q), (q, q)]
     else:                                   # A's and C's row blocks; B copied over d
         rows = d * q if alg.startswith("summa25") else q
         blocks = [(rows, cols), (q, cols), (rows, cols)]

@@ -67,7 +67,8 @@ from . import _cli, scheme_grids
 from ._cli import PLOT_HINT, fmt, model_batch, pick_dtype, resolve_machine
 from .predict import (DEFAULT_PRESET, MAX_SIZE, add_progress, check_sizes, progress_bar,
                       size_help)
-from .explore import (GiB, ISO_REFERENCES, WEAK_RULES, batch_table, gpu_machine, iso_table, matmul_table,
+from .explore import (CROSSOVER_ALGS, GiB, ISO_REFERENCES, WEAK_RULES, batch_table,
+                      crossovers, gpu_machine, iso_table, matmul_table,
                       p_range, scaling_table, why_not)
 
 #: The default problem: h = 8192, 64 heads, 24 layers, sequence 1024, a GPT vocabulary
@@ -115,7 +116,10 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
     paths = []
     colors = {"megatron": "tab:red", "optimus": "tab:blue", "summa25": "tab:green",
               "cannon_ab": "tab:purple", "summa_ab": "tab:orange", "summa25_ab": "tab:green",
-              "cannon": "tab:purple", "summa": "tab:orange"}
+              "sd25_ab": "tab:brown", "mm3d_ab": "tab:cyan",
+              "cannon": "tab:purple", "summa": "tab:orange", "sd25_mm": "tab:brown",
+              "mm3d_mm": "tab:cyan"}
+    best = {"summa25_ab": " (best d)", "sd25_ab": " (best c)"}
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
     for name in SCHEMES:
         rs = [r for r in tables["strong"] if r["scheme"] == name]
@@ -132,12 +136,11 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
               title="strong scaling: time per step")
     ax[1].set(xlabel="p (ranks)", ylabel="parallel efficiency", ylim=(0, 1.05),
               title="efficiency W / (p Tp): strong (solid), weak (dashed)")
-    for alg in ("cannon_ab", "summa_ab", "summa25_ab"):
+    for alg in ("cannon_ab", "summa_ab", "summa25_ab") + CROSSOVER_ALGS:
         rs = [r for r in tables["matmul"] if r["algorithm"] == alg]
         if rs:
             ax[2].loglog([r["p"] for r in rs], [r["seconds"] for r in rs], "o-",
-                         color=colors[alg], label=alg if alg != "summa25_ab" else
-                         "summa25_ab (best d)")
+                         color=colors[alg], label=alg + best.get(alg, ""))
     ax[2].set(xlabel="p (ranks)", ylabel="seconds", title="n x n matrix product")
     for a in ax:
         a.grid(True, which="both", alpha=0.3)
@@ -146,12 +149,15 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
 
     # words per rank of each product against the communication lower bounds
     fig, ax = plt.subplots(figsize=(7, 4.8))
-    for alg in ("cannon_ab", "summa_ab", "summa25_ab"):
+    for alg in ("cannon_ab", "summa_ab", "summa25_ab") + CROSSOVER_ALGS:
         rs = [r for r in tables["matmul"] if r["algorithm"] == alg and r["words"] > 0]
         if rs:
             ax.loglog([r["p"] for r in rs], [r["words"] for r in rs], "o-",
-                      color=colors[alg], label=alg if alg != "summa25_ab" else
-                      "summa25_ab (best d by time)")
+                      color=colors[alg], label=alg + (best[alg] + " by time" if alg in best
+                                                      else ""))
+    for c in tables.get("crossovers", []):   # where the 2.5D and 3D products overtake
+        if c["n"] == tables["matmul"][0].get("n") and c["p_words"]:
+            ax.axvline(c["p_words"], color=colors[c["algorithm"]], alpha=0.4, ls="-.")
     rs = [r for r in tables["matmul"] if r["algorithm"] == "summa_ab"]
     for key, style, label in (("bound_independent", "--", "memory-independent bound"),
                               ("bound_dependent", ":", "memory-dependent bound (M: the blocks)")):
@@ -235,6 +241,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--matmul-n", type=cli.positive_int, default=32768,
                     help=f"n of the n x n matrix products (default 32768, at most 2^40 = "
                          f"{MAX_SIZE})")
+    ap.add_argument("--crossover-n", default=None, metavar="N,...", type=cli.int_list(1),
+                    help="n of the n x n products whose crossovers (the p from which the "
+                         "2.5D and the 3D product beat SUMMA) are printed (default: "
+                         "--matmul-n and the hidden sizes of " + ", ".join(CROSSOVER_MODELS)
+                         + ")")
     ap.add_argument("--efficiency", type=cli.float_range(0, 1, lo_open=True, hi_open=True),
                     default=0.5, help="isoefficiency target E, 0 < E < 1")
     ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
@@ -251,6 +262,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--no-iso", action="store_true", help="skip the isoefficiency fits")
     add_progress(ap)
     return ap
+
+
+#: The presets whose hidden sizes are the default ``--crossover-n`` (n = h).
+CROSSOVER_MODELS = ("gpt3-2.7b", "gpt3-6.7b", "gpt3-175b")
+
+
+def crossover_sizes(args) -> list[int]:
+    """The n of the crossover table: ``--crossover-n``, else ``--matmul-n`` and the
+    hidden sizes of :data:`CROSSOVER_MODELS`, ascending, without repeats."""
+    if args.crossover_n:
+        return sorted(set(args.crossover_n))
+    return sorted({args.matmul_n} | {spec.MODELS[m].hidden for m in CROSSOVER_MODELS})
 
 
 class Plan(NamedTuple):
@@ -300,6 +323,10 @@ def check_args(args) -> Plan:
         raise _arg("--p-max", f"at most 2^16 = {MAX_P}, got {args.p_max}")
     if args.matmul_n > MAX_SIZE:
         raise _arg("--matmul-n", f"at most 2^40 = {MAX_SIZE}, got {args.matmul_n}")
+    if args.crossover_n and max(args.crossover_n) > MAX_SIZE:
+        raise _arg("--crossover-n", f"at most 2^40 = {MAX_SIZE}, got {max(args.crossover_n)}")
+    if args.crossover_n and len(args.crossover_n) > 16:
+        raise _arg("--crossover-n", f"at most 16 sizes, got {len(args.crossover_n)}")
     model, batch = model_batch(args)
     check_sizes(model, batch)
     if args.recompute is not None and args.no_checkpoint and args.recompute != "none":
@@ -388,6 +415,11 @@ def run(args, out=None) -> dict:
                                   placement=plan.placement, tick=bar.update),
             "matmul": matmul_table(args.matmul_n, machine, ps, mode=args.mode,
                                    skipped=skipped["matmul"], placement=plan.placement),
+            "crossovers": [c for n in crossover_sizes(args)
+                           for c in crossovers(
+                               matmul_table(n, machine, ps, mode=args.mode,
+                                            placement=plan.placement,
+                                            algorithms=("summa_ab",) + CROSSOVER_ALGS))],
             "largest_batch": batch_table(cfg, ps, budget, schemes),
         }
         curves = {}
@@ -419,6 +451,13 @@ def run(args, out=None) -> dict:
                                       "comm_frac", "words", "bound_independent",
                                       "bound_dependent", "words_over_bound"]))
     w(_skipped_lines(skipped["matmul"]))
+    if tables["crossovers"]:
+        w("\ncrossovers: the p from which each product beats SUMMA (on pr x pc where p is "
+          "not a square) at every larger p of the sweep, in predicted time and in the "
+          "words of the busiest rank ('-': not by the largest p); speedup and words "
+          "ratio are SUMMA's over its at that p\n")
+        w(format_table(tables["crossovers"], ["n", "algorithm", "p_time", "p_words", "p_max",
+                                              "speedup", "words_ratio"]))
     if tables.get("isoefficiency"):
         w(f"\nisoefficiency at E = {args.efficiency} (fitted log-log slope of W(p))\n")
         w(format_table(tables["isoefficiency"], ["problem", "p_range",

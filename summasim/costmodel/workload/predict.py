@@ -210,7 +210,15 @@ def _worst_coords(name, q, d, m, k, n, count, p, pc=None):
     if name == "cannon_ab":
         return [(1 % q, 1 % q)]
     if (name == "summa25_atb" or name == "sd25_ab") and d > 1:
-        return [(0, 0, kk) for kk in range(d)]     # the ring's chunks (sd25: and the steps)
+        # the ring's chunks (sd25: and the steps) tell the layers apart: a layer's ring
+        # sends every chunk but two, the first (items mod d) chunks one item larger, and
+        # sd25's first (q mod d) layers take one SUMMA step more; the slowest layer is
+        # among those next to where either changes (all d of them when d is small)
+        items = (m // q) * (n // q) if m is not None and n is not None else 0
+        marks = {0, 1, d - 2, d - 1, items % d - 2, items % d - 1, items % d,
+                 q % d - 1, q % d}
+        layers = range(d) if d <= 16 else sorted(k for k in marks if 0 <= k < d)
+        return [(0, 0, kk) for kk in layers]
     if name.startswith("mm3d") and q > 1:
         return [(0, 0, kk) for kk in range(q)]
     if name in _traffic.RING_NAMES:
