@@ -23,11 +23,12 @@ def test_explore_writes_csv_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     for section in ("strong scaling", "weak scaling", "matrix products", "isoefficiency",
-                    "largest batch under 1 GiB"):
+                    "largest batch under 1 GiB", "crossovers:"):
         assert section in out
     rows = list(csv.DictReader(open(tmp_path / "explore.csv")))
     tables = {r["table"] for r in rows}
-    assert tables == {"strong", "weak", "matmul", "largest_batch", "isoefficiency"}
+    assert tables == {"strong", "weak", "matmul", "largest_batch", "isoefficiency",
+                      "crossovers"}
     strong = [r for r in rows if r["table"] == "strong"]
     assert sorted({int(r["p"]) for r in strong}) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert {r["scheme"] for r in strong} == {"megatron", "optimus", "summa25"}
@@ -42,6 +43,11 @@ def test_explore_writes_csv_and_json(tmp_path, capsys):
     assert doc["config"]["h"] == 1024 and doc["mode"] == "mpich"
     iso = {r["problem"]: r for r in doc["tables"]["isoefficiency"]}
     assert abs(iso["megatron"]["slope_paper_assumptions"] - 3) < 0.25
+    # the 3D and 2.5D products on the cubes 8 and 64: the fit is the closed form
+    for prob in ("mm3d_mm", "sd25_mm"):
+        assert iso[prob]["p_range"] == "8..64"
+        assert iso[prob]["slope_paper_assumptions"] == pytest.approx(
+            iso[prob]["reference_slope"], abs=1e-6)
     batches = doc["tables"]["largest_batch"]
     assert batches and all(r["largest_b"] >= 0 for r in batches)
     # no temp files left behind by the atomic writes

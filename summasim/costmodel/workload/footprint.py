@@ -55,7 +55,7 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         # QKV and the column-parallel MLP biases (r h + (k-1) f h) split over p;
         # LayerNorms and 2 row-parallel biases (6h) whole
         layer_params = weights / p + (r * h + (k - 1) * f) / p + 6 * h
-        vb = vocab_block(v, p)                         # the padded vocabulary's block
+        vb = float(vocab_block(v, p))                  # the padded vocabulary's block
         emb = vb * h + s * h + 2 * h
         if head:
             emb += vb * h                              # vocabulary-parallel, like wte
@@ -69,7 +69,7 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
                         else weights / (q * q) + vectors / q)
         # wte in q x q blocks (replicated over depth, the vocabulary padded to q
         # blocks); wpe [s, h/q] and lnf g, b on row 0
-        vb = vocab_block(v, q)
+        vb = float(vocab_block(v, q))
         emb = vb * h / q + s * h / q + 2 * h / q
         if head:
             emb += vb * h / q                          # blocked like wte
