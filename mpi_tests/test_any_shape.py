@@ -97,10 +97,13 @@ def test_blocks_that_are_not_the_balanced_partition_are_refused_everywhere(grids
     parallel_assert(len(grid.trace.events) == 0, "a refused call communicated")
 
 
-def test_cannon_refuses_a_rectangular_grid(grids):
-    rect = [g for g in FACTORS if g[0] != g[1] and g[2] == 1]
+def test_cannon_and_the_deep_products_refuse_a_rectangular_grid(grids):
+    rect = [g for g in FACTORS if g[0] != g[1]]
     skip_unless(bool(rect), f"p = {P} has no rectangular layer")
     grid = grids(*rect[0])
-    msg = collective_raises(ValueError, ALGORITHMS["cannon_ab"].fn, np.ones((2, 2)),
-                            np.ones((2, 2)), grid)
-    parallel_assert("needs a q x q grid" in msg, f"message: {msg!r}")
+    for name, needle in (("cannon_ab", "needs a q x q grid"), ("sd25_ab", "square grid"),
+                         ("mm3d_ab", "square grid")):
+        msg = collective_raises(ValueError, ALGORITHMS[name].fn, np.ones((2, 2)),
+                                np.ones((2, 2)), grid)
+        parallel_assert(needle in msg, f"{name}: message {msg!r}")
+    parallel_assert(len(grid.trace.events) == 0, "a refused call communicated")

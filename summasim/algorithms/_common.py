@@ -177,6 +177,9 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None,
 
     def local():
         be = check_operands(a, b, fn)
+        if grid.pr != grid.pc:
+            raise ValueError(f"{fn} needs a square grid ([q, q, d]), got [pr, pc, d] = "
+                             f"[{grid.pr}, {grid.pc}, {grid.d}]")
         if extra is not None:
             extra()
         scale = f"{inner_scale} x " if inner_scale != 1 else ""
@@ -187,7 +190,7 @@ def check_product(fn: str, form: str, a, b, grid, out, k_block: str, extra=None,
         return be
 
     be, err = local_error(local)
-    agree(fn, grid, lambda: {"grid [q, q, d]": (grid.q, grid.q, grid.d), "dtype": dtype_of(a),
+    agree(fn, grid, lambda: {"grid [pr, pc, d]": grid.shape, "dtype": dtype_of(a),
                              "A block shape": shape_of(a), "B block shape": shape_of(b)}, err)
     return be
 
