@@ -94,6 +94,12 @@ def test_blocks_that_are_not_the_balanced_partition_are_refused_everywhere(grids
         msg = collective_raises(ValueError, ALGORITHMS["summa_ab"].fn, a, b, grid, sizes=sizes)
         parallel_assert(len(set(WORLD.allgather(msg))) == 1, f"messages differ: {msg!r}")
         parallel_assert("rank 0" in msg, f"message does not name rank 0: {msg!r}")
+    # the sizes given on rank 0 alone: one collective all the same, a disagreement
+    a = layout.split(A, grid, "2d")
+    msg = collective_raises(ValueError, ALGORITHMS["summa_ab"].fn, a, b, grid,
+                            sizes=(m, k, n) if RANK == 0 else None)
+    parallel_assert("ranks disagree on the sizes (m, k, n): rank 0 has" in msg,
+                    f"message: {msg!r}")
     parallel_assert(len(grid.trace.events) == 0, "a refused call communicated")
 
 

@@ -268,15 +268,23 @@ def join(block, grid, name: str):
     return out
 
 
-def _numbers_of(grid, name: str, rank: int, size: int) -> GridNumbers:
-    """The :class:`GridNumbers` of ``rank`` of the gather's communicator."""
-    if name in ("row", "col") or not hasattr(grid, "pr"):
-        return GridNumbers(p=size, r=rank)
+def rank_numbers(grid, rank: int) -> GridNumbers:
+    """The :class:`GridNumbers` of any ``rank`` of a Grid's world (or of a Grid1D);
+    :func:`grid_numbers` is this rank's."""
+    if not hasattr(grid, "pr"):
+        return GridNumbers(p=grid.p, r=rank)
     from .spec import grid_coords
 
     i, j, k = grid_coords(rank, grid.pr, grid.pc)
     pc = grid.pc if grid.pc != grid.pr else 0
-    return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=i, j=j, k=k, pc=pc)
+    return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=i, j=j, k=k, r=rank, pc=pc)
+
+
+def _numbers_of(grid, name: str, rank: int, size: int) -> GridNumbers:
+    """The :class:`GridNumbers` of ``rank`` of the gather's communicator."""
+    if name in ("row", "col"):
+        return GridNumbers(p=size, r=rank)
+    return rank_numbers(grid, rank)
 
 
 def _join_alike(block, grid, name: str, comm, xp):

@@ -57,10 +57,9 @@ from __future__ import annotations
 
 from ..backends import array_module, backend_of
 from ..comm import Comm
-from ..layout import GridNumbers, block_index, block_shape
+from ..layout import block_index, block_shape, rank_numbers
 from ..mpiutil import (agree, agreement, agreement_enabled, dtype_of, gather_agreed,  # noqa: F401
                        local_error, ranks_text, set_agreement, shape_of)
-from ..spec import grid_coords
 
 _FLOAT_KINDS = ("f", "c")
 
@@ -203,12 +202,6 @@ _NAMES = {"ab": (("m", "k"), ("k", "n")), "abt": (("m", "k"), ("n", "k")),
           "atb": (("k", "m"), ("k", "n"))}
 
 
-def _numbers(grid, rank: int) -> GridNumbers:
-    i, j, k = grid_coords(rank, grid.pr, grid.pc)
-    return GridNumbers(q=grid.pr, d=grid.d, p=grid.p, i=i, j=j, k=k,
-                       pc=0 if grid.pr == grid.pc else grid.pc)
-
-
 def _stored(form: str, sizes: dict) -> tuple:
     (ra, ca), (rb, cb) = _NAMES[form]
     return (sizes[ra], sizes[ca]), (sizes[rb], sizes[cb])
@@ -226,7 +219,7 @@ def _sum_blocks(fn: str, what: str, axis_name: str, grid, layout: str, every, co
     extents along it; ``ValueError`` when ranks holding the same block disagree."""
     seen: dict = {}
     for r in range(len(every)):
-        bi = block_index(layout, _numbers(grid, r))[axis]
+        bi = block_index(layout, rank_numbers(grid, r))[axis]
         seen.setdefault(bi, {}).setdefault(int(every[r, col]), []).append(r)
     for bi, sizes in seen.items():
         if len(sizes) > 1:
@@ -249,7 +242,7 @@ def block_sizes(fn: str, form: str, grid, layouts, every) -> dict:
            for name, what, lay, col, axis in ((ra, "A", lay_a, 0, 0), (ca, "A", lay_a, 1, 1),
                                               (rb, "B", lay_b, 2, 0), (cb, "B", lay_b, 3, 1))]
     for r in range(len(every)):
-        g = _numbers(grid, r)
+        g = rank_numbers(grid, r)
         for what, shape, lay, cols in (("A", ext[:2], lay_a, (0, 1)),
                                        ("B", ext[2:], lay_b, (2, 3))):
             want = block_shape(shape, lay, g)
@@ -280,7 +273,7 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
     with ``sizes = {"m":, "k":, "n":}``; raises the same error on every rank.
     """
     check_grid(grid, fn)           # no grid, no communicator to agree over: raise alone
-    g = _numbers(grid, grid.world.rank)
+    g = rank_numbers(grid, grid.world.rank)
     lay_c = layouts[2]
     given = None
     if sizes is not None:
@@ -308,16 +301,21 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
         return be
 
     be, err = local_error(local)
-    signature = lambda: {"grid [pr, pc, d]": grid.shape, "dtype": dtype_of(a)}  # noqa: E731
+    # one collective whether or not sizes were given, so that ranks that differ in it
+    # disagree (on the "sizes" key) instead of waiting in different collectives
+    signature = lambda: {"grid [pr, pc, d]": grid.shape, "dtype": dtype_of(a),  # noqa: E731
+                         "sizes (m, k, n)": tuple(given.values()) if given else "found"}
     if given is not None:
-        agree(fn, grid, lambda: {**signature(), "sizes (m, k, n)": tuple(given.values())},
-              err)
+        if agreement_enabled():
+            gather_agreed(fn, grid, signature, (), err)
+        elif err is not None:
+            raise err
         return be, given
     every = gather_agreed(fn, grid, signature, _two(a) + _two(b) + _two(out), err)
     found = block_sizes(fn, form, grid, layouts, every)
     if out is not None:
         for r in range(len(every)):
-            want = block_shape((found["m"], found["n"]), lay_c, _numbers(grid, r))
+            want = block_shape((found["m"], found["n"]), lay_c, rank_numbers(grid, r))
             have = (int(every[r, 4]), int(every[r, 5]))
             if have != want and have != (-1, -1):
                 raise ValueError(f"{fn}: out has shape {have} on rank {r}, the result "
