@@ -357,13 +357,14 @@ def test_traffic_per_layer(checkpoint):
 def test_bad_config_raises_everywhere_before_communicating():
     skip_unless(P > 1, "every dimension divides p = 1")
     good = make_config(np.float64)
-    bad_heads = model.Config(vocab=3 * P, seq=S + 1, hidden=HEAD_SIZE * (P + 1), heads=P + 1,
+    # fewer heads or MLP columns than ranks (any count >= p runs: the balanced partition)
+    bad_heads = model.Config(vocab=3 * P, seq=S + 1, hidden=HEAD_SIZE * (P - 1), heads=P - 1,
                              layers=1)
     bad_ffn = model.Config(vocab=3 * P + 1, seq=S + 1, hidden=HEAD_SIZE * P, heads=P, layers=1,
-                           ffn_mult=Fraction(2 * P + 1, HEAD_SIZE * P))   # (any vocab runs)
+                           ffn_mult=Fraction(P - 1, HEAD_SIZE * P))   # (any vocab runs)
     tokens, targets = make_data(good)
     with Grid1D(WORLD) as grid:
-        for cfg, dim, size in ((bad_heads, "heads", P + 1), (bad_ffn, "ffn", 2 * P + 1)):
+        for cfg, dim, size in ((bad_heads, "heads", P - 1), (bad_ffn, "ffn", P - 1)):
             for fn, args in ((megatron.check, (cfg, grid)),
                              (megatron.shard, (model.init_params(cfg), cfg, grid)),
                              (megatron.forward, ({}, tokens, targets, cfg, grid))):

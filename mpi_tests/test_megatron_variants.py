@@ -302,7 +302,7 @@ def test_activation_items_match_the_layer_caches(mlp, gqa):
 # bad input                                                                    #
 # --------------------------------------------------------------------------- #
 def test_bad_variants_raise_on_every_rank():
-    """Key/value heads that p does not divide, a recompute that contradicts
+    """Fewer key/value heads than ranks, a recompute that contradicts
     ``checkpoint``, an unknown attention: ``ValueError`` on every rank before any
     message."""
     cfg = make_config("swiglu", True, False)
@@ -320,11 +320,57 @@ def test_bad_variants_raise_on_every_rank():
                               (megatron.activation_items, (cfg, P, B, S),
                                dict(attention="paged"))):
             collective_raises(ValueError, fn, *args, **how)
-        if P > 2:   # 2 kv heads divide the 2P query heads but not p
+        if P > 2:   # 2 kv heads divide the 2P query heads, but 2 groups cannot cover p
             odd = dataclasses.replace(cfg, kv_heads=2)
             msg = collective_raises(ValueError, megatron.check, odd, grid)
-            if "kv_heads = 2 is not divisible" not in msg:
+            if "kv_heads = 2 is smaller than p" not in msg:
                 problems.append(f"message does not name kv_heads: {msg}")
         if grid.trace.events:
             problems.append(f"bad input communicated: {grid.trace.events[:2]}")
     parallel_assert(not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "gqa-swiglu", "untied-classifier"])
+def test_heads_and_mlp_width_p_does_not_divide(variant):
+    """p + 1 key/value head groups (2 query heads each with grouped-query attention) and
+    an MLP of 3p + 1 columns on p ranks: each rank holds the balanced partition's share
+    (the first ranks one group, one column more: ``megatron.head_range``), and loss,
+    logits and every gradient agree with the serial model in every recompute mode, with
+    sequence parallelism too (its T divisible by p); the local shapes differ by rank as
+    ``local_param_shapes(config, p, rank)`` says."""
+    groups = P + 1
+    g = 2 if variant == "gqa-swiglu" else 1
+    cfg = model.Config(vocab=3 * P + 1, seq=S, hidden=HEAD_SIZE * g * groups,
+                       heads=g * groups, kv_heads=groups, layers=2,
+                       ffn_mult=(3 * P + 1) / (HEAD_SIZE * g * groups), dtype=np.float64,
+                       mlp="swiglu" if variant == "gqa-swiglu" else "gelu",
+                       tied=variant != "untied-classifier",
+                       n_classes=3 if variant == "untied-classifier" else 0)
+    assert cfg.ffn == 3 * P + 1
+    params = make_params(cfg)
+    tokens, targets = make_data(cfg)
+    loss, cache = model.forward(params, tokens, targets, cfg)
+    ref, ref_logits = model.backward(cache), cache.logits
+    bad = []
+    with Grid1D(WORLD) as grid:
+        (q_lo, q_hi), (kv_lo, kv_hi) = megatron.head_range(cfg, P, grid.rank)
+        want_groups = groups // P + (grid.rank < groups % P)
+        local = megatron.shard(params, cfg, grid)
+        if kv_hi - kv_lo != want_groups or q_hi - q_lo != g * want_groups or any(
+                local[k].shape != s for k, s in megatron.local_param_shapes(
+                    cfg, P, grid.rank).items()):
+            bad.append(f"rank {grid.rank}: heads {(q_lo, q_hi)}, {(kv_lo, kv_hi)}")
+        for how in ({"recompute": r} for r in RECOMPUTE):
+            for sp in (False, True):
+                if sp and cfg.n_classes:
+                    continue
+                l2, c2 = megatron.forward(local, tokens, targets, cfg, grid,
+                                          sequence_parallel=sp, **how)
+                grads = megatron.unshard(megatron.backward(c2), cfg, grid)
+                errs = {k: rel_err(grads[k], ref[k]) for k in ref}
+                errs["loss"] = rel_err(l2, loss)
+                errs["logits"] = rel_err(megatron.logits(c2, cfg, grid), ref_logits)
+                worst = max(errs, key=errs.get)
+                if errs[worst] > 1e-10:
+                    bad.append(f"{how} sp={sp}: {worst} {errs[worst]:.2e}")
+    parallel_assert(not bad, "; ".join(bad[:4]))

@@ -631,6 +631,29 @@ class Comm:
                     lambda: [self.mpi.Iallgather(sview, rview)], cleanup).wait()
         return recvbuf
 
+    def reduce_scatter(self, sendbuf, recvbuf):
+        """Sum ``sendbuf`` over the ranks and leave block ``rank`` of the sum in
+        ``recvbuf`` (MPI's ``Reduce_scatter_block``: ``sendbuf`` is ``size`` equal
+        blocks, leading axis = rank). Traced as "reduce_scatter" with the bytes of the
+        whole ``sendbuf``, as the cost model prices it. A ``drop`` fault keeps this
+        rank's own block unreduced."""
+        self._check(sendbuf, "reduce_scatter")
+        self._check(recvbuf, "reduce_scatter")
+        if sendbuf.size != recvbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
+            raise ValueError(f"reduce_scatter: sendbuf needs {self.size} x {recvbuf.size} "
+                             f"items of {recvbuf.dtype}")
+        if self.take_drop():          # fault injection: keep this rank's own block
+            recvbuf.reshape(-1)[...] = sendbuf.reshape(self.size, -1)[self.rank]
+            self.trace.record("reduce_scatter", self.name, self.size, -1, sendbuf.nbytes, 0.0)
+            return recvbuf
+        cleanup: list = []
+        sview = self._outgoing(sendbuf, cleanup)
+        rview = self._incoming(recvbuf, cleanup)
+        self._start("reduce_scatter", -1, sendbuf.nbytes,
+                    lambda: [self.mpi.Ireduce_scatter_block(sview, rview, op=MPI.SUM)],
+                    cleanup).wait()
+        return recvbuf
+
     def _blocks(self, arr, nbytes: int) -> bool:
         """Whether a sendrecv of ``nbytes`` on ``arr`` (a host or device array) takes
         the exchanger's path."""

@@ -192,16 +192,19 @@ class Grid1D(_Groups):
         return f"Grid1D(p={self.p}, rank={self.rank})"
 
 
-TENSOR_KINDS = ("1d", "2d", "2.5d")
+TENSOR_KINDS = ("1d", "2d", "2.5d", "3d")
 
 
 def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
-    """Ranks of one tensor-parallel grid (pure): ``t`` for "1d", ``d*q*q`` otherwise."""
+    """Ranks of one tensor-parallel grid (pure): ``t`` for "1d", ``d*q*q`` otherwise
+    (the "3d" cube has d = q)."""
     if kind not in TENSOR_KINDS:
         raise ValueError(f"tensor grid kind must be one of {', '.join(TENSOR_KINDS)}, "
                          f"got {kind!r}")
     if kind == "1d":
         return positive_int("t", t)
+    if kind == "3d" and d != q:
+        raise ValueError(f"a 3d tensor grid is a q x q x q cube, got q={q}, d={d}")
     return positive_int("d", d) * positive_int("q", q) ** 2
 
 
@@ -216,7 +219,7 @@ class Mesh(_Groups):
     ``mesh.dp_comm``  fixed (stage, tensor rank), ordered by replica -- rank == ``mesh.a``
     ``mesh.pp_comm``  fixed (replica, tensor rank), ordered by stage -- rank == ``mesh.s``
     ``mesh.tensor``  fixed (replica, stage): a :class:`Grid1D` ("1d") or a
-                     ``Grid(q, d)`` ("2d", "2.5d") over its T ranks
+                     ``Grid(q, d)`` ("2d", "2.5d"; "3d": ``Grid(q, q)``) over its T ranks
     ``mesh.embed``   the first and last stage of ``mesh.pp_comm`` (first rank 0, last 1), where
                      the tied embedding's gradient is summed; ``None`` on the stages in
                      between and when ``pp == 1`` (one stage holds both ends)

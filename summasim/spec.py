@@ -73,8 +73,10 @@ RECTANGULAR: tuple[str, ...] = ("summa_ab", "summa_abt", "summa_atb", "summa25_a
                                 "summa25_abt", "summa25_atb")
 
 #: Each tensor-parallel scheme and its grid kind: "1d" (Megatron over p), "2d"
-#: (Optimus, q x q) or "2.5d" (SUMMA2.5-LM, [q, q, d] with d >= 2).
-SCHEME_KINDS: dict[str, str] = {"megatron": "1d", "optimus": "2d", "summa25": "2.5d"}
+#: (Optimus, q x q), "2.5d" (SUMMA2.5-LM, [q, q, d] with d >= 2) or "3d" (the 3D layer
+#: of Bian et al. on a q x q x q cube, :mod:`summasim.transformer.tp3d`).
+SCHEME_KINDS: dict[str, str] = {"megatron": "1d", "optimus": "2d", "summa25": "2.5d",
+                                "3d": "3d"}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEME_KINDS)
 
 GRID_KINDS = ("2d", "2.5d", "2.5d-deep", "3d", "any")
@@ -354,9 +356,11 @@ MODELS: dict[str, Model] = {m.name: m for m in (
 # ---------------------------------------------------------------------------------------
 # Tensor grids
 
-_LONG_LABEL = {"megatron": "Megatron", "optimus": "Optimus", "summa25": "SUMMA2.5"}
-TP_FORMS = "megatron:T, optimus:QxQ or summa25:QxQxD"
-_TP = {"megatron": r"(\d+)", "optimus": r"(\d+)x(\d+)", "summa25": r"(\d+)x(\d+)x(\d+)"}
+_LONG_LABEL = {"megatron": "Megatron", "optimus": "Optimus", "summa25": "SUMMA2.5",
+               "3d": "3D"}
+TP_FORMS = "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"
+_TP = {"megatron": r"(\d+)", "optimus": r"(\d+)x(\d+)", "summa25": r"(\d+)x(\d+)x(\d+)",
+       "3d": r"(\d+)x(\d+)x(\d+)"}
 
 
 @dataclass(frozen=True)
@@ -389,6 +393,9 @@ class TensorGrid:
             if self.name not in RECTANGULAR:
                 raise ValueError(f"{self.name} needs a square grid (q x q); rectangular "
                                  f"grids run {', '.join(RECTANGULAR)}")
+        if self.name in SCHEME_KINDS and self.kind == "3d" and self.d != self.q:
+            raise ValueError(f"{self.name} runs on a q x q x q cube, got q={self.q}, "
+                             f"d={self.d}")
         if self.kind not in ("1d", "ring") and self.p != self.d * self.q * self.cols:
             raise ValueError(f"{self.name} needs p = d*q*q, got p={self.p}, q={self.q}, "
                              f"d={self.d}" if not self.pc else
@@ -402,6 +409,8 @@ class TensorGrid:
         ``d`` (Megatron: ``p`` ranks)."""
         if SCHEME_KINDS.get(name) == "1d" or ALGORITHM_KINDS.get(name) == "ring":
             return cls(name, positive_int("p", p if p is not None else q), 1, 1)
+        if SCHEME_KINDS.get(name) == "3d":        # the cube: its depth is q
+            d = q
         cols = positive_int("pc", pc) if pc else positive_int("q", q)
         return cls(name, positive_int("d", d) * positive_int("q", q) * cols, q, d, pc)
 
@@ -448,7 +457,8 @@ class TensorGrid:
 
     @classmethod
     def parse(cls, text: str) -> "TensorGrid":
-        """``"megatron:4"``, ``"optimus:2x2"`` or ``"summa25:2x2x4"`` (D >= 2);
+        """``"megatron:4"``, ``"optimus:2x2"``, ``"summa25:2x2x4"`` (D >= 2) or
+        ``"3d:2x2x2"``;
         ``ValueError`` naming the problem otherwise."""
         scheme, _, grid = str(text).strip().partition(":")
         scheme = scheme.strip().lower()
@@ -464,6 +474,10 @@ class TensorGrid:
             raise ValueError(f"the {scheme} grid must be square (QxQ), got {grid!r}")
         if scheme == "optimus":
             return cls.of(scheme, nums[0])
+        if scheme == "3d":
+            if nums[2] != nums[0]:
+                raise ValueError(f"the 3d grid must be a cube (QxQxQ), got {grid!r}")
+            return cls.of(scheme, nums[0])
         if nums[2] < 2:
             raise ValueError("summa25 needs depth D >= 2 (QxQx1 is optimus)")
         return cls.of(scheme, nums[0], nums[2])
@@ -471,22 +485,29 @@ class TensorGrid:
     def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None, kv_heads=None,
                  seq=None) -> list[tuple[str, object, int, str]]:
         """THE rule of which sizes this grid must divide: ``(what, size, divisor,
-        symbol)`` for each, in order. Megatron over p: whole heads, column and row slices
-        per rank (heads, hidden, ffn width by p; any vocabulary, padded to a multiple of
-        p as Megatron-LM pads it: ``megatron.vocab_block``). Optimus
+        symbol)`` for each, in order. Megatron over p: nothing (the heads, key/value head
+        groups and MLP columns are cut by the balanced partition, ``megatron.head_range``;
+        :meth:`least` asks for one of each per rank; any vocabulary, padded to a multiple
+        of p as Megatron-LM pads it: ``megatron.vocab_block``). Optimus
         and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
         heads, ffn width by q (the vocabulary padded to a multiple of q:
-        ``optimus.vocab_block``). Grouped-query attention (``kv_heads`` given) also
+        ``optimus.vocab_block``). The 3D layer on a q x q x q cube: whole sequences per
+        rank (batch by q^2) and hidden, heads, ffn width by q (the vocabulary padded to a
+        multiple of q; each weight's q depth pieces are the balanced partition, any
+        size). Grouped-query attention (``kv_heads`` given) also
         needs whole key/value heads per rank (kv heads by p, or by q), and Megatron's
         sequence parallelism (``seq`` given) whole sequence slices (seq by p). A size
         given as None is left out. The runtime
         (:meth:`misfit`) and the cost model (``workload.scheme.misfit``, whose sizes may
         be real) each phrase and test this list."""
         p, q, d = self.p, self.q, self.d
-        if self.kind in ("1d", "ring"):
-            dims = [("heads", heads, p, "p"), ("kv heads", kv_heads, p, "p"),
-                    ("hidden", hidden, p, "p"), ("ffn width", ffn_width, p, "p"),
-                    ("sequence", seq, p, "p")]
+        if self.kind in ("1d", "ring"):      # heads and MLP columns: the balanced partition
+            dims = [("sequence", seq, p, "p")]
+        elif self.kind == "3d" and self.name in SCHEME_KINDS:
+            dims = [("batch", batch, q * q, "q^2"),
+                    ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
+                    ("kv heads", kv_heads, q, "q"),
+                    ("ffn width", ffn_width, q, "q")]
         else:
             dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
                     ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
@@ -494,26 +515,42 @@ class TensorGrid:
                     ("ffn width", ffn_width, q, "q")]
         return [dim for dim in dims if dim[1] is not None]
 
+    def least(self, heads, ffn_width, kv_heads=None) -> list[tuple[str, object, int, str]]:
+        """The sizes a grid needs at least one of per rank: ``(what, size, least, symbol)``.
+        Megatron over p: a key/value head group (a head, without grouped-query attention)
+        and an MLP column per rank, ``>= p`` each; nothing for the other schemes (their
+        :meth:`divisors` imply it)."""
+        if self.kind not in ("1d", "ring"):
+            return []
+        kv = heads if kv_heads is None else kv_heads
+        return [("kv heads" if kv_heads is not None else "heads", kv, self.p, "p"),
+                ("ffn width", ffn_width, self.p, "p")]
+
     def misfits(self, model: Model, batch: int | None = None,
                 seq: int | None = None) -> list[tuple[str, int, int]]:
         """``(what, size, divisor)`` of every size of ``model`` (and ``batch``) this grid
-        does not divide; empty when the model fits. See :meth:`divisors`; ``seq`` (the
-        sequence length, given under sequence parallelism) must divide too."""
+        does not divide, and ``(what, size, least)`` of every size below :meth:`least`;
+        empty when the model fits. See :meth:`divisors`; ``seq`` (the sequence length,
+        given under sequence parallelism) must divide too."""
         kv = model.kv_heads if model.kv_heads != model.heads else None
         return [(what, size, by) for what, size, by, _ in self.divisors(
             model.hidden, model.heads, model.ffn_width, model.vocab, batch, kv, seq)
-            if size % by]
+            if size % by] + [(what, size, by) for what, size, by, _ in self.least(
+                model.heads, model.ffn_width, kv) if size < by]
 
     def misfit(self, model: Model, batch: int | None = None, seq: int | None = None) -> str:
         """Why this grid cannot shard ``model`` (with ``batch`` sequences); "" when it can.
 
-        Megatron over p: whole heads, column and row slices per rank (heads, hidden and
-        ffn width divisible by p). Optimus and SUMMA2.5-LM on [q, q, d]: the batch by d q
-        (whole sequences per rank) and hidden, heads and ffn width by q. Any vocabulary:
-        the schemes pad it to a multiple of p (q), as Megatron-LM does. The schemes' own
-        checks (``megatron.check``, ``optimus.check``) enforce the same.
+        Megatron over p: a head (key/value head group) and an MLP column per rank, the
+        balanced partition of each (no size need divide p). Optimus and SUMMA2.5-LM on
+        [q, q, d]: the batch by d q (whole sequences per rank) and hidden, heads and ffn
+        width by q; the 3D cube the batch by q^2 and the same by q. Any vocabulary: the
+        schemes pad it to a multiple of p (q), as Megatron-LM does. The schemes' own
+        checks (``megatron.check``, ``optimus.check``, ``tp3d.check``) enforce the same.
         """
-        return "; ".join(f"{what} = {size} is not divisible by {by}"
+        return "; ".join(f"{what} = {size} is " + (
+            f"smaller than {by} (one per rank)" if size < by and what != "sequence"
+            and self.kind in ("1d", "ring") else f"not divisible by {by}")
                          for what, size, by in self.misfits(model, batch, seq))
 
 
@@ -576,6 +613,7 @@ def grids(p: int, scheme: str, model: Model | None = None,
     ``megatron``         ``[megatron:p]``
     ``optimus``          ``[optimus:qxq]`` when p = q^2, else ``[]``
     ``summa25``          every ``summa25:qxqxd`` with q >= 2, d >= 2 (d > q included)
+    ``3d``               ``[3d:qxqxq]`` when p = q^3, else ``[]``
     a product            :func:`product_grids`: a "2d" algorithm as optimus, a "2.5d"
                          one as summa25, and where p has no such grid the SUMMA forms a
                          rectangular one (``summa_ab:2x3`` at p = 6); a "2.5d-deep" one
@@ -596,6 +634,8 @@ def grids(p: int, scheme: str, model: Model | None = None,
         out = [TensorGrid(scheme, p, pr, d, pc) for pr, pc, d in product_grids(p, scheme)]
     elif kind == "2d":
         out = [TensorGrid(scheme, p, q, 1) for q, _ in grid_shapes(p, "2d")]
+    elif kind == "3d":
+        out = [TensorGrid(scheme, p, q, q) for q, _ in grid_shapes(p, "3d")]
     else:
         shapes = grid_shapes(p, "2.5d")
         if scheme in SCHEME_KINDS:

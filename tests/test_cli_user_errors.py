@@ -192,7 +192,7 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
     assert {c["n"] for c in cross} == {1020, 2560, 4096, 12288} and "crossovers:" in out
     assert all(c["p_words"] == 8 for c in cross if c["algorithm"] == "mm3d_ab"
                and c["n"] != 1020)
-    assert "not priced" in out and "heads n = 16 is not divisible by p = 32" in out
+    assert "not priced" in out and "heads n = 16 is smaller than p = 32 (one per rank)" in out
 
 
 # -- predict and plan -----------------------------------------------------------------------
@@ -204,7 +204,7 @@ PREDICT_CASES = [
     (["--model", "tiny", "--mesh", "tp=optimus:2x3"], "--mesh"),
     (["--model", "tiny", "--mesh", "tp=summa25:2x2x1"], "--mesh"),
     (["--model", "tiny", "--mesh", "dp=0"], "--mesh"),
-    (["--model", "tiny", "--mesh", "tp=megatron:3"], "heads"),   # no grid of 3 shards it
+    (["--model", "tiny", "--mesh", "tp=megatron:32"], "heads"),  # 16 heads on 32 ranks
     (["--model", "tiny", "--batch", "4", "--mesh", "tp=summa25:2x2x4"], "batch"),
     (["--model", "tiny", "--mesh", "dp=2,pp=3"], "pp = 3"),
     (["--model", "tiny", "--mesh", "dp=2", "--microbatches", "3"], "--microbatches"),
@@ -221,7 +221,7 @@ def test_predict_bad_arguments(args, flag):
 
 def test_plan_with_a_model_no_composition_runs_says_why():
     """A model no grid of the devices can run: one line naming why, status 2."""
-    res = run("summasim.costmodel", "plan", "--model", "h=63,heads=3,layers=3,seq=8,vocab=7",
+    res = run("summasim.costmodel", "plan", "--model", "h=63,heads=1,layers=3,seq=8,vocab=7",
               "--batch", "5", "--devices", "6", "--machine", "local-2core-mpich")
     assert_user_error(res, "no composition of 6 devices exists")
 
@@ -242,7 +242,7 @@ def test_table1_reports_a_grid_that_does_not_divide(capsys):
 
     assert main(["table1", "--h", "1000", "--p", "16"]) == 0   # Optimus [4, 4] fits
     out = capsys.readouterr().out
-    assert "megatron" in out and "not divisible by p = 16" in out and "!=" not in out
+    assert "megatron" in out and "smaller than p = 16" in out and "!=" not in out
 
 
 # -- fit ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_explore_writes_csv_and_json(tmp_path, capsys):
                       "crossovers"}
     strong = [r for r in rows if r["table"] == "strong"]
     assert sorted({int(r["p"]) for r in strong}) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert {r["scheme"] for r in strong} == {"megatron", "optimus", "summa25"}
+    assert {r["scheme"] for r in strong} == {"megatron", "optimus", "summa25", "3d"}
     # exactly one fastest scheme per p, and efficiency = speedup / p
     for p in {r["p"] for r in strong}:
         mine = [r for r in strong if r["p"] == p]
@@ -43,8 +43,9 @@ def test_explore_writes_csv_and_json(tmp_path, capsys):
     assert doc["config"]["h"] == 1024 and doc["mode"] == "mpich"
     iso = {r["problem"]: r for r in doc["tables"]["isoefficiency"]}
     assert abs(iso["megatron"]["slope_paper_assumptions"] - 3) < 0.25
-    # the 3D and 2.5D products on the cubes 8 and 64: the fit is the closed form
-    for prob in ("mm3d_mm", "sd25_mm"):
+    # the 3D and 2.5D products and the 3D layer on the cubes 8 and 64: the fit is the
+    # closed form
+    for prob in ("mm3d_mm", "sd25_mm", "3d"):
         assert iso[prob]["p_range"] == "8..64"
         assert iso[prob]["slope_paper_assumptions"] == pytest.approx(
             iso[prob]["reference_slope"], abs=1e-6)
@@ -231,7 +232,7 @@ def test_predict_composition_output_and_user_errors(capsys):
              "--sequence-parallel: sequence parallelism is Megatron's (1D) only"),
             (["--mesh", "dp=8,pp=8,tp=megatron:8", "--microbatches", "7"], "--microbatches"),
             (["--mesh", "dp=2,tp=optimus:4x4", "--placement", "blocked"], "--placement"),
-            (["--mesh", "tp=megatron:7"], "not divisible"),
+            (["--mesh", "tp=megatron:97"], "smaller than p = 97"),   # 96 heads
             ([], "--mesh")):
         rc = cli_main(["predict", "--model", "gpt3-175b", *argv])
         err = capsys.readouterr().err

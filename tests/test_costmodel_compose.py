@@ -268,7 +268,7 @@ def test_one_replica_one_stage_is_todays_prediction(sch, kw):
                                                            "microbatches = 3 * 1 = 3"),
     (dict(scheme="optimus", q=2, dp=2, microbatches=8), "micro-batches of b = 1"),
     (dict(scheme="summa25", q=2, d=2, dp=1, microbatches=8), "b = 2"),
-    (dict(scheme="megatron", t=16), "heads n = 8 is not divisible by p = 16"),
+    (dict(scheme="megatron", t=16), "heads n = 8 is smaller than p = 16 (one per rank)"),
     (dict(scheme="megatron", t=4, zero=4), "zero must be one of"),
     (dict(scheme="megatron", t=4, schedule="interleaved"), "V >= 2 model chunks"),
     (dict(scheme="megatron", t=4, schedule="zigzag"), "unknown schedule"),

@@ -167,12 +167,16 @@ def test_from_model_carries_everything():
         TransformerConfig.from_model(model.Config(8, 8, 16, 2, 1, n_classes=3), batch=2)
 
 
-def test_grids_must_divide_the_mlp_width():
-    cfg = TransformerConfig(b=8, s=8, h=8, n=8, N=1, ffn=1.5)      # f h = 12
-    assert "MLP width f h = 12 is not divisible by p = 8" in misfit(
-        Scheme.make("megatron", p=8), cfg)
-    assert misfit(Scheme.make("megatron", p=4), cfg) is None
-    assert grid_shapes(8, "megatron", cfg) == [] and grid_shapes(4, "megatron", cfg)
+def test_megatron_needs_one_mlp_column_per_rank():
+    """Megatron cuts the MLP columns by the balanced partition: f h = 12 runs on 8 ranks
+    (the busiest with 2 columns), not on 16; the other grids must divide."""
+    cfg = TransformerConfig(b=8, s=8, h=8, n=16, N=1, ffn=1.5)     # f h = 12
+    assert "MLP width f h = 12 is smaller than p = 16 (one per rank)" in misfit(
+        Scheme.make("megatron", p=16), cfg)
+    assert misfit(Scheme.make("megatron", p=8), cfg) is None
+    assert grid_shapes(16, "megatron", cfg) == [] and grid_shapes(8, "megatron", cfg)
+    fc = layer_ops(Scheme.make("megatron", p=8), cfg)["forward"][2]      # fc1: 2 of 12
+    assert fc == ("gemm", 64, 8, 2.0, 1)
     assert "batch b = 8 is not divisible by d q = 16" in misfit(
         Scheme.make("summa25", q=4, d=4), cfg.replace(h=16, n=16, ffn=4))
 

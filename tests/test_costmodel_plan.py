@@ -124,7 +124,7 @@ def test_nothing_fits_says_why_and_what_would():
      "argument --batch: required"),
     (["--model", "gpt3-175b", "--devices", "64", "--zero", "5"], "argument --zero"),
     (["--model", "gpt3-175b", "--devices", "0"], "argument --devices"),
-    (["--model", "gpt3-175b", "--devices", "7"], "no composition of 7 devices exists"),
+    (["--model", "gpt3-175b", "--devices", "97"], "no composition of 97 devices exists"),
     (["--model", "gpt3-175b", "--devices", "64", "--machine", "nope"], "argument --machine"),
     (["--model", "gpt3-175b", "--devices", "64", "--machine", "local-2core-mpich",
       "--dtype", "bfloat16"], "argument --dtype"),

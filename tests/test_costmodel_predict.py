@@ -55,7 +55,7 @@ FIT3 = ["--model", "h=2400,heads=24,layers=4,seq=512,vocab=32001", "--batch", "2
 BAD = [
     (["--mesh", "tp=optimus:3x4"], "--mesh"),
     (["--mesh", "tp=summa25:4x4"], "--mesh"),
-    (["--mesh", "tp=megatron:3"], "not divisible"),
+    (["--mesh", "tp=megatron:64"], "smaller than"),
     (["--mesh", "tp=optimus:3x3", "--machine", "frontera-rtx", "--placement",
       "blocked", "--dtype", "float16", *FIT3], "--placement"),
     (["--mesh", "tp=optimus:4x4", "--placement", "map:0,1"], "--placement"),

@@ -21,7 +21,13 @@ KEYS = ("forward communication", "backward communication", "forward computation"
 def test_table1_megatron_exact(b, s, h, p):
     ours = table1("megatron", b, s, h, p, n=p)
     assert all(isinstance(ours[k], Fraction) for k in KEYS)
-    assert ours == table1_paper("megatron", b, s, h, p)
+    paper = table1_paper("megatron", b, s, h, p)
+    if 4 * h % p and 4 * h >= p:   # the MLP's f h columns p does not divide: the busiest
+        # rank's ceil(f h / p) columns take longer than the paper's average; the same sends
+        assert ours["forward computation"] > paper["forward computation"]
+        assert ours["forward communication"] == paper["forward communication"]
+        return
+    assert ours == paper
     # the printed formulas, spelled out
     assert ours["forward communication"] == Fraction(4 * (p - 1), p) * b * s * h
     assert ours["backward communication"] == Fraction(8 * (p - 1), p) * b * s * h
@@ -175,7 +181,7 @@ def test_grids_and_best():
     cfg = TransformerConfig(b=64, s=1024, h=8192, n=64, N=24)
     best, costs = best_grid(64, cfg, Machine.simple(alpha=1e-5, beta=1e-10, gamma=1e-12))
     assert best is min(costs, key=lambda c: c.step_seconds)
-    assert {c.scheme.name for c in costs} == {"megatron", "optimus", "summa25"}
+    assert {c.scheme.name for c in costs} == {"megatron", "optimus", "summa25", "3d"}
 
 
 @pytest.mark.parametrize("q, d", [(2, 4), (2, 16)])

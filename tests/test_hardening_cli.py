@@ -153,7 +153,7 @@ def _bench_args(*argv):
      "no product of --n 1001 runs on p = 8"),
     (["allreduce"], 1, "a ring of one rank"),
     (["ring-steps"], 1, "a ring of one rank"),
-    (["transformer"], 3, "no scheme's grid of p = 3 ranks"),
+    (["transformer"], 17, "no scheme's grid of p = 17 ranks"),   # 16 heads, 17 a prime
     (["mesh", "--mesh", "tp=megatron:2"], 3, "no composition runs on p = 3"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_each_benchmark_says_when_it_would_measure_nothing(argv, p, why):
@@ -239,8 +239,8 @@ def test_explore_with_progress_counts_every_p_and_stays_quiet_in_a_pipe(monkeypa
     assert rc == 0 and err == "", err
     (bar,) = counted
     # strong and weak per p, and one tick per isoefficiency problem (the 2.5D and 3D
-    # products' too, though 64 is the only cube here and they are not fitted)
-    assert bar.n == bar.total == 2 * 4 + len(explore_cli.ISO_REFERENCES) == 15
+    # products' and the 3D layer's too, though 64 is the only cube here)
+    assert bar.n == bar.total == 2 * 4 + len(explore_cli.ISO_REFERENCES) == 16
 
 
 # -- bounds and bad inputs -----------------------------------------------------------------

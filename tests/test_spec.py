@@ -95,14 +95,14 @@ def test_parse_mesh(text, want):
 
 @pytest.mark.parametrize("text,fragment", [
     ("", "expected dp=D"),
-    ("tp=", "megatron:T, optimus:QxQ or summa25:QxQxD"),
-    ("tp=cannon:", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("tp=", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
+    ("tp=cannon:", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
     ("dp=0,tp=megatron:2", "dp must be a positive integer"),
     ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
     ("tp=optimus:2x3", "must be square"),
     ("tp=optimus:4", "optimus:QxQ"),
     ("tp=summa25:2x2x1", "depth D >= 2"),
-    ("tp=cannon:2x2", "megatron:T, optimus:QxQ or summa25:QxQxD"),
+    ("tp=cannon:2x2", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
     ("dp=2;pp=2,tp=megatron:1", "positive integer"),
     ("tp=megatron:0", "positive"),
 ])
@@ -157,8 +157,9 @@ def test_grids_filter_by_model():
     assert grids(32, "megatron", tiny) == []      # 16 heads on 32 ranks
     assert [str(g) for g in grids(16, "summa25", tiny, batch=8)] == ["summa25:2x2x4"]
     assert grids(16, "summa25", tiny, batch=4) == []   # 4 sequences on d q = 8
-    why = TensorGrid.parse("megatron:3").misfit(tiny)
-    assert "heads = 16 is not divisible by 3" in why and "vocab" not in why  # (padded)
+    assert TensorGrid.parse("megatron:3").misfit(tiny) == ""   # 6, 5 and 5 heads
+    why = TensorGrid.parse("megatron:32").misfit(tiny.replace(vocab=50257))
+    assert why == "heads = 16 is smaller than 32 (one per rank)"  # any vocab (padded)
     gpt2 = tiny.replace(vocab=50257)             # any vocabulary: padded to p (q) blocks
     assert TensorGrid.parse("megatron:16").misfit(gpt2) == ""
     assert TensorGrid.parse("optimus:4x4").misfit(gpt2, batch=8) == ""
@@ -192,12 +193,14 @@ def test_mesh_groups_follow_coordinates(dp, pp, t):
 
 
 def test_one_divisibility_rule_for_the_runtime_and_the_cost_model():
-    """spec's TensorGrid.divisors is the rule; both floors phrase it, neither keeps its own."""
+    """spec's TensorGrid.divisors and .least are the rule; both floors phrase it, neither
+    keeps its own."""
     from summasim.costmodel.workload.scheme import Scheme, TransformerConfig, misfit
 
-    # 60 heads of 1: 60 divides by 4 (megatron:4, optimus:2x2) but not by 8 (megatron:8)
+    # 60 heads of 1: 60 divides by 4 (optimus:2x2); Megatron cuts any count >= p (8, 60)
+    # but not 60 over 64 ranks
     odd = Model(vocab=63, seq=16, hidden=60, heads=60, layers=2, ffn_mult=2)
-    for text, want in (("megatron:4", []), ("megatron:8", ["heads", "hidden"]),
+    for text, want in (("megatron:4", []), ("megatron:8", []), ("megatron:64", ["heads"]),
                        ("optimus:2x2", []), ("summa25:2x2x2", ["batch"])):
         g = TensorGrid.parse(text)
         assert [w for w, *_ in g.misfits(odd, batch=6)] == want, text
@@ -209,3 +212,23 @@ def test_one_divisibility_rule_for_the_runtime_and_the_cost_model():
     # the cost model's sizes may be real: a size that is not whole divides by nothing
     cfg = TransformerConfig(b=8, s=16, h=64.5, n=16, N=2, v=0)
     assert "hidden h = 64.5" in misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg)
+
+
+def test_the_3d_scheme_is_a_cube_that_cuts_the_batch_into_q_squared_blocks():
+    """``3d:QxQxQ`` parses back to itself on p = q^3 ranks; a box that is not a cube is
+    refused naming the cube; spec.grids gives the cube exactly when p is one; the batch
+    must divide by q^2 (whole sequences per rank), hidden, heads and ffn by q, and any
+    vocabulary fits (it is padded)."""
+    g = TensorGrid.parse("3d:3x3x3")
+    assert (g.p, g.q, g.d, str(g), g.grid_label) == (27, 3, 3, "3d:3x3x3", "3x3x3")
+    assert str(Mesh.parse("dp=2,tp=3d:2x2x2")) == "dp=2,pp=1,tp=3d:2x2x2"
+    with pytest.raises(ValueError, match="cube"):
+        TensorGrid.parse("3d:2x2x3")
+    with pytest.raises(ValueError, match="cube"):
+        TensorGrid("3d", 4, 2, 1)                # a 2 x 2 layer is not a cube
+    assert [str(t) for t in grids(8, "3d")] == ["3d:2x2x2"] and grids(16, "3d") == []
+    m = Model(vocab=50257, seq=8, hidden=12, heads=6, layers=1, ffn_mult=4)
+    assert g.misfits(m, batch=18) == [] and TensorGrid.parse("3d:2x2x2").misfits(m, 8) == []
+    assert [w for w, _, _ in g.misfits(m, batch=6)] == ["batch"]
+    bad = Model(vocab=7, seq=8, hidden=10, heads=5, layers=1, ffn_mult=4)
+    assert {w for w, _, _ in g.misfits(bad, batch=9)} == {"hidden", "heads", "ffn width"}

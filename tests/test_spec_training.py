@@ -47,7 +47,8 @@ def test_model_variant_errors(text, words):
 
 def test_grids_need_whole_kv_heads_per_rank():
     m = Model.parse("h=64,heads=16,layers=2,seq=16,vocab=64,kv_heads=2")
-    assert spec.TensorGrid.parse("megatron:4").misfit(m) == "kv heads = 2 is not divisible by 4"
+    assert spec.TensorGrid.parse("megatron:4").misfit(m) == ("kv heads = 2 is smaller than 4 "
+                                                             "(one per rank)")
     assert spec.TensorGrid.parse("megatron:2").misfit(m) == ""
     assert "kv heads" in spec.TensorGrid.parse("optimus:4x4").misfit(m, 16)
     assert [str(g) for g in spec.grids(4, "megatron", m)] == []

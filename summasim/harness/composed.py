@@ -455,7 +455,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                 # the stage's first layer (none on a stage of the embedding or head alone);
                 # under sequence parallelism its collectives are ring halves (sendrecv)
                 tp_items = (layer_tp_items(events, tr.layers[0], "fwd", item,
-                                           ring=case.sequence_parallel)
+                                           ring=case.sequence_parallel,
+                                           cube=case.grid_kind == "3d")
                             if tr.layers else 0)
                 sp_bytes = sum(e.nbytes for e in events if e.phase.split("/")[0] == "sp.grads")
             rep.losses.append(float(loss))

@@ -106,6 +106,9 @@ def default_meshes(p: int) -> list[tuple[Mesh, dict]]:
     if p % 8 == 0:
         out.append((f"dp={p // 8},pp=1,tp=summa25:2x2x2",
                     dict(zero=3, schedule="gpipe", microbatches=1)))
+    if p % 16 == 0:
+        out.append((f"dp={p // 16},pp=2,tp=3d:2x2x2",
+                    dict(zero=1, schedule="1f1b", microbatches=2)))
     if p % 4 == 0 and p >= 8:
         out.append((f"dp={p // 4},pp=2,tp=megatron:2",
                     dict(zero=0, schedule="gpipe", microbatches=2)))

@@ -57,11 +57,17 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     (:func:`summasim.transformer.optimus.layer_payload`: ``((3 + f) b s h / d + (4 + 2f)
     h^2) / q`` forward for GPT-2's MLP of multiplier f, ``(7 bsh/d + 12 h^2)/q`` at f = 4;
     SwiGLU's gate and grouped-query attention's narrower QKV change it), 2x that in
-    backward and 3x with checkpointing (0 when q = 1).
+    backward and 3x with checkpointing (0 when q = 1). The 3D layer: the closed form
+    of its all-gathers and reduce-scatters
+    (:func:`summasim.transformer.tp3d.layer_payload`).
     """
     b, s, h = batch, config.seq, config.hidden
     if name == "megatron":
         fwd = 2 * b * s * h if p > 1 else 0
+    elif get_scheme(name).grid_kind == "3d":   # all-gathers and reduce-scatters
+        from ..transformer.tp3d import layer_payload as tp3d_payload
+
+        return tp3d_payload(config, b, q)
     else:
         from ..transformer.optimus import layer_payload
 
@@ -71,15 +77,18 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
 
 
 def layer_tp_items(events, layer: int, direction: str, itemsize: int,
-                   ring: bool = False) -> int:
+                   ring: bool = False, cube: bool = False) -> int:
     """Scalars of Table 1 traffic recorded for one layer and direction ("fwd"/"bwd"):
     its broadcasts, reduces and all-reduces, or with ``ring`` (Megatron's sequence
-    parallelism, whose collectives are ring halves) the items its ring steps send."""
+    parallelism, whose collectives are ring halves) the items its ring steps send, or
+    with ``cube`` (the 3D layer) its all-gathers and reduce-scatters."""
     prefix = f"h{layer}.{direction}/tp."
-    ops = ("sendrecv",) if ring else ("bcast", "reduce", "allreduce")
+    ops = (("sendrecv",) if ring else ("allgather", "reduce_scatter") if cube
+           else ("bcast", "reduce", "allreduce"))
+    groups = ("row", "col", "depth") if cube else ("row", "col", "world")
     return sum(e.nbytes for e in events
                if e.phase.startswith(prefix) and e.op in ops
-               and (ring or e.group in ("row", "col", "world"))) // itemsize
+               and (ring or e.group in groups)) // itemsize
 
 
 def scale_of(ser) -> float:
@@ -305,6 +314,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         shared.abandon()
         raise
     itemsize = np.dtype(config.dtype).itemsize
+    cube = spec.grid_kind == "3d"
     mine = fault is not None and fault.rank == rank
     want_grads = want_logits = None
     finished = False
@@ -339,7 +349,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
                          gerr[worst], worst))
             if checkpoint:
                 rep.tp_bwd_checkpoint = int(reduce_max(
-                    world, [layer_tp_items(events, 0, "bwd", itemsize)])[0])
+                    world, [layer_tp_items(events, 0, "bwd", itemsize, cube=cube)])[0])
                 aux: dict = {}
                 for e in events:
                     if "/aux." in e.phase or e.phase.startswith("aux."):
@@ -347,8 +357,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
                         aux[top] = aux.get(top, 0) + e.nbytes
                 rep.aux_bytes = aux
             else:
-                rep.tp_fwd = int(reduce_max(world, [layer_tp_items(events, 0, "fwd",
-                                                                   itemsize)])[0])
+                rep.tp_fwd = int(reduce_max(world, [layer_tp_items(events, 0, "fwd", itemsize,
+                                                                   cube=cube)])[0])
                 plain_events = events
         local_errs = [_worst(e[i] for e in errs) for i in range(3)]
         key = lambda e: math.inf if math.isnan(e[0]) else e[0]     # noqa: E731

@@ -261,7 +261,7 @@ def activation_shape(grid_kind: str, config: model.Config, grid, batch: int,
                      seq: int, sequence_parallel: bool = False) -> tuple:
     """The local shape of the activation between two layers for a micro-batch of
     ``batch`` sequences: (b, s, h) replicated (1D), (b, s/t, h) under Megatron's
-    sequence parallelism, (b/(dq), s, h/q) (2D / 2.5D)."""
+    sequence parallelism, (b/(dq), s, h/q) (2D / 2.5D; the 3D cube's d = q)."""
     if grid_kind == "1d":
         return (batch, seq // grid.p if sequence_parallel else seq, config.hidden)
     return (batch // (grid.d * grid.q), seq, config.hidden // grid.q)
@@ -843,8 +843,10 @@ class Trainer:
         Megatron (1D over t > 1 ranks): every parameter held whole, as its serial shape
         (the LayerNorms, the biases of the row-parallel layers, ``wpe``, ``lnf``, a
         classifier), over the tensor group. SUMMA2.5-LM (d > 1): every parameter (its
-        2D blocks and row-0 vectors are copied over the depth), over ``grid.depth``.
-        Optimus (d = 1) stores nothing twice: a row-0 vector lives on row 0 only (its
+        2D blocks and row-0 vectors are copied over the depth), over ``grid.depth``. The
+        3D layer: its vectors (replicated over a plane of the cube; the depth is one of
+        its axes), over ``grid.depth``; its weights are held once. Optimus (d = 1) stores
+        nothing twice: a row-0 vector lives on row 0 only (its
         column broadcasts are transient), each 2D block on one rank."""
         grid, kind = self.grid, self.spec.grid_kind
         if kind == "1d" and grid.p > 1:
@@ -852,6 +854,9 @@ class Trainer:
             return grid.comm, [k for k in self.keys if self.shapes[k] == tuple(serial[k])]
         if kind == "2.5d" and grid.d > 1:
             return grid.depth, list(self.keys)
+        if kind == "3d" and grid.q > 1:      # the vectors, wpe, lnf and a classifier
+            return grid.depth, [k for k in self.keys
+                                if self.module.role(k) not in ("ab", "ba", "wte")]
         return None, []
 
     def _held_views(self, ranges) -> tuple[list, list]:

@@ -172,7 +172,10 @@ The serial names, with local shapes (``f = ffn_width``, ``W = h + 2 kv_width``):
 ``mlp.fc.b [f/p]`` (columns; SwiGLU's ``mlp.gate.w/b`` the same), ``mlp.proj.w [f/p, h]``
 (rows); ``head.w [h, v/p]`` (columns; untied head); ``ln*.g/b``, ``attn.proj.b``,
 ``mlp.proj.b``, ``lnf.g/b`` and ``cls.w/b`` replicated. :func:`param_layout` and
-:func:`local_param_shapes` list them.
+:func:`local_param_shapes` list them. ``/p`` is exact when p divides; otherwise the
+heads (key/value head groups, :func:`head_range`) and the MLP columns are cut by the
+balanced partition (the first ``n mod p`` ranks hold one more; every rank needs one),
+so the ranks' shapes differ, and the vocabulary is padded to a multiple of p.
 
 Model variants, recompute and attention
 ---------------------------------------
@@ -235,7 +238,7 @@ from summasim.algorithms.allreduce import ring_allgather_unchecked, ring_reduce_
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
 
-from summasim.spec import ATTENTIONS, positive_int, vocab_block  # noqa: F401  (padding)
+from summasim.spec import ATTENTIONS, block_range, positive_int, vocab_block  # noqa: F401
 
 from . import model, ops
 from .model import Config
@@ -269,19 +272,59 @@ def param_layout(config: Config) -> dict:
     return out
 
 
-def _local_shape(shape: tuple, kind: str, p: int) -> tuple:
-    # a split axis p does not divide is padded (only the vocabulary can be: check())
+def head_range(config: Config, p: int, rank: int) -> tuple:
+    """``((q_lo, q_hi), (kv_lo, kv_hi))``: the query heads and key/value heads rank
+    ``rank`` of ``p`` holds. The ``kv_heads`` groups (a key/value head and the ``g =
+    heads / kv_heads`` query heads that read it; g = 1 without grouped-query attention)
+    are cut by the balanced partition (the first ``kv_heads mod p`` ranks hold one group
+    more), so a rank's query heads read only its own key/value heads. Pure."""
+    lo, hi = block_range(config.kv_heads, p, rank)
+    g = config.heads // config.kv_heads
+    return (g * lo, g * hi), (lo, hi)
+
+
+def _axis_range(name: str, config: Config, p: int, rank: int) -> tuple:
+    """``(lo, hi, block)`` of rank ``rank``'s slice of ``name``'s split axis: the
+    vocabulary (``wte`` rows, ``head.w`` columns) in padded blocks of
+    :func:`vocab_block` ids (``block`` the padded size), ``attn.proj.w``'s rows those
+    of its heads, the MLP's columns / rows the balanced partition of its width."""
+    if name in ("wte", "head.w"):
+        n = vocab_block(config.vocab, p)
+        return min(rank * n, config.vocab), min((rank + 1) * n, config.vocab), n
+    if name.endswith("attn.proj.w"):
+        (lo, hi), _ = head_range(config, p, rank)
+        hd = config.hidden // config.heads
+        return lo * hd, hi * hd, (hi - lo) * hd
+    lo, hi = block_range(config.ffn, p, rank)
+    return lo, hi, hi - lo
+
+
+def _qkv_sections(config: Config, p: int, rank: int = 0) -> tuple:
+    """``(q, kv)``: rank ``rank``'s Q columns and K (= V) columns of its
+    ``[Q_r | K_r | V_r]`` QKV block (its heads' columns)."""
+    (q_lo, q_hi), (kv_lo, kv_hi) = head_range(config, p, rank)
+    hd = config.hidden // config.heads
+    return (q_hi - q_lo) * hd, (kv_hi - kv_lo) * hd
+
+
+def _local_shape(name: str, shape: tuple, kind: str, config: Config, p: int,
+                 rank: int) -> tuple:
     if kind == "replicated":
         return tuple(shape)
+    if kind == "qkv":
+        cq, ck = _qkv_sections(config, p, rank)
+        return tuple(shape[:-1]) + (cq + 2 * ck,)
+    n = _axis_range(name, config, p, rank)[2]
     if kind == "row":
-        return (-(-shape[0] // p),) + tuple(shape[1:])
-    return tuple(shape[:-1]) + (-(-shape[-1] // p),)     # "col" and "qkv"
+        return (n,) + tuple(shape[1:])
+    return tuple(shape[:-1]) + (n,)                      # "col"
 
 
-def local_param_shapes(config: Config, p: int) -> dict:
-    """``{name: local shape}`` on each of ``p`` ranks (see the module docstring)."""
+def local_param_shapes(config: Config, p: int, rank: int = 0) -> dict:
+    """``{name: local shape}`` on rank ``rank`` of ``p`` (see the module docstring;
+    the ranks' shapes differ where p does not divide the heads or the MLP width)."""
     kinds = param_layout(config)
-    return {name: _local_shape(shape, kinds[name], p)
+    return {name: _local_shape(name, shape, kinds[name], config, p, rank)
             for name, shape in model.param_shapes(config).items()}
 
 
@@ -295,9 +338,10 @@ def _check_grid(grid) -> None:
 def check(config: Config, grid, *, seq: Optional[int] = None,
           sequence_parallel: bool = False) -> None:
     """Raise ``ValueError`` (on every rank, without communicating) unless ``config``
-    can be split over ``grid.p`` ranks: heads, key/value heads (grouped-query
-    attention) and the MLP width divisible by p (any vocabulary: it is padded to a
-    multiple of p, :func:`vocab_block`); with ``sequence_parallel``, also
+    can be split over ``grid.p`` ranks: at least one key/value head (one head without
+    grouped-query attention) and one MLP column per rank; the heads and the MLP width
+    need not divide (:func:`head_range`, the balanced partition), and any vocabulary is
+    padded to a multiple of p (:func:`vocab_block`); with ``sequence_parallel``, also
     the sequence length ``seq`` (default ``config.seq``: pass the micro-batch's T),
     since each rank holds T/p positions. (The same list as
     :meth:`summasim.spec.TensorGrid.divisors` for a 1D grid, phrased for the runtime.)
@@ -307,12 +351,13 @@ def check(config: Config, grid, *, seq: Optional[int] = None,
         raise TypeError(f"config must be a summasim.transformer.model.Config, got "
                         f"{type(config).__name__}")
     p = grid.p
-    why = {"heads": "every rank holds whole attention heads",
-           "kv_heads": "every rank holds whole key/value heads",
-           "ffn": "the MLP's fc (and gate) columns and proj rows are split"}
-    sizes = {"heads": config.heads, "kv_heads": config.kv_heads, "ffn": config.ffn}
-    bad = [f"Config.{dim} = {size} is not divisible by p = {p} ({why[dim]})"
-           for dim, size in sizes.items() if size % p]
+    heads = "heads" if config.kv_heads == config.heads else "kv_heads"
+    why = {heads: "every rank holds at least one whole head" + (
+               "" if heads == "heads" else " of keys and values and its query heads"),
+           "ffn": "every rank holds at least one of the MLP's fc (and gate) columns"}
+    sizes = {heads: config.kv_heads, "ffn": config.ffn}
+    bad = [f"Config.{dim} = {size} is smaller than p = {p} ({why[dim]})"
+           for dim, size in sizes.items() if size < p]
     if sequence_parallel:
         t = config.seq if seq is None else seq
         if t % p:
@@ -339,8 +384,8 @@ def _check_arrays(arrays, shapes: dict, dtype, what: str) -> None:
 
 def check_local_params(local_params: dict, config: Config, grid) -> None:
     """Raise ``ValueError`` unless ``local_params`` has this scheme's names, local shapes, dtype."""
-    _check_arrays(local_params, local_param_shapes(config, grid.p), config.dtype,
-                  f"local params (p = {grid.p})")
+    _check_arrays(local_params, local_param_shapes(config, grid.p, grid.rank), config.dtype,
+                  f"local params (p = {grid.p}, rank {grid.rank})")
 
 
 # --------------------------------------------------------------------------- #
@@ -550,58 +595,46 @@ def allreduce_sequence_parallel_grads(grads: dict, config: Config, grid) -> dict
 # --------------------------------------------------------------------------- #
 # shard / unshard                                                             #
 # --------------------------------------------------------------------------- #
-def _qkv_sections(config: Config, p: int) -> tuple:
-    """``(q, kv)``: the local Q columns ``h / p`` and K (= V) columns ``kv_width / p``
-    of a rank's ``[Q_r | K_r | V_r]`` QKV block."""
-    return config.hidden // p, config.kv_width // p
-
-
-def _split(a, kind: str, grid, config: Config):
+def _split(a, name: str, kind: str, grid, config: Config):
     """This rank's block of the serial array ``a``: a fresh C-contiguous copy, never a
     view (an in-place optimizer step on the shards must not touch the serial model)."""
     xp = array_module(a)
+    r = grid.rank
     if kind in ("row", "col"):
         axis = 0 if kind == "row" else a.ndim - 1
-        n = vocab_block(a.shape[axis], grid.p)          # the padded vocabulary's block
-        lo, hi = min(grid.rank * n, a.shape[axis]), min((grid.rank + 1) * n, a.shape[axis])
-        if hi - lo < n:                                 # a block in the padding: zeros
-            out = xp.zeros(_local_shape(a.shape, kind, grid.p), dtype=a.dtype)
-            idx = [slice(None)] * a.ndim
-            idx[axis] = slice(0, hi - lo)
-            src = [slice(None)] * a.ndim
-            src[axis] = slice(lo, hi)
-            out[tuple(idx)] = a[tuple(src)]
-            return out
+        lo, hi, n = _axis_range(name, config, grid.p, r)
+        out = xp.zeros(_local_shape(name, a.shape, kind, config, grid.p, r), dtype=a.dtype)
         idx = [slice(None)] * a.ndim
-        idx[axis] = slice(lo, hi)
-        a = a[tuple(idx)]                               # view
-    elif kind == "qkv":
-        # [..., Q | K | V] (h + 2 kv_width columns) -> [..., Q_r | K_r | V_r]: block r of
-        # the p contiguous column blocks of each section (this rank's query heads and
-        # key/value heads; 3h/p columns without grouped-query attention)
-        cq, ck = _qkv_sections(config, grid.p)
-        r, h = grid.rank, config.hidden
-        out = xp.empty(a.shape[:-1] + (cq + 2 * ck,), dtype=a.dtype)   # (..., (h + 2 kvw)/p)
-        out[..., :cq] = a[..., r * cq:(r + 1) * cq]                            # Q_r
-        out[..., cq:cq + ck] = a[..., h + r * ck:h + (r + 1) * ck]             # K_r
-        out[..., cq + ck:] = a[..., h + config.kv_width + r * ck:
-                                h + config.kv_width + (r + 1) * ck]            # V_r
+        idx[axis] = slice(0, hi - lo)                   # a vocabulary block past v: zeros
+        src = [slice(None)] * a.ndim
+        src[axis] = slice(lo, hi)
+        out[tuple(idx)] = a[tuple(src)]
         return out
+    if kind == "qkv":
+        # [..., Q | K | V] (h + 2 kv_width columns) -> [..., Q_r | K_r | V_r]: the columns
+        # of this rank's query heads and of the key/value heads they read
+        (q_lo, q_hi), (kv_lo, kv_hi) = head_range(config, grid.p, r)
+        hd, h = config.hidden // config.heads, config.hidden
+        return xp.concatenate([a[..., q_lo * hd:q_hi * hd],                       # Q_r
+                               a[..., h + kv_lo * hd:h + kv_hi * hd],             # K_r
+                               a[..., h + config.kv_width + kv_lo * hd:
+                                 h + config.kv_width + kv_hi * hd]], axis=-1)     # V_r
     return xp.array(a, copy=True, order="C")
 
 
-def _assemble(parts, kind: str, config: Config):
-    """The serial array from every rank's block, ``parts`` (p, *local shape)."""
-    xp = array_module(parts)
+def _assemble(parts, name: str, kind: str, config: Config):
+    """The serial array (the vocabulary padded) from every rank's block: ``parts[r]``
+    is rank r's block."""
+    xp = array_module(parts[0])
+    p = len(parts)
     if kind == "row":
-        return xp.ascontiguousarray(parts).reshape((-1,) + parts.shape[2:])   # (p*rows, ...)
+        return xp.concatenate(parts, axis=0)
     if kind == "col":
-        return xp.ascontiguousarray(xp.moveaxis(parts, 0, -2)).reshape(
-            parts.shape[1:-1] + (-1,))                                        # (..., p*cols)
-    cq, ck = _qkv_sections(config, parts.shape[0])                            # qkv
-    return xp.concatenate([_assemble(parts[..., :cq], "col", config),         # (..., h) Q
-                           _assemble(parts[..., cq:cq + ck], "col", config),  # (..., kvw) K
-                           _assemble(parts[..., cq + ck:], "col", config)],   # (..., kvw) V
+        return xp.concatenate(parts, axis=-1)
+    secs = [_qkv_sections(config, p, r) for r in range(p)]                    # qkv
+    return xp.concatenate([parts[r][..., :cq] for r, (cq, ck) in enumerate(secs)] +
+                          [parts[r][..., cq:cq + ck] for r, (cq, ck) in enumerate(secs)] +
+                          [parts[r][..., cq + ck:] for r, (cq, ck) in enumerate(secs)],
                           axis=-1)                                            # (..., h + 2 kvw)
 
 
@@ -635,7 +668,7 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
     _, err = local_error(lambda: (check(config, grid), model.check_params(params, config)))
     agree("megatron.shard", grid, fields_of(config, "Config"), err)
     wanted = None if keys is None else set(keys)
-    return {name: _split(params[name], kind, grid, config)
+    return {name: _split(params[name], name, kind, grid, config)
             for name, kind in param_layout(config).items() if wanted is None or name in wanted}
 
 
@@ -651,20 +684,23 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
 
     def local():
         check(config, grid)
-        _check_arrays(local_grads, local_param_shapes(config, grid.p), config.dtype,
-                      f"local grads (p = {grid.p})")
+        _check_arrays(local_grads, local_param_shapes(config, grid.p, grid.rank),
+                      config.dtype, f"local grads (p = {grid.p}, rank {grid.rank})")
 
     _, err = local_error(local)
     agree("megatron.unshard", grid, fields_of(config, "Config"), err)
     kinds = param_layout(config)
-    shapes = local_param_shapes(config, grid.p)
+    every = [local_param_shapes(config, grid.p, r) for r in range(grid.p)]
     sharded = [name for name, kind in kinds.items() if kind != "replicated"]
     xp = array_module(local_grads[sharded[0]])
-    sizes = [math.prod(shapes[name]) for name in sharded]
-    send = xp.empty(sum(sizes), dtype=config.dtype)          # (total,) packed blocks
+    # each block packed into the room of the largest (rank 0's: the first blocks of a
+    # balanced partition are the larger ones)
+    sizes = [max(math.prod(shapes[name]) for shapes in every) for name in sharded]
+    send = xp.zeros(sum(sizes), dtype=config.dtype)          # (total,) packed blocks
     off = 0
     for name, n in zip(sharded, sizes):
-        send[off:off + n] = local_grads[name].reshape(-1)
+        blk = local_grads[name].reshape(-1)
+        send[off:off + blk.size] = blk
         off += n
     if grid.p == 1:
         parts = send[None]                                    # (1, total)
@@ -679,8 +715,9 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             out[name] = local_grads[name].copy()
             continue
         n = blocks[name]
-        whole = _assemble(parts[:, off:off + n].reshape((grid.p,) + shapes[name]), kind,
-                          config)
+        pieces = [parts[r, off:off + math.prod(every[r][name])].reshape(every[r][name])
+                  for r in range(grid.p)]
+        whole = _assemble(pieces, name, kind, config)
         serial = model.param_shapes(config)[name]
         out[name] = whole if whole.shape == serial else xp.ascontiguousarray(
             whole[tuple(slice(0, k) for k in serial)])          # drop the vocabulary pad
@@ -696,9 +733,9 @@ def _attention(a, p, config: Config, grid, how: dict):
     (B, T, h) -> (B, T, h) partial sum. Rank r holds query heads ``[r n/p, (r+1) n/p)``
     and key/value heads ``[r kv/p, (r+1) kv/p)``; ``how`` carries ``recompute`` ("none"
     or "selective"), ``attention`` and ``tile`` to the core."""
+    (q_lo, q_hi), (kv_lo, kv_hi) = head_range(config, grid.p, grid.rank)
     return ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"], p["attn.proj.w"],
-                                 None, config.heads // grid.p,
-                                 kv_heads=config.kv_heads // grid.p, **how)
+                                 None, q_hi - q_lo, kv_heads=kv_hi - kv_lo, **how)
 
 
 def _mlp_forward(m, p, config: Config):
@@ -1248,7 +1285,7 @@ def local_logits(full, config: Config, grid):
     classification); the inverse of :func:`logits`, and no data moves."""
     if config.n_classes or grid.p == 1:
         return array_module(full).array(full, copy=True)
-    return _split(full, "col", grid, config)                   # the padded vocabulary's block
+    return _split(full, "head.w", "col", grid, config)    # the padded vocabulary's block
 
 
 def logits(cache: MegatronCache, config: Config, grid):

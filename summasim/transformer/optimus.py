@@ -166,6 +166,7 @@ B. Wang, Q. Xu, Z. Bian, Y. You, "2.5-dimensional distributed model training"
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -236,16 +237,25 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
         raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
     _check_grid(grid, ("q", "d", "row", "col", "depth", "layer"))    # pure: no world needed
     q, d = grid.q, grid.d
-    where = f"optimus on a {_grid_label(grid)} grid"
+    check_sizes(config, q, batch, d * q, "d*q", f"optimus on a {_grid_label(grid)} grid",
+                "column")
+
+
+def check_sizes(config: Config, q: int, batch: Optional[int], rows: int, rows_sym: str,
+                where: str, holder: str) -> None:
+    """The checks of a grid that cuts the hidden, the heads, the key/value heads and the
+    MLP width into q blocks (each ``holder`` holding whole heads) and the batch into
+    ``rows`` blocks of whole sequences; ``ValueError`` naming the dimension. Pure."""
     dims = [("hidden h = Config.hidden", config.hidden, q, "q", "hidden columns split over q"),
-            ("heads n = Config.heads", config.heads, q, "q", "each column holds n/q whole heads"),
+            ("heads n = Config.heads", config.heads, q, "q",
+             f"each {holder} holds n/q whole heads"),
             ("kv heads = Config.kv_heads", config.kv_heads, q, "q",
-             "each column holds kv/q whole key/value heads"),
+             f"each {holder} holds kv/q whole key/value heads"),
             ("ffn = round(Config.ffn_mult * hidden)", config.ffn, q, "q",
              "MLP columns split over q")]
     if batch is not None:
-        dims.insert(0, ("batch b", int(batch), d * q, "d*q",
-                        "each rank holds b/(d*q) whole sequences"))
+        dims.insert(0, ("batch b", int(batch), rows, rows_sym,
+                        f"each rank holds b/({rows_sym}) whole sequences"))
     for what, size, div, sym, why in dims:
         if size % div:
             raise ValueError(f"{where}: {what} = {size} is not divisible by {sym} = {div} "
@@ -1272,34 +1282,43 @@ def forward(local_params: dict, tokens, targets, config: Config, grid,
     The pieces in a row: :func:`embed_forward`, :func:`layer_forward` for every
     layer, :func:`head_forward`.
     """
-    _check_grid(grid)
+    return run_forward(sys.modules[__name__], "optimus", OptimusCache, local_params, tokens,
+                       targets, config, grid, checkpoint, recompute, attention, tile)
+
+
+def run_forward(mod, name: str, cache_type, local_params: dict, tokens, targets,
+                config: Config, grid, checkpoint, recompute, attention, tile):
+    """A scheme module's ``forward`` (this one's, :mod:`summasim.transformer.tp3d`'s):
+    every rank checks its arguments (``mod.check``, ``mod._check_local``), one untraced
+    agreement, then ``mod``'s pieces in a row; returns ``(loss, cache_type(...))``."""
+    mod._check_grid(grid)
 
     def local():
         _how(checkpoint, recompute, attention)
-        check(config, grid)
+        mod.check(config, grid)
         model.check_tokens(tokens, config)
-        check(config, grid, batch=tokens.shape[0])
+        mod.check(config, grid, batch=tokens.shape[0])
         if targets is not None:
             model.check_targets(targets, tokens, config)
-        _check_local(local_params, config, grid, "local_params")
+        mod._check_local(local_params, config, grid, "local_params")
 
     _, err = local_error(local)
-    agree("optimus.forward", grid, {**fields_of(config, "Config"), "tokens": fingerprint(tokens),
+    agree(f"{name}.forward", grid, {**fields_of(config, "Config"),
+                                    "tokens": fingerprint(tokens),
                                     "targets": fingerprint(targets),
                                     "checkpoint": bool(checkpoint),
                                     "recompute": str(recompute), "attention": str(attention),
                                     "tile": str(tile)}, err)
-    x, emb = embed_forward(local_params, tokens, config, grid)             # (bl, t, h/q)
+    x, emb = mod.embed_forward(local_params, tokens, config, grid)         # (bl, t, h/q)
     layers = []
     for l in range(config.layers):
-        x, layer = layer_forward(x, model.layer_params(local_params, l), l, config, grid,
-                                 checkpoint, recompute=recompute, attention=attention,
-                                 tile=tile)                                # (bl, t, h/q)
+        x, layer = mod.layer_forward(x, model.layer_params(local_params, l), l, config, grid,
+                                     checkpoint, recompute=recompute, attention=attention,
+                                     tile=tile)                            # (bl, t, h/q)
         layers.append(layer)
-    loss, head = head_forward(x, local_params, targets, config, grid)
-    return loss, OptimusCache(params=local_params, shape=head.shape, batch=tokens.shape[0],
-                              emb=emb, layers=layers, head=head, logits=head.logits,
-                              loss=loss)
+    loss, head = mod.head_forward(x, local_params, targets, config, grid)
+    return loss, cache_type(params=local_params, shape=head.shape, batch=tokens.shape[0],
+                            emb=emb, layers=layers, head=head, logits=head.logits, loss=loss)
 
 
 def backward(cache: OptimusCache) -> dict:
@@ -1312,12 +1331,18 @@ def backward(cache: OptimusCache) -> dict:
     part plus the LM head's; with an untied head (or a classifier) it is the
     embedding's alone and ``head.w`` (``cls.w``, ``cls.b``) has its own.
     """
-    dx, grads = head_backward(cache.head)                                  # (bl, t, h/q)
+    return run_backward(sys.modules[__name__], cache)
+
+
+def run_backward(mod, cache) -> dict:
+    """A scheme module's ``backward``: ``mod``'s pieces in reverse, the tied ``wte``
+    gradient the embedding's part plus the head's."""
+    dx, grads = mod.head_backward(cache.head)                              # (bl, t, h/q)
     for l in reversed(range(len(cache.layers))):
-        dx, g = layer_backward(dx, cache.layers[l])                        # (bl, t, h/q)
+        dx, g = mod.layer_backward(dx, cache.layers[l])                    # (bl, t, h/q)
         for key, val in g.items():
             grads[f"h{l}.{key}"] = val
-    g = embed_backward(dx, cache.emb)
+    g = mod.embed_backward(dx, cache.emb)
     dwte_head = grads.get("wte")                                           # None: untied
     grads["wte"], grads["wpe"] = g["wte"], g["wpe"]
     if dwte_head is not None:

@@ -6,6 +6,7 @@ name        module                  grid
 megatron    transformer.megatron    ``Grid1D`` over all p ranks
 optimus     transformer.optimus     ``Grid(comm, q)``, p = q*q
 summa25     transformer.optimus     ``Grid(comm, q, d)``, p = d*q*q, d > 1
+3d          transformer.tp3d        ``Grid(comm, q, q)``, p = q*q*q (the cube)
 ==========  ======================  ==============================================
 
 Every scheme module exposes ``shard``, ``forward``, ``backward``, ``unshard`` and
@@ -26,7 +27,7 @@ class SchemeSpec:
 
     name: str
     module_name: str
-    grid_kind: str            # "1d", "2d" or "2.5d"
+    grid_kind: str            # "1d", "2d", "2.5d" or "3d"
 
     @property
     def module(self):
@@ -40,7 +41,7 @@ class SchemeSpec:
     def needs(self) -> str:
         """What the process count must be, in words."""
         return {"1d": "any p", "2d": "p = q*q",
-                "2.5d": "p = d*q*q with q >= 2, d >= 2"}[self.grid_kind]
+                "2.5d": "p = d*q*q with q >= 2, d >= 2", "3d": "p = q*q*q"}[self.grid_kind]
 
     def tensor_grid(self, p: int | None, q: int = 1, d: int = 1) -> TensorGrid:
         """This scheme's :class:`summasim.spec.TensorGrid` on p ranks (or [q, q, d])."""
@@ -65,9 +66,9 @@ class SchemeSpec:
         return Grid(world, q, d, backend=backend)
 
 
+_MODULES = {"1d": "megatron", "2d": "optimus", "2.5d": "optimus", "3d": "tp3d"}
 SCHEMES: dict[str, SchemeSpec] = {   # names and grid kinds: spec's registry
-    name: SchemeSpec(name, "megatron" if kind == "1d" else "optimus", kind)
-    for name, kind in SCHEME_KINDS.items()}
+    name: SchemeSpec(name, _MODULES[kind], kind) for name, kind in SCHEME_KINDS.items()}
 SCHEME_NAMES = tuple(SCHEMES)
 
 

@@ -257,8 +257,10 @@ def model_kernels(scheme, cfg, local_params: float, param_tensors: float) -> dic
     layer = layer_kernels(scheme, cfg)
     L = cfg.b * cfg.s * cfg.v / scheme.p
     # the vocabulary-parallel lookup writes the whole [b s, h] partial sum on every
-    # Megatron rank, sequence parallel or not (it is reduce-scattered afterwards)
-    E = cfg.b * cfg.s * cfg.h if scheme.name == "megatron" else X
+    # Megatron rank, sequence parallel or not (it is reduce-scattered afterwards); the 3D
+    # cube's its [b s/q, h/q] partial (reduce-scattered over q)
+    E = (cfg.b * cfg.s * cfg.h if scheme.name == "megatron"
+         else X * scheme.q if scheme.kind == "3d" else X)
     fwd = [Kernel("embedding", E, 3 * E * it)] + cfg.N * layer["forward"] + [
         Kernel("lnf", LN_FLOPS * X, 2 * X * it)]
     bwd = []

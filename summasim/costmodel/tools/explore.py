@@ -310,7 +310,8 @@ def words_moved(alg: str, n: int, q: int, d: int, pc: int = 0) -> dict:
 
 #: The problems of :func:`iso_table`, with the reference growth law of each.
 ISO_REFERENCES = {"megatron": "p^3", "optimus": "(sqrt(p) log p)^3",
-                  "summa25": "summa25 closed form", "cannon": "p^1.5", "summa": "p^1.5",
+                  "summa25": "summa25 closed form", "3d": "3d closed form",
+                  "cannon": "p^1.5", "summa": "p^1.5",
                   "sd25_mm": "sd25 closed form", "mm3d_mm": "mm3d closed form"}
 #: The 2.5D and 3D products' fits under the papers' assumptions take every broadcast as
 #: scatter + all-gather (bandwidth-optimal, what their closed forms assume; MPICH picks
@@ -331,7 +332,7 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
     paper = paper_machine()
     for prob, ref in ISO_REFERENCES.items():
         deep = prob in DEEP_ISO
-        ps = cubes if deep else p4
+        ps = cubes if deep or spec.SCHEME_KINDS.get(prob) == "3d" else p4
         if len(ps) < 2:             # fewer than two cubes in range: nothing to fit
             if tick is not None:
                 tick()

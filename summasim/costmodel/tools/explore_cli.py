@@ -38,8 +38,8 @@ Every argument is checked before the sweep (:func:`check_args`): the model parse
 loads, the outputs can be
 written; a user error is one line on stderr and exit status 2. A grid that does
 not divide the model at some p (Megatron: heads, h, the MLP width and v by p;
-Optimus and SUMMA2.5-LM: those by q and the batch by d q; the n x n products: n by
-d q) is not priced there: the tables leave it out and a "not priced" note says
+Optimus and SUMMA2.5-LM: those by q and the batch by d q; the 3D cube: those by q
+and the batch by q^2; the n x n products: n by d q) is not priced there: the tables leave it out and a "not priced" note says
 why. A model that no grid of the sweep can run is a user error.
 
 The tables themselves are :mod:`summasim.costmodel.tools.explore`; this module is their
@@ -115,6 +115,7 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
     os.makedirs(outdir, exist_ok=True)
     paths = []
     colors = {"megatron": "tab:red", "optimus": "tab:blue", "summa25": "tab:green",
+              "3d": "tab:pink",
               "cannon_ab": "tab:purple", "summa_ab": "tab:orange", "summa25_ab": "tab:green",
               "sd25_ab": "tab:brown", "mm3d_ab": "tab:cyan",
               "cannon": "tab:purple", "summa": "tab:orange", "sd25_mm": "tab:brown",
@@ -125,13 +126,13 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
         rs = [r for r in tables["strong"] if r["scheme"] == name]
         if rs:
             ax[0].loglog([r["p"] for r in rs], [r["step_s"] for r in rs], "o-",
-                         color=colors[name], label=name)
+                         color=colors.get(name), label=name)
             ax[1].semilogx([r["p"] for r in rs], [r["efficiency"] for r in rs], "o-",
-                           color=colors[name], label=f"{name} strong")
+                           color=colors.get(name), label=f"{name} strong")
         rw = [r for r in tables["weak"] if r["scheme"] == name]
         if rw:
             ax[1].semilogx([r["p"] for r in rw], [r["efficiency"] for r in rw], "s--",
-                           color=colors[name], alpha=0.6, label=f"{name} weak")
+                           color=colors.get(name), alpha=0.6, label=f"{name} weak")
     ax[0].set(xlabel="p (ranks)", ylabel="seconds per training step",
               title="strong scaling: time per step")
     ax[1].set(xlabel="p (ranks)", ylabel="parallel efficiency", ylim=(0, 1.05),
@@ -204,7 +205,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap = _cli.new_parser(parser, "explore", __doc__)
     _cli.add_machine(ap, DEFAULT_PRESET)
     ap.add_argument("--schemes", default=",".join(SCHEMES),
-                    help="comma-separated: megatron,optimus,summa25")
+                    help=f"comma-separated: {','.join(SCHEMES)}")
     ap.add_argument("--p-min", type=cli.positive_int, default=1, help="smallest p (default 1)")
     ap.add_argument("--p-max", type=cli.positive_int, default=65536,
                     help=f"largest p (default 65536, at most 2^16 = {MAX_P}); p doubles "
@@ -234,8 +235,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--attention", choices=spec.ATTENTIONS, default="plain",
                     help="plain (default) or flash (blockwise attention)")
     ap.add_argument("--sequence-parallel", action="store_true",
-                    help="Megatron sequence parallelism (the 2D and 2.5D schemes already "
-                         "split every activation: not priced with it, the note says so)")
+                    help="Megatron sequence parallelism (the 2D, 2.5D and 3D schemes "
+                         "already split every activation: not priced with it, the note says "
+                         "so)")
     ap.add_argument("--mode", choices=("mpich", "paper"), default="mpich",
                     help="collective formulas: MPICH's algorithms or the Optimus paper's")
     ap.add_argument("--matmul-n", type=cli.positive_int, default=32768,

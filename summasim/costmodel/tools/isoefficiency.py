@@ -8,7 +8,7 @@ growth exponent of W(p) on a log-log scale.
 
 Problems
 --------
-Transformer schemes ("megatron", "optimus", "summa25"):
+Transformer schemes ("megatron", "optimus", "summa25", "3d"):
     x = h, with ``b = b_per_h * h`` and ``n = n_per_h * h`` (b, n proportional to h),
     s and N constant, as the paper assumes; W = serial compute of one layer's
     forward + backward (with checkpointing), ~ h^3. ``T_comm`` is the scheme's
@@ -42,6 +42,13 @@ SUMMA2.5-LM :func:`summa25_closed_form` (derived there from summasim.algorithms.
             (:func:`summa25_exponent`). :func:`reference_slope` prices it ("summa25
             closed form", "summa25 leading"), :func:`summa25_check` sets it next to the
             fitted slope and :func:`print_closed_forms` prints that comparison.
+3D layer    :func:`tp3d_closed_form` (Bian et al. 2021's layer on the q x q x q cube,
+            derived there from its per-linear all-gathers and reduce-scatters):
+            ``p T_comm = beta w h^2 Phi_3(q)`` with
+            ``Phi_3 = (q-1) ((P_f (8+2f) + 11+3f) c + (P_f+2)(4+2f))``, P_f = 2 with
+            whole-layer recompute (else 1): W ~ Phi_3^3 ~ (p^(1/3) - 1)^3 -> p, the 3D
+            product's law (:func:`deep_closed_form`). :func:`reference_slope` prices it
+            ("3d closed form", "3d leading").
 
 References
 ----------
@@ -51,6 +58,10 @@ Q. Xu, S. Li, C. Gong, Y. You, "An Efficient 2D Method for Training Super-Large 
 Learning Models" (Optimus), 2021, sections 2.5 and 3.1.2.
 B. Wang, Q. Xu, Z. Bian, Y. You, "2.5-dimensional distributed model training"
 (SUMMA2.5-LM), 2021, sections 2.3 and 3.1, Algorithm 3.
+Z. Bian, Q. Xu, B. Wang, Y. You, "Maximizing Parallelism in Distributed Training for
+Huge Neural Networks", arXiv 2105.14450, 2021 (the 3D layer).
+R. C. Agarwal, S. M. Balle, F. G. Gustavson, M. Joshi, P. Palkar, "A three-dimensional
+approach to parallel matrix multiplication", IBM J. Res. Dev. 39(5), 1995.
 """
 
 from __future__ import annotations
@@ -177,7 +188,7 @@ def _solve(g, root, lo: float, hi: float, start: float | None) -> float:
 
 def _scheme_for(problem, p, d):
     """The grid of ``p`` ranks a problem is solved on: Megatron over p, Optimus q x q,
-    SUMMA2.5 a grid of :func:`summasim.spec.grids` (q, d >= 2, d > q included): the
+    the 3D layer the q x q x q cube, SUMMA2.5 a grid of :func:`summasim.spec.grids` (q, d >= 2, d > q included): the
     one of depth ``d``, or with ``d=None`` the deepest whose depth is at most q
     (d <= p^(1/3), Solomonik and Demmel's communication-optimal range), else the
     shallowest (the one nearest a cube). None when p has no such grid."""
@@ -186,6 +197,8 @@ def _scheme_for(problem, p, d):
     if problem == "optimus":
         q = math.isqrt(p)
         return Scheme("optimus", q * q, q, 1) if q * q == p else None
+    if spec.SCHEME_KINDS[problem] == "3d":      # the cube, when p is one
+        return next(iter(scheme_grids(p, problem)), None)
     shapes = scheme_grids(p, "summa25")          # q ascending: d descending
     if d is not None:
         return next((sch for sch in shapes if sch.d == d), None)
@@ -266,13 +279,14 @@ def isoefficiency(problem: str, E: float, p_values, *, machine: Machine | None =
     Parameters
     ----------
     problem : str
-        "megatron", "optimus", "summa25" (transformer layers) or "cannon", "summa",
-        "summa25_mm" (n x n matrix products).
+        "megatron", "optimus", "summa25", "3d" (transformer layers) or "cannon",
+        "summa", "summa25_mm" (n x n matrix products).
     E : float
         Target efficiency, 0 < E < 1.
     p_values : iterable of int
         Process counts (those without a legal grid are skipped: Optimus and the
-        matrix products need p = q^2, SUMMA2.5 p = d q^2 with q, d >= 2).
+        matrix products need p = q^2, SUMMA2.5 p = d q^2 with q, d >= 2, the 3D layer
+        p = q^3).
     machine : Machine, optional
         Defaults to :func:`paper_machine` (alpha = 0).
     mode : {"paper", "mpich"}
@@ -422,15 +436,15 @@ def _passes(cfg: TransformerConfig) -> tuple[float, float, float]:
     return 3.0, 1.0 + att_bwd, 3.0
 
 
-def _paper_block(cfg: TransformerConfig) -> None:
+def _paper_block(cfg: TransformerConfig, name: str = "SUMMA2.5-LM") -> None:
     """ValueError unless ``cfg`` is the papers' block (GELU MLP, every head its own K, V):
-    the closed form's two linear sums (3+f) h and (4+2f) h^2 are that block's."""
+    the closed form's linear sums ((3+f) h, (4+2f) h^2, ...) are that block's."""
     if cfg.mlp != "gelu" or cfg.kv_heads is not None:
-        raise ValueError("the SUMMA2.5-LM closed form is derived for the papers' block "
+        raise ValueError(f"the {name} closed form is derived for the papers' block "
                          f"(mlp='gelu', kv_heads=None); got mlp={cfg.mlp!r}, "
                          f"kv_heads={cfg.kv_heads!r}")
     if cfg.sequence_parallel:
-        raise ValueError("sequence parallelism is Megatron's; SUMMA2.5-LM has none")
+        raise ValueError(f"sequence parallelism is Megatron's; {name} has none")
 
 
 def summa25_overhead(q: int, d: int, *, c: float, ffn: float = 4.0,
@@ -560,24 +574,41 @@ def summa25_closed_form(E: float, p_values, *, d: int | None = None,
     the LayerNorm and bias traffic (``include_minor``; the paper's "negligible"),
     elementwise compute, and the embedding and head.
     """
+    cfg = cfg or TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)
+    _paper_block(cfg)
+    P = _passes(cfg)[2]
+
+    def phi(p):
+        sch = _scheme_for("optimus" if d == 1 else "summa25", p, None if d == 1 else d)
+        return sch, sch and summa25_overhead(sch.q, sch.d, c=b_per_h * cfg.s, ffn=cfg.ffn,
+                                             passes=P)
+
+    return _layer_closed_form("summa25", phi, E, p_values, cfg=cfg, b_per_h=b_per_h,
+                              beta=beta, gamma=gamma, order=order, x_bounds=x_bounds)
+
+
+def _layer_closed_form(name: str, phi, E: float, p_values, *, cfg: TransformerConfig,
+                       b_per_h: float, beta: float, gamma: float, order: str,
+                       x_bounds) -> IsoResult:
+    """Solve ``W = T_o / r`` for h at each p, given ``phi(p) -> (scheme, Phi)`` with
+    ``T_o = beta w h^2 Phi`` (a scheme of None: p skipped): ``P_l (4+2f) h + 2 P_a s =
+    beta w Phi / (2 gamma c r)`` (:func:`summa25_closed_form`'s Notes); ``order``
+    "leading" drops the ``2 P_a s`` attention term."""
     if not 0 < E < 1:
         raise ValueError(f"efficiency E must be in (0, 1), got {E}")
     if order not in ("exact", "leading"):
         raise ValueError(f"unknown order {order!r}; choose 'exact' or 'leading'")
-    cfg = cfg or TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)
-    _paper_block(cfg)
     r = (1.0 - E) / E
     f, s, w = cfg.ffn, cfg.s, cfg.itemsize
     c = b_per_h * s
-    P_l, P_a, P = _passes(cfg)
+    P_l, P_a, _ = _passes(cfg)
     ps, hs, Ws, grids = [], [], [], []
     for p in p_values:
         p = int(p)
-        sch = _scheme_for("optimus" if d == 1 else "summa25", p, None if d == 1 else d)
+        sch, ph = phi(p)
         if sch is None:
             continue
-        phi = summa25_overhead(sch.q, sch.d, c=c, ffn=f, passes=P)
-        rhs = beta * w * phi / (2 * gamma * c * r)      # = P_l (4+2f) h + 2 P_a s
+        rhs = beta * w * ph / (2 * gamma * c * r)       # = P_l (4+2f) h + 2 P_a s
         if order == "leading":
             h = rhs / (P_l * (4 + 2 * f))
             W = 2 * gamma * c * h * h * P_l * (4 + 2 * f) * h
@@ -588,8 +619,79 @@ def summa25_closed_form(E: float, p_values, *, d: int | None = None,
         hs.append(h)
         Ws.append(W)
         grids.append(sch.label)
-    name = "summa25 closed form" + (" (leading)" if order == "leading" else "")
+    name = f"{name} closed form" + (" (leading)" if order == "leading" else "")
     return IsoResult(name, E, ps, hs, Ws, loglog_slope(ps, Ws), grids)
+
+
+# -- the 3D layer: the closed form ---------------------------------------------------------
+def tp3d_overhead(q: int, *, c: float, ffn: float = 4.0, recompute: bool = True) -> float:
+    """``Phi_3 = p T_comm / (beta w h^2)``: the 3D layer's total overhead on the q x q x q
+    cube in units of ``beta w h^2`` (paper formulas, alpha = 0; see
+    :func:`tp3d_closed_form`), ``c = b s / h``; ``recompute``: whole-layer recompute
+    (the backward re-runs the forward's collectives).
+
+    ``Phi_3 = (q-1) ((P_f (8+2f) + 11+3f) c + (P_f+2)(4+2f))`` with P_f = 2 (recompute)
+    or 1; 0 at q = 1.
+    """
+    if q < 1:
+        raise ValueError(f"need q >= 1, got q={q}")
+    f, P_f = ffn, 2 if recompute else 1
+    return (q - 1) * ((P_f * (8 + 2 * f) + 11 + 3 * f) * c + (P_f + 2) * (4 + 2 * f))
+
+
+def tp3d_closed_form(E: float, p_values, *, cfg: TransformerConfig | None = None,
+                     b_per_h: float = 1 / 64, beta: float = 1e-9, gamma: float = 1e-11,
+                     order: str = "exact", x_bounds=(1e-3, 1e12)) -> IsoResult:
+    r"""The isoefficiency function of the 3D layer (Bian et al. 2021) in closed form.
+
+    The problem of :func:`isoefficiency` ("3d", ``mode="paper"`` on
+    :func:`paper_machine`), solved by hand on the cubes p = q^3 (others skipped);
+    parameters as :func:`summa25_closed_form`'s.
+
+    Notes
+    -----
+    *Communication per layer per rank* (what
+    :func:`~summasim.costmodel.workload.layer.tp3d_linear_ops` lists, the 3D product of
+    Agarwal et al. 1995 per linear). A linear ``Y = X W``, X ``[M, i]`` in ``[M/q^2,
+    i/q]`` blocks (M = b s), W ``[i, o]`` in ``[i/q^2, o/q]`` pieces, runs forward an
+    all-gather of X (``M i/q^3`` items per rank) over q, of W (``i o/q^3``) over the
+    depth, and a reduce-scatter of the ``[M/q, o/q]`` partial (``M o/q^2``) over q;
+    backward all-gathers of dY (``M o/q^3``), X and W again, and reduce-scatters of dX
+    (``M i/q^2``) over q and dW (``i o/q^2``) over the depth. With the paper's
+    all-gather ``(g-1) beta B`` (B per rank) and reduce-scatter ``(g-1)/g beta B``, a
+    linear costs ``(q-1)/q^3 beta w (M (i + o) + i o)`` forward and ``(q-1)/q^3 beta w
+    (M (o + 2i) + 2 i o)`` backward. The papers' block (QKV [h, 3h], projection [h, h],
+    fc1 [h, f h], fc2 [f h, h]) has ``sum i = (3+f) h``, ``sum o = (5+f) h``, ``sum i o
+    = (4+2f) h^2``, so
+
+        T_f = (q-1)/q^3 beta w ((8+2f) M h + (4+2f) h^2),
+        T_b = (q-1)/q^3 beta w ((11+3f) M h + 2 (4+2f) h^2),
+
+    and ``T_comm = P_f T_f + T_b`` (P_f = 2 with whole-layer recompute, else 1).
+
+    *Overhead.* ``T_o = p T_comm = q^3 T_comm``; with M = c h:
+
+        T_o = beta w h^2 Phi_3,  Phi_3 = (q-1) ((P_f (8+2f) + 11+3f) c + (P_f+2)(4+2f))
+
+    (:func:`tp3d_overhead`). *Isoefficiency*: as :func:`summa25_closed_form`, ``P_l
+    (4+2f) h + 2 P_a s = beta w Phi_3 / (2 gamma c r)``, linear in h, W = W(h). To
+    leading order W ~ h^3 ~ Phi_3^3 ~ (q-1)^3 = (p^(1/3) - 1)^3, which tends to p: every
+    term of the overhead is ``O(b s h / p^(2/3) + h^2 / p^(2/3))`` per rank, the
+    activations' and the weights' alike shrinking with p^(2/3), where Optimus's
+    shrink with sqrt(p) only and carry log q (Optimus's W ~ (sqrt(p) log p)^3).
+    Left out as in the "paper" mode: latency, the LayerNorm and bias traffic
+    (``include_minor``), elementwise compute, the embedding and head.
+    """
+    cfg = cfg or TransformerConfig(s=512, N=1, dtype="float32", checkpoint=True)
+    _paper_block(cfg, "3D")
+
+    def phi(p):
+        sch = _scheme_for("3d", p, None)
+        return sch, sch and tp3d_overhead(sch.q, c=b_per_h * cfg.s, ffn=cfg.ffn,
+                                          recompute=cfg.recompute == "full")
+
+    return _layer_closed_form("3d", phi, E, p_values, cfg=cfg, b_per_h=b_per_h, beta=beta,
+                              gamma=gamma, order=order, x_bounds=x_bounds)
 
 
 #: How far the fitted slope may sit from the exact closed form's (both solve the same
@@ -682,13 +784,17 @@ def reference_slope(kind: str, p_values, *, E: float = 0.5,
     and recompute and ``b_per_h`` (defaults: :func:`isoefficiency`'s), on
     :func:`paper_machine`: "summa25 closed form" (exact, at efficiency ``E``: what the
     "paper assumptions" fit must equal) and "summa25 leading" (:data:`SUMMA25_LAW`,
-    W ~ Phi^3, independent of E, beta and gamma). Only the SUMMA2.5 kinds read ``E``,
-    ``cfg``, ``b_per_h`` and ``d``.
+    W ~ Phi^3, independent of E, beta and gamma); the 3D layer's "3d closed form" and
+    "3d leading" (:func:`tp3d_closed_form`, on the cubes among ``p_values``). Only the
+    SUMMA2.5 and 3D kinds read ``E``, ``cfg`` and ``b_per_h``, only SUMMA2.5's ``d``.
     """
     if kind in ("summa25 closed form", "summa25 leading"):
         order = "exact" if kind == "summa25 closed form" else "leading"
         return summa25_closed_form(E, p_values, d=d, cfg=cfg, b_per_h=b_per_h,
                                    order=order).slope
+    if kind in ("3d closed form", "3d leading"):
+        order = "exact" if kind == "3d closed form" else "leading"
+        return tp3d_closed_form(E, p_values, cfg=cfg, b_per_h=b_per_h, order=order).slope
     if kind in ("sd25 closed form", "mm3d closed form"):
         return deep_closed_form(kind.split()[0] + "_mm", E, p_values, d=d).slope
     p = np.asarray(list(p_values), float)

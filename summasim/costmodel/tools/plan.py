@@ -65,7 +65,8 @@ def tensor_grids(cfg: TransformerConfig, devices: int, schemes=SCHEMES) -> list[
     """Every tensor grid of a divisor t of ``devices`` that divides the model (apart
     from the batch), as :func:`summasim.spec.grids` enumerates them: Megatron over t
     (t = 1 is no tensor parallelism), Optimus q x q with q >= 2, SUMMA2.5-LM [q, q, d]
-    with q >= 2 and d >= 2 (d > q included; d = 1 is Optimus)."""
+    with q >= 2 and d >= 2 (d > q included; d = 1 is Optimus), the 3D cube q x q x q
+    with q >= 2."""
     out = []
     for t in _divisors(devices):
         for name in schemes:
@@ -284,9 +285,9 @@ def fits_with_more(plan: Plan, tick=None) -> tuple[int, dict] | None:
 
 def short_grid(r: dict) -> str:
     """A row's tensor grid as ``--mesh`` spells it: ``megatron:T``, ``optimus:QxQ``,
-    ``summa25:QxQxD``."""
+    ``summa25:QxQxD``, ``3d:QxQxQ``."""
     if r["scheme"] == "megatron":
         return f"megatron:{r['t']}"
     if r["scheme"] == "optimus":
         return f"optimus:{r['q']}x{r['q']}"
-    return f"summa25:{r['q']}x{r['q']}x{r['d']}"
+    return f"{r['scheme']}:{r['q']}x{r['q']}x{r['d']}"

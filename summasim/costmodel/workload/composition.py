@@ -4,7 +4,7 @@ A composition runs ``devices = dp * pp * t`` ranks on the mesh ``[dp, pp, tensor
 grid]`` (ranks in that Cartesian order, the tensor grid fastest: a tensor group is
 ``t`` consecutive ranks, a pipeline group has stride ``t``, a data-parallel group
 stride ``pp t``). The tensor grid is one of today's schemes: Megatron 1D over ``t``
-ranks, Optimus ``q x q``, SUMMA2.5-LM ``[q, q, d]``. The N layers are split into
+ranks, Optimus ``q x q``, SUMMA2.5-LM ``[q, q, d]``, the 3D layer's ``q x q x q`` cube. The N layers are split into
 ``pp`` contiguous stages, or ``pp V`` virtual stages under the interleaved schedule
 (virtual stage ``c pp + s`` is model chunk c of stage s), by
 :func:`summasim.spec.stage_layers`: evenly, or as ``stages`` says (a stage may hold no
@@ -12,7 +12,7 @@ layer); the first stage also holds the embedding (``wte``, ``wpe``), the last th
 final LayerNorm and the LM head (a tied copy of ``wte`` when pp > 1, or an untied
 head's own ``[h, v]``). The global batch B is split over dp and into ``m``
 micro-batches of ``b = B/(dp m)`` sequences, which must be a multiple of the scheme's
-batch divisor (d q). How the layers train (recompute, attention, sequence
+batch divisor (d q; q^2 on the 3D cube). How the layers train (recompute, attention, sequence
 parallelism) and the block (SwiGLU, grouped-query attention, the head) are the
 workload's (:class:`~summasim.costmodel.workload.scheme.TransformerConfig`).
 
@@ -453,11 +453,12 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         messages' and GEMMs'; ``attention``, ``sequence_parallel`` and the block
         priced as it says).
     scheme : str or Scheme
-        "megatron", "optimus" or "summa25"; its grid from ``t`` (Megatron) or ``q``, ``d``.
+        "megatron", "optimus", "summa25" or "3d"; its grid from ``t`` (Megatron) or
+        ``q``, ``d`` (3d: q, its depth is q).
     machine : Machine
     t, q, d : int, optional
         The tensor grid: Megatron over ``t`` ranks, Optimus ``q x q``, SUMMA2.5-LM
-        ``[q, q, d]`` (ignored when ``scheme`` is a Scheme).
+        ``[q, q, d]``, 3D ``q x q x q`` (ignored when ``scheme`` is a Scheme).
     dp, pp, microbatches : int
         Data-parallel ranks, pipeline stages, micro-batches per step (m).
     global_batch : int, optional

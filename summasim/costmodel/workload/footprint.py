@@ -62,6 +62,18 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         # the two activation-gradient buffers of the layer input: [s/p, b, h] under SP
         grad_bufs = 2 * bsh / p if cfg.sequence_parallel else 2 * bsh
         work = 0.0
+    elif scheme.kind == "3d":
+        # weights over all p ranks ([in/q^2, out/q] each); the vectors replicated, each
+        # rank holding its h/q (A layout) or W/q, F/q (B layout) slice of every one
+        layer_params = weights / p + ((6 + r) * h + (k - 1) * f) / q
+        # wte [vb/q, h/q] (vocabulary block i, its depth piece; an untied head the same),
+        # wpe [s, h/q] and lnf g, b replicated
+        vb = float(vocab_block(v, q))
+        emb = vb * h / (q * q) + s * h / q + 2 * h / q
+        if head:
+            emb += vb * h / (q * q)                    # split like wte
+        grad_bufs = 2 * bsh / p
+        work = _tp3d_workspace(cfg, q)
     else:
         # LayerNorms 4h; biases: QKV r h, proj h, MLP (k-1) f h, fc2 h
         vectors = (6 + r) * h + (k - 1) * f
@@ -108,6 +120,16 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
                   embedding=emb_b)
 
 
+def _tp3d_workspace(cfg: TransformerConfig, q) -> float:
+    """Items of the 3D layer's workspace: for its widest linear ``[in, out]`` the gathered
+    input ``[b s/q, in/q]``, the gathered weight ``[in/q, out/q]`` and the partial output
+    ``[b s/q, out/q]``: ``(b s (in + out) + in out) / q^2`` (none at q = 1)."""
+    if q == 1:
+        return 0.0
+    bs, h, f = cfg.b * cfg.s, cfg.h, cfg.ffn_width
+    return max(bs * (i + o) + i * o for i, o in ((h, cfg.qkv_width), (h, f))) / (q * q)
+
+
 def _layer_extra_bytes(scheme: Scheme, cfg: TransformerConfig) -> dict:
     """Bytes one layer keeps beyond its activation items: ``kept`` outside the attention
     core, ``core`` inside it (what selective recompute drops).
@@ -136,7 +158,8 @@ def _layer_extra_bytes(scheme: Scheme, cfg: TransformerConfig) -> dict:
 
 
 def batch_step(scheme: Scheme) -> int:
-    """The batch must be a multiple of this (q for Optimus, d q for SUMMA2.5)."""
+    """The batch must be a multiple of this (q for Optimus, d q for SUMMA2.5, q^2 for
+    the 3D cube, whose d is q)."""
     return 1 if scheme.name == "megatron" else scheme.q * scheme.d
 
 
@@ -177,7 +200,9 @@ def _layer_activations(scheme: Scheme, cfg: TransformerConfig, core: bool = True
     keeps the LayerNorm inputs and outputs (4 b s h) and statistics whole, or split
     over p under sequence parallelism (their Table 2: ``34/t`` in place of ``10 +
     24/t``). ``core=False`` leaves out the attention core's ``b n s^2`` probabilities
-    (selective recompute, their eq. 2); blockwise attention never holds them."""
+    (selective recompute, their eq. 2); blockwise attention never holds them. The 3D
+    cube keeps the same blocks ``[b s/q^2, width/q]``: split over p, statistics over
+    q^2 = d q."""
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p, q, d = scheme.p, scheme.q, scheme.d
     r, k = cfg.qkv_mult, cfg.mlp_matrices

@@ -1,18 +1,22 @@
-"""Cost of one transformer layer under Megatron (1D), Optimus (2D) and SUMMA2.5-LM.
+"""Cost of one transformer layer under Megatron (1D), Optimus (2D), SUMMA2.5-LM and the
+3D layer.
 
 Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
 N layers, f the MLP multiplier (``ffn``: the MLP is f h wide; GPT-2 has f = 4), p
 ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on [q, q, d]
-(p = d q^2). One layer is attention (QKV [h, 3h], scores, projection [h, h]) and
-an MLP ([h, f h], [f h, h]); activations are [b s, h]. The formulas below are
+(p = d q^2), the 3D layer on the q x q x q cube (p = q^3, d = q). One layer is
+attention (QKV [h, 3h], scores, projection [h, h]) and an MLP ([h, f h], [f h, h]);
+activations are [b s, h]. The formulas below are
 written for any f, with the GPT-2 values (f = 4) in brackets where the papers
 print them.
 
-A grid must divide the model it runs (:func:`misfit`): Megatron splits the heads,
-h, the MLP width f h and the vocabulary over p; Optimus and SUMMA2.5-LM split h,
-the heads, f h and v over q and the batch over d q. :func:`grid_shapes` with a
-config lists only the grids that do, so a sweep never prices a model that cannot
-run on its grid.
+A grid must fit the model it runs (:func:`misfit`): Megatron cuts the heads (key/value
+head groups) and the MLP width f h over p by the balanced partition, at least one per
+rank, and prices its busiest rank (:func:`megatron_shares`: ``ceil(n/p)`` heads where p
+does not divide them); Optimus and SUMMA2.5-LM split h, the heads, f h and v over q and
+the batch over d q (the 3D cube: over q^2); any vocabulary is padded.
+:func:`grid_shapes` with a config lists only the grids that do, so a sweep never
+prices a model that cannot run on its grid.
 
 What each scheme does per layer (what :func:`layer_ops` lists)
 --------------------------------------------------------------
@@ -28,6 +32,15 @@ Optimus (q x q)     each linear C = X W is ``summa_ab(bs, in, out)``; backward i
 SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split into
                     d q row blocks, weights 2D and replicated over depth; dW is
                     all-reduced over the depth (ring, 2(d-1) sendrecvs).
+3D (q x q x q)      Bian et al. 2021's layer (the 3D product of Agarwal et al. 1995 per
+                    linear, :func:`tp3d_linear_ops`): activations ``[b s/q^2, h/q]``
+                    blocks alternating between two layouts, weights split over all p
+                    ranks; per linear all-gathers of X over q and of W over the depth,
+                    one local GEMM, a reduce-scatter of the output over q. Per rank
+                    ``(q-1)/q^3 ((8+2f) b s h + (4+2f) h^2)`` words forward and
+                    ``(q-1)/q^3 ((11+3f) b s h + 2 (4+2f) h^2)`` backward (GPT-2's
+                    block; docs/costmodel.md derives them); attention is local to
+                    b/q^2 sequences and n/q heads.
 
 With activation checkpointing the backward pass first recomputes the forward
 (its communication included), so backward = 3x forward for Optimus and 2x for
@@ -67,6 +80,10 @@ the rest (6h); Optimus splits weights over p and keeps vectors on grid row 0
 ((9+f)h/q on those ranks); SUMMA2.5-LM stores
 weights over q^2 (replicated over depth) and vectors over q; both host ``wpe`` on
 row 0 as ``[s, h/q]`` (s h / q items on those ranks) and ``wte`` in q x q blocks.
+The 3D layer splits its weights over p and replicates its vectors (``(9+f)h/q`` on
+every rank), ``wpe [s, h/q]`` and the final LayerNorm, and splits ``wte`` (and an
+untied head) over p (``ceil(v/q) h / q^2``); its workspace is the widest linear's
+gathered input, gathered weight and partial output, ``(b s (i + o) + i o) / q^2``.
 Gradients equal the
 parameters; the optimizer adds ``optimizer_states`` x parameters (Adam: 2).
 
@@ -127,10 +144,14 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
     p, q, d = scheme.p, scheme.q, scheme.d
     fwd, bwd = [], []
     if scheme.name == "megatron":
+        heads, mlp = megatron_shares(cfg, p)
         for name, fin, fout in _linears(cfg):
-            # qkv and fc1 are split by columns, proj and fc2 by rows (Megatron's f and g)
-            fin, fout = ((fin, _split(fout, p)) if _LINEARS_COL[name]
-                         else (_split(fin, p), fout))
+            # qkv and fc1 are split by columns, proj and fc2 by rows (Megatron's f and g),
+            # the busiest rank's share: its heads' columns, its MLP columns
+            share = heads if name in ("qkv", "proj") else mlp
+            fin, fout = (((fin, _split(fout, p)) if _LINEARS_COL[name] else (_split(fin, p), fout))
+                         if share == 1 / p else
+                         ((fin, fout * share) if _LINEARS_COL[name] else (fin * share, fout)))
             fwd.append(("gemm", M, fin, fout, 1))
             bwd += [("gemm", M, fout, fin, 1), ("gemm", fin, M, fout, 1)]
         fwd += _core_ops(scheme, cfg)
@@ -138,6 +159,19 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
         if p > 1:  # Megatron skips the all-reduce on a group of one (its _reduce)
             fwd += _megatron_reductions(p, M * h, 2, cfg.sequence_parallel)
             bwd += _megatron_reductions(p, M * h, 2, cfg.sequence_parallel)
+    elif scheme.kind == "3d":
+        if cfg.sequence_parallel:
+            raise ValueError(sequence_parallel_misfit(scheme, cfg))
+        for fin, fout, a_to_b in _tp3d_linears(cfg):
+            f_ops, b_ops = tp3d_linear_ops(q, M, fin, fout, a_to_b)
+            fwd += f_ops
+            bwd += b_ops
+        fwd += _core_ops(scheme, cfg)
+        bwd += _core_backward_ops(scheme, cfg)
+        if include_minor:
+            fwd_aux, bwd_aux = _tp3d_layer_aux(cfg, q)
+            fwd += fwd_aux
+            bwd += bwd_aux
     else:
         if cfg.sequence_parallel:
             raise ValueError(sequence_parallel_misfit(scheme, cfg))
@@ -174,11 +208,29 @@ def _megatron_reductions(p, items, count, sequence_parallel) -> list:
             ("coll", "allgather", "world", p, _split(items, p), count)]
 
 
+def megatron_shares(cfg: TransformerConfig, p: int) -> tuple:
+    """``(heads, mlp)``: the fractions of the heads and of the MLP columns Megatron's
+    busiest rank holds: ``1/p`` when p divides them, else the balanced partition's
+    largest block (``ceil(kv/p)`` of the ``kv`` key/value head groups, ``ceil(f h/p)``
+    of the ``f h`` columns; ``megatron.head_range``); ``1/p`` for real sizes and for
+    fewer than p (a model that does not fit, priced as the papers' average)."""
+    groups = cfg.kv_heads if cfg.kv_heads is not None else cfg.n
+    out = []
+    for total in (groups, cfg.ffn_width):
+        whole = _whole(total)
+        out.append(-(-whole // p) / whole if isinstance(whole, int) and isinstance(p, int)
+                   and whole % p and whole >= p else 1 / p)
+    return tuple(out)
+
+
 def _attention_seqs(scheme: Scheme, cfg: TransformerConfig):
-    """(sequence, head) pairs one rank attends: ``b n / p`` (Megatron, heads split) or
-    ``b/(d q) n/q`` (Optimus, SUMMA2.5-LM: its rows of sequences, its heads)."""
+    """(sequence, head) pairs one rank attends: ``b n / p`` (Megatron, heads split; the
+    busiest rank's heads where p does not divide them) or ``b/(d q) n/q`` (Optimus,
+    SUMMA2.5-LM: its rows of sequences, its heads; the 3D layer's ``b/q^2 n/q``, d = q)."""
     if scheme.name == "megatron":
-        return _split(cfg.b * cfg.n, scheme.p)
+        share = megatron_shares(cfg, scheme.p)[0]
+        return (_split(cfg.b * cfg.n, scheme.p) if share == 1 / scheme.p
+                else cfg.b * cfg.n * share)
     return _split(cfg.b, scheme.d * scheme.q) * _split(cfg.n, scheme.q)
 
 
@@ -258,6 +310,79 @@ def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True, vectors=None):
         bwd.append(("coll", "reduce", "col", q, vec, 1))
     if d > 1 and row0:
         bwd.append(("ring", "depth", d, vec, 1))
+    return fwd, bwd
+
+
+def _tp3d_linears(cfg: TransformerConfig) -> tuple:
+    """``(in, out, a_to_b)`` of the 3D layer's linears, in the order they run: QKV [h, W]
+    (A -> B), attn.proj [h, h] (B -> A), mlp.fc [h, F] (A -> B), SwiGLU's mlp.gate [h, F]
+    (A -> B, its own product as in the runtime), mlp.proj [F, h] (B -> A)."""
+    h, f = cfg.h, cfg.ffn_width
+    gate = ((h, f, True),) if cfg.mlp == "swiglu" else ()
+    return ((h, cfg.qkv_width, True), (h, h, False), (h, f, True), *gate, (f, h, False))
+
+
+def tp3d_linear_ops(q, M, fin, fout, a_to_b: bool = True) -> tuple[list, list]:
+    """``(forward, backward)`` ops of one linear ``Y = X W`` (``X [M, in]``, ``W [in,
+    out]``) of the 3D layer on the q x q x q cube (Bian et al. 2021; Agarwal et al.
+    1995), per rank, N = M / q^2 local rows.
+
+    The input group G_in and output group G_out are ``col`` and ``row`` for an A -> B
+    linear (QKV, fc, gate, the LM head), ``row`` and ``col`` for a B -> A one (the two
+    projections). The weight is stored ``[in/q^2, out/q]`` (1/p of it). Items as the
+    trace records them (an all-gather its piece, a reduce-scatter its whole buffer):
+
+    forward   all-gather X ``N in/q`` over G_in, all-gather W ``in out/q^3`` over depth,
+              the GEMM ``[q N, in/q] x [in/q, out/q]``, reduce-scatter of the partial
+              ``[q N, out/q]`` (``N out`` items) over G_out;
+    backward  all-gather dY ``N out/q`` over G_out, X again ``N in/q`` over G_in and W
+              ``in out/q^3`` over depth, the GEMMs of dX ``[q N, out/q] x [out/q, in/q]``
+              and dW ``[in/q, q N] x [q N, out/q]``, reduce-scatter of dX (``N in``) over
+              G_in and of dW (``in out/q^2``) over depth.
+
+    Groups of one send nothing (q = 1: the GEMMs only).
+    """
+    g_in, g_out = ("col", "row") if a_to_b else ("row", "col")
+    rows = _split(M, q * q)                                # N
+    big = _split(M, q)                                     # q N
+    i_q, o_q = _split(fin, q), _split(fout, q)
+    w_piece = _split(fin * fout, q ** 3)
+    fwd = [("coll", "allgather", g_in, q, _split(rows * fin, q), 1),
+           ("coll", "allgather", "depth", q, w_piece, 1),
+           ("gemm", big, i_q, o_q, 1),
+           ("coll", "reduce_scatter", g_out, q, rows * fout, 1)]
+    bwd = [("coll", "allgather", g_out, q, _split(rows * fout, q), 1),
+           ("coll", "allgather", g_in, q, _split(rows * fin, q), 1),
+           ("coll", "allgather", "depth", q, w_piece, 1),
+           ("gemm", big, o_q, i_q, 1),
+           ("coll", "reduce_scatter", g_in, q, rows * fin, 1),
+           ("gemm", i_q, big, o_q, 1),
+           ("coll", "reduce_scatter", "depth", q, _split(fin * fout, q * q), 1)]
+    if q == 1:
+        return ([op for op in fwd if op[0] == "gemm"], [op for op in bwd if op[0] == "gemm"])
+    return fwd, bwd
+
+
+def _tp3d_layer_aux(cfg: TransformerConfig, q) -> tuple[list, list]:
+    """The 3D layer's traffic beyond its linears (``include_minor``), per rank.
+
+    Forward: the LayerNorm statistics, 4 ``row`` all-reduces of N = b s / q^2 items (2
+    LayerNorms, mean then variance, as Optimus's); the vectors are replicated (none).
+    Backward: 4 such all-reduces, then the vector gradients packed in one buffer of
+    ``(6h + W + (k-1) F)/q`` items all-reduced over ``depth``, its A part (LayerNorms,
+    the projections' biases: ``6h/q``) over ``col`` and its B part (the QKV, fc and
+    gate biases: ``(W + (k-1) F)/q``) over ``row``. Groups of one send nothing.
+    """
+    if q == 1:
+        return [], []
+    stats = _split(cfg.b * cfg.s, q * q)
+    a_part = _split(6 * cfg.h, q)
+    b_part = _split(_layer_vectors(cfg) - 6 * cfg.h, q)
+    fwd = [("coll", "allreduce", "row", q, stats, 4)]
+    bwd = [("coll", "allreduce", "row", q, stats, 4),
+           ("coll", "allreduce", "depth", q, _split(_layer_vectors(cfg), q), 1),
+           ("coll", "allreduce", "col", q, a_part, 1),
+           ("coll", "allreduce", "row", q, b_part, 1)]
     return fwd, bwd
 
 

@@ -2,8 +2,9 @@
 
 Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
 N layers, f the MLP multiplier; Megatron runs over p ranks, Optimus on a q x q grid,
-SUMMA2.5-LM on [q, q, d] (p = d q^2). :func:`grid_shapes` is THE enumeration of the grids
-(:func:`summasim.spec.grids`), :func:`misfit` says why a grid cannot shard a model.
+SUMMA2.5-LM on [q, q, d] (p = d q^2), the 3D layer on the q x q x q cube (p = q^3,
+d = q). :func:`grid_shapes` is THE enumeration of the grids (:func:`summasim.spec.grids`),
+:func:`misfit` says why a grid cannot shard a model.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 
-from ...spec import ATTENTIONS, MLPS, RECOMPUTE, SCHEME_NAMES, TensorGrid, grids
+from ...spec import ATTENTIONS, MLPS, RECOMPUTE, SCHEME_KINDS, SCHEME_NAMES, TensorGrid, grids
 from ...spec import vocab_block as spec_vocab_block
 from ..machine import itemsize_of
 
 SCHEMES = SCHEME_NAMES       # the one registry: summasim.transformer.schemes
 _ALIASES = {"megatron": "megatron", "1d": "megatron", "optimus": "optimus", "2d": "optimus",
             "summa25": "summa25", "2.5d": "summa25", "summa2.5": "summa25",
-            "summa25-lm": "summa25"}
+            "summa25-lm": "summa25", "3d": "3d", "tp3d": "3d"}
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,16 @@ class TransformerConfig:
 @dataclass(frozen=True)
 class Scheme(TensorGrid):
     """A parallel scheme and its grid: ``megatron`` over p, ``optimus`` on q x q,
-    ``summa25`` on [q, q, d]. The :class:`summasim.spec.TensorGrid` the cost model prices
-    (same fields, ``label`` and checks), with :meth:`make`, which also takes the
-    schemes' aliases ("1d", "2d", "2.5d", "summa2.5", ...)."""
+    ``summa25`` on [q, q, d], ``3d`` on the q x q x q cube (d = q). The
+    :class:`summasim.spec.TensorGrid` the cost model prices (same fields, ``label`` and
+    checks), with :meth:`make`, which also takes the schemes' aliases ("1d", "2d",
+    "2.5d", "summa2.5", "tp3d", ...)."""
 
     @classmethod
     def make(cls, name: str, p: int | None = None, q: int | None = None,
              d: int = 1) -> "Scheme":
-        """Build and check a scheme; ``optimus`` and ``summa25`` take q (and d) or p."""
+        """Build and check a scheme; ``optimus`` and ``summa25`` take q (and d) or p,
+        ``3d`` q or p (its depth is q: a ``d`` other than 1 or q is refused)."""
         key = _ALIASES.get(str(name).lower())
         if key is None:
             raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
@@ -256,6 +259,12 @@ class Scheme(TensorGrid):
             return cls(key, int(p), 1, 1)
         if key == "optimus":
             d = 1
+        if SCHEME_KINDS[key] == "3d":               # the cube: its depth is q
+            cube = q if q is not None else round(int(p) ** (1 / 3)) if p else None
+            if cube is None or d not in (1, cube) or (p is not None and p != cube ** 3):
+                raise ValueError(f"{key} runs on a q x q x q cube (p = q^3), got p={p}, "
+                                 f"q={q}, d={d}")
+            q = d = cube
         if q is None:
             if p is None:
                 raise ValueError(f"{key} needs q (or p)")
@@ -305,7 +314,9 @@ def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> s
     The rule is spec's (:meth:`summasim.spec.TensorGrid.divisors`, the one the runtime
     checks too), on the workload's sizes, which may be real (a real size that is not
     whole divides by nothing); the vocabulary only when v > 0, the batch unless
-    ``batch=False``; the key/value heads under grouped-query attention. The reason
+    ``batch=False``; the key/value heads under grouped-query attention; and
+    :meth:`~summasim.spec.TensorGrid.least` (Megatron: a head group and an MLP column
+    per rank, the balanced partition of each). The reason
     names every size that fails and its divisor in the papers' symbols
     (``"; "``-separated). Sequence parallelism (:func:`sequence_parallel_misfit`) adds
     its own rule.
@@ -314,6 +325,9 @@ def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> s
                            cfg.b if batch else None, cfg.kv_heads)
     bad = [f"{_NAMES[what]} = {_fmt_num(size)} is not divisible by {sym} = {div}"
            for what, size, div, sym in dims if not _divides(div, size)]
+    bad += [f"{_NAMES[what]} = {_fmt_num(size)} is smaller than {sym} = {least} (one per rank)"
+            for what, size, least, sym in scheme.least(cfg.n, cfg.ffn_width, cfg.kv_heads)
+            if size < least]
     if cfg.sequence_parallel:
         why = sequence_parallel_misfit(scheme, cfg)
         if why:
@@ -326,10 +340,11 @@ def sequence_parallel_misfit(scheme: Scheme, cfg: "TransformerConfig") -> str | 
 
     Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) splits the parts of a
     Megatron layer that 1D tensor parallelism leaves replicated (LayerNorm, dropout,
-    residual) along the sequence: the sequence must divide by p. Optimus and
-    SUMMA2.5-LM have no such part: every activation, LayerNorm input included, is
-    already a ``[b s / (d q), h / q]`` block (Optimus section 3.1.1), so there is nothing
-    left to split and the flag names no technique there: refused.
+    residual) along the sequence: the sequence must divide by p. Optimus,
+    SUMMA2.5-LM and the 3D layer have no such part: every activation, LayerNorm input
+    included, is already a ``[b s / (d q), h / q]`` block (Optimus section 3.1.1; the
+    cube's ``[b s / q^2, h / q]``), so there is nothing left to split and the flag names
+    no technique there: refused.
     """
     if scheme.name != "megatron":
         return (f"sequence parallelism is Megatron's (1D) only: {scheme.label} already "

@@ -13,7 +13,8 @@ from ..compute.gemm import gemm_seconds as _gemm_seconds
 from ..compute.roofline import kernels_seconds, model_kernels
 from ..machine import Machine
 from ..machine.topology import Placement
-from .layer import _ring_allreduce_messages, _split, layer_ops, recompute_ops
+from .layer import (_ring_allreduce_messages, _split, layer_ops, recompute_ops,
+                    tp3d_linear_ops)
 from .scheme import vocab_block
 from .footprint import Memory, _layer_activations, memory
 from .predict import price_messages
@@ -23,8 +24,9 @@ from .scheme import Scheme, TransformerConfig
 def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> dict[str, list]:
     """``{"forward": [...], "backward": [...]}`` ops of one training step of the whole
     language model (embedding, N layers, final LayerNorm, tied LM head, loss), every
-    collective included, as :mod:`summasim.transformer.megatron` and
-    :mod:`summasim.transformer.optimus` send them (no checkpointing).
+    collective included, as :mod:`summasim.transformer.megatron`,
+    :mod:`summasim.transformer.optimus` and the 3D layer (:func:`_tp3d_model_ops`) send
+    them (no checkpointing).
 
     Megatron: the embedding all-reduce of ``b s h`` items, the layers, the LM head's
     local GEMM, 3 all-reduces of ``b s`` items in the loss (max, sum of exponentials,
@@ -68,6 +70,8 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
         if sp:                       # the embedding's conjugate: all-gather its gradient
             bwd.append(("coll", "allgather", "world", p, _split(M * h, p), 1))
         return {"forward": fwd, "backward": bwd}
+    if scheme.kind == "3d":
+        return _tp3d_model_ops(cfg, q, layer)
     ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
                     else ("summa25_ab", "summa25_abt", "summa25_atb"))
     rows = _split(M, d * q)
@@ -105,6 +109,55 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
             bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
         if row0:
             bwd.append(("ring", "depth", d, _split(s * h, q), 1))
+    return {"forward": fwd, "backward": bwd}
+
+
+def _tp3d_model_ops(cfg: TransformerConfig, q, layer: dict) -> dict[str, list]:
+    """:func:`model_ops` of the 3D layer on the q x q x q cube (Bian et al. 2021), N = b s
+    / q^2 rows per rank, ``vb = ceil(v/q)`` the vocabulary block.
+
+    Forward: the embedding's all-gather of the ``wte`` piece ``[vb/q, h/q]`` over depth
+    (``vb h/q^2`` items) and reduce-scatter of the looked-up ``[q N, h/q]`` over col
+    (``N h``; ``wpe`` is replicated), the layers, the final LayerNorm's 2 row
+    all-reduces of N, the LM head as an A -> B linear ``[h, q vb]``
+    (:func:`~summasim.costmodel.workload.layer.tp3d_linear_ops`; tied or not, the same
+    counts), the loss's 3 col all-reduces of N (max, sum of exponentials, target logit)
+    and the loss sum's all-reduce of one item over row and over depth. Backward: the
+    head's linear backward, the final LayerNorm's 2 row all-reduces and its ``2h/q``
+    gradients all-reduced over col then depth, the layers, the embedding's all-gather of
+    dx ``N h/q`` over col, reduce-scatter of ``dwte [vb, h/q]`` over depth and the
+    ``dwpe [s, h/q]`` all-reduce over col then depth. Groups of one send nothing.
+    """
+    b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
+    rows = _split(b * s, q * q)
+    vb = vocab_block(v, q) if v else 0
+    head_f, head_b = tp3d_linear_ops(q, b * s, h, q * vb) if v else ([], [])
+    lnf, wpe = _split(2 * h, q), _split(s * h, q)
+    ranks = q > 1                                  # a group of one sends nothing
+    fwd = []
+    if v and ranks:
+        fwd += [("coll", "allgather", "depth", q, _split(vb * h, q * q), 1),
+                ("coll", "reduce_scatter", "col", q, rows * h, 1)]
+    fwd += N * layer["forward"]
+    if ranks:
+        fwd.append(("coll", "allreduce", "row", q, rows, 2))
+    fwd += head_f
+    if v and ranks:
+        fwd.append(("coll", "allreduce", "col", q, rows, 3))
+    if ranks:
+        fwd += [("coll", "allreduce", "row", q, 1, 1), ("coll", "allreduce", "depth", q, 1, 1)]
+    bwd = list(head_b)
+    if ranks:
+        bwd += [("coll", "allreduce", "row", q, rows, 2),
+                ("coll", "allreduce", "col", q, lnf, 1),
+                ("coll", "allreduce", "depth", q, lnf, 1)]
+    bwd += N * layer["backward"]
+    if ranks:
+        if v:
+            bwd += [("coll", "allgather", "col", q, _split(rows * h, q), 1),
+                    ("coll", "reduce_scatter", "depth", q, _split(vb * h, q), 1)]
+        bwd += [("coll", "allreduce", "col", q, wpe, 1),
+                ("coll", "allreduce", "depth", q, wpe, 1)]
     return {"forward": fwd, "backward": bwd}
 
 

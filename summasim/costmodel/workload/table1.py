@@ -21,7 +21,10 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
     """The Optimus paper's Table 1 entries computed from :func:`layer_ops`.
 
     Communication is priced with the paper's formulas (alpha = 0, beta = 1 per
-    scalar), computation is counted in scalar multiplications. With integer
+    scalar; an all-gather ``(P-1) B`` of its B per rank and a reduce-scatter ``(P-1)/P B``,
+    as :mod:`~summasim.costmodel.collectives.mpich`'s "paper" mode), computation is
+    counted in scalar multiplications. Any scheme: SUMMA2.5 on [q, q, d] and the 3D
+    cube (``Scheme.make("3d", q=q)``) have no column in the paper. With integer
     arguments that divide and q a power of two the values are exact Fractions.
     ``n`` defaults to gcd(h, p q) (heads that every grid divides); ``ffn`` is the
     MLP multiplier f (the paper's 4).
@@ -62,6 +65,10 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
                         logs[P] = logs.get(P, Fraction(0)) + B
                 elif mc.op == "allreduce":
                     comm += 2 * B * Fraction(P - 1, P)
+                elif mc.op == "allgather":        # B is this rank's piece
+                    comm += B * (P - 1)
+                elif mc.op == "reduce_scatter":   # B is the whole buffer
+                    comm += B * Fraction(P - 1, P)
                 else:
                     comm += B
         for P, coef in sorted(logs.items()):  # one rounding per group size, as the paper's
@@ -80,7 +87,8 @@ def table1_paper(scheme: str, b, s, h, p, ffn: float = 4) -> dict:
     if key not in ("megatron", "optimus"):
         raise ValueError(f"table1_paper: Table 1 of the Optimus paper has a Megatron and an "
                          f"Optimus column, not {scheme!r}; for SUMMA2.5 on [q, q, d] use "
-                         f"table1(Scheme.make('summa25', q=q, d=d), ...)")
+                         f"table1(Scheme.make('summa25', q=q, d=d), ...), for the 3D "
+                         f"cube table1(Scheme.make('3d', q=q), ...)")
     f = Fraction(ffn)
     wide, act = 4 + 2 * f, 3 + f              # 12 and 7 for f = 4
     comp_f = (wide * b * s * h * h + 2 * b * s * s * h) / Fraction(p)
