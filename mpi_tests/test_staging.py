@@ -7,6 +7,8 @@ each MPI call, and no new buffers once the pool is warm.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import contextlib
 
 import numpy as np
@@ -321,3 +323,35 @@ def test_bench_allreduce_sizes_its_repeats_alike_on_every_rank(monkeypatch, budg
                     f"{n} repeats ({timed} timed), want {want}")
     parallel_assert(fixed[0]["repeats"] == 4 and len(fixed[0]["ring_times"]) == 4
                     and rows[0]["ok"] and fixed[0]["ok"], "--repeats 4 not honoured")
+
+
+def test_reduce_scatter_sums_blocks_on_host_and_staged():
+    """Comm.reduce_scatter: rank r keeps block r of the sum of every rank's [P, 3] buffer,
+    traced once as "reduce_scatter" with the whole send buffer's bytes; staged, the send
+    buffer goes out once and the block comes back once; a drop fault keeps the rank's
+    own block unreduced."""
+    X = np.random.default_rng(5).standard_normal((P, P, 3))        # rank r sends X[r]
+    want = X.sum(0)[WORLD.Get_rank()]
+    be = StagedHostBackend()
+    for backend in (None, be):
+        comm = Comm(WORLD.Dup(), name="row", backend=backend)
+        try:
+            out = np.empty(3)
+            comm.reduce_scatter(X[comm.rank].copy(), out)
+            ev = comm.trace.events
+            ok = (np.allclose(out, want, rtol=0, atol=1e-13) and len(ev) == 1
+                  and (ev[0].op, ev[0].group, ev[0].nbytes) == ("reduce_scatter", "row",
+                                                                 X[0].nbytes))
+            if backend is not None:
+                ok = ok and (be.d2h_copies, be.h2d_copies) == (1, 1)
+            parallel_assert(ok, f"backend {backend}: {out} != {want}, events {ev}")
+            # the drop fault on the last rank alone: the collective still runs on every
+            # rank (the others get the true sums), and that rank keeps its own block
+            liar = comm.rank == P - 1 and P > 1
+            with (Comm.drop_next_sum() if liar else nullcontext()) as drop:
+                comm.reduce_scatter(X[comm.rank].copy(), out)
+            kept = X[comm.rank, comm.rank] if liar else want
+            parallel_assert(np.allclose(out, kept, rtol=0, atol=1e-13)
+                            and (not liar or drop.applied), f"drop: {out}")
+        finally:
+            comm.mpi.Free()

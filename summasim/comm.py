@@ -642,16 +642,17 @@ class Comm:
         if sendbuf.size != recvbuf.size * self.size or recvbuf.dtype != sendbuf.dtype:
             raise ValueError(f"reduce_scatter: sendbuf needs {self.size} x {recvbuf.size} "
                              f"items of {recvbuf.dtype}")
-        if self.take_drop():          # fault injection: keep this rank's own block
-            recvbuf.reshape(-1)[...] = sendbuf.reshape(self.size, -1)[self.rank]
-            self.trace.record("reduce_scatter", self.name, self.size, -1, sendbuf.nbytes, 0.0)
-            return recvbuf
+        drop = self.take_drop()
+        if drop:                      # fault injection: keep this rank's own block
+            mine = sendbuf.reshape(self.size, -1)[self.rank].copy()
         cleanup: list = []
         sview = self._outgoing(sendbuf, cleanup)
         rview = self._incoming(recvbuf, cleanup)
         self._start("reduce_scatter", -1, sendbuf.nbytes,
                     lambda: [self.mpi.Ireduce_scatter_block(sview, rview, op=MPI.SUM)],
                     cleanup).wait()
+        if drop:                      # the collective ran on every rank; this one lies
+            recvbuf.reshape(-1)[...] = mine
         return recvbuf
 
     def _blocks(self, arr, nbytes: int) -> bool:

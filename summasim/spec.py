@@ -410,6 +410,8 @@ class TensorGrid:
         if SCHEME_KINDS.get(name) == "1d" or ALGORITHM_KINDS.get(name) == "ring":
             return cls(name, positive_int("p", p if p is not None else q), 1, 1)
         if SCHEME_KINDS.get(name) == "3d":        # the cube: its depth is q
+            if d not in (1, q):
+                raise ValueError(f"{name} runs on a q x q x q cube, got q={q}, d={d}")
             d = q
         cols = positive_int("pc", pc) if pc else positive_int("q", q)
         return cls(name, positive_int("d", d) * positive_int("q", q) * cols, q, d, pc)
@@ -421,7 +423,8 @@ class TensorGrid:
 
     @property
     def kind(self) -> str:
-        """"1d", "2d", "2.5d" (schemes) or "ring" (the all-reduce)."""
+        """"1d", "2d", "2.5d", "3d" (schemes; the products' kinds) or "ring" (the
+        all-reduce)."""
         return SCHEME_KINDS.get(self.name) or ALGORITHM_KINDS[self.name]
 
     @property

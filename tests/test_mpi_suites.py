@@ -88,7 +88,7 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
         assert r["tp_fwd"] == r["table1"]["fwd"] > 0
         assert r["tp_bwd_checkpoint"] == r["table1"]["bwd_checkpoint"]
         assert r["memory"]["params"] > 0 and r["memory_formula"]["params"] > 0
-    assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25"]
+    assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25", "3d"]  # p = 4
     # the default composition at p = 4: data and pipeline parallelism around Megatron,
     # in each dtype of --dtype both
     meshes = report["meshes"]

@@ -730,8 +730,9 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
 # --------------------------------------------------------------------------- #
 def _attention(a, p, config: Config, grid, how: dict):
     """The column-parallel QKV, this rank's heads and the row-parallel proj:
-    (B, T, h) -> (B, T, h) partial sum. Rank r holds query heads ``[r n/p, (r+1) n/p)``
-    and key/value heads ``[r kv/p, (r+1) kv/p)``; ``how`` carries ``recompute`` ("none"
+    (B, T, h) -> (B, T, h) partial sum. Rank r holds the query and key/value heads of
+    :func:`head_range` (``[r n/p, (r+1) n/p)`` and ``[r kv/p, (r+1) kv/p)`` when p divides
+    them); ``how`` carries ``recompute`` ("none"
     or "selective"), ``attention`` and ``tile`` to the core."""
     (q_lo, q_hi), (kv_lo, kv_hi) = head_range(config, grid.p, grid.rank)
     return ops.attention_forward(a, p["attn.qkv.w"], p["attn.qkv.b"], p["attn.proj.w"],

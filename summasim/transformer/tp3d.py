@@ -76,8 +76,9 @@ A classifier reads each sequence's last token from layout A: ``x_last[:, H_j] cl
 
 Traffic per rank (items: an all-gather counts its piece, a reduce-scatter its whole
 buffer, as the trace records them), for a linear ``[in, out]``, ``N = b s / q^2``:
-forward ``N in/q + ceil(in/q^2) out/q + N out``; backward ``N out/q + N in/q +
-ceil(in/q^2) out/q + N in + in out/q^2``. :func:`layer_payload` sums them over the
+forward ``N in/q + w + N out``; backward ``N out/q + N in/q + w + N in + q w``, with
+``w = ceil(in/q^2) out/q`` the largest depth piece (``q w = in out/q^2`` when q^2 divides
+in). :func:`layer_payload` sums them over the
 layer's linears; on the wire an all-gather of a piece moves ``(q-1)`` pieces and a
 reduce-scatter ``(q-1)/q`` of its buffer. Groups of one send nothing (q = 1).
 
@@ -752,7 +753,7 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
             lg = last @ p["cls.w"]                                         # (bl, k) partial
             if grid.j == 0:
                 lg += p["cls.b"]
-            lg = _allreduce(grid.row, lg)                                  # (bl, k)
+            lg = ops.stored(_allreduce(grid.row, lg))                      # (bl, k)
         loss, ce = None, None
         if targets is not None:
             n_items = math.prod(targets.shape) if n_items is None else n_items

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scheme import Scheme, TransformerConfig, vocab_block
+from .scheme import Scheme, TransformerConfig, megatron_shares, vocab_block
 
 
 @dataclass
@@ -52,9 +52,11 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     layer_act = _layer_activations(scheme, cfg)
     head = 0.0 if cfg.tied else v * h                  # an untied LM head [h, v]
     if scheme.name == "megatron":
-        # QKV and the column-parallel MLP biases (r h + (k-1) f h) split over p;
-        # LayerNorms and 2 row-parallel biases (6h) whole
-        layer_params = weights / p + (r * h + (k - 1) * f) / p + 6 * h
+        # QKV and the column-parallel MLP biases (r h + (k-1) f h) split over p, the
+        # busiest rank's share where p divides neither the heads nor the MLP width
+        # (scheme.megatron_shares); LayerNorms and 2 row-parallel biases (6h) whole
+        sh, sf = megatron_shares(cfg, p)
+        layer_params = ((1 + r) * h * h + r * h) * sh + (k * h * f + (k - 1) * f) * sf + 6 * h
         vb = float(vocab_block(v, p))                  # the padded vocabulary's block
         emb = vb * h + s * h + 2 * h
         if head:
@@ -210,10 +212,11 @@ def _layer_activations(scheme: Scheme, cfg: TransformerConfig, core: bool = True
     scores = b * n * s * s if core and cfg.attention == "plain" else 0.0
     bsf = b * s * cfg.ffn_width                  # fc1 output, and GELU output
     if scheme.name == "megatron":
-        # whole: LN1 in/out, LN2 in/out; split: QKV r, attention out 1, MLP k f h
+        # whole: LN1 in/out, LN2 in/out; split: QKV r, attention out 1, MLP k f h (the
+        # busiest rank's heads and columns: scheme.megatron_shares)
         whole = 4 * bsh + 4 * b * s
-        if cfg.sequence_parallel:
-            return whole / p + ((1 + r) * bsh + k * bsf + scores) / p
-        return whole + ((1 + r) * bsh + k * bsf + scores) / p
+        sh, sf = megatron_shares(cfg, p)
+        split = ((1 + r) * bsh + scores) * sh + k * bsf * sf
+        return (whole / p if cfg.sequence_parallel else whole) + split
     # LN1 in/out 2, QKV r, attention out 1, residual 1, LN2 out 1, MLP k f h
     return ((5 + r) * bsh + k * bsf + scores) / p + 4 * b * s / (d * q)

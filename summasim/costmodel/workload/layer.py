@@ -12,9 +12,9 @@ print them.
 
 A grid must fit the model it runs (:func:`misfit`): Megatron cuts the heads (key/value
 head groups) and the MLP width f h over p by the balanced partition, at least one per
-rank, and prices its busiest rank (:func:`megatron_shares`: ``ceil(n/p)`` heads where p
-does not divide them); Optimus and SUMMA2.5-LM split h, the heads, f h and v over q and
-the batch over d q (the 3D cube: over q^2); any vocabulary is padded.
+rank, and prices its busiest rank (:func:`~.scheme.megatron_shares`: ``ceil(n/p)``
+heads where p does not divide them); Optimus and SUMMA2.5-LM split h, the heads, f h
+and v over q and the batch over d q (the 3D cube: over q^2); any vocabulary is padded.
 :func:`grid_shapes` with a config lists only the grids that do, so a sweep never
 prices a model that cannot run on its grid.
 
@@ -120,7 +120,7 @@ from ..machine.topology import Placement
 from .footprint import Memory, memory
 from .predict import price_messages
 from .pricer import make_pricer
-from .scheme import (SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes,
+from .scheme import (SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes, megatron_shares,
                      sequence_parallel_misfit)
 
 
@@ -206,21 +206,6 @@ def _megatron_reductions(p, items, count, sequence_parallel) -> list:
         return [("coll", "allreduce", "world", p, items, count)]
     return [("coll", "reduce_scatter", "world", p, items, count),
             ("coll", "allgather", "world", p, _split(items, p), count)]
-
-
-def megatron_shares(cfg: TransformerConfig, p: int) -> tuple:
-    """``(heads, mlp)``: the fractions of the heads and of the MLP columns Megatron's
-    busiest rank holds: ``1/p`` when p divides them, else the balanced partition's
-    largest block (``ceil(kv/p)`` of the ``kv`` key/value head groups, ``ceil(f h/p)``
-    of the ``f h`` columns; ``megatron.head_range``); ``1/p`` for real sizes and for
-    fewer than p (a model that does not fit, priced as the papers' average)."""
-    groups = cfg.kv_heads if cfg.kv_heads is not None else cfg.n
-    out = []
-    for total in (groups, cfg.ffn_width):
-        whole = _whole(total)
-        out.append(-(-whole // p) / whole if isinstance(whole, int) and isinstance(p, int)
-                   and whole % p and whole >= p else 1 / p)
-    return tuple(out)
 
 
 def _attention_seqs(scheme: Scheme, cfg: TransformerConfig):

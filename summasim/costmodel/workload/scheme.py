@@ -302,6 +302,21 @@ def vocab_block(v, p):
     return v / p
 
 
+def megatron_shares(cfg: TransformerConfig, p: int) -> tuple:
+    """``(heads, mlp)``: the fractions of the heads and of the MLP columns Megatron's
+    busiest rank holds: ``1/p`` when p divides them, else the balanced partition's
+    largest block (``ceil(kv/p)`` of the ``kv`` key/value head groups, ``ceil(f h/p)``
+    of the ``f h`` columns; ``megatron.head_range``); ``1/p`` for real sizes and for
+    fewer than p (a model that does not fit, priced as the papers' average)."""
+    groups = cfg.kv_heads if cfg.kv_heads is not None else cfg.n
+    out = []
+    for total in (groups, cfg.ffn_width):
+        whole = _whole(total)
+        out.append(-(-whole // p) / whole if isinstance(whole, int) and isinstance(p, int)
+                   and whole % p and whole >= p else 1 / p)
+    return tuple(out)
+
+
 def _divides(div: int, size) -> bool:
     """``div`` divides ``size`` (a real size that is not whole is divisible by nothing)."""
     size = _whole(size)
