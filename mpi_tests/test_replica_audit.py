@@ -169,3 +169,41 @@ def test_each_group_sees_exactly_the_drift_inside_it(key):
             parallel_assert(t == 1 or "tensor" in got, f"no tensor group: {got}")
     finally:
         mesh.free()
+
+
+@pytest.mark.parametrize("key", ["h0.attn.qkv.w", "h0.ln1.g", "h0.attn.qkv.b"])
+def test_the_3d_cube_audits_its_vectors_over_their_whole_plane(key):
+    """tp=3d:2x2x2, ZeRO 0: one bit of ``key`` moved on rank 0. A weight is held once
+    (every group agrees); a LayerNorm gain (layout A, shared by the ranks of a depth x
+    column plane) is caught by the "tensor" (depth) and "tensor.col" groups, a QKV bias
+    (layout B, a depth x row plane) by "tensor" and "tensor.row"."""
+    skip_unless(P == 8, "the 2 x 2 x 2 cube needs p = 8")
+    from summasim.transformer import tp3d
+
+    case = _case("dp=1,pp=1,tp=3d:2x2x2", 0, unit=2, per=4)
+    mesh = Mesh(WORLD, 1, 1, "3d", q=2, d=2)
+    try:
+        params, tokens, targets = mesh_inputs(case.config, case.batch, 0)
+        tr = Trainer(params, case.config, mesh, get_scheme("3d"), zero=0,
+                     microbatches=case.microbatches, bucket_bytes=case.bucket_bytes)
+        tr.step(tokens, targets)
+        if WORLD.Get_rank() == 0:
+            lo, _ = tr.key_ranges()[key]
+            tr.flat[lo] = np.nextafter(tr.flat[lo], np.inf)
+        got = {name: v["agree"] for name, v in tr.audit().items()}
+        role = tp3d.role(key)
+        want = {"tensor": role in ("a", "b"), "tensor.col": role == "a",
+                "tensor.row": role == "b"}
+        # rank 0's groups disagree where they hold the key; groups without rank 0 agree
+        mine = {name: not (want[name] and WORLD.Get_rank() in _rank0_peers(tr, name))
+                for name in got}
+        parallel_assert(set(got) == set(want) and got == mine, f"{key}: {got}, want {mine}")
+    finally:
+        mesh.free()
+
+
+def _rank0_peers(tr, name) -> set:
+    """This rank if it shares the ``name`` group with world rank 0 (collective)."""
+    comm = {"tensor": tr.grid.depth, "tensor.col": tr.grid.col, "tensor.row": tr.grid.row}[name]
+    members = comm.mpi.allgather(WORLD.Get_rank())
+    return {WORLD.Get_rank()} if 0 in members else set()

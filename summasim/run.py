@@ -162,6 +162,7 @@ def parse_args(argv=None):
         raise UsageError("--self-test runs its own small model and meshes; leave out "
                          "--model, --batch and --mesh")
     args.model = args.model or DEFAULT_MODEL
+    args.batch_given = bool(args.batch)
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
     args.mixed = args.dtype in MIXED_DTYPES
     if args.mixed:
@@ -260,7 +261,8 @@ def plan(args, p: int):
     cases, skips = plan_products(p, args.algorithm_list, args.sizes, args.ring_size,
                                  args.dtypes)
     tcases, tskips = plan_schemes(p, args.scheme_list, lambda dt: _config(args.model, dt),
-                                  args.batch, args.dtypes)
+                                  args.batch, args.dtypes,
+                                  fit_batch=not getattr(args, "batch_given", True))
     return cases, skips, tcases, tskips
 
 
@@ -467,11 +469,17 @@ def _main(args, world, jb: Job) -> int:
     reports = []
     if tcases:
         c0 = tcases[0].config
-        say(f"\ntransformer: b={tcases[0].batch} s={c0.seq} h={c0.hidden} heads={c0.heads} "
+        say(f"\ntransformer: b={args.batch} s={c0.seq} h={c0.hidden} heads={c0.heads} "
             f"vocab={c0.vocab} layers={c0.layers} ffn={c0.ffn_mult}h, vs the serial model; "
             f"errors are max|par - ser| / max|ser| over loss, logits and every gradient "
             f"(plain and checkpointed); traffic is layer 0's Table 1 payload per rank in "
-            f"scalars\n")
+            f"scalars")
+        raised = sorted({f"{c.scheme} {c.grid_label(p)} b={c.batch}" for c in tcases
+                         if c.batch != args.batch})
+        if raised:
+            say(f"  ({', '.join(raised)}: the next batch that cuts into whole sequences per "
+                f"rank; --batch sets one batch for every scheme)")
+        say("")
         for case in tcases:
             doing(f"running {case.label(p)} {case.dtype}")
             res = run_case(case, world, backend, repeats=args.repeats, seed=args.seed,

@@ -142,3 +142,24 @@ def test_plan_meshes_refuses_an_explicit_misfit():
                                     explicit=False)
     assert err == "" and not cases and len(skips) == 1
     assert np.all([s.reason for s in skips])
+
+
+def test_the_default_batch_is_raised_to_whole_sequences_per_rank_where_a_grid_needs_it():
+    """At p = 27 the default batch 8 cuts into whole sequences on neither SUMMA2.5-LM's
+    [3, 3, 3] nor the 3D cube (both need b % 9): with ``fit_batch`` (no --batch given)
+    they run b = 9, Megatron keeps b = 8; with a batch the user chose they are skipped,
+    naming it; a model that does not fit is skipped either way."""
+    from summasim.harness.plan import plan_schemes
+    from summasim.transformer.model import Config
+
+    cfg = Config(vocab=64, seq=16, hidden=64 * 3, heads=48, layers=1)
+    cases, skips = plan_schemes(27, SCHEME_NAMES, lambda dt: cfg, 8, fit_batch=True)
+    assert {(c.scheme, c.batch) for c in cases} == {("megatron", 8), ("summa25", 9),
+                                                    ("3d", 9)}
+    assert {s.name for s in skips} == {"optimus"}            # 27 is not a square
+    cases, skips = plan_schemes(27, SCHEME_NAMES, lambda dt: cfg, 8)
+    assert {c.scheme for c in cases} == {"megatron"}
+    assert {s.name for s in skips if "batch" in s.reason} == {"summa25", "3d"}
+    odd = Config(vocab=64, seq=16, hidden=64, heads=16, layers=1)   # 16 heads: not by 3
+    cases, _ = plan_schemes(27, SCHEME_NAMES, lambda dt: odd, 8, fit_batch=True)
+    assert {c.scheme for c in cases} == set()                # 16 heads < 27 for Megatron

@@ -66,10 +66,25 @@ def plan_products(p: int, algorithms, sizes=None, ring_n: int | None = None,
     return cases, skips
 
 
-def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",)
-                 ) -> tuple[list, list[Skip]]:
+def fitted_batch(spec, config, batch: int, p: int, q: int, d: int) -> int:
+    """``batch``, or where the grid needs whole sequences per rank that ``batch`` does not
+    cut into and the model itself fits, the next multiple of the grid's row blocks
+    (``d q``, the cube's ``q^2``): 8 becomes 9 on ``[3, 3, 3]`` and on ``3x3x3``."""
+    if not spec.misfit(config, batch, p, q, d) or spec.misfit(config, None, p, q, d):
+        return batch
+    tg = spec.tensor_grid(p, q, d)
+    rows = next(div for what, _, div, _ in tg.divisors(config.hidden, config.heads,
+                                                       config.ffn, batch=batch)
+                if what == "batch")
+    return -(-batch // rows) * rows
+
+
+def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",),
+                 fit_batch: bool = False) -> tuple[list, list[Skip]]:
     """Transformer cases of each scheme on every grid that fits p; ``config_of(dtype)``
-    gives the model configuration."""
+    gives the model configuration. With ``fit_batch`` (the batch is the model's default,
+    not one the user asked for) a grid that cannot cut ``batch`` into whole sequences per
+    rank runs the next batch it can (:func:`fitted_batch`) instead of being skipped."""
     cases, skips = [], []
     for name in schemes:
         spec = SCHEMES[name]
@@ -80,12 +95,13 @@ def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",)
         for q, d in grids:
             for dtype in dtypes:
                 config = config_of(dtype)
-                why = spec.misfit(config, batch, p, q, d)
+                b = fitted_batch(spec, config, batch, p, q, d) if fit_batch else batch
+                why = spec.misfit(config, b, p, q, d)
                 if why:
                     if dtype == dtypes[0]:
                         skips.append(Skip(name, why, spec.grid_label(p, q, d)))
                     continue
-                cases.append(TransformerCase(name, q, d, batch, config))
+                cases.append(TransformerCase(name, q, d, b, config))
     return cases, skips
 
 

@@ -170,6 +170,7 @@ class SchemeReport:
     memory_formula: dict = field(default_factory=dict)
     fault: str = ""
     fault_applied: bool = True
+    batch: int = 0                  # the sequences of the step (a row may raise the default)
     load: dict | None = None        # other processes' load while it ran (rank 0)
     predicted_s: float | None = None    # cost model: one fwd + bwd step (slowest rank)
 
@@ -307,7 +308,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     tokens, targets, ref_loss = ref["tokens"], ref["targets"], ref["loss"]
 
     rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
-                       fault=str(fault) if fault else "")
+                       fault=str(fault) if fault else "", batch=batch)
     try:
         grid = spec.make_grid(world, q, d, backend)
     except BaseException:

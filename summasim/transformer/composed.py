@@ -859,6 +859,21 @@ class Trainer:
                                 if self.module.role(k) not in ("ab", "ba", "wte")]
         return None, []
 
+    def tensor_planes(self) -> list:
+        """``[(name, comm, keys)]``: the 3D layer's replicated vectors over the rest of
+        their plane of the cube (:meth:`tensor_replicated` gives the depth): the
+        layout-A ones (LayerNorms, the projections' biases, ``wpe``, ``lnf``, a
+        classifier) over ``grid.col`` ("tensor.col"), the layout-B ones (the QKV and MLP
+        column biases) and ``cls.b`` over ``grid.row`` ("tensor.row"); [] for the other
+        schemes."""
+        grid = self.grid
+        if self.spec.grid_kind != "3d" or grid.q == 1:
+            return []
+        role = self.module.role
+        return [("tensor.col", grid.col, [k for k in self.keys
+                                          if role(k) in ("a", "cls.w", "whole")]),
+                ("tensor.row", grid.row, [k for k in self.keys if role(k) in ("b", "whole")])]
+
     def _held_views(self, ranges) -> tuple[list, list]:
         """Views of the parameters and of Adam's moments this rank holds inside flat
         ``ranges`` (sorted), in flat order."""
@@ -889,6 +904,8 @@ class Trainer:
         ``tensor``      the parameters the tensor scheme replicates
                         (:meth:`tensor_replicated`), their held part (ZeRO-3: the owned
                         chunks, the same ranges on every tensor rank) and its moments;
+        ``tensor.col``, ``tensor.row``  the 3D layer's vectors over the rest of their
+                        plane (:meth:`tensor_planes`);
         ``embed``       with pp > 1, ``wte`` on the first and the last stage (the tied
                         copies, Megatron-LM's embedding group) and its moments.
         """
@@ -905,9 +922,10 @@ class Trainer:
                                   extra=self._gather_hash.digest(),
                                   extra_nbytes=self._gather_hashed))
         comm, keys = self.tensor_replicated()
-        if comm is not None and comm.size > 1 and keys:
-            ranges = _merge(self.key_ranges()[k] for k in keys)
-            out.append(ReplicaSet("tensor", comm, *self._held_views(ranges)))
+        for name, comm, keys in [("tensor", comm, keys)] + self.tensor_planes():
+            if comm is not None and comm.size > 1 and keys:
+                ranges = _merge(self.key_ranges()[k] for k in keys)
+                out.append(ReplicaSet(name, comm, *self._held_views(ranges)))
         if mesh.embed is not None and self.lm and self.config.tied:   # as _tie()
             out.append(ReplicaSet("embed", mesh.embed,
                                   *self._held_views([self.key_ranges()["wte"]])))
