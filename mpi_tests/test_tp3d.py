@@ -144,7 +144,8 @@ def test_layer_traffic_is_the_closed_form(name):
     """Every layer's tp.* items are tp3d.layer_payload on every rank (forward, backward,
     backward with the recomputed forward), and they are all-gathers and reduce-scatters
     on the row, column and depth groups alone: per linear, two all-gathers and one
-    reduce-scatter forward, three and two backward."""
+    reduce-scatter forward, three and two backward; what arrives on the wire is
+    tp3d.layer_words."""
     needs_cube()
     q = Q
     cfg = variant(q, name)
@@ -154,6 +155,7 @@ def test_layer_traffic_is_the_closed_form(name):
     want = tp3d.layer_payload(cfg, b, q, seq=S)
     n_lin = len(tp3d.linears(cfg))
     bad = []
+    received = 0              # items arriving in layer 0's tp.* collectives (no recompute)
     with Grid(WORLD, q, q) as grid:
         for ck in (False, True):
             got = run(grid, cfg, params, tokens, targets, checkpoint=ck)
@@ -164,12 +166,18 @@ def test_layer_traffic_is_the_closed_form(name):
                     key = "bwd_checkpoint" if (ck and way == "bwd") else way
                     if items != want[key]:
                         bad.append(f"h{l}.{way} ck={ck}: {items} != {want[key]}")
+                    if l == 0 and not ck:   # an all-gather brings q - 1 pieces, a
+                        received += sum(    # reduce-scatter (q - 1)/q of its buffer
+                            (q - 1) * e.nbytes if e.op == "allgather"
+                            else (q - 1) * e.nbytes // q for e in evs) // 8
                     if q > 1 and not ck:
                         ops = sorted(e.op for e in evs)
                         n_ag, n_rs = (2, 1) if way == "fwd" else (3, 2)
                         if ops != ["allgather"] * (n_ag * n_lin) + ["reduce_scatter"] * (
                                 n_rs * n_lin) or {e.group for e in evs} - {"row", "col", "depth"}:
                             bad.append(f"h{l}.{way}: ops {ops}")
+    if received != tp3d.layer_words(cfg, b, q, seq=S):
+        bad.append(f"received {received} != layer_words {tp3d.layer_words(cfg, b, q, seq=S)}")
     parallel_assert(not bad, f"{name}: {bad[:3]}")
     if q > 1:   # the closed form is not 0 by accident
         parallel_assert(want["fwd"] > 0 and want["bwd"] > want["fwd"], str(want))

@@ -114,7 +114,7 @@ import numpy as np
 
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, local_error
-from summasim.spec import block_range, vocab_block
+from summasim.spec import block_range, grid_coords, vocab_block
 
 from . import model, ops
 from .model import Config
@@ -284,6 +284,12 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
     return local
 
 
+def _kij(rank: int, q: int) -> tuple:
+    """``(k, i, j)`` of ``rank`` on the cube (:func:`summasim.spec.grid_coords`)."""
+    i, j, k = grid_coords(rank, q)
+    return k, i, j
+
+
 def _canonical(name: str, k: int, i: int, j: int) -> bool:
     """Whether rank (k, i, j) is the one :func:`unshard` reads a replicated array from."""
     kind = role(name)
@@ -308,7 +314,7 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
     xp = array_module(local_grads["wte"])
     q = grid.q
     shapes = model.param_shapes(config)
-    coords = [(r // (q * q), (r // q) % q, r % q) for r in range(grid.p)]
+    coords = [_kij(r, q) for r in range(grid.p)]
     size = {name: max(math.prod(_shape_of(name, shape, config, q, *c)) for c in coords)
             for name, shape in shapes.items()}
     off, o = {}, 0
@@ -887,7 +893,7 @@ def logits(cache: TP3DCache, config: Config, grid):
         bl = lg.shape[0]
         full = xp.empty((q * q * bl, lg.shape[1]), dtype=lg.dtype)
         for r in range(grid.world.size):
-            k, i, j = r // (q * q), (r // q) % q, r % q
+            k, i, j = _kij(r, q)
             if j == 0:
                 full[(k * q + i) * bl:(k * q + i + 1) * bl] = parts[r]
         return full
@@ -896,7 +902,7 @@ def logits(cache: TP3DCache, config: Config, grid):
     full = xp.empty((q * q * bl * t, q * vb), dtype=lg.dtype)
     n = bl * t
     for r in range(grid.world.size):
-        k, i, j = r // (q * q), (r // q) % q, r % q
+        k, i, j = _kij(r, q)
         full[(k * q + j) * n:(k * q + j + 1) * n, i * vb:(i + 1) * vb] = parts[r]
     full = xp.ascontiguousarray(full[:, :config.vocab])
     return full.reshape(cache.batch, t, config.vocab)
