@@ -129,3 +129,48 @@ def rel_err(par, ref) -> float:
         return float("nan")
     return float(np.abs(par - ref).max(initial=0.0)
                  / max(float(np.abs(ref).max(initial=0.0)), np.finfo(np.float64).tiny))
+
+
+# -- a tensor-parallel scheme against the serial model (the test_tp3d / test_optimus_rect
+#    suites) -------------------------------------------------------------------------------
+def scheme_batch(cfg: model.Config, b: int, s: int = 4, seed: int = 3):
+    """``(tokens [b, s], targets)`` drawn from ``seed``: token targets, or a class per
+    sequence for a classifier."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab, (b, s))
+    if cfg.n_classes:
+        return tokens, rng.integers(0, cfg.n_classes, b)
+    return tokens, rng.integers(0, cfg.vocab, (b, s))
+
+
+def serial_run(cfg: model.Config, params, tokens, targets):
+    """``(loss, logits, grads)`` of the serial model."""
+    loss, cache = model.forward(params, tokens, targets, cfg)
+    return loss, cache.logits, model.backward(cache)
+
+
+def scheme_run(module, grid, cfg, params, tokens, targets, **kw) -> dict:
+    """One traced step of a scheme module: its shards, loss, cache, local gradients, the
+    step's trace events, the global logits and the gradients in the serial layout."""
+    local = module.shard(params, cfg, grid)
+    grid.trace.clear()
+    loss, cache = module.forward(local, tokens, targets, cfg, grid, **kw)
+    lgrads = module.backward(cache)
+    events = list(grid.trace.events)
+    return dict(local=local, loss=loss, cache=cache, lgrads=lgrads, events=events,
+                logits=module.logits(cache, cfg, grid),
+                grads=module.unshard(lgrads, cfg, grid))
+
+
+def serial_errors(got: dict, ref) -> dict:
+    """``{what: max|par - ser| / max|ser|}`` of a :func:`scheme_run` against
+    :func:`serial_run`: the loss, the logits and every gradient."""
+    loss, logits, grads = ref
+    errs = {"loss": rel_err(got["loss"], loss), "logits": rel_err(got["logits"], logits)}
+    errs.update({k: rel_err(got["grads"][k], grads[k]) for k in grads})
+    return errs
+
+
+def worst_error(errs: dict) -> str:
+    key = max(errs, key=errs.get)
+    return f"worst {key}: {errs[key]:.3g}"

@@ -73,14 +73,15 @@ def test_timed_run_reports_traffic_and_spans(be):
         parallel_assert(res.events is None, "only rank 0 holds the gathered events")
 
 
-SCHEME_CASES = [(name, q, d) for name, spec in SCHEMES.items() for q, d in spec.grids(P)]
+SCHEME_CASES = [(name, q, pc, d) for name, spec in SCHEMES.items()
+                for q, pc, d in spec.grids(P)]
 
 
-@pytest.mark.parametrize("name,q,d", SCHEME_CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in
-                                                         SCHEME_CASES])
-def test_training_step_faults_are_caught(name, q, d):
+@pytest.mark.parametrize("name,q,pc,d", SCHEME_CASES, ids=[f"{n}-{q}x{pc}x{d}" for n, q, pc, d
+                                                            in SCHEME_CASES])
+def test_training_step_faults_are_caught(name, q, pc, d):
     b = 2 * d * q
-    case = transformer_case(name, q, d, b, 4, 4 * P, P, 4 * P, 1)
+    case = transformer_case(name, q, d, b, 4, 4 * P, P, 4 * P, 1, pc=pc)
     skip_unless(case.misfit(P) == "", case.misfit(P))
     res = run_case(case, WORLD, None, timed=False, with_memory=False)
     parallel_assert(res.ok, f"clean {case.label(P)}: {res.extra['report']}")

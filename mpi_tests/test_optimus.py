@@ -447,27 +447,27 @@ def test_layer_traffic(q, d, checkpoint):
 # bad input                                                                   #
 # --------------------------------------------------------------------------- #
 def _bad_configs(q, d):
-    """(what the message must name, config, batch) that do not fit [q, q, d]."""
+    """(what the message must name, config, batch) that do not fit [q, q, d]: a batch
+    that d q does not cut into whole sequences, fewer heads (key/value heads) than
+    columns. (Any hidden size, MLP width and vocabulary run: the balanced partition,
+    whole heads per column, and the vocabulary padded.)"""
     out = []
     if d * q > 1:
         out.append((["batch b = ", f"{d * q + 1}", f"d*q = {d * q}"], make_config(q), d * q + 1))
     if q > 1:
-        out.append((["Config.hidden", f"= {q + 1}", f"q = {q}"],
-                    model.Config(vocab=2 * q, seq=4, hidden=q + 1, heads=1, layers=1), d * q))
-        out.append((["Config.heads", f"= {q + 1}", f"q = {q}"],
-                    model.Config(vocab=2 * q, seq=4, hidden=q * (q + 1), heads=q + 1, layers=1),
-                    d * q))
-        # (any vocabulary runs: it is padded to a multiple of q)
-        out.append((["ffn", f"= {2 * q + 1}", f"q = {q}"],
-                    model.Config(vocab=2 * q + 1, seq=4, hidden=2 * q, heads=q, layers=1,
-                                 ffn_mult=Fraction(2 * q + 1, 2 * q)), d * q))
+        out.append((["Config.heads", f"= {q - 1}", f"q = {q}", "smaller than"],
+                    model.Config(vocab=2 * q, seq=4, hidden=2 * (q - 1), heads=q - 1,
+                                 layers=1), d * q))
+        out.append((["Config.kv_heads", f"= {q - 1}", f"q = {q}", "smaller than"],
+                    model.Config(vocab=2 * q + 1, seq=4, hidden=4 * q, heads=2 * (q - 1),
+                                 kv_heads=q - 1, layers=1), d * q))
     return out
 
 
 @pytest.mark.parametrize("q,d", GRIDS, ids=GRID_IDS)
 def test_bad_input(q, d):
-    """Dimensions that do not divide raise ValueError naming the dimension, its size and
-    the divisor, on every rank, before any communication; so do wrong local params,
+    """Sizes that do not fit raise ValueError naming the dimension, its size and the
+    divisor (or the least), on every rank, before any communication; so do wrong local params,
     bad token ids and a classification config; a grid that does not fit raises in Grid."""
     msg = collective_raises(ValueError, Grid, WORLD, q + 1, d)
     parallel_assert(f"{d * (q + 1) ** 2}" in msg and f"has {P}" in msg, f"message: {msg!r}")

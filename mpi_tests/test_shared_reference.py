@@ -120,18 +120,18 @@ def _whole(config) -> int:
 SCHEME_ROWS = [(name, *spec.grids(P)[-1]) for name, spec in SCHEMES.items() if spec.grids(P)]
 
 
-@pytest.mark.parametrize("name,q,d", SCHEME_ROWS, ids=[f"{n}-q{q}d{d}" for n, q, d in
-                                                       SCHEME_ROWS])
-def test_a_scheme_row_holds_its_share_of_the_reference_off_rank_0(name, q, d):
+@pytest.mark.parametrize("name,q,pc,d", SCHEME_ROWS, ids=[f"{n}-{q}x{pc}x{d}" for n, q, pc, d
+                                                          in SCHEME_ROWS])
+def test_a_scheme_row_holds_its_share_of_the_reference_off_rank_0(name, q, pc, d):
     """Off rank 0, validating a scheme costs the scheme's own step plus about one shard
     of the reference (its gradient and logits blocks), not a whole model."""
     skip_unless(P > 1, "at p = 1 rank 0 runs the serial model: nothing is shared")
-    case = transformer_case(name, q, d, 2 * d * max(q, 1), 8, 256, 16, 2048, 2, 4)
+    case = transformer_case(name, q, d, 2 * d * max(q, 1), 8, 256, 16, 2048, 2, 4, pc=pc)
     skip_unless(case.misfit(P) == "", case.misfit(P))
     spec, config = get_scheme(name), case.config
     params, tokens, targets = model.init_params(config, 0), *mesh_inputs(config,
                                                                           case.batch, 0)[1:]
-    grid = spec.make_grid(WORLD, q, d)
+    grid = spec.make_grid(WORLD, q, d, pc=pc)
 
     def scheme_alone():
         local = spec.module.shard(params, config, grid)
@@ -145,7 +145,7 @@ def test_a_scheme_row_holds_its_share_of_the_reference_off_rank_0(name, q, d):
     del params
     row = _traced_peak(lambda: run_case(case, WORLD, None, timed=False, with_memory=False))
     whole = _whole(config)
-    share = whole / (P if name == "megatron" else q * q)   # 2.5D: replicated over depth
+    share = whole / (P if name == "megatron" else q * pc)  # 2.5D: replicated over depth
     extra = row - alone
     logits = case.batch * config.seq * config.vocab * 8 / P      # a rank's logits block
     parallel_assert(RANK == 0 or extra < 3 * share + 2 * logits,

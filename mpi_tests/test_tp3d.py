@@ -10,6 +10,7 @@ rank, message for message in its ops and groups.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -17,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _util import WORLD, collective_raises, make_params, parallel_assert, rel_err, skip_unless
+from _util import (WORLD, collective_raises, make_params, parallel_assert, scheme_batch,
+                   scheme_run, serial_errors, serial_run, skip_unless, worst_error)
 from summasim.grid import Grid
 from summasim.spec import grid_shapes
 from summasim.transformer import model, tp3d
@@ -33,47 +35,16 @@ def needs_cube():
     skip_unless(bool(CUBE), f"the 3D layer needs p = q^3 ranks (p = {P})")
 
 
-def config(q, *, hidden=None, heads=None, vocab=None, layers=2, **kw):
+def config(q, *, hidden=None, heads=None, vocab=None, layers=2, ffn_mult=4, **kw):
     """heads = 2q of size 2 (h = 4q) unless given; vocab 3q + 1 (padded) unless given."""
     heads = 2 * q if heads is None else heads
     return model.Config(vocab=3 * q + 1 if vocab is None else vocab, seq=S + 1,
                         hidden=2 * heads if hidden is None else hidden, heads=heads,
-                        layers=layers, ffn_mult=4, dtype=np.float64, **kw)
+                        layers=layers, ffn_mult=ffn_mult, dtype=np.float64, **kw)
 
 
-def batch(cfg, b, s=S, seed=3):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, cfg.vocab, (b, s))
-    if cfg.n_classes:
-        return tokens, rng.integers(0, cfg.n_classes, b)
-    return tokens, rng.integers(0, cfg.vocab, (b, s))
-
-
-def serial(cfg, params, tokens, targets):
-    loss, cache = model.forward(params, tokens, targets, cfg)
-    return loss, cache.logits, model.backward(cache)
-
-
-def run(grid, cfg, params, tokens, targets, **kw):
-    local = tp3d.shard(params, cfg, grid)
-    grid.trace.clear()
-    loss, cache = tp3d.forward(local, tokens, targets, cfg, grid, **kw)
-    lgrads = tp3d.backward(cache)
-    events = list(grid.trace.events)
-    return dict(local=local, loss=loss, cache=cache, lgrads=lgrads, events=events,
-                logits=tp3d.logits(cache, cfg, grid), grads=tp3d.unshard(lgrads, cfg, grid))
-
-
-def errors(got, ref) -> dict:
-    loss, logits, grads = ref
-    errs = {"loss": rel_err(got["loss"], loss), "logits": rel_err(got["logits"], logits)}
-    errs.update({k: rel_err(got["grads"][k], grads[k]) for k in grads})
-    return errs
-
-
-def worst(errs):
-    key = max(errs, key=errs.get)
-    return f"worst {key}: {errs[key]:.3g}"
+run = functools.partial(scheme_run, tp3d)           # (grid, cfg, params, tokens, targets)
+batch, serial, errors, worst = scheme_batch, serial_run, serial_errors, worst_error
 
 
 VARIANTS = {
@@ -84,15 +55,24 @@ VARIANTS = {
     "classifier": {"n_classes": 3},
     # h/q = 5 over q = 2 (and 3 over q = 1): depth pieces of unequal size; vocab 2
     "uneven": {"hidden": "odd", "heads": "q"},
+    # q + 1 heads (block 0 holds two) and an MLP width q does not divide
+    "heads-uneven": {"heads": "q+1", "ffn": "odd"},
+    # grouped-query attention with q + 1 key/value heads of two query heads each
+    "gqa-uneven": {"heads": "2q+2", "kv_heads": "q+1", "mlp": "swiglu"},
 }
 
 
 def variant(q, name):
     kw = dict(VARIANTS[name])
+    counts = {"q+1": q + 1, "2q+2": 2 * q + 2, None: q}
     if "kv_heads" in kw:
-        kw["kv_heads"] = q
+        kw["kv_heads"] = counts[kw["kv_heads"]]
     if kw.get("hidden") == "odd":
         kw.update(hidden=5 * q, heads=q, vocab=2)
+    if isinstance(kw.get("heads"), str):
+        kw["heads"] = counts[kw["heads"]]
+    if kw.pop("ffn", None) == "odd":          # ffn = 4h + 1: divides no q > 1
+        return config(q, ffn_mult=(8 * kw["heads"] + 1) / (2 * kw["heads"]), **kw)
     return config(q, **kw)
 
 
@@ -139,24 +119,25 @@ def test_matches_serial_drawn(heads_per_q, head_size, vocab, s, layers, b_mult, 
     parallel_assert(max(errs.values()) <= FLOAT64_TOL, f"{cfg}: {worst(errs)}")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "swiglu", "uneven"])
+@pytest.mark.parametrize("name", ["gpt2", "swiglu", "uneven", "heads-uneven", "gqa-uneven"])
 def test_layer_traffic_is_the_closed_form(name):
-    """Every layer's tp.* items are tp3d.layer_payload on every rank (forward, backward,
-    backward with the recomputed forward), and they are all-gathers and reduce-scatters
-    on the row, column and depth groups alone: per linear, two all-gathers and one
-    reduce-scatter forward, three and two backward; what arrives on the wire is
-    tp3d.layer_words."""
+    """Every layer's tp.* items are tp3d.layer_payload of the rank's (i, j) on every rank
+    (forward, backward, backward with the recomputed forward), and they are all-gathers
+    and reduce-scatters on the row, column and depth groups alone: per linear, two
+    all-gathers and one reduce-scatter forward, three and two backward; what arrives on
+    the wire is tp3d.layer_words."""
     needs_cube()
     q = Q
     cfg = variant(q, name)
     params = make_params(cfg)
     b = 2 * q * q
     tokens, targets = batch(cfg, b)
-    want = tp3d.layer_payload(cfg, b, q, seq=S)
     n_lin = len(tp3d.linears(cfg))
     bad = []
     received = 0              # items arriving in layer 0's tp.* collectives (no recompute)
     with Grid(WORLD, q, q) as grid:
+        ij = dict(i=grid.i, j=grid.j)
+        want = tp3d.layer_payload(cfg, b, q, seq=S, **ij)
         for ck in (False, True):
             got = run(grid, cfg, params, tokens, targets, checkpoint=ck)
             for l in range(cfg.layers):
@@ -176,20 +157,22 @@ def test_layer_traffic_is_the_closed_form(name):
                         if ops != ["allgather"] * (n_ag * n_lin) + ["reduce_scatter"] * (
                                 n_rs * n_lin) or {e.group for e in evs} - {"row", "col", "depth"}:
                             bad.append(f"h{l}.{way}: ops {ops}")
-    if received != tp3d.layer_words(cfg, b, q, seq=S):
-        bad.append(f"received {received} != layer_words {tp3d.layer_words(cfg, b, q, seq=S)}")
+    if received != tp3d.layer_words(cfg, b, q, seq=S, **ij):
+        bad.append(f"received {received} != layer_words "
+                   f"{tp3d.layer_words(cfg, b, q, seq=S, **ij)}")
     parallel_assert(not bad, f"{name}: {bad[:3]}")
     if q > 1:   # the closed form is not 0 by accident
         parallel_assert(want["fwd"] > 0 and want["bwd"] > want["fwd"], str(want))
 
 
-def test_each_weight_is_held_once():
+@pytest.mark.parametrize("name", ["uneven", "gqa-uneven"])
+def test_each_weight_is_held_once(name):
     """Every weight's and wte's local pieces over the cube add up to the serial size
     (the vocabulary padded): 1/p each, nothing replicated; a layer vector is held by
-    the q^2 ranks that share its block."""
+    the q^2 ranks that share its block (blocks of unequal size included)."""
     needs_cube()
     q = Q
-    cfg = variant(q, "uneven")
+    cfg = variant(q, name)
     params = make_params(cfg)
     with Grid(WORLD, q, q) as grid:
         local = tp3d.shard(params, cfg, grid)
@@ -234,6 +217,9 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
             msg = collective_raises(ValueError, tp3d.forward, good, tokens[:q * q - 1],
                                     targets[:q * q - 1], cfg, grid)
             parallel_assert("q^2" in msg, msg)
+            few = config(q, heads=2 * (q - 1), kv_heads=q - 1, layers=1)  # a kv head short
+            msg = collective_raises(ValueError, tp3d.shard, make_params(few), few, grid)
+            parallel_assert("kv heads" in msg and "smaller than q" in msg, msg)
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -14,13 +14,13 @@ from summasim.transformer.train import Adam
 P = WORLD.Get_size()
 STEPS = 10
 TOL = 1e-10  # float64, relative, on every step's loss and on the final parameters
-CASES = [(name, q, d) for name in ("megatron", "optimus", "summa25")
-         for q, d in SCHEMES[name].grids(P)]
+CASES = [(name, q, pc, d) for name in ("megatron", "optimus", "summa25")
+         for q, pc, d in SCHEMES[name].grids(P)]
 
 
 def setup(q, d):
     """A config every case can shard at this P, its initial params and the batches."""
-    heads = P  # Megatron needs heads % p, Optimus heads % q; q divides p = d q^2
+    heads = P  # Megatron needs heads % p, Optimus heads % pc; pc divides p = d pr pc
     config = model.Config(vocab=4 * P, seq=4, hidden=2 * heads, heads=heads, layers=2,
                           dtype=np.float64)
     batch = 2 * d * q
@@ -35,10 +35,11 @@ def setup(q, d):
     return config, batch, params, batches
 
 
-@pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])
-def test_adam_loss_curves_agree(name, q, d):
+@pytest.mark.parametrize("name,q,pc,d", CASES, ids=[f"{n}-{q}x{pc}x{d}" for n, q, pc, d in
+                                                    CASES])
+def test_adam_loss_curves_agree(name, q, pc, d):
     config, batch, params, batches = setup(q, d)
-    why = SCHEMES[name].misfit(config, batch, P, q, d)
+    why = SCHEMES[name].misfit(config, batch, P, q, d, pc)
     parallel_assert(why == "", f"test config does not fit {name}: {why}")
     module = SCHEMES[name].module
 
@@ -50,7 +51,7 @@ def test_adam_loss_curves_agree(name, q, d):
         opt.step(serial, model.backward(cache))
         ref.append(loss)
 
-    grid = SCHEMES[name].make_grid(WORLD, q, d)
+    grid = SCHEMES[name].make_grid(WORLD, q, d, pc=pc)
     try:
         local = module.shard(params, config, grid)
         popt = Adam(lr=1e-2)
@@ -67,6 +68,6 @@ def test_adam_loss_curves_agree(name, q, d):
     drift = max(float(np.max(np.abs(final[k] - serial[k]))) / float(np.max(np.abs(serial[k])))
                 for k in serial)
     parallel_assert(curve <= TOL and drift <= TOL,
-                    f"{name} [{q},{q},{d}]: loss curve rel err {curve:.2e}, final params "
+                    f"{name} [{q},{pc},{d}]: loss curve rel err {curve:.2e}, final params "
                     f"rel err {drift:.2e} (tolerance {TOL})")
     parallel_assert(ref[-1] < ref[0], f"the loss did not fall: {ref[0]:.4f} -> {ref[-1]:.4f}")

@@ -195,9 +195,10 @@ class Grid1D(_Groups):
 TENSOR_KINDS = ("1d", "2d", "2.5d", "3d")
 
 
-def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
+def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1, pc: int = 0) -> int:
     """Ranks of one tensor-parallel grid (pure): ``t`` for "1d", ``d*q*q`` otherwise
-    (the "3d" cube has d = q)."""
+    (``d*q*pc`` on a rectangular grid of q rows and ``pc`` columns; the "3d" cube has
+    d = q)."""
     if kind not in TENSOR_KINDS:
         raise ValueError(f"tensor grid kind must be one of {', '.join(TENSOR_KINDS)}, "
                          f"got {kind!r}")
@@ -205,7 +206,10 @@ def tensor_size(kind: str, q: int = 1, d: int = 1, t: int = 1) -> int:
         return positive_int("t", t)
     if kind == "3d" and d != q:
         raise ValueError(f"a 3d tensor grid is a q x q x q cube, got q={q}, d={d}")
-    return positive_int("d", d) * positive_int("q", q) ** 2
+    if pc and kind == "3d":
+        raise ValueError(f"a 3d tensor grid is a q x q x q cube, got {q} rows and {pc} "
+                         f"columns")
+    return positive_int("d", d) * positive_int("q", q) * (positive_int("pc", pc) if pc else q)
 
 
 class Mesh(_Groups):
@@ -219,7 +223,8 @@ class Mesh(_Groups):
     ``mesh.dp_comm``  fixed (stage, tensor rank), ordered by replica -- rank == ``mesh.a``
     ``mesh.pp_comm``  fixed (replica, tensor rank), ordered by stage -- rank == ``mesh.s``
     ``mesh.tensor``  fixed (replica, stage): a :class:`Grid1D` ("1d") or a
-                     ``Grid(q, d)`` ("2d", "2.5d"; "3d": ``Grid(q, q)``) over its T ranks
+                     ``Grid(q, d)`` ("2d", "2.5d"; ``Grid(q, d, pc=pc)`` rectangular;
+                     "3d": ``Grid(q, q)``) over its T ranks
     ``mesh.embed``   the first and last stage of ``mesh.pp_comm`` (first rank 0, last 1), where
                      the tied embedding's gradient is summed; ``None`` on the stages in
                      between and when ``pp == 1`` (one stage holds both ends)
@@ -239,13 +244,13 @@ class Mesh(_Groups):
 
     def __init__(self, comm, dp: int, pp: int, kind: str, q: int = 1, d: int = 1,
                  t: int = 1, trace: Trace | None = None, backend=None,
-                 wait: str | None = None):
+                 wait: str | None = None, pc: int = 0):
         from .comm import Comm
 
         raw = _raw(comm)
         self.dp, self.pp = positive_int("dp", dp), positive_int("pp", pp)
         self.kind = kind
-        self.T = tensor_size(kind, q, d, t)
+        self.T = tensor_size(kind, q, d, t, pc)
         size = raw.Get_size()
         if size != self.dp * self.pp * self.T:
             raise ValueError(f"a mesh dp={self.dp} x pp={self.pp} x tensor={self.T} needs "
@@ -276,7 +281,8 @@ class Mesh(_Groups):
         if kind == "1d":
             self.tensor = Grid1D(t_c, trace=self.trace, backend=backend, wait=wait)
         else:
-            self.tensor = Grid(t_c, q, d, trace=self.trace, backend=backend, wait=wait)
+            self.tensor = Grid(t_c, q, d, trace=self.trace, backend=backend, wait=wait,
+                               pc=pc or None)
         self._nested = (self.tensor,)     # freed first by free()
         assert self.dp_comm.rank == self.a and self.pp_comm.rank == self.s
         assert (self.a, self.s, self.r) == mesh_coords(self.rank, self.pp, self.T)

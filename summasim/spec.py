@@ -78,6 +78,9 @@ RECTANGULAR: tuple[str, ...] = ("summa_ab", "summa_abt", "summa_atb", "summa25_a
 SCHEME_KINDS: dict[str, str] = {"megatron": "1d", "optimus": "2d", "summa25": "2.5d",
                                 "3d": "3d"}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEME_KINDS)
+#: The schemes that also train on rectangular ``pr x pc`` (``[pr, pc, d]``) grids: their
+#: products are SUMMA's, which take any grid. Megatron is 1D; the 3D layer needs a cube.
+RECTANGULAR_SCHEMES: tuple[str, ...] = ("optimus", "summa25")
 
 GRID_KINDS = ("2d", "2.5d", "2.5d-deep", "3d", "any")
 
@@ -358,7 +361,7 @@ MODELS: dict[str, Model] = {m.name: m for m in (
 
 _LONG_LABEL = {"megatron": "Megatron", "optimus": "Optimus", "summa25": "SUMMA2.5",
                "3d": "3D"}
-TP_FORMS = "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"
+TP_FORMS = "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"
 _TP = {"megatron": r"(\d+)", "optimus": r"(\d+)x(\d+)", "summa25": r"(\d+)x(\d+)x(\d+)",
        "3d": r"(\d+)x(\d+)x(\d+)"}
 
@@ -390,9 +393,9 @@ class TensorGrid:
             object.__setattr__(self, "pc", 0)
         if self.pc:
             positive_int("TensorGrid.pc", self.pc)
-            if self.name not in RECTANGULAR:
+            if self.name not in RECTANGULAR + RECTANGULAR_SCHEMES:
                 raise ValueError(f"{self.name} needs a square grid (q x q); rectangular "
-                                 f"grids run {', '.join(RECTANGULAR)}")
+                                 f"grids run {', '.join(RECTANGULAR + RECTANGULAR_SCHEMES)}")
         if self.name in SCHEME_KINDS and self.kind == "3d" and self.d != self.q:
             raise ValueError(f"{self.name} runs on a q x q x q cube, got q={self.q}, "
                              f"d={self.d}")
@@ -460,8 +463,8 @@ class TensorGrid:
 
     @classmethod
     def parse(cls, text: str) -> "TensorGrid":
-        """``"megatron:4"``, ``"optimus:2x2"``, ``"summa25:2x2x4"`` (D >= 2) or
-        ``"3d:2x2x2"``;
+        """``"megatron:4"``, ``"optimus:2x2"`` or ``"optimus:2x3"`` (PR rows by PC
+        columns), ``"summa25:2x2x4"`` or ``"summa25:2x3x2"`` (D >= 2) or ``"3d:2x2x2"``;
         ``ValueError`` naming the problem otherwise."""
         scheme, _, grid = str(text).strip().partition(":")
         scheme = scheme.strip().lower()
@@ -473,17 +476,15 @@ class TensorGrid:
             raise ValueError(f"grid sizes must be positive, got {grid!r}")
         if scheme == "megatron":
             return cls(scheme, nums[0])
-        if nums[0] != nums[1]:
-            raise ValueError(f"the {scheme} grid must be square (QxQ), got {grid!r}")
-        if scheme == "optimus":
-            return cls.of(scheme, nums[0])
         if scheme == "3d":
-            if nums[2] != nums[0]:
+            if not nums[0] == nums[1] == nums[2]:
                 raise ValueError(f"the 3d grid must be a cube (QxQxQ), got {grid!r}")
             return cls.of(scheme, nums[0])
+        if scheme == "optimus":
+            return cls.of(scheme, nums[0], pc=nums[1])
         if nums[2] < 2:
-            raise ValueError("summa25 needs depth D >= 2 (QxQx1 is optimus)")
-        return cls.of(scheme, nums[0], nums[2])
+            raise ValueError("summa25 needs depth D >= 2 (PRxPCx1 is optimus)")
+        return cls.of(scheme, nums[0], nums[2], pc=nums[1])
 
     def divisors(self, hidden, heads, ffn_width, vocab=None, batch=None, kv_heads=None,
                  seq=None) -> list[tuple[str, object, int, str]]:
@@ -491,13 +492,17 @@ class TensorGrid:
         symbol)`` for each, in order. Megatron over p: nothing (the heads, key/value head
         groups and MLP columns are cut by the balanced partition, ``megatron.head_range``;
         :meth:`least` asks for one of each per rank; any vocabulary, padded to a multiple
-        of p as Megatron-LM pads it: ``megatron.vocab_block``). Optimus
-        and SUMMA2.5-LM on [q, q, d]: whole sequences per rank (batch by d q) and hidden,
-        heads, ffn width by q (the vocabulary padded to a multiple of q:
-        ``optimus.vocab_block``). The 3D layer on a q x q x q cube: whole sequences per
-        rank (batch by q^2) and hidden, heads, ffn width by q (the vocabulary padded to a
-        multiple of q; each weight's q depth pieces are the balanced partition, any
-        size). Grouped-query attention (``kv_heads`` given) also
+        of p as Megatron-LM pads it: ``megatron.vocab_block``). Optimus and SUMMA2.5-LM
+        on ``[pr, pc, d]`` (``pr = pc = q`` square): whole sequences per rank (batch by
+        d pr); the columns hold whole heads, the balanced partition of the key/value
+        heads (``optimus.head_groups``; :meth:`least` asks for one per column), the
+        weights' rows (h and the MLP width F over pr) and F over pc are the balanced
+        partition, any size, and the vocabulary is padded to a multiple of
+        ``lcm(pr, pc)`` (``optimus.padded_vocab``). The 3D layer on a q x q x q cube: whole
+        sequences per rank (batch by q^2); its q feature blocks hold whole heads, cut as
+        Optimus's columns (:meth:`least`: a key/value head per block), the MLP width and
+        each weight's q depth pieces are the balanced partition, the vocabulary is
+        padded to a multiple of q: any size. Grouped-query attention (``kv_heads`` given) also
         needs whole key/value heads per rank (kv heads by p, or by q), and Megatron's
         sequence parallelism (``seq`` given) whole sequence slices (seq by p). A size
         given as None is left out. The runtime
@@ -507,27 +512,24 @@ class TensorGrid:
         if self.kind in ("1d", "ring"):      # heads and MLP columns: the balanced partition
             dims = [("sequence", seq, p, "p")]
         elif self.kind == "3d" and self.name in SCHEME_KINDS:
-            dims = [("batch", batch, q * q, "q^2"),
-                    ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
-                    ("kv heads", kv_heads, q, "q"),
-                    ("ffn width", ffn_width, q, "q")]
+            dims = [("batch", batch, q * q, "q^2")]
         else:
-            dims = [("batch", batch, d * q, "d q" if d > 1 else "q"),
-                    ("hidden", hidden, q, "q"), ("heads", heads, q, "q"),
-                    ("kv heads", kv_heads, q, "q"),
-                    ("ffn width", ffn_width, q, "q")]
+            rows = "q" if not self.pc else "pr"
+            dims = [("batch", batch, d * q, f"d {rows}" if d > 1 else rows)]
         return [dim for dim in dims if dim[1] is not None]
 
     def least(self, heads, ffn_width, kv_heads=None) -> list[tuple[str, object, int, str]]:
         """The sizes a grid needs at least one of per rank: ``(what, size, least, symbol)``.
         Megatron over p: a key/value head group (a head, without grouped-query attention)
-        and an MLP column per rank, ``>= p`` each; nothing for the other schemes (their
-        :meth:`divisors` imply it)."""
+        and an MLP column per rank, ``>= p`` each; Optimus and SUMMA2.5-LM one per
+        column (``>= pc``), the 3D cube one per feature block (``>= q``)."""
+        kv = heads if kv_heads is None else kv_heads
+        what = "kv heads" if kv_heads is not None else "heads"
+        if self.kind in ("2d", "2.5d", "3d") and self.name in SCHEME_KINDS:
+            return [(what, kv, self.cols, "pc" if self.pc else "q")]
         if self.kind not in ("1d", "ring"):
             return []
-        kv = heads if kv_heads is None else kv_heads
-        return [("kv heads" if kv_heads is not None else "heads", kv, self.p, "p"),
-                ("ffn width", ffn_width, self.p, "p")]
+        return [(what, kv, self.p, "p"), ("ffn width", ffn_width, self.p, "p")]
 
     def misfits(self, model: Model, batch: int | None = None,
                 seq: int | None = None) -> list[tuple[str, int, int]]:
@@ -546,15 +548,17 @@ class TensorGrid:
 
         Megatron over p: a head (key/value head group) and an MLP column per rank, the
         balanced partition of each (no size need divide p). Optimus and SUMMA2.5-LM on
-        [q, q, d]: the batch by d q (whole sequences per rank) and hidden, heads and ffn
-        width by q; the 3D cube the batch by q^2 and the same by q. Any vocabulary: the
-        schemes pad it to a multiple of p (q), as Megatron-LM does. The schemes' own
+        [pr, pc, d]: the batch by d pr (whole sequences per rank) and a key/value head
+        per column (the balanced partition of the heads), any hidden size and MLP width;
+        the 3D cube the batch by q^2 and a key/value head per feature block. Any vocabulary: the schemes pad it, as Megatron-LM does. The schemes' own
         checks (``megatron.check``, ``optimus.check``, ``tp3d.check``) enforce the same.
         """
+        per = "rank" if self.kind in ("1d", "ring") else "column"
+        kv = model.kv_heads if model.kv_heads != model.heads else None
+        least = {what for what, *_ in self.least(model.heads, model.ffn_width, kv)}
         return "; ".join(f"{what} = {size} is " + (
-            f"smaller than {by} (one per rank)" if size < by and what != "sequence"
-            and self.kind in ("1d", "ring") else f"not divisible by {by}")
-                         for what, size, by in self.misfits(model, batch, seq))
+            f"smaller than {by} (one per {per})" if what in least and size < by
+            else f"not divisible by {by}") for what, size, by in self.misfits(model, batch, seq))
 
 
 def grid_label(kind: str, q: int, d: int = 1, pc: int = 0) -> str:
@@ -607,6 +611,14 @@ def product_grids(p: int, name: str) -> list[tuple[int, int, int]]:
     return [(*most_square(p), 1)]
 
 
+def _both_ways(p: int) -> list[tuple[int, int]]:
+    """The most square ``pr x pc`` layer of p ranks (:func:`most_square`) both ways
+    round, ``pr < pc`` first: a training scheme holds whole heads per column, so which
+    side is longer decides which models fit."""
+    pr, pc = most_square(p)
+    return [(pr, pc)] if pr == pc else [(pr, pc), (pc, pr)]
+
+
 def grids(p: int, scheme: str, model: Model | None = None,
           batch: int | None = None) -> list[TensorGrid]:
     """THE grids of ``p`` ranks that ``scheme`` runs on, q ascending.
@@ -614,8 +626,14 @@ def grids(p: int, scheme: str, model: Model | None = None,
     ``scheme`` is a tensor-parallel scheme or an algorithm name:
 
     ``megatron``         ``[megatron:p]``
-    ``optimus``          ``[optimus:qxq]`` when p = q^2, else ``[]``
-    ``summa25``          every ``summa25:qxqxd`` with q >= 2, d >= 2 (d > q included)
+    ``optimus``          ``[optimus:qxq]`` when p = q^2, else the most square
+                         rectangle both ways (``optimus:2x3``, ``optimus:3x2`` at p = 6;
+                         ``1xp``, ``px1`` for a prime p)
+    ``summa25``          every ``summa25:qxqxd`` with q >= 2, d >= 2 (d > q included);
+                         where there is none, the smallest depth d >= 2 that leaves a
+                         layer of two ranks or more, over its most square rectangle both
+                         ways (``summa25:1x3x2``, ``summa25:3x1x2`` at p = 6); none
+                         for a prime p (a depth alone is data parallelism)
     ``3d``               ``[3d:qxqxq]`` when p = q^3, else ``[]``
     a product            :func:`product_grids`: a "2d" algorithm as optimus, a "2.5d"
                          one as summa25, and where p has no such grid the SUMMA forms a
@@ -637,13 +655,16 @@ def grids(p: int, scheme: str, model: Model | None = None,
         out = [TensorGrid(scheme, p, pr, d, pc) for pr, pc, d in product_grids(p, scheme)]
     elif kind == "2d":
         out = [TensorGrid(scheme, p, q, 1) for q, _ in grid_shapes(p, "2d")]
+        out = out or [TensorGrid(scheme, p, pr, 1, pc) for pr, pc in _both_ways(p)]
     elif kind == "3d":
         out = [TensorGrid(scheme, p, q, q) for q, _ in grid_shapes(p, "3d")]
     else:
-        shapes = grid_shapes(p, "2.5d")
-        if scheme in SCHEME_KINDS:
-            shapes = [(q, d) for q, d in shapes if q >= 2 and d >= 2]
+        shapes = [(q, d) for q, d in grid_shapes(p, "2.5d") if q >= 2 and d >= 2]
         out = [TensorGrid(scheme, p, q, d) for q, d in shapes]
+        if not out:
+            d = next((d for d in range(2, p) if p % d == 0 and p // d >= 2), None)
+            out = [TensorGrid(scheme, p, pr, d, pc) for pr, pc in _both_ways(p // d)] if d \
+                else []
     if model is not None:
         out = [g for g in out if not g.misfits(model, batch)]
     return out

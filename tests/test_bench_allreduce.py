@@ -124,7 +124,7 @@ def test_every_subcommand_speaks_the_shared_spelling():
                       (["transformer", "--tf-dtype", "float32"], "--tf-dtype"),
                       (["transformer", "--model", "h=30,heads=4,layers=1,seq=4,vocab=8"],
                        "--model"),
-                      (["mesh", "--mesh", "dp=2,tp=optimus:3x2"], "--mesh"),
+                      (["mesh", "--mesh", "dp=2,tp=3d:3x3x2"], "--mesh"),
                       (["gemm", "--n", "0"], "--n"),
                       (["gemm", "--algorithms", "fox"], "--algorithms"),
                       (["allreduce", "--sizes-mib", "1,-2"], "--sizes-mib"),

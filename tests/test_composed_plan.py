@@ -154,12 +154,19 @@ def test_the_default_batch_is_raised_to_whole_sequences_per_rank_where_a_grid_ne
 
     cfg = Config(vocab=64, seq=16, hidden=64 * 3, heads=48, layers=1)
     cases, skips = plan_schemes(27, SCHEME_NAMES, lambda dt: cfg, 8, fit_batch=True)
-    assert {(c.scheme, c.batch) for c in cases} == {("megatron", 8), ("summa25", 9),
-                                                    ("3d", 9)}
-    assert {s.name for s in skips} == {"optimus"}            # 27 is not a square
+    # 27 is not a square: Optimus on 3x9 (b = 9: three row blocks) and 9x3 (nine)
+    assert {(c.scheme, c.grid_label(27), c.batch) for c in cases} == {
+        ("megatron", "1D p=27", 8), ("summa25", "[3,3,3]", 9), ("3d", "3x3x3", 9),
+        ("optimus", "3x9", 9), ("optimus", "9x3", 9)}
+    assert skips == []
     cases, skips = plan_schemes(27, SCHEME_NAMES, lambda dt: cfg, 8)
     assert {c.scheme for c in cases} == {"megatron"}
-    assert {s.name for s in skips if "batch" in s.reason} == {"summa25", "3d"}
-    odd = Config(vocab=64, seq=16, hidden=64, heads=16, layers=1)   # 16 heads: not by 3
+    assert {s.name for s in skips if "batch" in s.reason} == {"summa25", "3d", "optimus"}
+    # 16 heads: fewer than 27 (Megatron); Optimus, SUMMA2.5-LM and the cube cut them
+    # unevenly over 3 (or 9) blocks. 2 heads: fewer than every grid's blocks
+    odd = Config(vocab=64, seq=16, hidden=64, heads=16, layers=1)
     cases, _ = plan_schemes(27, SCHEME_NAMES, lambda dt: odd, 8, fit_batch=True)
-    assert {c.scheme for c in cases} == set()                # 16 heads < 27 for Megatron
+    assert {c.scheme for c in cases} == {"optimus", "summa25", "3d"}
+    few = Config(vocab=64, seq=16, hidden=64, heads=2, layers=1)
+    cases, _ = plan_schemes(27, SCHEME_NAMES, lambda dt: few, 8, fit_batch=True)
+    assert {c.scheme for c in cases} == set()

@@ -241,21 +241,24 @@ def test_predict_composition_output_and_user_errors(capsys):
 
 
 def test_plan_lists_the_grids_spec_grids_runs():
-    """plan at 16 devices searches every tensor grid spec.grids lists, [2,2,4] included."""
+    """plan at 16 devices searches every tensor grid spec.grids lists, [2,2,4] and the
+    rectangles (optimus:2x4, summa25:1x2x2) included, but the grid of one rank."""
     from summasim import spec
     from summasim.costmodel.tools import plan, plan_cli
 
     p = plan_cli.check_args(plan_cli.build_parser().parse_args(
         ["--model", "tiny", "--devices", "16", "--machine", "local-2core-mpich"]))
-    got = {(s.name, s.p, s.q, s.d) for s in plan.tensor_grids(p.cfg, 16)}
-    want = {(g.name, g.p, g.q, g.d) for t in (1, 2, 4, 8, 16) for name in spec.SCHEME_NAMES
-            for g in spec.grids(t, name, spec.MODELS["tiny"])
-            if g.name == "megatron" or g.q >= 2}
-    assert got == want and ("summa25", 16, 2, 4) in got
+    got = {(s.name, s.p, s.q, s.cols, s.d) for s in plan.tensor_grids(p.cfg, 16)}
+    want = {(g.name, g.p, g.q, g.cols, g.d) for t in (1, 2, 4, 8, 16)
+            for name in spec.SCHEME_NAMES for g in spec.grids(t, name, spec.MODELS["tiny"])
+            if g.name == "megatron" or g.p >= 2}
+    assert got == want and ("summa25", 16, 2, 2, 4) in got
+    assert {("optimus", 8, 2, 4, 1), ("optimus", 8, 4, 2, 1), ("summa25", 4, 1, 2, 2)} <= got
+    assert ("optimus", 1, 1, 1, 1) not in got
     res = _run_cli("plan", "--model", "tiny", "--devices", "16", "--machine",
-                   "local-2core-mpich", "--schemes", "summa25", "--top", "50")
+                   "local-2core-mpich", "--schemes", "summa25", "--top", "100")
     assert res.returncode == 0, res.stderr
-    assert "summa25:2x2x4" in res.stdout and "summa25:2x2x2" in res.stdout
+    assert all(f"summa25:{g}" in res.stdout for g in ("2x2x4", "2x2x2", "1x2x2", "2x1x2"))
 
 
 def test_byte_size_is_the_cli_one():

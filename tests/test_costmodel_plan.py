@@ -46,7 +46,8 @@ def test_ranked_compositions_fit_and_are_sorted():
     # a row is exactly what price_composition says of that composition
     for r in rows[:3] + rows[-2:]:
         sch = Scheme.make(r["scheme"], p=r["t"], q=None if r["scheme"] == "megatron"
-                          else r["q"], d=r["d"])
+                          else r["q"], d=r["d"],
+                          pc=None if r["scheme"] == "megatron" else r["pc"])
         again = price_composition(
             cfg.replace(sequence_parallel=r["sequence_parallel"]), sch, machine=machine,
             dp=r["dp"], pp=r["pp"], microbatches=r["microbatches"], global_batch=64,

@@ -170,9 +170,14 @@ def test_grids_and_best():
     assert [(s.q, s.d) for s in grid_shapes(64, "summa25")] == [(2, 16), (4, 4)]
     assert [(s.q, s.d) for s in grid_shapes(16, "summa25")] == [(2, 4)]
     assert [(s.q, s.d) for s in grid_shapes(32, "summa25")] == [(2, 8), (4, 2)]
-    assert grid_shapes(4, "summa25") == []
+    # where p has no square [q, q, d] (q, d >= 2): the smallest depth over its most square
+    # rectangle both ways; where p is not a square, Optimus's most square pr x pc both ways
+    assert [str(s) for s in grid_shapes(4, "summa25")] == ["summa25:1x2x2", "summa25:2x1x2"]
+    assert grid_shapes(7, "summa25") == []
     assert grid_shapes(64, "summa25") == [Scheme.of_grid(g) for g in spec.grids(64, "summa25")]
-    assert grid_shapes(32, "optimus") == [] and grid_shapes(36, "optimus")[0].q == 6
+    assert [str(s) for s in grid_shapes(32, "optimus")] == ["optimus:4x8", "optimus:8x4"]
+    assert [(s.q, s.cols) for s in grid_shapes(32, "optimus")] == [(4, 8), (8, 4)]
+    assert grid_shapes(36, "optimus")[0].q == 6
     assert Scheme.make("2.5d", p=128, d=2).q == 8
     with pytest.raises(ValueError, match="p = d\\*q\\*q"):
         Scheme.make("optimus", p=8, q=2)

@@ -198,12 +198,38 @@ def test_grids_aliases_and_misfit():
     for kw in (dict(p=16), dict(q=2, d=4), dict(p=8, q=3)):
         with pytest.raises(ValueError, match="cube"):
             Scheme.make("3d", **kw)
-    # the batch by q^2, whole sequences per rank; hidden, heads, MLP width by q
+    # the batch by q^2, whole sequences per rank; a key/value head per feature block
+    # (any hidden size and MLP width: the balanced partition, whole heads per block)
     assert misfit(CUBE, CFG) is None
     why = misfit(CUBE, CFG.replace(b=6))
     assert "batch b = 6 is not divisible by q^2 = 4" in why
-    assert "hidden h = 15 is not divisible by q = 2" in misfit(CUBE, CFG.replace(h=15, n=3))
+    assert misfit(CUBE, CFG.replace(h=15, n=3)) is None
+    assert "heads n = 1 is smaller than" in misfit(CUBE, CFG.replace(h=15, n=1))
     assert grid_shapes(8, "3d", CFG.replace(b=6)) == []
+
+
+@pytest.mark.parametrize("h, n, kv, f, mlp", [(15, 3, 3, Fraction(31, 15), "gelu"),
+                                              (12, 6, 3, Fraction(25, 12), "swiglu"),
+                                              (16, 4, 4, 4, "gelu")])
+@pytest.mark.parametrize("q", [2, 3])
+def test_layer_payload_is_the_runtime_closed_form_on_uneven_sizes(q, h, n, kv, f, mlp):
+    """Where q cuts neither the heads nor the MLP width evenly, the layer's recorded
+    items per pass are rank (0, 0, 0)'s, the busiest: the runtime's
+    ``tp3d.layer_payload`` (checked against the trace in mpi_tests/test_tp3d.py)."""
+    from summasim.transformer import model, tp3d
+
+    b, s = 2 * q * q, 8
+    mcfg = model.Config(vocab=11, seq=s, hidden=h, heads=n, kv_heads=kv, layers=1,
+                        ffn_mult=f, mlp=mlp)
+    cfg = TransformerConfig(b=b, s=s, h=h, n=n, N=1, v=11, kv_heads=kv, ffn=f, mlp=mlp,
+                            checkpoint=False)
+    cube = Scheme.make("3d", q=q)
+    sc = scheme_cost(cube, cfg, paper_machine(), mode="paper", compute=False)
+    want = tp3d.layer_payload(mcfg, b, q)
+    assert (sc.forward.payload, sc.backward.payload) == (want["fwd"], want["bwd"])
+    assert want == tp3d.layer_payload(mcfg, b, q, i=0, j=0)
+    assert all(want["fwd"] >= tp3d.layer_payload(mcfg, b, q, i=i, j=j)["fwd"]
+               for i in range(q) for j in range(q))
 
 
 def test_sequence_parallelism_is_refused():

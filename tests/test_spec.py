@@ -81,6 +81,8 @@ def test_tensor_grid_round_trips(text, shape, label):
 
 @pytest.mark.parametrize("text,want", [
     ("dp=2,pp=2,tp=optimus:2x2", (2, 2, "optimus", 2, 1, 4)),
+    ("dp=2,tp=optimus:2x3", (2, 1, "optimus", 2, 1, 6)),          # rectangular: 2 rows, 3 cols
+    ("tp=summa25:3x1x2", (1, 1, "summa25", 3, 2, 6)),
     ("tp=megatron:4", (1, 1, "megatron", 1, 1, 4)),
     (" pp=4 , tp=summa25:2x2x3 ", (1, 4, "summa25", 2, 3, 12)),
     ("tp=MEGATRON:1,dp=16", (16, 1, "megatron", 1, 1, 1)),
@@ -95,14 +97,16 @@ def test_parse_mesh(text, want):
 
 @pytest.mark.parametrize("text,fragment", [
     ("", "expected dp=D"),
-    ("tp=", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
-    ("tp=cannon:", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
+    ("tp=", "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"),
+    ("tp=cannon:", "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"),
     ("dp=0,tp=megatron:2", "dp must be a positive integer"),
     ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
-    ("tp=optimus:2x3", "must be square"),
-    ("tp=optimus:4", "optimus:QxQ"),
+    ("tp=3d:2x2x3", "must be a cube"),
+    ("tp=3d:2x3x2", "must be a cube"),
+    ("tp=optimus:4", "optimus:PRxPC"),
     ("tp=summa25:2x2x1", "depth D >= 2"),
-    ("tp=cannon:2x2", "megatron:T, optimus:QxQ, summa25:QxQxD or 3d:QxQxQ"),
+    ("tp=summa25:2x3x1", "depth D >= 2"),
+    ("tp=cannon:2x2", "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"),
     ("dp=2;pp=2,tp=megatron:1", "positive integer"),
     ("tp=megatron:0", "positive"),
 ])
@@ -116,10 +120,16 @@ def test_parse_mesh_refuses(text, fragment):
 def test_summa25_admits_depth_past_q():
     assert [str(g) for g in grids(16, "summa25")] == ["summa25:2x2x4"]
     assert [str(g) for g in grids(64, "summa25")] == ["summa25:2x2x16", "summa25:4x4x4"]
-    assert grids(32, "optimus") == [] and [str(g) for g in grids(36, "optimus")] == \
-        ["optimus:6x6"]
+    assert [str(g) for g in grids(36, "optimus")] == ["optimus:6x6"]
     assert [str(g) for g in grids(8, "summa25")] == ["summa25:2x2x2"]
-    assert grids(6, "summa25") == [] and grids(4, "summa25") == []
+    # where p is not a square, Optimus trains on the most square rectangle, both ways
+    # round (which side holds whole heads decides which models fit); SUMMA2.5-LM on the
+    # smallest depth that leaves a layer of two ranks, and never on a depth alone
+    assert [str(g) for g in grids(32, "optimus")] == ["optimus:4x8", "optimus:8x4"]
+    assert [str(g) for g in grids(6, "optimus")] == ["optimus:2x3", "optimus:3x2"]
+    assert [str(g) for g in grids(6, "summa25")] == ["summa25:1x3x2", "summa25:3x1x2"]
+    assert [str(g) for g in grids(4, "summa25")] == ["summa25:1x2x2", "summa25:2x1x2"]
+    assert grids(7, "summa25") == [] and grids(2, "summa25") == []
     # where no [q, q, d >= 2] exists the 2.5D products run on a rectangular layer (the
     # most square one of the smallest depth that leaves two ranks), and on a depth-only
     # grid only when p is prime
@@ -145,7 +155,7 @@ def test_runtime_and_cost_model_enumerate_the_same_grids(p):
     from summasim.transformer.schemes import SCHEMES
 
     for name, s in SCHEMES.items():
-        assert s.grids(p) == [(g.q, g.d) for g in grids(p, name)]
+        assert s.grids(p) == [(g.q, g.cols, g.d) for g in grids(p, name)]
     for name, a in ALGORITHMS.items():
         if a.is_product:
             assert a.grids(p) == [(g.q, g.cols, g.d) for g in grids(p, name)]
@@ -210,8 +220,18 @@ def test_one_divisibility_rule_for_the_runtime_and_the_cost_model():
         assert "vocabulary" not in why and (("batch b = 6" in why) == ("batch" in want))
         assert ("heads n = 60" in why) == ("heads" in want)
     # the cost model's sizes may be real: a size that is not whole divides by nothing
+    cfg = TransformerConfig(b=8.5, s=16, h=64, n=16, N=2, v=0)
+    assert "batch b = 8.5" in misfit(Scheme.of_grid(TensorGrid.parse("3d:2x2x2")), cfg)
+    assert "batch b = 8.5" in misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg)
+    # (no scheme cuts h into blocks that must divide: a real h is priced as it is)
     cfg = TransformerConfig(b=8, s=16, h=64.5, n=16, N=2, v=0)
-    assert "hidden h = 64.5" in misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg)
+    assert misfit(Scheme.of_grid(TensorGrid.parse("optimus:2x2")), cfg) is None
+    # Optimus and SUMMA2.5-LM: a key/value head per column, phrased alike by both floors
+    g = TensorGrid.parse("optimus:2x8")
+    few = Model(vocab=63, seq=16, hidden=60, heads=6, layers=2)
+    assert g.misfit(few, 2) == "heads = 6 is smaller than 8 (one per column)"
+    assert "heads n = 6" in misfit(Scheme.of_grid(g), TransformerConfig.from_model(
+        few, 2, dtype="float32"))
 
 
 def test_the_3d_scheme_is_a_cube_that_cuts_the_batch_into_q_squared_blocks():
@@ -230,5 +250,9 @@ def test_the_3d_scheme_is_a_cube_that_cuts_the_batch_into_q_squared_blocks():
     m = Model(vocab=50257, seq=8, hidden=12, heads=6, layers=1, ffn_mult=4)
     assert g.misfits(m, batch=18) == [] and TensorGrid.parse("3d:2x2x2").misfits(m, 8) == []
     assert [w for w, _, _ in g.misfits(m, batch=6)] == ["batch"]
-    bad = Model(vocab=7, seq=8, hidden=10, heads=5, layers=1, ffn_mult=4)
-    assert {w for w, _, _ in g.misfits(bad, batch=9)} == {"hidden", "heads", "ffn width"}
+    # any hidden size, head count and MLP width: whole heads per block, a key/value head
+    # in each (5 heads over 3 blocks: 2, 2, 1); 2 heads leave a block without one
+    odd = Model(vocab=7, seq=8, hidden=10, heads=5, layers=1, ffn_mult=4)
+    assert g.misfits(odd, batch=9) == []
+    few = Model(vocab=7, seq=8, hidden=10, heads=2, layers=1, ffn_mult=4)
+    assert g.misfit(few, 9) == "heads = 2 is smaller than 3 (one per column)"

@@ -343,10 +343,13 @@ def summa_ab(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa_ab", "ab", _summa_ab, a, b, grid, out, sizes)
 
 
-def summa_ab_unchecked(a, b, grid, out=None):
+def summa_ab_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa_ab` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
+    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                      parts)
 
 
 def summa_abt(a, b, grid, out=None, *, sizes=None):
@@ -377,10 +380,13 @@ def summa_abt(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa_abt", "abt", _summa_abt, a, b, grid, out, sizes)
 
 
-def summa_abt_unchecked(a, b, grid, out=None):
+def summa_abt_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa_abt` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
+    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                      parts)
 
 
 def summa_atb(a, b, grid, out=None, *, sizes=None):
@@ -411,7 +417,10 @@ def summa_atb(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa_atb", "atb", _summa_atb, a, b, grid, out, sizes)
 
 
-def summa_atb_unchecked(a, b, grid, out=None):
+def summa_atb_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa_atb` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
+    return _summa_atb(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                      parts)

@@ -79,10 +79,13 @@ def summa25_ab(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa25_ab", "ab", _summa_ab, a, b, grid, out, sizes, _AB)
 
 
-def summa25_ab_unchecked(a, b, grid, out=None):
+def summa25_ab_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa25_ab` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
+    return _summa_ab(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                      parts)
 
 
 def summa25_abt(a, b, grid, out=None, *, sizes=None):
@@ -114,10 +117,13 @@ def summa25_abt(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa25_abt", "abt", _summa_abt, a, b, grid, out, sizes, _ABT)
 
 
-def summa25_abt_unchecked(a, b, grid, out=None):
+def summa25_abt_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa25_abt` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
-    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out)
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
+    return _summa_abt(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
+                      parts)
 
 
 def summa25_atb(a, b, grid, out=None, *, sizes=None):
@@ -151,11 +157,13 @@ def summa25_atb(a, b, grid, out=None, *, sizes=None):
     return run_checked("summa25_atb", "atb", kernel, a, b, grid, out, sizes, _ATB)
 
 
-def summa25_atb_unchecked(a, b, grid, out=None):
+def summa25_atb_unchecked(a, b, grid, out=None, parts=None):
     """:func:`summa25_atb` without the checks and the agreement, for library callers that
-    checked and agreed on their inputs once (e.g. once per transformer step)."""
+    checked and agreed on their inputs once (e.g. once per transformer step). ``parts``:
+    the two cuts of the dimension it steps over (:func:`~summasim.algorithms.summa.parts_of`),
+    for blocks that are uneven or a grid that is not square; even blocks when None."""
     return _summa25_atb(contiguous(a), contiguous(b), grid.row, grid.col, backend_of(a), out,
-                        depth=grid.depth)
+                        parts, depth=grid.depth)
 
 
 def _summa25_atb(a, b, row, col, be, out, mparts=None, *, depth):

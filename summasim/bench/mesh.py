@@ -171,8 +171,8 @@ def _pure_tensor(case, p: int):
 
     for name in (case.scheme, "megatron"):
         spec = SCHEMES[name]
-        for q, d in spec.grids(p):
-            grid = str(spec.tensor_grid(p, q, d))       # "optimus:2x2", "3d:2x2x2", ...
+        for q, pc, d in spec.grids(p):
+            grid = str(spec.tensor_grid(p, q, d, pc))   # "optimus:2x2", "3d:2x2x2", ...
             # pure tensor parallelism has one stage: no interleaving
             pure = MeshCase.parse(f"tp={grid}", case.batch, case.config, zero=0,
                                   schedule="1f1b" if case.schedule == "interleaved"

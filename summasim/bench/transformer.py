@@ -113,14 +113,14 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
         grids = spec.grids(p)
         if not grids:
             say(f"{name:<9} skipped: needs {spec.needs()}; p = {p} does not fit")
-        for q, d in grids:
-            label = spec.grid_label(p, q, d)
-            why = spec.misfit(config, b, p, q, d)
+        for q, pc, d in grids:
+            label = spec.grid_label(p, q, d, pc)
+            why = spec.misfit(config, b, p, q, d, pc)
             if why:
                 say(f"{name:<9} {label:<9} skipped: {why}")
                 continue
             module = spec.module
-            grid = spec.make_grid(world, q, d)
+            grid = spec.make_grid(world, q, d, pc=pc)
             try:
                 grid.trace.enabled = False
                 local = module.shard(params, config, grid)

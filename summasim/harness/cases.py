@@ -126,20 +126,24 @@ class TransformerCase:
     d: int
     batch: int
     config: Config
+    pc: int = 0                  # columns of a rectangular grid (q rows); 0: square
     kind = "transformer"
 
     def __post_init__(self):
         get_scheme(self.scheme)
+        if self.pc == self.q:
+            object.__setattr__(self, "pc", 0)
 
     @property
     def dtype(self) -> str:
         return np.dtype(self.config.dtype).name
 
     def misfit(self, p: int) -> str:
-        return get_scheme(self.scheme).misfit(self.config, self.batch, p, self.q, self.d)
+        return get_scheme(self.scheme).misfit(self.config, self.batch, p, self.q, self.d,
+                                              self.pc)
 
     def grid_label(self, p: int | None = None) -> str:
-        return get_scheme(self.scheme).grid_label(p, self.q, self.d)
+        return get_scheme(self.scheme).grid_label(p, self.q, self.d, self.pc)
 
     def label(self, p: int | None = None) -> str:
         c = self.config
@@ -149,7 +153,7 @@ class TransformerCase:
     def to_dict(self) -> dict:
         c = self.config
         return {"kind": "transformer", "scheme": self.scheme, "q": self.q, "d": self.d,
-                "b": self.batch, "s": c.seq, "h": c.hidden, "heads": c.heads, "v": c.vocab,
+                "pc": self.pc or self.q, "b": self.batch, "s": c.seq, "h": c.hidden, "heads": c.heads, "v": c.vocab,
                 "layers": c.layers, "ffn": c.ffn_mult, "dtype": self.dtype}
 
 
@@ -263,6 +267,11 @@ class MeshCase:
     @property
     def d(self) -> int:
         return self.mesh.tp.d
+
+    @property
+    def pc(self) -> int:
+        """Columns of a rectangular tensor grid; 0 when square (or 1D)."""
+        return self.mesh.tp.pc
 
     @property
     def t(self) -> int:
@@ -389,11 +398,12 @@ class MeshCase:
 
 
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
-                     v: int, layers: int, ffn: int = 4, dtype: str = "float64"):
-    """A :class:`TransformerCase` from the flat sizes."""
+                     v: int, layers: int, ffn: int = 4, dtype: str = "float64", pc: int = 0):
+    """A :class:`TransformerCase` from the flat sizes (``pc`` columns of a rectangular
+    grid of q rows)."""
     config = Config(vocab=int(v), seq=int(s), hidden=int(h), heads=int(heads),
                     layers=int(layers), ffn_mult=int(ffn), dtype=np.dtype(dtype).type)
-    return TransformerCase(scheme, int(q), int(d), int(b), config)
+    return TransformerCase(scheme, int(q), int(d), int(b), config, int(pc or 0))
 
 
 def case_from_dict(data: dict):
@@ -408,7 +418,8 @@ def case_from_dict(data: dict):
     if kind == "transformer":
         return transformer_case(data["scheme"], data["q"], data["d"], data["b"], data["s"],
                                 data["h"], data["heads"], data["v"], data["layers"],
-                                data.get("ffn", 4), data.get("dtype", "float64"))
+                                data.get("ffn", 4), data.get("dtype", "float64"),
+                                data.get("pc") or 0)
     if kind == "mesh":
         ffn = float(data.get("ffn", 4))
         dtype = data.get("dtype", "float64")

@@ -286,7 +286,7 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     g = tr.grid
     act = batch * seq * cfg.hidden
     if tr.spec.grid_kind != "1d":
-        act //= g.d * g.q * g.q
+        act //= g.d * g.pr * g.pc
     elif tr.sp:                                   # sequence parallelism: s / t per rank
         act //= g.p
     out["pp.fwd"] = act * (tr.chunks - (1 if tr.last else 0))
@@ -394,7 +394,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                      loss_scale=case.loss_scale or "", grad_reduce=case.grad_reduce or "")
     try:
         mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
-                    backend=backend)
+                    backend=backend, pc=case.pc)
     except BaseException:
         shared.abandon()
         raise
@@ -506,7 +506,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         traffic_ok = traffic == expected and [int(v) for v in group] == [
             nominal[k] for k in PHASES] and sp_bytes == tr.sp_grad_bytes()
         table1 = table1_payload(case.scheme, config, case.micro_batch, case.tensor_size,
-                                case.q, case.d)["fwd"]
+                                case.q, case.d, case.pc,
+                                getattr(mesh.tensor, "j", 0))["fwd"]
         if case.sequence_parallel:   # each all-reduced item: a ring's 2 (t-1)/t sends
             table1 = 2 * table1 * (case.t - 1) // case.t
         tp_ok = tp_items == (case.microbatches * table1 if tr.layers else 0)

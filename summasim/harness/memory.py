@@ -187,13 +187,16 @@ SERIAL_FACTOR = {"transformer": 1.5, "mesh": 1.9}
 SHARD_FACTOR = {"transformer": 2.4, "mesh": 1.6}
 
 
-def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool):
+def scheme_memory(scheme: str, t: int, q: int, d: int, config, batch: int, checkpoint: bool,
+                  pc: int = 0):
     """The cost model's per-rank :class:`~summasim.costmodel.workload.footprint.Memory` of ``scheme``
-    on ``t`` ranks (Megatron) or a ``q x q x d`` grid, for a model ``config`` and batch."""
+    on ``t`` ranks (Megatron) or a ``q x q x d`` grid (``q x pc x d``), for a model
+    ``config`` and batch."""
     from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
     from summasim.costmodel.workload.footprint import memory
 
-    sch = Scheme.make("megatron", p=t) if scheme == "megatron" else Scheme.make(scheme, q=q, d=d)
+    sch = (Scheme.make("megatron", p=t) if scheme == "megatron"
+           else Scheme.make(scheme, q=q, d=d, pc=pc or None))
     return memory(sch, TransformerConfig.from_model(config, batch, checkpoint=checkpoint))
 
 
@@ -214,7 +217,7 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
         most = max(sum(len(r) for r in split[s::case.pp]) for s in range(case.pp))
         stage = dataclasses.replace(config, layers=max(most, 1))
         m = scheme_memory(case.scheme, case.tensor_size, case.q, case.d, stage,
-                          -(-case.batch // case.dp), case.checkpoint)
+                          -(-case.batch // case.dp), case.checkpoint, case.pc)
         # the reference runs in float64; one step of it is shared at a time (its start
         # parameters, the two moments, the gradients, the next parameters, the bound),
         # and rank 0 keeps its parameters and moments between steps
@@ -222,7 +225,7 @@ def training_bytes(case, p: int) -> tuple[int, int, int]:
         window = 6 * params * wide + tokens
         serial = serial * wide + 3 * params * wide
     else:
-        m = scheme_memory(case.scheme, p, case.q, case.d, config, case.batch, False)
+        m = scheme_memory(case.scheme, p, case.q, case.d, config, case.batch, False, case.pc)
         wide = max(1, 8 // item)          # the reference runs in float64
         window = (2 * params + logits) * wide + tokens
         serial = serial * wide

@@ -66,13 +66,13 @@ def plan_products(p: int, algorithms, sizes=None, ring_n: int | None = None,
     return cases, skips
 
 
-def fitted_batch(spec, config, batch: int, p: int, q: int, d: int) -> int:
+def fitted_batch(spec, config, batch: int, p: int, q: int, d: int, pc: int = 0) -> int:
     """``batch``, or where the grid needs whole sequences per rank that ``batch`` does not
     cut into and the model itself fits, the next multiple of the grid's row blocks
     (``d q``, the cube's ``q^2``): 8 becomes 9 on ``[3, 3, 3]`` and on ``3x3x3``."""
-    if not spec.misfit(config, batch, p, q, d) or spec.misfit(config, None, p, q, d):
+    if not spec.misfit(config, batch, p, q, d, pc) or spec.misfit(config, None, p, q, d, pc):
         return batch
-    tg = spec.tensor_grid(p, q, d)
+    tg = spec.tensor_grid(p, q, d, pc)
     rows = next(div for what, _, div, _ in tg.divisors(config.hidden, config.heads,
                                                        config.ffn, batch=batch)
                 if what == "batch")
@@ -92,16 +92,16 @@ def plan_schemes(p: int, schemes, config_of, batch: int, dtypes=("float64",),
         if not grids:
             skips.append(Skip(name, f"needs {spec.needs()}; p = {p} does not fit"))
             continue
-        for q, d in grids:
+        for q, pc, d in grids:
             for dtype in dtypes:
                 config = config_of(dtype)
-                b = fitted_batch(spec, config, batch, p, q, d) if fit_batch else batch
-                why = spec.misfit(config, b, p, q, d)
+                b = fitted_batch(spec, config, batch, p, q, d, pc) if fit_batch else batch
+                why = spec.misfit(config, b, p, q, d, pc)
                 if why:
                     if dtype == dtypes[0]:
-                        skips.append(Skip(name, why, spec.grid_label(p, q, d)))
+                        skips.append(Skip(name, why, spec.grid_label(p, q, d, pc)))
                     continue
-                cases.append(TransformerCase(name, q, d, b, config))
+                cases.append(TransformerCase(name, q, d, b, config, pc))
     return cases, skips
 
 

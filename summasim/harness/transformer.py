@@ -48,7 +48,7 @@ from ..validate import training_tolerance
 
 
 def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int = 1,
-                   d: int = 1) -> dict:
+                   d: int = 1, pc: int = 0, j: int = 0) -> dict:
     """Per-rank Table 1 payload of one layer, in scalars.
 
     Megatron: the all-reduced items, ``2 bsh`` forward, ``2 bsh`` backward and ``4 bsh``
@@ -59,7 +59,9 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     SwiGLU's gate and grouped-query attention's narrower QKV change it), 2x that in
     backward and 3x with checkpointing (0 when q = 1). The 3D layer: the closed form
     of its all-gathers and reduce-scatters
-    (:func:`summasim.transformer.tp3d.layer_payload`).
+    (:func:`summasim.transformer.tp3d.layer_payload`). On a rectangular grid (``pc``
+    columns) or an MLP width that does not divide, the payload of a rank of column
+    ``j`` (column 0 moves the most).
     """
     b, s, h = batch, config.seq, config.hidden
     if name == "megatron":
@@ -71,7 +73,7 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     else:
         from ..transformer.optimus import layer_payload
 
-        fwd = layer_payload(config, b, q, d)["fwd"] if q > 1 else 0
+        fwd = layer_payload(config, b, q, d, pc=pc or q, j=j)["fwd"]
     return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd if name != "megatron"
             else 2 * fwd}
 
@@ -254,9 +256,9 @@ def measure_memory(module, local, tokens, targets, config, grid, checkpoint: boo
 
 
 def memory_formula(name: str, config: model.Config, batch: int, p: int, q: int, d: int,
-                   checkpoint: bool) -> dict:
+                   checkpoint: bool, pc: int = 0) -> dict:
     """The cost model's per-rank memory formula for the same configuration (bytes)."""
-    mem = scheme_memory(name, p, q, d, config, batch, checkpoint)
+    mem = scheme_memory(name, p, q, d, config, batch, checkpoint, pc)
     return {"params": mem.params + mem.embedding, "grads": mem.grads,
             "optimizer": mem.optimizer, "activations": mem.activations}
 
@@ -285,7 +287,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     ``extra["report"]`` is the :class:`SchemeReport`."""
     spec = get_scheme(case.scheme)
     module = spec.module
-    config, batch, q, d = case.config, case.batch, case.q, case.d
+    config, batch, q, d, pc = case.config, case.batch, case.q, case.d, case.pc
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
         bound = training_tolerance(config, batch, case.dtype)
@@ -307,10 +309,10 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     ref = shared.value
     tokens, targets, ref_loss = ref["tokens"], ref["targets"], ref["loss"]
 
-    rep = SchemeReport(case.scheme, spec.grid_label(p, q, d), p, q, d, case.dtype, bound=bound,
-                       fault=str(fault) if fault else "", batch=batch)
+    rep = SchemeReport(case.scheme, spec.grid_label(p, q, d, pc), p, q, d, case.dtype,
+                       bound=bound, fault=str(fault) if fault else "", batch=batch)
     try:
-        grid = spec.make_grid(world, q, d, backend)
+        grid = spec.make_grid(world, q, d, backend, pc=pc)
     except BaseException:
         shared.abandon()
         raise
@@ -372,7 +374,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         rep.ok, rep.nonfinite, rep.bad_ranks = chk.ok, chk.nonfinite, chk.bad_ranks
         applied = world.allgather(rep.fault_applied)
         rep.fault_applied = all(applied)
-        rep.table1 = table1_payload(case.scheme, config, batch, p, q, d)
+        rep.table1 = table1_payload(case.scheme, config, batch, p, q, d, pc)
 
         timing = {}
         if timed:
@@ -401,7 +403,7 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
         if with_memory:
             mem = measure_memory(module, local, tokens, targets, config, grid, False)
             rep.memory = {k: int(v) for k, v in zip(mem, reduce_max(world, list(mem.values())))}
-            rep.memory_formula = memory_formula(case.scheme, config, batch, p, q, d, False)
+            rep.memory_formula = memory_formula(case.scheme, config, batch, p, q, d, False, pc)
         nbytes = int(reduce_max(world, [sum(e.nbytes for e in plain_events)])[0])
         msgs = int(reduce_max(world, [len(plain_events)])[0])
         summaries = world.gather(event_summary(plain_events), root=0)

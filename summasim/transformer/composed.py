@@ -261,10 +261,11 @@ def activation_shape(grid_kind: str, config: model.Config, grid, batch: int,
                      seq: int, sequence_parallel: bool = False) -> tuple:
     """The local shape of the activation between two layers for a micro-batch of
     ``batch`` sequences: (b, s, h) replicated (1D), (b, s/t, h) under Megatron's
-    sequence parallelism, (b/(dq), s, h/q) (2D / 2.5D; the 3D cube's d = q)."""
+    sequence parallelism, (b/(d pr), s, h/pc) (2D / 2.5D on [pr, pc, d]; the 3D cube's
+    pr = pc = d = q)."""
     if grid_kind == "1d":
         return (batch, seq // grid.p if sequence_parallel else seq, config.hidden)
-    return (batch // (grid.d * grid.q), seq, config.hidden // grid.q)
+    return (batch // (grid.d * grid.pr), seq, config.hidden // grid.pc)
 
 
 class _Ref(tuple):

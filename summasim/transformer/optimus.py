@@ -16,6 +16,21 @@ the closed set of Optimus eqs. (1)-(3)::
 with ``(ab, abt, atb)`` = ``(summa_ab, summa_abt, summa_atb)`` for d = 1 and
 ``(summa25_ab, summa25_abt, summa25_atb)`` for d > 1.
 
+Rectangular grids and sizes that do not divide
+----------------------------------------------
+The grid may be rectangular, ``[pr, pc, d]`` (``Grid(comm, pr, d, pc=pc)``): below, read
+q as pr where it cuts rows (the batch, a weight's input) and as pc where it cuts columns
+(the activation's hidden, a weight's output). No size need divide: the activation's
+columns hold whole heads, the balanced partition of the key/value heads over pc
+(:func:`head_groups`, :func:`column_cut`: column j holds kv heads ``[lo_j, hi_j)`` and
+their query heads, at least one each); the MLP width over pc and over pr and the hidden
+size over pr are the balanced partition; the vocabulary is padded to a multiple of
+``lcm(pr, pc)`` (:func:`padded_vocab`); the batch is cut into ``d pr`` blocks of whole
+sequences (``b % (d pr)``). Each product steps over the merged cut of its shared
+dimension (its pc blocks and its pr blocks: :func:`_products`), as ScaLAPACK's PxGEMM
+does on any grid. Blocks differ by rank, so the shapes in the table below are those of
+a square grid with sizes that divide; :func:`local_shapes` gives every rank's.
+
 Partition (rank ``(i, j, k)``, ``bl = b/(dq)`` sequences, ``N = bl*s`` rows)
 -------------------------------------------------------------------------
 ================================  ===================================================
@@ -183,7 +198,7 @@ from summasim.algorithms.summa25 import summa25_abt_unchecked as summa25_abt
 from summasim.algorithms.summa25 import summa25_atb_unchecked as summa25_atb
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
-from summasim.spec import ATTENTIONS, vocab_block  # noqa: F401  (the padded vocabulary)
+from summasim.spec import ATTENTIONS, block_range, partition, vocab_block  # noqa: F401
 
 from . import model, ops
 from .model import Config
@@ -212,10 +227,12 @@ def _identity(x):
 # checks and local shapes (pure: no communication)                            #
 # --------------------------------------------------------------------------- #
 def _grid_label(grid) -> str:
-    return f"[q, q, d] = [{grid.q}, {grid.q}, {grid.d}]"
+    if grid.pr == grid.pc:
+        return f"[q, q, d] = [{grid.pr}, {grid.pc}, {grid.d}]"
+    return f"[pr, pc, d] = [{grid.pr}, {grid.pc}, {grid.d}]"
 
 
-def _check_grid(grid, fields=("q", "d", "row", "col", "depth", "layer", "world")) -> None:
+def _check_grid(grid, fields=("pr", "pc", "d", "row", "col", "depth", "layer", "world")) -> None:
     """``TypeError`` unless ``grid`` is a Grid (raised alone: no communicator to agree over)."""
     if not all(hasattr(grid, f) for f in fields):
         raise TypeError(f"optimus: grid must be a summasim.grid.Grid, got "
@@ -225,49 +242,110 @@ def _check_grid(grid, fields=("q", "d", "row", "col", "depth", "layer", "world")
 def check(config: Config, grid, batch: Optional[int] = None) -> None:
     """Raise unless ``config`` (and a batch of ``batch`` sequences) fits ``grid``.
 
-    Needs ``b % (d q) == 0`` (whole sequences per rank), ``h % q``, ``n % q``
-    (whole heads per column), ``kv_heads % q`` (whole key/value heads per column,
-    grouped-query attention), ``v % q`` and ``ffn % q`` (the MLP width ``round(f h)``).
-    A classification head (``n_classes = k > 0``) adds nothing: any k fits (``cls.w``
-    is cut along h only, see the module docstring). Pure: no communication, so every
-    rank raises the same ``ValueError`` (naming the dimension, its size and the divisor)
-    before anything is sent. ``TypeError`` for a non-Grid.
+    On a ``[pr, pc, d]`` grid (``pr = pc = q`` square) needs ``b % (d pr) == 0`` (whole
+    sequences per rank) and at least one key/value head (one head without grouped-query
+    attention) per column, ``kv_heads >= pc``: each column holds the whole heads of
+    block j of their balanced partition (:func:`head_groups`), so its attention is
+    local. Nothing else need divide: the weights' rows (h and the MLP width F over pr)
+    and F over pc are the balanced partition, and the vocabulary is padded
+    (:func:`padded_vocab`). A classification head (``n_classes = k > 0``) adds
+    nothing: any k fits (``cls.w`` is cut along h only, see the module docstring).
+    Pure: no communication, so every rank raises the same ``ValueError`` (naming the
+    dimension, its size and the divisor or the least) before anything is sent.
+    ``TypeError`` for a non-Grid.
     """
     if not isinstance(config, Config):
         raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
-    _check_grid(grid, ("q", "d", "row", "col", "depth", "layer"))    # pure: no world needed
-    q, d = grid.q, grid.d
-    check_sizes(config, q, batch, d * q, "d*q", f"optimus on a {_grid_label(grid)} grid",
-                "column")
+    _check_grid(grid, ("pr", "pc", "d", "row", "col", "depth", "layer"))   # pure: no world
+    pr, pc, d = grid.pr, grid.pc, grid.d
+    rows_sym, sym = ("d*q", "q") if pr == pc else ("d*pr", "pc")
+    check_sizes(config, batch, d * pr, rows_sym, pc, sym,
+                f"optimus on a {_grid_label(grid)} grid", "column")
 
 
-def check_sizes(config: Config, q: int, batch: Optional[int], rows: int, rows_sym: str,
-                where: str, holder: str) -> None:
-    """The checks of a grid that cuts the hidden, the heads, the key/value heads and the
-    MLP width into q blocks (each ``holder`` holding whole heads) and the batch into
-    ``rows`` blocks of whole sequences; ``ValueError`` naming the dimension. Pure."""
-    dims = [("hidden h = Config.hidden", config.hidden, q, "q", "hidden columns split over q"),
-            ("heads n = Config.heads", config.heads, q, "q",
-             f"each {holder} holds n/q whole heads"),
-            ("kv heads = Config.kv_heads", config.kv_heads, q, "q",
-             f"each {holder} holds kv/q whole key/value heads"),
-            ("ffn = round(Config.ffn_mult * hidden)", config.ffn, q, "q",
-             "MLP columns split over q")]
-    if batch is not None:
-        dims.insert(0, ("batch b", int(batch), rows, rows_sym,
-                        f"each rank holds b/({rows_sym}) whole sequences"))
-    for what, size, div, sym, why in dims:
-        if size % div:
-            raise ValueError(f"{where}: {what} = {size} is not divisible by {sym} = {div} "
-                             f"({why})")
+def check_sizes(config: Config, batch: Optional[int], rows: int, rows_sym: str, blocks: int,
+                sym: str, where: str, holder: str) -> None:
+    """The checks of a grid that cuts the batch into ``rows`` blocks of whole sequences
+    (``rows_sym`` names them) and the heads into ``blocks`` (``sym``) of whole heads, the
+    balanced partition of the key/value heads (:func:`head_groups`: at least one per
+    ``holder``); ``ValueError`` naming the size and the divisor or the least. Pure."""
+    if batch is not None and int(batch) % rows:
+        raise ValueError(f"{where}: batch b = {int(batch)} is not divisible by {rows_sym} = "
+                         f"{rows} (each rank holds b/({rows_sym}) whole sequences)")
+    what = "kv heads = Config.kv_heads" if config.kv_heads != config.heads else \
+        "heads n = Config.heads"
+    if config.kv_heads < blocks:
+        raise ValueError(f"{where}: {what} = {config.kv_heads} is smaller than {sym} = "
+                         f"{blocks} (each {holder} holds at least one whole head)")
 
 
-def _vec_sizes(config: Config, q: int) -> dict:
-    """``{key: local size}`` of the layer's row-0 vectors, in packing order."""
-    h, f = config.hidden, config.ffn
-    full = {"ln1.g": h, "ln1.b": h, "attn.qkv.b": config.qkv_width, "attn.proj.b": h,
-            "ln2.g": h, "ln2.b": h, "mlp.fc.b": f, "mlp.gate.b": f, "mlp.proj.b": h}
-    return {key: full[key] // q for key in vec_keys(config.mlp)}
+def _size(n: int, parts: int, index: int) -> int:
+    """Items of block ``index`` of the balanced partition of ``n`` into ``parts``."""
+    lo, hi = block_range(n, parts, index)
+    return hi - lo
+
+
+def head_groups(config: Config, pc: int) -> list[int]:
+    """The ``pc + 1`` offsets of the key/value heads over the pc columns: the balanced
+    partition of the kv heads (each one group of ``g = n/kv`` query heads; without
+    grouped-query attention one head). Column j holds kv heads ``[lo_j, hi_j)`` and
+    their query heads ``[g lo_j, g hi_j)``: whole heads, so its attention is local."""
+    return partition(config.kv_heads, pc)
+
+
+def column_cut(config: Config, pc: int, what: str = "h") -> list[int]:
+    """The ``pc + 1`` offsets of the columns of an activation (or a weight's output)
+    over the pc columns of the grid, by what it holds: ``"h"`` the hidden size, cut at
+    the query heads of each column's kv heads (:func:`head_groups`; ``h/pc`` when pc
+    divides the kv heads); ``"W"`` the QKV width in the permuted order of
+    :func:`qkv_permutation`, column j ``[Q_j | K_j | V_j]``; ``"F"`` the MLP width, the
+    balanced partition. Pure."""
+    hd = config.hidden // config.heads
+    g = config.heads // config.kv_heads
+    kv = head_groups(config, pc)
+    if what == "h":
+        return [g * hd * lo for lo in kv]
+    if what == "W":
+        return [(g + 2) * hd * lo for lo in kv]
+    return partition(config.ffn, pc)
+
+
+def _width(config: Config, pc: int, j: int, what: str = "h") -> int:
+    """Columns of block j of :func:`column_cut`."""
+    cut = column_cut(config, pc, what)
+    return cut[j + 1] - cut[j]
+
+
+#: what the last axis of each parameter holds (the column cut it follows); the rest "h"
+_COLUMNS = {"attn.qkv.w": "W", "attn.qkv.b": "W", "mlp.fc.w": "F", "mlp.fc.b": "F",
+            "mlp.gate.w": "F", "mlp.gate.b": "F", "head.w": "V"}
+
+
+def _param_cut(name: str, config: Config, pr: int, pc: int) -> list[int]:
+    """The pc + 1 offsets of the last axis of parameter ``name`` over the columns (the
+    vocabulary padded: :func:`padded_vocab`)."""
+    top, _, rest = name.partition(".")
+    what = _COLUMNS.get(rest if top[:1] == "h" and top[1:].isdigit() else name, "h")
+    if what == "V":
+        return partition(padded_vocab(config.vocab, pr, pc), pc)
+    return column_cut(config, pc, what)
+
+
+def padded_vocab(vocab: int, pr: int, pc: int) -> int:
+    """The vocabulary the 2D/2.5D schemes hold: ``v`` padded to a multiple of
+    ``lcm(pr, pc)`` (``q`` on a square grid), so that ``wte``'s rows cut into pr even
+    blocks for the embedding and the logits' columns into pc even blocks for the
+    cross-entropy. The padding is zeros that no token looks up, left out of the
+    softmax (:func:`summasim.spec.vocab_block`)."""
+    step = math.lcm(int(pr), int(pc))
+    return vocab_block(vocab, step) * step
+
+
+def _vec_sizes(config: Config, grid) -> dict:
+    """``{key: local size}`` of the layer's row-0 vectors in packing order: column
+    block j (of pc) of each (:func:`column_cut`)."""
+    return {key: _width(config, grid.pc, grid.j, _COLUMNS.get(key, "h"))
+            for key in vec_keys(config.mlp)}
 
 
 CLS_KEYS = ("cls.w", "cls.b")     # the classification head's: neither 2d nor column-blocked
@@ -279,60 +357,62 @@ def _is_row0_key(name: str) -> bool:
     return name == "wpe" or name.rsplit(".", 1)[-1] in ("b", "g")
 
 
-def _cls_shape(name: str, config: Config, q: int, i: int, j: int) -> tuple:
-    """Local shape of ``cls.w`` (row 0: ``[h/q, k]``, the rows ``H_j``; else ``[0, k]``)
+def _cls_shape(name: str, config: Config, pc: int, i: int, j: int) -> tuple:
+    """Local shape of ``cls.w`` (row 0: ``[h/pc, k]``, the rows ``H_j``; else ``[0, k]``)
     or ``cls.b`` (rank (0, 0): ``[k]``; else ``[0]``). Pure."""
     k = config.n_classes
     if name == "cls.w":
-        return (config.hidden // q if i == 0 else 0, k)
+        return (_width(config, pc, j) if i == 0 else 0, k)
     return (k if i == 0 and j == 0 else 0,)
 
 
 def local_shapes(config: Config, grid) -> dict:
     """``{name: local shape}`` on this rank, in the order of ``model.param_shapes``.
 
-    2d blocks ``(rows/q, cols/q)`` for ``wte`` and the weights (``attn.qkv.w``
-    ``(h/q, W/q)`` with ``W = h + 2 kv_width``; SwiGLU's ``mlp.gate.w`` ``(h/q, F/q)``
-    like ``mlp.fc.w``; the untied ``head.w`` ``(h/q, v/q)``); on row 0 the column block
-    of each row-0 hosted array (``(n/q,)``, ``wpe``: ``(s, h/q)``), elsewhere a
-    zero-size array (``(0,)``, ``wpe``: ``(0, h/q)``). A classifier's ``cls.w`` is
-    ``(h/q, k)`` on row 0 and ``(0, k)`` elsewhere, ``cls.b`` ``(k,)`` on rank (0, 0)
+    On a ``[pr, pc, d]`` grid, rank ``(i, j, k)``: 2d blocks ``(rows/pr, cols/pc)`` for
+    ``wte`` and the weights (``attn.qkv.w`` ``(h/pr, W/pc)`` with ``W = h + 2
+    kv_width``; SwiGLU's ``mlp.gate.w`` like ``mlp.fc.w`` ``(h/pr, F/pc)``; the untied
+    ``head.w`` ``(h/pr, v'/pc)``), block ``(i, j)`` of the balanced partition of each
+    axis (the vocabulary padded to ``v'``, :func:`padded_vocab`); on row 0 the column
+    block j of each row-0 hosted array (``(n/pc,)``, ``wpe``: ``(s, h/pc)``), elsewhere
+    a zero-size array (``(0,)``, ``wpe``: ``(0, h/pc)``). A classifier's ``cls.w`` is
+    ``(h/pc, k)`` on row 0 and ``(0, k)`` elsewhere, ``cls.b`` ``(k,)`` on rank (0, 0)
     and ``(0,)`` elsewhere.
     """
     check(config, grid)
-    q = grid.q
-    out = {}
-    for name, shape in model.param_shapes(config).items():
-        if name in CLS_KEYS:
-            out[name] = _cls_shape(name, config, q, grid.i, grid.j)
-        elif _is_row0_key(name):      # column block j on row 0; leading extent 0 elsewhere
-            block = shape[:-1] + (shape[-1] // q,)
-            out[name] = block if grid.i == 0 else (0,) + block[1:]
-        else:
-            out[name] = _block_shape(name, shape, config, q)
-    return out
+    return {name: _local_shape(name, shape, config, grid.pr, grid.pc, grid.i, grid.j)
+            for name, shape in model.param_shapes(config).items()}
 
 
-def _block_shape(name: str, shape: tuple, config: Config, q: int) -> tuple:
-    """A 2d block's shape: ``(rows/q, cols/q)``, the vocabulary axis padded
-    (:func:`vocab_block`)."""
+def _local_shape(name: str, shape: tuple, config: Config, pr: int, pc: int, i: int,
+                 j: int) -> tuple:
+    """The local shape of parameter ``name`` (serial ``shape``) on rank ``(i, j)`` of a
+    ``pr x pc`` layer (:func:`local_shapes`). Pure."""
+    if name in CLS_KEYS:
+        return _cls_shape(name, config, pc, i, j)
+    cut = _param_cut(name, config, pr, pc)
+    if _is_row0_key(name):      # column block j on row 0; leading extent 0 elsewhere
+        block = shape[:-1] + (cut[j + 1] - cut[j],)
+        return block if i == 0 else (0,) + block[1:]
+    nr, _ = _padded_shape(name, shape, config, pr, pc)
+    return (_size(nr, pr, i), cut[j + 1] - cut[j])
+
+
+def _padded_shape(name: str, shape: tuple, config: Config, pr: int, pc: int) -> tuple:
+    """The serial shape of a 2d parameter with its vocabulary axis padded to
+    :func:`padded_vocab`."""
+    v = padded_vocab(config.vocab, pr, pc)
     if name == "wte":
-        return (vocab_block(config.vocab, q), shape[1] // q)
+        return (v, shape[1])
     if name == "head.w":
-        return (shape[0] // q, vocab_block(config.vocab, q))
-    return (shape[0] // q, shape[1] // q)
+        return (shape[0], v)
+    return tuple(shape)
 
 
-def _padded_shape(name: str, shape: tuple, config: Config, q: int) -> tuple:
-    """The serial shape of a 2d parameter with its vocabulary axis padded."""
-    nr, nc = _block_shape(name, shape, config, q)
-    return (nr * q, nc * q)
-
-
-def _pad_vocab(arr, name: str, config: Config, q: int):
+def _pad_vocab(arr, name: str, config: Config, pr: int, pc: int):
     """``arr`` (a serial 2d parameter) with zero rows (``wte``) or columns (``head.w``)
-    padding its vocabulary to a multiple of q; ``arr`` itself when q divides it."""
-    full = _padded_shape(name, arr.shape, config, q)
+    padding its vocabulary to :func:`padded_vocab`; ``arr`` itself when it is."""
+    full = _padded_shape(name, arr.shape, config, pr, pc)
     if tuple(arr.shape) == full:
         return arr
     out = array_module(arr).zeros(full, dtype=arr.dtype)
@@ -358,7 +438,7 @@ def layer_products(config: Config) -> dict:
 
 
 def layer_payload(config: Config, batch: int, q: int, d: int = 1,
-                  seq: Optional[int] = None) -> dict:
+                  seq: Optional[int] = None, *, pc: Optional[int] = None, j: int = 0) -> dict:
     """Per-rank Optimus Table 1 payload of one layer, in items (scalars), for any variant.
 
     ``s`` is ``seq`` (default ``config.seq``), ``b`` the global ``batch``. Each SUMMA
@@ -376,45 +456,61 @@ def layer_payload(config: Config, batch: int, q: int, d: int = 1,
     ``{"fwd", "bwd", "bwd_checkpoint"}`` = fwd, 2 fwd, 3 fwd (``recompute="full"``
     recomputes the forward's products); 0 when q = 1. ``recompute="selective"`` and
     ``attention="flash"`` send what "none" and "plain" send. Exact integers when ``b``
-    divides by ``d q`` and ``h``, ``kv_width``, ``F`` by ``q`` (what :func:`check` needs).
+    divides by ``d q`` and ``h``, ``kv_width``, ``F`` by ``q``.
     SUMMA2.5's depth all-reduce of the ``dW`` (summa25_atb) is not Table 1 traffic and
     is not counted. Pure.
+
+    On a rectangular ``[pr, pc, d]`` grid (``q = pr`` rows, ``pc`` columns), or where
+    the MLP width F does not divide, each product moves, on a rank of column ``j``,
+    ``b s K / (d pr)`` items along its row (the activation's pieces over the steps;
+    nothing when pc = 1) and ``K K'_j`` down its column (the weight's pieces, ``K'_j``
+    column block j of ``K'`` by the balanced partition; nothing when pr = 1); column 0
+    moves the most.
     """
-    q, d = int(q), int(d)
+    pr, d = int(q), int(d)
+    pc = pr if pc is None else int(pc)
     m = int(batch) * (config.seq if seq is None else int(seq))
-    if q == 1:
-        fwd = 0
+    if pr == pc and config.kv_heads % pc == 0 and config.ffn % pc == 0:
+        fwd = 0 if pr == 1 else sum(m * k // d + k * k2
+                                    for k, k2 in layer_products(config).values()) // pr
     else:
-        fwd = sum(m * k // d + k * k2 for k, k2 in layer_products(config).values()) // q
+        widths = {"attn.qkv": "W", "mlp.fc": "F", "mlp.gate": "F"}
+        fwd = sum((m // (d * pr) * k if pc > 1 else 0)
+                  + (k * _width(config, pc, j, widths.get(name, "h")) if pr > 1 else 0)
+                  for name, (k, _) in layer_products(config).items())
     return {"fwd": fwd, "bwd": 2 * fwd, "bwd_checkpoint": 3 * fwd}
 
 
 def classifier_payload(config: Config, batch: int, q: int, d: int = 1, *, i: int = 0,
-                       j: int = 0) -> dict:
+                       j: int = 0, pc: Optional[int] = None) -> dict:
     """Per-rank items of the classification head's own messages on rank ``(i, j, .)``.
 
     ``{"fwd": {(op, group): items}, "bwd": {(op, group): items}}`` for the phases
     ``clshead.fwd``, ``loss`` and ``clshead.bwd`` (module docstring), ``b = batch``,
     ``k = config.n_classes``, ``bl = b/(dq)``, ``own = h k / q`` (``+ k`` on column
-    ``j = 0``, which also carries ``cls.b``)::
+    ``j = 0``, which also carries ``cls.b``); on a ``[pr, pc, d]`` grid (``q = pr``)
+    ``bl = b/(d pr)`` and ``own = h k / pc``::
 
         fwd  ("bcast", "col"): own    ("allreduce", "row"): bl k
              ("allreduce", "col"): 1  ("allreduce", "depth"): 1      (the loss sum)
         bwd  ("reduce", "col"): own   ("ring", "depth"): own   (row 0, d > 1: the length
                                                                   of the ring all-reduce)
 
-    A group of one sends nothing: row/col entries only when q > 1, depth entries only
-    when d > 1. The final LayerNorm (``lnf.*``) is the LM head's and not counted. Pure.
+    A group of one sends nothing: row entries only when pc > 1, col entries only when
+    pr > 1, depth entries only when d > 1. The final LayerNorm (``lnf.*``) is the LM
+    head's and not counted. Pure.
     """
-    q, d, k = int(q), int(d), int(config.n_classes)
+    pr, d, k = int(q), int(d), int(config.n_classes)
+    pc = pr if pc is None else int(pc)
     if k <= 0:
         raise ValueError(f"classifier_payload needs Config.n_classes > 0, got {k}")
-    own = config.hidden // q * k + (k if j == 0 else 0)
-    bl = int(batch) // (d * q)
+    own = _width(config, pc, j) * k + (k if j == 0 else 0)
+    bl = int(batch) // (d * pr)
     fwd, bwd = {}, {}
-    if q > 1:
-        fwd[("bcast", "col")] = own
+    if pc > 1:
         fwd[("allreduce", "row")] = bl * k
+    if pr > 1:
+        fwd[("bcast", "col")] = own
         fwd[("allreduce", "col")] = 1
         bwd[("reduce", "col")] = own
     if d > 1:
@@ -445,7 +541,8 @@ def _check_local(local_params: dict, config: Config, grid, what: str) -> None:
                              f"{getattr(arr, 'dtype', None)}, Config.dtype is {config.dtype}")
 
 
-def qkv_permutation(hidden: int, q: int, kv_width: Optional[int] = None) -> np.ndarray:
+def qkv_permutation(hidden: int, q: int, kv_width: Optional[int] = None, *,
+                    head_dim: Optional[int] = None) -> np.ndarray:
     """Column order of ``attn.qkv`` such that column block j is ``[Q_j | K_j | V_j]``.
 
     The serial columns are ``[Q | K | V]``: Q the ``h`` columns of the n query heads,
@@ -461,27 +558,56 @@ def qkv_permutation(hidden: int, q: int, kv_width: Optional[int] = None) -> np.n
     same column, the mapping :func:`ops.attention_core_forward` applies to ``n/q``
     query and ``kv/q`` kv heads (``q | kv`` makes ``kv/q`` an integer). ``w_local =
     w[:, perm]``; ``g[:, perm] = g_perm`` undoes it.
+
+    With ``head_dim`` given, q need not divide the kv heads: column j holds the kv heads
+    of block j of their balanced partition (:func:`head_groups`) and their query heads,
+    ``Q_j`` the query columns ``g hd [lo_j, hi_j)``, ``K_j``/``V_j`` the columns
+    ``hd [lo_j, hi_j)`` of K and V: the same order when q divides them.
     """
     kvw = hidden if kv_width is None else kv_width
-    hq, kq = hidden // q, kvw // q
+    if head_dim is None:
+        hq, kq = hidden // q, kvw // q
+        qcut, kcut = [j * hq for j in range(q + 1)], [j * kq for j in range(q + 1)]
+    else:
+        kv = partition(kvw // head_dim, q)
+        g = hidden // kvw
+        qcut, kcut = [g * head_dim * lo for lo in kv], [head_dim * lo for lo in kv]
     return np.concatenate([part for j in range(q) for part in (
-        np.arange(j * hq, (j + 1) * hq),                                   # Q_j
-        hidden + np.arange(j * kq, (j + 1) * kq),                          # K_j
-        hidden + kvw + np.arange(j * kq, (j + 1) * kq))])                  # V_j  (W,)
+        np.arange(qcut[j], qcut[j + 1]),                                   # Q_j
+        hidden + np.arange(kcut[j], kcut[j + 1]),                          # K_j
+        hidden + kvw + np.arange(kcut[j], kcut[j + 1]))])                  # V_j  (W,)
 
 
 # --------------------------------------------------------------------------- #
 # small traced helpers (skip groups of one, as the algorithms do)             #
 # --------------------------------------------------------------------------- #
-def _products(grid):
-    """``(ab, abt, atb)``: the SUMMA products for d == 1, the SUMMA2.5 ones for d > 1.
+def _products(grid, config: Config):
+    """``(ab, abt, atb)``: the SUMMA products for d == 1, the SUMMA2.5 ones for d > 1,
+    each called as ``ab(a, b, dim)`` with ``dim`` what the dimension it steps over (ab:
+    k, abt: n, atb: m) holds: ``"h"`` the hidden size, ``"F"`` the MLP width, ``"V"``
+    the padded vocabulary. Its two cuts give the steps: over the pc columns
+    :func:`column_cut` (the vocabulary: even blocks), over the pr rows the balanced
+    partition (:func:`summasim.algorithms.summa.parts_of` orders them by form).
 
     The unchecked twins (see the imports): :func:`forward` checked and agreed on every
     shape once, so the products of a step do not agree again.
     """
-    if grid.d == 1:
-        return summa_ab, summa_abt, summa_atb
-    return summa25_ab, summa25_abt, summa25_atb
+    fns = (summa_ab, summa_abt, summa_atb) if grid.d == 1 else (summa25_ab, summa25_abt,
+                                                                summa25_atb)
+    v = padded_vocab(config.vocab, grid.pr, grid.pc)
+    sizes = {"h": config.hidden, "F": config.ffn, "V": v}
+    cols = {"h": column_cut(config, grid.pc), "F": column_cut(config, grid.pc, "F"),
+            "V": partition(v, grid.pc)}
+    cuts = {dim: (cols[dim], partition(size, grid.pr)) for dim, size in sizes.items()}
+
+    def bind(fn, form):
+        # parts_of's order: ab and atb (the pc cut, the pr cut), abt (pr, pc)
+        def run(a, b, dim):
+            pc_cut, pr_cut = cuts[dim]
+            return fn(a, b, grid, parts=(pr_cut, pc_cut) if form == "abt" else (pc_cut, pr_cut))
+        return run
+
+    return tuple(bind(fn, form) for fn, form in zip(fns, ("ab", "abt", "atb")))
 
 
 def _allreduce(comm, a, op="sum"):
@@ -556,8 +682,9 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
                                        model.check_params(params, config))[0])
     agree("optimus.shard", grid, fields_of(config, "Config"), err)
     xp = array_module(params["wte"])
-    q, i, j = grid.q, grid.i, grid.j
-    perm = xp.asarray(qkv_permutation(config.hidden, q, config.kv_width))
+    pr, pc, i, j = grid.pr, grid.pc, grid.i, grid.j
+    perm = xp.asarray(qkv_permutation(config.hidden, pc, config.kv_width,
+                                      head_dim=config.hidden // config.heads))
     local = {}
     wanted = None if keys is None else set(keys)
     for name, arr in params.items():
@@ -565,17 +692,18 @@ def shard(params: dict, config: Config, grid, keys=None) -> dict:
             continue
         if name in CLS_KEYS:                       # row 0: cls.w[H_j, :]; (0, 0): cls.b
             n0 = shapes[name][0]
-            blk = arr[j * n0:(j + 1) * n0] if name == "cls.w" else arr[:n0]
+            cut = column_cut(config, pc)           # cls.w's rows: the hidden columns H_j
+            blk = arr[cut[j]:cut[j] + n0] if name == "cls.w" else arr[:n0]   # n0 = 0 off row 0
             local[name] = xp.array(blk, copy=True, order="C")
             continue
-        nc = shapes[name][-1]
-        cols = slice(j * nc, (j + 1) * nc)
+        if not _is_row0_key(name):
+            arr = _pad_vocab(arr, name, config, pr, pc)
+        cut = _param_cut(name, config, pr, pc)
+        cols = slice(cut[j], cut[j + 1])
         if name.endswith(("attn.qkv.w", "attn.qkv.b")):
             cols = perm[cols]                      # column block j = [Q_j | K_j | V_j]
         if not _is_row0_key(name):                 # 2d block (i, j)
-            nr = shapes[name][0]
-            arr = _pad_vocab(arr, name, config, q)
-            blk = arr[i * nr:(i + 1) * nr][:, cols]
+            blk = arr[slice(*block_range(arr.shape[0], pr, i))][:, cols]
         elif i == 0:                               # row 0 hosts column block j
             blk = arr[..., cols]
         else:                                      # other rows: zero-size, same key
@@ -599,18 +727,14 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
                                   _check_local(local_grads, config, grid, "local_grads")))
     agree("optimus.unshard", grid, fields_of(config, "Config"), err)
     xp = array_module(local_grads["wte"])
-    q = grid.q
+    pr, pc = grid.pr, grid.pc
     shapes = model.param_shapes(config)
-    # every rank packs the same layout: 2d blocks, then row-0 blocks (zeros off row 0)
-    sizes = {}
-    for name, shape in shapes.items():
-        if name in CLS_KEYS:      # cls.w: (h/q, k) from each of row 0; cls.b: (k,) from (0, 0)
-            sizes[name] = math.prod(shape) // q if name == "cls.w" else shape[0]
-        elif _is_row0_key(name):
-            sizes[name] = math.prod(shape) // q
-        else:
-            sizes[name] = math.prod(_block_shape(name, shape, config, q))
-    total = sum(sizes.values())
+    # every rank packs the same layout: each parameter's block in the room of the largest
+    # (rank (0, 0)'s: the balanced partition puts the larger blocks first), zeros where a
+    # rank holds less (off row 0, the row-0 arrays hold nothing)
+    room = {name: math.prod(_local_shape(name, shape, config, pr, pc, 0, 0))
+            for name, shape in shapes.items()}
+    total = sum(room.values())
     buf = xp.zeros(total, dtype=config.dtype)                              # (S,)
     off = {}
     o = 0
@@ -618,33 +742,36 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
         off[name] = o
         arr = local_grads[name]
         if arr.size:
-            buf[o:o + sizes[name]] = arr.reshape(-1)
-        o += sizes[name]
+            buf[o:o + arr.size] = arr.reshape(-1)
+        o += room[name]
     if grid.layer.size > 1:
-        parts = xp.empty((grid.layer.size, total), dtype=config.dtype)    # (q*q, S)
+        parts = xp.empty((grid.layer.size, total), dtype=config.dtype)    # (pr*pc, S)
         with grid.trace.phase("unshard"), grid.trace.phase("aux.gather"):
             grid.layer.allgather(buf, parts)
     else:
         parts = buf[None]                                                   # (1, S)
-    perm = qkv_permutation(config.hidden, q, config.kv_width)
+    perm = qkv_permutation(config.hidden, pc, config.kv_width,
+                           head_dim=config.hidden // config.heads)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
+
+    def block(name, shape, ii, jj):        # rank (ii, jj)'s block of ``name``
+        want = _local_shape(name, shape, config, pr, pc, ii, jj)
+        return parts[ii * pc + jj, off[name]:off[name] + math.prod(want)].reshape(want)
+
     out = {}
     for name, shape in shapes.items():
-        seg = parts[:, off[name]:off[name] + sizes[name]]                  # (q*q, size)
-        if name == "cls.w":       # row 0 (layer ranks 0..q-1) holds the rows H_j
-            full = xp.concatenate([seg[jj].reshape(shape[0] // q, shape[1])
-                                   for jj in range(q)], axis=0)             # (h, k)
-        elif name == "cls.b":     # rank (0, 0) alone
-            full = seg[0].reshape(shape)                                    # (k,)
-        elif _is_row0_key(name):
-            lead = shape[:-1]
-            nc = shape[-1] // q
-            blocks = [seg[jj].reshape(lead + (nc,)) for jj in range(q)]    # row 0: ranks 0..q-1
-            full = xp.concatenate(blocks, axis=-1)                          # shape
+        if name == "cls.b":       # rank (0, 0) alone
+            full = block(name, shape, 0, 0)                                 # (k,)
+        elif name == "cls.w":     # row 0 holds the rows H_j
+            full = xp.concatenate([block(name, shape, 0, jj) for jj in range(pc)])   # (h, k)
+        elif _is_row0_key(name):  # row 0 holds column block j
+            full = xp.concatenate([block(name, shape, 0, jj) for jj in range(pc)],
+                                  axis=-1)                                  # shape
         else:
-            nr, nc = _block_shape(name, shape, config, q)
-            full = seg.reshape(q, q, nr, nc).transpose(0, 2, 1, 3).reshape(nr * q, nc * q)
+            full = xp.concatenate([xp.concatenate([block(name, shape, ii, jj)
+                                                   for jj in range(pc)], axis=1)
+                                   for ii in range(pr)], axis=0)            # padded shape
             full = full[:shape[0], :shape[1]]                               # the pad dropped
         if name.endswith("attn.qkv.w") or name.endswith("attn.qkv.b"):
             full = full[..., xp.asarray(inv)]
@@ -670,9 +797,18 @@ class LayerCache(NamedTuple):
     swiglu: Optional[ops.SwigluCache] = None   # SwiGLU: gate and up blocks, (N, F/q) each
 
 
+def _local_heads(config: Config, grid) -> tuple:
+    """``(query heads, kv heads, h columns, QKV columns)`` of this rank's column j: the
+    kv heads of block j of :func:`head_groups` and their query heads."""
+    kv = head_groups(config, grid.pc)
+    nkv = kv[grid.j + 1] - kv[grid.j]
+    return (nkv * (config.heads // config.kv_heads), nkv, _width(config, grid.pc, grid.j),
+            _width(config, grid.pc, grid.j, "W"))
+
+
 def _broadcast_vectors(p: dict, config: Config, grid, xp):
     """The layer's row-0 vectors as views of one buffer broadcast down the column."""
-    sizes = _vec_sizes(config, grid.q)
+    sizes = _vec_sizes(config, grid)
     keys = vec_keys(config.mlp)
     total = sum(sizes.values())
     local = xp.concatenate([p[key] for key in keys]) if grid.i == 0 else None  # (total,)
@@ -692,11 +828,9 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
     ``attention``, ``recompute`` ("none" or "selective") and ``tile`` go to the local
     attention core; neither changes what is sent."""
     xp = array_module(x)
-    ab, _, _ = _products(grid)
-    q, h = grid.q, config.hidden
-    nh = config.heads // q                                                 # local query heads
-    nkv = config.kv_heads // q                                             # local kv heads
-    hq, wq = h // q, config.qkv_width // q
+    ab, _, _ = _products(grid, config)
+    h = config.hidden
+    nh, nkv, hq, wq = _local_heads(config, grid)
     sum_row, _ = _row_hooks(grid)
     tr = grid.trace
     vec = _broadcast_vectors(p, config, grid, xp)
@@ -704,7 +838,7 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
         a, ln1 = ops.layernorm_forward(x, vec["ln1.g"], vec["ln1.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
     with tr.phase("tp.attn.qkv"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        qkv = ab(a, p["attn.qkv.w"], grid)                                 # (N, W/q)
+        qkv = ab(a, p["attn.qkv.w"], "h")                                    # (N, W/q)
     qkv += vec["attn.qkv.b"]
     ops.stored(qkv)                                                        # 16-bit (autocast)
     qh, kh, vh = ops.split_heads(qkv.reshape(bl, t, wq), nh, nkv)  # (bl, nh|nkv, t, hd) x 3
@@ -714,7 +848,7 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
                                          recompute=recompute, tile=tile)
     y = y.reshape(bl * t, hq)                                              # (N, h/q)
     with tr.phase("tp.attn.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        x1 = ab(y, p["attn.proj.w"], grid)                                 # (N, h/q)
+        x1 = ab(y, p["attn.proj.w"], "h")                                    # (N, h/q)
     x1 += vec["attn.proj.b"]
     x1 += x                                                                # residual 1
     ops.stored(x1)
@@ -722,20 +856,20 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
         m, ln2 = ops.layernorm_forward(x1, vec["ln2.g"], vec["ln2.b"], sum_hidden=sum_row,
                                        hidden=h)                           # (N, h/q)
     with tr.phase("tp.mlp.fc"):    # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        f = ab(m, p["mlp.fc.w"], grid)                                     # (N, F/q)
+        f = ab(m, p["mlp.fc.w"], "h")                                        # (N, F/q)
     f += vec["mlp.fc.b"]
     ops.stored(f)
     gelu = swiglu = None
     if config.mlp == "swiglu":     # gate laid out as fc: matching (N, F/q) blocks
         with tr.phase("tp.mlp.gate"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-            gate = ab(m, p["mlp.gate.w"], grid)                            # (N, F/q)
+            gate = ab(m, p["mlp.gate.w"], "h")                               # (N, F/q)
         gate += vec["mlp.gate.b"]
         ops.stored(gate)
         g, swiglu = ops.swiglu_forward(gate, f)                            # (N, F/q)
     else:
         g, gelu = ops.gelu_forward(f)                                      # (N, F/q)
     with tr.phase("tp.mlp.proj"):  # ab (bwd: dX = abt(dY, W), dW = atb(X, dY))
-        out = ab(g, p["mlp.proj.w"], grid)                                 # (N, h/q)
+        out = ab(g, p["mlp.proj.w"], "F")                                  # (N, h/q)
     out += vec["mlp.proj.b"]
     out += x1                                                              # residual 2
     ops.stored(out)
@@ -746,12 +880,10 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
 def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int, t: int):
     """The layer forward read in reverse: dx (N, h/q) and the layer's local grads."""
     xp = array_module(dout)
-    _, abt, atb = _products(grid)
-    q, hq = grid.q, config.hidden // grid.q
-    nh, nkv = config.heads // q, config.kv_heads // q
-    wq = config.qkv_width // q
+    _, abt, atb = _products(grid, config)
+    nh, nkv, hq, wq = _local_heads(config, grid)
     tr = grid.trace
-    sizes = _vec_sizes(config, q)
+    sizes = _vec_sizes(config, grid)
     keys = vec_keys(config.mlp)
     offs, o = {}, 0
     for key in keys:
@@ -763,25 +895,25 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
 
     dout.sum(axis=0, out=view["mlp.proj.b"])                               # (h/q,)
     with tr.phase("tp.mlp.proj.dX"):   # abt (fwd: ab(g, W))
-        dg = ops.stored(abt(dout, p["mlp.proj.w"], grid))                  # (N, F/q)
+        dg = ops.stored(abt(dout, p["mlp.proj.w"], "F"))                   # (N, F/q)
     with tr.phase("tp.mlp.proj.dW"):   # atb (fwd: ab(g, W)); d > 1: + depth all-reduce
-        grads["mlp.proj.w"] = atb(c.g, dout, grid)                         # (F/q, h/q)
+        grads["mlp.proj.w"] = atb(c.g, dout, "F")                          # (F/q, h/q)
     if c.swiglu is None:
         df, _ = ops.gelu_backward(dg, c.gelu)                              # (N, F/q)
     else:
         (dgate, df), _ = ops.swiglu_backward(dg, c.swiglu)                 # 2 x (N, F/q)
     df.sum(axis=0, out=view["mlp.fc.b"])                                   # (F/q,)
     with tr.phase("tp.mlp.fc.dX"):     # abt (fwd: ab(m, W))
-        dm = ops.stored(abt(df, p["mlp.fc.w"], grid))                      # (N, h/q)
+        dm = ops.stored(abt(df, p["mlp.fc.w"], "h"))                        # (N, h/q)
     with tr.phase("tp.mlp.fc.dW"):     # atb (fwd: ab(m, W)); d > 1: + depth all-reduce
-        grads["mlp.fc.w"] = atb(c.m, df, grid)                             # (h/q, F/q)
+        grads["mlp.fc.w"] = atb(c.m, df, "h")                                # (h/q, F/q)
     if c.swiglu is not None:           # the gate read ln2's output too: add its dX
         dgate.sum(axis=0, out=view["mlp.gate.b"])                          # (F/q,)
         with tr.phase("tp.mlp.gate.dX"):   # abt (fwd: ab(m, W_gate))
-            dm += abt(dgate, p["mlp.gate.w"], grid)                        # (N, h/q)
+            dm += abt(dgate, p["mlp.gate.w"], "h")                           # (N, h/q)
             ops.stored(dm)
         with tr.phase("tp.mlp.gate.dW"):   # atb (fwd: ab(m, W_gate)); d > 1: + depth
-            grads["mlp.gate.w"] = atb(c.m, dgate, grid)                    # (h/q, F/q)
+            grads["mlp.gate.w"] = atb(c.m, dgate, "h")                       # (h/q, F/q)
     with tr.phase("aux.ln2"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx1, gl = ops.layernorm_backward(dm, c.ln2)                        # (N, h/q)
     view["ln2.g"][...] = gl["g"]
@@ -790,9 +922,9 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     ops.stored(dx1)
     dx1.sum(axis=0, out=view["attn.proj.b"])                               # (h/q,)
     with tr.phase("tp.attn.proj.dX"):  # abt (fwd: ab(y, W))
-        dy = ops.stored(abt(dx1, p["attn.proj.w"], grid))                  # (N, h/q)
+        dy = ops.stored(abt(dx1, p["attn.proj.w"], "h"))                     # (N, h/q)
     with tr.phase("tp.attn.proj.dW"):  # atb (fwd: ab(y, W)); d > 1: + depth all-reduce
-        grads["attn.proj.w"] = atb(c.y, dx1, grid)                         # (h/q, h/q)
+        grads["attn.proj.w"] = atb(c.y, dx1, "h")                            # (h/q, h/q)
     hd = hq // nh
     dy_heads = dy.reshape(bl, t, nh, hd).transpose(0, 2, 1, 3)             # (bl, nh, t, hd) view
     dqkv = xp.empty((bl, t, wq), dtype=dout.dtype)                         # (bl, t, W/q)
@@ -801,9 +933,9 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
     dqkv = dqkv.reshape(bl * t, wq)                                        # (N, W/q)
     dqkv.sum(axis=0, out=view["attn.qkv.b"])                               # (W/q,)
     with tr.phase("tp.attn.qkv.dX"):   # abt (fwd: ab(a, W))
-        da = ops.stored(abt(dqkv, p["attn.qkv.w"], grid))                  # (N, h/q)
+        da = ops.stored(abt(dqkv, p["attn.qkv.w"], "h"))                     # (N, h/q)
     with tr.phase("tp.attn.qkv.dW"):   # atb (fwd: ab(a, W)); d > 1: + depth all-reduce
-        grads["attn.qkv.w"] = atb(c.a, dqkv, grid)                         # (h/q, W/q)
+        grads["attn.qkv.w"] = atb(c.a, dqkv, "h")                            # (h/q, W/q)
     with tr.phase("aux.ln1"):          # row all-reduces (fwd: row all-reduces, sum_row)
         dx, gl = ops.layernorm_backward(da, c.ln1)                         # (N, h/q)
     view["ln1.g"][...] = gl["g"]
@@ -822,10 +954,11 @@ def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int,
 # embedding, final LayerNorm, LM head                                         #
 # --------------------------------------------------------------------------- #
 def _embed_forward(params: dict, tok, config: Config, grid):
-    """x (N, h/q) = onehot(tokens) wte[:, H_j] + wpe[:t, H_j], SUMMA over the vocab blocks."""
+    """x (N, h/q) = onehot(tokens) wte[:, H_j] + wpe[:t, H_j], SUMMA over the pr vocab
+    blocks of wte's rows."""
     xp = array_module(params["wte"])
     tr = grid.trace
-    q, col = grid.q, grid.col
+    q, col = grid.pr, grid.col
     bl, t = tok.shape
     wte = params["wte"]                                                    # (v/q, h/q)
     vq, hq = wte.shape
@@ -863,7 +996,7 @@ def _embed_backward(dx, caches, wpe_shape: tuple, grid, bl: int, t: int):
     """``dwte`` block (v/q, h/q) of the embedding and ``dwpe`` (row 0: (s, h/q))."""
     xp = array_module(dx)
     tr = grid.trace
-    q, col = grid.q, grid.col
+    q, col = grid.pr, grid.col
     vq, hq = caches[0].wte_shape
     dx3 = dx.reshape(bl, t, hq)                                            # (bl, t, h/q)
     dwte = xp.empty((vq, hq), dtype=dx.dtype) if q > 1 else None
@@ -894,7 +1027,7 @@ def _embed_backward(dx, caches, wpe_shape: tuple, grid, bl: int, t: int):
 
 def _lnf_forward(x, params: dict, config: Config, grid):
     xp = array_module(x)
-    hq = config.hidden // grid.q
+    hq = _width(config, grid.pc, grid.j)
     local = xp.concatenate([params["lnf.g"], params["lnf.b"]]) if grid.i == 0 else None
     with grid.trace.phase("aux.params.bcast"):  # (bwd: _reduce_to_row0 of the grads)
         buf = _bcast_from_row0(grid, local, 2 * hq, xp, x.dtype)           # (2h/q,)
@@ -906,7 +1039,7 @@ def _lnf_forward(x, params: dict, config: Config, grid):
 
 def _lnf_backward(dx, cache, config: Config, grid):
     xp = array_module(dx)
-    hq = config.hidden // grid.q
+    hq = _width(config, grid.pc, grid.j)
     with grid.trace.phase("aux.ln"):   # row all-reduces (fwd: row all-reduces, sum_row)
         dx, g = ops.layernorm_backward(dx, cache)                          # (N, h/q)
     total = _reduce_to_row0(grid, xp.concatenate([g["g"], g["b"]]), xp,
@@ -918,9 +1051,9 @@ def _lnf_backward(dx, cache, config: Config, grid):
 
 
 def _local_rows(tokens, grid, xp):
-    """This rank's sequences: row block k q + i of the batch, (b/(dq), t)."""
-    bl = tokens.shape[0] // (grid.d * grid.q)
-    r = grid.k * grid.q + grid.i
+    """This rank's sequences: row block k pr + i of the batch, (b/(d pr), t)."""
+    bl = tokens.shape[0] // (grid.d * grid.pr)
+    r = grid.k * grid.pr + grid.i
     return xp.asarray(tokens[r * bl:(r + 1) * bl])
 
 
@@ -1047,7 +1180,7 @@ def _cls_sizes(config: Config, grid) -> tuple:
     """``(h/q * k, own)``: the items of this column's ``cls.w`` rows, and of the packed
     ``[cls.w[H_j, :] | cls.b]`` buffer (``cls.b`` rides on column 0 only)."""
     k = config.n_classes
-    hk = config.hidden // grid.q * k
+    hk = _width(config, grid.pc, grid.j) * k
     return hk, hk + (k if grid.j == 0 else 0)
 
 
@@ -1056,7 +1189,7 @@ def _cls_forward(xf, p: dict, config: Config, grid, bl: int, t: int):
     row, and the broadcast ``cls.w[H_j, :]`` (h/q, k) (phase ``clshead.fwd``)."""
     xp = array_module(xf)
     tr = grid.trace
-    hq, k = config.hidden // grid.q, config.n_classes
+    hq, k = _width(config, grid.pc, grid.j), config.n_classes
     hk, own = _cls_sizes(config, grid)
     # row 0 packs [cls.w[H_j, :] | cls.b]; cls.b is (0,) off column 0, so one expression
     local = (xp.concatenate([p["cls.w"].reshape(-1), p["cls.b"]]) if grid.i == 0
@@ -1080,7 +1213,7 @@ def _cls_backward(dlogits, cache: HeadCache):
     config, grid = cache.config, cache.grid
     xp = array_module(dlogits)
     bl, t = cache.shape
-    hq, k = config.hidden // grid.q, config.n_classes
+    hq, k = _width(config, grid.pc, grid.j), config.n_classes
     hk, own = _cls_sizes(config, grid)
     # dlogits (bl, k) is the same on every rank of the row: the conjugate of the forward's
     # row all-reduce is this copy, so dx's column block needs no message
@@ -1139,12 +1272,12 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
             loss = float(total[0]) / n_items
         return loss, HeadCache(config=config, grid=grid, params=p, shape=(bl, t), lnf=lnf,
                                xf=xf, logits=lg, ce=ce, n_items=n_items, cls_w=cls_w)
-    ab, abt, _ = _products(grid)
+    ab, abt, _ = _products(grid, config)
     with tr.phase("lmhead.fwd"), tr.phase("aux.logits"):
         if config.tied:   # abt (bwd: ab and atb)
-            lg = abt(xf, p["wte"], grid)                                   # (N, v/q)
+            lg = abt(xf, p["wte"], "V")                                    # (N, v/q)
         else:             # ab (bwd: abt and atb)
-            lg = ab(xf, p["head.w"], grid)                                 # (N, v/q)
+            lg = ab(xf, p["head.w"], "h")                                  # (N, v/q)
         ops.stored(lg)                                                     # 16-bit (autocast)
     loss, ce = None, None
     if targets is not None:
@@ -1154,7 +1287,7 @@ def head_forward(x, p: dict, targets, config: Config, grid, n_items: Optional[in
         sum_row, max_row = _row_hooks(grid)
         with tr.phase("loss"):
             with tr.phase("aux.ce"):   # row all-reduces (bwd: none, dlogits is local)
-                start = grid.j * vocab_block(config.vocab, grid.q)
+                start = grid.j * lg.shape[1]                               # v'/pc ids a block
                 losses, ce = ops.cross_entropy_forward(
                     lg, tgt, vocab_start=start, max_vocab=max_row, sum_vocab=sum_row,
                     vocab_valid=config.vocab - start)                      # (N,)
@@ -1180,7 +1313,7 @@ def head_backward(cache: HeadCache, loss_scale: float = 1.0):
     config, grid = cache.config, cache.grid
     xp = array_module(cache.logits)
     tr = grid.trace
-    ab, abt, atb = _products(grid)
+    ab, abt, atb = _products(grid, config)
     dlosses = xp.full(cache.logits.shape[0], float(loss_scale) / cache.n_items,
                       dtype=cache.logits.dtype)                            # (N,) S/n_items
     dlogits, _ = ops.cross_entropy_backward(dlosses, cache.ce)             # (N, v/q)
@@ -1194,14 +1327,14 @@ def head_backward(cache: HeadCache, loss_scale: float = 1.0):
     with tr.phase("lmhead.bwd"):
         if config.tied:
             with tr.phase("aux.logits.dX"):    # ab (fwd: abt(xf, wte))
-                dx = ops.stored(ab(dlogits, cache.params["wte"], grid))    # (N, h/q)
+                dx = ops.stored(ab(dlogits, cache.params["wte"], "V"))       # (N, h/q)
             with tr.phase("aux.logits.dW"):    # atb (fwd: abt(xf, wte))
-                dhead = atb(dlogits, cache.xf, grid)                       # (v/q, h/q)
+                dhead = atb(dlogits, cache.xf, "V")                          # (v/q, h/q)
         else:
             with tr.phase("aux.logits.dX"):    # abt (fwd: ab(xf, head.w))
-                dx = ops.stored(abt(dlogits, cache.params["head.w"], grid))  # (N, h/q)
+                dx = ops.stored(abt(dlogits, cache.params["head.w"], "h"))   # (N, h/q)
             with tr.phase("aux.logits.dW"):    # atb (fwd: ab(xf, head.w))
-                dhead = atb(cache.xf, dlogits, grid)                       # (h/q, v/q)
+                dhead = atb(cache.xf, dlogits, "h")                          # (h/q, v/q)
     with tr.phase("lnf.bwd"):
         dx, grads = _lnf_backward(dx, cache.lnf, config, grid)             # (N, h/q)
     grads["wte" if config.tied else "head.w"] = dhead
@@ -1355,12 +1488,12 @@ def local_logits(full, config: Config, grid):
     ``cache.logits`` holds; a classifier's: rows ``k q + i`` of ``[b, k]``, ``[b/(dq), k]``);
     the inverse of :func:`logits`, and no data moves."""
     if config.n_classes:
-        bl = full.shape[0] // (grid.d * grid.q)
-        r = grid.k * grid.q + grid.i
+        bl = full.shape[0] // (grid.d * grid.pr)
+        r = grid.k * grid.pr + grid.i
         return full[r * bl:(r + 1) * bl]                                   # (bl, k)
     lay = "2d" if grid.d == 1 else "2.5d"
     flat = full.reshape(-1, config.vocab)
-    padded = vocab_block(config.vocab, grid.q) * grid.q
+    padded = padded_vocab(config.vocab, grid.pr, grid.pc)
     if padded != config.vocab:                                             # zero columns
         wide = array_module(flat).zeros((flat.shape[0], padded), dtype=flat.dtype)
         wide[:, :config.vocab] = flat

@@ -4,8 +4,8 @@
 name        module                  grid
 ==========  ======================  ==============================================
 megatron    transformer.megatron    ``Grid1D`` over all p ranks
-optimus     transformer.optimus     ``Grid(comm, q)``, p = q*q
-summa25     transformer.optimus     ``Grid(comm, q, d)``, p = d*q*q, d > 1
+optimus     transformer.optimus     ``Grid(comm, q)``, p = q*q, or ``Grid(comm, pr, pc=pc)``
+summa25     transformer.optimus     ``Grid(comm, q, d)``, p = d*q*q, d > 1 (or [pr, pc, d])
 3d          transformer.tp3d        ``Grid(comm, q, q)``, p = q*q*q (the cube)
 ==========  ======================  ==============================================
 
@@ -33,37 +33,40 @@ class SchemeSpec:
     def module(self):
         return importlib.import_module(f"summasim.transformer.{self.module_name}")
 
-    def grids(self, p: int) -> list[tuple[int, int]]:
-        """The ``(q, d)`` grids on p ranks (Megatron: ``[(1, 1)]``, meaning 1D over p):
-        :func:`summasim.spec.grids`, the one enumeration."""
-        return [(g.q, g.d) for g in grids(p, self.name)]
+    def grids(self, p: int) -> list[tuple[int, int, int]]:
+        """The ``(q, pc, d)`` grids on p ranks (``q`` rows by ``pc`` columns, ``d``
+        deep; Megatron: ``[(1, 1, 1)]``, meaning 1D over p): :func:`summasim.spec.grids`,
+        the one enumeration, as the algorithms' :meth:`AlgorithmSpec.grids` give it."""
+        return [(g.q, g.cols, g.d) for g in grids(p, self.name)]
 
     def needs(self) -> str:
         """What the process count must be, in words."""
-        return {"1d": "any p", "2d": "p = q*q",
-                "2.5d": "p = d*q*q with q >= 2, d >= 2", "3d": "p = q*q*q"}[self.grid_kind]
+        return {"1d": "any p", "2d": "p = pr*pc",
+                "2.5d": "p = d*pr*pc with d >= 2 and a layer of two ranks or more",
+                "3d": "p = q*q*q"}[self.grid_kind]
 
-    def tensor_grid(self, p: int | None, q: int = 1, d: int = 1) -> TensorGrid:
-        """This scheme's :class:`summasim.spec.TensorGrid` on p ranks (or [q, q, d])."""
-        return TensorGrid.of(self.name, q, d, p=p)
+    def tensor_grid(self, p: int | None, q: int = 1, d: int = 1, pc: int = 0) -> TensorGrid:
+        """This scheme's :class:`summasim.spec.TensorGrid` on p ranks (or [q, pc, d])."""
+        return TensorGrid.of(self.name, q, d, p=p, pc=0 if pc == q else pc)
 
-    def grid_label(self, p, q: int, d: int) -> str:
+    def grid_label(self, p, q: int, d: int, pc: int = 0) -> str:
         if self.grid_kind == "1d" and p is None:
             return "1D p=?"
-        return self.tensor_grid(p, q, d).grid_label
+        return self.tensor_grid(p, q, d, pc).grid_label
 
-    def misfit(self, config, batch: int, p: int, q: int = 1, d: int = 1) -> str:
+    def misfit(self, config, batch: int, p: int, q: int = 1, d: int = 1, pc: int = 0) -> str:
         """Why the scheme cannot shard ``config`` with ``batch`` on this grid ("" when
         it can): :meth:`summasim.spec.TensorGrid.misfit`, the one rule."""
-        return self.tensor_grid(p, q, d).misfit(config, batch)
+        return self.tensor_grid(p, q, d, pc).misfit(config, batch)
 
-    def make_grid(self, world, q: int, d: int, backend=None):
-        """The grid the scheme runs on (collective over ``world``)."""
+    def make_grid(self, world, q: int, d: int, backend=None, pc: int = 0):
+        """The grid the scheme runs on (collective over ``world``): ``q`` rows by ``pc``
+        columns (``q`` when 0), ``d`` deep."""
         from ..grid import Grid, Grid1D
 
         if self.grid_kind == "1d":
             return Grid1D(world, backend=backend)
-        return Grid(world, q, d, backend=backend)
+        return Grid(world, q, d, backend=backend, pc=pc or None)
 
 
 _MODULES = {"1d": "megatron", "2d": "optimus", "2.5d": "optimus", "3d": "tp3d"}

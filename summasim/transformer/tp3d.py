@@ -118,8 +118,8 @@ from summasim.spec import block_range, grid_coords, vocab_block
 
 from . import model, ops
 from .model import Config
-from .optimus import (OptimusCache, _how, check_sizes, qkv_permutation, run_backward,
-                      run_forward)
+from .optimus import (OptimusCache, _how, check_sizes, column_cut, head_groups,
+                      qkv_permutation, run_backward, run_forward)
 
 Array = Any
 
@@ -149,14 +149,17 @@ def _check_grid(grid, fields=("q", "d", "row", "col", "depth", "world")) -> None
 
 def check(config: Config, grid, batch: Optional[int] = None) -> None:
     """Raise unless ``config`` (and ``batch`` sequences) fits the cube: ``b % q^2``
-    (whole sequences per rank), ``h``, heads, kv heads and the MLP width by q. Any
-    vocabulary (padded to a multiple of q) and any size of a weight's depth pieces.
-    Pure, so every rank raises alike."""
+    (whole sequences per rank) and at least one key/value head per feature block,
+    ``kv_heads >= q`` (each block i of QKV, of the attention and of the hidden holds
+    whole heads, the balanced partition of the kv heads: ``optimus.head_groups``). Any
+    hidden size, MLP width (the balanced partition over q), vocabulary (padded to a
+    multiple of q) and size of a weight's depth pieces. Pure, so every rank raises
+    alike."""
     if not isinstance(config, Config):
         raise TypeError(f"tp3d: config must be a model.Config, got {type(config).__name__}")
     _check_grid(grid, ("q", "d", "row", "col", "depth"))
     q = grid.q
-    check_sizes(config, q, batch, q * q, "q^2", f"tp3d on a {q}x{q}x{q} cube", "rank")
+    check_sizes(config, batch, q * q, "q^2", q, "q", f"tp3d on a {q}x{q}x{q} cube", "block")
 
 
 def role(name: str) -> str:
@@ -186,31 +189,55 @@ def _prepared_shape(name: str, shape: tuple, config: Config, q: int) -> tuple:
     return tuple(shape)
 
 
+#: what each weight's input and output axes hold (:func:`cut`); wte's rows are "V"
+_AXES = {"attn.qkv.w": ("h", "W"), "mlp.fc.w": ("h", "F"), "mlp.gate.w": ("h", "F"),
+         "head.w": ("h", "V"), "attn.proj.w": ("h", "h"), "mlp.proj.w": ("F", "h"),
+         "attn.qkv.b": (None, "W"), "mlp.fc.b": (None, "F"), "mlp.gate.b": (None, "F")}
+
+
+def cut(config: Config, q: int, what: str) -> list[int]:
+    """The ``q + 1`` offsets of a size over the cube's q blocks: ``"h"`` the hidden size
+    and ``"W"`` the QKV width at the key/value head groups (``optimus.column_cut``:
+    whole heads per block), ``"F"`` the MLP width (the balanced partition), ``"V"`` the
+    padded vocabulary (even blocks). ``h/q`` etc. when q divides the kv heads."""
+    if what == "V":
+        return [t * vocab_block(config.vocab, q) for t in range(q + 1)]
+    return column_cut(config, q, what)
+
+
+def _width(config: Config, q: int, t: int, what: str = "h") -> int:
+    off = cut(config, q, what)
+    return off[t + 1] - off[t]
+
+
 def _slices(name: str, shape: tuple, config: Config, q: int, k: int, i: int, j: int):
     """``(rows, cols)`` slices of rank (k, i, j)'s piece of the prepared (padded,
     permuted) serial array of ``shape`` (``rows`` is None for a vector). Pure."""
     kind = role(name)
-    full = _prepared_shape(name, shape, config, q)
+    base = name.split(".", 1)[1] if name.startswith("h") and name[1:2].isdigit() else name
+    rows_of, cols_of = _AXES.get(base, ("V", "h") if kind == "wte" else ("h", "h"))
 
-    def block(n, t):
-        return slice(t * (n // q), (t + 1) * (n // q))
+    def block(what, t):
+        off = cut(config, q, what)
+        return slice(off[t], off[t + 1])
 
-    def piece(n, t):              # block t of n, then depth piece k of it (balanced)
-        lo, hi = block_range(n // q, q, k)
-        return slice(t * (n // q) + lo, t * (n // q) + hi)
+    def piece(what, t):           # block t, then depth piece k of it (balanced)
+        off = cut(config, q, what)
+        lo, hi = block_range(off[t + 1] - off[t], q, k)
+        return slice(off[t] + lo, off[t] + hi)
 
     if kind == "ab":
-        return piece(full[0], j), block(full[1], i)
+        return piece(rows_of, j), block(cols_of, i)
     if kind == "ba":
-        return piece(full[0], i), block(full[1], j)
+        return piece(rows_of, i), block(cols_of, j)
     if kind == "wte":
-        return piece(full[0], i), block(full[1], j)
+        return piece("V", i), block("h", j)
     if kind == "cls.w":
-        return block(full[0], j), slice(None)
+        return block("h", j), slice(None)
     if kind == "whole":
         return None, slice(None)
-    cols = block(full[-1], j if kind == "a" else i)
-    return (slice(None) if len(full) == 2 else None), cols
+    cols = block(cols_of, j if kind == "a" else i)
+    return (slice(None) if len(shape) == 2 else None), cols
 
 
 def _extent(s: slice, n: int) -> int:
@@ -243,7 +270,8 @@ def _prepare(arr, name: str, config: Config, q: int):
         out[:arr.shape[0], :arr.shape[1]] = arr
         arr = out
     if name.endswith(("attn.qkv.w", "attn.qkv.b")):
-        arr = arr[..., xp.asarray(qkv_permutation(config.hidden, q, config.kv_width))]
+        arr = arr[..., xp.asarray(qkv_permutation(config.hidden, q, config.kv_width,
+                                                  head_dim=config.hidden // config.heads))]
     return arr
 
 
@@ -331,7 +359,8 @@ def unshard(local_grads: dict, config: Config, grid) -> dict:
             grid.world.allgather(buf, parts)
     else:
         parts = buf[None]
-    perm = qkv_permutation(config.hidden, q, config.kv_width)
+    perm = qkv_permutation(config.hidden, q, config.kv_width,
+                           head_dim=config.hidden // config.heads)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
     out = {}
@@ -497,6 +526,16 @@ def _reduce_vectors(grid, a_grads: list, b_grads: list):
 # --------------------------------------------------------------------------- #
 # one layer                                                                   #
 # --------------------------------------------------------------------------- #
+def _local_heads(config: Config, grid) -> tuple:
+    """``(query heads, kv heads, h columns, QKV columns)`` of feature block i (layout
+    B: QKV, the attention core, its output): the kv heads of block i of
+    :func:`optimus.head_groups` and their query heads."""
+    kv = head_groups(config, grid.q)
+    nkv = kv[grid.i + 1] - kv[grid.i]
+    return (nkv * (config.heads // config.kv_heads), nkv, _width(config, grid.q, grid.i),
+            _width(config, grid.q, grid.i, "W"))
+
+
 class LayerCache(NamedTuple):
     ln1: ops.LayerNormCache
     a: Array                      # ln1 output = QKV input, layout A (N, h/q)
@@ -513,9 +552,8 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
                    attention: str = "plain", recompute: str = "none", tile=None):
     """One pre-LN layer on the layout-A block x (N, h/q) -> (N, h/q) and its cache."""
     xp = array_module(x)
-    q, h = grid.q, config.hidden
-    nh, nkv = config.heads // q, config.kv_heads // q
-    hq, wq = h // q, config.qkv_width // q
+    h = config.hidden
+    nh, nkv, hq, wq = _local_heads(config, grid)      # block i of layout B
     tr = grid.trace
     sum_row = _row_sum(grid)
     with tr.phase("aux.ln1"):      # row all-reduces (bwd: row all-reduces)
@@ -564,9 +602,7 @@ def _layer_forward(x, p: dict, config: Config, grid, bl: int, t: int,
 def _layer_backward(dout, c: LayerCache, p: dict, config: Config, grid, bl: int, t: int):
     """The layer forward read in reverse: dx (N, h/q) and the layer's local grads."""
     xp = array_module(dout)
-    q, hq = grid.q, config.hidden // grid.q
-    nh, nkv = config.heads // q, config.kv_heads // q
-    wq = config.qkv_width // q
+    nh, nkv, hq, wq = _local_heads(config, grid)      # block i of layout B
     tr = grid.trace
     grads, vec = {}, {}
     vec["mlp.proj.b"] = dout.sum(axis=0)                                   # (h/q,)
@@ -921,47 +957,65 @@ def linears(config: Config) -> list:
     return out + [("mlp.proj", f, h, "ba")]
 
 
-def linear_payload(n_rows: int, fin: int, fout: int, q: int) -> dict:
+def linear_payload(n_rows: int, fin: int, fout: int, q: int, *,
+                   in_w: Optional[int] = None, out_w: Optional[int] = None) -> dict:
     """Per-rank items one 3D linear ``[fin, fout]`` passes to its collectives, with
     ``n_rows`` local rows (as the trace records them: an all-gather its piece, a
     reduce-scatter its whole buffer; the weight's depth pieces padded to the largest,
     ``w = ceil(in/q^2) out/q``): ``{"fwd": N in/q + w + N out, "bwd": N out/q + N in/q +
-    w + N in + q w}`` (``q w = in out/q^2`` when q^2 divides in); 0 when q = 1."""
+    w + N in + q w}`` (``q w = in out/q^2`` when q^2 divides in); 0 when q = 1. Where q
+    does not cut the sizes evenly, ``in_w`` and ``out_w`` are the rank's input and output
+    block widths (in place of ``in/q``, ``out/q``; ``w = ceil(in_w/q) out_w``)."""
     if q == 1:
         return {"fwd": 0, "bwd": 0}
-    n, iq, oq = n_rows, fin // q, fout // q
+    n = n_rows
+    iq = fin // q if in_w is None else int(in_w)
+    oq = fout // q if out_w is None else int(out_w)
     wpiece = -(-iq // q) * oq                   # the largest depth piece
     return {"fwd": n * iq + wpiece + q * n * oq,
             "bwd": n * oq + n * iq + wpiece + q * n * iq + q * wpiece}
 
 
-def layer_payload(config: Config, batch: int, q: int, seq: Optional[int] = None) -> dict:
+def _linear_widths(config: Config, q: int, name: str, orient: str, i: int, j: int):
+    """``(in_w, out_w)`` of linear ``name`` on rank (., i, j): "ab" reads input block j
+    and writes output block i, "ba" the other way round (:func:`cut`)."""
+    ins, outs = _AXES[f"{name}.w"]
+    a, b = (j, i) if orient == "ab" else (i, j)
+    return _width(config, q, a, ins), _width(config, q, b, outs)
+
+
+def layer_payload(config: Config, batch: int, q: int, seq: Optional[int] = None, *,
+                  i: int = 0, j: int = 0) -> dict:
     """Per-rank ``tp.*`` items of one layer (the sum of :func:`linear_payload` over its
     linears, ``N = b t / q^2`` rows for sequences of ``seq`` tokens, default
     ``config.seq``): ``{"fwd", "bwd", "bwd_checkpoint"}`` (recompute "full" re-runs the
-    forward inside the backward)."""
+    forward inside the backward). Where q does not cut the sizes evenly the blocks
+    differ by rank: rank (., i, j)'s (rank (0, 0) holds the largest blocks)."""
     n = batch * (config.seq if seq is None else seq) // (q * q)
     fwd = bwd = 0
-    for _, fin, fout, _ in linears(config):
-        pay = linear_payload(n, fin, fout, q)
+    for name, fin, fout, orient in linears(config):
+        in_w, out_w = _linear_widths(config, q, name, orient, i, j)
+        pay = linear_payload(n, fin, fout, q, in_w=in_w, out_w=out_w)
         fwd += pay["fwd"]
         bwd += pay["bwd"]
     return {"fwd": fwd, "bwd": bwd, "bwd_checkpoint": fwd + bwd}
 
 
-def layer_words(config: Config, batch: int, q: int, seq: Optional[int] = None) -> int:
-    """Items one rank receives in one layer's ``tp.*`` collectives, forward and backward
-    (an all-gather of a piece brings q - 1 pieces, a reduce-scatter of a buffer
-    (q - 1)/q of it): ``(q - 1)`` times the all-gathered pieces plus ``(q - 1)/q`` of
-    the reduce-scattered buffers."""
+def layer_words(config: Config, batch: int, q: int, seq: Optional[int] = None, *,
+                i: int = 0, j: int = 0) -> int:
+    """Items rank (., i, j) receives in one layer's ``tp.*`` collectives, forward and
+    backward (an all-gather of a piece brings q - 1 pieces, a reduce-scatter of a
+    buffer (q - 1)/q of it): ``(q - 1)`` times the all-gathered pieces plus ``(q - 1)/q``
+    of the reduce-scattered buffers."""
     if q == 1:
         return 0
     n = batch * (config.seq if seq is None else seq) // (q * q)
     words = 0
-    for _, fin, fout, _ in linears(config):
-        pay = linear_payload(n, fin, fout, q)
-        wpiece = -(-(fin // q) // q) * (fout // q)
-        gathered = n * fin // q + wpiece + n * fout // q + n * fin // q + wpiece
+    for name, fin, fout, orient in linears(config):
+        in_w, out_w = _linear_widths(config, q, name, orient, i, j)
+        pay = linear_payload(n, fin, fout, q, in_w=in_w, out_w=out_w)
+        wpiece = -(-in_w // q) * out_w
+        gathered = n * in_w + wpiece + n * out_w + n * in_w + wpiece
         scattered = pay["fwd"] + pay["bwd"] - gathered        # whole buffers, q blocks each
         words += (q - 1) * gathered + (q - 1) * scattered // q
     return words

@@ -152,7 +152,10 @@ class Kernel(NamedTuple):
 
 
 def _local_sizes(scheme, cfg):
-    """``(X_whole, X_split, Q, S, F)``: local items of one rank."""
+    """``(X_whole, X_split, Q, S, F)``: local items of one rank. On Optimus and
+    SUMMA2.5-LM the busiest rank's, rank (0, 0, 0)'s, ``[b s/(d pr), width_0]`` blocks
+    where pc does not divide the key/value heads or the MLP width (``scheme.blocks``:
+    column 0's head groups, ``ceil(f h/pc)`` MLP columns)."""
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p = scheme.p
     bsh = b * s * h
@@ -162,7 +165,16 @@ def _local_sizes(scheme, cfg):
     else:
         x_rep = bsh / p                  # 2D/2.5D blocks; Megatron's sequence shards
     qkv = getattr(cfg, "qkv_mult", 3)
-    return x_rep, bsh / p, qkv * bsh / p, b * n * s * s / p, b * s * f / p
+    out = [x_rep, bsh / p, qkv * bsh / p, b * n * s * s / p, b * s * f / p]
+    if scheme.kind in ("2d", "2.5d") and hasattr(scheme, "blocks"):
+        blk = scheme.blocks(cfg)
+        seqs = b / (scheme.d * scheme.q)  # the rank's sequences
+        if blk.cuts:                      # column 0's head groups, the widest
+            x = seqs * s * blk.h
+            out[:4] = [x, x, seqs * s * blk.qkv, seqs * blk.heads * s * s]
+        if blk.ffn != cfg.ffn_width / scheme.cols:
+            out[4] = seqs * s * blk.ffn
+    return tuple(out)
 
 
 def _attention_kernels(cfg, X, Xs, S, it, drop) -> tuple[list, list]:

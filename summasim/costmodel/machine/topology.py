@@ -26,11 +26,12 @@ A :class:`Placement` maps the ranks of a grid to device slots (slot ``s`` is on 
 ``s // devices_per_node``, local index ``s % devices_per_node``):
 
 ``row-major``   slot = rank, with summasim's Cartesian rank order
-                ``rank = (k q + i) q + j`` (what :mod:`summasim.grid` builds)
-``blocked``     each node holds an ``a x b`` tile of a q x q layer (``a b =
-                devices_per_node``, a | q, b | q, as square as possible), so most
+                ``rank = (k pr + i) pc + j`` (what :mod:`summasim.grid` builds; pr =
+                pc = q on a square grid)
+``blocked``     each node holds an ``a x b`` tile of a ``pr x pc`` layer (``a b =
+                devices_per_node``, a | pr, b | pc, as square as possible), so most
                 row and column groups stay inside a node; when a whole layer fits
-                in a node (``q^2 | devices_per_node``) several layers share one
+                in a node (``pr pc | devices_per_node``) several layers share one
 ``explicit``    a list of slots, one per rank
 
 Groups and their path
@@ -321,10 +322,10 @@ class Placement:
             return list(self.slots)
         if self.policy == "row-major" or grid.one_d:
             return list(range(p))
-        q, dpn = grid.q, devices_per_node
-        a, b = self.tile if self.tile else blocked_tile(q, dpn)
-        if a * b == dpn and q % a == 0 and q % b == 0:
-            per_row = q // b
+        q, pc, dpn = grid.q, grid.pc or grid.q, devices_per_node
+        a, b = self.tile if self.tile else blocked_tile(q, dpn, pc)
+        if a * b == dpn and q % a == 0 and pc % b == 0:
+            per_row = pc // b
             per_layer = (q // a) * per_row
             out = []
             for r in range(p):
@@ -332,21 +333,22 @@ class Placement:
                 node = k * per_layer + (i // a) * per_row + j // b
                 out.append(node * dpn + (i % a) * b + j % b)
             return out
-        if self.tile is None and dpn % (q * q) == 0:
+        if self.tile is None and dpn % (q * pc) == 0:
             return list(range(p))          # whole layers per node: row-major already is
-        raise ValueError(f"blocked placement: no {a}x{b} tile of the {q}x{q} grid fills a "
-                         f"node of {dpn} devices (a b = {dpn}, a | q, b | q)")
+        raise ValueError(f"blocked placement: no {a}x{b} tile of the {q}x{pc} grid fills a "
+                         f"node of {dpn} devices (a b = {dpn}, a | {q}, b | {pc})")
 
 
-def blocked_tile(q: int, devices_per_node: int) -> tuple[int, int]:
-    """The most square ``a x b`` tile with ``a b = devices_per_node``, a | q, b | q;
-    ``(0, 0)`` when none exists."""
+def blocked_tile(q: int, devices_per_node: int, pc: int | None = None) -> tuple[int, int]:
+    """The most square ``a x b`` tile with ``a b = devices_per_node``, a | q (rows), b | pc
+    (columns, q unless given); ``(0, 0)`` when none exists."""
+    pc = pc or q
     best = (0, 0)
     for a in range(1, devices_per_node + 1):
         if devices_per_node % a:
             continue
         b = devices_per_node // a
-        if q % a == 0 and q % b == 0 and (best == (0, 0) or abs(a - b) < abs(best[0] - best[1])):
+        if q % a == 0 and pc % b == 0 and (best == (0, 0) or abs(a - b) < abs(best[0] - best[1])):
             best = (a, b)
     return best
 

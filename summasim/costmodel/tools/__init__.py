@@ -30,11 +30,11 @@ def scheme_of(grid: "spec.TensorGrid"):
 
     if grid.kind == "1d":
         return Scheme("megatron", grid.p)
-    return Scheme(grid.name, grid.p, grid.q, grid.d)
+    return Scheme.of_grid(grid)
 
 
 def parse_grid(scheme: str, text: str):
-    """A devset point's ``scheme`` and ``grid`` (``"8"``, ``"2x2"``, ``"2x2x4"``) as a
+    """A devset point's ``scheme`` and ``grid`` (``"8"``, ``"2x2"``, ``"2x3"``, ``"2x2x4"``) as a
     cost-model Scheme, through :meth:`summasim.spec.TensorGrid.parse`; ValueError says
     what is expected."""
     return scheme_of(spec.TensorGrid.parse(f"{scheme}:{text}"))
@@ -46,8 +46,10 @@ def scheme_grids(p: int, name: str, cfg=None, *, batch: bool = True) -> list:
     with ``cfg`` (a TransformerConfig) only those that divide it
     (:func:`~summasim.costmodel.workload.scheme.misfit`, the batch too unless ``batch=False``).
 
-    SUMMA2.5-LM is every [q, q, d] with q >= 2 and d >= 2, d > q included; [q, q, 1]
-    is Optimus and no longer listed as a SUMMA2.5 grid.
+    Optimus is the q x q grid where p is a square, else the most square ``pr x pc``
+    both ways round; SUMMA2.5-LM every [q, q, d] with q >= 2 and d >= 2, d > q
+    included, else the smallest depth d >= 2 over its most square ``pr x pc`` both ways;
+    [q, q, 1] is Optimus and not listed as a SUMMA2.5 grid.
     """
     from summasim.costmodel.workload.scheme import misfit
 

@@ -157,7 +157,7 @@ def _tf_scheme_config(run: MeasuredRun):
     from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
     sch = (Scheme.make("megatron", p=run.p) if run.scheme == "megatron"
-           else Scheme.make(run.scheme, q=run.q, d=run.d))
+           else Scheme.make(run.scheme, q=run.q, d=run.d, pc=run.pc or run.q))
     cfg = TransformerConfig(b=run.b, s=run.s, h=run.h, n=run.heads, N=run.layers,
                             v=run.v, dtype=run.dtype, checkpoint=False, ffn=run.ffn)
     return sch, cfg
@@ -198,7 +198,7 @@ def rank_features(run: MeasuredRun, machine) -> list:
         else:
             extra = dict(gemms=work.gemms, reduce_bytes=work.reduce_bytes,
                          elementwise_items=work.elementwise_items, layers=work.layers,
-                         q=run.q, d=run.d)
+                         q=run.q, d=run.d, pc=run.pc or None)
         out.append(trace_features(summary_messages(events), machine, p=p, dtype=dtype, **extra))
     return out
 

@@ -51,7 +51,7 @@ def _link(machine, group: str, comp: dict) -> str:
     if topo is None:
         return "the interconnect"
     dpn = topo.devices_per_node
-    t = comp["t"] if comp["scheme"] == "megatron" else comp["d"] * comp["q"] ** 2
+    t = comp["t"]                      # the tensor grid's ranks (d pr pc; Megatron's t)
     span = {"tensor": t, "dp": t * comp["dp"], "zero": t * comp["dp"],
             "pp": t * comp["dp"] * comp["pp"]}.get(group, t * comp["dp"])
     if span <= dpn:
@@ -121,7 +121,7 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
     step = res["step_seconds"]
     changes: list[tuple[str, dict]] = []
     topo = machine.topology
-    t = comp["t"] if comp["scheme"] == "megatron" else comp["d"] * comp["q"] ** 2
+    t = comp["t"]                      # the tensor grid's ranks (d pr pc; Megatron's t)
     if topo is not None and topo.nics_per_node and comp["devices"] > topo.devices_per_node:
         from summasim.costmodel.machine.topology import Topology
 

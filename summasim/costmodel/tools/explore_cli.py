@@ -25,7 +25,9 @@ the whole training step of :func:`~summasim.costmodel.workload.step.step_breakdo
 (embedding, layers, head, loss, optimizer, NCCL collectives on the topology under
 ``--placement``); elsewhere it is N layers of
 :func:`~summasim.costmodel.workload.layer.scheme_cost`. The grids are those of
-:func:`summasim.spec.grids` (SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included).
+:func:`summasim.spec.grids` (Optimus: q x q, else the most square pr x pc both ways;
+SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included, else the smallest depth over
+its most square pr x pc both ways).
 
 ``--csv`` / ``--json`` write every table (atomically); ``--plot`` writes PNGs
 (scaling curves, isoefficiency) with matplotlib, or says how to install it.
@@ -37,8 +39,9 @@ Every argument is checked before the sweep (:func:`check_args`): the model parse
 (:meth:`summasim.spec.Model.parse`: positive sizes, heads dividing h), the machine
 loads, the outputs can be
 written; a user error is one line on stderr and exit status 2. A grid that does
-not divide the model at some p (Megatron: heads, h, the MLP width and v by p;
-Optimus and SUMMA2.5-LM: those by q and the batch by d q; the 3D cube: those by q
+not divide the model at some p (Megatron: a head and an MLP column per rank;
+Optimus and SUMMA2.5-LM: the heads and h by pc and the batch by d pr; the 3D cube: the
+heads, h and the MLP width by q
 and the batch by q^2; the n x n products: n by d q) is not priced there: the tables leave it out and a "not priced" note says
 why. A model that no grid of the sweep can run is a user error.
 

@@ -188,10 +188,12 @@ def _solve(g, root, lo: float, hi: float, start: float | None) -> float:
 
 def _scheme_for(problem, p, d):
     """The grid of ``p`` ranks a problem is solved on: Megatron over p, Optimus q x q,
-    the 3D layer the q x q x q cube, SUMMA2.5 a grid of :func:`summasim.spec.grids` (q, d >= 2, d > q included): the
-    one of depth ``d``, or with ``d=None`` the deepest whose depth is at most q
-    (d <= p^(1/3), Solomonik and Demmel's communication-optimal range), else the
-    shallowest (the one nearest a cube). None when p has no such grid."""
+    the 3D layer the q x q x q cube, SUMMA2.5 a square grid of
+    :func:`summasim.spec.grids` (q, d >= 2, d > q included): the one of depth ``d``, or
+    with ``d=None`` the deepest whose depth is at most q (d <= p^(1/3), Solomonik and
+    Demmel's communication-optimal range), else the shallowest (the one nearest a
+    cube). None when p has no such grid: the closed forms are the papers', on square
+    layers (spec's rectangular fallback grids are left out)."""
     if problem == "megatron":
         return Scheme("megatron", p)
     if problem == "optimus":
@@ -199,7 +201,7 @@ def _scheme_for(problem, p, d):
         return Scheme("optimus", q * q, q, 1) if q * q == p else None
     if spec.SCHEME_KINDS[problem] == "3d":      # the cube, when p is one
         return next(iter(scheme_grids(p, problem)), None)
-    shapes = scheme_grids(p, "summa25")          # q ascending: d descending
+    shapes = [sch for sch in scheme_grids(p, "summa25") if not sch.pc]   # q up: d down
     if d is not None:
         return next((sch for sch in shapes if sch.d == d), None)
     if not shapes:

@@ -64,14 +64,16 @@ def _divisors(n: int) -> list[int]:
 def tensor_grids(cfg: TransformerConfig, devices: int, schemes=SCHEMES) -> list[Scheme]:
     """Every tensor grid of a divisor t of ``devices`` that divides the model (apart
     from the batch), as :func:`summasim.spec.grids` enumerates them: Megatron over t
-    (t = 1 is no tensor parallelism), Optimus q x q with q >= 2, SUMMA2.5-LM [q, q, d]
-    with q >= 2 and d >= 2 (d > q included; d = 1 is Optimus), the 3D cube q x q x q
-    with q >= 2."""
+    (t = 1 is no tensor parallelism), Optimus q x q with q >= 2 or, where t is not a
+    square, its most square ``pr x pc`` both ways round, SUMMA2.5-LM [q, q, d] with
+    q >= 2 and d >= 2 (d > q included; d = 1 is Optimus) or, where t has none, the
+    smallest depth over its most square ``pr x pc`` both ways, the 3D cube q x q x q with
+    q >= 2. A grid of one rank (Optimus 1 x 1) is Megatron's t = 1 and not listed."""
     out = []
     for t in _divisors(devices):
         for name in schemes:
             out += [sch for sch in scheme_grids(t, name, cfg, batch=False)
-                    if sch.name == "megatron" or sch.q >= 2]
+                    if sch.name == "megatron" or sch.p >= 2]
     return out
 
 
@@ -126,7 +128,8 @@ def _row(res: dict) -> dict:
     """A compact ranked row of a :func:`price_composition` result."""
     c = res["composition"]
     mem = res["memory"]
-    return {"scheme": c["scheme"], "grid": c["grid"], "t": c["t"], "q": c["q"], "d": c["d"],
+    return {"scheme": c["scheme"], "grid": c["grid"], "t": c["t"], "q": c["q"],
+            "pc": c.get("pc", c["q"]), "d": c["d"],
             "dp": c["dp"], "pp": c["pp"], "microbatches": c["microbatches"],
             "micro_batch": c["micro_batch"], "zero": c["zero"], "checkpoint": c["checkpoint"],
             "recompute": c["recompute"], "chunks": c["chunks"],
@@ -284,10 +287,10 @@ def fits_with_more(plan: Plan, tick=None) -> tuple[int, dict] | None:
 
 
 def short_grid(r: dict) -> str:
-    """A row's tensor grid as ``--mesh`` spells it: ``megatron:T``, ``optimus:QxQ``,
-    ``summa25:QxQxD``, ``3d:QxQxQ``."""
+    """A row's tensor grid as ``--mesh`` spells it: ``megatron:T``, ``optimus:PRxPC``
+    (``QxQ``), ``summa25:PRxPCxD``, ``3d:QxQxQ`` (:class:`summasim.spec.TensorGrid`'s
+    spelling)."""
     if r["scheme"] == "megatron":
         return f"megatron:{r['t']}"
-    if r["scheme"] == "optimus":
-        return f"optimus:{r['q']}x{r['q']}"
-    return f"{r['scheme']}:{r['q']}x{r['q']}x{r['d']}"
+    pc = r.get("pc") or r["q"]
+    return str(spec.TensorGrid.of(r["scheme"], r["q"], r["d"], pc=pc))

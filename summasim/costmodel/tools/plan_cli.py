@@ -420,7 +420,8 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
     full = []
     for r in top:
         sch = Scheme.make(r["scheme"], p=r["t"], d=r["d"],
-                          q=r["q"] if r["scheme"] != "megatron" else None)
+                          q=r["q"] if r["scheme"] != "megatron" else None,
+                          pc=r.get("pc") if r["scheme"] != "megatron" else None)
         full.append(price_composition(
             cfg.replace(sequence_parallel=r["sequence_parallel"]), sch,
             machine=plan.machine, dp=r["dp"], pp=r["pp"], microbatches=r["microbatches"],

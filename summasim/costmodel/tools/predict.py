@@ -263,11 +263,11 @@ def check_args(args):
         raise _arg("--mesh", f"{sch.label} does not divide the model: {why}")
     try:
         placement = Placement.parse(args.placement)
-        if placement.tile and sch.q == 1:
-            raise ValueError(f"{args.placement!r} tiles a q x q grid; {sch.label} is one "
+        if placement.tile and sch.q * sch.cols == 1:
+            raise ValueError(f"{args.placement!r} tiles a pr x pc grid; {sch.label} is one "
                              f"group of {sch.p} ranks, placed in rank order")
         if machine.topology is not None:
-            placement.slots_for(GridShape.of(sch.p, sch.q, sch.d),
+            placement.slots_for(GridShape.of(sch.p, sch.q, sch.d, pc=sch.pc),
                                 machine.topology.devices_per_node)
     except ValueError as exc:
         raise _arg("--placement", exc) from None

@@ -4,7 +4,8 @@ A composition runs ``devices = dp * pp * t`` ranks on the mesh ``[dp, pp, tensor
 grid]`` (ranks in that Cartesian order, the tensor grid fastest: a tensor group is
 ``t`` consecutive ranks, a pipeline group has stride ``t``, a data-parallel group
 stride ``pp t``). The tensor grid is one of today's schemes: Megatron 1D over ``t``
-ranks, Optimus ``q x q``, SUMMA2.5-LM ``[q, q, d]``, the 3D layer's ``q x q x q`` cube. The N layers are split into
+ranks, Optimus ``pr x pc`` (``q x q`` square), SUMMA2.5-LM ``[pr, pc, d]``, the 3D layer's
+``q x q x q`` cube. The N layers are split into
 ``pp`` contiguous stages, or ``pp V`` virtual stages under the interleaved schedule
 (virtual stage ``c pp + s`` is model chunk c of stage s), by
 :func:`summasim.spec.stage_layers`: evenly, or as ``stages`` says (a stage may hold no
@@ -12,7 +13,7 @@ layer); the first stage also holds the embedding (``wte``, ``wpe``), the last th
 final LayerNorm and the LM head (a tied copy of ``wte`` when pp > 1, or an untied
 head's own ``[h, v]``). The global batch B is split over dp and into ``m``
 micro-batches of ``b = B/(dp m)`` sequences, which must be a multiple of the scheme's
-batch divisor (d q; q^2 on the 3D cube). How the layers train (recompute, attention, sequence
+batch divisor (d pr; q^2 on the 3D cube). How the layers train (recompute, attention, sequence
 parallelism) and the block (SwiGLU, grouped-query attention, the head) are the
 workload's (:class:`~summasim.costmodel.workload.scheme.TransformerConfig`).
 
@@ -223,10 +224,10 @@ def _cached(cache: dict, key: tuple, make):
 def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
            schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
            zero3_prefetch, cache, recompute=None, chunks=1, stages=None,
-           loss_scale="none") -> _Setup:
+           loss_scale="none", pc=None) -> _Setup:
     """Check the composition and price what its stages share (cached per grid and
     micro-batch in ``cache``)."""
-    sch = make_scheme(scheme, t=t, q=q, d=d)
+    sch = make_scheme(scheme, t=t, q=q, d=d, pc=pc)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of 0, 1, 2, 3, got {zero!r}")
     _check_schedule(schedule, chunks)
@@ -442,7 +443,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                       state_bytes: StateBytes | None = None, optimizer: bool = True,
                       zero3_prefetch: bool = False, cache: dict | None = None,
                       recompute: str | None = None, chunks: int = 1,
-                      stages: tuple | None = None, loss_scale: str = "none") -> dict:
+                      stages: tuple | None = None, loss_scale: str = "none",
+                      pc: int | None = None) -> dict:
     """Predicted step time, memory and traffic per device of one composition.
 
     Parameters
@@ -454,11 +456,12 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         priced as it says).
     scheme : str or Scheme
         "megatron", "optimus", "summa25" or "3d"; its grid from ``t`` (Megatron) or
-        ``q``, ``d`` (3d: q, its depth is q).
+        ``q``, ``d`` and ``pc`` (3d: q, its depth is q).
     machine : Machine
-    t, q, d : int, optional
-        The tensor grid: Megatron over ``t`` ranks, Optimus ``q x q``, SUMMA2.5-LM
-        ``[q, q, d]``, 3D ``q x q x q`` (ignored when ``scheme`` is a Scheme).
+    t, q, d, pc : int, optional
+        The tensor grid: Megatron over ``t`` ranks, Optimus ``q x q`` (``q x pc``: q rows,
+        pc columns), SUMMA2.5-LM ``[q, q, d]`` (``[q, pc, d]``), 3D ``q x q x q`` (ignored
+        when ``scheme`` is a Scheme).
     dp, pp, microbatches : int
         Data-parallel ranks, pipeline stages, micro-batches per step (m).
     global_batch : int, optional
@@ -517,7 +520,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     """
     c = _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
                schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
-               zero3_prefetch, cache, recompute, chunks, stages, loss_scale)
+               zero3_prefetch, cache, recompute, chunks, stages, loss_scale, pc)
     m, sch, L = c.m, c.sch, c.L
     stages = [stage_cost(c, s, count, per) for s, count, per in c.plan]
     t_pipe = pipeline_seconds(c, stages)
@@ -550,7 +553,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     n_dev = c.n_dev
     return {
         "composition": {"scheme": sch.name, "grid": sch.label, "t": sch.p, "q": sch.q,
-                        "d": sch.d, "dp": dp, "pp": pp, "devices": n_dev, "microbatches": m,
+                        "pc": sch.cols, "d": sch.d, "dp": dp, "pp": pp, "devices": n_dev, "microbatches": m,
                         "micro_batch": c.b, "global_batch": c.B, "zero": zero,
                         "schedule": schedule, "checkpoint": c.ck, "layers_per_stage": L,
                         "bucket_bytes": bucket_bytes, "state_bytes": c.sb.to_dict(),
@@ -579,7 +582,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
 
 def predict_case(case: dict, machine: Machine, **kw) -> float | None:
     """Predicted seconds of one training step of a mesh case as the harness writes it
-    (``MeshCase.to_dict()``: ``dp, pp, scheme, q, d, t, zero, schedule, m,
+    (``MeshCase.to_dict()``: ``dp, pp, scheme, q, d, t`` (and ``pc``, the columns of a
+    rectangular grid, where the case has it), ``zero, schedule, m,
     checkpoint, bucket_bytes, b`` (the global batch), ``s, h, heads, v, layers, ffn,
     dtype``, and where the case has them the techniques: ``chunks`` (or a schedule
     ``interleaved:V``), ``stages``, ``recompute``, ``attention``,
@@ -606,7 +610,8 @@ def predict_case(case: dict, machine: Machine, **kw) -> float | None:
         if name == "megatron":
             sch = Scheme.make(name, p=int(case["t"]))
         else:
-            sch = Scheme.make(name, q=int(case["q"]), d=int(case.get("d", 1)))
+            sch = Scheme.make(name, q=int(case["q"]), d=int(case.get("d", 1)),
+                              pc=int(case.get("pc") or case["q"]))
         kind, chunks = parse_schedule(str(case.get("schedule", "1f1b")))
         chunks = int(case.get("chunks") or chunks)
         kw.setdefault("state_bytes", StateBytes.for_training(

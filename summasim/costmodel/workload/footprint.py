@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scheme import Scheme, TransformerConfig, megatron_shares, vocab_block
+from .scheme import (Scheme, TransformerConfig, _split, _whole, grid_block, grid_blocks,
+                     grid_vocab, megatron_shares, vocab_block)
 
 
 @dataclass
@@ -77,21 +78,19 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         grad_bufs = 2 * bsh / p
         work = _tp3d_workspace(cfg, q)
     else:
-        # LayerNorms 4h; biases: QKV r h, proj h, MLP (k-1) f h, fc2 h
-        vectors = (6 + r) * h + (k - 1) * f
-        layer_params = (weights / p + vectors / q if scheme.name == "optimus"
-                        else weights / (q * q) + vectors / q)
-        # wte in q x q blocks (replicated over depth, the vocabulary padded to q
-        # blocks); wpe [s, h/q] and lnf g, b on row 0
-        vb = float(vocab_block(v, q))
-        emb = vb * h / q + s * h / q + 2 * h / q
-        if head:
-            emb += vb * h / q                          # blocked like wte
-        grad_bufs = 2 * bsh / p
-        wide = max(r * h, cfg.fc1_width)               # the widest linear: QKV or the MLP
-        w_blk = h * wide / (q * q)
-        act_blk = b * s * wide / p
-        work = 2 * (act_blk + w_blk) + 2 * act_blk if q > 1 else 0.0
+        # rank (0, 0, 0) of [pr, pc, d], the busiest (grid_blocks): weights W[In_0, Out_0],
+        # replicated over depth; on row 0 its column block of the vectors (LayerNorms 4h;
+        # biases: QKV r h, proj h, MLP (k-1) f h, fc2 h) and of wpe [s, h_0] and lnf g, b
+        pr, pc = q, scheme.cols
+        blk = grid_blocks(scheme, cfg)
+        layer_params = _grid_weights(cfg, blk, pr, pc) + _vector_block(scheme, cfg)
+        # wte [V'/pr, h_0] blocks (the vocabulary padded to V', a multiple of lcm(pr, pc))
+        vr = grid_vocab(v, scheme) / pr
+        emb = vr * blk.h + s * blk.h + 2 * blk.h
+        if head:                                       # head.w [h, V'] blocked like a weight
+            emb += blk.h_rows * (grid_vocab(v, scheme) / pc)
+        grad_bufs = 2 * b * s / (scheme.d * pr) * blk.h
+        work = _grid_workspace(cfg, blk, pr, pc, scheme.d) if pr * pc > 1 else 0.0
     if cfg.recompute == "full":
         acts = N * bsh / p + layer_act
     elif cfg.recompute == "selective":
@@ -103,7 +102,8 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         acts = N * layer_act
     if v:
         acts += 2 * b * s * (vocab_block(v, p) if scheme.name == "megatron"
-                             else vocab_block(v, q) * q / p)
+                             else vocab_block(v, q) * q / p if scheme.kind == "3d"
+                             else grid_vocab(v, scheme) / p)
     else:
         emb = 0.0
     params = (N * layer_params) * it
@@ -120,6 +120,56 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     return Memory(params=params, grads=model, optimizer=optimizer,
                   activations=(acts + grad_bufs) * it + masks, workspace=work * it,
                   embedding=emb_b)
+
+
+def _vector_block(scheme: Scheme, cfg: TransformerConfig):
+    """Items of one layer's row-0 vectors on column 0 of an Optimus / SUMMA2.5-LM grid, the
+    busiest (:func:`~.scheme.grid_blocks`): column block 0 of each, the LayerNorms' and
+    the projection's and fc2's biases ``6 h_0``, the QKV bias ``W_0`` and the MLP's
+    column biases ``(k-1) F_0`` (``F_0 = ceil(f h/pc)``); ``_layer_vectors / pc`` where
+    pc divides them all."""
+    blk = grid_blocks(scheme, cfg)
+    f = _whole(cfg.ffn * cfg.h)
+    if blk.ffn == f / scheme.cols and not blk.cuts:
+        return _split(_layer_vectors(cfg), scheme.cols)
+    return 6 * blk.h + blk.qkv + (cfg.mlp_matrices - 1) * blk.ffn
+
+
+def _layer_vectors(cfg: TransformerConfig):
+    """Items of one layer's vectors: two LayerNorms (4h), the QKV bias (r h), the
+    projection's and fc2's biases (2h) and the MLP's column biases ((k-1) f h):
+    ``(6 + r) h + (k-1) f h``, GPT-2's ``9h + f h``."""
+    return (6 + cfg.qkv_mult) * cfg.h + (cfg.mlp_matrices - 1) * _whole(cfg.ffn * cfg.h)
+
+
+def _grid_weights(cfg: TransformerConfig, blk, pr, pc) -> float:
+    """Items of one layer's weight blocks on rank (0, 0) of an Optimus / SUMMA2.5-LM
+    ``pr x pc`` layer (``blk``: :func:`~.scheme.grid_blocks`): ``W[In_0, Out_0]`` of QKV
+    ``[h, r h]``, the projection ``[h, h]``, the MLP's ``[h, f h]`` (k-1 of them) and
+    ``[f h, h]``, rows over pr and the MLP width over pc by the balanced partition (the
+    first blocks, the largest), h and the QKV width over pc at the head groups:
+    ``((1 + r) h^2 + k h f h) / (pr pc)`` where they divide."""
+    h, f, r, k = cfg.h, cfg.ffn_width, cfg.qkv_mult, cfg.mlp_matrices
+    if (blk.h_rows, blk.ffn_rows, blk.ffn) == (h / pr, f / pr, f / pc) and not blk.cuts:
+        return ((1 + r) * h * h + k * h * f) / (pr * pc)
+    return (blk.h_rows * (blk.qkv + blk.h) + (k - 1) * blk.h_rows * blk.ffn
+            + blk.ffn_rows * blk.h)
+
+
+def _grid_workspace(cfg: TransformerConfig, blk, pr, pc, d) -> float:
+    """Items of the SUMMA workspaces on rank (0, 0) of ``[pr, pc, d]``: double-buffered
+    broadcast blocks (activation ``[b s/(d pr), w_0]``, weight ``[h_0, w_0]``) and the
+    partial sums of the widest linear, w = max(r h, fc1 width), its column 0 block (the
+    QKV's at the head groups, the MLP's by the balanced partition; GPT-2 on a grid that
+    divides it: ``(16 b s h + 8 h^2)/p``)."""
+    h = cfg.h
+    wide = max(cfg.qkv_mult * h, cfg.fc1_width)      # the widest linear: QKV or the MLP
+    w_c = max(blk.qkv, grid_block(cfg.fc1_width, pc))
+    if (w_c, blk.h_rows) == (wide / pc, h / pr) and not blk.cuts:
+        w_blk, act_blk = h * wide / (pr * pc), cfg.b * cfg.s * wide / (d * pr * pc)
+    else:
+        w_blk, act_blk = blk.h_rows * w_c, cfg.b * cfg.s / (d * pr) * w_c
+    return 2 * (act_blk + w_blk) + 2 * act_blk
 
 
 def _tp3d_workspace(cfg: TransformerConfig, q) -> float:
@@ -144,24 +194,33 @@ def _layer_extra_bytes(scheme: Scheme, cfg: TransformerConfig) -> dict:
     the dropout output (2). With dropout 0 (summasim's model) these terms are dropped.
     Blockwise attention keeps none of the attention terms (it regenerates the mask from
     the random generator's state, Dao et al. 2022, section 3.1) and holds the float32
-    log-sum-exp of each query row, ``4 b n s / p`` bytes, for its backward.
+    log-sum-exp of each query row, ``4 b n s / p`` bytes, for its backward. Optimus and
+    SUMMA2.5-LM with key/value heads pc does not divide: column 0's head groups
+    (:func:`~.scheme.grid_blocks`).
     """
     b, s, h, p = cfg.b, cfg.s, cfg.h, scheme.p
+    hid = b * s * h if scheme.name == "megatron" and not cfg.sequence_parallel \
+        else b * s * h / p
+    scores, lse = cfg.b * cfg.n * s * s / p, 4 * b * cfg.n * s / p
+    if scheme.kind in ("2d", "2.5d"):
+        blk = grid_blocks(scheme, cfg)
+        if blk.cuts:                         # column 0's head groups, the widest
+            seqs = b / (scheme.d * scheme.q)
+            hid, pairs = seqs * s * blk.h, seqs * blk.heads
+            scores, lse = pairs * s * s, 4 * pairs * s
     kept = core = 0.0
     if cfg.dropout > 0:
-        hid = b * s * h if scheme.name == "megatron" and not cfg.sequence_parallel \
-            else b * s * h / p
         kept += 2 * hid
         if cfg.attention == "plain":
-            core += cfg.b * cfg.n * s * s / p * (1 + cfg.itemsize)
+            core += scores * (1 + cfg.itemsize)
     if cfg.attention == "flash":
-        kept += 4 * b * cfg.n * s / p
+        kept += lse
     return {"kept": kept, "core": core}
 
 
 def batch_step(scheme: Scheme) -> int:
-    """The batch must be a multiple of this (q for Optimus, d q for SUMMA2.5, q^2 for
-    the 3D cube, whose d is q)."""
+    """The batch must be a multiple of this (pr, the rows, for Optimus, d pr for
+    SUMMA2.5, q^2 for the 3D cube, whose d is q)."""
     return 1 if scheme.name == "megatron" else scheme.q * scheme.d
 
 
@@ -202,9 +261,13 @@ def _layer_activations(scheme: Scheme, cfg: TransformerConfig, core: bool = True
     keeps the LayerNorm inputs and outputs (4 b s h) and statistics whole, or split
     over p under sequence parallelism (their Table 2: ``34/t`` in place of ``10 +
     24/t``). ``core=False`` leaves out the attention core's ``b n s^2`` probabilities
-    (selective recompute, their eq. 2); blockwise attention never holds them. The 3D
-    cube keeps the same blocks ``[b s/q^2, width/q]``: split over p, statistics over
-    q^2 = d q."""
+    (selective recompute, their eq. 2); blockwise attention never holds them. Optimus
+    and SUMMA2.5-LM on ``[pr, pc, d]`` keep ``[b s/(d pr), width/pc]`` blocks: split over
+    p, statistics over d pr, and where pc does not divide the key/value heads or the MLP
+    width the busiest rank's, column 0's widths (:func:`~.scheme.grid_blocks`: its head
+    groups' hidden and QKV widths and probabilities, ``ceil(F/pc)`` MLP columns). The
+    3D cube keeps the same
+    blocks ``[b s/q^2, width/q]``: split over p, statistics over q^2 = d q."""
     b, s, h, n = cfg.b, cfg.s, cfg.h, cfg.n
     p, q, d = scheme.p, scheme.q, scheme.d
     r, k = cfg.qkv_mult, cfg.mlp_matrices
@@ -218,5 +281,13 @@ def _layer_activations(scheme: Scheme, cfg: TransformerConfig, core: bool = True
         sh, sf = megatron_shares(cfg, p)
         split = ((1 + r) * bsh + scores) * sh + k * bsf * sf
         return (whole / p if cfg.sequence_parallel else whole) + split
-    # LN1 in/out 2, QKV r, attention out 1, residual 1, LN2 out 1, MLP k f h
+    # LN1 in/out 2, QKV r, attention out 1, residual 1, LN2 out 1, MLP k f h; on the 2D
+    # and 2.5D grids [b s/(d pr), width_0] blocks, width_0 column 0's (grid_blocks: its
+    # head groups' h_0 and W_0, the MLP's ceil(F/pc)), the cube's [b s/q^2, width/q]
+    if scheme.kind != "3d":
+        blk = grid_blocks(scheme, cfg)
+        if blk.cuts or blk.ffn != cfg.ffn_width / scheme.cols:
+            rows = b * s / (d * q)
+            pairs = b / (d * q) * blk.heads * s * s if scores else 0.0
+            return rows * (5 * blk.h + blk.qkv + k * blk.ffn) + pairs + 4 * rows
     return ((5 + r) * bsh + k * bsf + scores) / p + 4 * b * s / (d * q)

@@ -3,8 +3,9 @@
 
 Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
 N layers, f the MLP multiplier (``ffn``: the MLP is f h wide; GPT-2 has f = 4), p
-ranks; Optimus runs on a q x q grid (p = q^2), SUMMA2.5-LM on [q, q, d]
-(p = d q^2), the 3D layer on the q x q x q cube (p = q^3, d = q). One layer is
+ranks; Optimus runs on a ``pr x pc`` grid (p = pr pc; the papers' q x q, p = q^2),
+SUMMA2.5-LM on ``[pr, pc, d]`` (p = d pr pc; the papers' [q, q, d]), the 3D layer on
+the q x q x q cube (p = q^3, d = q). One layer is
 attention (QKV [h, 3h], scores, projection [h, h]) and an MLP ([h, f h], [f h, h]);
 activations are [b s, h]. The formulas below are
 written for any f, with the GPT-2 values (f = 4) in brackets where the papers
@@ -13,24 +14,37 @@ print them.
 A grid must fit the model it runs (:func:`misfit`): Megatron cuts the heads (key/value
 head groups) and the MLP width f h over p by the balanced partition, at least one per
 rank, and prices its busiest rank (:func:`~.scheme.megatron_shares`: ``ceil(n/p)``
-heads where p does not divide them); Optimus and SUMMA2.5-LM split h, the heads, f h
-and v over q and the batch over d q (the 3D cube: over q^2); any vocabulary is padded.
-:func:`grid_shapes` with a config lists only the grids that do, so a sweep never
-prices a model that cannot run on its grid.
+heads where p does not divide them); Optimus and SUMMA2.5-LM need whole sequences per
+rank (the batch over d pr) and a key/value head group per column: each column holds
+whole heads, the groups' balanced partition over pc, and h and the QKV width are cut at
+them; the weights' rows (h and f h over pr) and the MLP width over pc are the balanced
+partition, any size. The cost model prices the busiest rank, rank (0, 0, 0), whose
+blocks are the largest (column 0's head groups, ``ceil(f h/pc)`` MLP columns:
+:func:`~.scheme.grid_blocks`), where the grid runs the model (:func:`~.scheme.runs`;
+else, as for real sizes, the plain quotients);
+the 3D cube splits the batch over q^2 and h, the heads and f h over q; any vocabulary
+is padded (Optimus and SUMMA2.5-LM to a multiple of lcm(pr, pc),
+:func:`~.scheme.grid_vocab`). :func:`grid_shapes` with a config lists only the grids
+that fit, so a sweep never prices a model that cannot run on its grid.
 
 What each scheme does per layer (what :func:`layer_ops` lists)
 --------------------------------------------------------------
 Megatron (p)        local GEMMs on column/row slices of the weights; 2 all-reduces
                     of b s h items on the whole group per forward (after attention,
                     after the MLP) and 2 in backward (the f operator's conjugate).
-Optimus (q x q)     each linear C = X W is ``summa_ab(bs, in, out)``; backward is
+Optimus (pr x pc)   each linear C = X W is ``summa_ab(bs, in, out)``; backward is
                     ``summa_abt(dC, W)`` for dX and ``summa_atb(X, dC)`` for dW
-                    (Optimus eqs. 1-3); attention is local to (b/q) sequences and
-                    n/q heads. Per rank that is ((3+f)bsh + (4+2f)h^2)/q items
-                    [(7bsh + 12h^2)/q] of broadcast and reduce payload forward and
-                    twice that backward.
-SUMMA2.5-LM         the same with ``summa25_*`` on [q, q, d]: activations split into
-                    d q row blocks, weights 2D and replicated over depth; dW is
+                    (Optimus eqs. 1-3; SwiGLU's gate is a product of its own, as the
+                    runtime runs it); attention is local to b/pr sequences and n/pc
+                    heads. On q x q that is ((3+f)bsh + (4+2f)h^2)/q items
+                    [(7bsh + 12h^2)/q] of broadcast and reduce payload per rank
+                    forward and twice that backward; on pr x pc each product
+                    ``X[M, K] W[K, N]`` broadcasts ``M K/pr`` items along the row (pc
+                    ranks) and ``K N_0`` down the column (pr ranks) in ``pr + pc -
+                    gcd`` steps or, where the sizes do not divide, one per piece of
+                    the merged cuts of K (at most pr + pc - 1).
+SUMMA2.5-LM         the same with ``summa25_*`` on [pr, pc, d]: activations split into
+                    d pr row blocks, weights 2D and replicated over depth; dW is
                     all-reduced over the depth (ring, 2(d-1) sendrecvs).
 3D (q x q x q)      Bian et al. 2021's layer (the 3D product of Agarwal et al. 1995 per
                     linear, :func:`tp3d_linear_ops`): activations ``[b s/q^2, h/q]``
@@ -47,9 +61,10 @@ With activation checkpointing the backward pass first recomputes the forward
 Megatron (Optimus section 4). Megatron sends nothing at p = 1 (it skips groups of
 one). ``include_minor=True`` adds the non-SUMMA traffic that the paper calls
 negligible, as :mod:`summasim.transformer.optimus` sends it: per layer forward ONE
-packed column broadcast of the eight row-0 vectors (``(9h + f h)/q`` items) and 4
-row all-reduces of ``b s/(d q)`` LayerNorm statistics (2 per LayerNorm: mean, then
-variance); backward 4 such all-reduces, ONE packed column reduce of the vector
+packed column broadcast (pr ranks) of the eight row-0 vectors (``(9h + f h)/pc`` items,
+column 0's MLP block the largest) and 4 row all-reduces (pc ranks) of ``b s/(d pr)``
+LayerNorm statistics (2 per LayerNorm: mean, then variance); backward 4 such
+all-reduces, ONE packed column reduce of the vector
 gradients and, for d > 1, a ring all-reduce of them over the depth among the row-0
 ranks. Elementwise work (GELU, softmax, LayerNorm) is not in :func:`scheme_cost`'s
 compute time; :func:`step_cost` prices a whole training step with it.
@@ -77,9 +92,12 @@ Following Optimus section 3.1.1. Parameters per layer are (4+2f)h^2 + (9+f)h
 [12h^2 + 13h] (weights and biases of QKV, projection and MLP, two LayerNorms).
 Megatron splits the weights and the QKV/fc biases ((3+f)h) over p and replicates
 the rest (6h); Optimus splits weights over p and keeps vectors on grid row 0
-((9+f)h/q on those ranks); SUMMA2.5-LM stores
-weights over q^2 (replicated over depth) and vectors over q; both host ``wpe`` on
-row 0 as ``[s, h/q]`` (s h / q items on those ranks) and ``wte`` in q x q blocks.
+((9+f)h/pc on those ranks); SUMMA2.5-LM stores
+weights over pr pc (replicated over depth) and vectors over pc; both host ``wpe`` on
+row 0 as ``[s, h/pc]`` (s h / pc items on those ranks) and ``wte`` in pr x pc blocks
+``[V'/pr, h/pc]`` (an untied ``head.w`` in ``[h/pr, V'/pc]``); rank (0, 0), the
+busiest, holds the first blocks of the balanced partitions (``ceil(h/pr)`` rows,
+``ceil(f h/pc)`` MLP columns, column 0's head groups where pc does not divide them).
 The 3D layer splits its weights over p and replicates its vectors (``(9+f)h/q`` on
 every rank), ``wpe [s, h/q]`` and the final LayerNorm, and splits ``wte`` (and an
 untied head) over p (``ceil(v/q) h / q^2``); its workspace is the widest linear's
@@ -92,7 +110,8 @@ Activations kept for backward, per layer, in items of the unsplit model:
 attention probabilities b n s^2, attention output, residual, LN2 output, fc1 and
 GELU outputs f bsh each, LayerNorm mean and rstd). Megatron keeps the LayerNorm
 inputs and outputs (4bsh + 4bs) whole on every rank and splits the rest over p; Optimus
-and SUMMA2.5-LM split everything over p (statistics over q or dq). Without
+and SUMMA2.5-LM split everything over p (statistics over d pr; the MLP's tensors the
+busiest rank's ``ceil(f h/pc)`` columns). Without
 checkpointing all N layers' activations are kept; with it, each layer's input
 (b s h / p, distributed checkpoints as in the paper) plus one layer's activations
 while it is recomputed. The training techniques (selective recompute, Megatron
@@ -103,11 +122,12 @@ and :func:`recompute_ops` say, each with its source. Add two activation-gradient
 size, the SUMMA workspaces (double-buffered broadcast blocks and partial sums of
 the widest linear, w = max(3h, f h): (4 b s w + 2 h w)/p for Optimus [(16 b s h +
 8 h^2)/p]), and with a vocabulary the embedding table and
-the logits with their gradient (2 b s v / p).
+the logits with their gradient (2 b s v / p; Optimus and SUMMA2.5-LM 2 b s V' / p).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -117,11 +137,11 @@ from ..collectives import MPICH, Thresholds
 from ..compute.roofline import kernels_seconds, layer_kernels
 from ..machine import Machine
 from ..machine.topology import Placement
-from .footprint import Memory, memory
+from .footprint import Memory, _layer_vectors, _vector_block, memory
 from .predict import price_messages
 from .pricer import make_pricer
-from .scheme import (SCHEMES, Scheme, TransformerConfig, _whole, grid_shapes, megatron_shares,
-                     sequence_parallel_misfit)
+from .scheme import (SCHEMES, Scheme, TransformerConfig, _split, _whole, grid_blocks,
+                     grid_shapes, megatron_shares, runs, sequence_parallel_misfit)
 
 
 # -- the ops of one layer -----------------------------------------------------------------
@@ -162,8 +182,10 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
     elif scheme.kind == "3d":
         if cfg.sequence_parallel:
             raise ValueError(sequence_parallel_misfit(scheme, cfg))
+        width = _tp3d_widths(scheme, cfg)
         for fin, fout, a_to_b in _tp3d_linears(cfg):
-            f_ops, b_ops = tp3d_linear_ops(q, M, fin, fout, a_to_b)
+            f_ops, b_ops = tp3d_linear_ops(q, M, fin, fout, a_to_b,
+                                           in_w=width.get(fin), out_w=width.get(fout))
             fwd += f_ops
             bwd += b_ops
         fwd += _core_ops(scheme, cfg)
@@ -175,16 +197,19 @@ def layer_ops(scheme: Scheme, cfg: TransformerConfig, *, include_minor: bool = F
     else:
         if cfg.sequence_parallel:
             raise ValueError(sequence_parallel_misfit(scheme, cfg))
-        ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
-                        else ("summa25_ab", "summa25_abt", "summa25_atb"))
-        for _, fin, fout in _linears(cfg):
-            fwd.append(("mm", ab, M, fin, fout))
-            bwd += [("mm", abt, M, fout, fin), ("mm", atb, fin, M, fout)]
+        ab, abt, atb = summa_forms(scheme)
+        cut = dict(grid_blocks(scheme, cfg).cuts)   # the columns cut at the heads, if uneven
+        for fin, fout, cin, cout in _grid_linears(cfg):
+            c_in, c_out = cut.get(cin), cut.get(cout)
+            fwd.append(summa_op(ab, M, fin, fout, k=c_in, n=c_out))
+            bwd += [summa_op(abt, M, fout, fin, k=c_out, n=c_in),
+                    summa_op(atb, fin, M, fout, m=c_in, n=c_out)]
         fwd += _core_ops(scheme, cfg)
         bwd += _core_backward_ops(scheme, cfg)
         if include_minor:
             fwd_aux, bwd_aux = _optimus_layer_aux(h, M, q, d, ffn=cfg.ffn, row0=row0,
-                                                  vectors=_layer_vectors(cfg))
+                                                  vectors=_vector_block(scheme, cfg),
+                                                  pc=scheme.cols)
             fwd += fwd_aux
             bwd += bwd_aux
     if recompute == "full":
@@ -210,13 +235,14 @@ def _megatron_reductions(p, items, count, sequence_parallel) -> list:
 
 def _attention_seqs(scheme: Scheme, cfg: TransformerConfig):
     """(sequence, head) pairs one rank attends: ``b n / p`` (Megatron, heads split; the
-    busiest rank's heads where p does not divide them) or ``b/(d q) n/q`` (Optimus,
-    SUMMA2.5-LM: its rows of sequences, its heads; the 3D layer's ``b/q^2 n/q``, d = q)."""
+    busiest rank's heads where p does not divide them) or ``b/(d pr) n/pc`` (Optimus,
+    SUMMA2.5-LM: its rows of sequences, its column's heads; the 3D layer's ``b/q^2 n/q``,
+    d = q)."""
     if scheme.name == "megatron":
         share = megatron_shares(cfg, scheme.p)[0]
         return (_split(cfg.b * cfg.n, scheme.p) if share == 1 / scheme.p
                 else cfg.b * cfg.n * share)
-    return _split(cfg.b, scheme.d * scheme.q) * _split(cfg.n, scheme.q)
+    return _split(cfg.b, scheme.d * scheme.q) * grid_blocks(scheme, cfg).heads
 
 
 def _core_ops(scheme: Scheme, cfg: TransformerConfig) -> list:
@@ -266,33 +292,58 @@ def _linears(cfg: TransformerConfig) -> tuple:
             ("fc2", f, h))
 
 
-def _layer_vectors(cfg: TransformerConfig):
-    """Items of one layer's vectors: two LayerNorms (4h), the QKV bias (r h), the
-    projection's and fc2's biases (2h) and the MLP's column biases ((k-1) f h):
-    ``(6 + r) h + (k-1) f h``, GPT-2's ``9h + f h``."""
-    return (6 + cfg.qkv_mult) * cfg.h + (cfg.mlp_matrices - 1) * _whole(cfg.ffn * cfg.h)
+def _grid_linears(cfg: TransformerConfig) -> tuple:
+    """``(in, out, in cut, out cut)`` of the SUMMA products of one Optimus / SUMMA2.5-LM
+    layer, in the order the runtime runs them (``optimus.layer_products``): QKV [h, r h],
+    projection [h, h], fc [h, f h], SwiGLU's gate [h, f h] (its own product, laid out as
+    fc), fc2 [f h, h]; each width named by the column cut it follows (``"h"`` the
+    hidden size, ``"W"`` the QKV width, ``"F"`` the MLP width: :func:`~.scheme.grid_blocks`)."""
+    h, f = cfg.h, cfg.ffn_width
+    gate = ((h, f, "h", "F"),) if cfg.mlp == "swiglu" else ()
+    return ((h, cfg.qkv_width, "h", "W"), (h, h, "h", "h"), (h, f, "h", "F"), *gate,
+            (f, h, "F", "h"))
 
 
-def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True, vectors=None):
-    """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer, as the code sends it.
+def summa_op(alg: str, m, k, n, /, **cols) -> tuple:
+    """The op ``("mm", alg, m, k, n)`` of a distributed product, with ``(("k",
+    offsets), ...)`` appended for the dimensions whose cut over the pc columns is their
+    own (``cols``: ``m=``, ``k=``, ``n=`` offsets or None; :func:`~.traffic.algorithm_messages`'s
+    ``cols``)."""
+    own = tuple((dim, cut) for dim, cut in sorted(cols.items()) if cut is not None)
+    return ("mm", alg, m, k, n) + ((own,) if own else ())
 
-    Forward: the row-0 vectors (LayerNorm g and b, the biases: ``(9h + f h)/q`` items
-    for GPT-2's block, ``vectors`` otherwise) as ONE packed column broadcast; LayerNorm
-    statistics as 4 row all-reduces
-    of ``b s/(d q)`` items (2 LayerNorms, each all-reducing the mean and then the
-    variance). Backward: 4 row all-reduces (each LayerNorm backward all-reduces two
-    means), ONE packed column reduce of the vector gradients onto row 0, and for
-    d > 1 a ring all-reduce of that buffer over the depth among the row-0 ranks.
-    Groups of one send nothing.
+
+def summa_forms(scheme: Scheme) -> tuple:
+    """``(ab, abt, atb)`` of a 2D / 2.5D scheme: SUMMA's for Optimus, SUMMA2.5's for
+    SUMMA2.5-LM (whose ``atb`` all-reduces dW over the depth)."""
+    return (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
+            else ("summa25_ab", "summa25_abt", "summa25_atb"))
+
+
+def _optimus_layer_aux(h, M, q, d, ffn=4, row0=True, vectors=None, pc=None):
+    """The non-SUMMA traffic of one Optimus / SUMMA2.5-LM layer on ``[pr, pc, d]`` (pr =
+    ``q`` rows; ``pc = q`` unless given), as the code sends it.
+
+    Forward: the row-0 vectors of column j (LayerNorm g and b, the biases:
+    ``(9h + f h)/pc`` items for GPT-2's block; ``vectors``, the items of column 0, the
+    busiest, otherwise) as ONE packed broadcast down the column (pr ranks); LayerNorm
+    statistics as 4 all-reduces along the row (pc ranks) of ``b s/(d pr)`` items (2
+    LayerNorms, each all-reducing the mean and then the variance). Backward: 4 row
+    all-reduces (each LayerNorm backward all-reduces two means), ONE packed column reduce
+    of the vector gradients onto row 0, and for d > 1 a ring all-reduce of that buffer
+    over the depth among the row-0 ranks. Groups of one send nothing.
     """
+    pr, pc = q, q if pc is None else pc
     fwd, bwd = [], []
-    vec = _split(9 * h + _whole(ffn * h) if vectors is None else vectors, q)
-    stats = _split(M, d * q)
-    if q > 1:
-        fwd.append(("coll", "bcast", "col", q, vec, 1))
-        fwd.append(("coll", "allreduce", "row", q, stats, 4))
-        bwd.append(("coll", "allreduce", "row", q, stats, 4))
-        bwd.append(("coll", "reduce", "col", q, vec, 1))
+    vec = _split(9 * h + _whole(ffn * h), pc) if vectors is None else vectors
+    stats = _split(M, d * pr)
+    if pr > 1:
+        fwd.append(("coll", "bcast", "col", pr, vec, 1))
+    if pc > 1:
+        fwd.append(("coll", "allreduce", "row", pc, stats, 4))
+        bwd.append(("coll", "allreduce", "row", pc, stats, 4))
+    if pr > 1:
+        bwd.append(("coll", "reduce", "col", pr, vec, 1))
     if d > 1 and row0:
         bwd.append(("ring", "depth", d, vec, 1))
     return fwd, bwd
@@ -307,7 +358,22 @@ def _tp3d_linears(cfg: TransformerConfig) -> tuple:
     return ((h, cfg.qkv_width, True), (h, h, False), (h, f, True), *gate, (f, h, False))
 
 
-def tp3d_linear_ops(q, M, fin, fout, a_to_b: bool = True) -> tuple[list, list]:
+def _tp3d_widths(scheme, cfg: TransformerConfig) -> dict:
+    """``{size: the busiest rank's block of it}`` for the 3D layer's h, QKV and MLP
+    widths where q does not cut them evenly (rank (0, 0, 0): its feature block 0 holds
+    ``ceil(kv/q)`` key/value head groups and ``ceil(F/q)`` MLP columns, as
+    :func:`~.scheme.grid_blocks` gives a q-column grid); ``{}`` when every cut is even
+    (then the plain quotients hold). Keyed by size: where two of them are equal, so are
+    their blocks."""
+    blk = grid_blocks(scheme, cfg)
+    even = not blk.cuts and blk.ffn == cfg.ffn_width / scheme.q
+    if even:
+        return {}
+    return {cfg.h: blk.h, cfg.qkv_width: blk.qkv, cfg.ffn_width: blk.ffn}
+
+
+def tp3d_linear_ops(q, M, fin, fout, a_to_b: bool = True, *, in_w=None,
+                    out_w=None) -> tuple[list, list]:
     """``(forward, backward)`` ops of one linear ``Y = X W`` (``X [M, in]``, ``W [in,
     out]``) of the 3D layer on the q x q x q cube (Bian et al. 2021; Agarwal et al.
     1995), per rank, N = M / q^2 local rows.
@@ -325,24 +391,36 @@ def tp3d_linear_ops(q, M, fin, fout, a_to_b: bool = True) -> tuple[list, list]:
               and dW ``[in/q, q N] x [q N, out/q]``, reduce-scatter of dX (``N in``) over
               G_in and of dW (``in out/q^2``) over depth.
 
-    Groups of one send nothing (q = 1: the GEMMs only).
+    Groups of one send nothing (q = 1: the GEMMs only). ``in_w``/``out_w``: the busiest
+    rank's input and output blocks where q does not cut ``in``/``out`` evenly (the
+    runtime's ``tp3d.linear_payload``): ``in/q``, ``out/q`` above become them, the
+    weight's depth piece ``ceil(in_w/q) out_w`` (padded to the largest, as it travels).
     """
     g_in, g_out = ("col", "row") if a_to_b else ("row", "col")
     rows = _split(M, q * q)                                # N
     big = _split(M, q)                                     # q N
-    i_q, o_q = _split(fin, q), _split(fout, q)
-    w_piece = _split(fin * fout, q ** 3)
-    fwd = [("coll", "allgather", g_in, q, _split(rows * fin, q), 1),
+    if in_w is None and out_w is None:
+        i_q, o_q = _split(fin, q), _split(fout, q)
+        w_piece, w_sum = _split(fin * fout, q ** 3), _split(fin * fout, q * q)
+        x_piece, y_piece = _split(rows * fin, q), _split(rows * fout, q)
+        x_buf, y_buf = rows * fin, rows * fout
+    else:
+        i_q = _split(fin, q) if in_w is None else in_w
+        o_q = _split(fout, q) if out_w is None else out_w
+        w_piece = -(-i_q // q) * o_q
+        w_sum, x_piece, y_piece = q * w_piece, rows * i_q, rows * o_q
+        x_buf, y_buf = q * x_piece, q * y_piece
+    fwd = [("coll", "allgather", g_in, q, x_piece, 1),
            ("coll", "allgather", "depth", q, w_piece, 1),
            ("gemm", big, i_q, o_q, 1),
-           ("coll", "reduce_scatter", g_out, q, rows * fout, 1)]
-    bwd = [("coll", "allgather", g_out, q, _split(rows * fout, q), 1),
-           ("coll", "allgather", g_in, q, _split(rows * fin, q), 1),
+           ("coll", "reduce_scatter", g_out, q, y_buf, 1)]
+    bwd = [("coll", "allgather", g_out, q, y_piece, 1),
+           ("coll", "allgather", g_in, q, x_piece, 1),
            ("coll", "allgather", "depth", q, w_piece, 1),
            ("gemm", big, o_q, i_q, 1),
-           ("coll", "reduce_scatter", g_in, q, rows * fin, 1),
+           ("coll", "reduce_scatter", g_in, q, x_buf, 1),
            ("gemm", i_q, big, o_q, 1),
-           ("coll", "reduce_scatter", "depth", q, _split(fin * fout, q * q), 1)]
+           ("coll", "reduce_scatter", "depth", q, w_sum, 1)]
     if q == 1:
         return ([op for op in fwd if op[0] == "gemm"], [op for op in bwd if op[0] == "gemm"])
     return fwd, bwd
@@ -369,13 +447,6 @@ def _tp3d_layer_aux(cfg: TransformerConfig, q) -> tuple[list, list]:
            ("coll", "allreduce", "col", q, a_part, 1),
            ("coll", "allreduce", "row", q, b_part, 1)]
     return fwd, bwd
-
-
-def _split(x, by):
-    """x / by, exact for integers that divide, else real."""
-    if isinstance(x, int) and isinstance(by, int) and x % by == 0:
-        return x // by
-    return x / by
 
 
 # -- pricing ------------------------------------------------------------------------------
@@ -457,7 +528,8 @@ class SchemeCost:
 
     def to_dict(self) -> dict:
         s = self.scheme
-        return {"scheme": s.name, "label": s.label, "p": s.p, "q": s.q, "d": s.d,
+        return {"scheme": s.name, "label": s.label, "p": s.p, "q": s.q, "pc": s.cols,
+                "d": s.d,
                 "mode": self.mode, "slowdown": self.slowdown,
                 "forward_seconds": self.forward.seconds, "backward_seconds": self.backward.seconds,
                 "forward_comm_seconds": self.forward.comm_seconds,
@@ -483,12 +555,48 @@ def _ring_allreduce_messages(items, size, group, itemsize, count, strict):
     return [mc._replace(count=mc.count * count) for mc in msgs]
 
 
+def product_work(scheme: Scheme, op, itemsize: int, strict: bool = False,
+                 compute: bool = True, *, busiest: bool = True) -> tuple:
+    """``(messages, Compute or None)`` of one distributed product ``("mm", alg, m, k,
+    n[, cols])`` (:func:`summa_op`) on the scheme's grid, at its origin rank (grid row 0,
+    column 0: the busiest).
+
+    With ``busiest`` (the grid runs the model: :func:`~.scheme.runs`), whole sizes that
+    a rectangular grid or the balanced partition makes uneven are priced exactly
+    (:func:`~.traffic.algorithm_messages` with ``strict=True``: the blocks of rank (0, 0,
+    0), the largest, and one step per piece of the two cuts); otherwise ``strict``
+    decides: True requires whole blocks, False takes the plain quotients (real sizes,
+    the scaling studies, and a model the grid cannot run; on a rectangular grid equal
+    pieces).
+    """
+    msgs, work = _product(scheme, tuple(op), int(itemsize), bool(strict), bool(busiest))
+    return list(msgs), (work if compute else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _product(scheme: Scheme, op: tuple, itemsize: int, strict: bool, busiest: bool) -> tuple:
+    """:func:`product_work`'s messages (a tuple) and work, kept: a step repeats each
+    layer's products N times, and the exact form walks the pieces of two cuts."""
+    _, alg, m_, k_, n_, *own = op
+    cols = own[0] if own else None
+    q, d, pc = scheme.q, scheme.d, scheme.pc or None
+    sizes = [_whole(x) for x in (m_, k_, n_)]
+    if busiest and all(isinstance(x, int) for x in sizes) \
+            and _traffic.is_general(alg, *sizes, q, d, pc, cols):
+        strict, (m_, k_, n_) = True, sizes
+    msgs = _traffic.algorithm_messages(alg, m_, k_, n_, q, d, itemsize, None, strict=strict,
+                                       pc=pc, cols=cols)
+    work = _traffic.algorithm_compute(alg, m_, k_, n_, q, d, itemsize, None, strict=strict,
+                                      pc=pc, cols=cols)
+    return tuple(msgs), work
+
+
 def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
     it = cfg.itemsize
     out = PassCost()
     by_op: dict = {}
     algs: dict = {}
-    q, d = scheme.q, scheme.d
+    busiest = runs(scheme, cfg)
     for op in ops:
         if op[0] == "gemm":
             if compute:
@@ -498,10 +606,8 @@ def _price_ops(ops, scheme, cfg, machine, pricer, strict, compute=True):
                 out.mults += cnt * m_ * k_ * n_
             continue
         if op[0] == "mm":
-            _, alg, m_, k_, n_ = op
-            msgs = _traffic.algorithm_messages(alg, m_, k_, n_, q, d, it, None, strict=strict)
+            msgs, work = product_work(scheme, op, it, strict, compute, busiest=busiest)
             if compute:
-                work = _traffic.algorithm_compute(alg, m_, k_, n_, q, d, it, None, strict=strict)
                 for a, b_, c, cnt in work.gemms:
                     out.compute_seconds += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
                     out.mults += cnt * a * b_ * c
@@ -576,7 +682,7 @@ def scheme_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
     comm_slow = slow if machine.shared_comm else 1.0
     pricer = make_pricer(machine, mode=mode, algorithms=algorithms,
                          thresholds=thresholds or MPICH, itemsize=cfg.itemsize, q=scheme.q,
-                         d=scheme.d, p=scheme.p, placement=placement)
+                         d=scheme.d, p=scheme.p, placement=placement, pc=scheme.pc)
     kernels = (layer_kernels(scheme, cfg) if compute and machine.device is not None
                else None)
     passes = []

@@ -102,7 +102,8 @@ class MeasuredRun:
     q, d : int
         The [q, q, d] grid (1, 1 for Megatron and the ring).
     pc : int
-        Columns of a rectangular product grid [q, pc, d] (0: square).
+        Columns of a rectangular grid [q, pc, d] of a product or a 2D/2.5D scheme
+        (0: square).
     b, s, h, heads, v, layers, ffn : int
         A training step's global batch (sequences), sequence, hidden size, heads,
         vocabulary, layers and MLP multiplier.
@@ -190,10 +191,10 @@ class MeasuredRun:
                 continue
             name = "microbatches" if (kind == "mesh" and key == "m") else key
             fields[name] = data[key]
-        if kind == "matmul" and data.get("pc"):
+        if kind != "ring" and data.get("pc"):
             fields["pc"] = int(data["pc"])
         known = {"kind", "p", "dtype", "spans", "rank_max", "events", "coords",
-                 *cls._keys(kind), *(("pc",) if kind == "matmul" else ())}
+                 *cls._keys(kind), *(("pc",) if kind != "ring" else ())}
         return cls(kind=kind, p=int(data["p"]), dtype=str(data.get("dtype", "float64")),
                    spans=tuple(float(x) for x in data.get("spans") or ()),
                    rank_max=tuple(float(x) for x in data.get("rank_max") or ()),
@@ -207,13 +208,16 @@ class MeasuredRun:
     def to_dict(self) -> dict:
         """The worker-result dict this record was read from (:meth:`from_dict`'s
         inverse; events and coordinates as lists, as JSON writes them): the case's keys
-        in its ``to_dict()`` order, then ``p``, ``spans``, ``rank_max``, ``events``,
+        in its ``to_dict()`` order (a scheme's ``pc``, where it has one, after ``d``), then
+        ``p``, ``spans``, ``rank_max``, ``events``,
         ``coords`` and last the ``extra`` keys, the order the worker has always written
         (so a ``measured.json`` read and written back is the same file)."""
         out = {"kind": self.kind}
         for key in self._keys(self.kind):
             name = "microbatches" if (self.kind == "mesh" and key == "m") else key
             out[key] = getattr(self, name)
+            if key == "d" and self.kind != "matmul" and self.pc:
+                out["pc"] = self.pc             # a scheme's columns, after its depth
         if self.kind == "matmul" and self.pc:
             out["pc"] = self.pc
         out["dtype"] = self.dtype
@@ -256,8 +260,8 @@ class MeasuredRun:
                     self.algorithm.startswith("summa25") else f"[{self.q},{pc},{self.d}]")
         if self.scheme == "megatron":
             return f"1D p={self.p}"
-        return f"{self.q}x{self.q}" if self.scheme == "optimus" else \
-            f"[{self.q},{self.q},{self.d}]"
+        pc = self.pc or self.q
+        return f"{self.q}x{pc}" if self.scheme == "optimus" else f"[{self.q},{pc},{self.d}]"
 
     @property
     def label(self) -> str:
@@ -339,9 +343,9 @@ def mesh_features(run: MeasuredRun, machine: Machine) -> list:
         raise ValueError(f"mesh_features prices sharded-training steps, got a {run.kind} run")
     name, dp, m = run.scheme, int(run.dp), int(run.microbatches)
     t, q, d = int(run.t), int(run.q), int(run.d)
-    T = t if name == "megatron" else d * q * q
     sch = (Scheme.make("megatron", p=t) if name == "megatron"
-           else Scheme.make(name, q=q, d=d))
+           else Scheme.make(name, q=q, d=d, pc=int(run.pc or q)))
+    T = sch.p
     micro = int(run.b) // (dp * m)
     h, f, v, s = int(run.h), int(run.ffn), int(run.v), int(run.s)
     # a mixed-precision row computes on 16-bit values held in float32 (the runtime's

@@ -31,7 +31,7 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
                   itemsize: int | None = None, reduce_impl: str | None = None,
                   elementwise_items: float = 0.0, layers: float = 0.0,
                   placement: Placement | None = None,
-                  working_set: float | None = None) -> Prediction:
+                  working_set: float | None = None, pc: int | None = None) -> Prediction:
     """Predicted time of one rank's recorded events plus its compute.
 
     Parameters
@@ -47,6 +47,8 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         Grid shape, for placing "row"/"col"/"depth" groups on nodes.
     ranks_per_node : int, optional
         Overrides ``machine.ranks_per_node(p)``.
+    pc : int, optional
+        Columns of a rectangular ``[q, pc, d]`` grid (q unless given).
     gemms : iterable of (m, k, n, count)
         Local GEMM shapes (e.g. :func:`~summasim.costmodel.workload.traffic.algorithm_compute`).
     dtype : str
@@ -81,10 +83,10 @@ def predict_trace(events: Iterable, machine: Machine, *, p: int | None = None,
         ``slowdown`` is the time-sharing factor R = ranks per node / cores.
     """
     events = getattr(events, "events", events)
-    p, rpn = _resolve_p(machine, p, q, d, ranks_per_node)
+    p, rpn = _resolve_p(machine, p, q, d, ranks_per_node, pc)
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
     pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q or 1, d, p, reduce_impl,
-                     placement)
+                     placement, pc=pc or None)
     tally = _Tally(pricer)
     for e in events:   # recorded Events, or MessageClass entries (``count`` events each)
         tally.add(e.op, e.group, int(e.group_size), int(e.nbytes), _count(e),
@@ -134,7 +136,7 @@ def trace_features(events: Iterable, machine: Machine, *, p: int | None = None,
     in place, :data:`ADD_OUT_STREAMS` into a separate output); ``working_set`` as in
     :func:`predict_trace`."""
     events = getattr(events, "events", events)
-    p, _ = _resolve_p(machine, p, q, d, None)
+    p, _ = _resolve_p(machine, p, q, d, None, pc)
     itemsize = itemsize if itemsize is not None else itemsize_of(dtype)
     probe = machine if machine.shared_core is not None else machine.replace(
         shared_core=_UNIT_SHARED)
@@ -232,13 +234,15 @@ def price_messages(messages, machine: Machine, *, mode: str = "mpich",
                    algorithms: Mapping[str, str] | None = None,
                    thresholds: Thresholds | None = None, itemsize: int = 8,
                    q: int = 1, d: int = 1, p: int | None = None, pricer=None,
-                   reduce_impl: str | None = None, placement: Placement | None = None):
+                   reduce_impl: str | None = None, placement: Placement | None = None,
+                   pc: int | None = None):
     """``(seconds, by_op, algorithms)`` of
     :class:`~summasim.costmodel.workload.traffic.MessageClass`
-    entries (no slowdown). ``pricer`` (from :func:`make_pricer`) reuses a cache."""
+    entries (no slowdown). ``pricer`` (from :func:`make_pricer`) reuses a cache; ``pc``
+    the columns of a rectangular ``[q, pc, d]`` grid."""
     if pricer is None:
         pricer = _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl,
-                         placement)
+                         placement, pc=pc or None)
     by_op: dict = defaultdict(float)
     algs: dict = defaultdict(set)
     for mc in messages:

@@ -260,16 +260,17 @@ def make_pricer(machine: Machine, *, mode: str = "mpich",
                 algorithms: Mapping[str, str] | None = None,
                 thresholds: Thresholds | None = None, itemsize: int = 8, q: int = 1,
                 d: int = 1, p: int | None = None, reduce_impl: str | None = None,
-                placement: Placement | None = None):
+                placement: Placement | None = None, pc: int | None = None):
     """A caching callable ``(op, group, group_size, nbytes) -> CollectiveCost``
-    (``placement``: how ranks sit on nodes, for NCCL machines; default row-major)."""
+    (``placement``: how ranks sit on nodes, for NCCL machines; default row-major; ``pc``:
+    the columns of a rectangular ``[q, pc, d]`` grid, q unless given)."""
     return _Pricer(machine, mode, algorithms, thresholds, itemsize, q, d, p, reduce_impl,
-                   placement)
+                   placement, pc=pc or None)
 
 
-def _resolve_p(machine, p, q, d, ranks_per_node):
+def _resolve_p(machine, p, q, d, ranks_per_node, pc=None):
     if p is None and q is not None:
-        p = d * q * q
+        p = d * q * (pc or q)
     if ranks_per_node is None:
         ranks_per_node = machine.ranks_per_node(p) if p is not None else 1
     return p, ranks_per_node

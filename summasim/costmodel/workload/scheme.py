@@ -1,10 +1,14 @@
 """The priced workload (:class:`TransformerConfig`) and the grid it runs on (:class:`Scheme`).
 
 Symbols: b batch, s sequence length, h hidden size, n attention heads, v vocabulary,
-N layers, f the MLP multiplier; Megatron runs over p ranks, Optimus on a q x q grid,
-SUMMA2.5-LM on [q, q, d] (p = d q^2), the 3D layer on the q x q x q cube (p = q^3,
-d = q). :func:`grid_shapes` is THE enumeration of the grids (:func:`summasim.spec.grids`),
-:func:`misfit` says why a grid cannot shard a model.
+N layers, f the MLP multiplier; Megatron runs over p ranks, Optimus on a ``pr x pc``
+grid (``q x q`` square: pr = pc = q), SUMMA2.5-LM on ``[pr, pc, d]`` (p = d pr pc), the
+3D layer on the q x q x q cube (p = q^3, d = q). :func:`grid_shapes` is THE enumeration
+of the grids (:func:`summasim.spec.grids`), :func:`misfit` says why a grid cannot shard a
+model, :func:`grid_block` is the busiest rank's block of a size cut by the balanced
+partition, :func:`grid_blocks` the extents of the busiest rank of a 2D/2.5D grid (its
+column's head groups, MLP columns and weight rows) and :func:`grid_vocab` the vocabulary
+such a grid pads to.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from ...spec import ATTENTIONS, MLPS, RECOMPUTE, SCHEME_KINDS, SCHEME_NAMES, TensorGrid, grids
+from ...spec import (ATTENTIONS, MLPS, RECOMPUTE, RECTANGULAR_SCHEMES, SCHEME_KINDS,
+                     SCHEME_NAMES, TensorGrid, grids, partition)
 from ...spec import vocab_block as spec_vocab_block
 from ..machine import itemsize_of
 
@@ -239,20 +245,27 @@ class TransformerConfig:
 
 @dataclass(frozen=True)
 class Scheme(TensorGrid):
-    """A parallel scheme and its grid: ``megatron`` over p, ``optimus`` on q x q,
-    ``summa25`` on [q, q, d], ``3d`` on the q x q x q cube (d = q). The
-    :class:`summasim.spec.TensorGrid` the cost model prices (same fields, ``label`` and
-    checks), with :meth:`make`, which also takes the schemes' aliases ("1d", "2d",
-    "2.5d", "summa2.5", "tp3d", ...)."""
+    """A parallel scheme and its grid: ``megatron`` over p, ``optimus`` on ``pr x pc``
+    (``q`` rows, ``pc`` columns; ``q x q`` when ``pc`` is 0), ``summa25`` on ``[pr, pc,
+    d]``, ``3d`` on the q x q x q cube (d = q). The :class:`summasim.spec.TensorGrid` the
+    cost model prices (same fields, ``label``, ``cols`` and checks), with :meth:`make`,
+    which also takes the schemes' aliases ("1d", "2d", "2.5d", "summa2.5", "tp3d", ...)."""
 
     @classmethod
     def make(cls, name: str, p: int | None = None, q: int | None = None,
-             d: int = 1) -> "Scheme":
-        """Build and check a scheme; ``optimus`` and ``summa25`` take q (and d) or p,
-        ``3d`` q or p (its depth is q: a ``d`` other than 1 or q is refused)."""
+             d: int = 1, pc: int | None = None) -> "Scheme":
+        """Build and check a scheme; ``optimus`` and ``summa25`` take q (and d) or p, and
+        ``pc`` columns for a rectangular grid of q rows (``pc = q`` is the square grid;
+        with ``pc`` and p alone, q = p / (d pc)); ``3d`` q or p (its depth is q: a ``d``
+        other than 1 or q is refused)."""
         key = _ALIASES.get(str(name).lower())
         if key is None:
             raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
+        if pc is not None and key not in RECTANGULAR_SCHEMES:
+            if q is not None and pc != q:
+                raise ValueError(f"{key} takes no rectangular grid (q={q}, pc={pc}); "
+                                 f"{' and '.join(RECTANGULAR_SCHEMES)} do")
+            pc = None
         if key == "megatron":
             if p is None or p < 1:
                 raise ValueError(f"megatron needs p >= 1, got {p!r}")
@@ -265,6 +278,17 @@ class Scheme(TensorGrid):
                 raise ValueError(f"{key} runs on a q x q x q cube (p = q^3), got p={p}, "
                                  f"q={q}, d={d}")
             q = d = cube
+        if pc is not None:                          # pr = q rows by pc columns
+            if pc < 1 or d < 1:
+                raise ValueError(f"{key} needs pc >= 1 and d >= 1, got pc={pc}, d={d}")
+            if q is None:
+                if p is None:
+                    raise ValueError(f"{key} needs q (or p)")
+                q = int(p) // (d * int(pc))
+            if q < 1 or (p is not None and p != d * q * pc):
+                raise ValueError(f"{key} needs p = d*pr*pc, got p={p}, pr={q}, pc={pc}, "
+                                 f"d={d}")
+            return cls(key, d * q * int(pc), int(q), int(d), int(pc))
         if q is None:
             if p is None:
                 raise ValueError(f"{key} needs q (or p)")
@@ -273,16 +297,23 @@ class Scheme(TensorGrid):
             raise ValueError(f"{key} needs p = d*q*q, got p={p}, q={q}, d={d}")
         return cls(key, d * q * q, int(q), int(d))
 
+    def blocks(self, cfg: "TransformerConfig") -> "GridBlocks":
+        """:func:`grid_blocks` of this grid (Optimus, SUMMA2.5-LM) for ``cfg``."""
+        return grid_blocks(self, cfg)
+
     @classmethod
     def of_grid(cls, grid: TensorGrid) -> "Scheme":
-        """The scheme of a :class:`summasim.spec.TensorGrid`."""
-        return grid if isinstance(grid, cls) else cls(grid.name, grid.p, grid.q, grid.d)
+        """The scheme of a :class:`summasim.spec.TensorGrid` (its columns ``pc`` kept)."""
+        return grid if isinstance(grid, cls) else cls(grid.name, grid.p, grid.q, grid.d,
+                                                      grid.pc)
 
 
 def grid_shapes(p: int, name: str, cfg: "TransformerConfig | None" = None) -> list[Scheme]:
     """Every grid of ``p`` ranks for scheme ``name``: THE enumeration,
-    :func:`summasim.spec.grids` (q ascending; SUMMA2.5 on every [q, q, d] with q, d >= 2,
-    d > q included); with ``cfg``, only those that divide it (:func:`misfit` is None)."""
+    :func:`summasim.spec.grids` (q ascending; Optimus the square grid, else the most
+    square ``pr x pc`` both ways round; SUMMA2.5 on every [q, q, d] with q, d >= 2, d > q
+    included, else the smallest depth over its most square rectangle both ways); with
+    ``cfg``, only those that divide it (:func:`misfit` is None)."""
     key = _ALIASES.get(str(name).lower())
     if key is None:
         raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
@@ -300,6 +331,75 @@ def vocab_block(v, p):
     if isinstance(whole, numbers.Integral) and isinstance(p, numbers.Integral):
         return spec_vocab_block(whole, p)
     return v / p
+
+
+def grid_vocab(v, scheme: TensorGrid):
+    """The vocabulary ``V'`` an Optimus or SUMMA2.5-LM grid holds: ``v`` padded to a
+    multiple of ``lcm(pr, pc)`` (q on a square grid), so that ``wte``'s rows cut into pr
+    even blocks and the logits' columns into pc (the runtime's ``optimus.padded_vocab``;
+    Megatron-LM pads the same way, ``--make-vocab-size-divisible-by``). A real v (scaling
+    studies) is ``v`` itself, up to the rounding of ``v / lcm * lcm``."""
+    step = math.lcm(int(scheme.q), int(scheme.cols))
+    return vocab_block(v, step) * step
+
+
+class GridBlocks(NamedTuple):
+    """The extents of the busiest rank's blocks, rank (0, 0, 0), of an Optimus or
+    SUMMA2.5-LM grid ``[pr, pc, d]`` (:func:`grid_blocks`): its column's hidden width
+    ``h``, query heads ``heads``, QKV width ``qkv`` and MLP width ``ffn``, and the
+    weights' rows of h and of the MLP width on its row, ``h_rows`` and ``ffn_rows``.
+    ``cuts`` is ``(("h", offsets), ("W", offsets))``, the runtime's cuts of the hidden
+    size and the QKV width over the pc columns where they are not even (at the key/value
+    head groups), else ``()``."""
+
+    h: object
+    heads: object
+    qkv: object
+    ffn: object
+    h_rows: object
+    ffn_rows: object
+    cuts: tuple = ()
+
+
+def grid_blocks(scheme: TensorGrid, cfg: "TransformerConfig") -> GridBlocks:
+    """:class:`GridBlocks` of ``cfg`` on an Optimus or SUMMA2.5-LM grid ``[pr, pc, d]``.
+
+    The runtime (``summasim.transformer.optimus.column_cut``) gives column j the
+    key/value heads of block j of their balanced partition over pc and their query heads
+    (whole heads: its attention is local), so the hidden size and the QKV width are cut
+    at those groups, ``g hd kv_j`` and ``(g + 2) hd kv_j`` columns (``g = n/kv`` query
+    heads per group of head size ``hd = h/n``), and column 0, with ``ceil(kv/pc)`` groups,
+    is the widest; the MLP width is the balanced partition over pc, the weights' rows
+    (h and the MLP width over pr) too (:func:`grid_block`). Where pc divides the
+    key/value heads, or the sizes are real, the extents are the plain quotients ``h/pc``,
+    ``n/pc``, ``r h/pc``."""
+    pr, pc = scheme.q, scheme.cols
+    h, n, kv = (_whole(x) for x in (cfg.h, cfg.n, cfg.kv))
+    whole = all(isinstance(x, numbers.Integral) for x in (h, n, kv))
+    if whole and kv % pc and h % n == 0 and n % kv == 0:
+        hd, g = h // n, n // kv
+        offsets = partition(kv, pc)
+        cuts = (("h", tuple(g * hd * o for o in offsets)),
+                ("W", tuple((g + 2) * hd * o for o in offsets)))
+        top = -(-kv // pc)                     # column 0's key/value head groups
+        cols = (g * hd * top, g * top, (g + 2) * hd * top)
+    else:
+        cols, cuts = (_split(cfg.h, pc), _split(cfg.n, pc), _split(cfg.qkv_width, pc)), ()
+    f = cfg.ffn_width
+    return GridBlocks(*cols, grid_block(f, pc), grid_block(cfg.h, pr), grid_block(f, pr),
+                      cuts)
+
+
+def grid_block(size, parts):
+    """The busiest rank's block of ``size`` cut into ``parts`` by the balanced partition
+    (:func:`summasim.spec.partition`: the first ``size mod parts`` blocks one larger):
+    ``ceil(size / parts)`` for a whole size that ``parts`` does not divide, else
+    ``size / parts`` (a real size: the scaling studies' plain quotient)."""
+    whole = _whole(size)
+    if isinstance(whole, numbers.Integral) and isinstance(parts, numbers.Integral) \
+            and whole % parts:
+        return -(-whole // parts)
+    return size / parts
 
 
 def megatron_shares(cfg: TransformerConfig, p: int) -> tuple:
@@ -331,7 +431,8 @@ def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> s
     whole divides by nothing); the vocabulary only when v > 0, the batch unless
     ``batch=False``; the key/value heads under grouped-query attention; and
     :meth:`~summasim.spec.TensorGrid.least` (Megatron: a head group and an MLP column
-    per rank, the balanced partition of each). The reason
+    per rank, the balanced partition of each; Optimus and SUMMA2.5-LM: a key/value head
+    group per column). The reason
     names every size that fails and its divisor in the papers' symbols
     (``"; "``-separated). Sequence parallelism (:func:`sequence_parallel_misfit`) adds
     its own rule.
@@ -340,7 +441,8 @@ def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> s
                            cfg.b if batch else None, cfg.kv_heads)
     bad = [f"{_NAMES[what]} = {_fmt_num(size)} is not divisible by {sym} = {div}"
            for what, size, div, sym in dims if not _divides(div, size)]
-    bad += [f"{_NAMES[what]} = {_fmt_num(size)} is smaller than {sym} = {least} (one per rank)"
+    per = "rank" if scheme.kind in ("1d", "ring") else "column"
+    bad += [f"{_NAMES[what]} = {_fmt_num(size)} is smaller than {sym} = {least} (one per {per})"
             for what, size, least, sym in scheme.least(cfg.n, cfg.ffn_width, cfg.kv_heads)
             if size < least]
     if cfg.sequence_parallel:
@@ -350,6 +452,15 @@ def misfit(scheme: Scheme, cfg: "TransformerConfig", *, batch: bool = True) -> s
     return "; ".join(bad) or None
 
 
+def runs(scheme: Scheme, cfg: "TransformerConfig") -> bool:
+    """Whether ``scheme``'s grid runs ``cfg`` as the runtime would (:func:`misfit` is
+    None, the batch included). The cost model then prices the busiest rank: whole sizes
+    that a rectangular grid or the balanced partition leaves uneven take their largest
+    blocks; a model the grid cannot run (a batch it cannot cut into whole sequences per
+    rank, the scaling studies' sizes) takes the plain quotients."""
+    return misfit(scheme, cfg) is None
+
+
 def sequence_parallel_misfit(scheme: Scheme, cfg: "TransformerConfig") -> str | None:
     """Why ``scheme`` cannot run Megatron's sequence parallelism on ``cfg``, or None.
 
@@ -357,7 +468,7 @@ def sequence_parallel_misfit(scheme: Scheme, cfg: "TransformerConfig") -> str | 
     Megatron layer that 1D tensor parallelism leaves replicated (LayerNorm, dropout,
     residual) along the sequence: the sequence must divide by p. Optimus,
     SUMMA2.5-LM and the 3D layer have no such part: every activation, LayerNorm input
-    included, is already a ``[b s / (d q), h / q]`` block (Optimus section 3.1.1; the
+    included, is already a ``[b s / (d pr), h / pc]`` block (Optimus section 3.1.1; the
     cube's ``[b s / q^2, h / q]``), so there is nothing left to split and the flag names
     no technique there: refused.
     """
@@ -385,3 +496,10 @@ def _whole(x):
     if isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral) and x == int(x):
         return int(x)
     return x
+
+
+def _split(x, by):
+    """x / by, exact for integers that divide, else real."""
+    if isinstance(x, int) and isinstance(by, int) and x % by == 0:
+        return x // by
+    return x / by

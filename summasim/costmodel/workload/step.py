@@ -13,13 +13,12 @@ from ..compute.gemm import gemm_seconds as _gemm_seconds
 from ..compute.roofline import kernels_seconds, model_kernels
 from ..machine import Machine
 from ..machine.topology import Placement
-from .layer import (_ring_allreduce_messages, _split, layer_ops, recompute_ops,
-                    tp3d_linear_ops)
-from .scheme import vocab_block
+from .layer import (_ring_allreduce_messages, _split, layer_ops, product_work, recompute_ops,
+                    summa_forms, summa_op, tp3d_linear_ops)
 from .footprint import Memory, _layer_activations, memory
 from .predict import price_messages
 from .pricer import Prediction, make_pricer
-from .scheme import Scheme, TransformerConfig
+from .scheme import Scheme, TransformerConfig, grid_blocks, grid_vocab, runs, vocab_block
 
 def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> dict[str, list]:
     """``{"forward": [...], "backward": [...]}`` ops of one training step of the whole
@@ -31,15 +30,20 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
     Megatron: the embedding all-reduce of ``b s h`` items, the layers, the LM head's
     local GEMM, 3 all-reduces of ``b s`` items in the loss (max, sum of exponentials,
     target logit); backward the LM head's input-gradient all-reduce of ``b s h``.
-    Optimus / SUMMA2.5-LM: the embedding as q column broadcasts of the ``wte`` blocks
-    and one column broadcast of ``wpe[:s, H_j]``; the final LayerNorm's packed
-    column broadcast (2h/q) and 2 row all-reduces; the head ``abt(x, wte)``; the loss's
-    3 row all-reduces of ``b s/(d q)`` items and the column (and depth) all-reduce of
-    one item. Backward: ``ab`` and ``atb`` of the head, the final LayerNorm's 2 row
-    all-reduces, packed column reduce and (d > 1, ``row0``) depth ring, the layers,
-    q column reduces of the ``dwte`` blocks and their depth ring, and the ``dwpe``
-    column reduce and (``row0``) depth ring. ``row0=False`` leaves out the depth
-    rings only row 0 runs.
+    Optimus / SUMMA2.5-LM on ``[pr, pc, d]`` (``q x q`` square), the vocabulary padded to
+    ``V'``, a multiple of ``lcm(pr, pc)`` (:func:`~.scheme.grid_vocab`), ``h_0 = h/pc`` the
+    hidden block of column 0 (its head groups' where pc does not divide the key/value
+    heads: :func:`~.scheme.grid_blocks`): the embedding as pr broadcasts down the
+    columns (pr ranks) of the ``wte[V'_l, H_j]`` blocks (``V'/pr h_0`` items each) and
+    one of ``wpe[:s, H_j]`` (``s h_0``); the final LayerNorm's packed column broadcast
+    (``2 h_0``) and 2 all-reduces along the row (pc
+    ranks); the tied head ``abt(x, wte)`` (untied: ``ab(x, head.w)``); the loss's 3 row
+    all-reduces of ``b s/(d pr)`` items and the column (and depth) all-reduce of one
+    item. Backward: ``ab`` and ``atb`` of the tied head (untied: ``abt`` and ``atb``), the
+    final LayerNorm's 2 row all-reduces, packed column reduce and (d > 1, ``row0``)
+    depth ring, the layers, pr column reduces of the ``dwte`` blocks and their depth
+    ring, and the ``dwpe`` column reduce and (``row0``) depth ring. ``row0=False``
+    leaves out the depth rings only row 0 runs.
     """
     b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
     M = b * s
@@ -72,43 +76,54 @@ def model_ops(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True) -> d
         return {"forward": fwd, "backward": bwd}
     if scheme.kind == "3d":
         return _tp3d_model_ops(cfg, q, layer)
-    ab, abt, atb = (("summa_ab", "summa_abt", "summa_atb") if scheme.name == "optimus"
-                    else ("summa25_ab", "summa25_abt", "summa25_atb"))
-    rows = _split(M, d * q)
-    if v:                            # the vocabulary padded to q blocks (optimus.vocab_block)
-        v = vocab_block(v, q) * q
-    if q > 1:
-        if v:
-            fwd.append(("coll", "bcast", "col", q, _split(v * h, q * q), q))
-        fwd.append(("coll", "bcast", "col", q, _split(s * h, q), 1))
+    ab, abt, atb = summa_forms(scheme)
+    pr, pc = q, scheme.cols          # a column has pr ranks, a row pc
+    rows = _split(M, d * pr)
+    if v:                            # the padded vocabulary (optimus.padded_vocab)
+        v = grid_vocab(v, scheme)
+    blk = grid_blocks(scheme, cfg)
+    cut = dict(blk.cuts).get("h")    # h cut at the head groups where pc does not divide them
+    if cut:                          # column 0's hidden block h_0, the widest
+        wte, wpe, lnf = _split(v, pr) * blk.h, s * blk.h, 2 * blk.h
+    else:
+        wte, wpe, lnf = _split(v * h, pr * pc), _split(s * h, pc), _split(2 * h, pc)
+    if pr > 1:
+        if v:                        # wte[V'_l, H_j] down column j from row l, l < pr
+            fwd.append(("coll", "bcast", "col", pr, wte, pr))
+        fwd.append(("coll", "bcast", "col", pr, wpe, 1))
     fwd += N * layer["forward"]
-    if q > 1:
-        fwd.append(("coll", "bcast", "col", q, _split(2 * h, q), 1))
-        fwd.append(("coll", "allreduce", "row", q, rows, 2))
-    if v:                                            # the tied head (none without a vocabulary)
-        fwd.append(("mm", abt, M, h, v))
-    if q > 1:
-        fwd.append(("coll", "allreduce", "row", q, rows, 3))
-        fwd.append(("coll", "allreduce", "col", q, 1, 1))
+    if pr > 1:
+        fwd.append(("coll", "bcast", "col", pr, lnf, 1))
+    if pc > 1:
+        fwd.append(("coll", "allreduce", "row", pc, rows, 2))
+    if v:                            # the head (none without a vocabulary)
+        fwd.append(summa_op(abt if cfg.tied else ab, M, h, v, k=cut))
+    if pc > 1:
+        fwd.append(("coll", "allreduce", "row", pc, rows, 3))
+    if pr > 1:
+        fwd.append(("coll", "allreduce", "col", pr, 1, 1))
     if d > 1:
         fwd.append(("coll", "allreduce", "depth", d, 1, 1))
-    if v:
-        bwd += [("mm", ab, M, v, h), ("mm", atb, v, M, h)]
-    if q > 1:
-        bwd.append(("coll", "allreduce", "row", q, rows, 2))
-        bwd.append(("coll", "reduce", "col", q, _split(2 * h, q), 1))
+    if v:                            # tied: dx = ab(dl, wte), dwte += atb(dl, x); untied:
+        bwd += ([summa_op(ab, M, v, h, n=cut), summa_op(atb, v, M, h, n=cut)] if cfg.tied
+                else [summa_op(abt, M, v, h, n=cut),      # dx = abt(dl, w),
+                      summa_op(atb, h, M, v, m=cut)])     # dw = atb(x, dl)
+    if pc > 1:
+        bwd.append(("coll", "allreduce", "row", pc, rows, 2))
+    if pr > 1:
+        bwd.append(("coll", "reduce", "col", pr, lnf, 1))
     if d > 1 and row0:
-        bwd.append(("ring", "depth", d, _split(2 * h, q), 1))
+        bwd.append(("ring", "depth", d, lnf, 1))
     bwd += N * layer["backward"]
-    if q > 1:
+    if pr > 1:
         if v:
-            bwd.append(("coll", "reduce", "col", q, _split(v * h, q * q), q))
-        bwd.append(("coll", "reduce", "col", q, _split(s * h, q), 1))
+            bwd.append(("coll", "reduce", "col", pr, wte, pr))
+        bwd.append(("coll", "reduce", "col", pr, wpe, 1))
     if d > 1:
         if v:
-            bwd.append(("ring", "depth", d, _split(v * h, q * q), 1))
+            bwd.append(("ring", "depth", d, wte, 1))
         if row0:
-            bwd.append(("ring", "depth", d, _split(s * h, q), 1))
+            bwd.append(("ring", "depth", d, wpe, 1))
     return {"forward": fwd, "backward": bwd}
 
 
@@ -186,8 +201,10 @@ def elementwise_items(scheme: Scheme, cfg: TransformerConfig) -> float:
     layer = _layer_activations(scheme, cfg if cfg.attention == "plain"
                                else cfg.replace(attention="plain"))
     emb = bsh if scheme.name == "megatron" and not cfg.sequence_parallel else bsh / p
+    if scheme.kind in ("2d", "2.5d") and grid_blocks(scheme, cfg).cuts:
+        emb = b * s / (scheme.d * scheme.q) * grid_blocks(scheme, cfg).h   # column 0's h_0
     logits = b * s * (vocab_block(v, p) if scheme.name == "megatron"
-                      else vocab_block(v, scheme.q) * scheme.q / p)
+                      else grid_vocab(v, scheme) / p)
     return N * layer + logits + emb
 
 
@@ -198,13 +215,12 @@ def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
     ops = model_ops(scheme, cfg)
     gemms, red = [], 0.0
     it = cfg.itemsize
+    busiest = runs(scheme, cfg)
     for op in filter(_nonempty, ops["forward"] + ops["backward"]):
         if op[0] == "gemm":
             gemms.append(tuple(op[1:5]))
         elif op[0] == "mm":
-            _, alg, m_, k_, n_ = op
-            work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
-                                              strict=False)
+            work = product_work(scheme, op, it, busiest=busiest)[1]
             gemms += list(work.gemms)
             red += work.reduce_bytes
         elif op[0] == "ring" and op[2] > 1:
@@ -213,14 +229,13 @@ def step_work(scheme: Scheme, cfg: TransformerConfig) -> StepWork:
     return StepWork(gemms, red, elementwise_items(scheme, cfg), cfg.N + 1)
 
 
-def _ops_messages(ops, scheme: Scheme, itemsize: int) -> list:
-    """:class:`~summasim.costmodel.workload.traffic.MessageClass` entries of a list of ops."""
+def _ops_messages(ops, scheme: Scheme, itemsize: int, busiest: bool = True) -> list:
+    """:class:`~summasim.costmodel.workload.traffic.MessageClass` entries of a list of ops
+    (``busiest``: as :func:`~.layer.product_work`)."""
     out = []
     for op in ops:
         if op[0] == "mm":
-            _, alg, m_, k_, n_ = op
-            out += _traffic.algorithm_messages(alg, m_, k_, n_, scheme.q, scheme.d, itemsize,
-                                               None, strict=False)
+            out += product_work(scheme, op, itemsize, compute=False, busiest=busiest)[0]
         elif op[0] == "ring":
             _, grp, size, items, cnt = op
             out += _ring_allreduce_messages(items, size, grp, itemsize, cnt, False)
@@ -234,7 +249,8 @@ def model_messages(scheme: Scheme, cfg: TransformerConfig, *, row0: bool = True)
     """The :class:`~summasim.costmodel.workload.traffic.MessageClass` entries of one training
     step on one rank (what its trace records; origin of the grid, or ``row0=False``)."""
     ops = model_ops(scheme, cfg, row0=row0)
-    return _ops_messages(ops["forward"] + ops["backward"], scheme, cfg.itemsize)
+    return _ops_messages(ops["forward"] + ops["backward"], scheme, cfg.itemsize,
+                         runs(scheme, cfg))
 
 
 def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
@@ -261,7 +277,8 @@ def step_cost(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
                           machine.name, breakdown=sb.breakdown())
     work = step_work(scheme, cfg)
     pred = predict_trace(model_messages(scheme, cfg), machine, p=scheme.p, q=scheme.q,
-                         d=scheme.d, gemms=work.gemms, reduce_bytes=work.reduce_bytes,
+                         d=scheme.d, pc=scheme.pc, gemms=work.gemms,
+                         reduce_bytes=work.reduce_bytes,
                          elementwise_items=work.elementwise_items, layers=work.layers,
                          dtype=cfg.dtype,
                          reduce_impl=reduce_impl, ranks_per_node=ranks_per_node)
@@ -327,7 +344,8 @@ class StepBreakdown:
     def to_dict(self) -> dict:
         key = lambda k: f"{k[0]}/{k[1]}" if isinstance(k, tuple) else str(k)  # noqa: E731
         sch = self.scheme
-        return {"scheme": sch.name, "grid": sch.label, "p": sch.p, "q": sch.q, "d": sch.d,
+        return {"scheme": sch.name, "grid": sch.label, "p": sch.p, "q": sch.q,
+                "pc": sch.cols, "d": sch.d,
                 "machine": self.machine, "placement": self.placement,
                 "config": dict(self.config.__dict__), "seconds": self.seconds,
                 **self.breakdown(), "kernels": self.kernels,
@@ -389,8 +407,10 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
     it = cfg.itemsize
     ops = step_ops(scheme, cfg)
     pricer = make_pricer(machine, mode=mode, algorithms=algorithms, itemsize=it, q=scheme.q,
-                         d=scheme.d, p=scheme.p, reduce_impl=reduce_impl, placement=placement)
+                         d=scheme.d, p=scheme.p, reduce_impl=reduce_impl, placement=placement,
+                         pc=scheme.pc)
     dev = machine.device
+    busiest = runs(scheme, cfg)
     gemm = red_bytes = fwd_flops = 0.0
     launches = 0
     for key in ("forward", "backward"):
@@ -402,9 +422,7 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
                 if key == "forward":
                     fwd_flops += 2.0 * cnt * m_ * k_ * n_
             elif op[0] == "mm":
-                _, alg, m_, k_, n_ = op
-                work = _traffic.algorithm_compute(alg, m_, k_, n_, scheme.q, scheme.d, it, None,
-                                                  strict=False)
+                work = product_work(scheme, op, it, busiest=busiest)[1]
                 for a, b_, c, cnt in work.gemms:
                     gemm += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
                     launches += cnt
@@ -414,7 +432,7 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
             elif op[0] == "ring" and op[2] > 1:
                 _, grp, size, items, cnt = op
                 red_bytes += cnt * (size - 1) / size * items * it
-    msgs = _ops_messages(ops["forward"] + ops["backward"], scheme, it)
+    msgs = _ops_messages(ops["forward"] + ops["backward"], scheme, it, busiest)
     comm, by_op, algs = price_messages(msgs, machine, pricer=pricer)
     mem = memory(scheme, cfg)
     if dev is not None:

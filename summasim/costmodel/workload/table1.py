@@ -8,7 +8,7 @@ import math
 from fractions import Fraction
 
 from . import traffic as _traffic
-from .layer import layer_ops
+from .layer import layer_ops, product_work
 from .scheme import Scheme, TransformerConfig, _ALIASES
 
 # -- Table 1 ------------------------------------------------------------------------------
@@ -23,11 +23,13 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
     Communication is priced with the paper's formulas (alpha = 0, beta = 1 per
     scalar; an all-gather ``(P-1) B`` of its B per rank and a reduce-scatter ``(P-1)/P B``,
     as :mod:`~summasim.costmodel.collectives.mpich`'s "paper" mode), computation is
-    counted in scalar multiplications. Any scheme: SUMMA2.5 on [q, q, d] and the 3D
-    cube (``Scheme.make("3d", q=q)``) have no column in the paper. With integer
-    arguments that divide and q a power of two the values are exact Fractions.
-    ``n`` defaults to gcd(h, p q) (heads that every grid divides); ``ffn`` is the
-    MLP multiplier f (the paper's 4).
+    counted in scalar multiplications. Any scheme: SUMMA2.5 on [q, q, d], a rectangular
+    ``pr x pc`` (``[pr, pc, d]``) grid (``Scheme.make("optimus", q=pr, pc=pc)``; the
+    busiest rank, rank (0, 0, 0), where the sizes do not divide it) and the 3D cube
+    (``Scheme.make("3d", q=q)``) have no column in the paper. With integer arguments and
+    group sizes powers of two the values are exact Fractions. ``n`` defaults to
+    gcd(h, p q) (heads that every grid divides); ``ffn`` is the MLP multiplier f (the
+    paper's 4).
 
     Returns
     -------
@@ -48,8 +50,7 @@ def table1(scheme: str | Scheme, b: int, s: int, h: int, p: int, n: int | None =
                 mults += Fraction(op[4]) * Fraction(op[1]) * Fraction(op[2]) * Fraction(op[3])
                 continue
             if op[0] == "mm":
-                msgs = _traffic.algorithm_messages(op[1], op[2], op[3], op[4], sch.q, sch.d, 1)
-                work = _traffic.algorithm_compute(op[1], op[2], op[3], op[4], sch.q, sch.d, 1)
+                msgs, work = product_work(sch, op, 1, strict=True)
                 mults += sum(Fraction(a * b_ * c * cnt) for a, b_, c, cnt in work.gemms)
             else:
                 _, cop, grp, size, items, cnt = op

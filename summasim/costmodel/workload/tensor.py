@@ -20,14 +20,16 @@ from .pipeline import _check_int, check_interleaved
 from ...spec import stage_layers
 
 # -- checks ---------------------------------------------------------------------------------
-def make_scheme(scheme, t: int | None = None, q: int | None = None, d: int = 1) -> Scheme:
+def make_scheme(scheme, t: int | None = None, q: int | None = None, d: int = 1,
+                pc: int | None = None) -> Scheme:
     """A :class:`~summasim.costmodel.workload.scheme.Scheme` from a name and its grid (``t``
-    ranks for Megatron; ``q`` (and ``d``) for Optimus and SUMMA2.5-LM), or as given."""
+    ranks for Megatron; ``q`` (and ``d``, and ``pc`` columns of a rectangular grid) for
+    Optimus and SUMMA2.5-LM), or as given."""
     if isinstance(scheme, Scheme):
         return scheme
     if t is not None and q is None:
-        return Scheme.make(scheme, p=t, d=d)
-    return Scheme.make(scheme, p=t, q=q, d=d)
+        return Scheme.make(scheme, p=t, d=d, pc=pc)
+    return Scheme.make(scheme, p=t, q=q, d=d, pc=pc)
 
 
 def check_composition(cfg: TransformerConfig, scheme: Scheme, dp: int, pp: int,
@@ -185,7 +187,7 @@ def _embedding_parts(scheme, cfg, machine, rpn, pricers=None):
     it = cfg.itemsize
     slow = machine.slowdown(rpn)
     comm_slow = slow if machine.shared_comm else 1.0
-    kw = dict(itemsize=it, q=scheme.q, d=scheme.d, p=scheme.p)
+    kw = dict(itemsize=it, q=scheme.q, d=scheme.d, p=scheme.p, pc=scheme.pc)
     pricers = {} if pricers is None else pricers
     key = ("pricers", machine.name, scheme, it)
     if key not in pricers:
@@ -219,8 +221,9 @@ def _embedding_parts(scheme, cfg, machine, rpn, pricers=None):
 def tensor_memory(scheme: Scheme, cfg: TransformerConfig, b: int) -> TensorMemory:
     """The :class:`TensorMemory` of micro-batches of ``b`` sequences on ``scheme``:
     ``schemes.memory`` at N = 1, 2, under each recompute, the vocabulary doubled and
-    the sequence doubled, differenced (it is linear in each); an untied head is the
-    vocabulary's part of the embedding beyond ``wte``."""
+    the sequence doubled, differenced (it is linear in each); an untied head is what
+    the embedding holds beyond the tied model's (its own blocks: ``[h/pr, V'/pc]`` on a
+    ``pr x pc`` grid, where ``wte``'s are ``[V'/pr, h/pc]``)."""
     c1 = cfg.replace(b=b, N=1, recompute="none")
     it = cfg.itemsize
     m1 = memory(scheme, c1)
@@ -234,10 +237,11 @@ def tensor_memory(scheme: Scheme, cfg: TransformerConfig, b: int) -> TensorMemor
     if cfg.v:
         grad_bufs = memory(scheme, c1.replace(v=0)).activations - act_layer
         logits = m1.activations - act_layer - grad_bufs
-        vocab = (memory(scheme, c1.replace(v=2 * cfg.v)).embedding - m1.embedding) / it
-        if not cfg.tied:                           # wte and the head: the same blocks
-            vocab, head = vocab / 2, vocab / 2
-        wte = vocab
+        tied = c1.replace(tied=True)
+        wte = (memory(scheme, tied.replace(v=2 * cfg.v)).embedding
+               - memory(scheme, tied).embedding) / it
+        if not cfg.tied:                           # the head's own blocks, beyond wte's
+            head = (m1.embedding - memory(scheme, tied).embedding) / it
         wpe = (memory(scheme, c1.replace(s=2 * cfg.s)).embedding - m1.embedding) / it
         lnf = m1.embedding / it - wte - wpe - head
     else:

@@ -11,8 +11,14 @@ An event is ``(op, group, group_size, root, nbytes)`` as in
 every member, or the bytes this rank sends in a sendrecv; ``root`` is the root's
 rank inside the group, -1 for sendrecv. Global shapes: ``A [m, k]``, ``B [k, n]``
 for ``*_ab``; ``A [m, k]``, ``B [n, k]`` for ``*_abt``; ``A [k, m]``, ``B [k, n]``
-for ``*_atb``. ``itemsize`` is bytes per item. For the deep products (``sd25_ab``,
-``mm3d_*``) dimensions must divide evenly (ValueError names the one that does not).
+for ``*_atb``. ``itemsize`` is bytes per item.
+
+The deep products (``sd25_ab``, ``mm3d_*``) take any sizes on their square grid
+(:func:`_deep_general`): sd25_ab's step l moves block l of k of the ``"2d"`` balanced
+blocks; the cube layouts nest the balanced partition (row piece j of block ``M_i``),
+each all-gather sends the rank's piece padded to the largest of its group (``ceil(|M_i|
+/q)`` rows of ``A[M_i, K_k]`` for mm3d_ab's A), and the reduce-scatter's ring chunk t is
+C's row piece t of ``M_i``. With sizes that divide, that is the table below.
 
 The SUMMA family and Cannon (:data:`GENERAL_NAMES`) also take sizes that do not divide
 and, but for Cannon, rectangular ``[pr, pc, d]`` grids (``pc=``): each block is the
@@ -21,8 +27,12 @@ larger), and a SUMMA form steps over the pieces of its stepped dimension that li
 one block of each of its two cuts (ab over k: A's columns in pc blocks, B's rows in pr;
 abt over n: B's rows in pr, C's columns in pc; atb over m: A's columns in pc, C's rows
 in pr), one broadcast (and for abt/atb one reduce) per piece on groups of more than
-one rank; at most ``pr + pc - 1`` pieces. On a square grid with sizes that divide,
-those are the q steps of the table below.
+one rank; at most ``pr + pc - 1`` pieces. A dimension cut over the pc columns may
+take a cut of its own (``cols={"k": offsets}``: a transformer's hidden size cut at its
+heads, ``summasim.transformer.optimus.column_cut``). On a square grid with sizes that
+divide, those are the q steps of the table below. Relaxed (``strict=False``, real sizes) on a
+rectangular grid, every block is the plain quotient and the ``pr + pc - gcd(pr, pc)``
+pieces of the even cuts are taken equal.
 
 =================  =============================================================
 algorithm          events on every rank of the ``[q, q, d]`` grid
@@ -90,6 +100,7 @@ decides the ring chunks; for ``cannon_ab`` ``coords = (i, j)`` decides the skew.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Iterable, NamedTuple
 
@@ -292,6 +303,8 @@ def _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict=True):
 # -- any sizes, any [pr, pc, d] grid (the balanced partition) ------------------------
 #: the products that take uneven blocks and, but for Cannon, rectangular grids
 GENERAL_NAMES = ANY_SIZE
+#: those of them with a relaxed (real-valued) form on a rectangular grid
+RECT_NAMES = tuple(n for n in GENERAL_NAMES if n not in DEEP_NAMES)
 
 
 def _cut(size: int, parts: int) -> list[int]:
@@ -322,12 +335,13 @@ def _pieces(first: list[int], second: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def is_general(name: str, m, k, n, q: int, d: int, pc=None) -> bool:
+def is_general(name: str, m, k, n, q: int, d: int, pc=None, cols=None) -> bool:
     """Whether ``name`` on ``[q, pc, d]`` with these sizes takes the general form: a
-    rectangular grid, or sizes that do not divide it."""
+    rectangular grid, a column cut of its own (``cols``), or sizes that do not divide
+    it."""
     if name not in GENERAL_NAMES or m is None:
         return False
-    if pc is not None and int(pc) != int(q):
+    if (pc is not None and int(pc) != int(q)) or cols:
         return True
     try:
         _blocks(name, m, k, n, q, d, True)
@@ -336,14 +350,30 @@ def is_general(name: str, m, k, n, q: int, d: int, pc=None) -> bool:
     return False
 
 
-def _general(name, m, k, n, pr, pc, d, it, coords):
+def _general(name, m, k, n, pr, pc, d, it, coords, cols=None):
     """``(events, gemms, reduce_bytes)`` of one rank of a SUMMA-family product or
     Cannon on ``[pr, pc, d]`` with any sizes: the balanced blocks, and one step per
-    piece of the stepped dimension's two cuts (see :mod:`summasim.algorithms.summa`)."""
+    piece of the stepped dimension's two cuts (see :mod:`summasim.algorithms.summa`).
+    ``cols``: ``{dim: offsets}``, the cut over the pc columns of a dimension (``"m"``,
+    ``"k"`` or ``"n"``) where it is not the balanced partition (a transformer's hidden
+    size cut at its heads)."""
     m, k, n, pr, pc, d = (int(v) for v in (m, k, n, pr, pc, d))
+    cols = dict(cols or ())
+
+    def col_cut(dim, size):                       # a dimension's cut over the columns
+        return list(cols[dim]) if dim in cols else _cut(size, pc)
+
+    def col_extent(dim, size, t):
+        cut = col_cut(dim, size)
+        return cut[t + 1] - cut[t]
+
     for dim, v in (("m", m), ("k", k), ("n", n)):
         if v < 1:
             raise ValueError(f"{name}: {dim} must be a positive integer, got {v}")
+    if name in DEEP_NAMES:
+        if pr != pc:
+            raise ValueError(f"{name} needs a square grid, got [{pr}, {pc}, {d}]")
+        return _deep_general(name, m, k, n, pr, d, it, coords)
     i, j, kk = _coords(coords, 3)
     deep = name.startswith("summa25")
     rows = d * pr if deep else pr
@@ -371,21 +401,21 @@ def _general(name, m, k, n, pr, pc, d, it, coords):
     # other op's, those two ops (op, group, size, items of a piece of width w), the GEMM
     form = name.split("_")[-1]
     if form == "ab":
-        mi, nj = _extent(m, rows, ri), _extent(n, pc, j)
-        size, cuts = k, (pc, pr)
+        mi, nj = _extent(m, rows, ri), col_extent("n", n, j)
+        size, cuts = k, (col_cut("k", k), _cut(k, pr))
         ops = (("bcast", "row", pc, lambda w: mi * w), ("bcast", "col", pr, lambda w: w * nj))
         gemm = lambda w: (mi, w, nj, 1)  # noqa: E731
     elif form == "abt":
-        mi, kj = _extent(m, rows, ri), _extent(k, pc, j)
-        size, cuts = n, (pr, pc)
+        mi, kj = _extent(m, rows, ri), col_extent("k", k, j)
+        size, cuts = n, (_cut(n, pr), col_cut("n", n))
         ops = (("bcast", "col", pr, lambda w: w * kj), ("reduce", "row", pc, lambda w: mi * w))
         gemm = lambda w: (mi, kj, w, 1)  # noqa: E731
     else:                                           # atb: A [k, m], B [k, n]
-        ki, nj = _extent(k, rows, ri), _extent(n, pc, j)
-        size, cuts = m, (pc, pr)
+        ki, nj = _extent(k, rows, ri), col_extent("n", n, j)
+        size, cuts = m, (col_cut("m", m), _cut(m, pr))
         ops = (("bcast", "row", pc, lambda w: ki * w), ("reduce", "col", pr, lambda w: w * nj))
         gemm = lambda w: (w, ki, nj, 1)  # noqa: E731
-    for w, x, y in _pieces(_cut(size, cuts[0]), _cut(size, cuts[1])):
+    for w, x, y in _pieces(*cuts):
         for (op, group, g, items), root in zip(ops, (x, y)):
             if g > 1:                               # groups of one rank send nothing
                 events.append(EventSpec(op, group, g, root, items(w) * it))
@@ -393,17 +423,106 @@ def _general(name, m, k, n, pr, pc, d, it, coords):
     if pr == 1 and pc == 1:                         # one GEMM, no steps
         gemms = [gemm(size)]
     if name == "summa25_atb" and d > 1:
-        items = _extent(m, pr, i) * _extent(n, pc, j)
+        items = _extent(m, pr, i) * col_extent("n", n, j)
         events += ring_allreduce_events(items, d, kk, "depth", it)
         red = algorithm_compute("ring_reduce_scatter", count=items, p=d, coords=kk,
                                 itemsize=it).reduce_bytes
     return events, gemms, red
 
 
+def _deep_general(name, m, k, n, q, d, it, coords):
+    """``(events, gemms, reduce_bytes)`` of one rank of ``sd25_ab`` or an ``mm3d_*``
+    product with any sizes (:mod:`summasim.algorithms.deep`). sd25_ab: the ``"2d"``
+    balanced blocks, step l moving block l of k. mm3d: the cube layouts' nested
+    partition; each all-gather sends the rank's piece padded to its group's largest,
+    ``ceil(rows/q)`` rows of the block the group gathers, and the reduce-scatter's ring
+    chunk t is C's row piece t of ``M_i`` (``|M_i|`` cut over q, times ``|N_j|``)."""
+    i, j, kk = _coords(coords, 3)
+    mi, nj = _extent(m, q, i), _extent(n, q, j)
+    events: list[EventSpec] = []
+    if name == "sd25_ab":
+        kw = lambda t: _extent(k, q, t)  # noqa: E731
+        if d > 1:                                   # layer 0's blocks to the layers
+            events += [EventSpec("bcast", "depth", d, 0, mi * kw(j) * it),
+                       EventSpec("bcast", "depth", d, 0, kw(i) * nj * it)]
+        first = sum(layer_steps(q, d, x) for x in range(kk))
+        steps = range(first, first + layer_steps(q, d, kk))
+        if q > 1:
+            for l in steps:
+                events += [EventSpec("bcast", "row", q, l, mi * kw(l) * it),
+                           EventSpec("bcast", "col", q, l, kw(l) * nj * it)]
+        gemms = [(mi, kw(l), nj, 1) for l in steps] if q > 1 else (
+            [(mi, k, nj, 1)] if len(steps) else [])
+        red = 0
+        if d > 1:
+            events += ring_allreduce_events(mi * nj, d, kk, "depth", it)
+            red = algorithm_compute("ring_reduce_scatter", count=mi * nj, p=d, coords=kk,
+                                    itemsize=it).reduce_bytes
+        return events, gemms, red
+    if d != q:
+        raise ValueError(f"{name} needs a cube (d == q), got q={q}, d={d}")
+    kd = _extent(k, q, kk)
+    # (rows of the gathered block, its columns) for A along the row and B down the column
+    a_rows, a_cols = (kd, mi) if name == "mm3d_atb" else (mi, kd)
+    b_rows, b_cols = (nj, kd) if name == "mm3d_abt" else (kd, nj)
+    gemms = [(mi, kd, nj, 1)]
+    if q == 1:
+        return events, gemms, 0
+    events += [EventSpec("allgather", "row", q, -1, -(-a_rows // q) * a_cols * it),
+               EventSpec("allgather", "col", q, -1, -(-b_rows // q) * b_cols * it)]
+    chunk = [_extent(mi, q, t) * nj for t in range(q)]
+    # step s sends chunk (k - s) mod q and adds the received (k - s - 1) mod q
+    events += [EventSpec("sendrecv", "depth", q, -1, chunk[(kk - s) % q] * it)
+               for s in range(q - 1)]
+    red = sum(chunk[(kk - s - 1) % q] for s in range(q - 1)) * it
+    return events, gemms, red
+
+
+def _relaxed_rect(name, m, k, n, pr, pc, d, it):
+    """``(messages, gemms, reduce_bytes)`` of a SUMMA-family product on ``[pr, pc, d]``
+    with real-valued blocks (``strict=False``: scaling studies): every block the plain
+    quotient, and the stepped dimension cut into ``pr + pc - gcd(pr, pc)`` equal pieces
+    (as many as the even cuts over pc and over pr make together; q on a square grid)."""
+    if name == "cannon_ab":
+        raise ValueError(f"cannon_ab needs a q x q grid, got [{pr}, {pc}, {d}]")
+    for dim, v in (("m", m), ("k", k), ("n", n)):
+        _real(name, dim, v, 1, "1")
+    rows = d * pr if name.startswith("summa25") else pr
+    steps = pr + pc - math.gcd(pr, pc)
+    form = name.split("_")[-1]
+    if form == "ab":                       # k stepped; A [m/rows, k/pc], B [k/pr, n/pc]
+        mi, nj, w = m / rows, n / pc, k / steps
+        ops = (("bcast", "row", pc, mi * w), ("bcast", "col", pr, w * nj))
+        gemm = (mi, w, nj, steps)
+    elif form == "abt":                    # n stepped; B [n/pr, k/pc], C [m/rows, n/pc]
+        mi, kj, w = m / rows, k / pc, n / steps
+        ops = (("bcast", "col", pr, w * kj), ("reduce", "row", pc, mi * w))
+        gemm = (mi, kj, w, steps)
+    else:                                  # atb, m stepped; A [k/rows, m/pc], C [m/pr, n/pc]
+        ki, nj, w = k / rows, n / pc, m / steps
+        ops = (("bcast", "row", pc, ki * w), ("reduce", "col", pr, w * nj))
+        gemm = (w, ki, nj, steps)
+    msgs = [MessageClass(op, group, g, items * it, steps) for op, group, g, items in ops
+            if g > 1]                      # groups of one rank send nothing
+    red = 0
+    if name == "summa25_atb" and d > 1:
+        items = m / pr * (n / pc)
+        msgs += _ring_messages("ring_allreduce", items, d, 0, "depth", it, False)
+        red = algorithm_compute("ring_reduce_scatter", count=items, p=d, itemsize=it,
+                                strict=False).reduce_bytes
+    return msgs, [gemm], red
+
+
+def _rectangular(q, pc) -> bool:
+    """Whether ``pc`` makes the grid rectangular (given and not q)."""
+    return pc is not None and int(pc) != int(q)
+
+
 def algorithm_events(name: str, m: int | None = None, k: int | None = None,
                      n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                      coords=None, *, count: int | None = None, p: int | None = None,
-                     group: str | None = None, pc: int | None = None) -> list[EventSpec]:
+                     group: str | None = None, pc: int | None = None,
+                     cols=None) -> list[EventSpec]:
     """The events one rank records when it runs algorithm ``name``.
 
     Parameters
@@ -420,6 +539,10 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
         Columns of a rectangular ``[q, pc, d]`` grid (SUMMA and SUMMA2.5). A rectangular
         grid, or sizes that do not divide, give the events of the balanced blocks
         (:data:`GENERAL_NAMES`).
+    cols : mapping, keyword-only, optional
+        ``{"m" | "k" | "n": offsets}``: the cut over the pc columns of a dimension that is
+        not the balanced partition (``pc + 1`` offsets; a transformer's hidden size cut
+        at its heads); the general form.
     coords : tuple or int, optional
         ``(i, j, k)`` grid coordinates (Cannon: ``(i, j)``; rings: the group rank r).
     count, p, group : optional
@@ -438,9 +561,9 @@ def algorithm_events(name: str, m: int | None = None, k: int | None = None,
         if name == "ring_allgather":
             return ring_allgather_events(n_items, size, r, grp, itemsize)
         return ring_allreduce_events(n_items, size, r, grp, itemsize)
-    if is_general(name, m, k, n, q, d, pc):
+    if is_general(name, m, k, n, q, d, pc, cols):
         return _general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
-                        coords)[0]
+                        coords, cols)[0]
     (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords)
     q = int(q)
     events: list[EventSpec] = []
@@ -534,19 +657,23 @@ def algorithm_messages(name: str, m: int | None = None, k: int | None = None,
                        n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                        coords=None, *, count: int | None = None, p: int | None = None,
                        group: str | None = None, strict: bool = True,
-                       pc: int | None = None) -> list[MessageClass]:
+                       pc: int | None = None, cols=None) -> list[MessageClass]:
     """The events of :func:`algorithm_events` grouped into :class:`MessageClass`
     entries, computed in O(1) per class (no enumeration; fast for q, P ~ 10^5).
 
     ``strict=False`` accepts dimensions that do not divide (real-valued block
-    sizes and equal ring chunks): the continuous relaxation used in scaling studies.
+    sizes and equal ring chunks): the continuous relaxation used in scaling studies;
+    on a rectangular grid (``pc``) its ``pr + pc - gcd(pr, pc)`` steps move equal pieces
+    (:func:`_relaxed_rect`; ``cols`` is then left out).
     """
     if name in RING_NAMES:
         n_items, size, r = _ring_args(name, count, p, coords, m)
         return _ring_messages(name, n_items, size, r, group or "ring", itemsize, strict)
-    if strict and is_general(name, m, k, n, q, d, pc):
+    if strict and is_general(name, m, k, n, q, d, pc, cols):
         return _grouped(_general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
-                                 coords)[0])
+                                 coords, cols)[0])
+    if not strict and name in RECT_NAMES and _rectangular(q, pc):
+        return _relaxed_rect(name, m, k, n, int(q), int(pc), int(d), int(itemsize))[0]
     (b0, b1, b2), plan = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
     q = int(q)
     out: list[MessageClass] = []
@@ -600,8 +727,8 @@ def summarize_events(events: Iterable) -> dict[tuple[str, str], tuple[int, int]]
 def algorithm_traffic(name: str, m: int | None = None, k: int | None = None,
                       n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                       coords=None, *, count: int | None = None, p: int | None = None,
-                      group: str | None = None,
-                      pc: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+                      group: str | None = None, pc: int | None = None,
+                      cols=None) -> dict[tuple[str, str], tuple[int, int]]:
     """``{(op, group): (number of events, total nbytes)}`` of one rank running ``name``.
 
     Same arguments as :func:`algorithm_events`. Example: ``summa_ab`` with
@@ -609,14 +736,15 @@ def algorithm_traffic(name: str, m: int | None = None, k: int | None = None,
     ("bcast", "col"): (2, 256)}``.
     """
     return summarize_events(algorithm_messages(name, m, k, n, q, d, itemsize, coords,
-                                               count=count, p=p, group=group, pc=pc))
+                                               count=count, p=p, group=group, pc=pc,
+                                               cols=cols))
 
 
 def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
                       n: int | None = None, q: int = 1, d: int = 1, itemsize: int = 8,
                       coords=None, *, count: int | None = None, p: int | None = None,
                       group: str | None = None, strict: bool = True,
-                      pc: int | None = None) -> Compute:
+                      pc: int | None = None, cols=None) -> Compute:
     """Local work of one rank: GEMM shapes ``(m_, k_, n_, count)`` (flops = 2 m_ k_ n_
     each) and bytes added locally (the ring reduce-scatter's ``+=``; SUMMA's reduce
     sums happen inside MPI and are priced with the reduce)."""
@@ -628,9 +756,12 @@ def algorithm_compute(name: str, m: int | None = None, k: int | None = None,
         rs = _ring_messages("ring_reduce_scatter", n_items, size, (r - 1) % size, "ring",
                             itemsize, strict)
         return Compute((), sum(mc.nbytes * mc.count for mc in rs))
-    if strict and is_general(name, m, k, n, q, d, pc):
+    if strict and is_general(name, m, k, n, q, d, pc, cols):
         _, gemms, red = _general(name, m, k, n, q, q if pc is None else pc, d, int(itemsize),
-                                 coords)
+                                 coords, cols)
+        return Compute(tuple(gemms), red)
+    if not strict and name in RECT_NAMES and _rectangular(q, pc):
+        _, gemms, red = _relaxed_rect(name, m, k, n, int(q), int(pc), int(d), int(itemsize))
         return Compute(tuple(gemms), red)
     (b0, b1, b2), _ = _matmul_plan(name, m, k, n, q, d, itemsize, coords, strict)
     q = int(q)
