@@ -72,6 +72,26 @@ def world():
     return WORLD
 
 
+@pytest.fixture(scope="module")
+def grids(backend):
+    """``get(q, d, pc=None)``: a Grid over every rank (q rows, pc columns, d deep), built
+    once per module on the chosen backend, its trace cleared; freed at the module's end."""
+    from summasim.grid import Grid
+
+    made: dict = {}
+
+    def get(q, d, pc=None):
+        if (q, d, pc) not in made:
+            made[(q, d, pc)] = Grid(WORLD, q, d, backend=backend, pc=pc)
+        g = made[(q, d, pc)]
+        g.trace.clear()
+        return g
+
+    yield get
+    for g in made.values():
+        g.free()
+
+
 @pytest.fixture(scope="session")
 def backend(request):
     """The backend chosen with --backend. CuPy skips (on every rank) only without a GPU."""

@@ -12,7 +12,6 @@ from _util import WORLD, grid_shapes, parallel_assert, random_matrix
 from summasim import algorithms as algs
 from summasim import layout
 from summasim.comm import Comm
-from summasim.grid import Grid
 from summasim.algorithms.table import ALGORITHMS, stored_shapes
 from summasim.validate import product_error, tolerance
 
@@ -20,22 +19,6 @@ P = WORLD.Get_size()
 PRODUCTS = [n for n, spec in ALGORITHMS.items() if spec.is_product]
 CASES = [(name, q, d) for name in PRODUCTS for q, d in grid_shapes(P)
          if not (name == "cannon_ab" and d > 1) and not (name.startswith("mm3d") and d != q)]
-
-
-@pytest.fixture(scope="module")
-def grids(backend):
-    made: dict = {}
-
-    def get(q, d):
-        if (q, d) not in made:
-            made[(q, d)] = Grid(WORLD, q, d, backend=backend)
-        g = made[(q, d)]
-        g.trace.clear()
-        return g
-
-    yield get
-    for g in made.values():
-        g.free()
 
 
 @pytest.mark.parametrize("name,q,d", CASES, ids=[f"{n}-q{q}d{d}" for n, q, d in CASES])

@@ -13,7 +13,6 @@ from _util import WORLD, collective_raises, parallel_assert, random_matrix, skip
 from summasim import layout
 from summasim.algorithms.table import ALGORITHMS, stored_shapes
 from summasim.costmodel.workload.traffic import algorithm_events
-from summasim.grid import Grid
 from summasim.spec import ANY_SIZE, RECTANGULAR
 from summasim.validate import product_error, tolerance
 
@@ -22,24 +21,10 @@ RANK = WORLD.Get_rank()
 #: the [pr, pc, d] factorizations of P (at most 6 of them, the most square first)
 FACTORS = sorted(((pr, P // (pr * d), d) for d in range(1, P + 1) for pr in range(1, P + 1)
                   if P % (pr * d) == 0), key=lambda g: (abs(g[0] - g[1]), g))[:6]
+#: (the 2.5D and 3D products on their own grids: test_deep_products)
 CASES = [(name, g) for name in ANY_SIZE for g in FACTORS
-         if name in RECTANGULAR or (g[0] == g[1] and g[2] == 1)]
-
-
-@pytest.fixture(scope="module")
-def grids(backend):
-    made: dict = {}
-
-    def get(pr, pc, d):
-        if (pr, pc, d) not in made:
-            made[(pr, pc, d)] = Grid(WORLD, pr, d, backend=backend, pc=pc)
-        g = made[(pr, pc, d)]
-        g.trace.clear()
-        return g
-
-    yield get
-    for g in made.values():
-        g.free()
+         if ALGORITHMS[name].kind not in ("2.5d-deep", "3d")
+         and (name in RECTANGULAR or (g[0] == g[1] and g[2] == 1))]
 
 
 def _operands(name, m, k, n, dtype, seed):
@@ -59,7 +44,7 @@ def test_any_sizes_match_numpy_and_the_ledger_its_closed_form(grids, backend, na
                                                               dtype, told, seed):
     """Every rank's block equals NumPy's within the bound, with the sizes given or found
     by the blocks' all-gather, and every rank's trace is the closed form's events."""
-    grid = grids(*g)
+    grid = grids(g[0], g[2], g[1])                        # (pr, d, pc)
     spec = ALGORITHMS[name]
     m, k, n = sizes
     A, B = _operands(name, m, k, n, dtype, seed)
@@ -83,7 +68,7 @@ def test_blocks_that_are_not_the_balanced_partition_are_refused_everywhere(grids
     ValueError naming rank 0, before anything is sent."""
     skip_unless(P > 1, "needs two ranks")
     pr, pc, d = FACTORS[0]
-    grid = grids(pr, pc, d)
+    grid = grids(pr, d, pc)
     m, k, n = 2 * pr + 1, 3 * pc + 2, 2 * pc + 1
     A, B = _operands("summa_ab", m, k, n, np.float64, 1)
     a = layout.split(A, grid, "2d")
@@ -106,7 +91,7 @@ def test_blocks_that_are_not_the_balanced_partition_are_refused_everywhere(grids
 def test_cannon_and_the_deep_products_refuse_a_rectangular_grid(grids):
     rect = [g for g in FACTORS if g[0] != g[1]]
     skip_unless(bool(rect), f"p = {P} has no rectangular layer")
-    grid = grids(*rect[0])
+    grid = grids(rect[0][0], rect[0][2], rect[0][1])      # (pr, d, pc)
     for name, needle in (("cannon_ab", "needs a q x q grid"), ("sd25_ab", "square grid"),
                          ("mm3d_ab", "square grid")):
         msg = collective_raises(ValueError, ALGORITHMS[name].fn, np.ones((2, 2)),

@@ -8,11 +8,11 @@ name           global ``[m, n]`` split              rank ``(i, j, k)`` holds
 =============  ===================================  ===============================
 ``"2d"``       pr x pc blocks (q x q)               block ``(i, j)``; same for all k
 ``"2.5d"``     rows in d*pr blocks, cols in pc      block ``(k*pr + i, j)``
-``"3d-a"``     rows in q*q blocks, cols in q        block ``(i*q + j, k)`` (3D A [m, k])
-``"3d-b"``     rows in q*q blocks, cols in q        block ``(k*q + i, j)`` (3D B [k, n])
-``"3d-c"``     rows in q*q blocks, cols in q        block ``(i*q + (k+1) % q, j)`` (3D C)
-``"3d-bt"``    rows in q*q blocks, cols in q        block ``(j*q + i, k)`` (3D B [n, k])
-``"3d-at"``    rows in q*q blocks, cols in q        block ``(k*q + j, i)`` (3D A [k, m])
+``"3d-a"``     rows in q*q pieces, cols in q        piece ``(i*q + j, k)`` (3D A [m, k])
+``"3d-b"``     rows in q*q pieces, cols in q        piece ``(k*q + i, j)`` (3D B [k, n])
+``"3d-c"``     rows in q*q pieces, cols in q        piece ``(i*q + (k+1) % q, j)`` (3D C)
+``"3d-bt"``    rows in q*q pieces, cols in q        piece ``(j*q + i, k)`` (3D B [n, k])
+``"3d-at"``    rows in q*q pieces, cols in q        piece ``(k*q + j, i)`` (3D A [k, m])
 ``"row"``      rows (axis 0) in p blocks            block ``r`` of the 1D group
 ``"col"``      columns (last axis) in p blocks      block ``r`` of the 1D group
 ``"replicated"``  none                              the whole array
@@ -38,6 +38,15 @@ is more than one item larger than another (ScaLAPACK's block-cyclic layout with 
 block per process is the same thing when the sizes divide). :func:`partition` gives
 the offsets, :func:`block_slices` and :func:`block_shape` a rank's block, and
 :func:`split`/:func:`join` work on any sizes.
+
+The cube layouts nest the partition: row piece ``o*q + t`` is piece ``t`` of the
+balanced partition over q of block ``o`` of the balanced partition over q (e.g.
+``"3d-a"``: rank (i, j, k) holds piece j of ``A``'s row block ``I_i``), so the q pieces
+of one block stack to that block (what the 3D algorithm's all-gathers and its
+reduce-scatter need: :mod:`summasim.algorithms.deep`). With sizes that divide by q^2
+it is the flat cut into q*q blocks; otherwise pieces of one block differ by at most
+one row, pieces of different blocks by at most two (the largest, ``ceil(ceil(m/q)/q)
+= ceil(m/q^2)`` rows, is :func:`max_block_shape`'s).
 
 :func:`local_shape` is the even case only: a dimension that does not divide raises a
 ``ValueError`` naming the dimension, its size and the divisor (for callers, such as
@@ -157,6 +166,14 @@ def local_shape(global_shape, name: str, q: int = 1, d: int = 1, p: int = 1,
     return tuple(out)
 
 
+def nested_range(size: int, q: int, outer: int, inner: int) -> tuple[int, int]:
+    """``(start, stop)`` of piece ``inner`` of the balanced partition over ``q`` of block
+    ``outer`` of the balanced partition of ``size`` over ``q`` (the cube layouts' rows)."""
+    o0, o1 = block_range(size, q, outer)
+    s0, s1 = block_range(o1 - o0, q, inner)
+    return o0 + s0, o0 + s1
+
+
 def block_slices(global_shape, name: str, g: GridNumbers) -> tuple[slice, ...]:
     """Index of the rank's block in the global array (one slice per axis), for any
     sizes (the balanced partition of :func:`partition`)."""
@@ -168,7 +185,9 @@ def block_slices(global_shape, name: str, g: GridNumbers) -> tuple[slice, ...]:
         return tuple(sl)
     nr, nc = block_counts(name, g.q, g.d, g.p, g.pc)
     bi, bj = block_index(name, g)
-    if name != "col":
+    if name in _CUBE_LAYOUTS:                   # piece bi % q of block bi // q
+        sl[0] = slice(*nested_range(shape[0], g.q, bi // g.q, bi % g.q))
+    elif name != "col":
         sl[0] = slice(*block_range(shape[0], nr, bi))
     if name != "row":
         sl[-1] = slice(*block_range(shape[-1], nc, bj))

@@ -62,10 +62,11 @@ ALGORITHM_KINDS: dict[str, str] = {
 }
 #: The matrix products (every algorithm but the ring).
 PRODUCTS: tuple[str, ...] = tuple(n for n, k in ALGORITHM_KINDS.items() if k != "ring")
-#: The products that run on any sizes (blocks of the balanced partition; the others need
-#: sizes that divide their grid).
+#: The products that run on any sizes (blocks of the balanced partition; the 3D
+#: products' cube layouts nest it: row piece j of block i; every product takes them).
 ANY_SIZE: tuple[str, ...] = ("cannon_ab", "summa_ab", "summa_abt", "summa_atb",
-                             "summa25_ab", "summa25_abt", "summa25_atb")
+                             "summa25_ab", "summa25_abt", "summa25_atb", "sd25_ab",
+                             "mm3d_ab", "mm3d_abt", "mm3d_atb")
 #: The products that also run on rectangular ``pr x pc`` (and ``[pr, pc, d]``) grids.
 #: Cannon needs a square torus; the 2.5D and 3D products of Solomonik-Demmel and
 #: Agarwal a square layer or a cube.

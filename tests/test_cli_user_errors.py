@@ -150,7 +150,7 @@ def test_explore_megatron_beyond_its_heads_does_not_fit():
 
 
 def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
-    """Megatron with 16 heads is priced up to p = 16 only; Optimus [q, q] needs b % q;
+    """Megatron with 16 heads is priced up to p = 16 only; Optimus [pr, pc] needs b % pr;
     the matrix products need n % (d q); the sweep says what it left out and why."""
     import json
 
@@ -164,11 +164,13 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
     doc = json.loads((tmp_path / "explore.json").read_text())
     strong = doc["tables"]["strong"]
     assert max(r["p"] for r in strong if r["scheme"] == "megatron") == 16
-    # b = 2: Optimus on [1,1] and [2,2] only; no SUMMA2.5 grid (q, d >= 2: d q >= 4)
-    assert {r["p"] for r in strong if r["scheme"] == "optimus"} == {1, 4}
-    assert not [r for r in strong if r["scheme"] == "summa25"]
-    weak = doc["tables"]["weak"]                      # b = 2 p: every [q, q] fits
-    assert {r["p"] for r in weak if r["scheme"] == "optimus"} == {1, 4, 16, 64}
+    # b = 2: Optimus on [1,1], [1,2] (or [2,1]), [2,2] and [2,4] (b % pr: pr <= 2);
+    # SUMMA2.5 on [1,2,2] only (d pr = 2; the square [q, q, d] grids need d q >= 4)
+    assert {r["p"] for r in strong if r["scheme"] == "optimus"} == {1, 2, 4, 8}
+    assert [(r["p"], r["grid"]) for r in strong if r["scheme"] == "summa25"] == [
+        (4, "SUMMA2.5 [1,2,2]")]
+    weak = doc["tables"]["weak"]                      # b = 2 p: a grid fits at every p
+    assert {r["p"] for r in weak if r["scheme"] == "optimus"} == {1, 2, 4, 8, 16, 32, 64}
     for r in doc["tables"]["largest_batch"]:
         assert r["scheme"] != "megatron" or r["p"] <= 16
     matmul = doc["tables"]["matmul"]                  # 1020 % 8 != 0, 1020 % 16 != 0
@@ -182,16 +184,16 @@ def test_explore_reports_grids_that_do_not_divide_the_model(tmp_path, capsys):
                                                                           64}
     assert [r["grid"] for r in matmul if r["algorithm"] == "summa25_ab" and r["p"] == 4] == \
         ["[1,2,2]"]
-    # at 64 Solomonik-Demmel runs on [4,4,4] (it needs n % q); the 3D cube needs n % q^2
+    # at 64 Solomonik-Demmel and the 3D product both run on [4,4,4], n = 1020 cut into
+    # balanced blocks (the cube's nested partition over q^2 = 16 row pieces)
     assert {(r["algorithm"], r["grid"]) for r in matmul if r["p"] == 64
-            and r["algorithm"] in ("sd25_ab", "mm3d_ab")} == {("sd25_ab", "[4,4,4]")}
-    assert "mm3d_ab at p = 64 (n = 1020 is not divisible by q^2 = 16)" in out
+            and r["algorithm"] in ("sd25_ab", "mm3d_ab")} == {("sd25_ab", "[4,4,4]"),
+                                                              ("mm3d_ab", "[4,4,4]")}
     # the crossovers: --matmul-n and three GPT-3 hidden sizes; the 3D product moves fewer
-    # words than SUMMA from its first cube on (n = 1020 it cannot run at 64: not a cube of it)
+    # words than SUMMA from its first cube on
     cross = doc["tables"]["crossovers"]
     assert {c["n"] for c in cross} == {1020, 2560, 4096, 12288} and "crossovers:" in out
-    assert all(c["p_words"] == 8 for c in cross if c["algorithm"] == "mm3d_ab"
-               and c["n"] != 1020)
+    assert all(c["p_words"] == 8 for c in cross if c["algorithm"] == "mm3d_ab")
     assert "not priced" in out and "heads n = 16 is smaller than p = 32 (one per rank)" in out
 
 
@@ -201,7 +203,8 @@ PREDICT_CASES = [
     ([], "--model"),                                             # required
     (["--model", "tiny"], "--mesh"),                             # required
     (["--model", "gpt9", "--mesh", "tp=optimus:2x2"], "--model"),
-    (["--model", "tiny", "--mesh", "tp=optimus:2x3"], "--mesh"),
+    (["--model", "tiny", "--mesh", "tp=3d:2x3x2"], "--mesh"),
+    (["--model", "tiny", "--mesh", "tp=optimus:2x32"], "heads"),  # 16 heads on 32 columns
     (["--model", "tiny", "--mesh", "tp=summa25:2x2x1"], "--mesh"),
     (["--model", "tiny", "--mesh", "dp=0"], "--mesh"),
     (["--model", "tiny", "--mesh", "tp=megatron:32"], "heads"),  # 16 heads on 32 ranks

@@ -90,12 +90,26 @@ def test_cannon_by_hand(coords, rows, cols):
         algorithm_traffic("cannon_ab", 6, 9, 12, 3, 2)
 
 
+def test_deep_products_on_sizes_that_do_not_divide_by_hand():
+    """The deep products take any sizes. mm3d_ab, m = 10, k = n = 8, q = 2, rank
+    (0, 0, 0): M_0 = 5 rows (pieces 3, 2), K_0 = N_0 = 4; A's pieces padded to 3 x 4,
+    B's 2 x 4; ring chunks of C[M_0, N_0] 3 x 4 and 2 x 4, step 0 sends chunk 0.
+    sd25_ab, 4 x 9 x 4 on [2, 2, 2], rank (0, 0, 0): blocks A 2 x 5, B 5 x 2; layer 0
+    runs step 0 (K_0: 5 wide); the ring sums 2 x 2 over 2 layers."""
+    assert algorithm_traffic("mm3d_ab", 10, 8, 8, 2, 2, itemsize=1) == {
+        ("allgather", "row"): (1, 12), ("allgather", "col"): (1, 8),
+        ("sendrecv", "depth"): (1, 12)}
+    assert algorithm_traffic("sd25_ab", 4, 9, 4, 2, 2, itemsize=1) == {
+        ("bcast", "depth"): (2, 20), ("bcast", "row"): (1, 10), ("bcast", "col"): (1, 10),
+        ("sendrecv", "depth"): (2, 4)}
+
+
 def test_errors_name_the_dimension():
-    """The deep products need sizes that divide; the errors name the dimension."""
-    with pytest.raises(ValueError, match=r"mm3d_ab: m=10 is not divisible by q\*q=4"):
-        algorithm_traffic("mm3d_ab", 10, 8, 8, 2, 2)
-    with pytest.raises(ValueError, match=r"sd25_ab: k=9 is not divisible by q=2"):
-        algorithm_traffic("sd25_ab", 4, 9, 4, 2, 2)
+    """Bad grids and sizes: the errors say what."""
+    with pytest.raises(ValueError, match=r"mm3d_ab needs a cube"):
+        algorithm_traffic("mm3d_ab", 10, 8, 8, 2, 1)
+    with pytest.raises(ValueError, match=r"sd25_ab needs a square grid"):
+        algorithm_traffic("sd25_ab", 4, 9, 4, 2, 2, pc=1)
     with pytest.raises(ValueError, match="unknown algorithm"):
         algorithm_traffic("fox_ab", 4, 4, 4, 2)
     with pytest.raises(ValueError, match="m must be a positive integer"):
@@ -190,7 +204,8 @@ def test_predict_trace_sums_events_and_slowdown():
 @pytest.mark.parametrize("name,m,k,n,q,d,coords", [
     ("summa_ab", 64, 32, 48, 4, 1, (0, 0, 0)), ("summa_abt", 64, 32, 48, 4, 1, (1, 2, 0)),
     ("summa25_atb", 32, 64, 48, 4, 2, (0, 0, 1)), ("cannon_ab", 64, 64, 64, 4, 1, (1, 1)),
-    ("summa25_abt", 64, 32, 48, 2, 2, (0, 0, 0))])
+    ("summa25_abt", 64, 32, 48, 2, 2, (0, 0, 0)), ("sd25_ab", 9, 10, 7, 2, 2, (1, 0, 1)),
+    ("mm3d_atb", 9, 10, 7, 2, 2, (1, 0, 1))])
 def test_trace_and_closed_form_agree(name, m, k, n, q, d, coords):
     ev = algorithm_events(name, m, k, n, q, d, 8, coords)
     work = algorithm_compute(name, m, k, n, q, d, 8, coords)
@@ -217,8 +232,10 @@ def test_predict_algorithm_worst_rank_and_overlap():
     # strict=False accepts shapes that do not divide (scaling studies)
     loose = predict_algorithm("summa_ab", 10, 10, 10, 4, machine=M, strict=False)
     assert loose.seconds > 0
-    with pytest.raises(ValueError, match="not divisible"):
-        predict_algorithm("sd25_ab", 9, 10, 10, 2, 2, machine=M)
+    # sd25_ab too: rank (0, 0, k) holds the largest blocks, 5 x 5 (m = 9, k = n = 10)
+    deep = predict_algorithm("sd25_ab", 9, 10, 10, 2, 2, machine=M)
+    assert deep.counts[("bcast", "depth")] == (2, 2 * 25 * 8)
+    assert deep.counts[("sendrecv", "depth")] == (2, 25 * 8)    # ring chunks 13 + 12
     # SUMMA takes them as they are: the balanced blocks, priced on the busiest rank
     uneven = predict_algorithm("summa_ab", 10, 10, 10, 4, machine=M)
     assert uneven.counts[("bcast", "row")] == (4, 3 * 10 * 8)     # m_0 = 3 rows, all of k

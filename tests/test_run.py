@@ -65,15 +65,18 @@ def test_default_sizes_are_rounded_to_fit(name, q, d):
 
 
 def test_user_sizes_that_do_not_divide():
-    """Cannon, SUMMA and SUMMA2.5 run on them (balanced blocks); a product that needs
-    sizes that divide is skipped with the reason."""
+    """Every product runs on them (balanced blocks; the cube's nested): Cannon, SUMMA,
+    SUMMA2.5, and the 2.5D and 3D products, none rounded up or skipped."""
     cases, skips = plan_products(16, ["summa_ab", "summa25_ab", "cannon_ab", "sd25_ab"],
                                  sizes=(9, 7, 5))
     assert [c.label() for c in cases] == ["summa_ab 4x4 9x7x5", "summa25_ab [2,2,4] 9x7x5",
-                                          "cannon_ab 4x4 9x7x5"]
-    assert {s.name: s.reason for s in skips} == {
-        "sd25_ab": "m=9 is not divisible by 2; k=7 is not divisible by 2; "
-                   "n=5 is not divisible by 2"}
+                                          "cannon_ab 4x4 9x7x5", "sd25_ab [2,2,4] 9x7x5"]
+    assert skips == []
+    cases, skips = plan_products(8, ["mm3d_ab", "mm3d_abt", "mm3d_atb", "sd25_ab"],
+                                 sizes=(9, 7, 5))
+    assert [c.label() for c in cases] == ["mm3d_ab 2x2x2 9x7x5", "mm3d_abt 2x2x2 9x7x5",
+                                          "mm3d_atb 2x2x2 9x7x5", "sd25_ab [2,2,2] 9x7x5"]
+    assert skips == []
 
 
 def test_the_ring_row_of_the_table_has_no_product_sizes():

@@ -261,7 +261,8 @@ def block_sizes(fn: str, form: str, grid, layouts, every) -> dict:
     return sizes
 
 
-def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra=None):
+def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra=None,
+                 inner: bool = True):
     """The checked entry of a product whose blocks may be uneven (any sizes, the
     balanced partition of :mod:`summasim.layout`) on any ``[pr, pc, d]`` grid.
 
@@ -271,6 +272,9 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
     derives them (:func:`summasim.mpiutil.gather_agreed`; it runs even with the
     agreement off, since the algorithm needs the sizes). Returns ``(backend, sizes)``
     with ``sizes = {"m":, "k":, "n":}``; raises the same error on every rank.
+    ``inner=False`` skips the local test that abt's and atb's blocks agree on the
+    contracted extent (the cube layouts cut it into different pieces of one block:
+    mm3d_atb's A and B rows); the global sizes are still checked to conform.
     """
     check_grid(grid, fn)           # no grid, no communicator to agree over: raise alone
     g = rank_numbers(grid, grid.world.rank)
@@ -284,7 +288,7 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
         be = check_operands(a, b, fn)
         if extra is not None:
             extra()
-        if form != "ab":       # abt and atb contract an axis both operands cut alike
+        if form != "ab" and inner:   # abt and atb contract an axis both cut alike
             (ia, ib), _ = _FORMS[form]
             check_inner(fn, f"a.shape[{ia}] vs b.shape[{ib}]", a.shape[ia], b.shape[ib])
         if given is not None:

@@ -112,8 +112,14 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
     return ring_reduce_scatter_unchecked(flat, comm, work)
 
 
-def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None) -> int:
+def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None,
+                                  bounds=None) -> int:
     """:func:`ring_reduce_scatter` without the checks and the agreement (library use).
+
+    ``bounds``: the P chunks ``[(start, stop)]`` (in order, tiling ``flat``) where they
+    are not the near-equal ones of :func:`chunk_bounds` (mm3d's C: row-aligned pieces of
+    the nested partition); the steps are the same, each sends its chunk of ``bounds``
+    and ``work`` (when given) needs room for the largest.
 
     With ``src`` (a buffer like ``flat``), this rank's contribution is read from
     ``src`` and the partial sums are written to ``flat``, which need not be
@@ -132,11 +138,13 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None) -> 
         return 0
     if src is flat and comm.staged_whole(flat, "reduce_scatter"):
         _on_host_copy(flat, flat, comm, lambda h, twin: ring_reduce_scatter_unchecked(
-            h, twin, add=add))
+            h, twin, add=add, bounds=bounds))
         return (r + 1) % p
-    bounds = _bounds(flat.shape[0], p)
+    if bounds is None:
+        bounds = _bounds(flat.shape[0], p)
     if work is None:
-        work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
+        widest = max(hi - lo for lo, hi in bounds)
+        work = comm.workspace("ring.recv", flat[:widest], 1)[0]
     step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or _xp(flat).add)
     finish()

@@ -25,9 +25,9 @@ ring_allreduce  ring       -     -         -         -
 ``op`` names C[m, n] = op(A)[m, k] op(B)[k, n]: ``ab`` stores A [m, k] and B [k, n],
 ``abt`` stores B as [n, k], ``atb`` stores A as [k, m].
 
-Cannon, SUMMA and SUMMA2.5 take any sizes (``spec.any_size``: blocks of the balanced
-partition); SUMMA and SUMMA2.5 also rectangular grids (``spec.rectangular``). The deep
-products need sizes that divide (``spec.divisors``).
+Every product takes any sizes (``spec.any_size``: blocks of the balanced partition,
+nested in the 3D products' cube layouts, :mod:`summasim.layout`), so ``divisors`` is 1
+for each; SUMMA and SUMMA2.5 also rectangular grids (``spec.rectangular``).
 """
 
 from __future__ import annotations

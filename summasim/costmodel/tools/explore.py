@@ -24,8 +24,9 @@ is the whole training step of :func:`~summasim.costmodel.workload.step.step_brea
 (embedding, layers, head, loss, optimizer, NCCL collectives on the topology under a
 placement); elsewhere it is N layers of
 :func:`~summasim.costmodel.workload.layer.scheme_cost`. The grids are those of
-:func:`summasim.spec.grids` (SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included).
-A grid that does not divide the model at some p is not priced there: the tables leave
+:func:`summasim.spec.grids` (Optimus: q x q, else the most square pr x pc both ways;
+SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included, else the smallest depth over
+its most square pr x pc both ways). A grid that does not divide the model at some p is not priced there: the tables leave
 it out and list it, with :func:`why_not`, as skipped. The command line is
 :mod:`.explore_cli`.
 """
@@ -188,9 +189,9 @@ def matmul_table(n: int, machine, p_values, *, dtype: str = "float64",
     grids :func:`summasim.spec.grids` gives each product (SUMMA on a rectangular
     ``pr x pc`` grid where p is not a square).
 
-    Cannon, SUMMA and SUMMA2.5 take any n (balanced blocks, priced exactly); the deep
-    products only an n their blocks divide (n by q for sd25_ab, by q^2 for mm3d_ab);
-    the others go to ``skipped`` as ``{p, scheme, reason}``. ``algorithms``: price only
+    Every product takes any n (balanced blocks; the 3D cube's nested partition), priced
+    exactly; a product with no grid of p ranks goes to ``skipped`` as ``{p, scheme,
+    reason}``. ``algorithms``: price only
     these (default all five)."""
     rows = []
     t1 = machine.gemm_time(n, n, n, dtype) * machine.slowdown(1)
