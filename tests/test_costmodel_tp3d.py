@@ -324,3 +324,31 @@ def test_plan_rows_round_trip_through_predict_mesh():
             "--recompute", r["recompute"], "--schedule", r["schedule"]]
     doc = predict.run(predict.build_parser().parse_args(argv), out=io.StringIO())
     assert doc["step_seconds"] == r["step_seconds"]
+
+
+@pytest.mark.parametrize("h, n, kv, f, mlp, tied", [(15, 3, 3, Fraction(31, 15), "gelu", True),
+                                                    (12, 6, 3, Fraction(25, 12), "swiglu",
+                                                     False)])
+def test_memory_is_the_busiest_ranks_shards_on_uneven_sizes(h, n, kv, f, mlp, tied):
+    """Where q cuts the heads or the MLP width unevenly, the parameters priced per rank
+    are rank (0, 0, 0)'s local shards, item for item (``tp3d._shape_of``, the runtime's
+    local shapes), the largest of the cube's."""
+    import math
+
+    from summasim.transformer import model, tp3d
+
+    q, b, s, v = 2, 8, 8, 11
+    mcfg = model.Config(vocab=v, seq=s, hidden=h, heads=n, kv_heads=kv, layers=1,
+                        ffn_mult=f, mlp=mlp, tied=tied)
+    cfg = TransformerConfig(b=b, s=s, h=h, n=n, N=1, v=v, kv_heads=kv, ffn=f, mlp=mlp,
+                            tied=tied, checkpoint=False, dtype="float64")
+    shapes = model.param_shapes(mcfg)
+
+    def held(k, i, j):
+        return sum(math.prod(tp3d._shape_of(name, shape, mcfg, q, k, i, j))
+                   for name, shape in shapes.items())
+
+    mem = memory(Scheme.make("3d", q=q), cfg)
+    assert (mem.params + mem.embedding) / 8 == held(0, 0, 0)
+    assert held(0, 0, 0) == max(held(k, i, j) for k in range(q) for i in range(q)
+                                for j in range(q))

@@ -75,6 +75,18 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
         emb = vb * h / (q * q) + s * h / q + 2 * h / q
         if head:
             emb += vb * h / (q * q)                    # split like wte
+        blk = grid_blocks(scheme, cfg)
+        if blk.cuts or blk.ffn != f / q:
+            # q cuts the heads or the MLP width unevenly: rank (0, 0, 0) holds block 0 of
+            # each (grid_blocks: ceil(kv/q) head groups, ceil(F/q) columns) and the
+            # largest depth piece, ceil(in_0/q) rows, of each weight
+            wid = {"h": blk.h, "W": blk.qkv, "F": blk.ffn}
+            lins = [("h", "W"), ("h", "h"), ("h", "F"), ("F", "h")] + [("h", "F")] * (k - 2)
+            layer_params = (sum(-(-wid[a] // q) * wid[b] for a, b in lins)
+                            + 6 * blk.h + blk.qkv + (k - 1) * blk.ffn)
+            emb = -(-vb // q) * blk.h + s * blk.h + 2 * blk.h
+            if head:
+                emb += -(-blk.h // q) * vb             # head.w: rows h_0 by depth, block 0
         grad_bufs = 2 * bsh / p
         work = _tp3d_workspace(cfg, q)
     else:
