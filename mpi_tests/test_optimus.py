@@ -459,8 +459,8 @@ def _bad_configs(q, d):
                     model.Config(vocab=2 * q, seq=4, hidden=2 * (q - 1), heads=q - 1,
                                  layers=1), d * q))
         out.append((["Config.kv_heads", f"= {q - 1}", f"q = {q}", "smaller than"],
-                    model.Config(vocab=2 * q + 1, seq=4, hidden=4 * q, heads=2 * (q - 1),
-                                 kv_heads=q - 1, layers=1), d * q))
+                    model.Config(vocab=2 * q + 1, seq=4, hidden=4 * (q - 1),
+                                 heads=2 * (q - 1), kv_heads=q - 1, layers=1), d * q))
     return out
 
 

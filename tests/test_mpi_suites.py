@@ -80,15 +80,17 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
         assert r["predicted"] > 0 and r["prediction_error"] == pytest.approx(
             (r["predicted"] - r["seconds"]) / r["seconds"])
     tf = report["transformer"]
-    assert {(r["scheme"], r["dtype"]) for r in tf} == {
-        ("megatron", "float64"), ("megatron", "float32"), ("optimus", "float64"),
-        ("optimus", "float32")}
+    # p = 4: Optimus 2x2, and SUMMA2.5-LM on the rectangular layers [1,2,2] and [2,1,2]
+    assert {(r["scheme"], r["grid"], r["dtype"]) for r in tf} == {
+        (name, grid, dt) for dt in ("float64", "float32") for name, grid in (
+            ("megatron", "1D p=4"), ("optimus", "2x2"), ("summa25", "[1,2,2]"),
+            ("summa25", "[2,1,2]"))}
     for r in tf:
         assert r["ok"] and max(r["loss_err"], r["logits_err"], r["grad_err"]) <= r["bound"]
         assert r["tp_fwd"] == r["table1"]["fwd"] > 0
         assert r["tp_bwd_checkpoint"] == r["table1"]["bwd_checkpoint"]
         assert r["memory"]["params"] > 0 and r["memory_formula"]["params"] > 0
-    assert [s["scheme"] for s in report["transformer_skipped"]] == ["summa25", "3d"]  # p = 4
+    assert [s["scheme"] for s in report["transformer_skipped"]] == ["3d"]  # p = 4
     # the default composition at p = 4: data and pipeline parallelism around Megatron,
     # in each dtype of --dtype both
     meshes = report["meshes"]
@@ -240,10 +242,11 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     assert ar["memory_gibs"] == pytest.approx(sum(ar["memory_readings"]) / 2)
     assert "each size's memory floor at the node's memory throughput while it ran" \
         in proc.stdout
-    assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus"}
+    # p = 4: SUMMA2.5-LM on its rectangular layers; the 3D layer needs a cube
+    assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus", "summa25"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])
-    assert "summa25   skipped" in proc.stdout
+    assert "3d        skipped" in proc.stdout
 
 
 def test_self_test_catches_every_fault(mpiexec):
@@ -255,7 +258,7 @@ def test_self_test_catches_every_fault(mpiexec):
     names = {ln.split()[0] for ln in rows}
     assert names == {"cannon_ab", "summa_ab", "summa_abt", "summa_atb", "summa25_ab",
                      "summa25_abt", "summa25_atb", "ring_allreduce", "megatron", "optimus",
-                     "dp=2,pp=2,tp=megatron:1"}
+                     "summa25", "dp=2,pp=2,tp=megatron:1"}
     from summasim.harness.inject import KINDS
 
     for ln in rows:         # clean, then every fault kind (drift: the mesh row's audit)
@@ -309,11 +312,12 @@ def _user_error(proc, *needles):
 
 
 def test_a_run_that_checks_nothing_is_an_error(mpiexec):
-    """SUMMA takes any sizes; the 3D product's blocks must divide them."""
+    """Every product takes any sizes, but Cannon needs a square grid: asked for alone on
+    8 ranks, nothing would be checked."""
     proc, _ = launch(mpiexec, 8, ["-m", "summasim.run", "--sizes", "5", "7", "9",
-                                  "--algorithms", "mm3d_ab", "--schemes", "none",
+                                  "--algorithms", "cannon_ab", "--schemes", "none",
                                   "--meshes", "none"], 120)
-    _user_error(proc, "nothing would be checked", "m=5 is not divisible by 4")
+    _user_error(proc, "nothing would be checked", "needs a square number of ranks")
 
 
 def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
@@ -329,7 +333,9 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
             (["--repeats", "-1"], ["--repeats"]),
             (["--mesh", "dp=2,pp=2,tp=megatron:4"], ["--mesh dp=2,pp=2,tp=megatron:4",
                                                      "16 ranks, the job has 4"]),
-            (["--mesh", "dp=2,tp=optimus:3x2"], ["must be square"])):
+            (["--mesh", "dp=2,tp=optimus:3x2"], ["--mesh dp=2,pp=1,tp=optimus:3x2",
+                                                 "12 ranks, the job has 4"]),
+            (["--mesh", "tp=3d:2x2x1"], ["must be a cube"])):
         t0 = time.perf_counter()
         proc, _ = launch(mpiexec, 4, ["-m", "summasim.run"] + args, 120)
         _user_error(proc, *needles)
