@@ -21,7 +21,8 @@ def gemm_seconds(machine: Machine, m_, k_, n_, cnt, dtype, itemsize, batched=Fal
     if machine.device is None:
         return cnt * machine.gemm_time(m_, k_, n_, dtype)
     dev = machine.device
-    one = gemm_roofline(machine, dev, m_, k_, n_, dtype, itemsize)
+    one = gemm_roofline(machine, dev, m_, k_, n_, dtype, itemsize,
+                        batch=int(cnt) if batched and cnt > 1 else 1)
     if batched and cnt > 1 and one > 0:
         return cnt * (one - dev.launch_seconds) + dev.launch_seconds
     return cnt * one

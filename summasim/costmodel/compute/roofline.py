@@ -97,6 +97,23 @@ class Device:
         ``{dtype: flop/s}`` of the non-tensor-core units (elementwise math).
     launch_seconds : float
         Cost of one kernel launch, seconds.
+    sms : int
+        Streaming multiprocessors (0: not given). With ``gemm_tile`` it prices the tile
+        and wave quantization of a GEMM's shape (:func:`gemm_quantization`); with
+        ``comm_sms`` the contention of overlapped collectives
+        (:func:`~summasim.costmodel.workload.overlap.contention_share`).
+    comm_sms : float
+        SMs a running collective occupies (NCCL: one thread block per channel; 0: its
+        contention is not priced).
+    gemm_tile : list
+        ``[rows, cols]`` of the output tile one SM computes in a large GEMM (cuBLAS's
+        common 256 x 128 tile; empty: no quantization priced).
+    reserve_bytes : float
+        Device memory a training process holds outside PyTorch's tensors: the CUDA
+        context, the cuBLAS/cuBLASLt workspaces, NCCL's channel buffers (0: none).
+    fragmentation : float
+        Share of the caching allocator's reserved memory that fragmentation leaves
+        unusable, in [0, 1) (0: none). :func:`usable_memory` applies both.
     sources : dict
         ``{field: public source}``.
     """
@@ -105,15 +122,40 @@ class Device:
     memory_bandwidth: float
     vector_flops: dict
     launch_seconds: float = 0.0
+    sms: int = 0
+    comm_sms: float = 0.0
+    gemm_tile: tuple = ()
+    reserve_bytes: float = 0.0
+    fragmentation: float = 0.0
     sources: dict = field(default_factory=dict)
 
-    _FIELDS = ("name", "memory_bandwidth", "vector_flops", "launch_seconds", "sources")
+    _FIELDS = ("name", "memory_bandwidth", "vector_flops", "launch_seconds", "sms",
+               "comm_sms", "gemm_tile", "reserve_bytes", "fragmentation", "sources")
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("machine field 'device.name' must be a non-empty string")
         _num("device.memory_bandwidth", self.memory_bandwidth, positive=True)
         _num("device.launch_seconds", self.launch_seconds)
+        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 0:
+            raise ValueError(f"machine field 'device.sms' must be an integer >= 0, "
+                             f"got {self.sms!r}")
+        _num("device.comm_sms", self.comm_sms)
+        if self.comm_sms > self.sms:
+            raise ValueError(f"machine field 'device.comm_sms' ({self.comm_sms}) must not "
+                             f"exceed 'device.sms' ({self.sms})")
+        tile = tuple(self.gemm_tile)
+        if tile and (len(tile) != 2 or any(isinstance(t, bool) or not isinstance(t, int)
+                                           or t <= 0 for t in tile)):
+            raise ValueError(f"machine field 'device.gemm_tile' must be [rows, cols] of "
+                             f"positive integers or empty, got {self.gemm_tile!r}")
+        if tile and not self.sms:
+            raise ValueError("machine field 'device.gemm_tile' needs 'device.sms'")
+        object.__setattr__(self, "gemm_tile", tile)
+        _num("device.reserve_bytes", self.reserve_bytes)
+        if _num("device.fragmentation", self.fragmentation) >= 1:
+            raise ValueError(f"machine field 'device.fragmentation' must be in [0, 1), "
+                             f"got {self.fragmentation!r}")
         if not isinstance(self.vector_flops, Mapping) or not self.vector_flops:
             raise ValueError("machine field 'device.vector_flops' must be a non-empty object "
                              "{dtype: flop/s}")
@@ -136,11 +178,29 @@ class Device:
             + self.launch_seconds
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self._FIELDS}
+        out = {f: getattr(self, f) for f in self._FIELDS}
+        out["gemm_tile"] = list(self.gemm_tile)
+        for f, empty in (("sms", 0), ("comm_sms", 0.0), ("gemm_tile", []),
+                         ("reserve_bytes", 0.0), ("fragmentation", 0.0)):
+            if out[f] == empty:                 # files without them stay as they were
+                del out[f]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Device":
         return nested_from_dict(cls, d, "device", ("name", "memory_bandwidth", "vector_flops"))
+
+
+def usable_memory(machine) -> float:
+    """Bytes per device that a training step's tensors may take: the machine's
+    ``memory_bytes`` less the device's ``reserve_bytes``, of which the allocator's
+    ``fragmentation`` is lost: ``(memory - reserve) (1 - fragmentation)``. The whole
+    ``memory_bytes`` on machines without a device; 0 when the memory is not given."""
+    total = float(getattr(machine, "memory_bytes", 0) or 0)
+    dev = getattr(machine, "device", None)
+    if dev is None or total <= 0:
+        return total
+    return max(0.0, total - dev.reserve_bytes) * (1.0 - dev.fragmentation)
 
 
 class Kernel(NamedTuple):
@@ -296,12 +356,44 @@ def kernels_seconds(kernels, device: Device, dtype: str = "float32") -> float:
     return sum(device.kernel_time(k.flops, k.nbytes, dtype) for k in kernels)
 
 
+def _useful(m: float, n: float, tile: tuple, sms: int, batch: int) -> float:
+    """The share of the SM-waves a ``[m, n]`` output (``batch`` of them) keeps busy with
+    tiles of ``tile``: tile quantization ``m n / (ceil(m/r) r ceil(n/c) c)`` times wave
+    quantization ``T / (ceil(T/sms) sms)``, ``T = batch ceil(m/r) ceil(n/c)``; the better
+    of the tile's two orientations."""
+    best = 0.0
+    for r, c in (tile, tile[::-1]):
+        tm, tn = math.ceil(m / r), math.ceil(n / c)
+        tiles = batch * tm * tn
+        best = max(best, (m * n / (tm * r * tn * c)) * tiles / (math.ceil(tiles / sms) * sms))
+    return best
+
+
+def gemm_quantization(device: Device, m: float, k: float, n: float, batch: int = 1) -> float:
+    """How much longer a ``[m, k] @ [k, n]`` GEMM (``batch`` of them in one launch) takes
+    than the machine's ``gamma`` table says: ``1 / useful`` (:func:`_useful`; NVIDIA,
+    "Matrix Multiplication Background User's Guide", section 3, tile and wave
+    quantization). The table is read as the rate of shapes that fill whole tiles and
+    whole waves: its plateau is a microbenchmark's best shape. Outputs of fewer tiles
+    than SMs, or with a side shorter than the tile's, are priced by the table's size
+    curve alone (cuBLAS picks smaller or narrower tiles, or splits k, for them), so the
+    factor is 1 there, as it is without ``device.gemm_tile``."""
+    if not device.gemm_tile or m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    r, c = device.gemm_tile
+    if min(m, n) < min(r, c) or max(m, n) < max(r, c) \
+            or max(1, int(batch)) * math.ceil(m / r) * math.ceil(n / c) < device.sms:
+        return 1.0
+    return 1.0 / _useful(m, n, device.gemm_tile, device.sms, max(1, int(batch)))
+
+
 def gemm_roofline(machine, device: Device, m: float, k: float, n: float, dtype: str,
-                  itemsize: int) -> float:
-    """One GEMM ``[m, k] @ [k, n]``: ``max(2 m k n gamma, operand bytes / bandwidth)``
-    plus one launch (``gamma`` from the machine's table for ``dtype``)."""
+                  itemsize: int, batch: int = 1) -> float:
+    """One GEMM ``[m, k] @ [k, n]``: ``max(2 m k n gamma q, operand bytes / bandwidth)``
+    plus one launch (``gamma`` from the machine's table for ``dtype``, ``q`` the shape's
+    :func:`gemm_quantization`, with ``batch`` GEMMs of the shape in one launch)."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0
-    compute = machine.gemm_time(m, k, n, dtype)
+    compute = machine.gemm_time(m, k, n, dtype) * gemm_quantization(device, m, k, n, batch)
     memory = (m * k + k * n + m * n) * itemsize / device.memory_bandwidth
     return max(compute, memory) + device.launch_seconds

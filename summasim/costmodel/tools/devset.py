@@ -31,7 +31,9 @@ Kinds of points
 ``composition_step_time``
                      seconds of one training iteration of a composition: ``step_seconds`` of
                      :func:`price_point_composition` (same ``composition`` fields; optional
-                     ``chunks`` for the interleaved schedule and ``zero3_prefetch``)
+                     ``chunks`` for the interleaved schedule, ``zero3_prefetch``, and
+                     ``grad_overlap: false`` where the publication says the gradient
+                     reduction ran after the backward)
 ``composition_tokens``
                      tokens per second per device of a composition: ``global_batch x s``
                      over the predicted step seconds over ``devices``
@@ -159,7 +161,7 @@ def price_point_composition(point: dict, machine=None) -> dict:
     """:func:`~summasim.costmodel.workload.composition.price_composition` of a
     composition point (its machine unless ``machine`` is given): the model's
     ``recompute`` (full, selective or none), the composition's ``zero``, ``schedule``,
-    ``chunks`` (interleaved) and ``zero3_prefetch``; ValueError for a composition that
+    ``chunks`` (interleaved), ``zero3_prefetch`` and ``grad_overlap``; ValueError for a composition that
     cannot exist."""
     from . import parse_grid
 
@@ -172,6 +174,7 @@ def price_point_composition(point: dict, machine=None) -> dict:
                              global_batch=comp["global_batch"], zero=comp.get("zero", 0),
                              schedule=comp.get("schedule", "1f1b"), chunks=comp.get("chunks", 1),
                              zero3_prefetch=bool(comp.get("zero3_prefetch", False)),
+                             grad_overlap=bool(comp.get("grad_overlap", True)),
                              recompute=cfg.recompute, devices=comp["devices"])
 
 

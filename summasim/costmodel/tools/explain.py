@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ..compute.roofline import usable_memory
+
 #: The presets of the next GPU generation, in the same form factor (DGX nodes).
 NEXT_GENERATION = {"dgx1-v100": "dgx-a100", "dgx2-v100": "dgx-a100",
                    "dgx2h-v100": "dgx-a100", "dgx-a100": "h100-dgx-ndr",
@@ -149,7 +151,7 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
         changes.append((f"ZeRO {z - 1}", {"zero": z - 1}))
     if z < 3 and comp["dp"] > 1:
         changes.append((f"ZeRO {z + 1}", {"zero": z + 1}))
-    budget = machine.memory_bytes
+    budget = usable_memory(machine)
     out = []
     for label, change in changes:
         try:

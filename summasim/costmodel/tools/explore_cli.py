@@ -66,6 +66,7 @@ from summasim.costmodel.workload.scheme import SCHEMES, TransformerConfig
 from summasim.costmodel.machine.topology import Placement
 from summasim.jsonio import write_report, write_text_atomic
 
+from ..compute.roofline import usable_memory
 from . import _cli, scheme_grids
 from ._cli import PLOT_HINT, fmt, model_batch, pick_dtype, resolve_machine
 from .predict import (DEFAULT_PRESET, MAX_SIZE, add_progress, check_sizes, progress_bar,
@@ -341,7 +342,7 @@ def check_args(args) -> Plan:
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=recompute,
                                        attention=args.attention,
                                        sequence_parallel=args.sequence_parallel)
-    budget = (args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes)
+    budget = (args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine))
     if getattr(args, "p", None):
         ps = sorted(set(args.p))
         if ps[-1] > MAX_P:

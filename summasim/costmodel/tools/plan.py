@@ -49,9 +49,11 @@ from summasim.costmodel.workload.footprint import batch_step
 from . import scheme_grids
 
 GiB = float(1 << 30)
-#: Share of device memory the plan may use: the rest is the CUDA context, NCCL's
-#: buffers and the allocator's fragmentation (a round assumption, not a measurement).
-MEM_FRACTION = 0.9
+#: Share of the usable device memory the plan may use (:func:`~summasim.costmodel.compute.
+#: roofline.usable_memory`: the device memory less the CUDA context, library workspaces
+#: and NCCL buffers, of which the allocator's fragmentation is lost; each with its source
+#: in the preset).
+MEM_FRACTION = 1.0
 #: The known models: :data:`summasim.spec.MODELS` (kept under this name for callers).
 MODELS = spec.MODELS
 

@@ -49,6 +49,7 @@ from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
 
+from ..compute.roofline import usable_memory
 from . import _cli
 from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
 from .devset import step_interval, tie_ratio
@@ -139,7 +140,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     mem = ap.add_mutually_exclusive_group()
     mem.add_argument("--mem-fraction", type=cli.float_range(0, 1, lo_open=True),
                      default=MEM_FRACTION,
-                     help=f"share of device memory usable (default {MEM_FRACTION})")
+                     help=f"share of the usable device memory (the memory less the device's "
+                          f"reserve and fragmentation) the plan may fill (default "
+                          f"{MEM_FRACTION})")
     mem.add_argument("--mem-gib", type=cli.finite_positive_float, default=None,
                      help="usable GiB per device (overrides the machine's memory)")
     ap.add_argument("--top", type=cli.positive_int, default=10, help="rows to print")
@@ -208,7 +211,7 @@ def check_args(args) -> Plan:
         if not machine.memory_bytes:
             raise _arg("--mem-gib", f"machine {machine.name!r} does not say its memory per "
                                     f"device; give --mem-gib")
-        budget = machine.memory_bytes * args.mem_fraction
+        budget = usable_memory(machine) * args.mem_fraction
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention)
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)

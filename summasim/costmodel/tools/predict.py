@@ -42,6 +42,7 @@ from summasim.costmodel.workload.footprint import batch_step, largest_batch, mem
 from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
+from ..compute.roofline import usable_memory
 from . import _cli, parse_grid, scheme_of  # noqa: F401  (parse_grid: predict's name too)
 from .devset import step_interval
 from .explain import grid_bound, what_bounds, what_ifs
@@ -271,7 +272,7 @@ def check_args(args):
                                 machine.topology.devices_per_node)
     except ValueError as exc:
         raise _arg("--placement", exc) from None
-    budget = args.mem_budget * GiB if args.mem_budget is not None else machine.memory_bytes
+    budget = args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine)
     return machine, sch, cfg, placement, budget
 
 

@@ -151,6 +151,7 @@ from .scheme import Scheme, TransformerConfig
 from .stage_memory import _pieces, stage_memory, stage_plan
 from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
                      tensor_memory, tensor_price)
+from .overlap import Window, contention_share, hidden_contention, zero3_gathers
 from .zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class Stage:
     backward_seconds: float
     traffic: dict               # bytes per rank per step by kind
     chunks: tuple = ()          # layers of each of its model chunks (interleaved: V)
+    contention: float = 0.0     # compute slowed by its hidden ZeRO collectives
 
     @property
     def seconds(self) -> float:
@@ -211,6 +213,8 @@ class _Setup:
     plan: tuple = ()            # stage_plan: (stage, count, chunk layers)
     loss_scale: str = "none"
     g_flag: MeshGroup | None = None  # the loss-scale overflow flag's group
+    grad_overlap: bool = True   # gradient reductions overlap the backward
+    share: float = 0.0          # of the device a running collective takes (contention)
 
 
 def _cached(cache: dict, key: tuple, make):
@@ -224,7 +228,7 @@ def _cached(cache: dict, key: tuple, make):
 def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
            schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
            zero3_prefetch, cache, recompute=None, chunks=1, stages=None,
-           loss_scale="none", pc=None) -> _Setup:
+           loss_scale="none", pc=None, grad_overlap=True) -> _Setup:
     """Check the composition and price what its stages share (cached per grid and
     micro-batch in ``cache``)."""
     sch = make_scheme(scheme, t=t, q=q, d=d, pc=pc)
@@ -268,7 +272,8 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
         p2p_bytes=p2p_bytes, t_p2p=coll("p2p", p2p_bytes, g_pp) if pp > 1 else 0.0,
         bucket_bytes=bucket_bytes, optimizer=optimizer, zero3_prefetch=zero3_prefetch,
         recompute=recompute, chunks=chunks, stages=stages, plan=plan,
-        loss_scale=str(loss_scale),
+        loss_scale=str(loss_scale), grad_overlap=bool(grad_overlap),
+        share=contention_share(machine),
         # the overflow flag: over the model-parallel group (t x pp), and over every
         # device once ZeRO shards the gradients over dp
         g_flag=(MeshGroup(1, n_dev, n_dev, 1) if zero >= 1
@@ -290,19 +295,29 @@ def _recompute_of(cfg: TransformerConfig, checkpoint, recompute) -> str:
     return recompute
 
 
-def _zero3_gathers(c: _Setup, pieces, fwd: Part, bwd: Part) -> tuple[float, float]:
-    """Exposed ZeRO-3 all-gathers of one micro-batch, before its forward and backward."""
-    piece_t = [(c.coll("allgather", n * c.sb.param / c.dp, c.g_dp), cnt)
-               for n, cnt in pieces]
-    if not c.zero3_prefetch:
-        total = sum(x * cnt for x, cnt in piece_t)
-        return total, total
-    k = sum(cnt for _, cnt in pieces)             # hidden behind the previous piece
-    cf, cb = fwd.total / k, bwd.total / k
-    hid_f = sum(cnt * max(0.0, x - cf) for x, cnt in piece_t)
-    hid_b = sum(cnt * max(0.0, x - cb) for x, cnt in piece_t)
-    return (hid_f + piece_t[0][0] - max(0.0, piece_t[0][0] - cf),
-            hid_b + piece_t[-1][0] - max(0.0, piece_t[-1][0] - cb))
+def _zero3(c: _Setup, pieces, fwd: Part, bwd: Part, rs_alone: float) -> tuple[Window, Window]:
+    """ZeRO-3's exposed all-gathers of one micro-batch, before and under its forward and
+    backward, with their contention (:func:`~.overlap.zero3_gathers`); in backward the
+    gathers hide in the link time the gradient reduce-scatters (``rs_alone`` seconds
+    in all) leave."""
+    runs = [(c.coll("allgather", n * c.sb.param / c.dp, c.g_dp), cnt) for n, cnt in pieces]
+    k = sum(cnt for _, cnt in pieces)
+    busy = rs_alone / k if c.grad_overlap else 0.0
+    return zero3_gathers(runs, fwd.total / k, bwd.total / k, busy, c.share, c.zero3_prefetch)
+
+
+def _bucketed(c: _Setup, total_bytes: float, window_s: float, op: str) -> Window:
+    """A bucketed gradient reduction under ``window_s`` seconds of backward
+    (:func:`overlap_exposed`), none of it hidden without ``grad_overlap``; its
+    contention is the device share of the part the backward hid."""
+    seconds = (lambda nb: c.coll(op, nb, c.g_dp))
+    if not c.grad_overlap:
+        window_s = 0.0
+    exposed = overlap_exposed(total_bytes, c.bucket_bytes, window_s, seconds)
+    if not c.share or window_s <= 0:
+        return Window(exposed, 0.0)
+    alone = overlap_exposed(total_bytes, c.bucket_bytes, 0.0, seconds)
+    return Window(exposed, hidden_contention(min(window_s, alone - exposed), c.share))
 
 
 def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> Stage:
@@ -334,19 +349,23 @@ def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> St
     V = c.chunks
     send_f = (V - (1 if last else 0)) * c.t_p2p   # activations to s + 1
     send_b = (V - (1 if first else 0)) * c.t_p2p  # gradients to s - 1
-    rs = ag_f = ag_b = 0.0
+    zf = rs = zb = Window()
     if zero >= 2 and dp > 1:                      # every micro-batch, under its backward
-        rs = overlap_exposed(P * sb.grad, c.bucket_bytes, bwd.total,
-                             lambda nb: c.coll("reduce_scatter", nb, c.g_dp))
-    if zero == 3 and dp > 1:                      # before each piece's forward and backward
-        ag_f, ag_b = _zero3_gathers(c, pieces, fwd, bwd)
+        rs = _bucketed(c, P * sb.grad, bwd.total, "reduce_scatter")
+    if zero == 3 and dp > 1:                      # each piece before its forward and backward
+        alone = overlap_exposed(P * sb.grad, c.bucket_bytes, 0.0,
+                                lambda nb: c.coll("reduce_scatter", nb, c.g_dp))
+        zf, zb = _zero3(c, pieces, fwd, bwd, alone)
     ebytes = c.tm.wte * sb.grad / (dp if zero >= 1 else 1) \
         if (c.pp > 1 and (first or last) and c.cfg.tied) else 0.0
     frac = (dp - 1) / dp
     return Stage(
         stage=s, count=count, layers=L, params=P, work=fwd + bwd, sends=send_f + send_b,
-        zero_per_mb=rs + ag_f + ag_b, forward_seconds=fwd.total + send_f + ag_f,
-        backward_seconds=bwd.total + send_b + rs + ag_b,
+        zero_per_mb=rs.exposed + zf.exposed + zb.exposed,
+        contention=zf.contention + rs.contention + zb.contention,
+        forward_seconds=fwd.total + send_f + zf.exposed + zf.contention,
+        backward_seconds=bwd.total + send_b + rs.exposed + zb.exposed
+        + rs.contention + zb.contention,
         traffic={
             "tensor": m * tbytes,
             "pipeline": m * c.p2p_bytes * (2 * V - last - first),
@@ -379,12 +398,12 @@ def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
     optimizer step (with the loss scale's unscaling and overflow check), the all-gather
     of the updated parameters (ZeRO 1/2); seconds."""
     P, zero, dp, sb, tm, tp, pp = st.params, c.zero, c.dp, c.sb, c.tm, c.tp, c.pp
-    ar = 0.0
+    ar = slowed = 0.0
     if zero <= 1 and dp > 1:                      # its last backward's buckets, the drain
-        red = "allreduce" if zero == 0 else "reduce_scatter"
-        left = overlap_exposed(P * sb.grad, c.bucket_bytes, st.backward_seconds,
-                               lambda nb: c.coll(red, nb, c.g_dp))
-        ar = max(0.0, end + left - t_pipe)
+        red = _bucketed(c, P * sb.grad, st.backward_seconds,
+                        "allreduce" if zero == 0 else "reduce_scatter")
+        ar = max(0.0, end + red.exposed - t_pipe)
+        slowed = red.contention
     emb = c.coll("allreduce", st.traffic["embedding"], c.g_emb)
     shard = dp if zero >= 1 else 1
     if not c.optimizer:
@@ -402,7 +421,8 @@ def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
         opt += _unscale_seconds(c, P / shard)
     gath = (c.coll("allgather", P * sb.param / dp, c.g_dp)
             if zero in (1, 2) and dp > 1 else 0.0)
-    return {"dp": ar, "embedding": emb, "optimizer": opt, "allgather": gath}
+    return {"dp": ar, "embedding": emb, "optimizer": opt, "allgather": gath,
+            "contention": slowed}
 
 
 def _unscale_seconds(c: _Setup, params: float) -> float:
@@ -429,7 +449,8 @@ def composition_breakdown(c: _Setup, crit: Stage, tail: dict, t_pipe: float) -> 
         "memory_bound": m * work.membound,
         "exposed_comm": {"tensor": m * work.comm, "dp": tail["dp"],
                          "pp": m * crit.sends + tail["embedding"],
-                         "zero": m * crit.zero_per_mb + tail["allgather"]},
+                         "zero": m * crit.zero_per_mb + tail["allgather"],
+                         "contention": m * crit.contention + tail["contention"]},
         "bubble": t_pipe - m * crit.seconds,
         "optimizer": tail["optimizer"],
     }
@@ -444,7 +465,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                       zero3_prefetch: bool = False, cache: dict | None = None,
                       recompute: str | None = None, chunks: int = 1,
                       stages: tuple | None = None, loss_scale: str = "none",
-                      pc: int | None = None) -> dict:
+                      pc: int | None = None, grad_overlap: bool = True) -> dict:
     """Predicted step time, memory and traffic per device of one composition.
 
     Parameters
@@ -492,6 +513,13 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     loss_scale : str
         ``none``, ``dynamic`` or ``static:S``: the optimizer step's unscaling and, when
         dynamic, the overflow flag's all-reduce.
+    grad_overlap : bool
+        The data-parallel gradient reduction (ZeRO 0/1's all-reduce or reduce-scatter,
+        ZeRO 2/3's per-micro-batch reduce-scatter) runs bucket by bucket under the
+        backward that produces it (True: PyTorch DDP, Megatron-LM's overlapped
+        gradient reduction, DeepSpeed, FSDP), or only once that backward has ended
+        (False: e.g. Megatron-LM's 2019 code, whose ``allreduce_params`` runs after
+        ``backward``).
 
     Returns
     -------
@@ -520,7 +548,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     """
     c = _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
                schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
-               zero3_prefetch, cache, recompute, chunks, stages, loss_scale, pc)
+               zero3_prefetch, cache, recompute, chunks, stages, loss_scale, pc,
+               grad_overlap)
     m, sch, L = c.m, c.sch, c.L
     stages = [stage_cost(c, s, count, per) for s, count, per in c.plan]
     t_pipe = pipeline_seconds(c, stages)
@@ -532,7 +561,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         tails.append(stage_tail(c, st, t_pipe - before, t_pipe))
         before += st.count * st.backward_seconds
         tl = tails[-1]
-        finish.append(t_pipe + tl["dp"] + tl["embedding"] + tl["optimizer"] + tl["allgather"])
+        finish.append(t_pipe + tl["dp"] + tl["embedding"] + tl["optimizer"] + tl["allgather"]
+                      + tl["contention"])
     last = max(range(len(stages)), key=finish.__getitem__)
     step = finish[last]
     breakdown = composition_breakdown(c, crit, tails[last], t_pipe)
@@ -558,6 +588,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                         "schedule": schedule, "checkpoint": c.ck, "layers_per_stage": L,
                         "bucket_bytes": bucket_bytes, "state_bytes": c.sb.to_dict(),
                         "dtype": cfg.dtype, "zero3_prefetch": bool(zero3_prefetch),
+                        "grad_overlap": c.grad_overlap,
                         "optimizer": bool(optimizer), "chunks": c.chunks,
                         "stage_layers": [len(r) for r in stage_layers(
                             int(cfg.N), pp, c.stages, c.chunks)],
