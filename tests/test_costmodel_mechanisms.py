@@ -7,6 +7,7 @@ memory a device really leaves to tensors."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -261,3 +262,75 @@ def test_math_of_the_reserve_matches_its_cited_parts():
     assert load_preset("h100-dgx-ndr").device.reserve_bytes == (700 + 8.125 + 32 + nccl) * MiB
     assert load_preset("dgx-a100").device.reserve_bytes == (700 + 8.125 + 4 + nccl) * MiB
     assert math.isclose(load_preset("dgx-a100").device.fragmentation, 0.15)
+
+
+# -- pipeline hand-offs ----------------------------------------------------------------------
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_overlapped_hand_offs_leave_the_steady_state_and_stay_in_fill_and_drain(schedule,
+                                                                               chunks):
+    cfg = TransformerConfig(b=64, s=2048, h=8192, n=64, N=16, v=51200, dtype="bfloat16",
+                            tied=False)
+    m = 8
+    kw = dict(machine=load_preset("dgx-a100"), t=8, pp=4, microbatches=m, global_batch=64,
+              schedule=schedule, chunks=chunks)
+    block = price_composition(cfg, "megatron", **kw)
+    over = price_composition(cfg, "megatron", p2p_overlap=True, **kw)
+    assert over["composition"]["p2p_overlap"] and not block["composition"]["p2p_overlap"]
+    sends = block["breakdown"]["exposed_comm"]["pp"] / m        # untied: no embedding
+    per = [st["forward_seconds"] + st["backward_seconds"] for st in block["stages"]]
+    crit = max(per)
+    assert 0 < sends < crit - sends                              # hidden, with contention
+    f = 24 / 108
+    steady = crit - sends + f * sends                            # max(y, c + f y)
+    saved = (m - 1 if schedule == "1f1b" else m) * (crit - steady)
+    assert over["pipeline_seconds"] == pytest.approx(block["pipeline_seconds"] - saved)
+    bd = flatten_breakdown(over["breakdown"])
+    assert bd["comm_pp"] == 0.0
+    assert bd["comm_contention"] == pytest.approx(m * f * sends)
+    assert sum(bd.values()) == pytest.approx(over["step_seconds"])
+    assert over["step_seconds"] < block["step_seconds"]
+
+
+def test_predict_and_plan_take_the_engines_overlaps(tmp_path, capsys):
+    from summasim.costmodel.__main__ import main
+
+    base = ["predict", "--machine", "dgx-a100", "--model", "gpt3-6.7b", "--batch", "64",
+            "--mesh", "dp=4,pp=2,tp=megatron:8", "--microbatches", "8"]
+    got = {}
+    for flag in ("", "--no-grad-overlap", "--p2p-overlap"):
+        path = tmp_path / f"p{len(got)}.json"
+        assert main(base + ([flag] if flag else []) + ["--json", str(path)]) == 0
+        got[flag] = json.loads(path.read_text())
+    capsys.readouterr()
+    plain, after, p2p = got[""], got["--no-grad-overlap"], got["--p2p-overlap"]
+    assert after["composition"]["grad_overlap"] is False and p2p["composition"]["p2p_overlap"]
+    assert (after["breakdown"]["exposed_comm"]["dp"]
+            > plain["breakdown"]["exposed_comm"]["dp"])
+    assert p2p["breakdown"]["exposed_comm"]["pp"] < plain["breakdown"]["exposed_comm"]["pp"]
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--machine", "dgx-a100", "--model", "gpt3-2.7b", "--devices", "16",
+                 "--p2p-overlap", "--no-grad-overlap", "--json", str(path)]) == 0
+    capsys.readouterr()
+    plan = json.loads(path.read_text())
+    assert plan["top"]
+    for row in plan["top"]:
+        assert row["composition"]["p2p_overlap"] is True
+        assert row["composition"]["grad_overlap"] is False
+
+
+def test_devset_explains_a_points_breakdown_and_bound(capsys):
+    from summasim.costmodel.__main__ import main
+    from summasim.costmodel.tools import devset
+
+    pid = "ibmfsdp-a100-128gpu-llama2-70b"
+    assert main(["devset", "--explain", pid]) == 0
+    out = capsys.readouterr().out
+    point = next(p for p in devset.load_points() if p["id"] == pid)
+    res = devset.price_point_composition(point)
+    assert f"step {res['step_seconds']:.4g} s" in out
+    assert "comm_contention" in out and "bound by the GEMM rate" in out
+    assert f"predicted {devset.predict_point(point):.4g}" in out
+    assert main(["devset", "--explain", "no-such-point"]) == 2
+    assert "unknown point" in capsys.readouterr().err
+    assert main(["devset", "--explain", "nccl-h100-2gpu-ring-nvswitch"]) == 2
+    assert "not a priced composition" in capsys.readouterr().err

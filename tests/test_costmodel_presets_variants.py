@@ -233,8 +233,11 @@ def test_empty_variant_and_unknown_base_are_refused():
 
 
 def test_only_model_read_fields_are_keys():
-    assert set(VARIANT_KEYS) == {"memory", "gpus", "nics", "nic_gbps"}
-    for absent in ("nodes_per_leaf", "oversubscription"):
+    # every key sets a field the model reads: the memory-fit checks, or group_path's
+    # NICs and fabric (nodes_per_leaf and oversub: the spine bound)
+    assert set(VARIANT_KEYS) == {"memory", "gpus", "nics", "nic_gbps", "nodes_per_leaf",
+                                 "oversub"}
+    for absent in ("oversubscription", "sms", "fragmentation"):
         with pytest.raises(ValueError, match="unknown key"):
             derive(load_preset("dgx-a100"), f"{absent}=2")
 

@@ -148,6 +148,9 @@ def main(argv=None) -> int:
                      action=cli.ReportAction, help="write the table as JSON")
     dsp.add_argument("--markdown", action="store_true",
                      help="print the table as Markdown (what docs/devset.md shows)")
+    dsp.add_argument("--explain", nargs="+", metavar="ID", default=None,
+                     help="print the predicted breakdown and bound of these composition "
+                          "points instead of the table")
     cli.add_force(dsp)
     ep = explore_cli.build_parser(sub.add_parser("explore", help=COMMANDS["explore"],
                                                  description=explore_cli.__doc__.splitlines()[0]))
@@ -207,6 +210,17 @@ def main(argv=None) -> int:
                 cli.check_writable_path(args.json)
         except cli.UsageError as exc:
             return cli.print_error(dsp.prog, f"argument --json: {exc}")
+        if args.explain:
+            points = {p["id"]: p for p in devset.load_points()}
+            unknown = [i for i in args.explain if i not in points]
+            if unknown:
+                return cli.print_error(dsp.prog, f"argument --explain: unknown point(s) "
+                                                 f"{', '.join(unknown)}")
+            try:
+                print("\n\n".join(devset.explain_point(points[i]) for i in args.explain))
+            except ValueError as exc:
+                return cli.print_error(dsp.prog, f"argument --explain: {exc}")
+            return 0
         rows = devset.evaluate_all()
         print(devset.markdown_table(rows) if args.markdown else devset.format_table(rows),
               end="\n" if not args.markdown else "")

@@ -4,7 +4,8 @@ A preset is a JSON file in ``summasim/costmodel/presets/`` whose every number na
 source (datasheet, white paper, benchmark) in ``notes``, ``topology.sources`` and
 ``device.sources``. ``--machine`` also takes a derived variant, one flag away from a preset
 or a machine file: ``NAME:key=value,key=value`` (:func:`derive`), e.g.
-``dgx-a100:memory=40GiB,nics=4``. A variant sets exactly the fields its keys name (and
+``dgx-a100:memory=40GiB,nics=4``, or ``dgx-a100:nodes_per_leaf=32,oversub=2`` (a fabric
+of 32-node leaf domains with 2:1 oversubscribed uplinks). A variant sets exactly the fields its keys name (and
 the source of each, which becomes the variant itself); its name is the whole spec, so a
 report shows what was priced.
 """
@@ -29,8 +30,8 @@ ALIASES = {"dgx-a100-80gb": "dgx-a100"}
 #: The keys of a ``NAME:key=value,...`` variant and what each sets (all read by the model:
 #: ``memory_bytes`` by the memory-fit checks of predict, plan and explore; the topology's
 #: fields by :func:`~summasim.costmodel.machine.topology.group_path`, which prices NCCL
-#: collectives). Leaf-switch fan-out and fat-tree oversubscription are not keys: the
-#: topology has no such fields (its NICs reach a non-blocking network).
+#: collectives, including the leaf domains and oversubscription of the fabric above the
+#: NICs: see :mod:`summasim.costmodel.machine.topology`).
 VARIANT_KEYS = {
     "memory": "device memory per rank, a byte size with a unit (40GiB, 80GB, 512MiB; "
               "k, M, G are powers of 1024 as in every summasim byte size, and NVIDIA's "
@@ -39,6 +40,11 @@ VARIANT_KEYS = {
     "nics": "cluster NICs per node: topology.nics_per_node",
     "nic_gbps": "line rate of one NIC, Gb/s per direction (200 = HDR, 400 = NDR): "
                 "topology.nic_bandwidth = value / 8 GB/s",
+    "nodes_per_leaf": "nodes per leaf domain of the fabric (a rail-optimized scalable unit, "
+                      "32 on a DGX SuperPOD; or one leaf switch's nodes), a whole number "
+                      ">= 1: topology.nodes_per_leaf",
+    "oversub": "a leaf's downlink : uplink ratio, a number >= 1 (2 for 2:1): "
+               "topology.oversubscription",
 }
 #: A variant spec to show in help text and docs.
 VARIANT_EXAMPLE = "dgx-a100:memory=40GiB,nics=4"
@@ -106,13 +112,14 @@ def load_machine(text: "str | Machine") -> Machine:
 
 # --------------------------------------------------------------------------- variants
 def _variant_keys(machine: Machine) -> list[str]:
-    """The :data:`VARIANT_KEYS` that apply to ``machine`` (the topology's need one; NICs
-    need a topology with NICs)."""
+    """The :data:`VARIANT_KEYS` that apply to ``machine`` (the topology's need one; the
+    NICs' and the fabric's above them, ``nodes_per_leaf`` and ``oversub``, need a
+    topology with NICs)."""
     keys = ["memory"]
     if machine.topology is not None:
         keys.append("gpus")
         if machine.topology.nics_per_node > 0:
-            keys += ["nics", "nic_gbps"]
+            keys += ["nics", "nic_gbps", "nodes_per_leaf", "oversub"]
     return keys
 
 
@@ -130,7 +137,7 @@ def _memory_bytes(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    """``gpus=``, ``nics=``: an integer >= 1."""
+    """``gpus=``, ``nics=``, ``nodes_per_leaf=``: an integer >= 1."""
     if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
         raise ValueError("must be a whole number >= 1")
     return int(text)
@@ -149,6 +156,28 @@ def _gbps(text: str) -> float:
     return val
 
 
+def _ratio(text: str) -> float:
+    """``oversub=``: a finite number >= 1 (downlink : uplink; 1 is non-blocking)."""
+    import math
+
+    try:
+        val = float(text)
+    except ValueError:
+        raise ValueError("must be a number >= 1, e.g. 2 for 2:1") from None
+    if not math.isfinite(val) or val < 1:
+        raise ValueError("must be a number >= 1 (downlink : uplink), e.g. 2 for 2:1")
+    return val
+
+
+#: ``key -> (topology field, parser, unit shown in the source)`` of the variant keys
+#: that set one topology field each.
+_TOPOLOGY_KEYS = {
+    "nics": ("nics_per_node", _count, ""),
+    "nodes_per_leaf": ("nodes_per_leaf", _count, ""),
+    "oversub": ("oversubscription", _ratio, ":1"),
+}
+
+
 def derive(machine: Machine, spec: str) -> Machine:
     """``machine`` with the fields a variant ``spec`` (``"key=value,key=value"``) names set.
 
@@ -159,8 +188,10 @@ def derive(machine: Machine, spec: str) -> Machine:
     spec : str
         Comma-separated ``key=value`` pairs, the keys from :data:`VARIANT_KEYS`:
         ``memory`` (``Machine.memory_bytes``), ``gpus`` (``topology.devices_per_node``,
-        ``node_size`` and ``cores``, one number), ``nics`` (``topology.nics_per_node``)
-        and ``nic_gbps`` (``topology.nic_bandwidth``, bytes/s = Gb/s * 1e9 / 8).
+        ``node_size`` and ``cores``, one number), ``nics`` (``topology.nics_per_node``),
+        ``nic_gbps`` (``topology.nic_bandwidth``, bytes/s = Gb/s * 1e9 / 8),
+        ``nodes_per_leaf`` (``topology.nodes_per_leaf``, a whole number >= 1) and
+        ``oversub`` (``topology.oversubscription``, a number >= 1).
 
     Returns
     -------
@@ -173,10 +204,11 @@ def derive(machine: Machine, spec: str) -> Machine:
     Raises
     ------
     ValueError
-        An unknown key, a key that does not apply to ``machine`` (``gpus``, ``nics``
-        and ``nic_gbps`` need a topology, the last two one with NICs), a key given
-        twice, or a bad value (no unit, unparseable, not positive); the message names
-        the key and lists the valid ones.
+        An unknown key, a key that does not apply to ``machine`` (``gpus`` needs a
+        topology, ``nics``, ``nic_gbps``, ``nodes_per_leaf`` and ``oversub`` one with
+        NICs), a key given twice, or a bad value (no unit, unparseable, not positive,
+        an oversubscription below 1); the message names the key and lists the valid
+        ones.
     """
     pairs: dict = {}
     whole = f"{machine.name}:{spec}"
@@ -218,9 +250,10 @@ def derive(machine: Machine, spec: str) -> Machine:
                 changes["cores"] = n
                 changes["node_size"] = None if machine.node_size is None else n
                 tsources["devices_per_node"] = f"{n}: {said}"
-            elif key == "nics":
-                topo["nics_per_node"] = _count(value)
-                tsources["nics_per_node"] = f"{value}: {said}"
+            elif key in _TOPOLOGY_KEYS:
+                fld, parse, unit = _TOPOLOGY_KEYS[key]
+                topo[fld] = parse(value)
+                tsources[fld] = f"{value}{unit}: {said}"
             else:
                 topo["nic_bandwidth"] = _gbps(value) * 1e9 / 8
                 tsources["nic_bandwidth"] = f"{value} Gb/s: {said}"
@@ -294,7 +327,7 @@ def presets_listing() -> str:
     lines.append("variants: --machine NAME:key=value,key=value (any command that takes "
                  "--machine; NAME a preset or a machine file); keys:")
     for key, what in VARIANT_KEYS.items():
-        lines.append(f"  {key:<9s} {what}")
+        lines.append(f"  {key:<14s} {what}")
     lines.append(f"  example: --machine {VARIANT_EXAMPLE}   "
                  f"(`python -m summasim.costmodel presets {VARIANT_EXAMPLE}` prints it)")
     lines.append("every number's source: python -m summasim.costmodel presets NAME "

@@ -20,6 +20,29 @@ per direction that ALL its devices share. Bandwidths are datasheet line rates;
 microbenchmarks such as NCCL-tests bus bandwidth), and the ``effective`` rates
 below are their product.
 
+The fabric above the NICs
+-------------------------
+By default the NICs reach one non-blocking network. Two mechanisms bound it:
+
+* **Leaf domains and oversubscription** (``nodes_per_leaf``, ``oversubscription``).
+  A fat tree (Leiserson 1985) is non-blocking when every switch has as much uplink
+  as downlink capacity; an *oversubscribed* one gives each leaf switch ``R`` times
+  less uplink than downlink (``R:1``). Nodes ``n`` with the same ``n //
+  nodes_per_leaf`` form a leaf domain: their traffic among themselves stays under
+  the leaf, traffic that leaves it shares the leaf's uplinks, ``U = (nodes of the
+  domain) * nics_per_node * nic_effective / oversubscription`` bytes/s per
+  direction. On a rail-optimized fabric (NVIDIA DGX SuperPOD) the domain is the
+  scalable unit of 32 nodes: rail switch ``i`` connects NIC ``i`` of every node of
+  the unit, and NCCL's PXN moves data over NVLink to the GPU on the right rail, so
+  the unit behaves as one leaf of the whole unit's NICs; on a classic fabric it is
+  the nodes of one leaf switch (a rack).
+* **GPUDirect RDMA** (``gpudirect``, ``host_bandwidth``). With it the NIC reads and
+  writes GPU memory directly; without it (NCCL's ``NCCL_NET_GDR_LEVEL`` forbidding
+  it, or a system that lacks it) every byte a NIC moves is staged through host
+  memory, written there by the GPU's DMA engine and read from it by the NIC, so a
+  node's NIC traffic per direction is at most ``host_bandwidth / 2``, shared by all
+  its NIC users.
+
 Placement
 ---------
 A :class:`Placement` maps the ranks of a grid to device slots (slot ``s`` is on node
@@ -50,6 +73,13 @@ returns the worst group's :class:`GroupPath`:
   device using at most its local NIC share (``nic_effective * max(1, nics //
   devices_per_node)``); a group's ring must push its whole bus bandwidth through
   the NIC share of its devices on the node;
+  without GPUDirect RDMA the node's NICs move at most ``min(nics_per_node *
+  nic_effective, host_bandwidth / 2)`` (bottleneck ``"host"`` when the host binds);
+* spine bound (``nodes_per_leaf > 0``): a group whose nodes lie in more than one
+  leaf domain is a ring that leaves and enters each domain it touches once per
+  direction, carrying its bus bandwidth over the domain's uplinks; the concurrent
+  groups that touch a domain and leave it share its ``U`` equally (bottleneck
+  ``"spine"``);
 * the group's bus bandwidth is the smallest of these (bytes/s per rank, as
   NCCL-tests define bus bandwidth).
 
@@ -57,6 +87,13 @@ References
 ----------
 NVIDIA DGX A100 / DGX H100 / DGX-2 system datasheets and user guides; NCCL-tests
 ``doc/PERFORMANCE.md`` (bus bandwidth); TACC Frontera user guide (GPU nodes).
+C. E. Leiserson, "Fat-trees: universal networks for hardware-efficient
+supercomputing", IEEE Trans. Computers C-34(10), 1985 (fat trees; a level with less
+uplink than downlink capacity is oversubscribed). NVIDIA DGX SuperPOD reference
+architecture (DGX A100 / H100): rail-optimized compute fabric, scalable units of 32
+nodes. NVIDIA GPUDirect RDMA documentation (docs.nvidia.com/cuda/gpudirect-rdma) and
+NCCL environment variables ``NCCL_NET_GDR_LEVEL`` / ``NCCL_NET_GDR_READ`` (without
+GPUDirect RDMA, NCCL stages network traffic through host memory).
 """
 
 from __future__ import annotations
@@ -129,6 +166,22 @@ class Topology:
     ll128 : bool
         Whether NCCL enables its LL128 protocol here (NCCL 2.8 enables it by default
         only on NVLink systems of compute capability 7.0 and 8.0).
+    nodes_per_leaf : int
+        Nodes per leaf domain, whose traffic among themselves stays under one leaf
+        (a rail-optimized scalable unit, e.g. 32 DGX nodes; or one leaf switch's
+        nodes); 0: the whole machine is one non-blocking fabric.
+    oversubscription : float
+        A leaf's downlink : uplink capacity ratio (>= 1; 2 is 2:1); the uplinks of a
+        domain carry ``nodes * nics_per_node * nic_effective / oversubscription``
+        bytes/s per direction.
+    gpudirect : bool
+        Whether the NICs read and write GPU memory directly (GPUDirect RDMA); False:
+        NIC traffic is staged through host memory.
+    host_bandwidth : float
+        Host-memory bytes/s available to staging one direction of a node's NIC
+        traffic; each staged byte is written and read once, so the node's NICs move
+        at most ``host_bandwidth / 2`` per direction (needed when ``gpudirect`` is
+        False).
     sources : dict
         ``{field: public source}`` for every number above.
     """
@@ -147,12 +200,20 @@ class Topology:
     nic_efficiency: float = 1.0
     nodes: int | None = None
     ll128: bool = True
+    nodes_per_leaf: int = 0
+    oversubscription: float = 1.0
+    gpudirect: bool = True
+    host_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict)
 
     _NUMBERS = ("intra_bandwidth", "intra_latency", "intra_efficiency", "socket_bandwidth",
                 "socket_efficiency", "nic_bandwidth", "nic_latency", "nic_efficiency")
+    #: The fabric's fields and their defaults (a non-blocking fabric with GPUDirect
+    #: RDMA): :meth:`to_dict` writes them only when set, so older files read the same.
+    _FABRIC = {"nodes_per_leaf": 0, "oversubscription": 1.0, "gpudirect": True,
+               "host_bandwidth": 0.0}
     _FIELDS = ("devices_per_node", "intra_kind") + _NUMBERS + (
-        "sockets", "nics_per_node", "nodes", "ll128", "sources")
+        "sockets", "nics_per_node", "nodes", "ll128") + tuple(_FABRIC) + ("sources",)
 
     def __post_init__(self):
         p = "topology."
@@ -178,7 +239,26 @@ class Topology:
             raise ValueError("topology: nics_per_node > 0 needs nic_bandwidth > 0")
         if not isinstance(self.ll128, bool):
             raise ValueError("machine field 'topology.ll128' must be true or false")
+        self._check_fabric()
         object.__setattr__(self, "sources", _sources(self.sources, p + "sources"))
+
+    def _check_fabric(self) -> None:
+        """Validate the fabric's fields (module docstring, "The fabric above the
+        NICs"); ValueError naming ``topology.<field>``."""
+        p = "topology."
+        object.__setattr__(self, "nodes_per_leaf",
+                           _num(p + "nodes_per_leaf", self.nodes_per_leaf, integer=True))
+        _num(p + "oversubscription", self.oversubscription)
+        if self.oversubscription < 1:
+            raise ValueError(f"machine field 'topology.oversubscription' must be >= 1 "
+                             f"(downlink : uplink, 2 for 2:1), got {self.oversubscription!r}")
+        _num(p + "host_bandwidth", self.host_bandwidth)
+        if not isinstance(self.gpudirect, bool):
+            raise ValueError("machine field 'topology.gpudirect' must be true or false")
+        if not self.gpudirect and self.host_bandwidth <= 0:
+            raise ValueError("machine field 'topology.host_bandwidth' must be > 0 when "
+                             "topology.gpudirect is false (NIC traffic is staged through "
+                             "host memory)")
 
     # -- derived rates ------------------------------------------------------------------
     @property
@@ -202,9 +282,33 @@ class Topology:
     def node_of(self, slot: int) -> int:
         return slot // self.devices_per_node
 
+    @property
+    def node_nic_effective(self) -> float:
+        """Achievable NIC bytes/s per direction of one node: its NICs, and without
+        GPUDirect RDMA at most ``host_bandwidth / 2`` (each byte staged through host
+        memory is written and read there once)."""
+        nics = self.nics_per_node * self.nic_effective
+        return nics if self.gpudirect else min(nics, self.host_bandwidth / 2)
+
+    def domain_of(self, node: int) -> int:
+        """Leaf domain of ``node`` (``node // nodes_per_leaf``; 0 when the fabric is
+        one non-blocking domain)."""
+        return node // self.nodes_per_leaf if self.nodes_per_leaf > 0 else 0
+
+    def uplink_effective(self, domain: int) -> float:
+        """``U``: achievable bytes/s per direction out of leaf domain ``domain``, its
+        nodes' NIC line capacity over the oversubscription (the last domain of a
+        machine of ``nodes`` may hold fewer nodes)."""
+        n = self.nodes_per_leaf
+        if self.nodes is not None:
+            n = max(1, min(n, self.nodes - domain * n))
+        return n * self.nics_per_node * self.nic_effective / self.oversubscription
+
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self._FIELDS}
+        """A JSON-ready dict; the fabric's fields only when not their default."""
+        return {f: getattr(self, f) for f in self._FIELDS
+                if f not in self._FABRIC or getattr(self, f) != self._FABRIC[f]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Topology":
@@ -360,7 +464,8 @@ class GroupPath:
 
     ``bus_bandwidth`` is bytes/s per rank (NCCL-tests' bus bandwidth of a ring over
     the group), ``nodes`` the nodes it spans, ``per_node`` its ranks on the fullest
-    node, ``bottleneck`` the link that bounds it ("intra", "socket" or "nic").
+    node, ``bottleneck`` the link that bounds it ("intra", "socket", "nic", "host":
+    NIC traffic staged through host memory, or "spine": a leaf domain's uplinks).
     """
 
     size: int
@@ -452,6 +557,7 @@ def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
                 nic_users[node] = nic_users.get(node, 0) + len(locs)
             if topo.sockets > 1 and len({topo.socket_of(x) for x in locs}) > 1:
                 crossings[node] = crossings.get(node, 0) + 1
+    leaving = _leaving_groups(topo, layout)
     worst = None
     for bn, span in zip(layout, spanning):
         size_g = sum(len(v) for v in bn.values())
@@ -466,20 +572,69 @@ def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
         if span:
             if topo.nics_per_node <= 0:
                 raise ValueError("topology: a group spans nodes but the nodes have no NICs")
-            cap = topo.nic_effective * max(1, topo.nics_per_node // dpn)
-            for node, locs in bn.items():
-                users = nic_users[node]
-                per_dev = min(topo.nics_per_node * topo.nic_effective / users, cap)
-                lim = len(locs) * per_dev
+            for lim, why, flows in (_nic_bound(topo, bn, nic_users),
+                                    _spine_bound(topo, bn, leaving)):
                 if lim < bw:
-                    bw, neck = lim, "nic"
-                    share = users / max(1, topo.nics_per_node)
+                    bw, neck, share = lim, why, flows
         path = GroupPath(size_g, len(bn), max(len(v) for v in bn.values()), bw,
                          topo.intra_kind, neck, share)
         if worst is None or (path.bus_bandwidth, -path.nodes) < (worst.bus_bandwidth,
                                                                    -worst.nodes):
             worst = path
     return worst
+
+
+def _nic_bound(topo: Topology, by_node: dict, nic_users: dict) -> tuple:
+    """``(bus bandwidth, bottleneck, sharing)`` of a node-spanning group from the NICs
+    of its nodes: on each node its devices get the node's NIC rate
+    (:attr:`Topology.node_nic_effective`) shared by the node's ``nic_users``, each at
+    most its local NIC share; the node where that is least binds. The bottleneck is
+    ``"host"`` when staging through host memory (no GPUDirect RDMA) is what limits the
+    node, else ``"nic"``."""
+    nics = topo.nics_per_node * topo.nic_effective
+    node_cap = topo.node_nic_effective
+    cap = topo.nic_effective * max(1, topo.nics_per_node // topo.devices_per_node)
+    best = (math.inf, "nic", 1.0)
+    for node, locs in by_node.items():
+        users = nic_users[node]
+        lim = len(locs) * min(node_cap / users, cap)
+        if lim < best[0]:
+            host = node_cap < nics and node_cap / users < cap
+            best = (lim, "host", float(users)) if host else \
+                (lim, "nic", users / max(1, topo.nics_per_node))
+    return best
+
+
+def _leaving_groups(topo: Topology, layout: list) -> dict:
+    """``{leaf domain: concurrent groups that touch it and leave it}`` (groups whose
+    nodes lie in more than one domain); empty when the fabric is one domain."""
+    out: dict = {}
+    if topo.nodes_per_leaf <= 0:
+        return out
+    for by_node in layout:
+        domains = {topo.domain_of(n) for n in by_node}
+        if len(domains) > 1:
+            for dom in domains:
+                out[dom] = out.get(dom, 0) + 1
+    return out
+
+
+def _spine_bound(topo: Topology, by_node: dict, leaving: dict) -> tuple:
+    """``(bus bandwidth, "spine", sharing)`` of a group from the leaf uplinks: a ring
+    over several leaf domains leaves and enters each domain it touches once per
+    direction, carrying its bus bandwidth, so it gets at most ``U / g`` of every such
+    domain (:meth:`Topology.uplink_effective`, ``g`` the groups of ``leaving`` that
+    share it); ``(inf, "spine", 1)`` for a group inside one domain (Leiserson 1985;
+    NVIDIA DGX SuperPOD reference architecture: see the module docstring)."""
+    best = (math.inf, "spine", 1.0)
+    domains = {topo.domain_of(n) for n in by_node}
+    if len(domains) < 2:
+        return best
+    for dom in sorted(domains):
+        lim = topo.uplink_effective(dom) / leaving[dom]
+        if lim < best[0]:
+            best = (lim, "spine", float(leaving[dom]))
+    return best
 
 
 def explicit_slots(values: Sequence[int]) -> Placement:

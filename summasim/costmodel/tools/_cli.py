@@ -34,6 +34,20 @@ def add_machine(ap: argparse.ArgumentParser, default: str) -> None:
                         help_more=f"; presets: {', '.join(list_presets())}")
 
 
+def add_engine(ap: argparse.ArgumentParser) -> None:
+    """How the training engine overlaps its communication (``price_composition``'s
+    ``zero3_prefetch``, ``grad_overlap`` and ``p2p_overlap``)."""
+    ap.add_argument("--zero3-prefetch", action="store_true",
+                    help="ZeRO 3 hides each gather behind the previous piece (FSDP's "
+                         "prefetch; default off, as summasim's engine runs)")
+    ap.add_argument("--grad-overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="the gradient reduction runs bucket by bucket under the backward "
+                         "(default); --no-grad-overlap: after it, as Megatron-LM's 2019 code")
+    ap.add_argument("--p2p-overlap", action="store_true",
+                    help="pipeline hand-offs overlap the compute in the steady state "
+                         "(Megatron-LM's --overlap-p2p-communication; default: blocking)")
+
+
 def main(build_parser, run, argv=None) -> int:
     """A tool on its own: parse ``argv`` with ``build_parser()`` and :func:`cli.run_command`
     ``run`` (a user error is one line and status 2)."""

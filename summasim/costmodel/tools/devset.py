@@ -33,7 +33,8 @@ Kinds of points
                      :func:`price_point_composition` (same ``composition`` fields; optional
                      ``chunks`` for the interleaved schedule, ``zero3_prefetch``, and
                      ``grad_overlap: false`` where the publication says the gradient
-                     reduction ran after the backward)
+                     reduction ran after the backward, ``p2p_overlap: true`` where its
+                     pipeline hand-offs overlap the compute)
 ``composition_tokens``
                      tokens per second per device of a composition: ``global_batch x s``
                      over the predicted step seconds over ``devices``
@@ -66,7 +67,7 @@ import math
 from importlib import resources
 
 from summasim.costmodel.workload.mesh import model_flops
-from summasim.costmodel.workload.composition import price_composition
+from summasim.costmodel.workload.composition import flatten_breakdown, price_composition
 from summasim.costmodel.machine import load_preset
 from summasim.costmodel.collectives.nccl import predicted_bus_bandwidth
 from summasim.costmodel.workload.scheme import TransformerConfig
@@ -175,7 +176,40 @@ def price_point_composition(point: dict, machine=None) -> dict:
                              schedule=comp.get("schedule", "1f1b"), chunks=comp.get("chunks", 1),
                              zero3_prefetch=bool(comp.get("zero3_prefetch", False)),
                              grad_overlap=bool(comp.get("grad_overlap", True)),
+                             p2p_overlap=bool(comp.get("p2p_overlap", False)),
                              recompute=cfg.recompute, devices=comp["devices"])
+
+
+def explain_point(point: dict) -> str:
+    """A composition point's predicted step as ``predict`` prints it: published against
+    predicted, the breakdown (seconds and share of the step) and what bounds it
+    (:func:`~summasim.costmodel.tools.explain.what_bounds`). ValueError for a point that
+    is not a priced composition."""
+    from .explain import what_bounds
+
+    if point.get("kind") not in COMPOSITION_KINDS or point.get("pending"):
+        raise ValueError(f"devset point {point.get('id')!r} is not a priced composition "
+                         f"(kind {point.get('kind')!r})")
+    machine = _machine(point)
+    res = price_point_composition(point, machine)
+    comp, step = res["composition"], res["step_seconds"]
+    pred = predict_point(point)
+    lines = [f"{point['id']}: {point.get('framework')}, {point.get('gpu')}, "
+             f"{point.get('source_key')}",
+             f"  machine {machine.name}; {comp['grid']} x dp {comp['dp']} x pp {comp['pp']}, "
+             f"m = {comp['microbatches']} of {comp['micro_batch']}, ZeRO {comp['zero']}, "
+             f"{comp['schedule']}{':' + str(comp['chunks']) if comp['chunks'] > 1 else ''}, "
+             f"recompute {comp['recompute']}",
+             f"  published {point['published']:g}, predicted {pred:.4g} {point['unit']} "
+             f"({pred / point['published'] - 1:+.1%})",
+             f"  step {step:.4g} s:"]
+    bd = flatten_breakdown(res["breakdown"])
+    for key, val in bd.items():
+        if val > 0:
+            lines.append(f"    {key:<16s} {val:10.4g} s  {val / step:6.1%}")
+    bound = what_bounds(res, machine)
+    lines.append(f"  bound by {bound['why']} ({bound['share']:.0%} of the step)")
+    return "\n".join(lines)
 
 
 def composition_throughput(point: dict, result: dict) -> float:

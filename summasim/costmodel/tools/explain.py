@@ -3,7 +3,8 @@
 :func:`what_bounds` names the part of a composition's step that bounds it: the largest
 term of :func:`~summasim.costmodel.workload.composition.price_composition`'s breakdown
 (the GEMMs at their rate, the memory-bound kernels at the memory bandwidth, one group's
-exposed communication on the link that bounds it, the pipeline bubble, the optimizer),
+exposed communication on the link that bounds it, the compute slowed by the collectives
+it hides, the pipeline bubble, the optimizer),
 with the numbers that make it so: the GEMMs' achieved fraction of the device's peak,
 the link a group crosses (:func:`~summasim.costmodel.machine.topology.group_path`), the
 bubble against its closed form ``(pp - 1) / (V m)`` (Narayanan et al. 2021, section
@@ -84,6 +85,11 @@ def what_bounds(res: dict, machine) -> dict:
                f"{(pp - 1) / (v * m):.1%} of the ideal time")
     elif term == "optimizer":
         why = "the optimizer's update, memory-bound"
+    elif term == "comm.contention":
+        dev = machine.device
+        why = ("compute slowed by the collectives it hides: they take "
+               f"{dev.comm_sms:g} of the device's {dev.sms} SMs while they run"
+               if dev is not None and dev.sms else "compute slowed by the collectives it hides")
     else:
         group = term.split(".", 1)[1]
         why = f"{group} communication not hidden by compute, on {_link(machine, group, comp)}"

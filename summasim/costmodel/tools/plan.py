@@ -105,6 +105,8 @@ class Plan(NamedTuple):
     attention: str = "plain"
     loss_scale: str = "none"
     training: "spec.Training | None" = None     # dtype, loss scale, grad reduce
+    grad_overlap: bool = True                   # price_composition's engine overlaps
+    p2p_overlap: bool = False
 
 
 #: The model chunks per stage the planner tries by default: 1 (1F1B) and the
@@ -160,8 +162,8 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
            checkpoints=None, schedule: str = "1f1b", state_bytes: StateBytes | None = None,
            bucket_bytes: float = BUCKET_BYTES, max_microbatches: int | None = None,
            zero3_prefetch: bool = False, price: bool = True, tick=None,
-           sequence_parallel=(False, True), chunks=CHUNKS, loss_scale: str = "none"
-           ) -> SearchResult:
+           sequence_parallel=(False, True), chunks=CHUNKS, loss_scale: str = "none",
+           grad_overlap: bool = True, p2p_overlap: bool = False) -> SearchResult:
     """Every composition of ``devices`` for ``cfg`` that fits ``budget`` bytes per
     device, priced and ranked by step time (``price=False``: memory only, unranked).
 
@@ -249,7 +251,8 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
                                     global_batch=B, zero=zero, schedule=kind, chunks=v,
                                     recompute=rc, devices=devices, bucket_bytes=bucket_bytes,
                                     state_bytes=sb, zero3_prefetch=zero3_prefetch,
-                                    loss_scale=loss_scale, cache=cache)
+                                    loss_scale=loss_scale, cache=cache,
+                                    grad_overlap=grad_overlap, p2p_overlap=p2p_overlap)
                                 rows.append(_row(res))
     rows.sort(key=lambda r: r["step_seconds"])
     return SearchResult(rows, counts, smallest, time.perf_counter() - t0, reasons)

@@ -135,8 +135,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     help="largest m to try")
     ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=BUCKET_BYTES / 2**20,
                     help="gradient bucket in MiB (default 25, PyTorch DDP's)")
-    ap.add_argument("--zero3-prefetch", action="store_true",
-                    help="ZeRO 3 hides each gather behind the previous piece")
+    _cli.add_engine(ap)
     mem = ap.add_mutually_exclusive_group()
     mem.add_argument("--mem-fraction", type=cli.float_range(0, 1, lo_open=True),
                      default=MEM_FRACTION,
@@ -224,7 +223,7 @@ def check_args(args) -> Plan:
                 recomputes, args.schedule, budget, sb, args.bucket_mb * 2**20,
                 args.max_microbatches or 0, args.zero3_prefetch, args.top, out.get("--json"),
                 plot, sps, chunks if args.schedule == "1f1b" else (1,), args.attention,
-                training.loss_scale or "none", training)
+                training.loss_scale or "none", training, args.grad_overlap, args.p2p_overlap)
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -233,7 +232,8 @@ COLUMNS = [("rank", "#"), ("tensor", "tensor"), ("dp", "dp"), ("pp", "pp"),
            ("schedule", "schedule"), ("recompute", "recomp"), ("sp", "SP"),
            ("step_seconds", "step s"), ("gemm", "gemm"), ("memory_bound", "mem-bnd"),
            ("comm_tensor", "tensor"), ("comm_dp", "dp"), ("comm_pp", "pp"),
-           ("comm_zero", "zero"), ("bubble", "bubble"), ("optimizer", "optim"),
+           ("comm_zero", "zero"), ("comm_contention", "contn"), ("bubble", "bubble"),
+           ("optimizer", "optim"),
            ("memory_gib", "mem GiB"), ("model_states_gib", "states"),
            ("activations_gib", "acts"), ("tflops_per_device", "TFLOP/s")]
 
@@ -278,7 +278,8 @@ def make_plot(path: str, rows: list[dict], top: int, budget_gib: float, title: s
     ax[0].legend(fontsize=8)
     parts = [("gemm", "GEMM"), ("memory_bound", "memory-bound"), ("comm_tensor", "tensor comm"),
              ("comm_dp", "dp comm"), ("comm_pp", "pp comm"), ("comm_zero", "ZeRO comm"),
-             ("bubble", "bubble"), ("optimizer", "optimizer")]
+             ("comm_contention", "contention"), ("bubble", "bubble"),
+             ("optimizer", "optimizer")]
     labels = [f"{i + 1}. {row_label(r)}" for i, r in enumerate(best)]
     left = [0.0] * len(best)
     for j, (key, name) in enumerate(parts):
@@ -314,7 +315,8 @@ def run(args, out=None) -> int:
                      schemes=plan.schemes, zeros=plan.zeros, recomputes=plan.recomputes,
                      schedule=plan.schedule, state_bytes=plan.state_bytes,
                      bucket_bytes=plan.bucket_bytes, max_microbatches=plan.max_microbatches,
-                     zero3_prefetch=plan.zero3_prefetch, tick=tick,
+                     zero3_prefetch=plan.zero3_prefetch, grad_overlap=plan.grad_overlap,
+                     p2p_overlap=plan.p2p_overlap, tick=tick,
                      sequence_parallel=plan.sequence_parallel, chunks=plan.chunks,
                      loss_scale=plan.loss_scale)
     if not res.counts["compositions"]:
@@ -432,7 +434,8 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
             schedule="interleaved" if r["chunks"] > 1 else plan.schedule, chunks=r["chunks"],
             recompute=r["recompute"], devices=plan.devices, bucket_bytes=plan.bucket_bytes,
             state_bytes=plan.state_bytes, zero3_prefetch=plan.zero3_prefetch,
-            loss_scale=plan.loss_scale))
+            loss_scale=plan.loss_scale, grad_overlap=plan.grad_overlap,
+            p2p_overlap=plan.p2p_overlap))
     return {"format": "summasim.plan/1", "machine": plan.machine.name,
             "model": str(plan.model), "config": {"h": cfg.h, "N": cfg.N, "n": cfg.n, "s": cfg.s,
                                             "v": cfg.v, "ffn": cfg.ffn, "dtype": cfg.dtype,

@@ -151,6 +151,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     _cli.add_machine(ap, DEFAULT_PRESET)
     ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
                     help="dropout probability (default 0)")
+    _cli.add_engine(ap)
     ap.add_argument("--placement", default="row-major",
                     help="tensor grid alone: row-major (default), blocked, blocked:AxB, or "
                          "map:SLOT,SLOT,...")
@@ -280,8 +281,8 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                             zero=None) -> dict:
     """:func:`~summasim.costmodel.workload.composition.price_composition` of the composition of
     ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it (the
-    training's state bytes, :meth:`StateBytes.for_training`; the default bucket, no
-    ZeRO 3 prefetch)."""
+    training's state bytes, :meth:`StateBytes.for_training`; the default bucket; the
+    engine's overlaps, :func:`~._cli.add_engine`)."""
     mesh, tr = args.mesh, args.training
     return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
                              microbatches=m, global_batch=int(cfg.b),
@@ -289,7 +290,10 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                              schedule=tr.schedule, chunks=tr.chunks, stages=tr.stages,
                              recompute=recompute or tr.recompute, devices=mesh.devices,
                              loss_scale=tr.loss_scale or "none",
-                             state_bytes=StateBytes.for_training(cfg.dtype, tr.grad_reduce))
+                             state_bytes=StateBytes.for_training(cfg.dtype, tr.grad_reduce),
+                             zero3_prefetch=getattr(args, "zero3_prefetch", False),
+                             grad_overlap=getattr(args, "grad_overlap", True),
+                             p2p_overlap=getattr(args, "p2p_overlap", False))
 
 
 def _s(x: float) -> str:
@@ -366,7 +370,8 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     iv = step_interval(step)
     w(_interval_line(iv))
     parts = [("  GEMM", bd["gemm"]), ("  memory-bound", bd["memory_bound"])]
-    parts += [(f"  exposed {k} comm", v) for k, v in bd["exposed_comm"].items()]
+    parts += [("  comm contention" if k == "contention" else f"  exposed {k} comm", v)
+              for k, v in bd["exposed_comm"].items()]
     parts += [("  bubble", bd["bubble"]), ("  optimizer", bd["optimizer"])]
     for label, val in parts:
         share = val / step if step else 0.0

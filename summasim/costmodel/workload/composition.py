@@ -151,7 +151,7 @@ from .scheme import Scheme, TransformerConfig
 from .stage_memory import _pieces, stage_memory, stage_plan
 from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
                      tensor_memory, tensor_price)
-from .overlap import Window, contention_share, hidden_contention, zero3_gathers
+from .overlap import Window, contention_share, hidden_contention, window, zero3_gathers
 from .zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
 
 @dataclass(frozen=True)
@@ -215,6 +215,7 @@ class _Setup:
     g_flag: MeshGroup | None = None  # the loss-scale overflow flag's group
     grad_overlap: bool = True   # gradient reductions overlap the backward
     share: float = 0.0          # of the device a running collective takes (contention)
+    p2p_overlap: bool = False   # pipeline hand-offs overlap the compute in steady state
 
 
 def _cached(cache: dict, key: tuple, make):
@@ -228,7 +229,7 @@ def _cached(cache: dict, key: tuple, make):
 def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
            schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
            zero3_prefetch, cache, recompute=None, chunks=1, stages=None,
-           loss_scale="none", pc=None, grad_overlap=True) -> _Setup:
+           loss_scale="none", pc=None, grad_overlap=True, p2p_overlap=False) -> _Setup:
     """Check the composition and price what its stages share (cached per grid and
     micro-batch in ``cache``)."""
     sch = make_scheme(scheme, t=t, q=q, d=d, pc=pc)
@@ -273,7 +274,7 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
         bucket_bytes=bucket_bytes, optimizer=optimizer, zero3_prefetch=zero3_prefetch,
         recompute=recompute, chunks=chunks, stages=stages, plan=plan,
         loss_scale=str(loss_scale), grad_overlap=bool(grad_overlap),
-        share=contention_share(machine),
+        share=contention_share(machine), p2p_overlap=bool(p2p_overlap),
         # the overflow flag: over the model-parallel group (t x pp), and over every
         # device once ZeRO shards the gradients over dp
         g_flag=(MeshGroup(1, n_dev, n_dev, 1) if zero >= 1
@@ -378,18 +379,41 @@ def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> St
         chunks=tuple(chunks))
 
 
+def steady(c: _Setup, st: Stage) -> Window:
+    """Stage ``st``'s pipeline hand-offs of one micro-batch in the steady state: all
+    exposed (blocking sends, the default: DeepSpeed's and Megatron-LM's 1F1B without
+    ``--overlap-p2p-communication``), or with ``p2p_overlap`` overlapping the
+    micro-batch's compute (:func:`~.overlap.window`: exposed ``max(0, sends -
+    compute)``, with its contention). Warm-up and cool-down pay them in full."""
+    if not c.p2p_overlap:
+        return Window(st.sends, 0.0)
+    return window(st.seconds - st.sends, st.sends, c.share)
+
+
+def _steady_seconds(c: _Setup, st: Stage) -> float:
+    """One micro-batch of stage ``st`` in the steady state (:func:`steady`)."""
+    if not c.p2p_overlap:
+        return st.seconds
+    w = steady(c, st)
+    return st.seconds - st.sends + w.exposed + w.contention
+
+
 def pipeline_seconds(c: _Setup, stages: list[Stage]) -> float:
     """The pipeline of m micro-batches over the stages (:func:`pipeline_time`'s closed
     form over the representative stages): GPipe and 1F1B, and the interleaved
-    schedule's ``m max(f + b) + (sum(f + b) - max(f + b)) / V``."""
+    schedule's ``m max(f + b) + (sum(f + b) - max(f + b)) / V``. The steady state's
+    ``f + b`` is :func:`_steady_seconds` (the hand-offs hidden under ``p2p_overlap``);
+    the fill and drain (the sums) pay every hand-off."""
     per = [st.seconds for st in stages]
+    top_steady = max(_steady_seconds(c, st) for st in stages)
     if c.schedule == "interleaved":
         top = max(per)
-        return c.m * top + (sum(st.count * x for st, x in zip(stages, per)) - top) / c.chunks
-    steady = (max(st.forward_seconds for st in stages)
-              + max(st.backward_seconds for st in stages) if c.schedule == "gpipe"
-              else max(per))
-    return (c.m - 1) * steady + sum(st.count * x for st, x in zip(stages, per))
+        return (c.m * top_steady + (sum(st.count * x for st, x in zip(stages, per)) - top)
+                / c.chunks)
+    steady_s = (max(st.forward_seconds for st in stages)
+                + max(st.backward_seconds for st in stages) if c.schedule == "gpipe"
+                else top_steady)
+    return (c.m - 1) * steady_s + sum(st.count * x for st, x in zip(stages, per))
 
 
 def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
@@ -444,14 +468,16 @@ def composition_breakdown(c: _Setup, crit: Stage, tail: dict, t_pipe: float) -> 
     """The step in parts (seconds, summing to it): the critical stage's m micro-batches,
     the bubble, and the tail of the stage that finishes last."""
     m, work = c.m, crit.work
+    sends = steady(c, crit)
     return {
         "gemm": m * work.gemm,
         "memory_bound": m * work.membound,
         "exposed_comm": {"tensor": m * work.comm, "dp": tail["dp"],
-                         "pp": m * crit.sends + tail["embedding"],
+                         "pp": m * sends.exposed + tail["embedding"],
                          "zero": m * crit.zero_per_mb + tail["allgather"],
-                         "contention": m * crit.contention + tail["contention"]},
-        "bubble": t_pipe - m * crit.seconds,
+                         "contention": m * (crit.contention + sends.contention)
+                         + tail["contention"]},
+        "bubble": t_pipe - m * _steady_seconds(c, crit),
         "optimizer": tail["optimizer"],
     }
 
@@ -465,7 +491,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                       zero3_prefetch: bool = False, cache: dict | None = None,
                       recompute: str | None = None, chunks: int = 1,
                       stages: tuple | None = None, loss_scale: str = "none",
-                      pc: int | None = None, grad_overlap: bool = True) -> dict:
+                      pc: int | None = None, grad_overlap: bool = True,
+                      p2p_overlap: bool = False) -> dict:
     """Predicted step time, memory and traffic per device of one composition.
 
     Parameters
@@ -520,6 +547,10 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         gradient reduction, DeepSpeed, FSDP), or only once that backward has ended
         (False: e.g. Megatron-LM's 2019 code, whose ``allreduce_params`` runs after
         ``backward``).
+    p2p_overlap : bool
+        The pipeline hand-offs of the steady state overlap the compute (Megatron-LM's
+        ``--overlap-p2p-communication``) instead of blocking it (the default: DeepSpeed's
+        pipeline engine, Megatron-LM's 1F1B without it); the fill and drain pay them.
 
     Returns
     -------
@@ -549,12 +580,13 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
     c = _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, zero,
                schedule, checkpoint, devices, bucket_bytes, state_bytes, optimizer,
                zero3_prefetch, cache, recompute, chunks, stages, loss_scale, pc,
-               grad_overlap)
+               grad_overlap, p2p_overlap)
     m, sch, L = c.m, c.sch, c.L
     stages = [stage_cost(c, s, count, per) for s, count, per in c.plan]
     t_pipe = pipeline_seconds(c, stages)
-    per = [st.seconds for st in stages]
+    per = [_steady_seconds(c, st) for st in stages]
     crit = stages[max(range(len(stages)), key=per.__getitem__)]
+    crit_s = max(per)
     tails, finish = [], []
     before = 0.0                                  # backward time of the stages before it
     for st in stages:
@@ -588,7 +620,7 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
                         "schedule": schedule, "checkpoint": c.ck, "layers_per_stage": L,
                         "bucket_bytes": bucket_bytes, "state_bytes": c.sb.to_dict(),
                         "dtype": cfg.dtype, "zero3_prefetch": bool(zero3_prefetch),
-                        "grad_overlap": c.grad_overlap,
+                        "grad_overlap": c.grad_overlap, "p2p_overlap": c.p2p_overlap,
                         "optimizer": bool(optimizer), "chunks": c.chunks,
                         "stage_layers": [len(r) for r in stage_layers(
                             int(cfg.N), pp, c.stages, c.chunks)],
@@ -597,9 +629,8 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         "step_seconds": step,
         "pipeline_seconds": t_pipe,
         "critical_stage": crit.stage,
-        "bubble_fraction": (t_pipe - m * crit.seconds) / t_pipe if t_pipe else 0.0,
-        "bubble_over_ideal": (t_pipe - m * crit.seconds) / (m * crit.seconds)
-        if crit.seconds else 0.0,
+        "bubble_fraction": (t_pipe - m * crit_s) / t_pipe if t_pipe else 0.0,
+        "bubble_over_ideal": (t_pipe - m * crit_s) / (m * crit_s) if crit_s else 0.0,
         "breakdown": breakdown,
         "memory": worst,
         "traffic": traffic,

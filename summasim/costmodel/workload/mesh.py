@@ -83,7 +83,9 @@ class _Coll:
         hit = self.paths.get(grp)
         if hit is None:
             if self.nccl:
-                groups = grp.near(self.machine.topology.devices_per_node)
+                topo = self.machine.topology
+                # every group sharing a NIC with the first, or a leaf domain's uplinks
+                groups = grp.near(topo.devices_per_node * max(1, topo.nodes_per_leaf))
                 grid = _MeshGrid(self.devices, 1, 1, True, members=tuple(map(tuple, groups)))
                 hit = group_path(self.machine.topology, grid, "world", grp.size, Placement())
             else:
