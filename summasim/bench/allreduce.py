@@ -19,7 +19,24 @@ per-repeat ratios (:func:`paired_ratio`) beside the sign test's interval of that
 (the ratio of the two medians, which drifts with the machine between repeats, is kept in
 the JSON as ``vs_plain`` and ``ratio`` but not printed, since the paired interval is not
 its interval and need not hold it). Each size is marked with the load of other processes
-while it ran (column ``load``; ``load`` and ``quiet`` in the JSON)."""
+while it ran (column ``load``; ``load`` and ``quiet`` in the JSON).
+
+ZeRO's two ring halves are timed in the same rounds, on the same buffers (a second table;
+``--no-halves`` leaves them out), each against what a user would run instead:
+
+- ``ring_reduce_scatter(y, comm)`` in place against MPI's ``Reduce_scatter_block(y,
+  out[chunk r])`` (``Reduce_scatter`` with the ring's chunk sizes,
+  :func:`~summasim.algorithms.chunk_bounds`, where the size does not divide p);
+- ``ring_allgather(y, comm)`` in place against MPI's ``Allgather(y[chunk r], out)``
+  (``Allgatherv`` with the ring's chunks where the size does not divide p).
+
+``y`` is refilled from ``x`` before each of their calls, untimed. Each half's median
+times, its paired ratio (MPI's time over the ring's) with the sign test's interval and a
+verdict are in the JSON under ``halves``; every half's result is checked once per size
+(the reduce-scatter's chunk against MPI's all-reduce of the same vectors, the
+all-gather's every chunk against a pattern each rank builds with NumPy:
+:func:`reduce_scatter_correct`, :func:`allgather_correct`), and a wrong one on any rank
+fails the run."""
 
 from __future__ import annotations
 
@@ -47,6 +64,12 @@ REPEATS_HELP = (f"; allreduce: per size, as many as about {ALLREDUCE_BUDGET_S:g}
 def add_arguments(ap, every: bool = False):
     """allreduce's own options (``every``: as ``bench all`` shares them)."""
     add_sizes(ap)
+    ap.add_argument("--no-halves", action="store_true",
+                    help="leave out ZeRO's two ring halves (ring_reduce_scatter and "
+                         "ring_allgather, each against MPI's Reduce_scatter / Allgather), "
+                         "which are otherwise timed in the same rounds as the all-reduces "
+                         "(1.4-1.6x the time per size at p = 4, and fewer repeats each "
+                         "within the time allowed)")
     if not every:
         from ..options import add_dtype
 
@@ -197,7 +220,7 @@ def _faster(r: dict) -> bool:
     return r["median"] > 1 if r["verdict"] is None else r["verdict"] == "faster"
 
 
-def _contenders(backend, comm, raw, x, out, y) -> tuple[dict, dict]:
+def _contenders(backend, comm, raw, x, out, y, bounds=None) -> tuple[dict, dict]:
     """The all-reduces of ``x`` as calls that return when the result is there (device
     work waited for), and where the plain call keeps its result. Out of place, into
     ``out``: ``ring`` (``ring_allreduce(x, comm, out=out)``) and ``mpi``
@@ -210,7 +233,9 @@ def _contenders(backend, comm, raw, x, out, y) -> tuple[dict, dict]:
     call; without one ("staged", "ipc") what a user would write first: copy the vector
     into a pinned host buffer, all-reduce it there, copy the sum back. summasim's ring
     does the same below ``STAGE_WHOLE_BYTES`` (16 MiB), with its own host ring, and from
-    there stages per step (``Comm``) and adds on the device."""
+    there stages per step (``Comm``) and adds on the device. With ``bounds`` (the ring's
+    chunks, :func:`~summasim.algorithms.chunk_bounds`), ZeRO's two halves too
+    (:func:`_half_contenders`, :data:`HALVES`)."""
     from mpi4py import MPI
 
     from ..algorithms import ring_allreduce
@@ -254,14 +279,132 @@ def _contenders(backend, comm, raw, x, out, y) -> tuple[dict, dict]:
         held["call"] = ring_allreduce(a, comm)
 
     held = {"call": None}
-    return {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out),
-            "mpi": base["mpi"],
-            "inplace": done(lambda a, b: ring_allreduce(a, comm, out=a), y, y),
-            "plain": base["plain"], "call": done(fresh, x, out)}, held
+    calls = {"ring": done(lambda a, b: ring_allreduce(a, comm, out=b), x, out),
+             "mpi": base["mpi"],
+             "inplace": done(lambda a, b: ring_allreduce(a, comm, out=a), y, y),
+             "plain": base["plain"], "call": done(fresh, x, out)}
+    if bounds is not None:
+        calls.update(_half_contenders(backend, comm, raw, y, out, bounds, done,
+                                      (hx, hout) if mode in ("staged", "ipc") else None))
+    return calls, held
 
 
-#: The contenders that reduce their buffer in place: it is refilled before each call.
-IN_PLACE = frozenset({"inplace", "plain"})
+#: ZeRO's ring halves and their MPI baselines (:func:`_half_contenders`), in place on
+#: ``y`` (refilled from ``x`` before each call, untimed, as :data:`IN_PLACE`'s are):
+#: ``{half: (ring contender, MPI contender)}``
+HALVES = {"reduce_scatter": ("rs_ring", "rs_mpi"), "allgather": ("ag_ring", "ag_mpi")}
+
+
+def mpi_half_calls(bounds) -> dict:
+    """``{half: MPI call}``: the MPI collective a half is timed against (pure): the
+    ``_block`` / plain forms where every chunk is the same size, else the ``v`` forms with
+    the ring's chunk sizes."""
+    even = len({hi - lo for lo, hi in bounds}) == 1
+    return {"reduce_scatter": "Reduce_scatter_block" if even else "Reduce_scatter",
+            "allgather": "Allgather" if even else "Allgatherv"}
+
+
+def _half_contenders(backend, comm, raw, y, out, bounds, done, pinned) -> dict:
+    """ZeRO's two ring halves on ``y``, each next to MPI's collective on the same
+    vector (``bounds``: the ring's chunks; ``done``: :func:`_contenders`' wrapper that
+    waits for device work; ``pinned``: its pair of pinned host buffers on a staged path,
+    else None). ``rs_ring``: ``ring_reduce_scatter(y, comm)`` (rank r's sum lands in
+    chunk (r + 1) % p of ``y``); ``rs_mpi``: MPI's reduce-scatter of ``y`` into chunk r
+    of ``out``. ``ag_ring``: ``ring_allgather(y, comm)`` (rank r contributes chunk
+    (r + 1) % p of ``y``); ``ag_mpi``: MPI's all-gather of chunk r of ``y`` into
+    ``out``, chunk k from rank k. On a staged path without a CUDA-aware MPI the MPI
+    calls run on the pinned host copies (what a user would write first: the vector, or
+    the chunk, copied down, the collective there, the result copied back)."""
+    from mpi4py import MPI
+
+    from ..algorithms import ring_allgather, ring_reduce_scatter
+
+    r = raw.Get_rank()
+    a, b = bounds[r]
+    counts = [hi - lo for lo, hi in bounds]
+    displs = [lo for lo, _ in bounds]
+    names = mpi_half_calls(bounds)
+    block = names["reduce_scatter"] == "Reduce_scatter_block"
+
+    def rs_mpi(src, dst):              # the sum's chunk r into dst's chunk r
+        if block:
+            raw.Reduce_scatter_block(src, dst[a:b], op=MPI.SUM)
+        else:
+            raw.Reduce_scatter(src, dst[a:b], counts, op=MPI.SUM)
+
+    def ag_mpi(src, dst):              # chunk r of src from every rank r into dst
+        if block:
+            raw.Allgather(src[a:b], dst)
+        else:
+            raw.Allgatherv(src[a:b], [dst, (counts, displs)])
+
+    calls = {"rs_ring": done(lambda s, d: ring_reduce_scatter(s, comm), y, y),
+             "ag_ring": done(lambda s, d: ring_allgather(s, comm), y, y)}
+    if pinned is None:
+        calls.update(rs_mpi=done(rs_mpi, y, out), ag_mpi=done(ag_mpi, y, out))
+        return calls
+    hx, hout = pinned
+    sync = backend.synchronize
+
+    def staged_rs():
+        sync()
+        backend.copy_to_host(y, hx)
+        rs_mpi(hx, hout)
+        backend.copy_from_host(hout[a:b], out[a:b])
+        sync()
+
+    def staged_ag():
+        sync()
+        backend.copy_to_host(y[a:b], hx[a:b])
+        ag_mpi(hx, hout)
+        backend.copy_from_host(hout, out)
+        sync()
+
+    calls.update(rs_mpi=staged_rs, ag_mpi=staged_ag)
+    return calls
+
+
+def own_chunk(name: str, p: int, r: int) -> int:
+    """The chunk that rank ``r`` of ``p`` ends a reduce-scatter with, or contributes to
+    an all-gather (pure): the ring's (``rs_ring``, ``ag_ring``) is (r + 1) % p, MPI's is
+    r."""
+    return (r + 1) % p if name.endswith("_ring") else r
+
+
+def chunk_owners(name: str, p: int) -> list[int]:
+    """The rank whose contribution each chunk holds after all-gather ``name`` (pure):
+    the ring's chunk c is rank (c - 1) % p's (:func:`own_chunk`), MPI's chunk c rank
+    c's."""
+    return [(c - 1) % p if name.endswith("_ring") else c for c in range(p)]
+
+
+def gather_pattern(owner: int, lo: int, hi: int, dtype) -> np.ndarray:
+    """What rank ``owner`` contributes to items ``lo:hi`` in the all-gathers' check
+    (pure): ``owner + 1 + (i % 1021) / 1024`` for item i, exact in float32 and float64,
+    whole parts different for every owner, so a chunk from the wrong rank, a stale chunk
+    or one in the wrong place differs."""
+    i = np.arange(lo, hi)
+    return (owner + 1 + (i % 1021) / 1024).astype(dtype)
+
+
+def reduce_scatter_correct(got, ref, chunk, atol: float) -> bool:
+    """Whether ``got``'s ``chunk`` (``(start, stop)``) holds the sum ``ref`` there,
+    within ``atol`` (pure; host arrays)."""
+    lo, hi = chunk
+    return bool(got.shape == ref.shape
+                and np.allclose(got[lo:hi], ref[lo:hi], rtol=0, atol=atol))
+
+
+def allgather_correct(got, bounds, owners) -> bool:
+    """Whether every chunk c of ``got`` (host array; ``bounds``: the chunks) holds
+    exactly :func:`gather_pattern` of its owner, ``owners[c]`` (pure)."""
+    return bool(got.shape == (bounds[-1][1],) and all(
+        np.array_equal(got[lo:hi], gather_pattern(owners[c], lo, hi, got.dtype))
+        for c, (lo, hi) in enumerate(bounds)))
+
+
+#: The contenders that work in place on ``y``: it is refilled before each call.
+IN_PLACE = frozenset({"inplace", "plain"} | {k for pair in HALVES.values() for k in pair})
 
 
 def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
@@ -291,7 +434,8 @@ def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
 
 
 def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=None,
-                    backend=None, huge: bool = True, memory=None) -> list[dict]:
+                    backend=None, huge: bool = True, memory=None,
+                    halves: bool = True) -> list[dict]:
     """summasim's ring_allreduce, the plain mpi4py ring and MPI's Allreduce on the same
     buffers (``backend``'s arrays, default NumPy; see :func:`_contenders`; on huge
     pages unless ``huge`` is false: :func:`~summasim.bench.common.message_buffers`),
@@ -311,9 +455,15 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     memory the size ran on: on a shared VM it drifts within a launch; priced with
     readings taken only before and after the sizes, the 64 MiB ring at p = 16 came out
     11% and 14% low in two launches), and its row keeps them (``memory_gibs``: the
-    median; ``memory_readings``)."""
+    median; ``memory_readings``).
+
+    ``halves``: ZeRO's two ring halves against MPI's reduce-scatter and all-gather too,
+    in the same rounds (:func:`_half_contenders`), each checked once per size; each row
+    keeps them under ``halves`` (:func:`_halves_row`; None without them) and a second
+    table prints them after the first."""
     from mpi4py import MPI
 
+    from ..algorithms import chunk_bounds
     from ..backends import get_backend
     from ..comm import Comm
     from ..harness.load import LoadWatch, combine, mark, warning
@@ -332,6 +482,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         f"{'call ms':>9} {'call/out':>9} {'95% interval':>13} {'ring GB/s':>10} "
         f"{'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  check  load")
     rows = []
+    rank = world.Get_rank()
     watch = LoadWatch(world)
     try:
         for mib in sizes_mib:
@@ -348,16 +499,30 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                 if k in IN_PLACE:
                     y[...] = x
 
-            calls, held = _contenders(backend, comm, raw, x, out, y)
-            good = True
+            bounds = chunk_bounds(count, p)
+            calls, held = _contenders(backend, comm, raw, x, out, y,
+                                      bounds if halves else None)
+            good = {"allreduce": True, "halves": True}
             for k in calls:                   # each checked once, the ring agreed too
                 out[...] = 0
                 refill(k)
+                if k in ("ag_ring", "ag_mpi"):    # this rank's part: the check's pattern
+                    lo, hi = bounds[own_chunk(k, p, rank)]
+                    y[lo:hi] = backend.asarray(gather_pattern(rank, lo, hi, dtype))
                 calls[k]()
-                got = held["call"] if k == "call" else y if k in IN_PLACE else out
-                good &= bool(np.allclose(backend.to_numpy(got), ref, rtol=0, atol=p * tol))
+                got = backend.to_numpy(held["call"] if k == "call" else y
+                                       if k in ("inplace", "plain", "rs_ring", "ag_ring")
+                                       else out)
+                if k in ("rs_ring", "rs_mpi"):
+                    good["halves"] &= reduce_scatter_correct(
+                        got, ref, bounds[own_chunk(k, p, rank)], p * tol)
+                elif k in ("ag_ring", "ag_mpi"):
+                    good["halves"] &= allgather_correct(got, bounds, chunk_owners(k, p))
+                else:
+                    good["allreduce"] &= bool(np.allclose(got, ref, rtol=0, atol=p * tol))
             del ref
-            ok = bool(world.allreduce(good, op=MPI.LAND))
+            ok, halves_ok = (bool(world.allreduce(good[g], op=MPI.LAND))
+                             for g in ("allreduce", "halves"))
             readings = []
             spill = machine is not None and bp.memory_floor_counts(machine, count, p, dtype)
 
@@ -401,7 +566,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                          "predicted": pred, "ok": ok, "repeats": reps, "memory_gibs": mem,
                          "memory_readings": readings,
                          "prediction_error": bp.prediction_error(pred, tr),
-                         "load": load, "quiet": load and load["quiet"]})
+                         "load": load, "quiet": load and load["quiet"],
+                         "halves": _halves_row(t, bounds, halves_ok) if halves else None})
             say(f"{mib:>8g} {1e3 * ti:>9.3f} {1e3 * tp:>9.3f} "
                 f"{vp['median']:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
                 f"{1e3 * tr:>9.3f} {1e3 * tm:>9.3f} "
@@ -423,6 +589,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         "faster/slower: the interval excludes 1; tie: the difference is within the noise); "
         "call: ring_allreduce(x, comm), a fresh result per call, and call/out its time over "
         "the ring's into out (target: at most 1.25x); ring GB/s and the prediction: into out")
+    if halves:
+        _say_halves(rows, p, say)
     busy = [r for r in rows if r["quiet"] is False]
     line = warning(combine(r["load"] for r in busy),
                    f"{len(busy)} of {len(rows)} sizes were timed (rows marked BUSY)")
@@ -441,6 +609,58 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     return rows
 
 
+def _halves_row(t: dict, bounds, ok: bool) -> dict:
+    """A size's ``halves`` (pure): per half, the ring's and MPI's median times and
+    spans, MPI's call (:func:`mpi_half_calls`) and the paired ratio of MPI's time over
+    the ring's (:func:`paired_ratio`, > 1: the ring is faster); ``ok``: every half's
+    result checked right on every rank."""
+    names = mpi_half_calls(bounds)
+    row = {"ok": ok}
+    for half, (ring, mpi) in HALVES.items():
+        row[half] = {"ring_seconds": statistics.median(t[ring]),
+                     "mpi_seconds": statistics.median(t[mpi]),
+                     "ring_times": t[ring], "mpi_times": t[mpi], "mpi_call": names[half],
+                     "vs_mpi_paired": paired_ratio(t[mpi], t[ring])}
+    return row
+
+
+#: the halves' names in the second table
+HALF_LABELS = {"reduce_scatter": "reduce-scatter", "allgather": "all-gather"}
+
+
+def _say_halves(rows, p: int, say) -> None:
+    """The second table: ZeRO's halves, one line per size and half (each line starts
+    with the half's name, so the first table's lines stay the only ones that start
+    with a size), its caption, and a count of the verdicts."""
+    from ..harness.load import mark
+
+    say("")
+    say(f"{'half':<15} {'MiB':>8} {'ring ms':>9} {'MPI ms':>9} {'vs MPI':>8} "
+        f"{'95% interval':>13} {'':>6}  {'MPI call':<21} check  load")
+    for r in rows:
+        h = r["halves"]
+        for half, label in HALF_LABELS.items():
+            v = h[half]["vs_mpi_paired"]
+            say(f"{label:<15} {r['mib']:>8g} {1e3 * h[half]['ring_seconds']:>9.3f} "
+                f"{1e3 * h[half]['mpi_seconds']:>9.3f} {v['median']:>7.2f}x "
+                f"{_interval(v):>13} {v['verdict'] or '-':>6}  {h[half]['mpi_call']:<21} "
+                f"{'OK' if h['ok'] else 'FAIL':<5} {mark(r['load'])}")
+    say("ZeRO's halves, timed in the same rounds on the same buffers: reduce-scatter: "
+        "ring_reduce_scatter(y, comm) in place against MPI's Reduce_scatter_block(y, "
+        "out[chunk r]) (Reduce_scatter with the ring's chunk sizes where p does not "
+        "divide the size); all-gather: ring_allgather(y, comm) in place against MPI's "
+        "Allgather(y[chunk r], out) (Allgatherv likewise); y refilled before each call, "
+        "untimed; vs MPI: the median of the paired per-repeat ratios, MPI's time over the "
+        "ring's (> 1: the ring is faster), with the sign test's 95% interval of it")
+    counts = {half: {w: sum(r["halves"][half]["vs_mpi_paired"]["verdict"] == w
+                            for r in rows) for w in ("faster", "tie", "slower", None)}
+              for half in HALVES}
+    say(f"halves at p = {p}, against MPI over {len(rows)} sizes: " + "; ".join(
+        f"{HALF_LABELS[half]} faster at {c['faster']}, tie at {c['tie']}, slower at "
+        f"{c['slower']}" + (f", no interval at {c[None]}" if c[None] else "")
+        for half, c in counts.items()))
+
+
 def _interval(r: dict) -> str:
     """``[low, high]`` of a :func:`paired_ratio`, or "-" with too few repeats."""
     return "-" if r["low"] is None else f"[{r['low']:.2f},{r['high']:.2f}]"
@@ -448,7 +668,8 @@ def _interval(r: dict) -> str:
 
 def run(bench) -> bool:
     """Time the sizes, with the node's memory before and after; rows under
-    ``report["allreduce"]``; True when every contender's result checked OK."""
+    ``report["allreduce"]``; True when every contender's result checked OK (the halves'
+    included)."""
     from mpi4py import MPI
 
     from summasim.harness.fitbench import MemoryProbe
@@ -471,7 +692,8 @@ def run(bench) -> bool:
             say, machine, bench.backend, not args.np_empty,
             memory=((lambda: node_memory_gibs(world, adds=MEMORY_ROUND_ADDS, probe=probe,
                                               node=node))
-                    if host and machine is not None else None))
+                    if host and machine is not None else None),
+            halves=not getattr(args, "no_halves", False))
         after = node_memory_gibs(world, probe=probe, node=node) if host else None
     finally:
         node.Free()
@@ -484,4 +706,4 @@ def run(bench) -> bool:
             f"{NODE_MEMORY_MIB} MiB arrays): {before:.1f} GiB/s before the sizes, "
             f"{after:.1f} after; on a shared VM it changes from launch to launch and the "
             f"largest sizes' times follow it (docs/performance.md)")
-    return all(r["ok"] for r in rows)
+    return all(r["ok"] and (r["halves"] is None or r["halves"]["ok"]) for r in rows)
