@@ -74,7 +74,15 @@ ZeRO             (Rajbhandari et al. 2020.) 1: Adam state partitioned; the gradi
                  before its backward in every micro-batch (``2m`` all-gathers of
                  ``(dp-1)/dp`` of the local parameter bytes), without prefetching
                  (``zero3_prefetch=True`` hides each gather behind the previous
-                 piece's compute); no all-gather after the update.
+                 piece's compute, in backward only in the link time the
+                 reduce-scatters leave: :func:`~.overlap.zero3_gathers`); no
+                 all-gather after the update. ``grad_overlap=False`` runs every
+                 gradient reduction after the backward that made it.
+overlap          A collective hidden behind compute slows that compute by the share
+                 of the device's SMs it runs on (:mod:`~.overlap`:
+                 ``max(y, c + f y)``, ``f = comm_sms / sms``; 0 on the CPU model):
+                 the breakdown's ``contention``. Pipeline hand-offs block, or with
+                 ``p2p_overlap`` overlap the steady state's compute (:func:`steady`).
 tied embedding   With pp > 1 the first and last stages all-reduce the ``wte``
                  gradient between them (Megatron; a ring of 2: the shard's bytes),
                  after the data-parallel reduction, on the 1/dp shard under ZeRO 2/3.
