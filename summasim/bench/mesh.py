@@ -14,9 +14,17 @@ interval (from 6 ``--repeats``). Without ``--mesh`` it times ``dp=P``, whose pur
 ``tp=megatron:P``: both peers. Run it under a Python that has torch::
 
     mpiexec -n 4 python -m summasim.bench mesh --torch --dtype float32
+
+Under the table, where each run's step goes (:func:`step_breakdown`): compute, and the
+seconds inside MPI by kind (tensor parallelism, data-parallel gradients, pipeline
+hand-offs, ZeRO's gathers, other), in exchanger steps or non-blocking requests, for the
+slowest rank and the mean over ranks, from extra traced steps after the timed ones, with
+the BLAS threads and ranks per core in effect.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 
@@ -203,7 +211,13 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     timed interleaved with summasim's (``torch``/``pure_torch``: the peer's verdict and
     times, :func:`_verdict`; ``vs_torch``/``pure_vs_torch``: the median paired ratio of
     torch's step over summasim's, > 1: summasim is faster); a peer that fails its check
-    fails the benchmark. A mesh that is its own pure run is run once."""
+    fails the benchmark. A mesh that is its own pure run is run once.
+
+    Every run that validated is also broken down (:func:`step_breakdown`: where a step's
+    time goes, from extra traced steps after its timed ones): ``breakdown`` (the mesh),
+    ``pure_breakdown`` (its pure run; None without one) and, with ``overlap`` "both",
+    ``overlap_breakdown``; each carries ``threads`` (:func:`thread_report`). The
+    breakdowns are printed as a table under the rows."""
     from ..harness.composed import run_mesh
     from ..harness.load import LoadWatch, mark, warn_busy
 
@@ -211,7 +225,10 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     rows = []
     watch = LoadWatch(world)
 
-    def measure(case, overlapped=overlap == "on", peer=None):
+    threads = thread_report(world)
+    breakdowns = {}    # (label, index): each timed run's breakdown, printed under the table
+
+    def measure(case, overlapped=overlap == "on", peer=None, label=None):
         res = run_mesh(case, world, backend, repeats=repeats, overlap=overlapped,
                        alongside=None if isinstance(peer, (dict, type(None)))
                        else {"torch": peer.step})
@@ -220,7 +237,13 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
             from summasim.costmodel.workload.measured import predict_measured_mesh
 
             pred = predict_measured_mesh(res.measured(), machine)
-        return res, world.bcast(pred, root=0)
+        pred = world.bcast(pred, root=0)
+        bd = None
+        if res.ok:          # a run that failed its validation is not broken down
+            bd = step_breakdown(case, world, backend, repeats, overlapped)
+            bd["threads"] = threads
+            breakdowns[(label or case.spec, len(breakdowns))] = bd
+        return res, pred, bd
 
     c0 = cases[0].config if cases else None
     if c0 is not None:
@@ -241,17 +264,18 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
         watch.lap()
         peers = {}
         peer = _peer(case, world) if torch else None
-        res, pc = measure(case, peer=peer)
+        res, pc, bd = measure(case, peer=peer)
         if torch:
             peers["torch"] = _verdict(peer, res)
-        ores = measure(case, True)[0] if overlap == "both" else None
+        ores, _, obd = (measure(case, True, label=f"{case.spec} overlapped")
+                        if overlap == "both" else (None, None, None))
         if pure is None:
-            pres, pp_ = None, None
+            pres, pp_, pbd = None, None, None
         elif same:
-            pres, pp_ = res, pc
+            pres, pp_, pbd = res, pc, bd
         else:
             peer = _peer(pure, world) if torch else None
-            pres, pp_ = measure(pure, peer=peer)
+            pres, pp_, pbd = measure(pure, peer=peer, label=f"pure {pure.spec}")
             if torch:
                 peers["pure_torch"] = _verdict(peer, pres)
         load = world.bcast(watch.lap(), root=0)
@@ -273,7 +297,9 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
                      else None,
                      "rings": rep.rings if overlap != "off" else None, **peers,
                      **{("vs_torch" if k == "torch" else "pure_vs_torch"):
-                        v["paired"]["median"] for k, v in peers.items() if v.get("paired")}})
+                        v["paired"]["median"] for k, v in peers.items() if v.get("paired")},
+                     "breakdown": bd, "pure_breakdown": pbd,
+                     **({"overlap_breakdown": obd} if overlap == "both" else {})})
         say(f"{case.spec:<28} {case.zero:>4} {case.schedule_label:>13} {case.microbatches:>2} "
             f"{t:>8.4f} {fmt(pc):>8} {err(pc, t):>6} {pure.spec if pure else '-':<20} "
             f"{fmt(tp):>8} {fmt(pp_):>8} {err(pp_, tp) if tp else '-':>6} "
@@ -287,8 +313,210 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
         for key, label in (("torch", case.spec), ("pure_torch", pure.spec if pure else "")):
             if key in peers:
                 say(_peer_line(label, peers[key], t if key == "torch" else tp))
+    say_breakdowns(breakdowns, threads, say)
     warn_busy(rows, "meshes and their pure runs", say)
     return rows
+
+
+# -- where a step's time goes -----------------------------------------------------------
+#: The breakdown's communication groups, by the top of an event's phase: the Trainer's own
+#: phases (:mod:`summasim.transformer.composed`); every other phase (the tensor schemes'
+#: "h3.fwd/tp.mlp.fc", "embed.fwd", "loss.bwd", ..., and "sp.grads", the sequence-parallel
+#: norms' all-reduce over the tensor group) is tensor parallelism; no phase is "other".
+PHASE_GROUPS = {"dp.grads": "data_parallel", "pp.fwd": "pipeline", "pp.bwd": "pipeline",
+                "zero.gather": "zero", "zero.params": "zero", "embed.tie": "other",
+                "aux.loss": "other", "aux.overflow": "other", "": "other"}
+#: The groups in the order printed and written (``comm`` of a breakdown).
+COMM_GROUPS = ("tensor", "data_parallel", "pipeline", "zero", "other")
+
+
+def phase_group(phase: str) -> str:
+    """The communication group (:data:`COMM_GROUPS`) of an event's ``phase``."""
+    return PHASE_GROUPS.get(phase.split("/")[0], "tensor")
+
+
+def comm_seconds(events) -> dict:
+    """Seconds inside MPI of ``events`` (:class:`~summasim.trace.Event`): ``comm`` by
+    group (:data:`COMM_GROUPS`), their total ``comm_s``, and the part in exchanger steps
+    (``exchanger_s``: ``blocking``, the wait policy's polled and yielding waits of a ring
+    step) against non-blocking requests (``requests_s``)."""
+    groups = dict.fromkeys(COMM_GROUPS, 0.0)
+    exch = req = 0.0
+    for e in events:
+        groups[phase_group(e.phase)] += e.seconds
+        if e.blocking:
+            exch += e.seconds
+        else:
+            req += e.seconds
+    return {"comm": groups, "comm_s": sum(groups.values()), "exchanger_s": exch,
+            "requests_s": req}
+
+
+def _parts(step: float, comm: dict) -> dict:
+    """One rank's breakdown of a ``step`` of seconds: its communication (``comm``, from
+    :func:`comm_seconds`) and ``compute_s``, the rest of the step."""
+    return {"step_s": step, "compute_s": step - comm["comm_s"], "comm_s": comm["comm_s"],
+            "comm": dict(comm["comm"]), "exchanger_s": comm["exchanger_s"],
+            "requests_s": comm["requests_s"]}
+
+
+def _mean_parts(parts: list[dict]) -> dict:
+    n = len(parts)
+    mean = lambda k: sum(r[k] for r in parts) / n   # noqa: E731
+    out = {k: mean(k) for k in ("step_s", "comm_s", "exchanger_s", "requests_s")}
+    out["comm"] = {g: sum(r["comm"][g] for r in parts) / n for g in COMM_GROUPS}
+    out["comm_s"] = sum(out["comm"].values())
+    out["compute_s"] = out["step_s"] - out["comm_s"]
+    return {"step_s": out["step_s"], "compute_s": out["compute_s"], "comm_s": out["comm_s"],
+            "comm": out["comm"], "exchanger_s": out["exchanger_s"],
+            "requests_s": out["requests_s"]}
+
+
+def thread_report(world) -> dict:
+    """The threads each rank computes with (collective): its BLAS threads as
+    threadpoolctl reads them in effect (``blas_threads``, per rank; the benchmark limits
+    them to 1 per rank when p > 1), the BLAS libraries, the cores of each rank's affinity
+    mask, the node's cores and ranks, and ``ranks_per_core`` (the node's ranks over its
+    cores)."""
+    import os
+
+    from threadpoolctl import threadpool_info
+
+    from ..comm import cores, local_ranks
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    mine = (max((int(i["num_threads"]) for i in blas), default=0),
+            sorted({str(i.get("internal_api")) for i in blas}), cores())
+    every = world.allgather(mine)
+    cpus, node = os.cpu_count() or 1, local_ranks()
+    return {"blas_threads": [r[0] for r in every],
+            "blas_libraries": sorted({x for r in every for x in r[1]}),
+            "affinity_cores": [r[2] for r in every], "cpu_count": cpus, "node_ranks": node,
+            "ranks_per_core": node / cpus}
+
+
+def step_breakdown(case, world, backend=None, repeats: int = 3, overlap: bool = False,
+                   seed: int = 0) -> dict:
+    """Where a training step of ``case`` spends its time, measured (collective; after
+    :func:`~summasim.harness.composed.run_mesh` validated and timed it, untraced): the
+    same trainer is built afresh, one step warms it, then ``repeats`` rounds each time
+    one untraced and one traced step, in a rotating order. Per rank, over the traced
+    steps: its own step seconds (mean), the seconds inside MPI by group (:func:`comm_seconds`,
+    their sums over the steps divided by the steps) and compute, the step less them.
+    Returns ``{"steps", "source", "untraced_s", "traced_s", "trace_overhead",
+    "slowest", "mean", "ranks"}``: the untraced and traced steps' median spans and the
+    median paired ratio of traced over untraced less 1; ``slowest`` is the breakdown of
+    the slowest rank (its ``rank``): the one that computes longest, for which the
+    others wait inside MPI; ``mean`` the mean over ranks, and ``ranks`` every rank's.
+    On every rank ``compute_s`` plus the groups of ``comm`` is ``step_s``, and
+    ``exchanger_s`` plus ``requests_s`` is ``comm_s``."""
+    from ..harness.composed import LR, _share, build_mesh, mesh_inputs
+    from ..harness.timing import paired_ratio, time_contenders
+    from ..mpiutil import agreement
+    from ..transformer.composed import Trainer
+    from ..transformer.schemes import get_scheme
+
+    spec = get_scheme(case.scheme)
+    first = None
+    if world.Get_rank() == 0:
+        try:
+            params, tokens, targets = mesh_inputs(case.config, case.batch, seed)
+            first = {"params": params, "tokens": tokens, "targets": targets}
+            del params
+        except (ValueError, TypeError) as e:
+            first = e
+    shared = _share(world, first, "step breakdown inputs")
+    del first
+    mesh = build_mesh(world, case, spec, backend, shared)
+    finished = False
+    try:
+        ref = shared.value
+        tokens, targets = ref["tokens"], ref["targets"]
+        tr = Trainer(ref["params"], case.config, mesh, spec, zero=case.zero,
+                     schedule=case.schedule, microbatches=case.microbatches,
+                     chunks=case.chunks, stages=case.stages, checkpoint=case.checkpoint,
+                     recompute=case.recompute, attention=case.attention,
+                     sequence_parallel=case.sequence_parallel,
+                     bucket_bytes=case.bucket_bytes, overlap=bool(overlap),
+                     precision=case.precision, loss_scale=case.loss_scale,
+                     grad_reduce=case.grad_reduce or "float32", lr=LR)
+        trace = mesh.trace
+        sync = backend.synchronize if backend is not None else (lambda: None)
+
+        def train_step():
+            tr.step(tokens, targets)
+            sync()
+
+        def before(name):        # the trace on for the traced steps alone
+            trace.enabled = name == "traced"
+
+        with agreement(False):
+            trace.enabled = False
+            train_step()                                  # warm-up, untimed
+            trace.clear()
+            timed = time_contenders({"untraced": train_step, "traced": train_step}, world,
+                                    repeats, before=before)
+        trace.enabled = True
+        steps = len(timed["traced"]["times"])
+        mine = comm_seconds(trace.events)
+        mine = {k: ({g: v / steps for g, v in x.items()} if isinstance(x, dict)
+                    else x / steps) for k, x in mine.items()}
+        own = sum(timed["traced"]["times"]) / steps
+        trace.clear()
+        finished = True
+    finally:
+        mesh.free()
+        ref = tokens = targets = None
+        if finished:
+            shared.free()
+        else:
+            shared.abandon()
+    ranks = world.allgather(_parts(own, mine))
+    # the slowest rank: the one that computes longest, the others wait for it in MPI (each
+    # rank's own step is about the same: the step's collectives line their ends up)
+    slow = max(range(len(ranks)), key=lambda r: (ranks[r]["compute_s"], ranks[r]["step_s"]))
+    untraced = statistics.median(timed["untraced"]["spans"])
+    traced = statistics.median(timed["traced"]["spans"])
+    ratio = paired_ratio(timed["traced"]["spans"], timed["untraced"]["spans"])["median"]
+    return {"steps": steps, "source": "extra traced steps after the timed ones",
+            "untraced_s": untraced, "traced_s": traced, "trace_overhead": ratio - 1,
+            "slowest": {"rank": slow, **ranks[slow]}, "mean": _mean_parts(ranks),
+            "ranks": ranks}
+
+
+def say_breakdowns(breakdowns: dict, threads: dict, say) -> None:
+    """The breakdowns of :func:`bench_mesh`'s runs, as a table under its table."""
+    if not breakdowns:
+        return
+    any_bd = next(iter(breakdowns.values()))
+    over = [bd["trace_overhead"] for bd in breakdowns.values()]
+    say("")
+    say(f"where a step's time goes (seconds per step, from {any_bd['steps']} extra traced "
+        f"steps after each run's timed ones, paired with as many untraced: the table's "
+        f"steps run untraced; tracing cost {100 * min(over):+.1f}% to "
+        f"{100 * max(over):+.1f}% of a step). Each run's slowest rank (the one computing "
+        f"longest: the others wait for it in MPI), then the mean over ranks; 'exch' is "
+        f"the part of MPI spent in exchanger steps (the ring steps' polled and yielding "
+        f"waits), 'req' in non-blocking requests")
+    head = (f"{'run':<36} {'rank':>4} {'step':>8} {'compute':>8} {'tp':>8} {'dp':>8} "
+            f"{'pp':>8} {'zero':>8} {'other':>8} {'exch':>8} {'req':>8} {'traced':>7}")
+    say(head)
+    say("-" * len(head))
+    for (label, _), bd in breakdowns.items():
+        for who, part in (("slow", bd["slowest"]), ("mean", bd["mean"])):
+            c = part["comm"]
+            rank = str(part["rank"]) if who == "slow" else "mean"
+            say(f"{label if who == 'slow' else '':<36} {rank:>4} {part['step_s']:>8.4f} "
+                f"{part['compute_s']:>8.4f} {c['tensor']:>8.4f} {c['data_parallel']:>8.4f} "
+                f"{c['pipeline']:>8.4f} {c['zero']:>8.4f} {c['other']:>8.4f} "
+                f"{part['exchanger_s']:>8.4f} {part['requests_s']:>8.4f} "
+                + (f"{100 * bd['trace_overhead']:>+6.1f}%" if who == "slow" else ""))
+    blas = sorted(set(threads["blas_threads"]))
+    say(f"threads: BLAS ({', '.join(threads['blas_libraries']) or 'none found'}) "
+        f"{'/'.join(map(str, blas))} per rank; {threads['node_ranks']} ranks on "
+        f"{threads['cpu_count']} cores ({threads['ranks_per_core']:.2f} ranks per core), "
+        f"affinity masks of {'/'.join(map(str, sorted(set(threads['affinity_cores']))))} "
+        f"cores")
 
 
 def _peer(case, world):

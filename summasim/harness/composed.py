@@ -354,6 +354,17 @@ def _within(tr, held, expected, bound) -> tuple[float, str]:
                                                                  bound[s:e]))
 
 
+def build_mesh(world, case, spec, backend, shared):
+    """The :class:`Mesh` of ``case`` on ``world``; should it fail, the ``shared`` inputs
+    are abandoned first (every rank then raises, none waits on them)."""
+    try:
+        return Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
+                    backend=backend, pc=case.pc)
+    except BaseException:
+        shared.abandon()
+        raise
+
+
 def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
              timed: bool = True, bound: float | None = None, fault=None,
              overlap: bool | None = None, alongside: dict | None = None, **_):
@@ -392,12 +403,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                      stages=case.stages_label, overlap=bool(overlap),
                      techniques=list(case.techniques),
                      loss_scale=case.loss_scale or "", grad_reduce=case.grad_reduce or "")
-    try:
-        mesh = Mesh(world, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d, t=case.t,
-                    backend=backend, pc=case.pc)
-    except BaseException:
-        shared.abandon()
-        raise
+    mesh = build_mesh(world, case, spec, backend, shared)
     item = np.dtype(config.dtype).itemsize
     finished = False
     step_ref = None
