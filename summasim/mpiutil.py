@@ -560,7 +560,12 @@ def _disagreement(fn: str, raw, signature: dict, error, policy: str) -> None:
 def limit_blas_threads(n: int | None = None):
     """Limit BLAS/OpenMP threads of this process (default: 1 under MPI with p > 1).
 
-    Returns the threadpoolctl controller (keep it alive) or ``None``.
+    The limit reaches only the libraries loaded when it is set, so SciPy's BLAS (its
+    own OpenBLAS, which the NumPy backend's GEMMs call, :mod:`summasim.backends`) is
+    loaded first: imported later, at the first GEMM, it ran with one thread per core
+    on every rank, and 4 ranks on 2 cores spun 8 OpenBLAS threads (an Optimus 2x2 step
+    of ``bench mesh``'s default model took 4.9 s instead of 0.2 s). Returns the
+    threadpoolctl controller (keep it alive) or ``None``.
     """
     from threadpoolctl import threadpool_limits
 
@@ -568,4 +573,6 @@ def limit_blas_threads(n: int | None = None):
         if MPI.COMM_WORLD.Get_size() == 1:
             return None
         n = 1
+    with contextlib.suppress(ImportError):
+        import scipy.linalg.blas  # noqa: F401 -- loaded now, so the limit covers it
     return threadpool_limits(limits=int(n))
