@@ -4,6 +4,8 @@
 import io
 import types
 
+import pytest
+
 from summasim.costmodel.tools import predict
 
 
@@ -90,3 +92,32 @@ def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
     from summasim.cli import number_ranges
 
     assert number_ranges([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"
+
+
+def test_a_tensor_grid_alone_prices_its_other_placements(tmp_path, capsys):
+    import json
+
+    from summasim.costmodel.__main__ import main
+
+    base = ["predict", "--machine", "dgx-a100", "--model", "gpt3-6.7b", "--batch", "64",
+            "--mesh", "tp=optimus:8x8"]
+    got = {}
+    for placement in ("row-major", "blocked"):
+        path = tmp_path / f"{placement}.json"
+        assert main(base + ["--placement", placement, "--json", str(path)]) == 0
+        got[placement] = json.loads(path.read_text())
+    out = capsys.readouterr().out
+    assert "what another placement would do" in out
+    row, blocked = got["row-major"], got["blocked"]
+    # each run's what-if is the other run's own step, and its gain is their ratio
+    [alt] = row["placements"]
+    assert alt["change"] == "placement blocked"
+    assert alt["step_seconds"] == pytest.approx(blocked["seconds"])
+    assert alt["gain"] == pytest.approx(1 - blocked["seconds"] / row["seconds"])
+    [back] = blocked["placements"]
+    assert back["step_seconds"] == pytest.approx(row["seconds"])
+    # Megatron's one group has rank order only
+    path = tmp_path / "megatron.json"
+    assert main(["predict", "--machine", "dgx-a100", "--model", "gpt3-6.7b", "--batch", "64",
+                 "--mesh", "tp=megatron:8", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["placements"] == []

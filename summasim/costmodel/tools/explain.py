@@ -20,6 +20,9 @@ ranks them by the time they save. The changes are those a user can make or buy:
 - Megatron sequence parallelism (tensor groups of t > 1), which shrinks the activations;
 - ZeRO one stage lower (less traffic) or higher (less memory) when it then fits.
 
+For a tensor grid priced alone, :func:`placement_what_ifs` prices it under the other
+placements of its ranks on the nodes (row-major or blocked tiles).
+
 A change whose memory does not fit the device is listed as not fitting, not as a gain.
 """
 
@@ -172,3 +175,27 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
                     "memory_bytes": mem})
     out.sort(key=lambda r: (not r["fits"], -r["gain"] if math.isfinite(r["gain"]) else 0))
     return out
+
+
+def placement_what_ifs(price: Callable, placement, sch, topology) -> list[dict]:
+    """The tensor grid ``sch`` priced under each other placement of its ranks that its
+    nodes allow (``row-major``, ``blocked`` tiles; ``price(placement)`` gives its step
+    seconds), as ``{"change", "step_seconds"}``, fastest first; [] without a topology or
+    for a grid of one group (Megatron's: rank order only)."""
+    from ..machine.topology import GridShape, Placement
+
+    if topology is None or sch.q * sch.cols == 1:
+        return []
+    out = []
+    for policy in ("row-major", "blocked"):
+        if policy == placement.policy and not placement.tile:
+            continue
+        other = Placement(policy)
+        try:
+            other.slots_for(GridShape.of(sch.p, sch.q, sch.d, pc=sch.pc),
+                            topology.devices_per_node)
+        except ValueError:
+            continue                    # the nodes cannot hold this placement's tiles
+        out.append({"change": f"placement {other.describe()}",
+                    "step_seconds": price(other)})
+    return sorted(out, key=lambda r: r["step_seconds"])

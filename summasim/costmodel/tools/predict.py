@@ -45,7 +45,7 @@ from summasim.costmodel.machine.topology import GridShape, Placement
 from ..compute.roofline import usable_memory
 from . import _cli, parse_grid, scheme_of  # noqa: F401  (parse_grid: predict's name too)
 from .devset import step_interval
-from .explain import grid_bound, what_bounds, what_ifs
+from .explain import grid_bound, placement_what_ifs, what_bounds, what_ifs
 from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
 GiB = float(1 << 30)
@@ -333,6 +333,15 @@ def run(args, out=None) -> dict:
         w(f"  {op + '/' + grp:<22s} {_s(secs)}   {algs}\n")
     bound = grid_bound(sb)
     w(f"\nbound by  {bound['why']} ({bound['share']:.0%} of the step)\n")
+    moves = placement_what_ifs(
+        lambda pl: step_breakdown_layers(sch, cfg, machine, placement=pl).seconds,
+        placement, sch, machine.topology)
+    for r in moves:
+        r["gain"] = 1.0 - r["step_seconds"] / sb.seconds if sb.seconds else 0.0
+    if moves:
+        w("what another placement would do\n")
+        for r in moves:
+            w(f"  {r['change']:<46s} {_s(r['step_seconds'])}   {-r['gain']:+6.1%}\n")
     w("\nmemory per device\n")
     for key, val in mem.to_dict().items():
         w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
@@ -341,6 +350,7 @@ def run(args, out=None) -> dict:
         w(f"\n{fits} in {budget / GiB:.3g} GiB per device; largest batch that fits: "
           f"{best_b} (a multiple of {step})\n")
     result = {**sb.to_dict(), "bound": bound, "interval_seconds": list(iv),
+              "placements": moves,
               "budget_bytes": budget,
               "fits": mem.total <= budget,
               "largest_batch": best_b, "training": training_dict(args.training)}
