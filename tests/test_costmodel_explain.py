@@ -52,7 +52,7 @@ def test_a_change_that_does_not_fit_is_marked_and_ranked_last():
     zero0 = next(r for r in ifs if r["change"] == "ZeRO 0")
     assert not zero0["fits"] and zero0["memory_bytes"] > 80 * 2 ** 30
     assert "does NOT fit" in text
-    assert res["bound"]["term"] == "gemm" and "peak" in res["bound"]["why"]
+    assert res["bound"]["term"] == "gemm" and "best bfloat16 GEMM rate" in res["bound"]["why"]
 
 
 def test_a_tensor_grid_alone_names_its_bound():

@@ -162,7 +162,7 @@ def test_without_grad_overlap_the_whole_bucketed_all_reduce_is_exposed():
 
 
 # -- GEMM quantization ---------------------------------------------------------------------
-A100_LIKE = dict(sms=108, gemm_tile=[256, 128])
+A100_LIKE = dict(sms=108, gemm_tiles=[[256, 128]])   # the guide's example: one tile
 
 
 def test_wave_quantization_follows_the_nvidia_guide_example():
@@ -179,7 +179,7 @@ def test_wave_quantization_follows_the_nvidia_guide_example():
 
 
 def test_tile_quantization_pays_for_the_partial_tiles():
-    dev = _device(sms=1, gemm_tile=[256, 128])
+    dev = _device(sms=1, gemm_tiles=[[256, 128]])
     # 257 rows take two tiles of 256 rows (the work of 512); the other orientation, three
     # tiles of 128 rows by 256 columns, wastes more
     assert gemm_quantization(dev, 257, 64, 128) == pytest.approx(512 / 257)
@@ -190,6 +190,17 @@ def test_small_outputs_and_devices_without_tiles_are_left_to_the_size_curve():
     assert gemm_quantization(dev, 512, 512, 512) == 1.0            # 8 tiles < 108 SMs
     assert gemm_quantization(_device(), 2304, 4096, 1664) == 1.0     # no tile given
     assert gemm_quantization(dev, 1 << 20, 8, 8) == 1.0               # thinner than a tile
+
+
+def test_the_library_picks_the_tile_that_wastes_least():
+    # the guide's spilled shape with both preset tiles: 128 x 128 gives 18 x 13 = 234 tiles
+    # in 3 waves of 108 (234 of 324 slots busy), better than 256 x 128's 117 of 216
+    two = _device(sms=108, gemm_tiles=[[256, 128], [128, 128]])
+    assert gemm_quantization(two, 2304, 4096, 1664) == pytest.approx(324 / 234)
+    assert gemm_quantization(two, 2304, 4096, 1536) == pytest.approx(1.0)
+    # the presets' plateau shapes (Bekman's MAMF) pay little: A100 PCIe 2304x5120x1536
+    pcie = load_preset("pcie-a100-4gpu").device
+    assert gemm_quantization(pcie, 2304, 1536, 5120) < 1.06
 
 
 def test_batched_products_fill_their_waves_together():
@@ -221,7 +232,7 @@ def test_usable_memory_is_the_memory_less_reserve_less_fragmentation(name):
     m = load_preset(name)
     dev = m.device
     assert dev.reserve_bytes > 0 and 0 < dev.fragmentation < 1
-    assert {"reserve_bytes", "fragmentation", "sms", "gemm_tile"} <= set(dev.sources)
+    assert {"reserve_bytes", "fragmentation", "sms", "gemm_tiles"} <= set(dev.sources)
     assert usable_memory(m) == pytest.approx(
         (m.memory_bytes - dev.reserve_bytes) * (1 - dev.fragmentation))
     assert usable_memory(m) < 0.9 * m.memory_bytes
@@ -235,8 +246,9 @@ def test_usable_memory_without_a_device_is_the_memory():
 @pytest.mark.parametrize("bad, says", [
     (dict(sms=10, comm_sms=11), "must not exceed"),
     (dict(fragmentation=1.0), "[0, 1)"),
-    (dict(gemm_tile=[256, 128]), "needs 'device.sms'"),
-    (dict(sms=10, gemm_tile=[256]), "[rows, cols]"),
+    (dict(gemm_tiles=[[256, 128]]), "needs 'device.sms'"),
+    (dict(sms=10, gemm_tiles=[[256]]), "[rows,"),
+    (dict(sms=10, gemm_tiles=[256, 128]), "[rows,"),
     (dict(sms=-1), "integer >= 0"),
     (dict(reserve_bytes=-1.0), ">= 0"),
 ])
@@ -249,7 +261,7 @@ def test_device_fields_are_checked(bad, says):
 def test_device_round_trips_its_new_fields():
     dev = load_preset("h100-dgx-ndr").device
     again = Device.from_dict(dev.to_dict())
-    assert again == dev and again.gemm_tile == (256, 128)
+    assert again == dev and again.gemm_tiles == ((256, 128), (128, 128))
     plain = _device()
     assert "sms" not in plain.to_dict() and Device.from_dict(plain.to_dict()) == plain
 
@@ -334,3 +346,41 @@ def test_devset_explains_a_points_breakdown_and_bound(capsys):
     assert "unknown point" in capsys.readouterr().err
     assert main(["devset", "--explain", "nccl-h100-2gpu-ring-nvswitch"]) == 2
     assert "not a priced composition" in capsys.readouterr().err
+
+
+def test_bucket_contention_is_absorbed_by_a_backlogged_reduction():
+    from summasim.costmodel.workload.overlap import bucket_contention
+
+    # hidden but for its last bucket: the compute's slowdown moves the end by f hidden
+    assert bucket_contention(1.0, 0.1, 0.1, 0.2) == pytest.approx(0.2)
+    # a backlog of 0.5 s beyond the last bucket absorbs all of it
+    assert bucket_contention(1.0, 0.6, 0.1, 0.2) == 0.0
+    # part of it
+    assert bucket_contention(1.0, 0.15, 0.1, 0.2) == pytest.approx(0.15)
+
+
+def test_a_communication_bound_reduction_has_no_contention(tmp_path, capsys):
+    from summasim.costmodel.__main__ import main
+
+    # one NIC per node: the dp all-reduce of float32 gradients outlasts the backward
+    path = tmp_path / "p.json"
+    assert main(["predict", "--model", "gpt3-6.7b", "--batch", "16", "--mesh",
+                 "dp=2,tp=megatron:8", "--machine", "dgx-a100:nics=1", "--json",
+                 str(path)]) == 0
+    capsys.readouterr()
+    r = json.loads(path.read_text())
+    assert r["breakdown"]["exposed_comm"]["dp"] > 0.5 * r["step_seconds"]
+    assert r["breakdown"]["exposed_comm"]["contention"] == 0.0
+
+
+def test_p2p_overlap_is_refused_with_gpipe(capsys):
+    from summasim.costmodel.__main__ import main
+
+    cfg = TransformerConfig(b=16, s=256, h=512, n=8, N=4, v=1024, dtype="bfloat16")
+    with pytest.raises(ValueError, match="gpipe has none"):
+        price_composition(cfg, "megatron", machine=load_preset("dgx-a100"), t=2, pp=2,
+                          microbatches=4, global_batch=16, schedule="gpipe", p2p_overlap=True)
+    assert main(["predict", "--machine", "dgx-a100", "--model", "gpt3-2.7b", "--batch", "64",
+                 "--mesh", "dp=4,pp=2,tp=megatron:8", "--microbatches", "8",
+                 "--schedule", "gpipe", "--p2p-overlap"]) == 2
+    assert "--p2p-overlap" in capsys.readouterr().err

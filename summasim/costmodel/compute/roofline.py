@@ -98,16 +98,17 @@ class Device:
     launch_seconds : float
         Cost of one kernel launch, seconds.
     sms : int
-        Streaming multiprocessors (0: not given). With ``gemm_tile`` it prices the tile
+        Streaming multiprocessors (0: not given). With ``gemm_tiles`` it prices the tile
         and wave quantization of a GEMM's shape (:func:`gemm_quantization`); with
         ``comm_sms`` the contention of overlapped collectives
         (:func:`~summasim.costmodel.workload.overlap.contention_share`).
     comm_sms : float
         SMs a running collective occupies (NCCL: one thread block per channel; 0: its
         contention is not priced).
-    gemm_tile : list
-        ``[rows, cols]`` of the output tile one SM computes in a large GEMM (cuBLAS's
-        common 256 x 128 tile; empty: no quantization priced).
+    gemm_tiles : list
+        ``[[rows, cols], ...]``: the output tiles one SM computes in a large GEMM that
+        the library picks among (each in either orientation; the presets: 256 x 128 and
+        128 x 128); empty: no quantization priced.
     reserve_bytes : float
         Device memory a training process holds outside PyTorch's tensors: the CUDA
         context, the cuBLAS/cuBLASLt workspaces, NCCL's channel buffers (0: none).
@@ -124,13 +125,13 @@ class Device:
     launch_seconds: float = 0.0
     sms: int = 0
     comm_sms: float = 0.0
-    gemm_tile: tuple = ()
+    gemm_tiles: tuple = ()
     reserve_bytes: float = 0.0
     fragmentation: float = 0.0
     sources: dict = field(default_factory=dict)
 
     _FIELDS = ("name", "memory_bandwidth", "vector_flops", "launch_seconds", "sms",
-               "comm_sms", "gemm_tile", "reserve_bytes", "fragmentation", "sources")
+               "comm_sms", "gemm_tiles", "reserve_bytes", "fragmentation", "sources")
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -144,14 +145,17 @@ class Device:
         if self.comm_sms > self.sms:
             raise ValueError(f"machine field 'device.comm_sms' ({self.comm_sms}) must not "
                              f"exceed 'device.sms' ({self.sms})")
-        tile = tuple(self.gemm_tile)
-        if tile and (len(tile) != 2 or any(isinstance(t, bool) or not isinstance(t, int)
-                                           or t <= 0 for t in tile)):
-            raise ValueError(f"machine field 'device.gemm_tile' must be [rows, cols] of "
-                             f"positive integers or empty, got {self.gemm_tile!r}")
-        if tile and not self.sms:
-            raise ValueError("machine field 'device.gemm_tile' needs 'device.sms'")
-        object.__setattr__(self, "gemm_tile", tile)
+        try:
+            tiles = tuple(tuple(t) for t in self.gemm_tiles)
+        except TypeError:
+            tiles = None
+        if tiles is None or any(len(t) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                   or x <= 0 for x in t) for t in tiles):
+            raise ValueError(f"machine field 'device.gemm_tiles' must be a list of [rows, "
+                             f"cols] of positive integers (or empty), got {self.gemm_tiles!r}")
+        if tiles and not self.sms:
+            raise ValueError("machine field 'device.gemm_tiles' needs 'device.sms'")
+        object.__setattr__(self, "gemm_tiles", tiles)
         _num("device.reserve_bytes", self.reserve_bytes)
         if _num("device.fragmentation", self.fragmentation) >= 1:
             raise ValueError(f"machine field 'device.fragmentation' must be in [0, 1), "
@@ -179,8 +183,8 @@ class Device:
 
     def to_dict(self) -> dict:
         out = {f: getattr(self, f) for f in self._FIELDS}
-        out["gemm_tile"] = list(self.gemm_tile)
-        for f, empty in (("sms", 0), ("comm_sms", 0.0), ("gemm_tile", []),
+        out["gemm_tiles"] = [list(t) for t in self.gemm_tiles]
+        for f, empty in (("sms", 0), ("comm_sms", 0.0), ("gemm_tiles", []),
                          ("reserve_bytes", 0.0), ("fragmentation", 0.0)):
             if out[f] == empty:                 # files without them stay as they were
                 del out[f]
@@ -371,20 +375,23 @@ def _useful(m: float, n: float, tile: tuple, sms: int, batch: int) -> float:
 
 def gemm_quantization(device: Device, m: float, k: float, n: float, batch: int = 1) -> float:
     """How much longer a ``[m, k] @ [k, n]`` GEMM (``batch`` of them in one launch) takes
-    than the machine's ``gamma`` table says: ``1 / useful`` (:func:`_useful`; NVIDIA,
-    "Matrix Multiplication Background User's Guide", section 3, tile and wave
-    quantization). The table is read as the rate of shapes that fill whole tiles and
-    whole waves: its plateau is a microbenchmark's best shape. Outputs of fewer tiles
-    than SMs, or with a side shorter than the tile's, are priced by the table's size
-    curve alone (cuBLAS picks smaller or narrower tiles, or splits k, for them), so the
-    factor is 1 there, as it is without ``device.gemm_tile``."""
-    if not device.gemm_tile or m <= 0 or n <= 0 or k <= 0:
+    than the machine's ``gamma`` table says: ``1 / useful`` with the best of the
+    device's ``gemm_tiles`` (:func:`_useful`; NVIDIA, "Matrix Multiplication Background
+    User's Guide", section 3, tile and wave quantization: the library picks the tile
+    per shape). The table is read as the rate of shapes that fill whole tiles and whole
+    waves: its plateau is a microbenchmark's best shape. Outputs that the largest tile
+    cuts into fewer tiles than SMs, or with a side shorter than the smallest tile's, are
+    priced by the table's size curve alone (the library splits k or picks narrower
+    tiles to fill the SMs for them), so the factor is 1 there, as it is without
+    ``device.gemm_tiles``."""
+    if not device.gemm_tiles or m <= 0 or n <= 0 or k <= 0:
         return 1.0
-    r, c = device.gemm_tile
-    if min(m, n) < min(r, c) or max(m, n) < max(r, c) \
-            or max(1, int(batch)) * math.ceil(m / r) * math.ceil(n / c) < device.sms:
+    b = max(1, int(batch))
+    small = min(min(t) for t in device.gemm_tiles)
+    r, c = max(device.gemm_tiles, key=lambda t: t[0] * t[1])
+    if min(m, n) < small or b * math.ceil(m / r) * math.ceil(n / c) < device.sms:
         return 1.0
-    return 1.0 / _useful(m, n, device.gemm_tile, device.sms, max(1, int(batch)))
+    return 1.0 / max(_useful(m, n, t, device.sms, b) for t in device.gemm_tiles)
 
 
 def gemm_roofline(machine, device: Device, m: float, k: float, n: float, dtype: str,

@@ -44,8 +44,10 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
                     help="the gradient reduction runs bucket by bucket under the backward "
                          "(default); --no-grad-overlap: after it, as Megatron-LM's 2019 code")
     ap.add_argument("--p2p-overlap", action="store_true",
-                    help="pipeline hand-offs overlap the compute in the steady state "
-                         "(Megatron-LM's --overlap-p2p-communication; default: blocking)")
+                    help="pipeline hand-offs overlap the compute in the steady state of "
+                         "1f1b or interleaved (non-blocking hand-offs, as Megatron-LM's "
+                         "interleaved schedule with --overlap-p2p-communication; default: "
+                         "blocking)")
 
 
 def main(build_parser, run, argv=None) -> int:

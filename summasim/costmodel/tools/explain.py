@@ -77,7 +77,7 @@ def what_bounds(res: dict, machine) -> dict:
         peak = machine.peak_flops(dtype) if hasattr(machine, "peak_flops") else None
         rate = res["flops_per_device"] * step / secs if secs else 0.0
         why = (f"the GEMM rate: {rate / 1e12:.0f} TFLOP/s of model FLOPs while computing"
-               + (f", {rate / peak:.0%} of the device's {dtype} peak {peak / 1e12:.0f}"
+               + (f", {rate / peak:.0%} of the device's best {dtype} GEMM rate {peak / 1e12:.0f}"
                   if peak else ""))
     elif term == "memory_bound":
         bw = getattr(machine.device, "memory_bandwidth", None) if machine.device else None
@@ -121,13 +121,16 @@ def grid_bound(sb) -> dict:
 
 
 def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
-             load_preset: Callable | None = None) -> list[dict]:
+             load_preset: Callable | None = None, budget: float | None = None) -> list[dict]:
     """Each change of the module docstring that applies, priced by ``price(**change)``
     (``machine=``, ``microbatches=``, ``cfg=``, ``recompute=``, ``zero=``: the same
     composition otherwise), as ``{"change", "step_seconds", "gain", "fits",
     "memory_bytes"}`` with ``gain`` = 1 - new / old step time, sorted best first
     (changes that do not fit last). A change that cannot exist (a schedule that
-    refuses the micro-batch count) is left out."""
+    refuses the micro-batch count) is left out. Each change fits against ``budget``
+    bytes per device when given (the user's), else its own machine's
+    :func:`~summasim.costmodel.compute.roofline.usable_memory` (the next GPU's for
+    that change)."""
     comp = res["composition"]
     step = res["step_seconds"]
     changes: list[tuple[str, dict]] = []
@@ -160,7 +163,6 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
         changes.append((f"ZeRO {z - 1}", {"zero": z - 1}))
     if z < 3 and comp["dp"] > 1:
         changes.append((f"ZeRO {z + 1}", {"zero": z + 1}))
-    budget = usable_memory(machine)
     out = []
     for label, change in changes:
         try:
@@ -169,7 +171,8 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
             continue
         secs = new["step_seconds"]
         mem = new["memory"]["total"]
-        fits = not budget or mem <= budget
+        limit = budget if budget is not None else usable_memory(change.get("machine", machine))
+        fits = not limit or mem <= limit
         out.append({"change": label, "step_seconds": secs,
                     "gain": 1.0 - secs / step if step else 0.0, "fits": fits,
                     "memory_bytes": mem})
@@ -186,16 +189,18 @@ def placement_what_ifs(price: Callable, placement, sch, topology) -> list[dict]:
 
     if topology is None or sch.q * sch.cols == 1:
         return []
+    shape = GridShape.of(sch.p, sch.q, sch.d, pc=sch.pc)
+    dpn = topology.devices_per_node
+    mine = placement.slots_for(shape, dpn)
     out = []
     for policy in ("row-major", "blocked"):
-        if policy == placement.policy and not placement.tile:
-            continue
         other = Placement(policy)
         try:
-            other.slots_for(GridShape.of(sch.p, sch.q, sch.d, pc=sch.pc),
-                            topology.devices_per_node)
+            slots = other.slots_for(shape, dpn)
         except ValueError:
             continue                    # the nodes cannot hold this placement's tiles
+        if list(slots) == list(mine):
+            continue                    # the same slots: the placement priced already
         out.append({"change": f"placement {other.describe()}",
                     "step_seconds": price(other)})
     return sorted(out, key=lambda r: r["step_seconds"])

@@ -184,6 +184,9 @@ def check_args(args) -> Plan:
     if len(chunks) > MAX_CHUNK_VALUES or chunks[-1] > MAX_CHUNKS:
         raise _arg("--chunks", f"at most {MAX_CHUNK_VALUES} values, each at most "
                                f"{MAX_CHUNKS}, got {','.join(map(str, args.chunks))}")
+    if args.p2p_overlap and args.schedule == "gpipe":
+        raise _arg("--p2p-overlap", "prices the steady state of 1f1b and interleaved "
+                                    "schedules; gpipe has none (drop one of the two)")
     if args.schedule == "gpipe" and chunks != (1,) and args.chunks != list(CHUNKS):
         raise _arg("--chunks", "the interleaved schedule is 1F1B's; --schedule gpipe "
                                "takes one chunk per stage")

@@ -233,6 +233,9 @@ def check_args(args):
         raise _arg("--mesh", "required: dp=D,pp=P,tp=SCHEME:GRID (e.g. tp=optimus:4x4)")
     dtype = pick_dtype(machine, args.dtype)
     args.training = tr = training_of(args, dtype)
+    if getattr(args, "p2p_overlap", False) and tr.schedule == "gpipe":
+        raise _arg("--p2p-overlap", "prices the steady state of 1f1b and interleaved "
+                                    "schedules; gpipe has none (drop one of the two)")
     sch = scheme_of(args.mesh.tp)
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=tr.recompute,
                                        attention=tr.attention,
@@ -341,7 +344,7 @@ def run(args, out=None) -> dict:
     if moves:
         w("what another placement would do\n")
         for r in moves:
-            w(f"  {r['change']:<46s} {_s(r['step_seconds'])}   {-r['gain']:+6.1%}\n")
+            w(f"  {r['change']:<46s} {_s(r['step_seconds'])}   {-r['gain'] + 0.0:+6.1%}\n")
     w("\nmemory per device\n")
     for key, val in mem.to_dict().items():
         w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
@@ -393,6 +396,11 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
             val = val.get("total")
         if val is not None:
             w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
+    budget = args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine)
+    fits = not budget or mem["total"] <= budget
+    if budget:
+        w(f"  {'fits' if fits else 'does NOT fit'} in {budget / GiB:.3g} GiB per device"
+          f"{'' if args.mem_budget is not None else ' (the usable memory: the device memory less its reserve and fragmentation)'}\n")
     traffic = res.get("traffic") or {}
     if traffic:
         w("\ntraffic per rank per step\n")
@@ -406,7 +414,8 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
         return price_fixed_composition(args, machine, sch, cfg, microbatches,
                                        recompute=recompute, zero=zero)
 
-    ifs = what_ifs(price, res, machine, cfg, load_preset)
+    ifs = what_ifs(price, res, machine, cfg, load_preset,
+                   budget=budget if args.mem_budget is not None else None)
     if ifs:
         w("what one change would do (the same model, each alone)\n")
         for r in ifs:
@@ -414,7 +423,8 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
                                         f"GiB)")
             w(f"  {r['change']:<44s} {_s(r['step_seconds'])}  {-r['gain']:+7.1%}{fit}\n")
     res = {**res, "training": training_dict(args.training), "bound": bound,
-           "what_ifs": ifs, "interval_seconds": list(iv)}
+           "what_ifs": ifs, "interval_seconds": list(iv), "budget_bytes": budget,
+           "fits": fits}
     if args.json is not None:
         write_report(args.json, "predict", res)
         w(f"wrote {args.json}\n")

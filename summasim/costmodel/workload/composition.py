@@ -149,6 +149,7 @@ P. Micikevicius et al., "Mixed Precision Training", ICLR 2018 (loss scaling, 3.2
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..machine import Machine
@@ -159,7 +160,7 @@ from .scheme import Scheme, TransformerConfig
 from .stage_memory import _pieces, stage_memory, stage_plan
 from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
                      tensor_memory, tensor_price)
-from .overlap import Window, contention_share, hidden_contention, window, zero3_gathers
+from .overlap import Window, bucket_contention, contention_share, window, zero3_gathers
 from .zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
 
 @dataclass(frozen=True)
@@ -246,6 +247,9 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
     _check_schedule(schedule, chunks)
     recompute = _recompute_of(cfg, checkpoint, recompute)
     loss_scale = parse_loss_scale(loss_scale)           # a ValueError naming the forms
+    if p2p_overlap and schedule == "gpipe":
+        raise ValueError("p2p_overlap prices the steady state of 1f1b and interleaved "
+                         "schedules; gpipe has none (all forwards, then all backwards)")
     stages = None if stages is None else tuple(int(x) for x in stages)
     B = cfg.b if global_batch is None else global_batch
     if isinstance(B, float) and B.is_integer():
@@ -317,16 +321,23 @@ def _zero3(c: _Setup, pieces, fwd: Part, bwd: Part, rs_alone: float) -> tuple[Wi
 
 def _bucketed(c: _Setup, total_bytes: float, window_s: float, op: str) -> Window:
     """A bucketed gradient reduction under ``window_s`` seconds of backward
-    (:func:`overlap_exposed`), none of it hidden without ``grad_overlap``; its
-    contention is the device share of the part the backward hid."""
+    (:func:`overlap_exposed`), none of it hidden without ``grad_overlap``, and its
+    contention: the backward, slowed by the device share ``f`` of the ``hidden``
+    seconds it overlapped, produces its buckets ``f hidden`` later, which delays the
+    reduction's end only by what its backlog does not absorb (the exposed time beyond
+    the last bucket's, which waits for the end of the backward in any case):
+    ``max(0, f hidden - (exposed - tau_last))`` (:func:`~.overlap.bucket_contention`)."""
     seconds = (lambda nb: c.coll(op, nb, c.g_dp))
     if not c.grad_overlap:
         window_s = 0.0
     exposed = overlap_exposed(total_bytes, c.bucket_bytes, window_s, seconds)
-    if not c.share or window_s <= 0:
+    if not c.share or window_s <= 0 or total_bytes <= 0:
         return Window(exposed, 0.0)
     alone = overlap_exposed(total_bytes, c.bucket_bytes, 0.0, seconds)
-    return Window(exposed, hidden_contention(min(window_s, alone - exposed), c.share))
+    n = max(1, math.ceil(total_bytes / c.bucket_bytes - 1e-12))
+    last = seconds(total_bytes - (n - 1) * c.bucket_bytes)
+    return Window(exposed, bucket_contention(min(window_s, alone - exposed), exposed, last,
+                                             c.share))
 
 
 def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> Stage:
@@ -389,9 +400,10 @@ def stage_cost(c: _Setup, s: int, count: int, chunks: tuple | None = None) -> St
 
 def steady(c: _Setup, st: Stage) -> Window:
     """Stage ``st``'s pipeline hand-offs of one micro-batch in the steady state: all
-    exposed (blocking sends, the default: DeepSpeed's and Megatron-LM's 1F1B without
-    ``--overlap-p2p-communication``), or with ``p2p_overlap`` overlapping the
-    micro-batch's compute (:func:`~.overlap.window`: exposed ``max(0, sends -
+    exposed (blocking sends, the default: DeepSpeed's pipeline engine, Megatron-LM's 1F1B,
+    which refuses ``--overlap-p2p-communication``), or with ``p2p_overlap`` (an engine
+    whose hand-offs are non-blocking: Megatron-LM's interleaved schedule with
+    ``--overlap-p2p-communication``) overlapping the micro-batch's compute (:func:`~.overlap.window`: exposed ``max(0, sends -
     compute)``, with its contention). Warm-up and cool-down pay them in full."""
     if not c.p2p_overlap:
         return Window(st.sends, 0.0)
@@ -556,15 +568,19 @@ def price_composition(cfg: TransformerConfig, scheme, *, machine: Machine,
         (False: e.g. Megatron-LM's 2019 code, whose ``allreduce_params`` runs after
         ``backward``).
     p2p_overlap : bool
-        The pipeline hand-offs of the steady state overlap the compute (Megatron-LM's
+        The pipeline hand-offs of the steady state overlap the compute (non-blocking
+        hand-offs: Megatron-LM's interleaved schedule with
         ``--overlap-p2p-communication``) instead of blocking it (the default: DeepSpeed's
-        pipeline engine, Megatron-LM's 1F1B without it); the fill and drain pay them.
+        pipeline engine, Megatron-LM's 1F1B); the fill and drain pay them. 1F1B and
+        interleaved only: a ValueError with GPipe, whose closed form has no steady
+        state.
 
     Returns
     -------
     dict
         ``step_seconds``; ``breakdown`` (seconds, summing to the step: ``gemm``,
-        ``memory_bound``, ``exposed_comm`` {tensor, dp, pp, zero}, ``bubble``,
+        ``memory_bound``, ``exposed_comm`` {tensor, dp, pp, zero, contention: the
+        compute slowed by the collectives it hid}, ``bubble``,
         ``optimizer``), all of the critical stage's m micro-batches and the tail of
         the stage that finishes last; ``memory`` (bytes per device on the worst stage:
         ``model_states`` {params, grads, optimizer, total}, ``transient``,
@@ -703,7 +719,8 @@ def predict_case(case: dict, machine: Machine, **kw) -> float | None:
 
 def flatten_breakdown(breakdown: dict) -> dict:
     """``{"gemm", "memory_bound", "comm_tensor", "comm_dp", "comm_pp", "comm_zero",
-    "bubble", "optimizer"}`` from a :func:`price_composition` breakdown."""
+    "comm_contention", "bubble", "optimizer"}`` from a :func:`price_composition`
+    breakdown."""
     out = {k: v for k, v in breakdown.items() if k != "exposed_comm"}
     out.update({f"comm_{k}": v for k, v in breakdown["exposed_comm"].items()})
     return out

@@ -84,10 +84,16 @@ def window(compute: float, comm: float, share: float) -> Window:
     return Window(top - compute, overlapped(compute, comm, share) - top)
 
 
-def hidden_contention(hidden: float, share: float) -> float:
-    """The contention of ``hidden`` seconds of collectives that ran under compute:
-    ``share x hidden`` (:func:`overlapped` with ``comm <= compute``)."""
-    return share * max(0.0, hidden)
+def bucket_contention(hidden: float, exposed: float, last: float, share: float) -> float:
+    """The contention of a bucketed reduction that ran ``hidden`` seconds under the
+    compute that produces its buckets and left ``exposed`` seconds after it, the last
+    bucket ``last`` of them: the compute ends ``share x hidden`` later, and so do the
+    buckets it produces, which delays the reduction only by what its backlog (the
+    exposed time beyond the last bucket's) does not absorb:
+    ``max(0, share hidden - (exposed - last))``. With the reduction hidden but for its
+    last bucket this is :func:`overlapped`'s ``share x hidden``; a reduction that
+    outlasts its compute by more than that is slowed by nothing."""
+    return max(0.0, share * max(0.0, hidden) - max(0.0, exposed - last))
 
 
 def _next_gathers(runs: Sequence[tuple]) -> list:
@@ -126,5 +132,5 @@ def zero3_gathers(runs: Sequence[tuple], c_f: float, c_b: float, busy_b: float,
     return fwd, bwd
 
 
-__all__ = ["Window", "contention_share", "hidden_contention", "overlapped", "window",
+__all__ = ["Window", "bucket_contention", "contention_share", "overlapped", "window",
            "zero3_gathers"]
