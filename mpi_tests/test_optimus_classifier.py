@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _util import WORLD, collective_raises, grid_shapes, make_params, parallel_assert, rel_err
+from _util import (WORLD, collective_raises, grid_shapes, make_params, parallel_assert,
+                   rel_err, serial_errors, worst_error)
 from test_optimus import run_parallel  # one runner of the scheme for both suites
 from summasim.costmodel.workload.traffic import ring_allreduce_events, summarize_events
 from summasim.grid import Grid
@@ -56,17 +57,11 @@ def serial(cfg, params, tokens, targets, loss_scale=1.0):
 
 
 def errors(run, ref) -> dict:
-    loss, logits, grads = ref
-    if list(run["grads"]) != list(grads):
-        return {f"keys {list(run['grads'])[-3:]} != serial {list(grads)[-3:]}": np.inf}
-    errs = {"loss": rel_err(run["loss"], loss), "logits": rel_err(run["logits"], logits)}
-    errs.update({key: rel_err(run["grads"][key], grads[key]) for key in grads})
-    return errs
-
-
-def worst(errs: dict) -> str:
-    key = max(errs, key=errs.get)
-    return f"worst {key}: {errs[key]:.3g}"
+    """:func:`_util.serial_errors`, or one infinite error when the gradients' keys are
+    not the serial model's (a classifier head lost or misnamed)."""
+    if list(run["grads"]) != list(ref[2]):
+        return {f"keys {list(run['grads'])[-3:]} != serial {list(ref[2])[-3:]}": np.inf}
+    return serial_errors(run, ref)
 
 
 def same_everywhere(value) -> bool:
@@ -99,10 +94,10 @@ def test_classifier_matches_serial(q, d, k, backend):
     for ck, run in runs.items():
         errs = errors(run, ref)
         errs["local logits"] = rel_err(run["local_logits"], mine)
-        report.append(f"checkpoint={ck} {worst(errs)} (cls.w {errs.get('cls.w', np.inf):.2g}, "
+        report.append(f"checkpoint={ck} {worst_error(errs)} (cls.w {errs.get('cls.w', np.inf):.2g}, "
                       f"cls.b {errs.get('cls.b', np.inf):.2g}, wte {errs.get('wte', np.inf):.2g})")
         parallel_assert(max(errs.values()) <= tol,
-                        f"[{q},{q},{d}] k={k} checkpoint={ck}: {worst(errs)} > {tol:.3g}")
+                        f"[{q},{q},{d}] k={k} checkpoint={ck}: {worst_error(errs)} > {tol:.3g}")
         parallel_assert(same_everywhere(run["loss"]),
                         f"[{q},{q},{d}] k={k}: the loss differs across ranks: {run['loss']!r}")
     base, ckpt = runs[False], runs[True]
@@ -145,13 +140,13 @@ def test_classifier_loss_scale(q, d):
         logits = optimus.logits(head, cfg, grid)
     errs = errors(dict(loss=loss, logits=logits, grads=full), ref)
     parallel_assert(max(errs.values()) <= tol,
-                    f"[{q},{q},{d}] loss_scale={LOSS_SCALE}: {worst(errs)} > {tol:.3g}")
+                    f"[{q},{q},{d}] loss_scale={LOSS_SCALE}: {worst_error(errs)} > {tol:.3g}")
     scaled = {key: rel_err(grads[key], LOSS_SCALE * unscaled[key]) for key in unscaled
               if unscaled[key].size}
     parallel_assert(all(e <= 64 * np.finfo(np.float64).eps for e in scaled.values()),
                     f"rank {WORLD.rank}: head grads not {LOSS_SCALE}x: {scaled}")
     if WORLD.rank == 0:
-        print(f"\n[{q},{q},{d}] loss_scale={LOSS_SCALE}: {worst(errs)} (bound {tol:.3g})")
+        print(f"\n[{q},{q},{d}] loss_scale={LOSS_SCALE}: {worst_error(errs)} (bound {tol:.3g})")
 
 
 def test_float32():
@@ -170,9 +165,9 @@ def test_float32():
     errs = errors(run, ref)
     dtypes = {val.dtype for val in run["lgrads"].values()} | {run["logits"].dtype}
     parallel_assert(max(errs.values()) <= tol and dtypes == {np.dtype(np.float32)},
-                    f"[{q},{q},{d}] float32: {worst(errs)} > {tol:.3g} or dtypes {dtypes}")
+                    f"[{q},{q},{d}] float32: {worst_error(errs)} > {tol:.3g} or dtypes {dtypes}")
     if WORLD.rank == 0:
-        print(f"\nfloat32 [{q},{q},{d}] k=3: {worst(errs)} (bound {tol:.3g})")
+        print(f"\nfloat32 [{q},{q},{d}] k=3: {worst_error(errs)} (bound {tol:.3g})")
 
 
 # --------------------------------------------------------------------------- #
