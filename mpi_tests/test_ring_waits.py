@@ -56,17 +56,20 @@ def test_sendrecv_flags_its_path():
         comm.mpi.Free()
 
 
-def test_napping_ring_steps_sum_right_and_are_exchanger_steps():
-    """Steps of at least ``Comm.nap_limit`` bytes poll a few times and then nap between
-    polls (many ranks per core, long steps). The sum must be the same, and each step is
-    still one traced exchanger step (``blocking``: the receive alone awaited), which the
-    cost model prices apart from a request completed by the wait policy."""
+@pytest.mark.parametrize("how", ["rule", "fixed"])
+def test_napping_ring_steps_sum_right_and_are_exchanger_steps(how):
+    """Napping steps poll a few times and then nap between polls (many ranks per core,
+    long steps): by the rule from ``Comm.nap_limit`` bytes, or every step with
+    ``ring_wait = "nap"``. The sum must be the same, and each step is still one traced
+    exchanger step (``blocking``: the receive alone awaited), which the cost model
+    prices apart from a request completed by the wait policy."""
     comm = Comm(WORLD.Dup(), name="ring")
     try:
         n = 3 * P + 1
         verdicts = []
-        for nap_limit in (0, 1 << 62):
+        for nap_limit, fixed in ((0, "nap"), (1 << 62, "yield")):
             comm.nap_limit = nap_limit
+            comm.ring_wait = "rule" if how == "rule" else fixed
             comm.trace.clear()
             x = np.full(n, float(WORLD.Get_rank() + 1))
             y = algs.ring_allreduce(x, comm)
@@ -91,7 +94,7 @@ def test_buffers_are_free_when_a_ring_returns(half, nap):
     n = P * (1 << 15)                                  # 256 KiB of float64 per chunk
     rank = WORLD.Get_rank()
     comm = Comm(WORLD.Dup(), name="ring")
-    comm.nap_limit = 0 if nap else 1 << 62
+    comm.ring_wait = "nap" if nap else "yield"
     try:
         ok = True
         for _ in range(5):
@@ -129,8 +132,10 @@ def test_ring_sums_and_traces_alike_under_every_wait_policy(wait):
     """Each policy takes its own step ("spin": one blocking MPI_Sendrecv; "sleep" and
     "yield": the receive polled, the sends completed at the end of each half): the same
     sums, in place and out of place, through the halves too, and the same trace, one
-    blocking sendrecv per step carrying exactly its chunk's bytes."""
+    blocking sendrecv per step carrying exactly its chunk's bytes. The ring's steps wait
+    by the policy's rule here (``ring_wait = "rule"``), not by what they measure."""
     comm = Comm(WORLD.Dup(), name="ring", wait=wait)
+    comm.ring_wait = "rule"
     try:
         ok = []
         for n in sorted({0, 1, P + 1, 5000}):
@@ -177,6 +182,7 @@ def test_a_dropped_comm_is_freed_after_a_ring(kind):
     gc.disable()
     try:
         comm = Comm(WORLD.Dup(), name="ring", backend=be, wait=wait)
+        comm.ring_wait = "rule"
         if kind == "policy-path":
             comm.blocking_limit = 0
         comm.stage_whole_limit = 0                  # staged: every step through the Comm
@@ -240,3 +246,86 @@ def test_ranks_waiting_for_rank_0s_long_work_leave_it_the_cores():
     total = WORLD.allreduce(used)
     parallel_assert(total < 0.05 * 1.5 * max(1, WORLD.size - 1),
                     f"the waiting ranks used {total:.3f} s of CPU in 1.5 s")
+
+
+def _slowed(comm, mode: str, on_rank: int, seconds: float):
+    """Make every ring step of ``mode`` on ``on_rank`` take ``seconds`` longer (the
+    other ranks' steps wait for it through the ring)."""
+    import time
+
+    make = comm._new_exchanger
+
+    def new(like, nbytes, tag, m):
+        step, finish, pending, _ = make(like, nbytes, tag, m)
+        if m != mode or comm.rank != on_rank:
+            return step, finish, pending, False
+
+        def slow(*a):
+            time.sleep(seconds)
+            return step(*a)
+        return slow, finish, pending, False
+    comm._new_exchanger = new
+
+
+def test_every_rank_agrees_on_the_measured_mode_and_avoids_a_slow_one():
+    """Under ``ring_wait = "auto"`` each size class's first calls try every mode, then
+    every rank takes the same one, by the slowest rank's times: a mode slowed on one
+    rank only is never chosen. The sums are right in every trial, and every call (trial
+    or not) sends the same traced steps."""
+    comm = Comm(WORLD.Dup(), name="ring")
+    comm.ring_wait = "auto"
+    _slowed(comm, "yield", 0, 0.002)
+    try:
+        from summasim import ringwait as rw
+
+        ok, counts = True, set()
+        n = 4 * P + 3
+        for i in range(len(rw.trial_order(rw.rounds_for(n * 8))) + 3):
+            comm.trace.clear()
+            x = np.full(n, float(comm.rank + 1))
+            y = algs.ring_allreduce(x, comm)
+            ok &= bool(np.all(y == P * (P + 1) / 2))
+            counts.add(len(comm.trace.events))
+        chunk = -(-n // P) * 8
+        mine = comm.ring_waits.decided(chunk)
+        every = WORLD.allgather(mine)
+        parallel_assert(ok and counts == {2 * (P - 1)}, f"sums {ok}, steps per call {counts}")
+        # one rank sends nothing, so it measures nothing
+        parallel_assert(len(set(every)) == 1 and (mine is None if P == 1
+                                                  else mine in ("blocking", "nap")),
+                        f"modes agreed over the ranks: {every}")
+    finally:
+        comm.mpi.Free()
+
+
+def test_rings_on_a_plain_communicator_share_their_measurements():
+    """``ring_allreduce(x, raw)`` wraps ``raw`` anew each call; the trials still add up
+    on the communicator (an MPI attribute), so its calls settle like a Comm's."""
+    from summasim import ringwait as rw
+
+    raw = WORLD.Dup()
+    try:
+        x = np.arange(1000.0)
+        for _ in rw.trial_order(rw.rounds_for(1000 * 8)):
+            y = algs.ring_allreduce(x, raw)
+        decided = rw.waits_of(raw).decided(-(-1000 // P) * 8)
+        parallel_assert((decided is None if P == 1 else decided in rw.MODES)
+                        and np.array_equal(y, x * P),
+                        f"decided {decided!r}")
+    finally:
+        raw.Free()
+
+
+def test_point_to_point_exchanges_wait_by_the_rule_and_start_no_trials():
+    """Only ring calls are collective over the communicator, which the agreement needs:
+    a ``sendrecv`` between two ranks never starts a trial."""
+    comm = Comm(WORLD.Dup(), name="world")
+    try:
+        src, dst = comm.shift_ranks(1)
+        recv = np.empty(8)
+        for _ in range(20):
+            comm.sendrecv(np.full(8, float(comm.rank)), dst, recv, src)
+        parallel_assert(recv[0] == src and not comm.ring_waits._trials
+                        and comm.ring_waits._open is None, "a sendrecv started a trial")
+    finally:
+        comm.mpi.Free()

@@ -44,14 +44,15 @@ node has at least as many cores as ranks and ``"sleep"`` otherwise; the environm
 variable ``SUMMASIM_WAIT=spin|sleep|yield`` overrides it (``"yield"``: ``MPI_Test`` then
 ``sched_yield``); all three are :func:`summasim.mpiutil.wait_requests`.
 
-The steps of a ring (:meth:`Comm.exchanger`) wait differently: under "spin" each is one
-blocking ``MPI_Sendrecv``; otherwise each waits for its receive only, polled with
-``sched_yield``, and completes its sends at the end of the ring's half, so a rank never
-waits for its neighbour to take a message and never sleeps through the arrival of its
-own (docs/performance.md).
-Long steps on a crowded node (chunks from 256 KiB, 4 or more ranks per core) nap
-between polls after a few yields, so that the waiters leave the cores to the ranks
-that hold data.
+The steps of a ring (:meth:`Comm.exchanger`) wait in one of three ways: one blocking
+``MPI_Sendrecv`` ("blocking"); the receive alone polled with ``sched_yield``, the sends
+completed at the end of the ring's half, so that a rank never waits for its neighbour
+to take a message ("yield"); or the same with naps between polls after a few yields, so
+that waiters leave the cores to the ranks that hold data ("nap"). A ring call
+(:meth:`Comm.ring_exchanger`) takes the one this communicator measured fastest for
+its size class (:mod:`summasim.ringwait`; ``SUMMASIM_RING_WAIT`` fixes one, or
+``rule``); other exchanges take the rule: blocking under "spin", else yield, napping
+for chunks from 256 KiB at 4 or more ranks per core (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from mpi4py import MPI
 from .backends import backend_of, ipc, is_device_array
 from .backends.cupy_backend import launcher_local_ranks
 from .mpiutil import SLEEP_S, WAIT_POLICIES, install_abort_hook, wait_requests
+from .ringwait import MODES as RING_MODES
+from .ringwait import ring_wait_setting, waits_of
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
@@ -156,6 +159,25 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def default_reduce() -> str:
+    """``SUMMASIM_REDUCE`` if set, else "tree" (see the module docstring)."""
+    env = os.environ.get("SUMMASIM_REDUCE", "").strip().lower() or "tree"
+    if env not in REDUCE_ALGORITHMS:
+        raise ValueError(f"SUMMASIM_REDUCE={env!r}: expected one of {', '.join(REDUCE_ALGORITHMS)}")
+    return env
+
+
+def check_environment() -> None:
+    """Raise the ValueError of a bad ``SUMMASIM_*`` setting of this module (the byte
+    limits are read when it is imported): the front-ends ask every rank before any
+    work, so that a setting bad on one rank is one clear error, not an abort."""
+    default_wait_policy()
+    default_reduce()
+    ring_wait_setting()
+    for name in ("SUMMASIM_BLOCKING_BYTES", "SUMMASIM_NAP_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES"):
+        _env_bytes(name)
 
 
 def default_wait_policy() -> str:
@@ -328,7 +350,7 @@ class Comm:
                              f"got {self.wait_policy!r}")
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.reduce_algorithm = reduce or os.environ.get("SUMMASIM_REDUCE", "tree").strip().lower()
+        self.reduce_algorithm = reduce or default_reduce()
         if self.reduce_algorithm not in REDUCE_ALGORITHMS:
             raise ValueError(f"reduce algorithm must be one of {', '.join(REDUCE_ALGORITHMS)}, "
                              f"got {self.reduce_algorithm!r}")
@@ -343,6 +365,9 @@ class Comm:
         self._exchangers: dict = {}     # kept host-loop (step, finish, pending sends), by kind
         self._twin = None
         self.stage_whole_limit = STAGE_WHOLE_BYTES
+        #: how ring steps wait: "auto" (measured per size class, :mod:`summasim.ringwait`),
+        #: "rule" (:meth:`_rule_mode`) or one of its modes; ``SUMMASIM_RING_WAIT`` by default
+        self.ring_wait = ring_wait_setting()
 
     def __repr__(self):
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size})"
@@ -668,6 +693,9 @@ class Comm:
         completed. Until then the caller must not write to a buffer it has sent. The
         ring's inner loops use it.
 
+        The host steps of this pair wait by the rule (:meth:`_rule_mode`); a ring's by
+        what the communicator measured (:meth:`ring_exchanger`). The three ways:
+
         Host arrays under the "spin" policy (a core for every rank): each step is one
         blocking ``MPI_Sendrecv``. Posting the two requests and completing the sends at
         the end buys nothing when no rank waits for a core, and costs two request
@@ -721,20 +749,70 @@ class Comm:
         the Comm's methods) and of the wait policy's path are built per call. A kept pair
         whose last loop never finished (an exception between ``step`` and ``finish``) is
         replaced by a fresh one."""
-        key = (type(like), self.backend, self.wait_policy, nbytes < self.blocking_limit,
-               nbytes >= self.nap_limit, tag, self.trace)
+        return self._exchanger(like, nbytes, tag, self._rule_mode(nbytes))
+
+    def ring_exchanger(self, like, nbytes: int):
+        """:meth:`exchanger` for one call of a ring, collective over this communicator
+        (every rank makes the same ring calls, of the same sizes, in the same order):
+        host steps wait the way :attr:`ring_wait` says, for ``"auto"`` the way this
+        communicator measured fastest for the size class (:mod:`summasim.ringwait`,
+        which times the call until :meth:`ring_done`). Device and staged arrays, and
+        steps of :attr:`blocking_limit` bytes or more, wait by the rule."""
+        mode = self._rule_mode(nbytes)
+        if (self.ring_wait != "rule" and type(like) is _NDARRAY
+                and nbytes < self.blocking_limit
+                and self._backend(like).comm_mode == "host"):
+            mode = (self.ring_wait if self.ring_wait in RING_MODES
+                    else self.ring_waits.mode(nbytes, mode))
+        return self._exchanger(like, nbytes, 0, mode)
+
+    def ring_mode(self, nbytes: int) -> str:
+        """How a host ring of steps of at most ``nbytes`` on this communicator waits now
+        (:data:`summasim.ringwait.MODES`), or ``"trials"`` while ``"auto"`` is still
+        measuring its size class."""
+        if nbytes >= self.blocking_limit:
+            return "policy"
+        if self.ring_wait == "rule":
+            return self._rule_mode(nbytes)
+        if self.ring_wait in RING_MODES:
+            return self.ring_wait
+        return self.ring_waits.decided(nbytes) or "trials"
+
+    @property
+    def ring_waits(self):
+        """The ring waits measured on this communicator
+        (:class:`summasim.ringwait.RingWaits`, shared by every Comm over it)."""
+        return waits_of(self.mpi)
+
+    def ring_done(self) -> None:
+        """The end of a ring call that :meth:`ring_exchanger` began (after its last
+        ``finish``): a trial's time is kept, and the class's last trial agrees on its
+        mode (one ``MPI_Iallreduce``, untraced)."""
+        self.ring_waits.done(self.mpi, self._waitall)
+
+    def _rule_mode(self, nbytes: int) -> str:
+        """How a step of ``nbytes`` waits by the fixed rule: ``"blocking"`` under the
+        "spin" wait policy, else ``"nap"`` from :attr:`nap_limit` and ``"yield"`` below."""
+        if self.wait_policy == "spin":
+            return "blocking"
+        return "nap" if nbytes >= self.nap_limit else "yield"
+
+    def _exchanger(self, like, nbytes: int, tag: int, mode: str):
+        """The kept or a new pair of :meth:`exchanger` whose host steps wait by ``mode``."""
+        key = (type(like), self.backend, mode, nbytes < self.blocking_limit, tag, self.trace)
         kept = self._exchangers.get(key)
         if kept is not None and not kept[2]:
             return kept[0], kept[1]
-        step, finish, pending, keep = self._new_exchanger(like, nbytes, tag)
+        step, finish, pending, keep = self._new_exchanger(like, nbytes, tag, mode)
         if keep:
             if len(self._exchangers) >= 16:            # e.g. sendrecvs with many tags
                 self._exchangers.clear()
             self._exchangers[key] = (step, finish, pending)
         return step, finish
 
-    def _new_exchanger(self, like, nbytes: int, tag: int):
-        """A fresh pair of :meth:`exchanger`: ``(step, finish, pending, keep)``, with
+    def _new_exchanger(self, like, nbytes: int, tag: int, mode: str):
+        """A fresh pair of :meth:`exchanger` whose host steps wait by ``mode`` (one of
+        :data:`summasim.ringwait.MODES`): ``(step, finish, pending, keep)``, with
         ``pending`` the list of sends not yet completed and ``keep`` whether the pair
         may be kept (host arrays: no reference to this Comm)."""
         if not self._blocks(like, nbytes):
@@ -742,7 +820,7 @@ class Comm:
         irecv, isend, trace, name, size = (self.mpi.Irecv, self.mpi.Isend, self.trace,
                                            self.name, self.size)
         clock, sends, held = time.perf_counter, [], []
-        if self.wait_policy == "spin":
+        if self.wait_policy == "spin" and mode == "blocking":
             def complete(req):
                 req.Wait()
 
@@ -755,7 +833,7 @@ class Comm:
                 while not testall(reqs):
                     pause()
 
-            if nbytes >= self.nap_limit:
+            if mode == "nap":
                 def complete(req):
                     polls = 0
                     while not req.Test():
@@ -770,7 +848,7 @@ class Comm:
                         pause()
 
         host = self._backend(like).comm_mode == "host"
-        if host and self.wait_policy == "spin":
+        if host and mode == "blocking":
             sendrecv = self.mpi.Sendrecv
 
             def step(sb, dest, rb, source):    # every rank has a core: one blocking call

@@ -94,6 +94,23 @@ def test_a_preflight_user_error_is_one_line_on_every_rank(mpiexec, exc, needle):
     assert seconds < PROMPT
 
 
+@pytest.mark.parametrize("var,value", [("SUMMASIM_RING_WAIT", "fast"),
+                                       ("SUMMASIM_WAIT", "busy"),
+                                       ("SUMMASIM_REDUCE", "ring"),
+                                       ("SUMMASIM_NAP_BYTES", "-3")])
+@pytest.mark.parametrize("where", ["every rank", "rank 1 only"])
+def test_a_bad_runtime_setting_is_one_user_error_even_on_one_rank(mpiexec, var, value,
+                                                                  where):
+    """The SUMMASIM_* runtime settings are checked on every rank before any work
+    (harness.frontend): one line naming the variable, exit 2, no abort, no hang; a
+    setting bad on one rank only names that rank."""
+    patch = (f"os.environ[{var!r}] = {value!r}" if where == "every rank"
+             else f"os.environ[{var!r}] = {value!r} if RANK == 1 else ''")
+    proc, took = launch(mpiexec, 2, ["-c", program(patch, argv=SMALL)], timeout=PROMPT)
+    user_error(proc, var, *(["rank 1"] if where == "rank 1 only" else []))
+    assert took < PROMPT
+
+
 def test_a_deeply_nested_machine_file_is_a_user_error(mpiexec, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000)

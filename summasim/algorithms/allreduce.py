@@ -145,9 +145,10 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None,
     if work is None:
         widest = max(hi - lo for lo, hi in bounds)
         work = comm.workspace("ring.recv", flat[:widest], 1)[0]
-    step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
+    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0])
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or _xp(flat).add)
     finish()
+    comm.ring_done()
     return (r + 1) % p
 
 
@@ -210,9 +211,10 @@ def ring_allgather_unchecked(flat, comm):
         _on_host_copy(flat, flat, comm, ring_allgather_unchecked)
         return flat
     bounds = _bounds(flat.shape[0], p)
-    step, finish = comm.exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
+    step, finish = comm.ring_exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
     _allgather_steps(flat, bounds, r, p, step)
     finish()
+    comm.ring_done()
     return flat
 
 
@@ -348,11 +350,12 @@ def ring_allreduce_unchecked(x, comm, out=None, add=None):
         return out
     bounds = _bounds(flat.shape[0], p)
     work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    step, finish = comm.exchanger(flat, work.itemsize * work.shape[0])
+    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0])
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or xp.add)
     finish()     # the all-gather receives into the chunks the reduce-scatter sent
     _allgather_steps(flat, bounds, r, p, step)
     finish()
+    comm.ring_done()
     return out
 
 

@@ -186,7 +186,7 @@ def allreduce_targets(rows, p: int) -> dict:
     ring is not slower (faster, or a tie within the paired interval; without an
     interval, where the median ratio is at least 1), "vs MPI" only where it is faster
     (the paired interval above 1; without an interval, the median paired ratio above
-    1): both judged on the paired per-repeat ratios, which cancel the drift between
+    1; ``not_slower`` counts its ties too): both judged on the paired per-repeat ratios, which cancel the drift between
     repeats that the ratio of the two medians keeps. The prediction's count is
     :func:`~summasim.costmodel.tools.bench.prediction_target`."""
     def sizes(frm):
@@ -199,7 +199,8 @@ def allreduce_targets(rows, p: int) -> dict:
                          "met": sum(_not_slower(r["vs_plain_paired"]) for r in plain),
                          "faster": sum(r["vs_plain_paired"]["verdict"] == "faster"
                                        for r in plain)},
-            "vs_mpi": {"sizes": len(mpi), "met": sum(_faster(r["vs_mpi_paired"]) for r in mpi)},
+            "vs_mpi": {"sizes": len(mpi), "met": sum(_faster(r["vs_mpi_paired"]) for r in mpi),
+                       "not_slower": sum(_not_slower(r["vs_mpi_paired"]) for r in mpi)},
             # the plain call (a fresh result) within 1.25x of the call into ``out``: its
             # paired interval's low end at most 1.25 (the median paired ratio without one)
             "call": {"sizes": sum(1 for r in rows if "call_vs_out_paired" in r),
@@ -469,6 +470,9 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     from ..harness.load import LoadWatch, combine, mark, warning
     from ..harness.timing import time_contenders
     from ..mpiutil import agreement
+    from ..ringwait import size_class as ring_size_class
+    from ..ringwait import rounds_for as ring_rounds_for
+    from ..ringwait import trial_order as ring_trial_order
 
     backend = backend or get_backend("numpy")
     p = world.Get_size()
@@ -480,7 +484,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         f"{'95% interval':>13} {'':>6} {'ring ms':>9} {'MPI ms':>9} "
         f"{'vs MPI':>8} {'95% interval':>13} {'':>6} "
         f"{'call ms':>9} {'call/out':>9} {'95% interval':>13} {'ring GB/s':>10} "
-        f"{'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5}  check  load")
+        f"{'pred ms':>9} {'pred err':>9} {'mem GiB/s':>10} {'reps':>5} {'wait':>8}  check  load")
     rows = []
     rank = world.Get_rank()
     watch = LoadWatch(world)
@@ -521,6 +525,13 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                 else:
                     good["allreduce"] &= bool(np.allclose(got, ref, rtol=0, atol=p * tol))
             del ref
+            chunk_bytes = (bounds[0][1] - bounds[0][0]) * np.dtype(dtype).itemsize
+            for _ in ring_trial_order(ring_rounds_for(chunk_bytes)):   # wait trials, untimed
+                if (p == 1 or backend.comm_mode != "host"
+                        or comm.ring_mode(chunk_bytes) != "trials"):
+                    break                     # (every rank decides alike: the same count)
+                refill("inplace")
+                calls["inplace"]()
             ok, halves_ok = (bool(world.allreduce(good[g], op=MPI.LAND))
                              for g in ("allreduce", "halves"))
             readings = []
@@ -567,6 +578,10 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                          "memory_readings": readings,
                          "prediction_error": bp.prediction_error(pred, tr),
                          "load": load, "quiet": load and load["quiet"],
+                         "ring_wait": comm.ring_mode(chunk_bytes) if p > 1 else "-",
+                         "ring_wait_medians": (comm.ring_waits.medians.get(
+                             ring_size_class(chunk_bytes)) if comm.ring_wait == "auto"
+                             else None),
                          "halves": _halves_row(t, bounds, halves_ok) if halves else None})
             say(f"{mib:>8g} {1e3 * ti:>9.3f} {1e3 * tp:>9.3f} "
                 f"{vp['median']:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
@@ -577,7 +592,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                 + (f"{1e3 * pred:>9.3f} {100 * (pred - tr) / tr:>+8.1f}%" if pred is not None
                    else f"{'-':>9} {'-':>9}")
                 + (f" {mem:>10.1f}" if mem is not None else f" {'-':>10}")
-                + f" {reps:>5}  {'OK' if ok else 'FAIL':<5} {mark(load)}")
+                + f" {reps:>5} {rows[-1]['ring_wait']:>8}  {'OK' if ok else 'FAIL':<5} "
+                  f"{mark(load)}")
     finally:
         comm.mpi.Free()
         raw.Free()
@@ -588,7 +604,9 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         "ring is faster); 95% interval: of that same median (the sign test's; "
         "faster/slower: the interval excludes 1; tie: the difference is within the noise); "
         "call: ring_allreduce(x, comm), a fresh result per call, and call/out its time over "
-        "the ring's into out (target: at most 1.25x); ring GB/s and the prediction: into out")
+        "the ring's into out (target: at most 1.25x); ring GB/s and the prediction: into out; "
+        "wait: how the ring's steps waited (summasim.ringwait: measured per size class "
+        "before the timing, blocking, yield or nap; SUMMASIM_RING_WAIT fixes it)")
     if halves:
         _say_halves(rows, p, say)
     busy = [r for r in rows if r["quiet"] is False]
@@ -601,7 +619,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         f"{tg['vs_plain']['met']}/"
         f"{tg['vs_plain']['sizes']} sizes from 64 KiB ({tg['vs_plain']['faster']} faster); "
         f"into out, faster than MPI at {tg['vs_mpi']['met']}/{tg['vs_mpi']['sizes']} from "
-        f"4 MiB"
+        f"4 MiB (not slower at {tg['vs_mpi']['not_slower']})"
         + (f"; prediction within 10% at {tg['prediction']['met']}/"
            f"{tg['prediction']['sizes']} from 1 MiB" if tg["prediction"]["sizes"] else "")
         + f"; the plain call within {TARGETS['call_over_out']}x of the call into out at "

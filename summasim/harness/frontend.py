@@ -72,6 +72,33 @@ def _preflight_message(preflight, args, world) -> str:
         return one_line(str(e) or type(e).__name__)
 
 
+def _environment_error() -> str:
+    """This rank's ``SUMMASIM_*`` runtime settings (:func:`summasim.comm.check_environment`,
+    whose module reads its byte limits when imported): "" or the error as one line."""
+    from ..cli import one_line
+
+    try:
+        from ..comm import check_environment
+
+        check_environment()
+    except ValueError as e:
+        return one_line(str(e))
+    return ""
+
+
+def _agreed_error(err: str, world) -> str:
+    """The first rank's error of every rank's ``err`` ("" when none has one), naming the
+    ranks where only some have it: every rank then stops, or none does."""
+    from ..mpiutil import ranks_text
+
+    every = world.allgather(err)
+    bad = [r for r, e in enumerate(every) if e]
+    if not bad:
+        return ""
+    first = every[bad[0]]
+    return first if len(bad) == len(every) else f"{first} (on {ranks_text(bad)})"
+
+
 def mpi_main(parse, preflight, body, prog: str) -> int:
     """Run a front-end (see the module doc); returns the exit status."""
     try:
@@ -86,6 +113,7 @@ def mpi_main(parse, preflight, body, prog: str) -> int:
     rank = world.Get_rank()
     end_on_signals(prog, rank)
     with abort_on_error(world):
+        err = _agreed_error(err or _environment_error(), world)
         if not err and preflight is not None:
             doing("in the preflight" if rank == 0 else "waiting for rank 0's preflight")
             err = _preflight_message(preflight, args, world) if rank == 0 else None
