@@ -368,6 +368,7 @@ class Comm:
         #: how ring steps wait: "auto" (measured per size class, :mod:`summasim.ringwait`),
         #: "rule" (:meth:`_rule_mode`) or one of its modes; ``SUMMASIM_RING_WAIT`` by default
         self.ring_wait = ring_wait_setting()
+        self._ring_waits = None
 
     def __repr__(self):
         return f"Comm({self.name!r}, rank={self.rank}, size={self.size})"
@@ -782,13 +783,16 @@ class Comm:
     def ring_waits(self):
         """The ring waits measured on this communicator
         (:class:`summasim.ringwait.RingWaits`, shared by every Comm over it)."""
-        return waits_of(self.mpi)
+        if self._ring_waits is None:
+            self._ring_waits = waits_of(self.mpi)
+        return self._ring_waits
 
     def ring_done(self) -> None:
         """The end of a ring call that :meth:`ring_exchanger` began (after its last
         ``finish``): a trial's time is kept, and the class's last trial agrees on its
         mode (one ``MPI_Iallreduce``, untraced)."""
-        self.ring_waits.done(self.mpi, self._waitall)
+        if self.ring_wait == "auto":
+            self.ring_waits.done(self.mpi, self._waitall)
 
     def _rule_mode(self, nbytes: int) -> str:
         """How a step of ``nbytes`` waits by the fixed rule: ``"blocking"`` under the

@@ -30,6 +30,23 @@ fc1 bias + GELU            2 F it  (10 F)                   3 F it  (15 F)
 fc2 bias+dropout+residual  3 X it (+ X mask bytes)          3 X it (+ X)
 =========================  ===============================  ========================
 
+Fused, as above, is Megatron-LM's (``cfg.kernels == "fused"``); RMSNorm (``cfg.norm``)
+and RoPE (``cfg.rope``, 2 it bytes per q and k item each way) are one kernel each
+there too. PyTorch **eager** (``cfg.kernels == "eager"``) runs one kernel per operation
+of the reference eager code, each writing its result to memory
+(:func:`_eager_norm`, :func:`_rope_kernels`, :func:`_eager_attention_extra`): the bias
+adds happen inside the GEMMs (``addmm``); dropout and the residual add are two kernels
+each way; plain attention scales and masks the scores in two kernels of their own
+before the softmax (minGPT's ``att * scale``, ``masked_fill``); SwiGLU is ``silu`` then
+a multiply (Hugging Face's ``LlamaMLP``); RMSNorm is Hugging Face's ``LlamaRMSNorm``
+(a float32 copy, ``pow``, ``mean``, ``rsqrt``, a multiply, the cast back, the weight);
+LayerNorm is ``torch.nn.LayerNorm``'s native kernel, whose backward reduces the
+weight's and bias's gradients in a second kernel; RoPE is Hugging Face's
+``apply_rotary_pos_emb`` (``q cos + rotate_half(q) sin``, ``rotate_half`` a negation
+and a ``cat``); the loss upcasts the logits to float32 before its log-softmax (as
+``LlamaForCausalLM`` and autocast's ``cross_entropy`` do). Each kernel also pays a
+launch. (torch.compile fuses these chains again; a compiled run is ``fused``.)
+
 With activation checkpointing the forward kernels run again in backward; with
 selective recompute the softmax and attention dropout. Under Megatron sequence
 parallelism X (LayerNorm, residual, hidden dropout) is ``b s h / p`` (Korthikanti et
@@ -280,6 +297,103 @@ def attention_kernels(scheme, cfg) -> dict:
     return {"forward": fwd, "backward": bwd}
 
 
+#: RMSNorm's flops per item: square, sum, scale by the reciprocal root, the weight.
+RMS_FLOPS = 4.0
+
+
+def _eager(cfg) -> bool:
+    return getattr(cfg, "kernels", "fused") == "eager"
+
+
+def _eager_norm(tag: str, X: float, it: int, rms: bool) -> tuple[list, list]:
+    """One norm's kernels in PyTorch eager over ``X`` items (see the module doc)."""
+    if not rms:        # torch.nn.LayerNorm: native; backward's dgamma/dbeta apart
+        return ([Kernel(tag, LN_FLOPS * X, 2 * X * it)],
+                [Kernel(f"{tag}_bwd", 2 * LN_FLOPS * X, 3 * X * it),
+                 Kernel(f"{tag}_weight_bias_grad", 2 * X, 2 * X * it)])
+    # LlamaRMSNorm: h = x.float(); v = h.pow(2).mean(-1); h = h * rsqrt(v + eps);
+    # weight * h.to(dtype)
+    fwd = [Kernel(f"{tag}_to_float32", 0, X * (it + 4)), Kernel(f"{tag}_pow", X, 8 * X),
+           Kernel(f"{tag}_mean", X, 4 * X), Kernel(f"{tag}_mul_rsqrt", X, 8 * X),
+           Kernel(f"{tag}_to_dtype", 0, X * (4 + it)), Kernel(f"{tag}_mul_weight", X, 2 * X * it)]
+    # autograd, in reverse: the weight's multiply (dx, and dweight = sum(dy x)), the cast
+    # back to float32, the rsqrt multiply (dh = g r; dr = sum(g h)), mean's expand, pow's
+    # 2 h g, the two float32 gradients of h added, the cast to the input's dtype
+    bwd = [Kernel(f"{tag}_mul_weight_bwd", X, 2 * X * it),
+           Kernel(f"{tag}_weight_grad_mul", X, 3 * X * it),
+           Kernel(f"{tag}_weight_grad_sum", X, X * it),
+           Kernel(f"{tag}_to_dtype_bwd", 0, X * (it + 4)),
+           Kernel(f"{tag}_mul_rsqrt_bwd", X, 12 * X), Kernel(f"{tag}_rsqrt_grad", 2 * X, 16 * X),
+           Kernel(f"{tag}_mean_bwd", X, 4 * X), Kernel(f"{tag}_pow_bwd", 2 * X, 12 * X),
+           Kernel(f"{tag}_grad_add", X, 12 * X), Kernel(f"{tag}_to_float32_bwd", 0, X * (4 + it))]
+    return fwd, bwd
+
+
+def _norm_kernels(tag: str, cfg, X: float, it: int) -> tuple[list, list]:
+    """One LayerNorm or RMSNorm (``cfg.norm``) over ``X`` items, forward and backward."""
+    rms = getattr(cfg, "norm", "layernorm") == "rmsnorm"
+    if _eager(cfg):
+        return _eager_norm(tag, X, it, rms)
+    flops = RMS_FLOPS if rms else LN_FLOPS
+    return ([Kernel(tag, flops * X, 2 * X * it)],
+            [Kernel(f"{tag}_bwd", 2 * flops * X, 3 * X * it)])
+
+
+def _rope_kernels(cfg, Xs: float, it: int) -> tuple[list, list]:
+    """RoPE on this rank's q (``Xs`` items) and k (``Xs kv/n``), forward and backward:
+    one kernel per tensor fused (reads it, writes it: 2 it a item each way); eager,
+    Hugging Face's ``q * cos + rotate_half(q) * sin`` per tensor, and backward the
+    gradients of both products, the negation, the two halves' slice gradients
+    (zero-filled full tensors) and the sums."""
+    if not getattr(cfg, "rope", False):
+        return [], []
+    kv = getattr(cfg, "kv_heads", None) or cfg.n
+    fwd, bwd = [], []
+    for name, E in (("q", Xs), ("k", Xs * kv / cfg.n)):
+        if not _eager(cfg):
+            fwd.append(Kernel(f"rope_{name}", 6 * E, 2 * E * it))
+            bwd.append(Kernel(f"rope_{name}_bwd", 6 * E, 2 * E * it))
+            continue
+        fwd += [Kernel(f"rope_{name}_mul_cos", E, 2 * E * it),
+                Kernel(f"rope_{name}_neg", E / 2, E * it),
+                Kernel(f"rope_{name}_cat", 0, 2 * E * it),
+                Kernel(f"rope_{name}_mul_sin", E, 2 * E * it),
+                Kernel(f"rope_{name}_add", E, 3 * E * it)]
+        bwd += [Kernel(f"rope_{name}_mul_sin_bwd", E, 2 * E * it),
+                Kernel(f"rope_{name}_neg_bwd", E / 2, E * it),
+                Kernel(f"rope_{name}_slice_bwd_1", 0, 2 * E * it),
+                Kernel(f"rope_{name}_slice_bwd_2", 0, 2 * E * it),
+                Kernel(f"rope_{name}_halves_add", E, 3 * E * it),
+                Kernel(f"rope_{name}_mul_cos_bwd", E, 2 * E * it),
+                Kernel(f"rope_{name}_grad_add", E, 3 * E * it)]
+    return fwd, bwd
+
+
+def _eager_attention_extra(cfg, S: float, it: int) -> tuple[list, list]:
+    """Eager plain attention's own scale and mask kernels over the ``S`` scores (minGPT:
+    ``(q @ k^T) * scale``, then ``masked_fill``), forward and backward; none for the
+    fused softmax or blockwise attention (SDPA's kernels)."""
+    if not _eager(cfg) or getattr(cfg, "attention", "plain") != "plain":
+        return [], []
+    return ([Kernel("scores_scale", S, 2 * S * it), Kernel("scores_mask", S, 2 * S * it)],
+            [Kernel("scores_mask_bwd", S, 2 * S * it), Kernel("scores_scale_bwd", S, 2 * S * it)])
+
+
+def _dropout_residual(tag: str, cfg, X: float, it: int, drop: bool) -> tuple[list, list]:
+    """Bias, dropout and the residual add after a projection, forward and backward:
+    one kernel each way fused; eager, the bias inside the GEMM, then a dropout kernel
+    (when there is dropout) and an add, and backward the dropout's and the residual's
+    gradient sum."""
+    mask = 1.0 if drop else 0.0
+    if not _eager(cfg):
+        return ([Kernel(f"{tag}_bias_dropout_residual", 3 * X, 3 * X * it + mask * X)],
+                [Kernel(f"{tag}_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X)])
+    fwd = [Kernel(f"{tag}_dropout", 2 * X, 2 * X * it + X)] if drop else []
+    bwd = [Kernel(f"{tag}_dropout_bwd", X, 2 * X * it + X)] if drop else []
+    return (fwd + [Kernel(f"{tag}_residual_add", X, 3 * X * it)],
+            bwd + [Kernel(f"{tag}_residual_grad_add", X, 3 * X * it)])
+
+
 def layer_kernels(scheme, cfg) -> dict:
     """``{"forward": [Kernel], "backward": [Kernel]}`` of one layer on one rank (see
     the module docstring); backward starts with what the recompute re-runs
@@ -287,39 +401,47 @@ def layer_kernels(scheme, cfg) -> dict:
     and dropout when ``selective``, Korthikanti et al. 2022, section 5)."""
     it = cfg.itemsize
     drop = getattr(cfg, "dropout", 0.0) > 0
+    eager = _eager(cfg)
     X, Xs, Q, S, F = _local_sizes(scheme, cfg)
-    mask = 1.0 if drop else 0.0
     att_f, att_b = _attention_kernels(cfg, X, Xs, S, it, drop)
-    fwd = [Kernel("ln1", LN_FLOPS * X, 2 * X * it),
-           Kernel("qkv_bias", Q, 2 * Q * it)] + att_f
-    fwd += [Kernel("proj_bias_dropout_residual", 3 * X, 3 * X * it + mask * X),
-            Kernel("ln2", LN_FLOPS * X, 2 * X * it)]
+    sc_f, sc_b = _eager_attention_extra(cfg, S, it)
+    ln1_f, ln1_b = _norm_kernels("ln1", cfg, X, it)
+    ln2_f, ln2_b = _norm_kernels("ln2", cfg, X, it)
+    rope_f, rope_b = _rope_kernels(cfg, Xs, it)
+    proj_f, proj_b = _dropout_residual("proj", cfg, X, it, drop)
+    fc2_f, fc2_b = _dropout_residual("fc2", cfg, X, it, drop)
+    # eager: the QKV bias is added inside its GEMM (addmm)
+    fwd = ln1_f + ([] if eager else [Kernel("qkv_bias", Q, 2 * Q * it)]) + rope_f
+    fwd += sc_f + att_f + proj_f + ln2_f
     if getattr(cfg, "mlp", "gelu") == "swiglu":
-        # gate and up (+ biases) in, silu(gate) * up out (Shazeer 2020): 3 F it
-        fwd.append(Kernel("fc1_bias_swiglu", SWIGLU_FLOPS * F, 3 * F * it))
+        if eager:       # LlamaMLP: silu(gate) written, then the multiply by up
+            fwd += [Kernel("fc1_silu", 4 * F, 2 * F * it),
+                    Kernel("fc1_mul_up", F, 3 * F * it)]
+        else:           # gate and up (+ biases) in, silu(gate) * up out (Shazeer 2020)
+            fwd.append(Kernel("fc1_bias_swiglu", SWIGLU_FLOPS * F, 3 * F * it))
     else:
-        fwd.append(Kernel("fc1_bias_gelu", GELU_FLOPS * F, 2 * F * it))
-    fwd.append(Kernel("fc2_bias_dropout_residual", 3 * X, 3 * X * it + mask * X))
-    bwd = [Kernel("fc2_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
-           Kernel("fc2_bias_grad", X, X * it)]
+        fwd.append(Kernel("fc1_gelu" if eager else "fc1_bias_gelu", GELU_FLOPS * F, 2 * F * it))
+    fwd += fc2_f
+    bwd = fc2_b + [Kernel("fc2_bias_grad", X, X * it)]
     if getattr(cfg, "mlp", "gelu") == "swiglu":
-        # reads gate, up and the product's gradient, writes both gradients: 5 F it
-        bwd += [Kernel("fc1_swiglu_bwd", SWIGLU_BWD_FLOPS * F, 5 * F * it),
-                Kernel("fc1_bias_grad", 2 * F, 2 * F * it)]
+        if eager:       # d(silu) = g up, d(up) = g silu; then silu's backward
+            bwd += [Kernel("fc1_mul_up_bwd_silu", F, 3 * F * it),
+                    Kernel("fc1_mul_up_bwd_up", F, 3 * F * it),
+                    Kernel("fc1_silu_bwd", SWIGLU_BWD_FLOPS * F, 3 * F * it)]
+        else:           # reads gate, up and the product's gradient, writes both: 5 F it
+            bwd.append(Kernel("fc1_swiglu_bwd", SWIGLU_BWD_FLOPS * F, 5 * F * it))
+        bwd.append(Kernel("fc1_bias_grad", 2 * F, 2 * F * it))
     else:
         bwd += [Kernel("fc1_gelu_bwd", GELU_BWD_FLOPS * F, 3 * F * it),
                 Kernel("fc1_bias_grad", F, F * it)]
-    bwd += [Kernel("ln2_bwd", 2 * LN_FLOPS * X, 3 * X * it),
-            Kernel("proj_dropout_residual_bwd", 2 * X, 3 * X * it + mask * X),
-            Kernel("proj_bias_grad", X, X * it)]
-    bwd += att_b
-    bwd += [Kernel("qkv_bias_grad", Q, Q * it),
-            Kernel("ln1_bwd", 2 * LN_FLOPS * X, 3 * X * it)]
+    bwd += ln2_b + proj_b + [Kernel("proj_bias_grad", X, X * it)]
+    bwd += att_b + sc_b + rope_b
+    bwd += [Kernel("qkv_bias_grad", Q, Q * it)] + ln1_b
     recompute = getattr(cfg, "recompute", "full" if cfg.checkpoint else "none")
     if recompute == "full":
         bwd = list(fwd) + bwd
     elif recompute == "selective" and getattr(cfg, "attention", "plain") == "plain":
-        bwd = list(att_f) + bwd
+        bwd = list(sc_f + att_f) + bwd
     return {"forward": fwd, "backward": bwd}
 
 
@@ -337,14 +459,20 @@ def model_kernels(scheme, cfg, local_params: float, param_tensors: float) -> dic
     # cube's its [b s/q, h/q] partial (reduce-scattered over q)
     E = (cfg.b * cfg.s * cfg.h if scheme.name == "megatron"
          else X * scheme.q if scheme.kind == "3d" else X)
-    fwd = [Kernel("embedding", E, 3 * E * it)] + cfg.N * layer["forward"] + [
-        Kernel("lnf", LN_FLOPS * X, 2 * X * it)]
+    lnf_f, lnf_b = _norm_kernels("lnf", cfg, X, it)
+    fwd = [Kernel("embedding", E, 3 * E * it)] + cfg.N * layer["forward"] + lnf_f
     bwd = []
-    if cfg.v:
+    if cfg.v and _eager(cfg):
+        # logits.float(), log-softmax and the NLL gather; backward the NLL's scatter into
+        # a zero-filled float32 tensor, the log-softmax's, the cast back
+        fwd += [Kernel("logits_to_float32", 0, L * (it + 4)),
+                Kernel("log_softmax", 4 * L, 8 * L)]
+        bwd += [Kernel("nll_bwd", 0, 4 * L), Kernel("log_softmax_bwd", 2 * L, 12 * L),
+                Kernel("logits_to_float32_bwd", 0, L * (4 + it))]
+    elif cfg.v:
         fwd.append(Kernel("cross_entropy", 4 * L, 3 * L * it))
         bwd.append(Kernel("cross_entropy_bwd", 2 * L, 2 * L * it))
-    bwd += [Kernel("lnf_bwd", 2 * LN_FLOPS * X, 3 * X * it)] + cfg.N * layer["backward"] + [
-        Kernel("embedding_bwd", E, 3 * E * it)]
+    bwd += lnf_b + cfg.N * layer["backward"] + [Kernel("embedding_bwd", E, 3 * E * it)]
     per_param = ADAM_BYTES + (2 * it if it < 4 else 0)
     opt = []
     if local_params > 0:

@@ -50,6 +50,25 @@ def add_engine(ap: argparse.ArgumentParser) -> None:
                          "blocking)")
 
 
+def add_kernels(ap: argparse.ArgumentParser) -> None:
+    """How the framework runs the memory-bound work, and the layer's norm and position
+    embedding (``TransformerConfig``'s ``kernels``, ``norm`` and ``rope``)."""
+    ap.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                    help="fused: Megatron-LM's fused elementwise kernels (default); eager: "
+                         "PyTorch eager, one kernel per operation (FSDP or torchtitan "
+                         "without torch.compile; docs/costmodel.md)")
+    ap.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm",
+                    help="the layer norms (default layernorm; Llama: rmsnorm)")
+    ap.add_argument("--rope", action="store_true",
+                    help="rotary position embeddings on q and k (Llama)")
+
+
+def kernel_fields(args) -> dict:
+    """:func:`add_kernels`'s fields of a ``TransformerConfig``."""
+    return {"kernels": getattr(args, "kernels", "fused"),
+            "norm": getattr(args, "norm", "layernorm"), "rope": bool(getattr(args, "rope", False))}
+
+
 def main(build_parser, run, argv=None) -> int:
     """A tool on its own: parse ``argv`` with ``build_parser()`` and :func:`cli.run_command`
     ``run`` (a user error is one line and status 2)."""

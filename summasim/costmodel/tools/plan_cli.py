@@ -136,6 +136,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=BUCKET_BYTES / 2**20,
                     help="gradient bucket in MiB (default 25, PyTorch DDP's)")
     _cli.add_engine(ap)
+    _cli.add_kernels(ap)
     mem = ap.add_mutually_exclusive_group()
     mem.add_argument("--mem-fraction", type=cli.float_range(0, 1, lo_open=True),
                      default=MEM_FRACTION,
@@ -214,7 +215,8 @@ def check_args(args) -> Plan:
             raise _arg("--mem-gib", f"machine {machine.name!r} does not say its memory per "
                                     f"device; give --mem-gib")
         budget = usable_memory(machine) * args.mem_fraction
-    cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention)
+    cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention
+                                       ).replace(**_cli.kernel_fields(args))
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
     zeros = tuple(sorted({int(z) for z in args.zero}))

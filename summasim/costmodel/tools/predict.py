@@ -72,7 +72,7 @@ def check_sizes(model, batch: int) -> None:
     """Every size of ``model`` and ``batch`` at most :data:`MAX_SIZE`, else a
     :class:`cli.UsageError` naming the size."""
     for key, val in model.sizes().items():
-        if val > MAX_SIZE:
+        if isinstance(val, (int, float)) and val > MAX_SIZE:   # mlp, tied: words
             raise cli.argument_error("--model", f"{key} = {val} is above 2^40 = {MAX_SIZE}")
     if batch > MAX_SIZE:
         raise cli.argument_error("--batch", f"at most 2^40 = {MAX_SIZE}, got {batch}")
@@ -152,6 +152,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--dropout", type=cli.float_range(0, 1, hi_open=True), default=0.0,
                     help="dropout probability (default 0)")
     _cli.add_engine(ap)
+    _cli.add_kernels(ap)
     ap.add_argument("--placement", default="row-major",
                     help="tensor grid alone: row-major (default), blocked, blocked:AxB, or "
                          "map:SLOT,SLOT,...")
@@ -239,7 +240,8 @@ def check_args(args):
     sch = scheme_of(args.mesh.tp)
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=tr.recompute,
                                        attention=tr.attention,
-                                       sequence_parallel=tr.sequence_parallel)
+                                       sequence_parallel=tr.sequence_parallel
+                                       ).replace(**_cli.kernel_fields(args))
     if args.dropout:
         cfg = cfg.replace(dropout=args.dropout)
     if tr.sequence_parallel:
@@ -444,6 +446,11 @@ def _model_line(cfg) -> str:
         block.append(f"kv_heads {cfg.kv_heads:g}")
     if not cfg.tied:
         block.append("untied head")
+    if cfg.norm != "layernorm":
+        block.append(cfg.norm)
+    if cfg.rope:
+        block.append("rope")
+    block.append(f"{cfg.kernels} kernels")
     return (f"b={cfg.b} s={cfg.s} h={cfg.h} n={cfg.n} N={cfg.N} v={cfg.v} ffn={cfg.ffn:g} "
             f"{cfg.dtype}{f' dropout={cfg.dropout:g}' if cfg.dropout else ''}, "
             + ", ".join(block))

@@ -29,6 +29,11 @@ _ALIASES = {"megatron": "megatron", "1d": "megatron", "optimus": "optimus", "2d"
             "summa25-lm": "summa25", "3d": "3d", "tp3d": "3d"}
 
 
+#: The layer norms and the kernel styles a :class:`TransformerConfig` prices.
+NORMS = ("layernorm", "rmsnorm")
+KERNELS = ("fused", "eager")
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Problem size of a transformer (all sizes in items) and how its layers train.
@@ -76,6 +81,16 @@ class TransformerConfig:
         The MLP: GELU's two matrices, or SwiGLU's three (Shazeer 2020).
     tied : bool
         The LM head reads the embedding ``wte`` (GPT-2); False: its own ``[h, v]``.
+    norm : {"layernorm", "rmsnorm"}
+        The layer norms: LayerNorm (GPT) or RMSNorm (Zhang and Sennrich 2019; Llama).
+    rope : bool
+        Rotary position embeddings on q and k in every layer (Su et al. 2021; Llama).
+    kernels : {"fused", "eager"}
+        How the training framework runs the memory-bound work
+        (:mod:`summasim.costmodel.compute.roofline`): ``fused`` kernels as Megatron-LM's
+        (bias, dropout and residual in one kernel, fused softmax, LayerNorm and RoPE),
+        or PyTorch ``eager``, one kernel per operation of the reference eager code
+        (Hugging Face's Llama, minGPT), every intermediate written to memory.
 
     Sizes may be real (the isoefficiency solver varies h continuously) but must be
     finite and positive (v, optimizer_states: non-negative); a ``ValueError`` names
@@ -100,6 +115,9 @@ class TransformerConfig:
     kv_heads: float | None = None
     mlp: str = "gelu"
     tied: bool = True
+    norm: str = "layernorm"
+    rope: bool = False
+    kernels: str = "fused"
 
     def __post_init__(self):
         cls = type(self).__name__
@@ -132,7 +150,11 @@ class TransformerConfig:
                              f"got {self.attention!r}")
         if self.mlp not in MLPS:
             raise ValueError(f"{cls}.mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
-        for name in ("sequence_parallel", "tied"):
+        for name, allowed in (("norm", NORMS), ("kernels", KERNELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{cls}.{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("sequence_parallel", "tied", "rope"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{cls}.{name} must be True or False, "
                                  f"got {getattr(self, name)!r}")
@@ -150,8 +172,8 @@ class TransformerConfig:
     @classmethod
     def from_model(cls, config, batch, checkpoint: bool = False,
                    optimizer_states: float = 2.0, dtype=None, *, recompute: str | None = None,
-                   attention: str = "plain", sequence_parallel: bool = False
-                   ) -> "TransformerConfig":
+                   attention: str = "plain", sequence_parallel: bool = False,
+                   kernels: str = "fused") -> "TransformerConfig":
         """The priced workload of a :class:`summasim.spec.Model` (or the runtime's
         ``Config``).
 
@@ -160,7 +182,8 @@ class TransformerConfig:
         key/value heads and the tied head become v, s, h, n, N, ffn, mlp, kv_heads and
         tied; ``batch`` is b (sequences per step). ``checkpoint`` (default False, as the
         model's ``forward``) is ``recompute="full"``; ``recompute``, ``attention`` and
-        ``sequence_parallel`` are the training's (:class:`summasim.spec.Training`). A
+        ``sequence_parallel`` are the training's (:class:`summasim.spec.Training`),
+        ``kernels`` the framework's (summasim's model: LayerNorm, no RoPE). A
         classification head (``n_classes > 0``) is not priced: ``ValueError``. A
         :class:`summasim.spec.Model` has no dtype: pass ``dtype``.
         """
@@ -181,7 +204,8 @@ class TransformerConfig:
                    ffn=config.ffn_width / config.hidden, recompute=recompute,
                    attention=attention, sequence_parallel=bool(sequence_parallel),
                    kv_heads=None if kv in (None, config.heads) else kv,
-                   mlp=getattr(config, "mlp", "gelu"), tied=getattr(config, "tied", True))
+                   mlp=getattr(config, "mlp", "gelu"), tied=getattr(config, "tied", True),
+                   kernels=kernels)
 
     def replace(self, **kw) -> "TransformerConfig":
         """A copy with fields changed. ``checkpoint=True`` is ``recompute="full"``;
