@@ -347,3 +347,23 @@ def test_bench_smoke(capsys):
     assert "numpy" in out and "checkpointing: peak" in out
     off, on = res["memory"]
     assert on["held_after_forward_bytes"] < off["held_after_forward_bytes"]
+
+
+def test_bench_layer_with_torch_times_the_blas_of_both(capsys):
+    """``bench layer --torch`` checks the layer against torch and times the MLP's GEMM
+    in both libraries, naming each one's BLAS, so that a gap can be read as the BLAS's."""
+    pytest.importorskip("torch", reason="--torch times PyTorch, which is not a summasim "
+                                        "dependency and is not installed here")
+    from summasim.bench import layer
+    from summasim.bench.__main__ import parse_args
+
+    res = layer.run(parse_args(["layer", "--torch", "--batch", "2", "--model",
+                                "h=32,heads=2,layers=1,seq=8,vocab=8", "--repeats", "1",
+                                "--blocks", "1", "--no-memory"]))
+    out = capsys.readouterr().out
+    [timing] = res["timing"]
+    g = timing["gemm"]
+    assert g["shape"] == [16, 32, 128]
+    assert g["numpy_gflops"] > 0 and g["torch_gflops"] > 0
+    assert g["numpy_blas"] != "unknown" and g["torch_blas"] != "unknown"
+    assert "the MLP's GEMM 16x32x128" in out and timing["max_rel_diff_vs_torch"] < 1e-5

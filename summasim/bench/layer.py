@@ -188,6 +188,36 @@ class _TorchLayer:
         return t1 - t0, t2 - t1, (host(out), host(x.grad), grads)
 
 
+def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5) -> dict:
+    """The layer's widest GEMM (``[m, k] @ [k, n]``, the MLP's first) in NumPy and in
+    PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats``,
+    alternated, and each library's BLAS. The two layers' GEMMs run on these libraries,
+    so their ratio is the part of the layers' ratio that is the BLAS's, not summasim's
+    (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL)."""
+    import torch
+    from threadpoolctl import threadpool_info
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    runs = {"numpy": lambda: np.matmul(a, b), "torch": lambda: torch.mm(ta, tb)}
+    best = {name: math.inf for name in runs}
+    for _ in range(repeats + 1):                    # the first round warms up
+        for name, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - t0) if _ else math.inf
+    blas = next((f"{i['internal_api']} {i.get('version') or ''}".strip()
+                 for i in threadpool_info() if i.get("user_api") == "blas"), "unknown")
+    torch_blas = next((w.split("=", 1)[1] for w in torch.__config__.show().replace(",", " ")
+                       .split() if w.startswith("BLAS_INFO=")), "unknown")
+    flops = 2.0 * m * k * n
+    return {"shape": [m, k, n], "numpy_gflops": flops / best["numpy"] / 1e9,
+            "torch_gflops": flops / best["torch"] / 1e9, "numpy_blas": blas,
+            "torch_blas": torch_blas}
+
+
 def _nothing() -> None:
     """A host-only step's wait for the device."""
 
@@ -256,6 +286,9 @@ def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2, backe
         timed = time_contenders({k: keep(k, f) for k, f in runners.items()}, None, blocks,
                                 repeats=repeats, warmup=1, rotate=False, before=fresh,
                                 returns=True)
+        if use_torch and not be.on_device:
+            res["gemm"] = _gemm_peers(batch * model.seq, model.hidden, model.ffn_width,
+                                      store if precision is None else np.float32)
     for name, t in timed.items():
         tf = min(r[0] for r in t["returns"])
         tb = min(r[1] for r in t["returns"])
@@ -338,6 +371,13 @@ def run(args, world=None) -> dict:
             print(f"  threads={threads} {ours}/torch {r['ratio_vs_torch']:.3f}  "
                   f"{ours}/torch(manual attention) {r['ratio_vs_torch_manual_attn']:.3f}  "
                   f"max rel diff vs torch {r['max_rel_diff_vs_torch']:.2e}")
+        if "gemm" in r:
+            g = r["gemm"]
+            print(f"  threads={threads} the MLP's GEMM {g['shape'][0]}x{g['shape'][1]}x"
+                  f"{g['shape'][2]}: NumPy ({g['numpy_blas']}) {g['numpy_gflops']:.1f} "
+                  f"GFLOP/s, torch ({g['torch_blas']}) {g['torch_gflops']:.1f}: "
+                  f"numpy/torch {g['torch_gflops'] / g['numpy_gflops']:.3f} from the BLAS "
+                  f"alone")
     results["load"] = combine(r["load"] for r in results["timing"])
     line = warning(results["load"], "the layer was timed")
     if line:
