@@ -160,6 +160,10 @@ def test_predict_and_plan_take_the_kernels_norm_and_rope(tmp_path, capsys):
         got[" ".join(extra)] = (json.loads(path.read_text()), capsys.readouterr().out)
     (plain, _), (rope, _), (eager, text) = got.values()
     assert "rmsnorm, rope, eager kernels" in text
+    # the eager run's what-ifs include compiling it, priced as the fused run
+    [fuse] = [w for w in eager["what_ifs"] if w["change"].startswith("fused kernels")]
+    assert fuse["step_seconds"] == pytest.approx(rope["step_seconds"])
+    assert not [w for w in rope["what_ifs"] if w["change"].startswith("fused kernels")]
     assert plain["breakdown"]["gemm"] == pytest.approx(eager["breakdown"]["gemm"])
     assert (plain["breakdown"]["memory_bound"] < rope["breakdown"]["memory_bound"]
             < eager["breakdown"]["memory_bound"])

@@ -18,6 +18,8 @@ ranks them by the time they save. The changes are those a user can make or buy:
 - twice the micro-batch size (half as many micro-batches), when the schedule allows it;
 - a cheaper recompute (full -> selective -> none) or blockwise attention, when it fits;
 - Megatron sequence parallelism (tensor groups of t > 1), which shrinks the activations;
+- fused elementwise kernels (``torch.compile``, or Megatron-LM's) for a run priced with
+  PyTorch eager kernels;
 - ZeRO one stage lower (less traffic) or higher (less memory) when it then fits.
 
 For a tensor grid priced alone, :func:`placement_what_ifs` prices it under the other
@@ -158,6 +160,8 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
         changes.append(("blockwise (flash) attention", {"cfg": cfg.replace(attention="flash")}))
     if comp["scheme"] == "megatron" and t > 1 and not comp.get("sequence_parallel"):
         changes.append(("sequence parallelism", {"cfg": cfg.replace(sequence_parallel=True)}))
+    if getattr(cfg, "kernels", "fused") == "eager":
+        changes.append(("fused kernels (torch.compile)", {"cfg": cfg.replace(kernels="fused")}))
     z = comp["zero"]
     if z > 0:
         changes.append((f"ZeRO {z - 1}", {"zero": z - 1}))
