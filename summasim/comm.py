@@ -752,25 +752,42 @@ class Comm:
         replaced by a fresh one."""
         return self._exchanger(like, nbytes, tag, self._rule_mode(nbytes))
 
-    def ring_exchanger(self, like, nbytes: int):
+    def ring_exchanger(self, like, nbytes: int, trial=None):
         """:meth:`exchanger` for one call of a ring, collective over this communicator
         (every rank makes the same ring calls, of the same sizes, in the same order):
         host steps wait the way :attr:`ring_wait` says, for ``"auto"`` the way this
-        communicator measured fastest for the size class (:mod:`summasim.ringwait`,
-        which times the call until :meth:`ring_done`). Device and staged arrays, and
-        steps of :attr:`blocking_limit` bytes or more, wait by the rule."""
-        mode = self._rule_mode(nbytes)
+        communicator measured fastest for the size class (:mod:`summasim.ringwait`):
+        the first call of a class runs ``trial(step, finish)`` (one ring of the class
+        on scratch buffers, with the pair of a mode; ``trial(like, nbytes, size, rank)``
+        makes it) for each trial, untraced, before its own steps. Device and staged arrays, steps of :attr:`blocking_limit` bytes
+        or more, and a call without ``trial`` wait by the rule."""
+        rule = self._rule_mode(nbytes)
+        mode = rule
         if (self.ring_wait != "rule" and type(like) is _NDARRAY
                 and nbytes < self.blocking_limit
                 and self._backend(like).comm_mode == "host"):
-            mode = (self.ring_wait if self.ring_wait in RING_MODES
-                    else self.ring_waits.mode(nbytes, mode))
+            if self.ring_wait in RING_MODES:
+                mode = self.ring_wait
+            elif trial is not None:
+                mode = self.ring_waits.decided(nbytes) or self._settle(like, nbytes, rule,
+                                                                         trial)
         return self._exchanger(like, nbytes, 0, mode)
+
+    def _settle(self, like, nbytes: int, rule: str, trial) -> str:
+        """Run the size class's trials now, untraced (:meth:`ring_exchanger`)."""
+        run = trial(like, nbytes, self.size, self.rank)
+        traced, self.trace.enabled = self.trace.enabled, False
+        try:
+            return self.ring_waits.settle(
+                nbytes, lambda m: run(*self._exchanger(like, nbytes, 0, m)), rule,
+                self.mpi, self._waitall)
+        finally:
+            self.trace.enabled = traced
 
     def ring_mode(self, nbytes: int) -> str:
         """How a host ring of steps of at most ``nbytes`` on this communicator waits now
-        (:data:`summasim.ringwait.MODES`), or ``"trials"`` while ``"auto"`` is still
-        measuring its size class."""
+        (:data:`summasim.ringwait.MODES`), ``"trials"`` while ``"auto"`` has not yet
+        measured its size class, or ``"policy"`` from :attr:`blocking_limit`."""
         if nbytes >= self.blocking_limit:
             return "policy"
         if self.ring_wait == "rule":
@@ -786,13 +803,6 @@ class Comm:
         if self._ring_waits is None:
             self._ring_waits = waits_of(self.mpi)
         return self._ring_waits
-
-    def ring_done(self) -> None:
-        """The end of a ring call that :meth:`ring_exchanger` began (after its last
-        ``finish``): a trial's time is kept, and the class's last trial agrees on its
-        mode (one ``MPI_Iallreduce``, untraced)."""
-        if self.ring_wait == "auto":
-            self.ring_waits.done(self.mpi, self._waitall)
 
     def _rule_mode(self, nbytes: int) -> str:
         """How a step of ``nbytes`` waits by the fixed rule: ``"blocking"`` under the

@@ -13,19 +13,19 @@ ways (:data:`MODES`):
 Which is fastest depends on how many ranks share a core, the step's size, the MPI and
 the machine (docs/performance.md: on 2 cores, blocking steps win with a core per rank,
 yielding from 2 ranks per core, napping for long steps from 4 ranks per core). A fixed
-rule tuned on one machine can be wrong on the next, so a communicator measures. Its
-first rounds of ring calls of each size class (a step's bytes, rounded down to a power
-of two) try the three modes, one call each per round in a rotating order
-(:func:`trial_order`), each call timed on every rank from its first step to its last
-``finish``: :func:`rounds_for` rounds (15 below 1 MiB steps, where a call is short and
-noisy, else 5). The call that ends the trials agrees on one mode with a single
-``MPI_Iallreduce`` (``MAX``) of the trial times over the communicator (:func:`choose`):
-the rule's mode stays unless another mode beat it in the rounds beyond chance (a
-one-sided sign test at 5% on the slowest rank's paired times: all 5 of 5 rounds, or 12
-of 15) with a lower median; of several such, the one with the least median. Every later
-ring of that class on that communicator waits that way. The trials are ring calls like
-any other: they compute the same sums, in the same order, and send the same traced
-messages.
+rule tuned on one machine can be wrong on the next, so a communicator measures, once
+per size class (a step's bytes, rounded down to a power of two), inside the first ring
+call of that class, before its own steps: trial rings of the class's size on scratch
+buffers (untraced) try the three modes, one ring each per round in a rotating order
+(:func:`trial_order`), :func:`rounds_for` rounds (15 below 1 MiB steps, where a ring is
+short and noisy, else 5), each timed on every rank. One ``MPI_Iallreduce`` (``MAX``) of
+the trial times over the communicator then agrees on one mode (:func:`choose`): the
+rule's mode stays unless another mode beat it in the rounds beyond chance (a one-sided
+sign test at 5% on the slowest rank's paired times: all 5 of 5 rounds, or 12 of 15)
+with a lower median; of several such, the one with the least median. That call and
+every later ring of that class on that communicator wait that way. Like an FFT plan
+measured on first use, the first call of a class pays for the trials, and no later
+call does; a timer that warms up with one call never sees them.
 
 ``SUMMASIM_RING_WAIT`` (:func:`ring_wait_setting`): ``auto`` (the default: measure),
 ``rule`` (the fixed rule: blocking under the ``spin`` wait policy, else yield, napping
@@ -133,54 +133,39 @@ def waits_of(raw) -> "RingWaits":
 
 
 class RingWaits:
-    """One communicator's ring waits: per size class the agreed mode, or the trials so
-    far (see the module doc)."""
+    """One communicator's ring waits: per size class the agreed mode (see the module
+    doc)."""
 
     def __init__(self):
         self.chosen: dict[int, str] = {}          # size class -> agreed mode
         self.medians: dict[int, dict] = {}        # size class -> {mode: median seconds}
-        self._trials: dict[int, list] = {}        # size class -> this rank's trial seconds
-        self._priors: dict[int, str] = {}         # size class -> the rule's mode
-        self._open: tuple[int, float] | None = None
-
-    def mode(self, nbytes: int, prior: str) -> str:
-        """The mode of the next ring of steps of at most ``nbytes``; during the trials,
-        the next trial's (and its timer starts). ``prior``: the rule's mode, which the
-        trials must beat (:func:`choose`)."""
-        c = size_class(nbytes)
-        agreed = self.chosen.get(c)
-        if agreed is not None:
-            return agreed
-        self._open = (c, time.perf_counter())
-        self._priors.setdefault(c, prior)
-        return trial_order(rounds_for(1 << c))[len(self._trials.setdefault(c, []))]
 
     def decided(self, nbytes: int) -> str | None:
-        """The agreed mode of rings of steps of at most ``nbytes`` (None during the
+        """The agreed mode of rings of steps of at most ``nbytes`` (None before its
         trials)."""
         return self.chosen.get(size_class(nbytes))
 
-    def done(self, raw, wait) -> None:
-        """The end of a ring call started by :meth:`mode`: during the trials its time is
-        kept, and the last trial agrees on the class's mode over the raw communicator
-        ``raw`` (every rank makes the same ring calls in the same order, so all reach it
-        together), the request completed by ``wait(request)``."""
-        if self._open is None:
-            return
-        c, t0 = self._open
-        self._open = None
+    def settle(self, nbytes: int, trial, prior: str, raw, wait) -> str:
+        """The agreed mode of the size class of ``nbytes``, after running its trials now
+        if they have not run: ``trial(mode)`` runs one ring of the class on scratch
+        buffers, waiting by ``mode``, and is timed on this rank; one ``Iallreduce`` (MAX)
+        over the raw communicator ``raw`` (completed by ``wait(request)``) agrees on the
+        mode against ``prior``, the rule's (:func:`choose`). Every rank calls it in the
+        same ring call, so all run the same trials."""
+        c = size_class(nbytes)
         if c in self.chosen:
-            return
-        trials = self._trials[c]
-        trials.append(time.perf_counter() - t0)
-        if len(trials) < len(MODES) * rounds_for(1 << c):
-            return
+            return self.chosen[c]
         from mpi4py import MPI
 
-        mine, slowest = np.array(trials, dtype=np.float64), np.empty(len(trials))
-        wait(raw.Iallreduce(mine, slowest, op=MPI.MAX))
-        self.chosen[c], self.medians[c] = choose(slowest, self._priors.pop(c))
-        del self._trials[c]
+        clock, mine = time.perf_counter, []
+        for mode in trial_order(rounds_for(1 << c)):
+            t0 = clock()
+            trial(mode)
+            mine.append(clock() - t0)
+        slowest = np.empty(len(mine))
+        wait(raw.Iallreduce(np.array(mine, dtype=np.float64), slowest, op=MPI.MAX))
+        self.chosen[c], self.medians[c] = choose(slowest, prior)
+        return self.chosen[c]
 
     def report(self) -> list[dict]:
         """The agreed classes, smallest first: ``{"from_bytes", "mode", "medians"}``

@@ -82,10 +82,10 @@ def test_the_setting(monkeypatch):
 
 
 def test_a_communicator_tries_each_mode_then_keeps_the_fastest(monkeypatch):
-    """Trial calls follow the order; their (faked) times decide against the rule's mode;
-    later calls of the class take the agreed mode, other classes start their own trials,
-    and the result is kept on the MPI communicator, shared by every wrapper and gone
-    with a duplicate."""
+    """The first call of a class runs every trial in order; their (faked) times decide
+    against the rule's mode; later calls of the class run none, other classes run
+    their own, and the result is kept on the MPI communicator, shared by every wrapper
+    and gone with a duplicate."""
     raw = MPI.COMM_SELF.Dup()
     try:
         waits = rw.waits_of(raw)
@@ -95,18 +95,19 @@ def test_a_communicator_tries_each_mode_then_keeps_the_fastest(monkeypatch):
         now = [0.0]
         monkeypatch.setattr(rw.time, "perf_counter", lambda: now[0])
         seen = []
-        for _ in rw.trial_order(rw.TRIALS_SMALL):
-            assert waits.decided(1000) is None
-            mode = waits.mode(1000, "yield")
+
+        def trial(mode):
             seen.append(mode)
             now[0] += fake[mode] + 1e-9 * next(clock)
-            waits.done(raw, lambda req: req.Wait())
+
+        assert waits.decided(1000) is None
+        assert waits.settle(1000, trial, "yield", raw, lambda req: req.Wait()) == "nap"
         assert tuple(seen) == rw.trial_order(rw.TRIALS_SMALL)
         assert waits.decided(1000) == "nap" and waits.decided(1023) == "nap"
-        assert waits.mode(600, "yield") == "nap"            # the same class: 512-1023 bytes
-        waits.done(raw, lambda req: req.Wait())
-        assert waits.mode(1024, "yield") == rw.trial_order()[0]   # a new class: its trials
-        assert waits.decided(1024) is None
+        seen.clear()
+        assert waits.settle(600, trial, "yield", raw, lambda req: req.Wait()) == "nap"
+        assert seen == []                                  # the same class: no trials
+        assert waits.decided(1024) is None                 # a new class
         [row] = waits.report()
         assert row["from_bytes"] == 512 and row["mode"] == "nap"
         assert row["medians"]["nap"] == pytest.approx(0.001, abs=1e-6)

@@ -145,10 +145,9 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None,
     if work is None:
         widest = max(hi - lo for lo, hi in bounds)
         work = comm.workspace("ring.recv", flat[:widest], 1)[0]
-    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0])
+    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0], ring_trial)
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or _xp(flat).add)
     finish()
-    comm.ring_done()
     return (r + 1) % p
 
 
@@ -181,6 +180,23 @@ def _reduce_scatter_steps(flat, src, bounds, r, p, work, sendrecv, add):
         add(src[r0:r1], recv, out=flat[r0:r1])
 
 
+def ring_trial(like, nbytes: int, p: int, r: int):
+    """One trial ring of :mod:`summasim.ringwait`: ``run(step, finish)`` all-reduces p
+    chunks of ``nbytes`` of zeros (``like``'s dtype) on scratch buffers with the given
+    exchanger pair, as a ring call of that size class does (both halves, a ``finish``
+    after each)."""
+    n = max(1, nbytes // like.itemsize)
+    scratch, work = np.zeros(n * p, like.dtype), np.empty(n, like.dtype)
+    bounds = _bounds(n * p, p)
+
+    def run(step, finish):
+        _reduce_scatter_steps(scratch, scratch, bounds, r, p, work, step, np.add)
+        finish()
+        _allgather_steps(scratch, bounds, r, p, step)
+        finish()
+    return run
+
+
 def _allgather_steps(flat, bounds, r, p, sendrecv):
     """The P-1 all-gather steps (see the module doc)."""
     right, left = (r + 1) % p, (r - 1) % p
@@ -211,10 +227,10 @@ def ring_allgather_unchecked(flat, comm):
         _on_host_copy(flat, flat, comm, ring_allgather_unchecked)
         return flat
     bounds = _bounds(flat.shape[0], p)
-    step, finish = comm.ring_exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]))
+    step, finish = comm.ring_exchanger(flat, flat.itemsize * (bounds[0][1] - bounds[0][0]),
+                                       ring_trial)
     _allgather_steps(flat, bounds, r, p, step)
     finish()
-    comm.ring_done()
     return flat
 
 
@@ -350,12 +366,11 @@ def ring_allreduce_unchecked(x, comm, out=None, add=None):
         return out
     bounds = _bounds(flat.shape[0], p)
     work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0])
+    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0], ring_trial)
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or xp.add)
     finish()     # the all-gather receives into the chunks the reduce-scatter sent
     _allgather_steps(flat, bounds, r, p, step)
     finish()
-    comm.ring_done()
     return out
 
 

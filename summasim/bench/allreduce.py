@@ -471,8 +471,6 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
     from ..harness.timing import time_contenders
     from ..mpiutil import agreement
     from ..ringwait import size_class as ring_size_class
-    from ..ringwait import rounds_for as ring_rounds_for
-    from ..ringwait import trial_order as ring_trial_order
 
     backend = backend or get_backend("numpy")
     p = world.Get_size()
@@ -525,13 +523,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                 else:
                     good["allreduce"] &= bool(np.allclose(got, ref, rtol=0, atol=p * tol))
             del ref
+            # the checks' first ring call ran the size class's wait trials (ringwait)
             chunk_bytes = (bounds[0][1] - bounds[0][0]) * np.dtype(dtype).itemsize
-            for _ in ring_trial_order(ring_rounds_for(chunk_bytes)):   # wait trials, untimed
-                if (p == 1 or backend.comm_mode != "host"
-                        or comm.ring_mode(chunk_bytes) != "trials"):
-                    break                     # (every rank decides alike: the same count)
-                refill("inplace")
-                calls["inplace"]()
             ok, halves_ok = (bool(world.allreduce(good[g], op=MPI.LAND))
                              for g in ("allreduce", "halves"))
             readings = []
@@ -605,8 +598,8 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
         "faster/slower: the interval excludes 1; tie: the difference is within the noise); "
         "call: ring_allreduce(x, comm), a fresh result per call, and call/out its time over "
         "the ring's into out (target: at most 1.25x); ring GB/s and the prediction: into out; "
-        "wait: how the ring's steps waited (summasim.ringwait: measured per size class "
-        "before the timing, blocking, yield or nap; SUMMASIM_RING_WAIT fixes it)")
+        "wait: how the ring's steps waited (summasim.ringwait: measured per size class in "
+        "its first, untimed call: blocking, yield or nap; SUMMASIM_RING_WAIT fixes it)")
     if halves:
         _say_halves(rows, p, say)
     busy = [r for r in rows if r["quiet"] is False]
