@@ -757,10 +757,11 @@ class Comm:
         (every rank makes the same ring calls, of the same sizes, in the same order):
         host steps wait the way :attr:`ring_wait` says, for ``"auto"`` the way this
         communicator measured fastest for the size class (:mod:`summasim.ringwait`):
-        the first call of a class runs ``trial(step, finish)`` (one ring of the class
-        on scratch buffers, with the pair of a mode; ``trial(like, nbytes, size, rank)``
-        makes it) for each trial, untraced, before its own steps. Device and staged arrays, steps of :attr:`blocking_limit` bytes
-        or more, and a call without ``trial`` wait by the rule."""
+        the first call of a class runs the trials before its own steps, untraced: each
+        is one ring of the class on scratch buffers, ``run(step, finish)`` with the pair
+        of a mode, where ``run = trial(like, nbytes, size, rank)``. Device and staged
+        arrays, steps of :attr:`blocking_limit` bytes or more, and a call without
+        ``trial`` wait by the rule."""
         rule = self._rule_mode(nbytes)
         mode = rule
         if (self.ring_wait != "rule" and type(like) is _NDARRAY

@@ -34,7 +34,8 @@ def test_the_fused_table_is_unchanged_by_the_new_fields():
     kernel of 2 X it forward and 3 X it backward, the bias+dropout+residual kernels."""
     it, X = 2, GPT.b * GPT.s * GPT.h
     f = _by_name(GPT, "forward")
-    assert f["ln1"].nbytes == 2 * X * it and f["proj_bias_dropout_residual"].nbytes == 3 * X * it + X
+    assert f["ln1"].nbytes == 2 * X * it
+    assert f["proj_bias_dropout_residual"].nbytes == 3 * X * it + X
     assert _by_name(GPT, "backward")["ln1_bwd"].nbytes == 3 * X * it
     assert not [k for k in f if k.startswith(("rope", "scores_"))]
 
