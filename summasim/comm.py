@@ -169,15 +169,21 @@ def default_reduce() -> str:
     return env
 
 
-def check_environment() -> None:
+def check_environment() -> dict:
     """Raise the ValueError of a bad ``SUMMASIM_*`` setting of this module (the byte
-    limits are read when it is imported): the front-ends ask every rank before any
-    work, so that a setting bad on one rank is one clear error, not an abort."""
+    limits are read when it is imported); return the settings that decide which
+    messages a collective sends (the reduce's algorithm, whether a ring runs its wait
+    trials, which steps block, what is staged whole), which every rank must share: a
+    rank that ran the trials alone would wait for the others forever. The front-ends
+    ask every rank before any work, so that a setting bad or different on one rank is
+    one clear error, not an abort or a hang."""
     default_wait_policy()
-    default_reduce()
-    ring_wait_setting()
+    shared = {"SUMMASIM_REDUCE": default_reduce(), "SUMMASIM_RING_WAIT": ring_wait_setting()}
     for name in ("SUMMASIM_BLOCKING_BYTES", "SUMMASIM_NAP_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES"):
-        _env_bytes(name)
+        value = _env_bytes(name)
+        if name != "SUMMASIM_NAP_BYTES":
+            shared[name] = value
+    return shared
 
 
 def default_wait_policy() -> str:

@@ -111,6 +111,19 @@ def test_a_bad_runtime_setting_is_one_user_error_even_on_one_rank(mpiexec, var, 
     assert took < PROMPT
 
 
+@pytest.mark.parametrize("var,value", [("SUMMASIM_RING_WAIT", "rule"),
+                                       ("SUMMASIM_BLOCKING_BYTES", "0"),
+                                       ("SUMMASIM_REDUCE", "mpi")])
+def test_a_valid_setting_that_differs_on_one_rank_is_a_user_error(mpiexec, var, value):
+    """A setting that decides which messages a collective sends (whether a ring runs its
+    wait trials, which steps block, how a reduce goes) must be the same on every rank,
+    or the job would hang: set on rank 1 only, it is one line naming it, exit 2."""
+    patch = f"os.environ[{var!r}] = {value!r} if RANK == 1 else ''"
+    proc, took = launch(mpiexec, 2, ["-c", program(patch, argv=SMALL)], timeout=PROMPT)
+    user_error(proc, var, "differs between ranks", "rank 1")
+    assert took < PROMPT
+
+
 def test_a_deeply_nested_machine_file_is_a_user_error(mpiexec, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000)

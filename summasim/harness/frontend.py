@@ -72,31 +72,40 @@ def _preflight_message(preflight, args, world) -> str:
         return one_line(str(e) or type(e).__name__)
 
 
-def _environment_error() -> str:
+def _environment() -> tuple[str, dict]:
     """This rank's ``SUMMASIM_*`` runtime settings (:func:`summasim.comm.check_environment`,
-    whose module reads its byte limits when imported): "" or the error as one line."""
+    whose module reads its byte limits when imported): the error as one line ("" when
+    none) and the settings every rank must share."""
     from ..cli import one_line
 
     try:
         from ..comm import check_environment
 
-        check_environment()
+        return "", check_environment()
     except ValueError as e:
-        return one_line(str(e))
-    return ""
+        return one_line(str(e)), {}
 
 
-def _agreed_error(err: str, world) -> str:
+def _agreed_error(err: str, world, shared: dict | None = None) -> str:
     """The first rank's error of every rank's ``err`` ("" when none has one), naming the
-    ranks where only some have it: every rank then stops, or none does."""
+    ranks where only some have it, else a setting of ``shared`` that differs between
+    ranks: every rank then stops, or none does."""
     from ..mpiutil import ranks_text
 
-    every = world.allgather(err)
-    bad = [r for r, e in enumerate(every) if e]
-    if not bad:
-        return ""
-    first = every[bad[0]]
-    return first if len(bad) == len(every) else f"{first} (on {ranks_text(bad)})"
+    every = world.allgather((err, shared or {}))
+    bad = [r for r, (e, _) in enumerate(every) if e]
+    if bad:
+        first = every[bad[0]][0]
+        return first if len(bad) == len(every) else f"{first} (on {ranks_text(bad)})"
+    for name in every[0][1]:
+        values = [s.get(name) for _, s in every]
+        if len(set(values)) > 1:
+            parts = [f"{'unset' if v is None else repr(v)} on "
+                     f"{ranks_text([r for r, w in enumerate(values) if w == v])}"
+                     for v in dict.fromkeys(values)]
+            return (f"{name} differs between ranks ({'; '.join(parts)}); every rank must "
+                    f"send the same messages, so set it alike on all of them")
+    return ""
 
 
 def mpi_main(parse, preflight, body, prog: str) -> int:
@@ -113,7 +122,8 @@ def mpi_main(parse, preflight, body, prog: str) -> int:
     rank = world.Get_rank()
     end_on_signals(prog, rank)
     with abort_on_error(world):
-        err = _agreed_error(err or _environment_error(), world)
+        env_err, shared = _environment()
+        err = _agreed_error(err or env_err, world, shared)
         if not err and preflight is not None:
             doing("in the preflight" if rank == 0 else "waiting for rank 0's preflight")
             err = _preflight_message(preflight, args, world) if rank == 0 else None
