@@ -21,12 +21,13 @@ from summasim.costmodel import (GridShape, Machine, Placement, group_path, list_
 from summasim.costmodel.machine.presets import (ALIASES, VARIANT_KEYS, derive, describe,
                                                 main_sources, presets_listing)
 from summasim.costmodel.machine.sanity import sanity_problems
+from summasim.costmodel.collectives.nccl import predicted_bus_bandwidth
 
 GiB = 1 << 30
 GEMM_EFF = 0.85            # the presets' ASSUMED efficiency of a n=16384 GEMM (notes.gamma_gemm)
 #: The measured 16-bit plateau that replaces it where a microbenchmark gives one (Bekman's
 #: MAMF table: A100 SXM 267.9, A100 PCIe 256.4 TFLOP/s).
-MAMF = {"dgx-a100-40gb": 267.9e12, "pcie-a100-4gpu": 256.4e12}
+MAMF = {"dgx-a100-40gb": 267.9e12, "aws-p4d": 267.9e12, "pcie-a100-4gpu": 256.4e12}
 HBM_EFF = 0.9              # achievable fraction of the HBM datasheet rate (device.sources)
 
 #: name -> the datasheet figures its sources cite.
@@ -37,6 +38,12 @@ DATASHEET = {
                           peaks={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12,
                                  "float64": 19.5e12},
                           vector={"float64": 9.7e12, "float32": 19.5e12}),
+    # AWS p4d.24xlarge: the same A100-SXM4-40GB board, 4 x 100 Gb/s EFA
+    "aws-p4d": dict(gpus=8, memory=40 * GiB, hbm=1555e9, nics=4, nic_gbps=100,
+                    intra_kind="nvswitch", intra=300e9,
+                    peaks={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12,
+                           "float64": 19.5e12},
+                    vector={"float64": 9.7e12, "float32": 19.5e12}),
     # DGX-1: V100-SXM2-32GB, HBM2 900 GB/s, 4x EDR 100 Gb/s, 6 NVLink2 x 25 GB/s per direction
     "dgx1-v100": dict(gpus=8, memory=32 * GiB, hbm=900e9, nics=4, nic_gbps=100,
                       intra_kind="nvlink", intra=150e9,
@@ -98,6 +105,31 @@ def test_dgx_a100_40gb_differs_from_dgx_a100_only_in_what_the_40gb_gpu_changes()
         diff = {k for k in da if da[k] != db[k]}
         assert diff == (set() if part == "topology" else {"name", "memory_bandwidth"})
     assert a["gamma_gemm"] == b["gamma_gemm"]
+
+
+def test_aws_p4d_is_the_40gb_board_with_efa_at_its_measured_efficiency():
+    """p4d.24xlarge: the DGX A100 320GB's board; only the network between nodes differs.
+    NCCL over its EFA reached 29.61 GB/s of all-reduce bus bandwidth on 4 instances
+    (NVIDIA/nccl #527), which is the preset's efficiency times the 50 GB/s line rate, and
+    the model's busbw for that run follows from it."""
+    a, b = load_preset("dgx-a100-40gb").to_dict(), load_preset("aws-p4d").to_dict()
+    changed = {k for k in a if a[k] != b[k]}
+    assert changed == {"name", "source", "notes", "inter", "topology"}
+    ta = {k: v for k, v in a["topology"].items() if k != "sources"}
+    tb = {k: v for k, v in b["topology"].items() if k != "sources"}
+    assert {k for k in ta if ta[k] != tb[k]} == {"nics_per_node", "nic_bandwidth",
+                                                 "nic_efficiency"}
+    topo = load_preset("aws-p4d").topology
+    line = topo.nics_per_node * topo.nic_bandwidth
+    assert line == pytest.approx(400e9 / 8)
+    assert topo.nic_efficiency == pytest.approx(29.61e9 / line, abs=0.005)
+    assert "#527" in topo.sources["nic_efficiency"]
+    path = group_path(topo, GridShape.of(32), "world", 32)
+    busbw = predicted_bus_bandwidth("allreduce", 1 << 30, path, ll128=topo.ll128)
+    assert busbw == pytest.approx(topo.nic_efficiency * line, rel=0.03)
+    # a DGX's InfiniBand at its assumed 90% would have priced the same run 1.5x faster
+    ib = load_preset("dgx-a100-40gb").topology
+    assert ib.nic_efficiency / topo.nic_efficiency > 1.5
 
 
 def test_dgx2_differs_from_dgx2h_only_in_clocks():
