@@ -63,3 +63,20 @@ def test_a_check_that_failed_on_one_rank_fails_on_every_rank():
     if WORLD.Get_rank() == 0:
         peer_run.grad_error = 1.0
     parallel_assert(not peer_run.finish()["ok"], "a failed check passed on some rank")
+
+
+def test_the_blas_peer_is_measured_on_rank_0_and_given_to_every_rank():
+    """``bench mesh --torch``'s BLAS line: rank 0 times the run's widest linear layer
+    while the others wait, and every rank's row gets the same rates."""
+    from summasim.bench import mesh
+
+    c = _case(f"dp={P}", np.float32)
+    rows = [{"mesh": c.spec, "torch": {"peer": "DDP"}}]
+    said = []
+    mesh.blas_peers(WORLD, rows, [c], P, said.append)
+    got = rows[0]["blas"]
+    same = WORLD.allgather((got["numpy_gflops"], got["torch_gflops"]))
+    parallel_assert(got["shape"] == list(mesh.widest_gemm(c)) and got["passes"] == 3
+                    and got["numpy_gflops"] > 0 and len(set(same)) == 1
+                    and got["numpy_over_torch"] == got["torch_gflops"] / got["numpy_gflops"]
+                    and any("from the BLAS alone" in s for s in said), "blas peer")

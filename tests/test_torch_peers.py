@@ -122,3 +122,30 @@ def test_the_torch_gpt_is_the_serial_model(tied):
 
     assert float(loss.detach()) == pytest.approx(serial.forward(params, tokens, targets, cfg)[0],
                                         rel=1e-13)
+
+
+@pytest.mark.parametrize("text,kw,want", [
+    # 8 sequences of 8 over dp = 4 ranks, one micro-batch: 2 x 8 rows; the MLP is 4 x 16
+    ("dp=4", {}, (16, 16, 64)),
+    ("dp=2", {"microbatches": 2}, (16, 16, 64)),
+    # Megatron over 4: every rank sees the whole batch, a quarter of the MLP's columns
+    ("tp=megatron:4", {}, (64, 16, 16)),
+])
+def test_the_blas_peer_times_the_widest_linear_of_one_rank(text, kw, want):
+    """``bench mesh --torch`` times each run's widest linear layer in NumPy and torch at
+    the shape one rank multiplies, so its BLAS ratio is that of the run's own GEMMs."""
+    assert mesh.widest_gemm(case(text, **kw)) == want
+
+
+def test_the_blas_peer_times_a_linear_layers_three_products():
+    """``linear=True``: forward, input and weight gradient, 3 x 2mkn flops, each library's
+    BLAS named."""
+    pytest.importorskip("torch", reason="torch is not a summasim dependency")
+    from summasim.bench.layer import _gemm_peers
+
+    one = _gemm_peers(16, 16, 64, np.float32, repeats=2)
+    three = _gemm_peers(16, 16, 64, np.float32, repeats=2, linear=True)
+    assert (one["passes"], three["passes"]) == (1, 3)
+    assert three["shape"] == [16, 16, 64]
+    assert three["numpy_gflops"] > 0 and three["torch_gflops"] > 0
+    assert "unknown" not in (three["numpy_blas"], three["torch_blas"])

@@ -188,12 +188,15 @@ class _TorchLayer:
         return t1 - t0, t2 - t1, (host(out), host(x.grad), grads)
 
 
-def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5) -> dict:
+def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
+                linear: bool = False) -> dict:
     """The layer's widest GEMM (``[m, k] @ [k, n]``, the MLP's first) in NumPy and in
     PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats``,
     alternated, and each library's BLAS. The two layers' GEMMs run on these libraries,
     so their ratio is the part of the layers' ratio that is the BLAS's, not summasim's
-    (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL)."""
+    (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL). ``linear``: the
+    three products of that linear layer's step instead, ``x @ w``, ``dy @ w.T`` and
+    ``x.T @ dy``, timed together (``passes`` 3)."""
     import torch
     from threadpoolctl import threadpool_info
 
@@ -201,19 +204,29 @@ def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5) -> dict:
     a = rng.standard_normal((m, k)).astype(dtype)
     b = rng.standard_normal((k, n)).astype(dtype)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    runs = {"numpy": lambda: np.matmul(a, b), "torch": lambda: torch.mm(ta, tb)}
+    if linear:
+        dy = rng.standard_normal((m, n)).astype(dtype)
+        tdy = torch.from_numpy(dy)
+        runs = {"numpy": lambda: (a @ b, dy @ b.T, a.T @ dy),
+                "torch": lambda: (torch.mm(ta, tb), torch.mm(tdy, tb.T), torch.mm(ta.T, tdy))}
+    else:
+        runs = {"numpy": lambda: np.matmul(a, b), "torch": lambda: torch.mm(ta, tb)}
     best = {name: math.inf for name in runs}
     for _ in range(repeats + 1):                    # the first round warms up
         for name, f in runs.items():
             t0 = time.perf_counter()
             f()
             best[name] = min(best[name], time.perf_counter() - t0) if _ else math.inf
-    blas = next((f"{i['internal_api']} {i.get('version') or ''}".strip()
-                 for i in threadpool_info() if i.get("user_api") == "blas"), "unknown")
+    libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    # NumPy's own BLAS (SciPy may load another copy, of another version, first)
+    libs.sort(key=lambda i: "numpy" not in str(i.get("filepath", "")))
+    blas = next((f"{i['internal_api']} {i.get('version') or ''}".strip() for i in libs),
+                "unknown")
     torch_blas = next((w.split("=", 1)[1] for w in torch.__config__.show().replace(",", " ")
                        .split() if w.startswith("BLAS_INFO=")), "unknown")
-    flops = 2.0 * m * k * n
-    return {"shape": [m, k, n], "numpy_gflops": flops / best["numpy"] / 1e9,
+    flops = 2.0 * m * k * n * (3 if linear else 1)
+    return {"shape": [m, k, n], "passes": 3 if linear else 1,
+            "numpy_gflops": flops / best["numpy"] / 1e9,
             "torch_gflops": flops / best["torch"] / 1e9, "numpy_blas": blas,
             "torch_blas": torch_blas}
 
