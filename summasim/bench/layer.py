@@ -191,8 +191,8 @@ class _TorchLayer:
 def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
                 linear: bool = False) -> dict:
     """The layer's widest GEMM (``[m, k] @ [k, n]``, the MLP's first) in NumPy and in
-    PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats``,
-    alternated, and each library's BLAS. The two layers' GEMMs run on these libraries,
+    PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats`` (in two
+    alternating blocks per library), and each library's BLAS. The two layers' GEMMs run on these libraries,
     so their ratio is the part of the layers' ratio that is the BLAS's, not summasim's
     (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL). ``linear``: the
     three products of that linear layer's step instead, ``x @ w``, ``dy @ w.T`` and
@@ -212,11 +212,18 @@ def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
     else:
         runs = {"numpy": lambda: np.matmul(a, b), "torch": lambda: torch.mm(ta, tb)}
     best = {name: math.inf for name in runs}
-    for _ in range(repeats + 1):                    # the first round warms up
+    # in alternating blocks, each opened by an untimed call: right after one library's
+    # call its idle BLAS threads still spin for a while (OpenBLAS's and OpenMP's
+    # waits), and on shared cores a call of the other library made then runs on fewer
+    # (alternated call by call, torch's MKL read 120 GFLOP/s on 2 threads against 206
+    # on its own)
+    for block in range(2):
         for name, f in runs.items():
-            t0 = time.perf_counter()
             f()
-            best[name] = min(best[name], time.perf_counter() - t0) if _ else math.inf
+            for _ in range(max(1, repeats // 2 + repeats % 2 * (1 - block))):
+                t0 = time.perf_counter()
+                f()
+                best[name] = min(best[name], time.perf_counter() - t0)
     libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     # NumPy's own BLAS (SciPy may load another copy, of another version, first)
     libs.sort(key=lambda i: "numpy" not in str(i.get("filepath", "")))
