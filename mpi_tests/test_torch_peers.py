@@ -71,9 +71,9 @@ def test_the_blas_peer_is_measured_on_rank_0_and_given_to_every_rank():
     from summasim.bench import mesh
 
     c = _case(f"dp={P}", np.float32)
-    rows = [{"mesh": c.spec, "torch": {"peer": "DDP"}}]
+    rows = [{"mesh": c.spec}]
     said = []
-    mesh.blas_peers(WORLD, rows, [c], P, said.append)
+    mesh.blas_peers(WORLD, rows, [(0, "blas", c)], said.append)
     got = rows[0]["blas"]
     same = WORLD.allgather((got["numpy_gflops"], got["torch_gflops"]))
     parallel_assert(got["shape"] == list(mesh.widest_gemm(c)) and got["passes"] == 3

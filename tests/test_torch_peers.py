@@ -141,10 +141,10 @@ def test_the_blas_peer_times_a_linear_layers_three_products():
     """``linear=True``: forward, input and weight gradient, 3 x 2mkn flops, each library's
     BLAS named."""
     pytest.importorskip("torch", reason="torch is not a summasim dependency")
-    from summasim.bench.layer import _gemm_peers
+    from summasim.bench.layer import gemm_peers
 
-    one = _gemm_peers(16, 16, 64, np.float32, repeats=2)
-    three = _gemm_peers(16, 16, 64, np.float32, repeats=2, linear=True)
+    one = gemm_peers(16, 16, 64, np.float32, repeats=2)
+    three = gemm_peers(16, 16, 64, np.float32, repeats=2, linear=True)
     assert (one["passes"], three["passes"]) == (1, 3)
     assert three["shape"] == [16, 16, 64]
     assert three["numpy_gflops"] > 0 and three["torch_gflops"] > 0

@@ -188,12 +188,13 @@ class _TorchLayer:
         return t1 - t0, t2 - t1, (host(out), host(x.grad), grads)
 
 
-def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
+def gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
                 linear: bool = False) -> dict:
     """The layer's widest GEMM (``[m, k] @ [k, n]``, the MLP's first) in NumPy and in
     PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats`` (in two
-    alternating blocks per library), and each library's BLAS. The two layers' GEMMs run on these libraries,
-    so their ratio is the part of the layers' ratio that is the BLAS's, not summasim's
+    alternating blocks per library), and each library's BLAS. The two layers' GEMMs run
+    on these libraries, so their ratio is the part of the layers' ratio that is the
+    BLAS's, not summasim's
     (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL). ``linear``: the
     three products of that linear layer's step instead, ``x @ w``, ``dy @ w.T`` and
     ``x.T @ dy``, timed together (``passes`` 3)."""
@@ -217,10 +218,10 @@ def _gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
     # waits), and on shared cores a call of the other library made then runs on fewer
     # (alternated call by call, torch's MKL read 120 GFLOP/s on 2 threads against 206
     # on its own)
-    for block in range(2):
+    for timed in (repeats - repeats // 2, repeats // 2):
         for name, f in runs.items():
             f()
-            for _ in range(max(1, repeats // 2 + repeats % 2 * (1 - block))):
+            for _ in range(max(1, timed)):
                 t0 = time.perf_counter()
                 f()
                 best[name] = min(best[name], time.perf_counter() - t0)
@@ -307,7 +308,7 @@ def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2, backe
                                 repeats=repeats, warmup=1, rotate=False, before=fresh,
                                 returns=True)
         if use_torch and not be.on_device:
-            res["gemm"] = _gemm_peers(batch * model.seq, model.hidden, model.ffn_width,
+            res["gemm"] = gemm_peers(batch * model.seq, model.hidden, model.ffn_width,
                                       store if precision is None else np.float32)
     for name, t in timed.items():
         tf = min(r[0] for r in t["returns"])

@@ -12,7 +12,7 @@ each mesh without and with it, side by side; ``--bucket`` sets the gradient buck
 run of ``megatron``), step for step in a rotating order, with the paired ratio's 95%
 interval (from 6 ``--repeats``). Without ``--mesh`` it times ``dp=P``, whose pure run is
 ``tp=megatron:P``: both peers. The BLAS's part of each comparison follows the rows
-(:func:`blas_peers`): each run's widest linear layer in NumPy and in torch on one thread.
+(:func:`blas_peers`): each run's widest linear layer in NumPy and in torch.
 Run it under a Python that has torch::
 
     mpiexec -n 4 python -m summasim.bench mesh --torch --dtype float32
@@ -229,6 +229,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
 
     threads = thread_report(world)
     breakdowns = {}    # (label, index): each timed run's breakdown, printed under the table
+    peered = []        # (row index, "blas" or "pure_blas", case): runs with a torch peer
 
     def measure(case, overlapped=overlap == "on", peer=None, label=None):
         res = run_mesh(case, world, backend, repeats=repeats, overlap=overlapped,
@@ -315,8 +316,10 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
         for key, label in (("torch", case.spec), ("pure_torch", pure.spec if pure else "")):
             if key in peers:
                 say(_peer_line(label, peers[key], t if key == "torch" else tp))
-    if torch:
-        blas_peers(world, rows, cases, p, say)
+            if peers.get(key, {}).get("peer"):
+                peered.append((len(rows) - 1, "blas" if key == "torch" else "pure_blas",
+                               case if key == "torch" else pure))
+    blas_peers(world, rows, peered, say)
     say_breakdowns(breakdowns, threads, say)
     warn_busy(rows, "meshes and their pure runs", say)
     return rows
@@ -331,39 +334,34 @@ def widest_gemm(case) -> tuple[int, int, int]:
     return rows, cfg.hidden, max(1, cfg.ffn_width // case.tensor_size)
 
 
-def blas_peers(world, rows: list[dict], cases, p: int, say) -> None:
+def blas_peers(world, rows: list[dict], peered: list, say) -> None:
     """The BLAS's part of each torch comparison (collective). Each run with a peer
     does its GEMMs on its own library's BLAS (NumPy: OpenBLAS; PyTorch's x86 wheels:
     MKL), so rank 0 times the three products of the run's widest linear layer
-    (:func:`widest_gemm`: forward, input and weight gradients) in both on one thread
-    while the other ranks wait without spinning
-    (:func:`~summasim.bench.common.quiet_bcast`); ``blas`` / ``pure_blas`` of each
-    row: :func:`summasim.bench.layer._gemm_peers`'s rates and ``numpy_over_torch``,
-    the time ratio the BLAS alone puts into a step made of such GEMMs."""
+    (:func:`widest_gemm`: forward, input and weight gradients) in both, on the threads
+    a rank computes with (one when p > 1), while the other ranks wait without spinning
+    (:func:`~summasim.bench.common.quiet_bcast`). ``peered``: ``(row index, key, case)``
+    of each run with a peer; ``rows[index][key]`` becomes
+    :func:`summasim.bench.layer.gemm_peers`'s rates and ``numpy_over_torch``, the time
+    ratio the BLAS alone puts into a step made of such GEMMs."""
     from .common import quiet_bcast
-    from .layer import _gemm_peers
+    from .layer import gemm_peers
 
-    wanted = {}
-    for row, case in zip(rows, cases):
-        pure = _pure_tensor(case, p)
-        for key, c in (("torch", case), ("pure_torch", pure)):
-            if c is not None and (row.get(key) or {}).get("peer"):
-                wanted[(key, row["mesh"])] = (widest_gemm(c), c.dtype)
-    if not wanted:
+    if not peered:
         return
+    wanted = {(widest_gemm(case), case.dtype) for _, _, case in peered}
     got = None
     if world.Get_rank() == 0:
         got = {}
-        for shape, dtype in sorted(set(wanted.values())):
-            g = _gemm_peers(*shape, np.dtype(dtype), linear=True)
+        for shape, dtype in sorted(wanted):
+            g = gemm_peers(*shape, np.dtype(dtype), linear=True)
             g["numpy_over_torch"] = g["torch_gflops"] / g["numpy_gflops"]
             got[(shape, dtype)] = g
     got = quiet_bcast(world, got)
-    for (key, mesh), k in wanted.items():
-        row = next(r for r in rows if r["mesh"] == mesh)
-        row["blas" if key == "torch" else "pure_blas"] = got[k]
+    for index, key, case in peered:
+        rows[index][key] = got[(widest_gemm(case), case.dtype)]
     say("the BLAS's part: each run's widest linear layer (the MLP's first; x @ w, dy @ w.T "
-        "and x.T @ dy) on one thread of rank 0 while the other ranks wait idle")
+        "and x.T @ dy) on rank 0's compute threads while the other ranks wait idle")
     for (shape, dtype), g in got.items():
         say(f"  {shape[0]}x{shape[1]}x{shape[2]} {dtype}: NumPy ({g['numpy_blas']}) "
             f"{g['numpy_gflops']:.1f} GFLOP/s, torch ({g['torch_blas']}) "
