@@ -14,7 +14,10 @@ checkpointing (``--no-memory``: skip).
 summasim dependency: run this under a Python that has torch and summasim on its path).
 summasim and torch run in alternating blocks of steps in one process, so the ratio is
 fair on a shared machine; the torch layer gets the same weights, and its output and
-gradients are compared with ours.
+gradients are compared with ours. On the host it then says where the step goes: the
+layer's widest GEMM in both libraries' BLAS, and each part of the layer (the linears, the
+attention, the LayerNorms, the GELU) timed in both libraries, with each part's speed-up
+over the thread counts (:mod:`summasim.bench.layer_parts`).
 
 ``--backend cupy`` runs our layer on CuPy arrays and torch's on the same GPU (``cuda``);
 each timed step ends with a wait for the device, and the memory measurement (host
@@ -39,6 +42,8 @@ import numpy as np
 
 from .. import cli
 from .common import add_json, given
+from . import layer_parts
+from .layer_parts import best_in_blocks
 
 #: the default model: the timed layer is h=1024 n=16 at s=256 (b=8); the memory model
 #: has 4 such layers and a vocabulary of 512
@@ -212,19 +217,7 @@ def gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
                 "torch": lambda: (torch.mm(ta, tb), torch.mm(tdy, tb.T), torch.mm(ta.T, tdy))}
     else:
         runs = {"numpy": lambda: np.matmul(a, b), "torch": lambda: torch.mm(ta, tb)}
-    best = {name: math.inf for name in runs}
-    # in alternating blocks, each opened by an untimed call: right after one library's
-    # call its idle BLAS threads still spin for a while (OpenBLAS's and OpenMP's
-    # waits), and on shared cores a call of the other library made then runs on fewer
-    # (alternated call by call, torch's MKL read 120 GFLOP/s on 2 threads against 206
-    # on its own)
-    for timed in (repeats - repeats // 2, repeats // 2):
-        for name, f in runs.items():
-            f()
-            for _ in range(max(1, timed)):
-                t0 = time.perf_counter()
-                f()
-                best[name] = min(best[name], time.perf_counter() - t0)
+    best = best_in_blocks(runs, repeats)
     libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     # NumPy's own BLAS (SciPy may load another copy, of another version, first)
     libs.sort(key=lambda i: "numpy" not in str(i.get("filepath", "")))
@@ -310,6 +303,9 @@ def time_layer(model, batch, dtype, threads, repeats, use_torch, blocks=2, backe
         if use_torch and not be.on_device:
             res["gemm"] = gemm_peers(batch * model.seq, model.hidden, model.ffn_width,
                                       store if precision is None else np.float32)
+            if precision is None:
+                res["parts"] = layer_parts.time_parts(p, batch, model.seq, heads, store,
+                                                      repeats=repeats)
     for name, t in timed.items():
         tf = min(r[0] for r in t["returns"])
         tb = min(r[1] for r in t["returns"])
@@ -399,6 +395,17 @@ def run(args, world=None) -> dict:
                   f"GFLOP/s, torch ({g['torch_blas']}) {g['torch_gflops']:.1f}: "
                   f"numpy/torch {g['torch_gflops'] / g['numpy_gflops']:.3f} from the BLAS "
                   f"alone")
+        if "parts" in r:
+            print(f"  threads={threads} where the step goes (each part's forward and "
+                  f"backward, best of {args.repeats}):")
+            for line in layer_parts.describe(r["parts"], ours):
+                print(f"    {line}")
+        elif args.torch:
+            print(f"  threads={threads} where the step goes: not timed part by part "
+                  f"({'on the GPU' if ours != 'numpy' else 'under mixed precision'}; "
+                  f"the parts are the host's float32/float64 ops)")
+    for line in layer_parts.speedups([r for r in results["timing"] if "parts" in r], ours):
+        print(f"  {line}")
     results["load"] = combine(r["load"] for r in results["timing"])
     line = warning(results["load"], "the layer was timed")
     if line:
