@@ -80,3 +80,24 @@ def test_the_blas_peer_is_measured_on_rank_0_and_given_to_every_rank():
                     and got["numpy_gflops"] > 0 and len(set(same)) == 1
                     and got["numpy_over_torch"] == got["torch_gflops"] / got["numpy_gflops"]
                     and any("from the BLAS alone" in s for s in said), "blas peer")
+
+
+def test_a_data_parallel_ranks_parts_are_measured_on_rank_0_and_given_to_every_rank():
+    """``bench mesh --torch``'s parts line for a DDP peer: one layer's parts at a
+    micro-batch's shape and Adam over the whole model, timed on rank 0, the same on every
+    rank; a tensor-parallel run (no whole model on a rank) gets none."""
+    from summasim.bench import layer_parts, mesh
+
+    c = _case(f"dp={P}", np.float32)
+    rows = [{"mesh": c.spec}, {"mesh": "tp"}]
+    said = []
+    mesh.rank_parts(WORLD, rows, [(0, "blas", c)], said.append)
+    got = rows[0]["blas_parts"]
+    same = WORLD.allgather(sorted(got["layer"]["numpy"].items()))
+    parallel_assert(set(got["layer"]) == {"numpy", "torch", "torch_manual_attn"}
+                    and tuple(got["layer"]["torch"]) == layer_parts.PARTS
+                    and all(s > 0 for s in got["layer"]["numpy"].values())
+                    and got["adam"]["numpy"] > 0 and got["adam"]["torch"] > 0
+                    and got["layers"] == MODEL.layers and got["microbatches"] == 2
+                    and all(x == same[0] for x in same) and "blas_parts" not in rows[1]
+                    and any("Adam over the model" in s for s in said), f"parts {got}")

@@ -102,3 +102,10 @@ def test_the_torch_parts_compute_what_the_numpy_parts_do():
                 for u, v in zip(a, b, strict=True):
                     np.testing.assert_allclose(u, v.detach().numpy(), rtol=1e-9, atol=1e-12,
                                                err_msg=part)
+
+
+def test_adam_peers_time_both_optimizers_over_the_given_shapes():
+    pytest.importorskip("torch", reason="torch is not a summasim dependency; the Adam peer "
+                                        "is timed where it is installed")
+    got = lp.adam_peers({"w": (16, 8), "b": (8,)}, np.float32, repeats=1)
+    assert set(got) == {"numpy", "torch"} and all(0 < s < 1 for s in got.values())

@@ -65,6 +65,45 @@ def test_adam_bias_corrected_with_decoupled_decay():
     assert opt.state["w"]["step"] == 3
 
 
+@pytest.mark.parametrize("block", [7, train.ADAM_BLOCK])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adam_scratch_gives_the_bits_of_fresh_temporaries(dtype, block, monkeypatch):
+    """Same-dtype keys go through two kept scratch arrays, block by block (7 items: the
+    30-item matrix in 5 blocks, the last one short); the update is the formula's with
+    fresh temporaries bit for bit, and a later step allocates no new scratch. A key
+    whose gradient has another dtype (float64 into float32) takes the fresh path."""
+    monkeypatch.setattr(train, "ADAM_BLOCK", block)
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((6, 5)).astype(dtype),
+              "b": rng.standard_normal(5).astype(dtype),
+              "x": rng.standard_normal(7).astype(np.float32)}
+    ref = {k: v.copy() for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in ref.items()}
+    v = {k: np.zeros_like(x) for k, x in ref.items()}
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.1
+    opt = train.Adam(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for t in range(1, 4):
+        grads = {k: rng.standard_normal(p.shape).astype(np.float64 if k == "x" else dtype)
+                 for k, p in params.items()}
+        opt.step(params, grads)
+        if t == 1:
+            kept = [id(a) for a in opt._flat[("numpy", np.dtype(dtype))]]
+        for k, g in grads.items():               # the formula, one fresh array per op
+            m[k] *= b1
+            m[k] += (1.0 - b1) * g
+            v[k] *= b2
+            v[k] += (1.0 - b2) * (g * g)
+            denom = np.sqrt(v[k] * (1.0 / (1.0 - b2 ** t)))
+            denom += eps
+            if ref[k].ndim >= 2:
+                ref[k] *= 1.0 - lr * wd
+            ref[k] -= (lr / (1.0 - b1 ** t)) * m[k] / denom
+        for k in ref:
+            assert params[k].dtype == ref[k].dtype
+            np.testing.assert_array_equal(params[k], ref[k], err_msg=k)
+    assert [id(a) for a in opt._flat[("numpy", np.dtype(dtype))]] == kept
+
+
 def test_adam_first_step_is_lr_sign():
     """With bias correction the first step is lr * g / (|g| + eps) = lr * sign(g)."""
     params, grads = _pg(dtype=np.float32)

@@ -212,6 +212,29 @@ def time_parts(p: dict, batch: int, seq: int, heads: int, dtype, repeats: int = 
     return out
 
 
+def adam_peers(shapes: dict, dtype, repeats: int = 3) -> dict:
+    """Least seconds of one Adam step over parameters of ``shapes`` (key -> shape):
+    ``{"numpy": s, "torch": s}``, summasim's :class:`summasim.transformer.train.Adam`
+    and ``torch.optim.Adam`` (``foreach=False``, as ``bench mesh``'s DDP peer runs it),
+    in alternating blocks (:func:`best_in_blocks`). Every data-parallel rank runs it on
+    the whole model once per step."""
+    import torch
+
+    from ..transformer.train import Adam
+
+    rng = np.random.default_rng(3)
+    params = {k: rng.standard_normal(shape).astype(dtype) for k, shape in shapes.items()}
+    grads = {k: (1e-3 * rng.standard_normal(shape)).astype(dtype)
+             for k, shape in shapes.items()}
+    ours = Adam(lr=1e-3)
+    leaves = [torch.from_numpy(p.copy()).requires_grad_(True) for p in params.values()]
+    for leaf, g in zip(leaves, grads.values()):
+        leaf.grad = torch.from_numpy(g)
+    theirs = torch.optim.Adam(leaves, lr=1e-3, foreach=False)
+    return best_in_blocks({"numpy": lambda: ours.step(params, grads),
+                           "torch": theirs.step}, repeats)
+
+
 def describe(parts: dict, ours: str = "numpy") -> list[str]:
     """Lines: each part's ms in NumPy and torch and their ratio (the attention's also
     against torch's attention written out), then the parts together."""
