@@ -65,14 +65,15 @@ def test_adam_bias_corrected_with_decoupled_decay():
     assert opt.state["w"]["step"] == 3
 
 
-@pytest.mark.parametrize("block", [7, train.ADAM_BLOCK])
+@pytest.mark.parametrize("block", [7, None])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_adam_scratch_gives_the_bits_of_fresh_temporaries(dtype, block, monkeypatch):
     """Same-dtype keys go through two kept scratch arrays, block by block (7 items: the
     30-item matrix in 5 blocks, the last one short); the update is the formula's with
     fresh temporaries bit for bit, and a later step allocates no new scratch. A key
     whose gradient has another dtype (float64 into float32) takes the fresh path."""
-    monkeypatch.setattr(train, "ADAM_BLOCK", block)
+    if block is not None:
+        monkeypatch.setattr(train, "ADAM_BLOCK_BYTES", block * np.dtype(dtype).itemsize)
     rng = np.random.default_rng(3)
     params = {"w": rng.standard_normal((6, 5)).astype(dtype),
               "b": rng.standard_normal(5).astype(dtype),

@@ -77,10 +77,13 @@ class SGD:
             p -= self.lr * g
 
 
-#: Items per block of Adam's chain on host arrays (:meth:`Adam.step`): 64 Ki items (256
-#: KiB in float32, four arrays and two scratch blocks in the core's caches), as
-#: :data:`summasim.transformer.ops.GELU_BLOCK`.
-ADAM_BLOCK = 1 << 16
+#: Bytes per array per block of Adam's chain on host arrays (:meth:`Adam.step`): 256 KiB
+#: (64 Ki float32 items, as :data:`summasim.transformer.ops.GELU_BLOCK`; 32 Ki float64).
+#: Adam over the 3.3M parameters of ``bench mesh --torch``'s model on one thread, best
+#: of 7 in alternating blocks, three rounds: float64 32.2-32.8 ms whole, 23.6-24.2 in
+#: blocks of 16 Ki items, 24.3-25.6 of 32 Ki, 26.4-28.2 of 64 Ki; float32 15.1-20.0 ms
+#: before (fresh temporaries), 12.1-16.4 in blocks of 64 Ki, 14.8-19.2 of 256 Ki.
+ADAM_BLOCK_BYTES = 1 << 18
 
 
 class Adam:
@@ -112,8 +115,8 @@ class Adam:
         A key whose gradient has its parameter's dtype and shape runs the update as one
         chain of in-place operations through two scratch arrays kept between steps (the
         same operations in the same order as with fresh temporaries, so the same bits);
-        on C-contiguous NumPy arrays the chain runs block by block (:data:`ADAM_BLOCK`
-        items), so its 13 passes stay in the core's caches and each of p, g, m and v
+        on C-contiguous NumPy arrays the chain runs block by block (:data:`ADAM_BLOCK_BYTES`
+        per array), so its 13 passes stay in the core's caches and each of p, g, m and v
         streams through main memory once. Other keys (a float64 gradient of a float32
         parameter) take fresh temporaries."""
         for key, g in grads.items():
@@ -143,7 +146,7 @@ class Adam:
             arrays = (p, g, m, v)
             if xp.__name__ == "numpy" and all(a.flags.c_contiguous for a in arrays):
                 flat = [a.reshape(-1) for a in arrays]
-                n = ADAM_BLOCK
+                n = max(1, ADAM_BLOCK_BYTES // p.itemsize)
                 scratch = self._scratch(xp, p.dtype, min(n, p.size))
                 for i in range(0, p.size, n):
                     k = min(n, p.size - i)
