@@ -164,15 +164,19 @@ def test_a_mesh_row_holds_its_share_of_the_reference_off_rank_0():
     case = MeshCase.parse(f"dp=2,pp=2,tp=megatron:{t}", 4, config, microbatches=2)
     spec = get_scheme("megatron")
     params, tokens, targets = mesh_inputs(config, case.batch, 0)
-    mesh = Mesh(WORLD, 2, 2, spec.grid_kind, t=t)
 
     def trainer_alone():
-        Trainer(params, config, mesh, spec, microbatches=2).step(tokens, targets)
+        # what the row does besides the reference: its mesh built inside the measurement
+        # and as many steps as it validates
+        mesh = Mesh(WORLD, 2, 2, spec.grid_kind, t=t)
+        try:
+            trainer = Trainer(params, config, mesh, spec, microbatches=2)
+            for _ in range(case.steps):
+                trainer.step(tokens, targets)
+        finally:
+            mesh.free()
 
-    try:
-        alone = _traced_peak(trainer_alone)
-    finally:
-        mesh.free()
+    alone = _traced_peak(trainer_alone)
     del params
     row = _traced_peak(lambda: run_case(case, WORLD, None, timed=False))
     whole = _whole(config)
