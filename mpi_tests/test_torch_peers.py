@@ -89,9 +89,10 @@ def test_a_data_parallel_ranks_parts_are_measured_on_rank_0_and_given_to_every_r
     from summasim.bench import layer_parts, mesh
 
     c = _case(f"dp={P}", np.float32)
-    rows = [{"mesh": c.spec}, {"mesh": "tp"}]
+    tp = _case(f"tp=megatron:{P}", np.float32)
+    rows = [{"mesh": c.spec}, {"mesh": tp.spec}]
     said = []
-    mesh.rank_parts(WORLD, rows, [(0, "blas", c)], said.append)
+    mesh.rank_parts(WORLD, rows, [(0, "blas", c), (1, "pure_blas", tp)], said.append)
     got = rows[0]["blas_parts"]
     same = WORLD.allgather(sorted(got["layer"]["numpy"].items()))
     parallel_assert(set(got["layer"]) == {"numpy", "torch", "torch_manual_attn"}
@@ -99,5 +100,6 @@ def test_a_data_parallel_ranks_parts_are_measured_on_rank_0_and_given_to_every_r
                     and all(s > 0 for s in got["layer"]["numpy"].values())
                     and got["adam"]["numpy"] > 0 and got["adam"]["torch"] > 0
                     and got["layers"] == MODEL.layers and got["microbatches"] == 2
-                    and all(x == same[0] for x in same) and "blas_parts" not in rows[1]
+                    and all(x == same[0] for x in same)
+                    and ("pure_blas_parts" in rows[1]) == (tp.tensor_size == 1)
                     and any("Adam over the model" in s for s in said), f"parts {got}")

@@ -25,12 +25,16 @@ def test_blocks_alternate_and_each_opens_with_an_untimed_call():
     assert set(best) == {"a", "b"} and all(0 <= s < 1 for s in best.values())
 
 
-def test_blocks_keep_the_least_time_of_the_timed_calls_only():
-    import time
+def test_blocks_keep_the_least_time_of_the_timed_calls_only(monkeypatch):
+    clock = [0.0]                     # a fake clock that each call moves on
+    monkeypatch.setattr(lp.time, "perf_counter", lambda: clock[0])
+    durations = iter([0.05, 0.004, 0.002, 0.05, 0.003])   # opening calls take 0.05 s
 
-    sleeps = iter([0.05, 0.004, 0.002, 0.05, 0.003])   # opening calls take 0.05 s
-    best = lp.best_in_blocks({"a": lambda: time.sleep(next(sleeps))}, repeats=3, warm_s=0.0)
-    assert 0.002 <= best["a"] < 0.003
+    def call():
+        clock[0] += next(durations)
+
+    best = lp.best_in_blocks({"a": call}, repeats=3, warm_s=0.0)
+    assert best["a"] == pytest.approx(0.002)
 
 
 def test_a_block_opens_with_calls_for_at_least_warm_s():

@@ -70,22 +70,29 @@ def test_adam_bias_corrected_with_decoupled_decay():
 def test_adam_scratch_gives_the_bits_of_fresh_temporaries(dtype, block, monkeypatch):
     """Same-dtype keys go through two kept scratch arrays, block by block (7 items: the
     30-item matrix in 5 blocks, the last one short); the update is the formula's with
-    fresh temporaries bit for bit, and a later step allocates no new scratch. A key
-    whose gradient has another dtype (float64 into float32) takes the fresh path."""
+    fresh temporaries bit for bit, and a later step allocates no new scratch. A strided
+    parameter (a transposed view) takes the whole-array chain; a key whose gradient has
+    another dtype (float64 into float32), and bfloat16 (whose products with a float are
+    float32), take the fresh path."""
+    import ml_dtypes
+
     if block is not None:
         monkeypatch.setattr(train, "ADAM_BLOCK_BYTES", block * np.dtype(dtype).itemsize)
     rng = np.random.default_rng(3)
     params = {"w": rng.standard_normal((6, 5)).astype(dtype),
               "b": rng.standard_normal(5).astype(dtype),
-              "x": rng.standard_normal(7).astype(np.float32)}
+              "x": rng.standard_normal(7).astype(np.float32),
+              "t": rng.standard_normal((5, 4)).astype(dtype).T,
+              "h": rng.standard_normal((40, 50)).astype(ml_dtypes.bfloat16)}
+    assert not params["t"].flags.c_contiguous
     ref = {k: v.copy() for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in ref.items()}
     v = {k: np.zeros_like(x) for k, x in ref.items()}
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.1
     opt = train.Adam(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     for t in range(1, 4):
-        grads = {k: rng.standard_normal(p.shape).astype(np.float64 if k == "x" else dtype)
-                 for k, p in params.items()}
+        grads = {k: rng.standard_normal(p.shape).astype(
+                     np.float64 if k == "x" else p.dtype) for k, p in params.items()}
         opt.step(params, grads)
         if t == 1:
             kept = [id(a) for a in opt._flat[("numpy", np.dtype(dtype))]]

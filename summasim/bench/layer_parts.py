@@ -214,24 +214,31 @@ def time_parts(p: dict, batch: int, seq: int, heads: int, dtype, repeats: int = 
 
 def adam_peers(shapes: dict, dtype, repeats: int = 3) -> dict:
     """Least seconds of one Adam step over parameters of ``shapes`` (key -> shape):
-    ``{"numpy": s, "torch": s}``, summasim's :class:`summasim.transformer.train.Adam`
-    and ``torch.optim.Adam`` (``foreach=False``, as ``bench mesh``'s DDP peer runs it),
-    in alternating blocks (:func:`best_in_blocks`). Every data-parallel rank runs it on
-    the whole model once per step."""
+    ``{"numpy": s, "torch": s}``, each as its data-parallel step runs it: summasim's
+    :class:`summasim.transformer.train.Adam` on one flat vector of all the parameters
+    (the trainer's ZeRO-0 update), ``torch.optim.Adam`` on each parameter
+    (``foreach=False``, as ``bench mesh``'s DDP peer), in alternating blocks
+    (:func:`best_in_blocks`). Every data-parallel rank runs it on the whole model once
+    per step."""
     import torch
 
     from ..transformer.train import Adam
 
     rng = np.random.default_rng(3)
-    params = {k: rng.standard_normal(shape).astype(dtype) for k, shape in shapes.items()}
-    grads = {k: (1e-3 * rng.standard_normal(shape)).astype(dtype)
-             for k, shape in shapes.items()}
+    n = sum(math.prod(shape) for shape in shapes.values())
+    flat = {"flat": rng.standard_normal(n).astype(dtype)}
+    grad = {"flat": (1e-3 * rng.standard_normal(n)).astype(dtype)}
     ours = Adam(lr=1e-3)
-    leaves = [torch.from_numpy(p.copy()).requires_grad_(True) for p in params.values()]
-    for leaf, g in zip(leaves, grads.values()):
-        leaf.grad = torch.from_numpy(g)
+    leaves, at = [], 0
+    for shape in shapes.values():
+        size = math.prod(shape)
+        leaf = torch.from_numpy(flat["flat"][at:at + size].reshape(shape).copy())
+        leaf.requires_grad_(True)
+        leaf.grad = torch.from_numpy(grad["flat"][at:at + size].reshape(shape).copy())
+        leaves.append(leaf)
+        at += size
     theirs = torch.optim.Adam(leaves, lr=1e-3, foreach=False)
-    return best_in_blocks({"numpy": lambda: ours.step(params, grads),
+    return best_in_blocks({"numpy": lambda: ours.step(flat, grad),
                            "torch": theirs.step}, repeats)
 
 

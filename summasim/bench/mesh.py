@@ -367,7 +367,7 @@ def blas_peers(world, rows: list[dict], peered: list, say) -> None:
             f"{g['numpy_gflops']:.1f} GFLOP/s, torch ({g['torch_blas']}) "
             f"{g['torch_gflops']:.1f}: NumPy's time {g['numpy_over_torch']:.2f}x torch's "
             f"from the BLAS alone")
-    rank_parts(world, rows, [(i, k, c) for i, k, c in peered if c.tensor_size == 1], say)
+    rank_parts(world, rows, peered, say)
 
 
 def rank_parts(world, rows: list[dict], peered: list, say) -> None:
@@ -376,48 +376,48 @@ def rank_parts(world, rows: list[dict], peered: list, say) -> None:
     peers: every rank computes the whole model), rank 0 times one layer's parts at a
     micro-batch's shape (:func:`summasim.bench.layer_parts.time_parts`) and one Adam
     step over the whole model (:func:`~summasim.bench.layer_parts.adam_peers`) on its
-    compute threads, while the other ranks wait idle. ``rows[index][key + "_parts"]``
+    compute threads, while the other ranks wait idle. Runs with a tensor group (DTensor's
+    peers: no rank holds the whole model) get none. ``rows[index][key + "_parts"]``
     gets ``{"layer": {library: {part: s}}, "adam": {library: s}, "layers",
     "microbatches"}``: a step runs each part ``layers x microbatches`` times, forward
     and backward, and Adam once."""
+    import dataclasses
+
     from ..transformer import model as serial
     from . import layer_parts
     from .common import quiet_bcast
 
+    peered = [(i, k, c) for i, k, c in peered if c.tensor_size == 1]
     if not peered:
         return
 
-    def shape_of(case):
-        cfg = case.config
-        return (max(1, case.batch // (case.dp * case.microbatches)), cfg.seq, cfg.hidden,
-                cfg.heads, cfg.ffn_mult, cfg.vocab, cfg.layers, case.dtype)
+    def key_of(case):   # a micro-batch's sequences on one rank, and the run's model
+        return (max(1, case.batch // (case.dp * case.microbatches)),
+                dataclasses.replace(case.config, dtype=np.dtype(case.dtype)))
 
-    wanted = sorted({shape_of(case) for _, _, case in peered})
+    wanted = list(dict.fromkeys(key_of(case) for _, _, case in peered))
     got = None
     if world.Get_rank() == 0:
         got = {}
-        for key in wanted:
-            b, t, h, heads, ffn_mult, vocab, layers, dtype = key
-            dtype = np.dtype(dtype)
-            cfg = serial.Config(vocab=vocab, seq=t, hidden=h, heads=heads, layers=layers,
-                                ffn_mult=ffn_mult, dtype=dtype)
+        for b, cfg in wanted:
             params = serial.init_params(cfg, 0)
-            got[key] = {"layer": layer_parts.time_parts(serial.layer_params(params, 0), b, t,
-                                                        heads, dtype),
-                        "adam": layer_parts.adam_peers({k: v.shape for k, v in params.items()},
-                                                       dtype)}
+            got[(b, cfg)] = {
+                "layer": layer_parts.time_parts(serial.layer_params(params, 0), b, cfg.seq,
+                                                cfg.heads, cfg.dtype),
+                "adam": layer_parts.adam_peers({k: v.shape for k, v in params.items()},
+                                               cfg.dtype)}
     got = quiet_bcast(world, got)
     say("one rank's compute, part by part (rank 0, the others idle; each part's forward "
         "and backward, ms, NumPy / torch):")
     for index, key, case in peered:
-        shape = shape_of(case)
-        g = dict(got[shape], layers=shape[6], microbatches=case.microbatches)
+        b, cfg = key_of(case)
+        g = dict(got[(b, cfg)], layers=cfg.layers, microbatches=case.microbatches)
         rows[index][key + "_parts"] = g
         lay, adam = g["layer"], g["adam"]
         cells = [f"{part} {lay['numpy'][part] * 1e3:.2f}/{lay['torch'][part] * 1e3:.2f}"
                  f" ({lay['numpy'][part] / lay['torch'][part]:.2f}x)"
                  for part in layer_parts.PARTS]
-        say(f"  {case.spec}, one layer at {shape[0]}x{shape[1]}x{shape[2]}: "
+        say(f"  {case.spec}, one layer at {b}x{cfg.seq}x{cfg.hidden}: "
             + "; ".join(cells) + f" (each x {g['layers']} layers x {g['microbatches']} "
             f"micro-batches a step); Adam over the model {adam['numpy'] * 1e3:.2f}/"
             f"{adam['torch'] * 1e3:.2f} ({adam['numpy'] / adam['torch']:.2f}x, once a step)")

@@ -112,13 +112,16 @@ class Adam:
     def step(self, params: dict, grads: dict) -> None:
         """Update ``params[key]`` in place for every key of ``grads``.
 
-        A key whose gradient has its parameter's dtype and shape runs the update as one
-        chain of in-place operations through two scratch arrays kept between steps (the
-        same operations in the same order as with fresh temporaries, so the same bits);
-        on C-contiguous NumPy arrays the chain runs block by block (:data:`ADAM_BLOCK_BYTES`
-        per array), so its 13 passes stay in the core's caches and each of p, g, m and v
-        streams through main memory once. Other keys (a float64 gradient of a float32
-        parameter) take fresh temporaries."""
+        A key whose gradient has its parameter's dtype and shape, of a dtype whose
+        products with a Python float keep it (float16, float32, float64; not ml_dtypes'
+        bfloat16, whose products are float32), runs the update as one chain of in-place
+        operations through two scratch arrays (the same operations in the same order as
+        with fresh temporaries, so the same bits). On C-contiguous NumPy arrays the chain
+        runs block by block (:data:`ADAM_BLOCK_BYTES` per array) through two block-sized
+        scratch arrays kept between steps, so its 13 passes stay in the core's caches and
+        each of p, g, m and v streams through main memory once; other arrays (CuPy, or
+        strided) take two scratch arrays for the key, freed after it. Other keys take
+        a fresh temporary per operation."""
         for key, g in grads.items():
             p = params[key]
             xp = array_module(p)
@@ -132,7 +135,8 @@ class Adam:
             # the chain's constants, as the formula of the class docstring computes them
             c = (1.0 - self.b1, 1.0 - self.b2, 1.0 / (1.0 - self.b2 ** t),
                  self.lr / (1.0 - self.b1 ** t))
-            if g.dtype != p.dtype or g.shape != p.shape:
+            if (g.dtype != p.dtype or g.shape != p.shape
+                    or (xp.empty(0, dtype=p.dtype) * c[0]).dtype != p.dtype):
                 if decay is not None:
                     p *= decay
                 m *= self.b1
@@ -152,10 +156,8 @@ class Adam:
                     k = min(n, p.size - i)
                     self._chain(xp, *(a[i:i + k] for a in flat),
                                 *(s_[:k] for s_ in scratch), c, decay)
-            else:
-                scratch = self._scratch(xp, p.dtype, p.size)
-                self._chain(xp, p, g, m, v,
-                            *(s_[: p.size].reshape(p.shape) for s_ in scratch), c, decay)
+            else:     # whole arrays: scratch for this key alone, not kept
+                self._chain(xp, p, g, m, v, xp.empty_like(p), xp.empty_like(p), c, decay)
 
     def _chain(self, xp, p, g, m, v, d, u, c, decay) -> None:
         """One Adam update of ``p`` (in place, with ``m`` and ``v``) through the scratch
@@ -178,7 +180,7 @@ class Adam:
 
     def _scratch(self, xp, dtype, size: int):
         """Two flat scratch arrays of module ``xp`` and ``dtype`` of at least ``size``
-        items, kept between steps and grown when a key needs more."""
+        items (at most a block's), kept between steps and grown when a key needs more."""
         key = (xp.__name__, dtype)
         flat = self._flat.get(key)
         if flat is None or flat[0].size < size:
