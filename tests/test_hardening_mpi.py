@@ -241,21 +241,27 @@ def test_ctrl_c_ends_the_job_with_one_line(mpiexec, tmp_path):
 
 def test_ctrl_c_to_the_whole_process_group_ends_the_job(mpiexec, tmp_path):
     """A terminal's Ctrl-C reaches the launcher, its proxy and the ranks at once. Hydra's
-    proxy dies of it (its own assertion), and with it the forwarding of our line; the job
-    still ends promptly, failing, with no Python traceback.
+    proxy dies of it (its own assertion), and the launcher kills the ranks, often before
+    rank 0 has written its line (a copy of each rank's stderr kept in a file showed none
+    in 4 runs of 6); the job still ends promptly, failing, with no Python traceback, and
+    every rank ends within seconds (orphaned by the proxy, they end in 0.5-2 s here).
+    The launcher does most of this; summasim's own line is checked where the signal
+    reaches the launcher alone or one rank (the tests around this one).
 
     About 1 run in 15 here the proxy dies before it collects the ranks' exit statuses and
-    MPICH 5.0.2's mpiexec then returns 0 although the ranks said the job ends (a launcher
-    race no rank can change): that case must show both the proxy's assertion and rank 0's
-    own line, so the ranks still did their part."""
+    MPICH 5.0.2's mpiexec then returns 0 (a launcher race no rank can change): that case
+    must show the proxy's assertion."""
     proc, pids = _start_held(mpiexec, tmp_path)
     os.killpg(proc.pid, signal.SIGINT)
     out, err, seconds = _finish(proc)
-    hydra_race = (proc.returncode == 0 and "assert (!closed) failed" in err
-                  and "python -m summasim.run: interrupted (SIGINT) on rank 0" in err)
+    hydra_race = proc.returncode == 0 and "assert (!closed) failed" in err
     assert proc.returncode not in (0, 124) or hydra_race, f"rc={proc.returncode}\n{err[-3000:]}"
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err[-3000:]
     assert seconds < 20, seconds
+    deadline = time.time() + 5      # ranks 1-3 wait their grace before they end
+    while any(_alive(pid) for pid in pids.values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert [r for r, pid in pids.items() if _alive(pid)] == [], "ranks outlived the job by 5 s"
 
 
 def test_sigterm_to_the_launcher_ends_the_job_with_one_line(mpiexec, tmp_path):
@@ -305,6 +311,15 @@ def _children(pid):
             if ppid == pid:
                 kids.append(int(entry))
     return kids + [g for k in kids for g in _children(k)]
+
+
+def _alive(pid):
+    """True while ``pid`` runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _cmdline(pid):
