@@ -1,6 +1,7 @@
 """bench layer's breakdown: each part of the serial layer, timed in NumPy and in torch."""
 
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,15 +21,15 @@ def test_blocks_alternate_and_each_opens_with_an_untimed_call():
     calls = []
     runs = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
     best = lp.best_in_blocks(runs, repeats=3, warm_s=0.0)
-    # block 1: 2 timed calls after the opening one; block 2: 1 timed call after it
-    assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 2 + ["b"] * 2
+    # each block: ceil(3 / 2) = 2 timed calls after the opening one
+    assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
     assert set(best) == {"a", "b"} and all(0 <= s < 1 for s in best.values())
 
 
 def test_blocks_keep_the_least_time_of_the_timed_calls_only(monkeypatch):
     clock = [0.0]                     # a fake clock that each call moves on
-    monkeypatch.setattr(lp.time, "perf_counter", lambda: clock[0])
-    durations = iter([0.05, 0.004, 0.002, 0.05, 0.003])   # opening calls take 0.05 s
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    durations = iter([0.05, 0.004, 0.002, 0.05, 0.003, 0.005])   # opening calls: 0.05 s
 
     def call():
         clock[0] += next(durations)
@@ -40,7 +41,24 @@ def test_blocks_keep_the_least_time_of_the_timed_calls_only(monkeypatch):
 def test_a_block_opens_with_calls_for_at_least_warm_s():
     calls = []
     lp.best_in_blocks({"a": lambda: calls.append(1)}, repeats=1, warm_s=0.02)
-    assert len(calls) > 3            # a no-op repeated for 20 ms, then 1 timed call
+    assert len(calls) > 4            # 2 blocks: a no-op repeated for 20 ms, 1 timed call
+
+
+def test_time_calls_warms_up_for_warm_s_serially_and_refuses_it_collectively(monkeypatch):
+    from summasim.harness.timing import time_calls
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def call():
+        calls.append(clock[0])
+        clock[0] += 0.01
+
+    res = time_calls(call, None, 2, adaptive=False, warmup=1, warm_s=0.035)
+    assert len(calls) == 4 + 2               # untimed until 0.04 >= 0.035, then 2 timed
+    assert res["spans"] == pytest.approx([0.01, 0.01])
+    with pytest.raises(ValueError, match="serial"):
+        time_calls(call, object(), 1, warm_s=0.1)
 
 
 def test_the_numpy_parts_are_the_layers_ops_at_its_shapes():

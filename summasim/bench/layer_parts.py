@@ -24,9 +24,10 @@ threaded within one product, so a stack of small products gains little).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
+
+from ..harness.timing import time_contenders
 
 #: The parts, in the order they are printed.
 PARTS = ("linears", "attention", "layer norms", "GELU")
@@ -39,27 +40,19 @@ WARM_S = 0.25
 
 
 def best_in_blocks(runs: dict, repeats: int, warm_s: float = WARM_S) -> dict:
-    """The least seconds of each callable of ``runs`` (name -> fn) over ``repeats`` timed
-    calls, run in two alternating blocks per name, each opened by untimed calls for at
-    least ``warm_s`` seconds (at least one call).
+    """The least seconds of each callable of ``runs`` (name -> fn) over its timed calls,
+    run in two alternating blocks per name of ``ceil(repeats / 2)`` timed calls each,
+    each block opened by untimed calls for at least ``warm_s`` seconds (at least one
+    call): :func:`~summasim.harness.timing.time_contenders`, serial, in blocks.
 
     Right after one library's call its idle BLAS threads still spin for a while
     (OpenBLAS's and OpenMP's waits), and on shared cores a call of the other library
     made then runs on fewer: alternated call by call, torch's MKL read 120 GFLOP/s on
     2 threads against 206 on its own, and a block of torch's linears opened by one call
     right after NumPy's ran slower on 2 threads than on 1."""
-    best = {name: math.inf for name in runs}
-    for timed in (repeats - repeats // 2, repeats // 2):
-        for name, f in runs.items():
-            start = time.perf_counter()
-            f()
-            while time.perf_counter() - start < warm_s:
-                f()
-            for _ in range(max(1, timed)):
-                t0 = time.perf_counter()
-                f()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    res = time_contenders(runs, None, 2, repeats=max(1, -(-repeats // 2)), warmup=1,
+                          warm_s=warm_s, rotate=False)
+    return {name: min(r["spans"]) for name, r in res.items()}
 
 
 def _shapes(p: dict) -> list:

@@ -37,14 +37,16 @@ def reduce_max(world, values) -> np.ndarray:
 
 
 def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = True, *,
-               warmup: int = 0, before=None, after=None, returns: bool = False) -> dict:
+               warmup: int = 0, warm_s: float = 0.0, before=None, after=None,
+               returns: bool = False) -> dict:
     """Time ``fn()`` (collective over ``world``; ``world=None``: serial): a dict of
     seconds, ``"spans"`` (per call), ``"rank_max"`` (per call, the slowest rank's own
     time), ``"times"`` (per call, this rank's own time) and ``"median"`` (of the spans).
 
     ``adaptive``: the first timed call sizes the rest (up to 5x ``repeats`` within about
     ``budget`` seconds) and counts as one; else exactly ``repeats`` calls. ``warmup``
-    untimed calls come first. ``before()`` (before the barrier) and ``after()`` (right
+    untimed calls come first, and more of them until they have taken ``warm_s`` seconds
+    (serial only: ranks would disagree on the count). ``before()`` (before the barrier) and ``after()`` (right
     after the call, before the reduction) run around every call, warm-ups included,
     outside the timed region. ``returns``: also ``"returns"``, ``fn``'s value of each
     timed call.
@@ -74,8 +76,13 @@ def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = Tr
         if returns:
             values.append(value)
 
-    for _ in range(warmup):
+    if warm_s > 0 and world is not None:
+        raise ValueError("time_calls: warm_s is for serial timing (world=None)")
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or (warm_s > 0 and time.perf_counter() - start < warm_s):
         once(False)
+        done += 1
     once(True)                      # the first call sizes the rest and counts as one
     if adaptive:
         repeats = max(repeats, min(5 * repeats, int(budget / max(spans[0], 1e-6))))
@@ -112,11 +119,12 @@ def shuffled(names: list, i: int) -> list:
 
 
 def time_contenders(calls: dict, world, rounds: int, *, repeats: int = 1, warmup: int = 0,
-                    rotate: bool = True, shuffle: bool = False, before=None,
-                    after_round=None, returns: bool = False) -> dict:
+                    warm_s: float = 0.0, rotate: bool = True, shuffle: bool = False,
+                    before=None, after_round=None, returns: bool = False) -> dict:
     """Time the calls of ``{name: fn}`` against each other (collective; ``world=None``:
-    serial): ``rounds`` rounds, in each every contender's turn of ``warmup`` untimed and
-    ``repeats`` timed calls (:func:`time_calls`, not adaptive). ``rotate``: round i
+    serial): ``rounds`` rounds, in each every contender's turn of ``warmup`` untimed
+    calls (and more until ``warm_s`` seconds, serial only) and ``repeats`` timed calls
+    (:func:`time_calls`, not adaptive). ``rotate``: round i
     starts with the i-th contender (:func:`rotated`: repeat i of each pairs with repeat
     i of the others, on the same machine state), and with ``shuffle`` the others follow
     in a seeded random order (:func:`shuffled`); else every round in the given order
@@ -134,6 +142,7 @@ def time_contenders(calls: dict, world, rounds: int, *, repeats: int = 1, warmup
         order = shuffled if shuffle else rotated
         for k in (order(list(calls), i) if rotate else list(calls)):
             res = time_calls(calls[k], world, repeats, adaptive=False, warmup=warmup,
+                             warm_s=warm_s,
                              before=None if before is None else (lambda k=k: before(k)),
                              returns=returns)
             for key in keys:
