@@ -40,21 +40,23 @@ WARM_S = 0.25
 
 
 def best_in_blocks(runs: dict, repeats: int, warm_s: float = WARM_S) -> dict:
-    """The least seconds of each callable of ``runs`` (name -> fn) over its timed calls,
-    run in two alternating blocks per name of ``ceil(repeats / 2)`` timed calls each
-    (one block for ``repeats=1``), each block opened by untimed calls for at least
-    ``warm_s`` seconds (at least one call): :func:`~summasim.harness.timing.
-    time_contenders`, serial, in blocks.
+    """The least seconds of each callable of ``runs`` (name -> fn) over ``repeats`` timed
+    calls, run in two alternating blocks per name (one for ``repeats=1``), each opened
+    by untimed calls for at least ``warm_s`` seconds (at least one call): a block is
+    :func:`~summasim.harness.timing.time_contenders`, serial, one round.
 
     Right after one library's call its idle BLAS threads still spin for a while
     (OpenBLAS's and OpenMP's waits), and on shared cores a call of the other library
     made then runs on fewer: alternated call by call, torch's MKL read 120 GFLOP/s on
     2 threads against 206 on its own, and a block of torch's linears opened by one call
     right after NumPy's ran slower on 2 threads than on 1."""
-    blocks = 2 if repeats > 1 else 1
-    res = time_contenders(runs, None, blocks, repeats=-(-max(1, repeats) // blocks),
-                          warmup=1, warm_s=warm_s, rotate=False)
-    return {name: min(r["spans"]) for name, r in res.items()}
+    best = {name: math.inf for name in runs}
+    for timed in (max(1, repeats) - repeats // 2, repeats // 2):
+        if timed:
+            res = time_contenders(runs, None, 1, repeats=timed, warmup=1, warm_s=warm_s,
+                                  rotate=False)
+            best = {name: min(best[name], *res[name]["spans"]) for name in runs}
+    return best
 
 
 def _shapes(p: dict) -> list:
