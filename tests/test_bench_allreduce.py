@@ -302,6 +302,34 @@ def test_the_one_timer_times_serial_calls_with_warm_ups_and_hooks():
     assert "returns" not in time_calls(lambda: None, None, 1)
 
 
+def test_warm_s_warms_up_serial_calls_for_that_long_and_refuses_a_world(monkeypatch):
+    """warm_s: untimed calls until that many seconds have passed (at least ``warmup``),
+    then the timed ones, in time_calls and in each turn of time_contenders; with a world
+    it is refused (ranks would disagree on the count)."""
+    import time
+
+    from summasim.harness.timing import time_calls, time_contenders
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def call(name="a"):
+        calls.append(name)
+        clock[0] += 0.01
+
+    res = time_calls(call, None, 2, adaptive=False, warmup=1, warm_s=0.035)
+    assert len(calls) == 4 + 2                 # untimed until 0.04 >= 0.035, then 2 timed
+    assert res["spans"] == pytest.approx([0.01, 0.01])
+    calls.clear()
+    time_contenders({k: (lambda k=k: call(k)) for k in "ab"}, None, 1, warm_s=0.025,
+                    rotate=False)
+    assert calls == ["a"] * (3 + 1) + ["b"] * (3 + 1)
+    with pytest.raises(ValueError, match="serial"):
+        time_calls(call, object(), 1, warm_s=0.1)
+    with pytest.raises(ValueError, match="serial"):
+        time_contenders({"a": call}, object(), 1, warm_s=0.1)
+
+
 def test_contenders_rotate_or_alternate_in_blocks_and_may_resize_the_rounds():
     from summasim.harness.timing import rotated, time_contenders
 

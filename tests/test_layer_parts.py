@@ -29,7 +29,7 @@ def test_blocks_alternate_and_each_opens_with_an_untimed_call():
 def test_blocks_keep_the_least_time_of_the_timed_calls_only(monkeypatch):
     clock = [0.0]                     # a fake clock that each call moves on
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-    durations = iter([0.05, 0.004, 0.002, 0.05, 0.003])   # opening calls take 0.05 s
+    durations = iter([0.001, 0.004, 0.002, 0.001, 0.003])  # the opening calls are fastest
 
     def call():
         clock[0] += next(durations)
@@ -38,18 +38,7 @@ def test_blocks_keep_the_least_time_of_the_timed_calls_only(monkeypatch):
     assert best["a"] == pytest.approx(0.002)
 
 
-def test_a_block_opens_with_calls_for_at_least_warm_s():
-    calls = []
-    lp.best_in_blocks({"a": lambda: calls.append(1)}, repeats=1, warm_s=0.02)
-    assert len(calls) > 2            # 1 block: a no-op repeated for 20 ms, 1 timed call
-    calls.clear()
-    lp.best_in_blocks({"a": lambda: calls.append(1)}, repeats=1, warm_s=0.0)
-    assert calls == [1, 1]           # repeats=1: one block of 1 opening and 1 timed call
-
-
-def test_time_calls_warms_up_for_warm_s_serially_and_refuses_it_collectively(monkeypatch):
-    from summasim.harness.timing import time_calls
-
+def test_a_block_opens_with_calls_for_at_least_warm_s(monkeypatch):
     clock, calls = [0.0], []
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
 
@@ -57,11 +46,13 @@ def test_time_calls_warms_up_for_warm_s_serially_and_refuses_it_collectively(mon
         calls.append(clock[0])
         clock[0] += 0.01
 
-    res = time_calls(call, None, 2, adaptive=False, warmup=1, warm_s=0.035)
-    assert len(calls) == 4 + 2               # untimed until 0.04 >= 0.035, then 2 timed
-    assert res["spans"] == pytest.approx([0.01, 0.01])
-    with pytest.raises(ValueError, match="serial"):
-        time_calls(call, object(), 1, warm_s=0.1)
+    lp.best_in_blocks({"a": call}, repeats=1, warm_s=0.035)
+    assert len(calls) == 4 + 1       # one block: untimed until 0.04 >= 0.035, 1 timed call
+    calls.clear()
+    lp.best_in_blocks({"a": call}, repeats=1, warm_s=0.0)
+    assert len(calls) == 2           # one opening call and the one timed call
+    with pytest.raises(ValueError, match="at least 1"):
+        lp.best_in_blocks({"a": call}, repeats=0)
 
 
 def test_the_numpy_parts_are_the_layers_ops_at_its_shapes():

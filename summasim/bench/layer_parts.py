@@ -50,8 +50,10 @@ def best_in_blocks(runs: dict, repeats: int, warm_s: float = WARM_S) -> dict:
     made then runs on fewer: alternated call by call, torch's MKL read 120 GFLOP/s on
     2 threads against 206 on its own, and a block of torch's linears opened by one call
     right after NumPy's ran slower on 2 threads than on 1."""
+    if repeats < 1:
+        raise ValueError(f"best_in_blocks: repeats must be at least 1, got {repeats}")
     best = {name: math.inf for name in runs}
-    for timed in (max(1, repeats) - repeats // 2, repeats // 2):
+    for timed in (repeats - repeats // 2, repeats // 2):
         if timed:
             res = time_contenders(runs, None, 1, repeats=timed, warmup=1, warm_s=warm_s,
                                   rotate=False)
@@ -188,7 +190,8 @@ def time_parts(p: dict, batch: int, seq: int, heads: int, dtype, repeats: int = 
     """Least seconds of each part's forward and backward, on the threads in force:
     ``{"numpy": {part: s}, "torch": {...}, "torch_manual_attn": {"attention": s}}``
     (torch's only with ``use_torch``). Each part runs its libraries in alternating blocks
-    (:func:`best_in_blocks`), so a part's ratio is fair on a machine whose speed drifts.
+    (:func:`best_in_blocks`; one block each for ``repeats=1``), so a part's ratio is fair
+    on a machine whose speed drifts.
 
     The parts are not subtracted from the whole step's time: on a machine whose speed
     drifts from minute to minute (this project's 2-core VM: the same NumPy step read
@@ -215,7 +218,7 @@ def adam_peers(shapes: dict, dtype, repeats: int = 3) -> dict:
     :class:`summasim.transformer.train.Adam` on one flat vector of all the parameters
     (the trainer's ZeRO-0 update), ``torch.optim.Adam`` on each parameter
     (``foreach=False``, as ``bench mesh``'s DDP peer), in alternating blocks
-    (:func:`best_in_blocks`). Every data-parallel rank runs it on the whole model once
+    (:func:`best_in_blocks`; one block each for ``repeats=1``). Every data-parallel rank runs it on the whole model once
     per step."""
     import torch
 

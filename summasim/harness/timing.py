@@ -45,8 +45,9 @@ def time_calls(fn, world, repeats: int, budget: float = 0.5, adaptive: bool = Tr
 
     ``adaptive``: the first timed call sizes the rest (up to 5x ``repeats`` within about
     ``budget`` seconds) and counts as one; else exactly ``repeats`` calls. ``warmup``
-    untimed calls come first, and more of them until they have taken ``warm_s`` seconds
-    (serial only: ranks would disagree on the count). ``before()`` (before the barrier) and ``after()`` (right
+    untimed calls come first, and more of them until ``warm_s`` seconds have passed
+    since the first, hooks included (serial only, a ValueError with a world: ranks would
+    disagree on the count). ``before()`` (before the barrier) and ``after()`` (right
     after the call, before the reduction) run around every call, warm-ups included,
     outside the timed region. ``returns``: also ``"returns"``, ``fn``'s value of each
     timed call.
@@ -123,8 +124,8 @@ def time_contenders(calls: dict, world, rounds: int, *, repeats: int = 1, warmup
                     before=None, after_round=None, returns: bool = False) -> dict:
     """Time the calls of ``{name: fn}`` against each other (collective; ``world=None``:
     serial): ``rounds`` rounds, in each every contender's turn of ``warmup`` untimed
-    calls (and more until ``warm_s`` seconds, serial only) and ``repeats`` timed calls
-    (:func:`time_calls`, not adaptive). ``rotate``: round i
+    calls (and more until ``warm_s`` seconds, serial only: :func:`time_calls`) and
+    ``repeats`` timed calls (:func:`time_calls`, not adaptive). ``rotate``: round i
     starts with the i-th contender (:func:`rotated`: repeat i of each pairs with repeat
     i of the others, on the same machine state), and with ``shuffle`` the others follow
     in a seeded random order (:func:`shuffled`); else every round in the given order
