@@ -628,3 +628,31 @@ def test_gelu_in_blocks_is_the_whole_chain_bit_for_bit(monkeypatch, dtype, n):
         got.append((y, g, ys, gs))
     for a, b in zip(*got):
         assert a.dtype == dtype and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+def test_layernorm_by_products_is_the_chain_of_reductions_to_round_off(monkeypatch, dtype, tol):
+    """The host LayerNorm with the serial sum takes its sums by products (ones-vector
+    BLAS products, an einsum): output, cache, dx and the parameter gradients equal the
+    chain of NumPy reductions (the same sum passed as another function) to round-off.
+    A sharded sum and a strided input keep the reductions."""
+    rng = np.random.default_rng(3)
+    x = (3 * rng.standard_normal((3, 5, 64)) + 1).astype(dtype)
+    g, b = rng.standard_normal(64).astype(dtype), rng.standard_normal(64).astype(dtype)
+    d = rng.standard_normal((3, 5, 64)).astype(dtype)
+    taken = []
+    real = ops._ln_by_products
+    monkeypatch.setattr(ops, "_ln_by_products",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    got = []
+    for sum_hidden in (None, lambda a: a.sum(axis=-1, keepdims=True)):
+        y, cache = ops.layernorm_forward(x, g, b, sum_hidden=sum_hidden)
+        dx, grads = ops.layernorm_backward(d, cache)
+        got.append((y, cache.xhat, cache.rstd, dx, grads["g"], grads["b"]))
+    assert taken == [True, True, False, False]
+    for ours, ref in zip(*got):
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+    taken.clear()
+    ops.layernorm_forward(x[:, :, ::2], g[::2], b[::2])
+    assert taken == [False]
