@@ -197,10 +197,10 @@ def gemm_peers(m: int, k: int, n: int, dtype, repeats: int = 5,
                 linear: bool = False) -> dict:
     """The layer's widest GEMM (``[m, k] @ [k, n]``, the MLP's first) in NumPy and in
     PyTorch on the host, on the threads in force: best GFLOP/s of ``repeats`` (in two
-    alternating blocks per library, one for ``repeats=1``), and each library's BLAS. The two layers' GEMMs run
-    on these libraries, so their ratio is the part of the layers' ratio that is the
-    BLAS's, not summasim's
-    (NumPy and SciPy bring OpenBLAS; PyTorch's x86 wheels bring MKL). ``linear``: the
+    alternating blocks per library, one for ``repeats=1``), and each library's BLAS.
+    The two layers' GEMMs run on these libraries, so their ratio is the part of the
+    layers' ratio that is the BLAS's, not summasim's (NumPy and SciPy bring OpenBLAS;
+    PyTorch's x86 wheels bring MKL). ``linear``: the
     three products of that linear layer's step instead, ``x @ w``, ``dy @ w.T`` and
     ``x.T @ dy``, timed together (``passes`` 3)."""
     import torch

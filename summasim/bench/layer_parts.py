@@ -218,8 +218,8 @@ def adam_peers(shapes: dict, dtype, repeats: int = 3) -> dict:
     :class:`summasim.transformer.train.Adam` on one flat vector of all the parameters
     (the trainer's ZeRO-0 update), ``torch.optim.Adam`` on each parameter
     (``foreach=False``, as ``bench mesh``'s DDP peer), in alternating blocks
-    (:func:`best_in_blocks`; one block each for ``repeats=1``). Every data-parallel rank runs it on the whole model once
-    per step."""
+    (:func:`best_in_blocks`; one block each for ``repeats=1``). Every data-parallel
+    rank runs it on the whole model once per step."""
     import torch
 
     from ..transformer.train import Adam
