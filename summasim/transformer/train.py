@@ -20,6 +20,7 @@ initialisation to ``(period - 1) / seq * ln(vocab)`` (the "floor").
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from typing import Callable, Optional
@@ -86,6 +87,13 @@ class SGD:
 ADAM_BLOCK_BYTES = 1 << 18
 
 
+@functools.lru_cache(maxsize=None)
+def _float_products_keep(dtype) -> bool:
+    """Whether ``array * python_float`` keeps ``dtype`` (float16/32/64 do; ml_dtypes'
+    bfloat16 gives float32), asked once per dtype; CuPy follows NumPy's rules."""
+    return (np.empty(0, dtype=dtype) * 0.5).dtype == dtype
+
+
 class Adam:
     """Adam with bias correction (Kingma & Ba 2015) and decoupled weight decay (AdamW).
 
@@ -136,7 +144,7 @@ class Adam:
             c = (1.0 - self.b1, 1.0 - self.b2, 1.0 / (1.0 - self.b2 ** t),
                  self.lr / (1.0 - self.b1 ** t))
             if (g.dtype != p.dtype or g.shape != p.shape
-                    or (xp.empty(0, dtype=p.dtype) * c[0]).dtype != p.dtype):
+                    or not _float_products_keep(np.dtype(p.dtype))):
                 if decay is not None:
                     p *= decay
                 m *= self.b1
