@@ -49,6 +49,29 @@ def _two_d(zero, bucket):
     return None
 
 
+def _uneven_heads(pp: int):
+    """A 2D/2.5D/3D tensor grid whose columns hold unequal numbers of whole heads (3
+    heads over 2 columns, 4 over 3), with ``pp`` stages around it and an MLP width
+    (2.9 h) that the grid does not cut evenly: each rank hands on, and moves in its
+    layers, its own column's share, which differs from rank to rank."""
+    if P % pp:
+        return None
+    # tensor size -> (grid, the batch's row split d pr)
+    grids = {2: ("optimus:1x2", 1), 3: ("optimus:1x3", 1), 4: ("summa25:1x2x2", 2),
+             8: ("3d:2x2x2", 4), 9: ("optimus:3x3", 3)}
+    if pp > 1:
+        grids[4] = ("optimus:2x2", 2)
+    if P // pp not in grids or (pp, P) == (1, 2) or (pp, P) == (1, 3):
+        return None
+    spec, rows = grids[P // pp]
+    pc = int(spec.split(":")[1].split("x")[1])
+    heads = 3 if pc == 2 else 4
+    config = Config(vocab=7, seq=4, hidden=6 * heads, heads=heads, layers=2 * pp,
+                    ffn_mult=2.9)
+    return MeshCase.parse(f"dp=1,pp={pp},tp={spec}", 2 * rows, config, zero=0,
+                          microbatches=2)
+
+
 DP, PP = _dp_pp(P)
 # name -> (case or None, why it may not fit)
 CASES = {
@@ -74,6 +97,10 @@ CASES = {
     # zero-size shards on tensor rows i > 0, under ZeRO
     "2d dp>1 zero3 bucket=1": (_two_d(3, 1), "dp=2/4 x optimus:2x2 or dp=2 x summa25:2x2x2"),
     "2d dp>1 zero1": (_two_d(1, 64), "dp=2/4 x optimus:2x2 or dp=2 x summa25:2x2x2"),
+    # columns of unequal whole heads: the hand-offs, traffic and Table 1 per rank
+    "uneven heads pp=1": (_uneven_heads(1), "p = 4, 8 or 9"),
+    "uneven heads pp=2": (_uneven_heads(2), "p = 4, 8 or 16"),
+    "uneven heads pp=3": (_uneven_heads(3), "p = 9"),
 }
 
 

@@ -356,3 +356,22 @@ def test_mesh_groups_are_the_meshs_rank_order(dp, pp, t):
     n = dp * pp * t
     assert MeshGroup(pp * t, dp, n, pp * t).groups(n) == spec.mesh_groups("dp", dp, pp, t)
     assert MeshGroup(t, pp, pp * t, t).groups(n) == spec.mesh_groups("pp", dp, pp, t)
+
+
+@pytest.mark.parametrize("scheme,kw,heads,h0", [
+    ("optimus", dict(q=2), 3, 12),             # 3 heads of 6 over 2 columns: 2 + 1
+    ("optimus", dict(q=1, pc=3), 4, 12),       # 4 over 3: 2 + 1 + 1
+    ("3d", dict(q=2), 3, 12),
+    ("optimus", dict(q=2), 4, 12),             # even: h / pc
+])
+def test_a_hand_off_is_the_busiest_ranks_block_of_whole_heads(scheme, kw, heads, h0):
+    """A pipeline hand-off of a 2D/3D grid carries the rank's own activation block:
+    b / (d pr) sequences of its column's whole heads, the widest column 0's for the
+    busiest rank (the runtime's ``composed.activation_shape``), h / pc only where pc
+    divides the heads."""
+    m, b, s = 2, 8, 4
+    cfg = TransformerConfig(b=b, s=s, h=6 * heads, n=heads, N=2, v=8, dtype="float64",
+                            checkpoint=False)
+    r = price_composition(cfg, scheme, machine=LOCAL, pp=2, microbatches=m, **kw)
+    rows = {"3d": kw["q"] ** 2}.get(scheme, kw["q"])          # d pr
+    assert r["traffic"]["pipeline"] == m * (b // m) * s * h0 * 8 / rows

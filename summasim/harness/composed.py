@@ -72,6 +72,7 @@ from ..grid import Mesh
 from ..mpiutil import LONG_WAIT_NAP_S, agreement, quiet_barrier
 from ..transformer import composed, model
 from ..transformer.composed import Trainer
+from ..transformer.optimus import column_cut
 from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
 from ..validate import adam_step_bound, scaled_error, training_tolerance
@@ -254,7 +255,8 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
     rank sends exactly its length: ``dp |wte|`` (ZeRO 0) or ``|wte|`` (its chunks,
     ZeRO 1-3) over the group. Each virtual-stage boundary carries the global batch's
     activation once per step, forward and backward: ``B s h`` items per rank of a 1D
-    tensor grid (replicated), ``B s h / (d q^2)`` on a 2D/2.5D grid; a stage of V
+    tensor grid (replicated), ``B s h_j / (d pr)`` on a 2D/2.5D/3D grid (``h_j`` the
+    rank's column of whole heads, ``h / pc`` when pc divides the key/value heads); a stage of V
     chunks sends across V boundaries each way, one fewer at the pipeline's ends.
 
     Under mixed precision the hand-offs and the ZeRO parameter gathers carry 16-bit
@@ -285,8 +287,9 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
         out["embed.tie"] = size["wte"] * (dp if tr.zero == 0 else 1)
     g = tr.grid
     act = batch * seq * cfg.hidden
-    if tr.spec.grid_kind != "1d":
-        act //= g.d * g.pr * g.pc
+    if tr.spec.grid_kind != "1d":                 # this rank's column: whole heads
+        cut = column_cut(cfg, g.pc)
+        act = batch * seq * (cut[g.j + 1] - cut[g.j]) // (g.d * g.pr)
     elif tr.sp:                                   # sequence parallelism: s / t per rank
         act //= g.p
     out["pp.fwd"] = act * (tr.chunks - (1 if tr.last else 0))
@@ -512,8 +515,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         traffic_ok = traffic == expected and [int(v) for v in group] == [
             nominal[k] for k in PHASES] and sp_bytes == tr.sp_grad_bytes()
         table1 = table1_payload(case.scheme, config, case.micro_batch, case.tensor_size,
-                                case.q, case.d, case.pc,
-                                getattr(mesh.tensor, "j", 0))["fwd"]
+                                case.q, case.d, case.pc, getattr(mesh.tensor, "j", 0),
+                                getattr(mesh.tensor, "i", 0))["fwd"]
         if case.sequence_parallel:   # each all-reduced item: a ring's 2 (t-1)/t sends
             table1 = 2 * table1 * (case.t - 1) // case.t
         tp_ok = tp_items == (case.microbatches * table1 if tr.layers else 0)

@@ -48,7 +48,7 @@ from ..validate import training_tolerance
 
 
 def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int = 1,
-                   d: int = 1, pc: int = 0, j: int = 0) -> dict:
+                   d: int = 1, pc: int = 0, j: int = 0, i: int = 0) -> dict:
     """Per-rank Table 1 payload of one layer, in scalars.
 
     Megatron: the all-reduced items, ``2 bsh`` forward, ``2 bsh`` backward and ``4 bsh``
@@ -61,7 +61,8 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     of its all-gathers and reduce-scatters
     (:func:`summasim.transformer.tp3d.layer_payload`). On a rectangular grid (``pc``
     columns) or an MLP width that does not divide, the payload of a rank of column
-    ``j`` (column 0 moves the most).
+    ``j`` (column 0 moves the most); on the 3D cube, of rank (., ``i``, ``j``) (rank
+    (0, 0) moves the most).
     """
     b, s, h = batch, config.seq, config.hidden
     if name == "megatron":
@@ -69,7 +70,7 @@ def table1_payload(name: str, config: model.Config, batch: int, p: int, q: int =
     elif get_scheme(name).grid_kind == "3d":   # all-gathers and reduce-scatters
         from ..transformer.tp3d import layer_payload as tp3d_payload
 
-        return tp3d_payload(config, b, q)
+        return tp3d_payload(config, b, q, i=i, j=j)
     else:
         from ..transformer.optimus import layer_payload
 

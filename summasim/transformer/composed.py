@@ -117,6 +117,7 @@ from ..spec import SCHEDULE_KINDS, stage_layers
 from . import model
 from . import ops
 from .ops import block_keys
+from .optimus import column_cut
 from .precision import LossScaler, Precision, bits_adder, has_overflow, pack_bits, unpack_bits
 from .train import Adam
 
@@ -261,11 +262,13 @@ def activation_shape(grid_kind: str, config: model.Config, grid, batch: int,
                      seq: int, sequence_parallel: bool = False) -> tuple:
     """The local shape of the activation between two layers for a micro-batch of
     ``batch`` sequences: (b, s, h) replicated (1D), (b, s/t, h) under Megatron's
-    sequence parallelism, (b/(d pr), s, h/pc) (2D / 2.5D on [pr, pc, d]; the 3D cube's
-    pr = pc = d = q)."""
+    sequence parallelism, (b/(d pr), s, h_j) (2D / 2.5D on [pr, pc, d]; the 3D cube's
+    pr = pc = d = q), where h_j is this rank's column of the hidden size: whole heads
+    (``optimus.column_cut``), h/pc when pc divides the key/value heads."""
     if grid_kind == "1d":
         return (batch, seq // grid.p if sequence_parallel else seq, config.hidden)
-    return (batch // (grid.d * grid.pr), seq, config.hidden // grid.pc)
+    cut = column_cut(config, grid.pc)
+    return (batch // (grid.d * grid.pr), seq, cut[grid.j + 1] - cut[grid.j])
 
 
 class _Ref(tuple):

@@ -156,7 +156,7 @@ from ..machine import Machine
 from .mesh import MeshGroup, _Coll, _memory_bandwidth, model_flops
 from .pipeline import _check_schedule, overlap_exposed
 from ...spec import MIXED_DTYPES, parse_loss_scale, parse_schedule, stage_layers
-from .scheme import Scheme, TransformerConfig
+from .scheme import Scheme, TransformerConfig, grid_blocks
 from .stage_memory import _pieces, stage_memory, stage_plan
 from .tensor import (Part, TensorMemory, TensorPrice, check_composition, make_scheme,
                      tensor_memory, tensor_price)
@@ -270,10 +270,13 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
                    lambda: _Coll(machine, slow if machine.shared_comm else 1.0, n_dev))
     g_pp = MeshGroup(T, pp, pp * T, T)                  # pipeline neighbours
     # the pipeline hand-off: Megatron's activations are replicated over its t ranks and
-    # each sends its copy (under sequence parallelism its [s/t, b, h] shard); the 2D/2.5D
-    # schemes' are distributed and each sends its block
-    p2p_bytes = b * cfg.s * cfg.h * cfg.itemsize / (
-        1 if sch.name == "megatron" and not cfg.sequence_parallel else T)
+    # each sends its copy (under sequence parallelism its [s/t, b, h] shard); the 2D,
+    # 2.5D and 3D schemes' are distributed and each sends its block, b / (d pr)
+    # sequences of its column's whole heads (the busiest: column 0, grid_blocks)
+    if sch.name == "megatron":
+        p2p_bytes = b * cfg.s * cfg.h * cfg.itemsize / (T if cfg.sequence_parallel else 1)
+    else:
+        p2p_bytes = b * cfg.s * grid_blocks(sch, cfg).h * cfg.itemsize / (sch.d * sch.q)
     plan = stage_plan(int(cfg.N), pp, stages, chunks)
     return _Setup(
         cfg=cfg, sch=sch, machine=machine, dp=dp, pp=pp, m=m, b=b, B=B, zero=zero,
