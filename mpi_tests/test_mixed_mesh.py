@@ -72,7 +72,8 @@ def test_mixed_precision_mesh_matches_the_float64_serial_model(backend, name):
     case = CASES[name]
     res = run_mesh_case(case, backend)
     r = res.extra["report"]
-    bound = mixed_tolerance(case.config, case.batch, case.precision)
+    bound = mixed_tolerance(case.config, case.batch, case.precision, case.grad_reduce,
+                            case.microbatches * case.dp)
     parallel_assert(r.bound == bound and r.dtype == case.precision and not r.skipped
                     and len(r.losses) == case.steps, mesh_row(res))
 

@@ -116,13 +116,15 @@ def _contraction_and_depth(config, batch: int) -> tuple[int, int]:
     return k, 2 * (GEMMS_PER_BLOCK * config.layers + 1)
 
 
-def training_tolerance(config, batch: int, dtype) -> float:
+def training_tolerance(config, batch: int, dtype, grad_reduce=None,
+                       partials: int = 1) -> float:
     """Derived bound on the scaled error of one training step's loss, logits and
     gradients (see the section above). ``config`` has seq, hidden, heads, layers, vocab
     and ffn_width (or ffn_mult); ``batch`` is the GLOBAL batch in sequences. A 16-bit
-    ``dtype`` ("bfloat16", "float16") is mixed precision: :func:`mixed_tolerance`."""
+    ``dtype`` ("bfloat16", "float16") is mixed precision: :func:`mixed_tolerance`, with
+    ``grad_reduce`` and ``partials`` as it takes them."""
     if str(getattr(dtype, "__name__", dtype)) in HALF_UNIT_ROUNDOFF:
-        return mixed_tolerance(config, batch, dtype)
+        return mixed_tolerance(config, batch, dtype, grad_reduce, partials)
     k, depth = _contraction_and_depth(config, batch)
     return tolerance(k, dtype) * depth
 
@@ -142,15 +144,33 @@ def training_tolerance(config, batch: int, dtype) -> float:
 # For bfloat16 (u_16 = 2^-8) and the tiny model (L = 2, D = 26) that is 0.34; for
 # float16 (2^-11) 0.045. It is a bound on the rounding of a correct computation: a
 # missing reduction, an unscaled gradient or an unapplied skip is off by far more.
+#
+# Gradients reduced in 16 bits (``--grad-reduce bfloat16|float16``) are summed in that
+# type over the n partial sums of the step (m micro-batches on each of dp replicas), every
+# add rounded: one more sum of n terms, lambda sqrt(n) u_r of its scale, and the rounding
+# of the partials to 16 bits, u_r. That adds linearly to the chain's bound:
+#
+#     tol_mixed + (lambda sqrt(n) + 1) u_r
+#
+# (float16 compute with a bfloat16 reduction is held to bfloat16's u_r there, not to
+# float16's).
 
 
-def mixed_tolerance(config, batch: int, dtype) -> float:
+def mixed_tolerance(config, batch: int, dtype, grad_reduce=None, partials: int = 1) -> float:
     """Derived bound on the scaled error of one mixed-precision training step in the
-    16-bit ``dtype`` against the float64 serial model (see above)."""
+    16-bit ``dtype`` against the float64 serial model (see above); with a 16-bit
+    ``grad_reduce``, the gradients summed in it over ``partials`` partial sums
+    (micro-batches times data-parallel replicas)."""
     k, depth = _contraction_and_depth(config, batch)
     u16 = unit_roundoff(dtype)
     acc = LAMBDA * math.sqrt(k) * (unit_roundoff(np.float32) + unit_roundoff(np.float64))
-    return math.sqrt(depth) * (acc + (2.0 * LAMBDA + 1.0) * u16)
+    tol = math.sqrt(depth) * (acc + (2.0 * LAMBDA + 1.0) * u16)
+    reduce_name = str(getattr(grad_reduce, "__name__", grad_reduce))
+    if reduce_name in HALF_UNIT_ROUNDOFF:
+        if isinstance(partials, bool) or int(partials) != partials or partials < 1:
+            raise ValueError(f"partials must be a positive integer, got {partials!r}")
+        tol += (LAMBDA * math.sqrt(partials) + 1.0) * HALF_UNIT_ROUNDOFF[reduce_name]
+    return tol
 
 
 # Adam, through which a gradient's error reaches the parameters. For one entry with the

@@ -99,6 +99,25 @@ def test_mixed_tolerance_is_derived_from_the_16_bit_unit_roundoff():
         validate.training_tolerance(c, 8, "bfloat16") < 1.0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_gradient_reduction_adds_its_sum_of_partials_to_the_bound(dtype):
+    """--grad-reduce bfloat16|float16 sums the n = m dp partial gradients in 16 bits:
+    the bound adds (lambda sqrt(n) + 1) u_r of the reduction's type (bfloat16's under
+    float16 compute); a float32 reduction adds nothing."""
+    from summasim.spec import MODELS
+    from summasim.transformer.model import Config
+
+    c = Config.of(MODELS["tiny"])
+    base = validate.mixed_tolerance(c, 8, dtype)
+    assert validate.mixed_tolerance(c, 8, dtype, "float32", 64) == base
+    for reduce, u_r in (("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)):
+        for n in (1, 4, 64):
+            assert validate.training_tolerance(c, 8, dtype, reduce, n) == pytest.approx(
+                base + (8 * math.sqrt(n) + 1) * u_r, rel=1e-12)
+    with pytest.raises(ValueError, match="partials"):
+        validate.mixed_tolerance(c, 8, dtype, "bfloat16", 0)
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 def test_16_bit_messages_pack_exactly_and_add_in_16_bits(name):
     """A message's bits: packing rounds to the 16-bit type (exact on values that are

@@ -384,7 +384,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
     config, batch = case.config, case.batch
     rank, p = world.Get_rank(), world.Get_size()
     if bound is None:
-        bound = training_tolerance(config, batch, case.dtype)
+        bound = training_tolerance(config, batch, case.dtype, case.grad_reduce,
+                                   case.microbatches * case.dp)
     first = serial = None
     if rank == 0:            # the serial reference's inputs; the other ranks sleep meanwhile
         try:
