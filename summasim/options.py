@@ -81,12 +81,13 @@ stages_type = _typed(spec.parse_stages, "stages")
 loss_scale_type = _typed(spec.parse_loss_scale, "loss scale")
 
 
-def add_training(ap, zero=0, schedule="1f1b", microbatches=None):
+def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_help=""):
     """How a mesh trains (a :class:`summasim.spec.Training`; build it with
     :func:`training`): ``--zero``, ``--schedule gpipe|1f1b|interleaved:V``,
     ``--microbatches``, ``--stages``, ``--recompute none|selective|full`` (``--checkpoint``
     is ``--recompute full``), ``--attention plain|flash``, ``--sequence-parallel``,
-    ``--loss-scale`` and ``--grad-reduce`` (mixed precision)."""
+    ``--loss-scale`` and ``--grad-reduce`` (mixed precision). ``microbatches_help``
+    ends ``--microbatches``'s help (a default the caller applies itself)."""
     ap.add_argument("--zero", type=int, choices=spec.ZERO_STAGES, default=zero,
                     help=f"ZeRO stage (default {zero})")
     ap.add_argument("--schedule", type=schedule_type, default=schedule,
@@ -95,7 +96,8 @@ def add_training(ap, zero=0, schedule="1f1b", microbatches=None):
                          f"(default {schedule})")
     ap.add_argument("--microbatches", type=_positive, default=microbatches, metavar="M",
                     help="micro-batches per replica"
-                         + (f" (default {microbatches})" if microbatches else ""))
+                         + (f" (default {microbatches})" if microbatches else "")
+                         + microbatches_help)
     ap.add_argument("--stages", type=stages_type, default=None, metavar="L0,L1,...",
                     help="layers per pipeline stage (per stage and chunk when "
                          "interleaved), in order; 0 makes a stage of the embedding or of "

@@ -44,6 +44,8 @@ DEFAULT_MODEL = MODELS["tiny"]
 RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", "--attention",
                                       "--sequence-parallel", "--dtype"})
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
+#: ``--mesh``'s micro-batches per replica when ``--microbatches`` is not given.
+MESH_MICROBATCHES = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_mesh(ap, repeat=True, help_more="; sharded training validated against the "
                      "serial model on --model and --batch. Without --mesh the job runs a few "
                      "default compositions that fit p")
-    options.add_training(ap, zero=0, schedule="1f1b", microbatches=2)
+    options.add_training(ap, zero=0, schedule="1f1b",
+                         microbatches_help=f" (default {MESH_MICROBATCHES})")
     ap.add_argument("--overlap", action="store_true",
                     help="reduce each gradient bucket over dp with a non-blocking ring while "
                          "the backward runs (docs/sharded-training.md: on this kind of "
@@ -175,6 +178,9 @@ def parse_args(argv=None):
                              f"or float32: drop it or choose another --dtype")
         args.algorithm_list, args.scheme_list = [], []
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
+    microbatches_given = args.microbatches is not None
+    if not microbatches_given:
+        args.microbatches = MESH_MICROBATCHES
     try:
         args.training = options.training(args, dtype=args.dtypes[0])
     except ValueError as e:
@@ -185,6 +191,7 @@ def parse_args(argv=None):
     if not args.mesh:
         named = [f for f, given in (("--zero", args.zero != 0),
                                     ("--schedule", args.schedule != "1f1b"),
+                                    ("--microbatches", microbatches_given),
                                     ("--stages", args.stages is not None),
                                     ("--recompute/--checkpoint", args.training.recompute
                                      != "none"),

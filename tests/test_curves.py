@@ -53,6 +53,7 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
     (["--dtype", "bfloat16", "--self-test"], "runs the training rows only"),
     (["--recompute", "selective"], "give --mesh"),
     (["--sequence-parallel"], "give --mesh"),
+    (["--microbatches", "3"], "--microbatches set"),     # the default meshes choose their own
     (["--mesh", "dp=4", "--checkpoint", "--recompute", "selective"], "contradicts"),
     (["--mesh", "dp=4", "--loss-scale", "dynamic"], "needs mixed precision"),
 ])
