@@ -290,7 +290,10 @@ def test_device_memory_checks_count_a_gpu_share_and_name_what_fits():
 
 def test_cases_round_trip():
     for case in (MatmulCase("summa_abt", 2, 1, 8, 4, 6, "float32"), RingCase(77),
-                 transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2)):
+                 transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2),
+                 # the variant and a real MLP multiplier come back as they were
+                 transformer_case("megatron", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2.5,
+                                  mlp="swiglu", kv_heads=2, tied=False)):
         again = case_from_dict(case.to_dict())
         assert again == case and again.to_dict() == case.to_dict()
     assert transformer_case("optimus", 2, 1, 4, 8, 16, 4, 32, 2, ffn=2).config.ffn_mult == 2

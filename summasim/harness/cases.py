@@ -154,7 +154,21 @@ class TransformerCase:
         c = self.config
         return {"kind": "transformer", "scheme": self.scheme, "q": self.q, "d": self.d,
                 "pc": self.pc or self.q, "b": self.batch, "s": c.seq, "h": c.hidden, "heads": c.heads, "v": c.vocab,
-                "layers": c.layers, "ffn": c.ffn_mult, "dtype": self.dtype}
+                "layers": c.layers, "ffn": c.ffn_mult, "dtype": self.dtype, **_variant(c)}
+
+
+def _variant(c: Config) -> dict:
+    """The model variant's fields of a case's dict, only where not GPT-2's defaults (older
+    records read the same)."""
+    return {**({"mlp": c.mlp} if c.mlp != "gelu" else {}),
+            **({"kv_heads": c.kv_heads} if c.kv_heads != c.heads else {}),
+            **({"tied": False} if not c.tied else {})}
+
+
+def _ffn(value) -> int | float:
+    """An MLP multiplier read back: an int where it is whole, else the real number."""
+    f = float(value)
+    return int(f) if f.is_integer() else f
 
 
 @dataclass(frozen=True)
@@ -390,19 +404,19 @@ class MeshCase:
                 **({"attention": self.attention} if self.attention != "plain" else {}),
                 **({"sequence_parallel": True} if self.sequence_parallel else {}),
                 **({"overlap": True} if self.overlap else {}),
-                **({"mlp": c.mlp} if c.mlp != "gelu" else {}),
-                **({"kv_heads": c.kv_heads} if c.kv_heads != c.heads else {}),
-                **({"tied": False} if not c.tied else {}),
+                **_variant(c),
                 **({"loss_scale": self.loss_scale, "grad_reduce": self.grad_reduce}
                    if self.precision else {})}
 
 
 def transformer_case(scheme: str, q: int, d: int, b: int, s: int, h: int, heads: int,
-                     v: int, layers: int, ffn: int = 4, dtype: str = "float64", pc: int = 0):
+                     v: int, layers: int, ffn: float = 4, dtype: str = "float64", pc: int = 0,
+                     *, mlp: str = "gelu", kv_heads: int | None = None, tied: bool = True):
     """A :class:`TransformerCase` from the flat sizes (``pc`` columns of a rectangular
-    grid of q rows)."""
+    grid of q rows) and the model variant."""
     config = Config(vocab=int(v), seq=int(s), hidden=int(h), heads=int(heads),
-                    layers=int(layers), ffn_mult=int(ffn), dtype=np.dtype(dtype).type)
+                    layers=int(layers), ffn_mult=_ffn(ffn), dtype=np.dtype(dtype).type,
+                    mlp=mlp, kv_heads=kv_heads, tied=bool(tied))
     return TransformerCase(scheme, int(q), int(d), int(b), config, int(pc or 0))
 
 
@@ -419,15 +433,16 @@ def case_from_dict(data: dict):
         return transformer_case(data["scheme"], data["q"], data["d"], data["b"], data["s"],
                                 data["h"], data["heads"], data["v"], data["layers"],
                                 data.get("ffn", 4), data.get("dtype", "float64"),
-                                data.get("pc") or 0)
+                                data.get("pc") or 0, mlp=data.get("mlp", "gelu"),
+                                kv_heads=data.get("kv_heads"),
+                                tied=bool(data.get("tied", True)))
     if kind == "mesh":
-        ffn = float(data.get("ffn", 4))
         dtype = data.get("dtype", "float64")
         mixed = dtype in MIXED                 # mixed precision: float32 master weights
         master = "float32" if mixed else dtype
         config = Config(vocab=int(data["v"]), seq=int(data["s"]), hidden=int(data["h"]),
                         heads=int(data["heads"]), layers=int(data["layers"]),
-                        ffn_mult=int(ffn) if ffn.is_integer() else ffn,
+                        ffn_mult=_ffn(data.get("ffn", 4)),
                         dtype=np.dtype(master).type,
                         mlp=data.get("mlp", "gelu"), kv_heads=data.get("kv_heads"),
                         tied=bool(data.get("tied", True)))
