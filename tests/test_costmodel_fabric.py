@@ -219,3 +219,18 @@ def test_the_spine_counts_the_data_parallel_groups_of_every_pipeline_stage():
     u = 2 * topo.nics_per_node * topo.nic_effective / 4
     assert path.bus_bandwidth == pytest.approx(min(u / 16, topo.nic_effective))
     assert path.bottleneck == "spine"
+
+
+@pytest.mark.parametrize("dp", [3, 5, 7])
+def test_a_group_inside_one_node_crosses_no_nic_when_the_mesh_fills_part_of_it(dp):
+    # dp < 8 devices of a dgx-a100 node: the ring stays on NVSwitch. The ranks past the
+    # mesh's last device hold no group, so none may be priced as spanning two nodes.
+    from summasim.costmodel.workload.mesh import MeshGroup, _Coll
+
+    m = load_machine("dgx-a100")
+    grp = MeshGroup(1, dp, dp, 1)
+    assert grp.near(m.topology.devices_per_node, dp) == [list(range(dp))]
+    path = _Coll(m, 1.0, dp)._where(grp)
+    whole = _Coll(m, 1.0, 8)._where(MeshGroup(1, 8, 8, 1))
+    assert path.nodes == 1 and path.bottleneck == whole.bottleneck != "nic"
+    assert path.bus_bandwidth == whole.bus_bandwidth

@@ -37,13 +37,15 @@ class MeshGroup:
         o, i = x % self.stride, x // self.stride
         return (rank - x, o) if o < self.width and i < self.size else None
 
-    def near(self, node_size: int) -> list[list[int]]:
+    def near(self, node_size: int, devices: int) -> list[list[int]]:
         """The first group and every group with a rank on one of its nodes: all the
-        groups that share a NIC with it (the first group stands for the others)."""
+        groups that share a NIC with it (the first group stands for the others). Only the
+        ``devices`` ranks of the mesh exist: a node it fills in part holds no other
+        group."""
         first = [i * self.stride for i in range(self.size)]
         keys = {(0, 0)}
         for node in {r // node_size for r in first}:
-            for r in range(node * node_size, (node + 1) * node_size):
+            for r in range(node * node_size, min((node + 1) * node_size, devices)):
                 k = self.group_of(r)
                 if k is not None:
                     keys.add(k)
@@ -85,7 +87,8 @@ class _Coll:
             if self.nccl:
                 topo = self.machine.topology
                 # every group sharing a NIC with the first, or a leaf domain's uplinks
-                groups = grp.near(topo.devices_per_node * max(1, topo.nodes_per_leaf))
+                groups = grp.near(topo.devices_per_node * max(1, topo.nodes_per_leaf),
+                                  self.devices)
                 grid = _MeshGrid(self.devices, 1, 1, True, members=tuple(map(tuple, groups)))
                 hit = group_path(self.machine.topology, grid, "world", grp.size, Placement())
             else:
