@@ -469,6 +469,20 @@ def _results_folder(folder: str) -> bool:
     return os.path.basename(folder) == "results" and os.path.isdir(os.path.dirname(folder))
 
 
+#: Outputs that are not JSON reports, by how their files begin: an existing file is
+#: replaced without ``--force`` only when it begins so (a PNG image; explore's CSV).
+FILE_SIGNATURES = {"png": b"\x89PNG\r\n\x1a\n", "explore csv": b"table,"}
+
+
+def _begins_with(path: str, signature: bytes) -> bool:
+    """Whether the regular file ``path`` begins with ``signature``."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(signature)) == signature
+    except OSError:
+        return False
+
+
 def check_writable_path(path, kind: str | None = None, force: bool | None = None) -> str:
     """``path`` if a report can be written there, else raise :class:`UsageError`.
 
@@ -482,8 +496,9 @@ def check_writable_path(path, kind: str | None = None, force: bool | None = None
       again (a name too long, a read-only file system or a missing permission is caught,
       also for root);
     - an existing ``path`` must be a regular file (never a FIFO or a device) and, when
-      ``kind`` is given, a summasim report of that kind (:func:`report_kind`) unless
-      ``force``; its folder must accept the temp file of the atomic write.
+      ``kind`` is given, a summasim report of that kind (:func:`report_kind`), or a file
+      that begins as ``kind``'s do (:data:`FILE_SIGNATURES`: a PNG, explore's CSV),
+      unless ``force``; its folder must accept the temp file of the atomic write.
 
     ``kind`` and ``force`` default to those a :class:`ReportPath` carries. Returns
     ``path`` itself (a :class:`ReportPath` stays one).
@@ -521,7 +536,12 @@ def check_writable_path(path, kind: str | None = None, force: bool | None = None
     if not stat.S_ISREG(st.st_mode):
         raise UsageError(f"{text}: is {_file_type(st.st_mode)}; a report is written only to "
                          f"a regular file")
-    if kind and not force:
+    if kind in FILE_SIGNATURES and not force:
+        if not _begins_with(text, FILE_SIGNATURES[kind]):
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise UsageError(f"{text}: exists and is not {article} {kind} file; not replacing "
+                             f"it (give another path, or --force to replace it)")
+    elif kind and not force:
         found = report_kind_of_file(text)
         if found != kind:
             what = (f"a summasim {found} report, not a {kind} report" if found

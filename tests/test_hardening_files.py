@@ -330,3 +330,35 @@ def test_main_job_user_errors_under_mpi(tmp_path, case):
     for word in words:
         assert word in errors[0], report
     assert readme.read_text() == "# hello\n" and not (tmp_path / "nodir").exists()
+
+
+def test_csv_and_plots_replace_only_their_own_kind_of_file(tmp_path):
+    """explore --csv, explore --plot and plan --plot never write over a file that is not
+    what they write (a CSV that begins ``table,``, a PNG) without --force, and refuse a
+    plot path that is not a PNG before the search runs."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    explore = ("-m", "summasim.costmodel", "explore", "--p", "4", "--no-iso")
+    _user_error(_run(*explore, "--csv", notes), "--csv", "not replacing", "--force")
+    assert notes.read_text() == "mine\n"
+    out = tmp_path / "e.csv"
+    for _ in range(2):                                    # its own CSV may be replaced
+        res = _run(*explore, "--csv", out)
+        assert res.returncode == 0 and out.read_text().startswith("table,"), res.stderr
+    res = _run(*explore, "--csv", notes, "--force")
+    assert res.returncode == 0 and notes.read_text().startswith("table,"), res.stderr
+    fake = tmp_path / "plots" / "scaling.png"
+    fake.parent.mkdir()
+    fake.write_text("not an image\n")
+    _user_error(_run(*explore, "--plot", "--outdir", fake.parent), "scaling.png",
+                "not replacing")
+    assert fake.read_text() == "not an image\n"
+    plan = ("-m", "summasim.costmodel", "plan", "--model", "tiny", "--devices", "4")
+    _user_error(_run(*plan, "--plot", tmp_path / "plan.txt"), "--plot", ".png")
+    _user_error(_run(*plan, "--plot", fake), "--plot", "not replacing")
+    assert fake.read_text() == "not an image\n"
+    png = tmp_path / "plan.png"
+    for _ in range(2):
+        res = _run(*plan, "--plot", png)
+        assert res.returncode == 0, res.stderr
+        assert png.read_bytes().startswith(cli.FILE_SIGNATURES["png"])

@@ -95,6 +95,12 @@ def format_table(rows: list[dict], cols: list[str]) -> str:
     return _cli.table(cols, [[fmt(r.get(c)) for c in cols] for r in rows])
 
 
+#: The kind of ``--csv``'s file (``cli.FILE_SIGNATURES``: it begins ``table,``).
+CSV_KIND = "explore csv"
+#: The plots ``--plot`` writes into ``--outdir``.
+PLOTS = ("scaling.png", "bounds.png", "isoefficiency.png")
+
+
 def write_csv(path: str, tables: dict[str, list[dict]]) -> None:
     """All tables in one CSV, first column ``table`` (written atomically)."""
     cols = ["table"]
@@ -150,7 +156,7 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
     for a in ax:
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=8)
-    paths.append(_cli.save_figure(fig, os.path.join(outdir, "scaling.png"), title))
+    paths.append(_cli.save_figure(fig, os.path.join(outdir, PLOTS[0]), title))
 
     # words per rank of each product against the communication lower bounds
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -173,7 +179,7 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
            title="n x n matrix product: words against the lower bounds")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(_cli.save_figure(fig, os.path.join(outdir, "bounds.png"), title))
+    paths.append(_cli.save_figure(fig, os.path.join(outdir, PLOTS[1]), title))
 
     if curves:
         fig, ax = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -198,7 +204,7 @@ def make_plots(outdir: str, tables: dict, curves: dict, title: str) -> list[str]
                              else "isoefficiency, this machine (MPICH algorithms)"))
             ax[i].grid(True, which="both", alpha=0.3)
             ax[i].legend(fontsize=7)
-        paths.append(_cli.save_figure(fig, os.path.join(outdir, "isoefficiency.png"), title))
+        paths.append(_cli.save_figure(fig, os.path.join(outdir, PLOTS[2]), title))
     return paths
 
 
@@ -259,6 +265,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                          "0: no table)")
     ap.add_argument("--outdir", default="results", help="folder for output files")
     ap.add_argument("--csv", nargs="?", const="", default=None, metavar="FILE",
+                    type=cli.report_path(CSV_KIND), action=cli.ReportAction,
                     help="write the tables as CSV (default FILE: OUTDIR/explore.csv)")
     ap.add_argument("--json", nargs="?", const="", default=None, metavar="FILE",
                     type=cli.report_path("explore"), action=cli.ReportAction,
@@ -370,7 +377,7 @@ def check_args(args) -> Plan:
         if value is None:
             continue
         path = value or cli.ReportPath(os.path.join(args.outdir, default),
-                                       "explore" if flag == "--json" else None,
+                                       "explore" if flag == "--json" else CSV_KIND,
                                        force=getattr(args, "force", False))
         _cli.writable(flag if value else "--outdir", path)
         if flag == "--csv":
@@ -379,6 +386,9 @@ def check_args(args) -> Plan:
             json_path = path
     if args.plot and cli.module_available("matplotlib"):
         plot_dir = _cli.writable("--outdir", args.outdir, cli.check_writable_dir)
+        for name in PLOTS:      # a file there that is not a PNG is not replaced
+            _cli.writable("--outdir", cli.ReportPath(os.path.join(plot_dir, name), "png",
+                                                     force=getattr(args, "force", False)))
     return Plan(machine, schemes, cfg, budget, ps, placement, csv_path, json_path, plot_dir)
 
 

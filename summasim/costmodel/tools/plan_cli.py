@@ -152,9 +152,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     action=cli.ReportAction,
                     metavar="PATH", help="write the plan as JSON (default results/plan.json)")
     cli.add_force(ap)
-    ap.add_argument("--plot", nargs="?", default=None,
-                    const=cli.ReportPath("results/plan.png", None, default=True),
-                    metavar="PATH", help="draw the plan (default results/plan.png)")
+    ap.add_argument("--plot", nargs="?", default=None, type=cli.report_path("png"),
+                    const=cli.ReportPath("results/plan.png", "png", default=True),
+                    action=cli.ReportAction, metavar="PATH",
+                    help="draw the plan as a PNG (default results/plan.png)")
     return ap
 
 
@@ -221,6 +222,9 @@ def check_args(args) -> Plan:
         cfg = cfg.replace(dropout=args.dropout)
     zeros = tuple(sorted({int(z) for z in args.zero}))
     sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise cli.UsageError(f"--plot: {args.plot}: the plan is drawn as a PNG; give a path "
+                             f"ending in .png")
     out = {flag: _cli.writable(flag, value)
            for flag, value in (("--json", args.json), ("--plot", args.plot)) if value is not None}
     plot = out.get("--plot")
