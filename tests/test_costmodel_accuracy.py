@@ -321,3 +321,27 @@ def test_mesh_runs_round_trip_for_the_composition_pricer():
     assert run.microbatches == 2 and run.m == 0 and run.to_dict() == res
     assert run.label == "dp=2,pp=1,tp=megatron:2 zero=1 1f1b m=2 b8 s8 h16 L2"
     assert run.ranking_key.startswith("p=4 sharded step b8")
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{}", "no calibrate and no heldout"),
+    ("[1", "not valid JSON"),
+    ("null", "holds null"),
+    ('{"summasim_report": "accuracy"}', "no calibrate"),
+    ('{"calibrate": 1, "heldout": []}', "list of measured runs"),
+    ('{"calibrate": [{"kind": "ring"}], "heldout": []}', "lacks p"),
+    ('{"calibrate": [{"kind": "nope"}], "heldout": []}', "unknown kind"),
+])
+def test_from_a_bad_measured_file_is_one_message_and_exit_2(tmp_path, content, words):
+    out = tmp_path / "acc"
+    out.mkdir()
+    (out / "measured.json").write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--from",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
+    # --from reads an earlier --out: a missing one is not made
+    missing = tmp_path / "none"
+    proc = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--from",
+                           "--out", str(missing)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--from needs" in proc.stderr and not missing.exists()

@@ -141,6 +141,27 @@ def build_parser(ap):
     return ap
 
 
+def _read_measured(path: str) -> dict:
+    """``measured.json`` of an earlier run: ``{"calibrate": [MeasuredRun, ...], "heldout":
+    [...]}``; a UsageError or ValueError naming the file and what is wrong in it."""
+    from ..cli import read_json_file
+
+    data = read_json_file(path)
+    missing = [part for part in ("calibrate", "heldout") if part not in data]
+    if missing:
+        raise ValueError(f"{path}: has no {' and no '.join(missing)} runs (not a "
+                         f"measured.json of `accuracy`)")
+    out = {}
+    for part, runs in data.items():
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            raise ValueError(f"{path}: {part!r} must be a list of measured runs")
+        try:
+            out[part] = [MeasuredRun.from_dict(r) for r in runs]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {part}: {e}") from None
+    return out
+
+
 def run(args) -> int:
     """The accuracy benchmark (see the module doc)."""
     from ..costmodel.machine import Machine
@@ -151,27 +172,29 @@ def run(args) -> int:
     from ..cli import UsageError, check_writable_dir
     from .machinefile import check_machine_spec
 
+    mfile = os.path.join(args.out, "machine-fit.json")
+    mpath = os.path.join(args.out, "measured.json")
+    if args.reuse and not os.path.exists(mpath):      # before --out is made
+        print(f"python -m summasim.costmodel accuracy: error: --from needs {mpath} from an "
+              f"earlier run (run without --from "
+              f"first, or give its --out)", file=sys.stderr)
+        return 2
     try:                                # every argument and file, before any work
         check_writable_dir(args.out)
         given = check_machine_spec(args.machine)     # --machine FILE|PRESET, loaded once
     except (UsageError, ValueError) as e:
         print(f"python -m summasim.costmodel accuracy: error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    mfile = os.path.join(args.out, "machine-fit.json")
-    mpath = os.path.join(args.out, "measured.json")
     t0 = time.time()
     if args.reuse:
-        if not os.path.exists(mpath):
-            print(f"accuracy: --from needs {mpath} from an earlier run (run without --from "
-                  f"first, or give its --out)", file=sys.stderr)
+        try:
+            measured = _read_measured(mpath)
+            machine = given or Machine.load(mfile)
+        except (UsageError, ValueError) as e:
+            print(f"python -m summasim.costmodel accuracy: error: --from: {e}", file=sys.stderr)
             return 2
-        from ..cli import read_json_file
-
-        measured = {part: [MeasuredRun.from_dict(r) for r in runs]
-                    for part, runs in read_json_file(mpath).items()}
-        machine = given or Machine.load(mfile)
     else:
+        os.makedirs(args.out, exist_ok=True)
         if given is not None:
             machine = given
             machine.save(mfile)
