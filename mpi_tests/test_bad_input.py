@@ -187,6 +187,12 @@ def test_out_that_overlaps_an_operand_or_is_read_only(fn):
             out.flags.writeable = RANK != 0
             msg = one_rank_error(ValueError, f, a, b, g, out=out)
             parallel_assert("read-only" in msg, f"message: {msg!r}")
+            # an out of the wrong shape on rank 0, and no out on the others: they check
+            # rank 0's too, rather than wait for it in the product
+            out = np.empty((BLK + 2, BLK)) if RANK == 0 else None
+            msg = one_rank_error(ValueError, f, a, b, g, out=out)
+            parallel_assert(f"out has shape {(BLK + 2, BLK)} on rank 0" in msg,
+                            f"message: {msg!r}")
         parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
         c = np.full((BLK, BLK), np.nan)          # a separate out is still written whole
         f(a, b, g, out=c)

@@ -317,11 +317,11 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
         return be, given
     every = gather_agreed(fn, grid, signature, _two(a) + _two(b) + _two(out), err)
     found = block_sizes(fn, form, grid, layouts, every)
-    if out is not None:
-        for r in range(len(every)):
-            want = block_shape((found["m"], found["n"]), lay_c, rank_numbers(grid, r))
-            have = (int(every[r, 4]), int(every[r, 5]))
-            if have != want and have != (-1, -1):
-                raise ValueError(f"{fn}: out has shape {have} on rank {r}, the result "
-                                 f"block is {want}")
+    # every rank checks every rank's out (those without one too): the same verdict on all
+    for r in range(len(every)):
+        want = block_shape((found["m"], found["n"]), lay_c, rank_numbers(grid, r))
+        have = (int(every[r, 4]), int(every[r, 5]))
+        if have != want and have != (-1, -1):
+            raise ValueError(f"{fn}: out has shape {have} on rank {r}, the result "
+                             f"block is {want}")
     return be, found
