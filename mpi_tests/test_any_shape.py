@@ -63,6 +63,23 @@ def test_any_sizes_match_numpy_and_the_ledger_its_closed_form(grids, backend, na
     parallel_assert(got == want, f"{name} {g} {sizes}: trace {got} != closed form {want}")
 
 
+@pytest.mark.parametrize("name,g", CASES, ids=[f"{n}-{a}x{b}x{c}" for n, (a, b, c) in CASES])
+@pytest.mark.parametrize("sizes", [(0, 5, 3), (4, 0, 3), (4, 5, 0)])
+def test_a_size_of_zero_is_an_empty_or_zero_product(grids, name, g, sizes):
+    """m, k or n = 0: an empty C, or (k = 0) C = 0, on every rank, with the sizes given
+    or found (the cost model's closed forms take positive sizes only)."""
+    grid = grids(g[0], g[2], g[1])
+    spec = ALGORITHMS[name]
+    m, k, n = sizes
+    A, B = _operands(name, m, k, n, np.float64, 7)
+    for told in (False, True):
+        c = spec.fn(layout.split(A, grid, spec.layout_a), layout.split(B, grid, spec.layout_b),
+                    grid, sizes=sizes if told else None)
+        full = layout.join(c, grid, spec.layout_c)
+        parallel_assert(full.shape == (m, n) and not full.any(),
+                        f"{name} {g} {sizes}: C is {full.shape}, max {abs(full).max(initial=0)}")
+
+
 def test_blocks_that_are_not_the_balanced_partition_are_refused_everywhere(grids):
     """Rank 0's A block one column wide of its share: every rank raises the same
     ValueError naming rank 0, before anything is sent."""

@@ -280,6 +280,8 @@ def _bcast_multiply_reduce(steps, bcast_buf, bgroup, partial, multiply, rgroup, 
     operand piece ``bcast_buf(l)`` over ``bgroup`` from rank x, multiply into a partial
     product ``partial(buf, l)``, sum-reduce it over ``rgroup`` to rank y, into
     ``dest(l) = (receive buffer, where it is copied afterwards or None)``."""
+    if not steps:           # the dimension the steps cut is 0: C's block is empty
+        return c
     pending = [None, None]  # (reduce in flight, copy after it) per partial buffer
 
     def post(l):
