@@ -373,6 +373,22 @@ def test_a_fault_that_passes_its_check_fails_the_job(mpiexec):
     assert "corrupted 1 of 1 runs; it was NOT caught in: summa_ab 2x2 16x16x16 float64" in proc.stdout
 
 
+@pytest.mark.parametrize("sizes", [("1", "100000", "1"), ("4", "60000", "3")])
+def test_a_single_precision_perturb_is_caught_on_a_long_contraction(mpiexec, sizes):
+    """perturb moves a product's entry by 1e-2 of its scale (|A||B|)_ij: at k = 1e5, where
+    1e-2 of the entry itself (about sqrt(k) times smaller) falls under the float32
+    bound, the check still catches it on every rank's block."""
+    argv = ["--algorithms", "summa_ab", "--sizes", *sizes, "--schemes", "none", "--meshes",
+            "none", "--repeats", "0", "--no-predict", "--dtype", "float32", "--inject",
+            "perturb@0"]                             # rank 0 holds a block of C
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.run", *argv], 240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "NOT caught" not in proc.stdout and "corrupted 1 of 1 runs" in proc.stdout, \
+        proc.stdout
+    row = [ln for ln in proc.stdout.splitlines() if ln.startswith("summa_ab ")]
+    assert len(row) == 1 and " FAIL" in row[0], proc.stdout
+
+
 def test_auto_checks_exactly_under_a_single_precision_perturb(mpiexec):
     """With auto's threshold at zero every product would be checked by Freivalds; under
     --inject perturb in float32 it checks exactly, and the fault is caught."""

@@ -21,7 +21,7 @@ from ..layout import block_slices, grid_numbers
 from ..mpiutil import agreement
 from .check import check_product, check_ring, collective, ring_input
 from .data import STREAM_A, STREAM_B, uniform_block
-from .inject import Fault, corrupt_entry, drop_panel, drop_summand
+from .inject import Fault, corrupt_entry, drop_panel, drop_summand, perturb_product
 from .memory import peak_rss_bytes
 from .result import Result
 from .timing import reduce_max, time_calls
@@ -99,6 +99,8 @@ def _applied(world, fault, mine_ok: bool) -> bool:
 def _corrupt_product(host, case, g, seed, fault):
     if fault.kind == "drop":      # the block misses the summand of its first k-panel
         drop_panel(host, case, g, seed)
+    elif fault.kind in ("perturb", "drift"):     # no replicas: drift perturbs
+        perturb_product(host, case, g, seed)
     else:
         corrupt_entry(host, fault.kind)
 

@@ -10,7 +10,12 @@ perturb    one entry is multiplied by (1 + 1e-6) in double precision, (1 + 1e-2)
            in single: a relative error far above the dtype's round-off (1e-6 would
            be below float32's bounds) and far below anything a norm-wise check sees
            (a float32 ``freivalds`` row check, about n times looser than the
-           per-entry one, can miss it at large n; the self-test checks exactly)
+           per-entry one, can miss it at large n; the self-test checks exactly). In
+           a product's block the entry C_ij moves by that fraction of its scale
+           (|A||B|)_ij, the unit of the check's bound 8 sqrt(k) (u + u_64)
+           (:func:`perturb_product`): a fraction of |C_ij| itself, which is about
+           sqrt(k) times smaller on mean-zero inputs (and can be near 0), would
+           fall under the float32 bound from k of a few thousand
 drop       one block is left unreduced: a product's block misses the summand of
            one k-panel; the all-reduce result misses another rank's input; in a
            training step, the first sum all-reduce on that rank returns the rank's
@@ -201,6 +206,21 @@ def drift_at_gathers(namespace):
         yield hook
     finally:
         namespace.ring_allgather_unchecked = ag
+
+
+def perturb_product(host, case, g, seed: int) -> None:
+    """``perturb`` on a product's block ``host`` (in place): its largest entry C_ij moves
+    by :func:`perturbation` of its scale (|A||B|)_ij, from row i of op(A) and column j
+    of op(B) regenerated whole (2 k values)."""
+    if host.size == 0:
+        return
+    i, j = _target(host)
+    rows, cols = product_block_slices(case, g)
+    dtype = np.dtype(case.dtype)
+    a, b = op_panels(case.spec, case.m, case.k, case.n, slice(rows.start + i, rows.start + i + 1),
+                     slice(cols.start + j, cols.start + j + 1), slice(0, case.k), seed, dtype)
+    scale = float((np.abs(a) @ np.abs(b))[0, 0])
+    host[i, j] += perturbation(dtype) * (scale if scale > 0 else 1.0)
 
 
 def drop_panel(host, case, g, seed: int) -> None:
