@@ -225,7 +225,7 @@ def plan_mesh_cases(args, p: int):
 
     if args.self_test:             # the default compositions on the default model
         return plan_meshes(p, default_meshes(p), _config(DEFAULT_MODEL, "float64"),
-                           DEFAULT_MODEL.batch, False)
+                           DEFAULT_MODEL.batch, False, fit_batch=True)
     kw = {"steps": args.steps, "overlap": bool(args.overlap)}
     if args.mixed:             # 16-bit compute over float32 master weights
         t = args.training
@@ -245,7 +245,8 @@ def plan_mesh_cases(args, p: int):
     for dtype in args.dtypes:                      # --dtype both: each mesh in each
         c, s, err = plan_meshes(p, specs,
                                 _config(args.model, "float32" if args.mixed else dtype),
-                                args.batch, bool(args.mesh), **kw)
+                                args.batch, bool(args.mesh),
+                                fit_batch=not args.batch_given, **kw)
         if err:
             return [], [], err
         cases += c
@@ -263,7 +264,7 @@ def plan(args, p: int):
                  if c.kind == "matmul" else c for c in cases]
         tcases, tskips = plan_schemes(p, args.scheme_list,
                                       lambda dt: _config(SELF_TEST_MODEL, dt),
-                                      SELF_TEST_MODEL.batch, ["float64"])
+                                      SELF_TEST_MODEL.batch, ["float64"], fit_batch=True)
         return cases, skips, tcases, tskips
     cases, skips = plan_products(p, args.algorithm_list, args.sizes, args.ring_size,
                                  args.dtypes)
@@ -584,8 +585,17 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch)
     if not mcases:
         return []
     c0 = mcases[0].config
-    say(f"\nsharded training: b={mcases[0].batch} (global) s={c0.seq} h={c0.hidden} "
-        f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers}, {mcases[0].steps} Adam steps "
+    batches = sorted({c.batch for c in mcases})
+    b_text = (f"b={batches[0]} (global)" if len(batches) == 1 else
+              f"b={' or '.join(map(str, batches))} (global; a default mesh that cannot cut "
+              f"the model's batch runs the next it can)")
+    variant = "".join([f" ffn={c0.ffn_mult}" if c0.ffn_mult != 4 else "",
+                       f" mlp={c0.mlp}" if c0.mlp != "gelu" else "",
+                       f" kv_heads={c0.kv_heads}" if c0.kv_heads != c0.heads else "",
+                       " untied" if not c0.tied else ""])
+    say(f"\nsharded training: {b_text} s={c0.seq} h={c0.hidden} "
+        f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers}{variant}, {mcases[0].steps} "
+        f"Adam steps "
         f"vs the serial model (float64) on the whole batch, each step from its state; loss "
         f"and grad err are max|par - ser| / max|ser| against the derived bound, param/bnd the "
         f"worst parameter's error over its elementwise bound through Adam; traffic is "

@@ -62,6 +62,20 @@ def test_what_the_job_cannot_run_is_a_user_error(argv, words):
         _args(*argv)
 
 
+@pytest.mark.parametrize("p", [3, 5, 6, 7])
+def test_a_default_mesh_runs_the_next_batch_it_can_cut_unless_the_batch_is_given(p):
+    """Without --mesh and --batch, the default compositions at a p that does not divide
+    the model's batch run the next batch they can cut (dp m replicas and micro-batches),
+    as the scheme rows do; a --batch the user gave is kept, and such a mesh skipped."""
+    cases, skips, err = run.plan_mesh_cases(_args("--algorithms", "none"), p)
+    assert err == "" and not skips and cases
+    for c in cases:
+        assert c.batch >= 8 and c.batch % (c.dp * c.microbatches) == 0 and c.misfit(p) == ""
+        assert c.batch < 8 + c.dp * c.microbatches            # the next one, not any
+    cases, skips, err = run.plan_mesh_cases(_args("--algorithms", "none", "--batch", "8"), p)
+    assert err == "" and not cases and all("not divisible" in s.reason for s in skips)
+
+
 def test_the_techniques_reach_every_mesh_case():
     args = _args("--mesh", "tp=megatron:4", "--sequence-parallel", "--recompute", "selective",
                  "--attention", "flash", "--overlap", "--steps", "5")

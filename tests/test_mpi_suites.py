@@ -95,8 +95,11 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
     # in each dtype of --dtype both
     meshes = report["meshes"]
     assert [m["dtype"] for m in meshes] == ["float64", "float32"]
+    for r in tf:                     # each row names its model and batch
+        assert (r["case"]["h"], r["case"]["heads"], r["case"]["b"]) == (64, 16, r["batch"])
     for mesh in meshes:
         assert mesh["mesh"] == "dp=2,pp=2,tp=megatron:1" and mesh["ok"] and mesh["values_ok"]
+        assert (mesh["case"]["h"], mesh["case"]["b"], mesh["case"]["m"]) == (64, 8, 2)
         assert mesh["traffic"] == mesh["traffic_expected"] and mesh["traffic"]["dp.grads"] > 0
         assert mesh["memory"]["total"] == mesh["memory_formula"]["total"] > 0
     assert meshes[0]["memory"]["total"] == 2 * meshes[1]["memory"]["total"]   # 8 B and 4 B

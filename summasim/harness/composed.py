@@ -140,6 +140,7 @@ class MeshReport:
     skipped: list = field(default_factory=list)      # mixed precision: steps skipped (1-based)
     loss_scale: str = ""            # mixed precision: none, static:S or dynamic
     grad_reduce: str = ""           # mixed precision: the dp reduction's type
+    case: dict = field(default_factory=dict)    # the case's to_dict(): model and batch
 
 
 class SerialReference:
@@ -406,7 +407,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
                      case.checkpoint, p, case.dtype, case.steps, bound, chunks=case.chunks,
                      stages=case.stages_label, overlap=bool(overlap),
                      techniques=list(case.techniques),
-                     loss_scale=case.loss_scale or "", grad_reduce=case.grad_reduce or "")
+                     loss_scale=case.loss_scale or "", grad_reduce=case.grad_reduce or "",
+                     case=case.to_dict())
     mesh = build_mesh(world, case, spec, backend, shared)
     item = np.dtype(config.dtype).itemsize
     finished = False

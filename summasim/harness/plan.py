@@ -10,6 +10,7 @@ reason. Default sizes are rounded up to fit each grid; sizes a user gave must fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -135,8 +136,27 @@ def default_meshes(p: int) -> list[tuple[Mesh, dict]]:
     return [(Mesh.parse(text), opts) for text, opts in out]
 
 
-def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
-                ) -> tuple[list, list[Skip], str]:
+#: How many batch sizes :func:`fitted_mesh_batch` tries.
+FIT_TRIES = 64
+
+
+def fitted_mesh_batch(case: MeshCase, p: int) -> int:
+    """``case.batch``, or where the mesh cannot cut it (into dp replicas of m
+    micro-batches, each into whole sequences per tensor rank) the next multiple of dp m
+    that it can, among the next :data:`FIT_TRIES` (else ``case.batch``, and the case
+    says why it misfits)."""
+    if not case.misfit(p):
+        return case.batch
+    unit = case.dp * case.microbatches
+    start = -(-case.batch // unit) * unit
+    for b in range(start, start + FIT_TRIES * unit, unit):
+        if not dataclasses.replace(case, batch=b).misfit(p):
+            return b
+    return case.batch
+
+
+def plan_meshes(p: int, specs, config, batch: int, explicit: bool, fit_batch: bool = False,
+                **kw) -> tuple[list, list[Skip], str]:
     """Mesh cases for ``specs`` (``[(mesh, options)]``, a mesh a :class:`Mesh` or its
     text; the options are :class:`MeshCase` fields: zero, schedule, chunks, stages,
     microbatches, ...). Returns ``(cases, skips, err)``: a mesh the user asked for that
@@ -144,13 +164,17 @@ def plan_meshes(p: int, specs, config, batch: int, explicit: bool, **kw
     not fit the model's layers, an interleaved schedule over one stage or over
     micro-batches that are not a multiple of pp, a batch or micro-batch the scheme
     cannot shard), a default one that cannot is skipped with the reason; nothing runs
-    before."""
+    before. With ``fit_batch`` (the batch is the model's default, not one the user asked
+    for) a default mesh that cannot cut ``batch`` runs the next batch it can
+    (:func:`fitted_mesh_batch`)."""
     cases, skips = [], []
     for text, opts in specs:
         try:
             case = MeshCase.parse(text, batch, config, **{**kw, **opts})
         except ValueError as e:
             return [], [], f"--mesh {text}: {e}"
+        if fit_batch and not explicit:
+            case = dataclasses.replace(case, batch=fitted_mesh_batch(case, p))
         why = case.misfit(p)
         if why:
             if explicit:

@@ -174,6 +174,7 @@ class SchemeReport:
     fault: str = ""
     fault_applied: bool = True
     batch: int = 0                  # the sequences of the step (a row may raise the default)
+    case: dict = field(default_factory=dict)    # the case's to_dict(): model and grid
     load: dict | None = None        # other processes' load while it ran (rank 0)
     predicted_s: float | None = None    # cost model: one fwd + bwd step (slowest rank)
 
@@ -311,7 +312,8 @@ def run_transformer(case, world, backend=None, *, repeats: int = 3, seed: int = 
     tokens, targets, ref_loss = ref["tokens"], ref["targets"], ref["loss"]
 
     rep = SchemeReport(case.scheme, spec.grid_label(p, q, d, pc), p, q, d, case.dtype,
-                       bound=bound, fault=str(fault) if fault else "", batch=batch)
+                       bound=bound, fault=str(fault) if fault else "", batch=batch,
+                       case=case.to_dict())
     try:
         grid = spec.make_grid(world, q, d, backend, pc=pc)
     except BaseException:
