@@ -640,8 +640,8 @@ def read_json_file(path, *, expect: type | None = dict, max_bytes: int = MAX_INP
     """The JSON value in the user's file ``path``, read safely (:func:`read_user_file`).
 
     Strict: the text must be UTF-8, nest at most ``max_depth`` levels, hold no NaN or
-    infinity (JSON has none; an overflowing number such as ``1e999`` counts as one), no
-    key twice in one object, and (unless ``expect`` is None) be a JSON value of type
+    infinity (JSON has none; an overflowing number such as ``1e999`` or an integer
+    beyond a float's range counts as one), no key twice in one object, and (unless ``expect`` is None) be a JSON value of type
     ``expect`` at the top. :class:`UsageError` starting with the path otherwise.
     """
     text = os.fspath(path)
@@ -658,6 +658,14 @@ def read_json_file(path, *, expect: type | None = dict, max_bytes: int = MAX_INP
             raise UsageError(f"{text}: holds the number {s[:40]}, out of range")
         return val
 
+    def integer(s):
+        val = int(s)
+        try:
+            float(val)
+        except OverflowError:
+            raise UsageError(f"{text}: holds the integer {s[:40]}..., out of range") from None
+        return val
+
     def unique(pairs):
         seen = {}
         for key, val in pairs:
@@ -668,7 +676,7 @@ def read_json_file(path, *, expect: type | None = dict, max_bytes: int = MAX_INP
 
     try:
         obj = json.loads(raw, parse_constant=constant, parse_float=number,
-                         object_pairs_hook=unique)
+                         parse_int=integer, object_pairs_hook=unique)
     except RecursionError:
         raise UsageError(f"{text}: nests deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:

@@ -92,6 +92,7 @@ def test_reader_refuses_special_files_without_blocking(tmp_path):
     (b'{"alpha": NaN}', ("NaN",)),
     (b'{"alpha": -Infinity}', ("-Infinity",)),
     (b'{"alpha": 1e999}', ("1e999", "out of range")),
+    (b'{"n": 1' + b"0" * 400 + b"}", ("the integer 1000", "out of range")),
     (b'{"alpha": 1, "alpha": 2}', ("'alpha'", "twice")),
     (b'{"n": ' + b"9" * 5000 + b"}", ("cannot be read as JSON",)),
     ('{"a": 1}'.encode("utf-16"), ("UTF-16",)),
