@@ -362,3 +362,12 @@ def test_predict_command_takes_a_variant(capsys):
     assert main(["predict", "--model", "gpt3-6.7b", "--mesh", "tp=megatron:8",
                  "--machine", "dgx-a100:nics=0"]) == 2
     assert "nics" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["dgx-a100:gpus=1", "dgx-a100:gpus=3", "h100-dgx-ndr:gpus=5"])
+def test_an_odd_gpu_count_on_an_nvswitch_node_is_a_machine(text):
+    """The socket split applies to PCIe nodes (whose flows cross the sockets); NVSwitch
+    devices talk through the switch, so any count of them per node is a node."""
+    m = load_machine(text)
+    gpus = int(text.split("=")[1])
+    assert m.topology.devices_per_node == gpus and m.topology.intra_kind == "nvswitch"

@@ -229,9 +229,9 @@ class Topology:
         _num(p + "nics_per_node", self.nics_per_node, integer=True)
         if self.nodes is not None:
             _num(p + "nodes", self.nodes, positive=True, integer=True)
-        if self.devices_per_node % self.sockets:
-            raise ValueError(f"topology: {self.devices_per_node} devices per node do not split "
-                             f"evenly over {self.sockets} sockets")
+        if self.intra_kind == "pcie" and self.devices_per_node % self.sockets:
+            raise ValueError(f"topology: {self.devices_per_node} PCIe devices per node do not "
+                             f"split evenly over {self.sockets} sockets")
         if self.intra_kind == "pcie" and self.sockets > 1 and self.socket_bandwidth <= 0:
             raise ValueError("topology: a PCIe node with several sockets needs "
                              "socket_bandwidth > 0 (flows between sockets cross it)")
@@ -555,7 +555,8 @@ def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
         for node, locs in bn.items():
             if span:
                 nic_users[node] = nic_users.get(node, 0) + len(locs)
-            if topo.sockets > 1 and len({topo.socket_of(x) for x in locs}) > 1:
+            if topo.intra_kind == "pcie" and topo.sockets > 1 and \
+                    len({topo.socket_of(x) for x in locs}) > 1:
                 crossings[node] = crossings.get(node, 0) + 1
     leaving = _leaving_groups(topo, layout)
     worst = None
