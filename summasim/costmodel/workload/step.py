@@ -16,6 +16,7 @@ from ..machine.topology import Placement
 from .layer import (_ring_allreduce_messages, _split, layer_ops, product_work, recompute_ops,
                     summa_forms, summa_op, tp3d_linear_ops)
 from .footprint import Memory, _layer_activations, memory
+from .mesh import model_flops as _model_flops
 from .predict import price_messages
 from .pricer import Prediction, make_pricer
 from .scheme import Scheme, TransformerConfig, grid_blocks, grid_vocab, runs, vocab_block
@@ -307,8 +308,9 @@ class StepBreakdown:
     all of it here, the schemes' collectives block the compute that needs their
     result). ``seconds`` = GEMM + memory-bound + exposed communication.
     ``launch_seconds`` is the kernel-launch share of GEMM and memory-bound time.
-    ``model_flops`` is 6 x (forward GEMM flops) over all ranks, the useful work of
-    a step without recomputation; ``tflops_per_device`` = model_flops / (p seconds).
+    ``model_flops`` is the model's useful work of a step without recomputation
+    (``mesh.model_flops``: 3 x its forward GEMM flops, whatever the grid's padding or
+    uneven blocks); ``tflops_per_device`` = model_flops / (p seconds).
     """
 
     scheme: Scheme
@@ -411,7 +413,7 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
                          pc=scheme.pc)
     dev = machine.device
     busiest = runs(scheme, cfg)
-    gemm = red_bytes = fwd_flops = 0.0
+    gemm = red_bytes = 0.0
     launches = 0
     for key in ("forward", "backward"):
         for op in ops[key]:
@@ -419,15 +421,11 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
                 _, m_, k_, n_, cnt = op
                 gemm += _gemm_seconds(machine, m_, k_, n_, cnt, cfg.dtype, it, batched=True)
                 launches += 1
-                if key == "forward":
-                    fwd_flops += 2.0 * cnt * m_ * k_ * n_
             elif op[0] == "mm":
                 work = product_work(scheme, op, it, busiest=busiest)[1]
                 for a, b_, c, cnt in work.gemms:
                     gemm += _gemm_seconds(machine, a, b_, c, cnt, cfg.dtype, it)
                     launches += cnt
-                    if key == "forward":
-                        fwd_flops += 2.0 * cnt * a * b_ * c
                 red_bytes += work.reduce_bytes
             elif op[0] == "ring" and op[2] > 1:
                 _, grp, size, items, cnt = op
@@ -459,8 +457,9 @@ def step_breakdown(scheme: Scheme, cfg: TransformerConfig, machine: Machine, *,
     comm *= comm_slow
     mem_bound = elementwise + optimizer
     total = gemm + mem_bound + comm
-    # useful model flops: forward + backward (2 x forward) without recomputation, all ranks
-    model_flops = 3.0 * fwd_flops * scheme.p
+    # useful model flops: forward + backward (2 x forward) without recomputation, of the
+    # model itself (not the busiest rank's padded blocks times p): the composition's own
+    model_flops = _model_flops(cfg, cfg.b)
     return StepBreakdown(scheme, cfg, machine.name, placement.describe(), total, gemm,
                          mem_bound, optimizer, comm, comm, launch, n_kern + launches,
                          {k: v * comm_slow for k, v in by_op.items()}, algs, mem, model_flops)
