@@ -81,6 +81,17 @@ def test_negative_field_is_named(path):
         Machine.from_dict(d)
 
 
+def test_a_reserve_that_leaves_no_memory_is_refused():
+    """device.reserve_bytes at or above memory_bytes would leave every step 0 bytes: the
+    machine is refused, naming both fields, rather than priced as fitting or not."""
+    d = load_preset("dgx-a100").to_dict()
+    d["device"]["reserve_bytes"] = d["memory_bytes"]
+    with pytest.raises(ValueError, match="'device.reserve_bytes'.*'memory_bytes'"):
+        Machine.from_dict(d)
+    d["device"]["reserve_bytes"] = d["memory_bytes"] / 2            # half is a machine
+    assert Machine.from_dict(d).device.reserve_bytes == d["memory_bytes"] / 2
+
+
 def test_bad_values_rejected():
     d = _machine().to_dict()
     d["intra"]["beta_large"] = "fast"

@@ -248,6 +248,11 @@ class Machine:
             raise ValueError("machine field 'topology' must be a Topology or None")
         if self.device is not None and not isinstance(self.device, Device):
             raise ValueError("machine field 'device' must be a Device or None")
+        if self.device is not None and self.memory_bytes > 0 \
+                and self.device.reserve_bytes >= self.memory_bytes:
+            raise ValueError(f"machine field 'device.reserve_bytes' ({self.device.reserve_bytes:g}"
+                             f") must be below 'memory_bytes' ({self.memory_bytes:g}): the "
+                             f"reserve would leave a training step no memory")
         if self.library == "nccl" and self.topology is None:
             raise ValueError("machine field 'topology' is missing: library 'nccl' prices "
                              "collectives on the topology's links")
