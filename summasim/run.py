@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tensor-parallel schemes on the grids that fit the MPI world size. Run "
                     "it under mpirun, e.g. `mpirun -n 16 python -m summasim.run`.")
     ap.add_argument("--sizes", nargs=3, type=int, metavar=("M", "K", "N"),
-                    help="global sizes of C[M, N] = op(A)[M, K] op(B)[K, N]; they must divide "
-                         "the grid (runs that do not fit are skipped with the reason). "
-                         f"Default {' '.join(map(str, DEFAULT_SIZES))}, rounded up per grid.")
+                    help="global sizes of C[M, N] = op(A)[M, K] op(B)[K, N]: any sizes, cut "
+                         "into the balanced partition of each grid "
+                         f"(default {' '.join(map(str, DEFAULT_SIZES))})")
     ap.add_argument("--ring-size", type=int, default=None, metavar="N",
                     help=f"length of the ring_allreduce vector (default {DEFAULT_RING})")
     options.add_dtype(ap, ("float64", "float32", "both", "bfloat16", "float16"), "float64",
@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how each product block is validated: exact (float64 reference "
                          "block from the panels it needs), freivalds (randomized, 4 probes), "
                          "or auto (exact up to 4 GFLOP of reference work per rank; default)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run; the median "
-                    "span is reported (default 3; 0 validates without timing, for sizes "
-                    "where one call takes minutes)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run, at least "
+                    "(a product or ring call that is short repeats up to 5x within about "
+                    "0.5 s); the median span is reported (default 3; 0 validates without "
+                    "timing, for sizes where one call takes minutes)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     ap.add_argument("--threads", type=int, default=None,
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
@@ -131,6 +132,7 @@ def _names(text: str, valid, what: str) -> list[str]:
     if text == "none":
         return []
     names = list(valid) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    names = list(dict.fromkeys(names))             # a name given twice runs once
     bad = [s for s in names if s not in valid]
     if bad or (not names and text != "none"):
         raise UsageError(f"unknown {what}(s) {', '.join(bad) or '(none given)'}; choose from "
@@ -161,9 +163,11 @@ def parse_args(argv=None):
             raise UsageError(str(e)) from None
     if args.self_test and args.inject:
         raise UsageError("--self-test injects every fault itself; leave out --inject")
-    if args.self_test and (args.model or args.batch or args.mesh):
-        raise UsageError("--self-test runs its own small model and meshes; leave out "
-                         "--model, --batch and --mesh")
+    if args.self_test and (args.model or args.batch or args.mesh or args.sizes
+                           or args.ring_size or args.dtype in ("float32", "both")):
+        raise UsageError("--self-test runs its own small sizes, model and meshes in float64; "
+                         "leave out --sizes, --ring-size, --model, --batch, --mesh and "
+                         "--dtype")
     args.model = args.model or DEFAULT_MODEL
     args.batch_given = bool(args.batch)
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
@@ -207,7 +211,17 @@ def parse_args(argv=None):
             raise UsageError(why)
     if not args.algorithm_list and not args.scheme_list and not args.mesh \
             and args.meshes == "none":
-        raise UsageError("nothing to run: --algorithms none, --schemes none and no mesh")
+        raise UsageError("nothing to run: no products, ring or schemes"
+                         + (f" (--dtype {args.dtype} runs the training rows only)"
+                            if args.mixed else "") + " and --meshes none without --mesh")
+    kinds = {ALGORITHMS[a].kind for a in args.algorithm_list}
+    if args.sizes and not kinds - {"ring"}:
+        raise UsageError(f"--sizes {' '.join(map(str, args.sizes))} sizes the products, and "
+                         f"none runs (--algorithms {args.algorithms}); leave it out or name a "
+                         f"product")
+    if args.ring_size is not None and "ring" not in kinds:
+        raise UsageError(f"--ring-size {args.ring_size} sizes ring_allreduce, which does not "
+                         f"run (--algorithms {args.algorithms}); leave it out or name it")
     args.job = None           # planned once per rank, on first use (see job())
     args.machine_loaded = None    # --machine, loaded once by rank 0's preflight
     return args
@@ -449,7 +463,8 @@ def _main(args, world, jb: Job) -> int:
         machine = resolve_machine(args.machine, world, say, loaded=args.machine_loaded)
     say("")
     from .harness.load import LoadWatch, warning
-    watch = LoadWatch(world)                 # other processes' load, per row and in all
+    # other processes' load, per row and in all; none to report when nothing was timed
+    watch = LoadWatch(world, timed=args.repeats > 0)
     rows, pairs, untouched = [], [], []      # untouched: runs the fault found nothing in
     if cases:
         say(format_header(), flush=True)

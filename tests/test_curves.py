@@ -54,12 +54,23 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
     (["--recompute", "selective"], "give --mesh"),
     (["--sequence-parallel"], "give --mesh"),
     (["--microbatches", "3"], "--microbatches set"),     # the default meshes choose their own
+    (["--algorithms", "ring_allreduce", "--sizes", "3", "3", "3"], "--sizes 3 3 3 sizes"),
+    (["--algorithms", "summa_ab", "--ring-size", "7"], "--ring-size 7 sizes ring_allreduce"),
+    (["--self-test", "--dtype", "float32"], "--self-test runs its own"),
+    (["--self-test", "--sizes", "4", "4", "4"], "--self-test runs its own"),
+    (["--dtype", "float16", "--meshes", "none"], "runs the training rows only"),
     (["--mesh", "dp=4", "--checkpoint", "--recompute", "selective"], "contradicts"),
     (["--mesh", "dp=4", "--loss-scale", "dynamic"], "needs mixed precision"),
 ])
 def test_what_the_job_cannot_run_is_a_user_error(argv, words):
     with pytest.raises(UsageError, match=words):
         _args(*argv)
+
+
+def test_a_name_given_twice_runs_once():
+    args = _args("--algorithms", "summa_ab,summa_ab,cannon_ab", "--schemes",
+                 "megatron,megatron")
+    assert args.algorithm_list == ["summa_ab", "cannon_ab"] and args.scheme_list == ["megatron"]
 
 
 @pytest.mark.parametrize("p", [3, 5, 6, 7])

@@ -9,6 +9,7 @@ the job took. The serial checks of :mod:`summasim.harness.inject` sit at the end
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -387,6 +388,22 @@ def test_a_single_precision_perturb_is_caught_on_a_long_contraction(mpiexec, siz
         proc.stdout
     row = [ln for ln in proc.stdout.splitlines() if ln.startswith("summa_ab ")]
     assert len(row) == 1 and " FAIL" in row[0], proc.stdout
+
+
+def test_an_untimed_run_reports_no_time_and_no_load(mpiexec, tmp_path):
+    """--repeats 0 validates without timing: the JSON has no seconds (null, not 0.0) and
+    no load reading, and no row is marked BUSY nor the job warned that its times include
+    other work, whatever else runs on the machine."""
+    out = tmp_path / "r.json"
+    argv = ["--algorithms", "summa_ab,ring_allreduce", "--sizes", "16", "16", "16",
+            "--schemes", "megatron", "--meshes", "none", "--repeats", "0", "--json", out]
+    proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", *map(str, argv)], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["rows"] and all(r["seconds"] is None and r["times"] == [] and r["load"] is None
+                               for r in rep["rows"]), rep["rows"]
+    assert rep["load"] is None and all(t["load"] is None for t in rep["transformer"])
+    assert "BUSY" not in proc.stdout and "times include" not in proc.stdout, proc.stdout
 
 
 def test_auto_checks_exactly_under_a_single_precision_perturb(mpiexec):

@@ -219,12 +219,14 @@ class LoadWatch:
     :meth:`lap` returns the :func:`interval_load` since the last lap (or the start),
     :meth:`stop` the one since the start. Building it is collective (the ranks' pids,
     so that our own ranks are not counted as other work); the readings are rank 0's
-    alone, so they cost the other ranks nothing. Other ranks get None from both.
-    ``world`` None: this process alone."""
+    alone, so they cost the other ranks nothing. Other ranks get None from both, and so
+    does every rank when ``timed`` is False (nothing is timed: no time can include other
+    work). ``world`` None: this process alone."""
 
-    def __init__(self, world=None, limit: float = BUSY_CORES, exclude: Iterable[int] = ()):
+    def __init__(self, world=None, limit: float = BUSY_CORES, exclude: Iterable[int] = (),
+                 timed: bool = True):
         pids = world.allgather(os.getpid()) if world is not None else [os.getpid()]
-        self.root = world is None or world.Get_rank() == 0
+        self.root = (world is None or world.Get_rank() == 0) and bool(timed)
         self.exclude = [int(p) for p in list(pids) + list(exclude)]
         self.limit, self.ranks = limit, len(set(pids))
         self.first = self.last = read_counters(self.exclude) if self.root else None

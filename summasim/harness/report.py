@@ -109,7 +109,8 @@ def row_record(res, predicted=None, load: dict | None = None) -> dict:
     return {"algorithm": c.algorithm, "grid": c.grid_label(res.p), "shapes": shapes_label(c),
             "dtype": c.dtype, "case": c.to_dict(), "error": chk.error, "bound": chk.bound,
             "check": chk.method, "false_pass": chk.false_pass, "ok": chk.ok,
-            "nonfinite": chk.nonfinite, "bad_ranks": chk.bad_ranks, "seconds": t,
+            "nonfinite": chk.nonfinite, "bad_ranks": chk.bad_ranks,
+            "seconds": t if res.timing.get("spans") else None,      # None: not timed
             "times": res.timing.get("spans", []),
             "gflops": (2.0 * c.m * c.k * c.n / t / 1e9) if c.kind == "matmul" and t > 0
             else None,
