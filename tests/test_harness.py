@@ -22,16 +22,28 @@ from summasim.harness.inject import KINDS, Fault, corrupt_entry
 from summasim.layout import GridNumbers, block_slices
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(R=st.integers(1, 40), C=st.integers(1, 40), data=st.data(),
-       dtype=st.sampled_from([np.float64, np.float32]))
-def test_any_block_equals_the_slice_of_the_global_matrix(R, C, data, dtype):
+       dtype=st.sampled_from([np.float64, np.float32]),
+       path=st.sampled_from(["default", "row by row", "narrow in chunks"]))
+def test_any_block_equals_the_slice_of_the_global_matrix(R, C, data, dtype, path):
+    from summasim.harness import data as mod
+
     r0 = data.draw(st.integers(0, R - 1))
     r1 = data.draw(st.integers(r0 + 1, R))
     c0 = data.draw(st.integers(0, C - 1))
     c1 = data.draw(st.integers(c0 + 1, C))
     whole = uniform_segment(5, 3, 0, R * C).reshape(R, C).astype(dtype)
-    block = uniform_block(5, 3, (R, C), slice(r0, r1), slice(c0, c1), dtype)
+    # each way of drawing a block: the narrow rows whole (in chunks of a few rows), or
+    # segment by segment with a jump between rows
+    saved = mod.NARROW_ROWS, mod.NARROW_ITEMS, mod.CHUNK_ITEMS
+    mod.NARROW_ROWS, mod.NARROW_ITEMS, mod.CHUNK_ITEMS = {
+        "default": saved, "row by row": (0, 0, saved[2]),
+        "narrow in chunks": (10 ** 9, 0, 3 * C)}[path]
+    try:
+        block = uniform_block(5, 3, (R, C), slice(r0, r1), slice(c0, c1), dtype)
+    finally:
+        mod.NARROW_ROWS, mod.NARROW_ITEMS, mod.CHUNK_ITEMS = saved
     assert block.dtype == dtype and block.flags.c_contiguous
     assert np.array_equal(block, whole[r0:r1, c0:c1])
     assert block.min() >= -1 and block.max() < 1

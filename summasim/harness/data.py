@@ -19,6 +19,9 @@ import numpy as np
 
 # streams of the harness's operands
 STREAM_A, STREAM_B, STREAM_RING = 0, 1, 100
+#: A block whose rows are at most NARROW_ROWS times its width, or whose rows hold at most
+#: NARROW_ITEMS draws in all, is drawn row-whole (CHUNK_ITEMS draws at a time) and cut.
+NARROW_ROWS, NARROW_ITEMS, CHUNK_ITEMS = 8, 1 << 16, 1 << 20
 
 
 def _generator(seed: int, stream: int, start: int):
@@ -58,6 +61,15 @@ def uniform_block(seed: int, stream: int, global_shape, rows: slice, cols: slice
         return out
     if w == C:                                   # whole rows: one contiguous segment
         uniform_segment(seed, stream, r0 * C, h * w, dtype, out=out.reshape(-1))
+        return out
+    if C <= NARROW_ROWS * w or h * C <= NARROW_ITEMS:
+        # narrow rows (a tall, skinny matrix): drawing them whole, CHUNK_ITEMS at a time,
+        # beats a Python step per row; at most NARROW_ROWS times the block's draws
+        step = max(1, CHUNK_ITEMS // C)
+        for i in range(0, h, step):
+            n = min(step, h - i)
+            rows_ = uniform_segment(seed, stream, (r0 + i) * C, n * C).reshape(n, C)
+            out[i:i + n] = rows_[:, c0:c1]
         return out
     bitgen, gen = _generator(seed, stream, r0 * C + c0)
     row = np.empty(w, np.float64)
