@@ -301,6 +301,22 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                              p2p_overlap=getattr(args, "p2p_overlap", False))
 
 
+def _run_lengths(values, most: int = 16) -> str:
+    """``8,8,8,8`` as it is; a list of more than ``most`` values as runs, ``1 x 32,
+    0 x 1048544`` (so that a million stages print one short line)."""
+    values = list(values)
+    if len(values) <= most:
+        return ",".join(map(str, values))
+    runs: list = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    text = ", ".join(f"{v} x {n}" if n > 1 else str(v) for v, n in runs[:most])
+    return text + (f", ... ({len(runs) - most} more runs)" if len(runs) > most else "")
+
+
 def _s(x: float) -> str:
     return f"{x * 1e3:10.2f} ms"
 
@@ -375,7 +391,7 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     w(f"mesh:      {args.mesh} ({sch.label}), {args.mesh.devices} devices, m = "
       f"{c['microbatches']} micro-batches of {c['micro_batch']}, layers per "
       f"{'virtual stage (chunk c of stage s is c pp + s)' if c['chunks'] > 1 else 'stage'} "
-      f"{','.join(map(str, c['stage_layers']))}\n")
+      f"{_run_lengths(c['stage_layers'])}\n")
     w(f"model:     {args.model}: {_model_line(cfg)}\n")
     w(f"training:  {technique_line(args.training)}\n\n")
     step = res["step_seconds"]
