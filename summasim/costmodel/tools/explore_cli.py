@@ -416,7 +416,8 @@ def run(args, out=None) -> dict:
     title = (f"{machine.name}: b={fmt(cfg.b)} s={fmt(cfg.s)} h={fmt(cfg.h)} "
              f"n={fmt(cfg.n)} N={cfg.N} ffn={fmt(cfg.ffn)} {cfg.dtype} "
              f"recompute {cfg.recompute}, attention {cfg.attention}"
-             f"{', sequence parallel' if cfg.sequence_parallel else ''}, {args.mode}")
+             f"{', sequence parallel' if cfg.sequence_parallel else ''}, collectives "
+             f"{machine.library if args.mode == 'mpich' else 'of the Optimus paper'}")
     skipped = {"strong": [], "weak": [], "matmul": []}
     rule = getattr(args, "weak", "batch")
     iso = not args.no_iso and len([p for p in ps if p >= 16 and math.isqrt(p) ** 2 == p]) > 1
