@@ -365,3 +365,19 @@ def test_training_rows_timed_under_load_are_marked_and_carry_their_load():
         for line in (row, table):
             assert (line.endswith("  " + want) if want else "BUSY" not in line), line
         assert mesh_record(mesh)["load"] == load and transformer_record(scheme)["load"] == load
+
+
+def test_a_failed_mesh_check_names_the_worst_value_only_when_values_failed():
+    """The line under a failed mesh row names the failed checks; "worst value" names the
+    worst parameter only when the values themselves failed, not when only the traffic
+    or Table 1 check did (the values passed there)."""
+    from summasim.harness.composed import MeshReport
+    from summasim.harness.report import format_mesh_row
+
+    r = MeshReport("tp=3d:2x2x2", 0, "1f1b", 1, False, 8, "float64", 3, 1e-12,
+                   worst="step 3 param h0.ln1.b", failures=["table1"], values_ok=True)
+    line = format_mesh_row(r, 24).split("\n")[1]
+    assert "failed checks: table1" in line and "worst value" not in line, line
+    r.values_ok = False
+    line = format_mesh_row(r, 24).split("\n")[1]
+    assert "failed checks: table1, values (worst value: step 3 param h0.ln1.b)" in line, line

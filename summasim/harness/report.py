@@ -255,7 +255,7 @@ def format_mesh_row(r, width: int) -> str:
     if r.failures or not r.values_ok:
         why = list(r.failures) + ([] if r.values_ok else ["values"])
         line += (f"\n    {r.mesh}: failed checks: {', '.join(why)}"
-                 + (f" (worst value: {r.worst})" if r.worst else ""))
+                 + (f" (worst value: {r.worst})" if r.worst and not r.values_ok else ""))
     return line
 
 
