@@ -212,6 +212,18 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
         msg = collective_raises(ValueError, tp3d.forward, local, tokens, targets, cfg, grid)
         moved = len(grid.trace.events)
         parallel_assert("mlp.fc.w" in msg and moved == 0, f"{msg!r}, {moved} events")
+        # a block of another dtype, or not an array, on the last rank only
+        for bad, words in ((lambda a: a.astype(np.float32), "dtype float32"),
+                           (lambda a: a.tolist(), "has shape ()")):
+            local = tp3d.shard(params, cfg, grid)
+            if WORLD.Get_rank() == P - 1:
+                local["h0.attn.qkv.w"] = bad(local["h0.attn.qkv.w"])
+            grid.trace.clear()
+            msg = collective_raises(ValueError, tp3d.forward, local, tokens, targets, cfg,
+                                    grid)
+            moved = len(grid.trace.events)
+            parallel_assert(words in msg and "qkv.w" in msg and moved == 0,
+                            f"{msg!r}, {moved} events")
         if q > 1:
             good = tp3d.shard(params, cfg, grid)
             msg = collective_raises(ValueError, tp3d.forward, good, tokens[:q * q - 1],

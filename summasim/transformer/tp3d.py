@@ -276,15 +276,22 @@ def _prepare(arr, name: str, config: Config, q: int):
 
 
 def _check_local(local: dict, config: Config, grid, what: str) -> None:
+    if not isinstance(local, dict):
+        raise TypeError(f"tp3d: {what} must be a dict of arrays, got {type(local).__name__}")
     want = local_shapes(config, grid)
     if set(local) != set(want):
         raise ValueError(f"tp3d: {what} keys differ from the model's: missing "
                          f"{sorted(set(want) - set(local))[:4]}, extra "
                          f"{sorted(set(local) - set(want))[:4]}")
     for name, shape in want.items():
-        if tuple(local[name].shape) != shape:
-            raise ValueError(f"tp3d: {what}[{name!r}] has shape {tuple(local[name].shape)}, "
-                             f"rank {grid.coords} should hold {shape}")
+        arr = local[name]
+        have = tuple(getattr(arr, "shape", ()))
+        if have != shape:
+            raise ValueError(f"tp3d: {what}[{name!r}] has shape {have}, rank {grid.coords} "
+                             f"should hold {shape}")
+        if getattr(arr, "dtype", None) != config.dtype:
+            raise ValueError(f"tp3d: {what}[{name!r}] has dtype {getattr(arr, 'dtype', None)}, "
+                             f"Config.dtype is {config.dtype}")
 
 
 # --------------------------------------------------------------------------- #
