@@ -156,6 +156,29 @@ def test_tokens_bad_on_one_rank_raise_on_every_rank_before_data_moves(bad):
         mesh.free()
 
 
+def test_a_micro_batch_the_tensor_grid_cannot_cut_raises_before_data_moves():
+    """Trainer.step checks that each micro-batch fits the tensor scheme (whole sequences
+    per rank of a 2D/3D grid) on every rank before any work: a direct user of the
+    Trainer gets the scheme's own error, not a wrong loss of 0 or a reshape error."""
+    grids = {4: ("optimus", dict(q=2), 2), 8: ("3d", dict(q=2, d=2), 4),
+             9: ("optimus", dict(q=3), 3), 16: ("optimus", dict(q=4), 4)}
+    skip_unless(P in grids, "p = 4, 8, 9 or 16 (a tensor grid of several rows)")
+    name, kw, rows = grids[P]
+    spec = get_scheme(name)
+    config = Config(vocab=8, seq=4, hidden=8 * rows, heads=2 * rows, layers=1)
+    params, tokens, targets = mesh_inputs(config, rows - 1, 0)       # one sequence short
+    mesh = Mesh(WORLD, 1, 1, spec.grid_kind, **kw)
+    try:
+        tr = composed.Trainer(params, config, mesh, spec)
+        mesh.trace.clear()
+        msg = collective_raises(ValueError, tr.step, tokens, targets)
+        parallel_assert(f"batch b = {rows - 1}" in msg and "whole sequences" in msg, msg)
+        sent = sum(e.nbytes for e in mesh.trace.events)
+        parallel_assert(sent == 0, f"{sent} bytes moved before the error")
+    finally:
+        mesh.free()
+
+
 def test_a_setting_bad_on_one_rank_raises_on_every_rank():
     skip_unless(P > 1, "needs two ranks")
     zero = 3 if WORLD.Get_rank() == P - 1 else 1

@@ -1145,6 +1145,13 @@ class Trainer:
             if B % (mesh.dp * self.m):
                 raise ValueError(f"global batch {B} is not divisible by dp * microbatches "
                                  f"= {mesh.dp} * {self.m}")
+            # each micro-batch fits the tensor scheme: whole sequences per rank of a 2D,
+            # 2.5D or 3D grid; T / t positions per rank under sequence parallelism
+            if self.spec.grid_kind == "1d":
+                self.module.check(cfg, self.grid, seq=tokens.shape[1],
+                                  sequence_parallel=self.sp)
+            else:
+                self.module.check(cfg, self.grid, batch=B // (mesh.dp * self.m))
 
         # one small agreement (untraced; off under mpiutil.agreement(False)): tokens or
         # targets that are bad or different on one rank raise on every rank alike
