@@ -498,6 +498,10 @@ def test_bad_input(q, d):
         msg = collective_raises(ValueError, optimus.forward, local, bad_tokens, targets, cfg,
                                 grid)
         parallel_assert("Config.vocab" in msg, f"token id out of range: {msg!r}")
+        grid.trace.clear()                       # flash's tile, before any message
+        msg = collective_raises(ValueError, optimus.forward, local, tokens, targets, cfg,
+                                grid, attention="flash", tile=0)
+        parallel_assert("tile" in msg and not grid.trace.events, f"tile = 0: {msg!r}")
         collective_raises(TypeError, optimus.check, cfg, "not a grid", d * q)
         events = len(grid.trace.events)
         _, cache = optimus.forward(local, tokens, None, cfg, grid)

@@ -198,7 +198,8 @@ from summasim.algorithms.summa25 import summa25_abt_unchecked as summa25_abt
 from summasim.algorithms.summa25 import summa25_atb_unchecked as summa25_atb
 from summasim.backends import array_module
 from summasim.mpiutil import agree, fields_of, fingerprint, local_error
-from summasim.spec import ATTENTIONS, block_range, partition, vocab_block  # noqa: F401
+from summasim.spec import (ATTENTIONS, block_range, partition, positive_int,  # noqa: F401
+                           vocab_block)
 
 from . import model, ops
 from .model import Config
@@ -1434,6 +1435,8 @@ def run_forward(mod, name: str, cache_type, local_params: dict, tokens, targets,
         if targets is not None:
             model.check_targets(targets, tokens, config)
         mod._check_local(local_params, config, grid, "local_params")
+        if tile is not None:
+            positive_int("tile", tile)
 
     _, err = local_error(local)
     agree(f"{name}.forward", grid, {**fields_of(config, "Config"),
