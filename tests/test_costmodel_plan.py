@@ -147,7 +147,7 @@ def test_unwritable_outputs_are_user_errors(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     for flag in ("--json", "--plot"):
-        r = _cli(*SMALL, flag, str(blocker / "plan.out"))
+        r = _cli(*SMALL, flag, str(blocker / ("plan.json" if flag == "--json" else "plan.png")))
         assert r.returncode == 2 and f"argument {flag}" in r.stderr
         assert "Traceback" not in r.stderr
 

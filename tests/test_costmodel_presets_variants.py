@@ -206,7 +206,9 @@ def test_variant_changes_exactly_the_named_field(spec, fields):
 def test_variant_values_and_units():
     assert load_machine("dgx-a100:memory=40GiB").memory_bytes == 40 * GiB
     assert load_machine("dgx-a100:memory=80GB").memory_bytes == 80 * GiB   # NVIDIA's 80 GB
-    assert load_machine("dgx-a100:memory=512MiB").memory_bytes == 512 * (1 << 20)
+    assert load_machine("dgx-a100:memory=2048MiB").memory_bytes == 2048 * (1 << 20)
+    with pytest.raises(ValueError, match="reserve_bytes"):  # below the CUDA context's reserve
+        load_machine("dgx-a100:memory=512MiB")
     assert load_machine("dgx-a100:nic_gbps=400").topology.nic_bandwidth == 50e9
     var = load_machine("dgx-a100:memory=40GiB,nics=4,nic_gbps=100")
     assert var.name == "dgx-a100:memory=40GiB,nics=4,nic_gbps=100"

@@ -223,8 +223,8 @@ def check_args(args) -> Plan:
     zeros = tuple(sorted({int(z) for z in args.zero}))
     sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
     if args.plot is not None and not args.plot.lower().endswith(".png"):
-        raise cli.UsageError(f"--plot: {args.plot}: the plan is drawn as a PNG; give a path "
-                             f"ending in .png")
+        raise cli.UsageError(f"argument --plot: {args.plot}: the plan is drawn as a PNG; "
+                             f"give a path ending in .png")
     out = {flag: _cli.writable(flag, value)
            for flag, value in (("--json", args.json), ("--plot", args.plot)) if value is not None}
     plot = out.get("--plot")
