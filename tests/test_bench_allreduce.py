@@ -111,6 +111,12 @@ def test_every_subcommand_speaks_the_shared_spelling():
     cases, _, err = plan_mesh_bench(parse_args(["mesh", "--mesh", "dp=2,pp=2",
                                                 "--checkpoint"]), 4)
     assert err == "" and cases[0].checkpoint and cases[0].batch == 16
+    # without --mesh the default compositions train their own way: a flag that says how
+    # a mesh trains is refused, not dropped
+    _, _, err = plan_mesh_bench(parse_args(["mesh", "--zero", "3", "--schedule", "gpipe"]), 4)
+    assert "--zero, --schedule set(s) how a --mesh trains" in err
+    cases, _, err = plan_mesh_bench(parse_args(["mesh"]), 4)
+    assert err == "" and cases
     a = parse_args([])                                          # no benchmark: all
     assert a.what == "all" and a.model is None and a.dtype is None
     assert parse_args(["--n", "64"]).n == 64

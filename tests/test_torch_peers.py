@@ -69,6 +69,21 @@ def test_torch_without_a_mesh_plans_data_parallelism_over_p():
     assert "dp=4,pp=1,tp=megatron:1" not in [c.spec for c in cases]
 
 
+def test_a_mesh_is_its_pure_run_only_when_it_trains_the_same_way():
+    """bench mesh times the pure run beside a mesh unless the mesh is it: the same grid
+    with m = 1 (a 4-micro-batch tp mesh is not), overlapping or not."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    mesh.add_arguments(parser)
+    for m, same in (("1", True), ("4", False)):
+        args = parser.parse_args(["--model", str(MODEL), "--batch", "8", "--mesh",
+                                  "tp=megatron:4", "--microbatches", m])
+        (case,), _, err = mesh.plan_mesh_bench(args, 4)
+        pure = mesh._pure_tensor(case, 4)
+        assert not err and pure.spec == case.spec and mesh.is_pure(case, pure) is same
+
+
 def test_torch_refuses_what_it_has_no_peer_for(monkeypatch):
     import argparse
 

@@ -26,6 +26,8 @@ the BLAS threads and ranks per core in effect.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 
 import numpy as np
@@ -145,6 +147,15 @@ def plan_mesh_bench(args, p: int):
                                attention=t.attention, sequence_parallel=t.sequence_parallel))
                  for m in args.mesh]
     else:
+        named = [flag for flag, differs in (
+            ("--zero", t.zero != 0), ("--schedule", t.schedule_label != "1f1b"),
+            ("--microbatches", t.microbatches != DEFAULT_MICROBATCHES),
+            ("--stages", t.stages is not None), ("--recompute", t.recompute != "none"),
+            ("--attention", t.attention != "plain"),
+            ("--sequence-parallel", t.sequence_parallel)) if differs]
+        if named:
+            return [], [], (f"{', '.join(named)} set(s) how a --mesh trains; give --mesh (the "
+                            f"default compositions train with their own settings)")
         specs = default_meshes(p)
     bucket = given(args, "bucket", None)
     if bucket is not None:
@@ -171,6 +182,14 @@ def preflight(args, world, gpu) -> str:
         if why:
             return why
     return ""
+
+
+def is_pure(case, pure) -> bool:
+    """Whether ``case`` is the pure run ``pure`` already (:func:`_pure_tensor`): the same
+    grid trained the same way, not merely the same mesh text (a tp mesh of 4
+    micro-batches is not the pure run of 1), whether it overlaps or not."""
+    return pure is not None and pure.to_dict() == dataclasses.replace(
+        case, overlap=pure.overlap).to_dict()
 
 
 def _pure_tensor(case, p: int):
@@ -263,7 +282,7 @@ def bench_mesh(world, cases, repeats: int, say, machine=None, backend=None,
     err = lambda pr, t: "-" if pr is None else f"{100 * (pr - t) / t:+.0f}%"  # noqa: E731
     for case in cases:
         pure = _pure_tensor(case, p)
-        same = pure is not None and pure.spec == case.spec     # the mesh is pure already
+        same = is_pure(case, pure)
         watch.lap()
         peers = {}
         peer = _peer(case, world) if torch else None
