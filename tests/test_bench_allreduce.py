@@ -375,3 +375,44 @@ def test_shuffled_rounds_rotate_the_first_and_vary_what_each_follows():
     calls = {k: (lambda k=k: order.append(k)) for k in names}
     time_contenders(calls, None, 3, shuffle=True)
     assert order == sum((shuffled(names, i) for i in range(3)), [])
+
+
+def test_bench_layer_refuses_a_variant_it_would_not_time_and_a_batch_that_does_not_fit(
+        monkeypatch):
+    """bench layer times GPT-2's layer: a SwiGLU or GQA --model is refused, not timed as
+    GELU. Its memory is checked before any allocation, naming the largest batch that fits,
+    and the estimate bounds what the layer allocates."""
+    from summasim.bench import layer
+    from summasim.harness import memory
+    from summasim.spec import Model
+
+    with pytest.raises(UsageError, match="mlp=swiglu"):
+        layer.check(parse_args(["layer", "--model",
+                                "h=16,heads=4,layers=1,seq=8,vocab=16,mlp=swiglu"]))
+    with pytest.raises(UsageError, match="kv_heads=2"):
+        layer.check(parse_args(["layer", "--model", "h=16,heads=4,layers=1,seq=8,vocab=16,"
+                                "kv_heads=2"]))
+    model = Model.parse("h=64,heads=4,layers=2,seq=32,vocab=64")
+    args = ["layer", "--model", str(model), "--batch", "64", "--no-memory"]
+    need = layer.layer_bench_bytes(model, 64, "float32", False, False)
+    at_8 = layer.layer_bench_bytes(model, 8, "float32", False, False)
+    monkeypatch.setattr(memory, "available_bytes", lambda: at_8)
+    with pytest.raises(UsageError, match=r"batch 64 needs about .* the largest batch that "
+                                         r"fits is 8$"):
+        layer.check(parse_args(args))
+    monkeypatch.setattr(memory, "available_bytes", lambda: need)
+    layer.check(parse_args(args))                          # exactly enough: it runs
+    # the estimate is above what one layer's forward and backward hold (tracemalloc)
+    import tracemalloc
+
+    from summasim.bench.layer import _layer, _our_step
+
+    p = _layer(model, np.float32)
+    x = np.ones((8, model.seq, model.hidden), np.float32)
+    tracemalloc.start()
+    try:
+        _our_step(x, p, model.heads, x.copy(), None, lambda: None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < at_8, (peak, at_8)

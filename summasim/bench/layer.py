@@ -87,6 +87,7 @@ def add_arguments(ap):
 def check(args) -> None:
     """What the parser cannot tell; raises :class:`summasim.cli.UsageError`."""
     from ..backends import unavailable
+    from ..harness.memory import available_bytes
 
     cli.require(not args.torch or cli.module_available("torch"),
                 "argument --torch: PyTorch is not installed in this Python (pip install "
@@ -98,11 +99,58 @@ def check(args) -> None:
 
         cli.require(torch.cuda.is_available(),
                     "argument --torch with --backend cupy: this torch sees no GPU")
+    model = args.model
+    cli.require(model.mlp == "gelu" and model.kv_heads == model.heads,
+                f"argument --model: bench layer times GPT-2's layer (GELU MLP, one key/value "
+                f"head per head) next to torch's; {model} is mlp={model.mlp}, kv_heads="
+                f"{model.kv_heads}")
+    if args.backend == "numpy":
+        batch = given(args, "batch", None) or model.batch or DEFAULT_BATCH
+        need = layer_bench_bytes(model, batch, args.dtype, args.torch, not args.no_memory)
+        have = available_bytes()
+        if need > have:
+            lo, hi = 0, batch            # the bytes grow with the batch: bisect
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if layer_bench_bytes(model, mid, args.dtype, args.torch,
+                                     not args.no_memory) <= have:
+                    lo = mid
+                else:
+                    hi = mid
+            raise cli.UsageError(
+                f"argument --batch: one layer of {model} at batch {batch} needs about "
+                f"{need / GIB:.1f} GiB here, {have / GIB:.1f} GiB are available; "
+                + (f"the largest batch that fits is {lo}" if lo else
+                   "no batch fits this model" + ("" if args.no_memory else
+                                                 " (--no-memory skips the whole model)")))
     if args.json:
         try:
             cli.check_writable_path(args.json)
         except cli.UsageError as e:
             raise cli.argument_error("--json", e) from None
+
+
+GIB = float(1 << 30)
+
+
+def layer_bench_bytes(model, batch: int, dtype: str, use_torch: bool, memory: bool) -> int:
+    """An upper estimate of the host bytes ``bench layer`` holds at once: one layer's
+    weights and gradients, (4 + 2f) h^2 values each; its input and output gradient; its
+    cache and the backward's temporaries, about (10 + 4f) b s h + 3 n b s^2 values
+    (Korthikanti et al. 2022's 34 s b h + 5 n s^2 b bytes of 16-bit activations, in
+    values, with room for the backward); twice that beside torch. With ``memory``, also
+    the whole model's forward and backward in that dtype (its weights and gradients,
+    every layer's cache and the logits). 16-bit dtypes are held in float32."""
+    it = 8 if str(dtype) == "float64" else 4
+    b, s, h, n, f = batch, model.seq, model.hidden, model.heads, model.ffn_mult
+    weights = (4 + 2 * f) * h * h + (9 + 2 * f) * h
+    act = (10 + 4 * f) * b * s * h + 3 * n * b * s * s
+    one = it * (2 * weights + 2 * act + 2 * b * s * h) * (2 if use_torch else 1)
+    whole = 0
+    if memory:
+        params = model.layers * weights + (model.vocab + s) * h
+        whole = it * (2 * params + model.layers * act + 3 * b * s * model.vocab)
+    return int(max(one, whole))
 
 
 def _layer(model, dtype, seed=0):
