@@ -416,3 +416,23 @@ def test_bench_layer_refuses_a_variant_it_would_not_time_and_a_batch_that_does_n
     finally:
         tracemalloc.stop()
     assert peak < at_8, (peak, at_8)
+
+
+def test_bench_all_on_one_rank_names_what_it_skips(tmp_path):
+    """bench all at p = 1: the all-reduce and the meshes measure nothing there, so they are
+    skipped with the reason (in the output and the JSON), not run as one-rank rings or an
+    empty table."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "all.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "summasim.bench", "all", "--n", "8", "--sizes-mib", "0.01",
+         "--model", "h=16,heads=2,layers=2,seq=8,vocab=16", "--batch", "4", "--repeats", "1",
+         "--no-predict", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = json.loads(out.read_text())["skipped"]
+    assert set(skipped) == {"allreduce", "mesh"}, skipped
+    assert "allreduce: skipped, it measures nothing at p = 1" in proc.stdout
+    assert "ring GB/s" not in proc.stdout

@@ -182,6 +182,11 @@ def _body(args, world) -> int:
         if name == "transformer" and backend.name != "numpy":
             say(f"transformer: skipped with --backend {backend.name} (it times NumPy only)")
             continue
+        why = _nothing_to_measure(name, args, p) if args.what == "all" else ""
+        if why:              # bench all: each benchmark that measures nothing here, named
+            say(f"{name}: skipped, it measures nothing at p = {p}: {why}")
+            report.setdefault("skipped", {})[name] = why
+            continue
         ok = BENCHMARKS[name].run(bench) and ok
     if args.json and bench.rank == 0:
         ok = write_report(args.json, "bench", report, prog=PROG) and ok
