@@ -164,3 +164,22 @@ def test_known_models_carry_sources():
     g = MODELS["gpt3-175b"]
     assert (g.layers, g.hidden, g.heads, g.seq, g.vocab) == (96, 12288, 96, 2048, 51200)
     assert _cli("--help").returncode == 0
+
+
+@pytest.mark.parametrize("given, searched", [
+    (["--recompute", "selective"], ("none",)),
+    (["--recompute", "none,selective,full"], ("none", "full")),
+    ([], ("none", "full")),
+])
+def test_under_flash_attention_the_plan_says_it_searches_no_selective_recompute(
+        given, searched):
+    """Flash attention holds no scores for selective recompute to drop, so selective is
+    none there: the plan searches, and says in its header and JSON it searched, that."""
+    import argparse
+
+    from summasim.costmodel.tools.plan_cli import build_parser, check_args
+
+    args = build_parser(argparse.ArgumentParser()).parse_args(
+        ["--model", "h=1024,layers=8,heads=16,seq=512,vocab=2048", "--devices", "8",
+         "--batch", "8", "--attention", "flash", *given])
+    assert check_args(args).recomputes == searched

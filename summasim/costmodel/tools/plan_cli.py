@@ -200,6 +200,10 @@ def check_args(args) -> Plan:
                       "off": ("none",)}[args.checkpoint]
     else:
         recomputes = tuple(dict.fromkeys(args.recompute or RECOMPUTES))
+    if args.attention == "flash":     # flash holds no scores for selective recompute to drop:
+        # selective is none there, and the header and JSON say what is searched
+        recomputes = tuple(dict.fromkeys("none" if rc == "selective" else rc
+                                         for rc in recomputes))
     if args.state_bytes is not None:
         if len(args.state_bytes) != 4:
             raise _arg("--state-bytes", f"give 4 numbers P,G,O,M, got {len(args.state_bytes)}")
