@@ -462,3 +462,12 @@ def test_parser_error_is_one_line_and_rank0_only(capsys, monkeypatch):
         ap.parse_args(["--n", "0"])
     assert capsys.readouterr().err == ""
     assert cli.launcher_rank() == 1
+
+
+def test_table1_says_why_optimus_has_no_column_at_a_p_that_is_not_a_square(capsys):
+    from summasim.costmodel.__main__ import main
+
+    assert main(["table1", "--p", "8"]) == 0                    # Megatron's column alone
+    out = capsys.readouterr().out
+    assert "megatron  forward communication" in out
+    assert "p = 8 is not a square" in out and "needs p = d*q*q" not in out

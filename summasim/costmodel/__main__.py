@@ -264,6 +264,11 @@ def _table1_main(args, prog: str) -> int:
     b, s, h, p, f = args.b, args.s, args.h, args.p, args.ffn
     results, notes = {}, {}
     for scheme in ("megatron", "optimus"):
+        if scheme == "optimus" and math.isqrt(p) ** 2 != p:
+            notes[scheme] = (f"the paper's Table 1 prices Optimus on a q x q grid, p = q^2; "
+                             f"p = {p} is not a square (predict and plan price rectangular "
+                             f"pr x pc grids)")
+            continue
         try:
             sch = Scheme.make(scheme, p=p)
         except ValueError as exc:
