@@ -183,3 +183,17 @@ def test_under_flash_attention_the_plan_says_it_searches_no_selective_recompute(
         ["--model", "h=1024,layers=8,heads=16,seq=512,vocab=2048", "--devices", "8",
          "--batch", "8", "--attention", "flash", *given])
     assert check_args(args).recomputes == searched
+
+
+def test_the_memory_budget_has_one_name_in_plan_predict_and_explore():
+    """plan takes --mem-budget (GiB per device) as predict and explore do; --mem-gib is
+    the same flag."""
+    import argparse
+
+    from summasim.costmodel.tools.plan_cli import build_parser, check_args
+
+    base = ["--model", "h=1024,layers=8,heads=16,seq=512,vocab=2048", "--devices", "8",
+            "--batch", "8"]
+    for flag in ("--mem-budget", "--mem-gib"):
+        args = build_parser(argparse.ArgumentParser()).parse_args([*base, flag, "12"])
+        assert check_args(args).budget == 12 * 2 ** 30

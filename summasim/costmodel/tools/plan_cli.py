@@ -9,7 +9,7 @@ model chunks per stage V = 1, 2, 4 (interleaved 1F1B):
 :func:`summasim.costmodel.tools.plan.search`, which also says how fast it is), with
 plain attention unless ``--attention flash``, keeps those whose memory per device on
 the worst pipeline stage fits ``--mem-fraction`` of the device's memory (or
-``--mem-gib``), ranks them by predicted step time, and prints the ``--top`` ten with
+``--mem-budget``), ranks them by predicted step time, and prints the ``--top`` ten with
 their techniques, breakdown (GEMM, memory-bound work, exposed tensor / data-parallel /
 pipeline / ZeRO communication, bubble, optimizer) and memory, the best of each scheme,
 ZeRO stage, recompute, sequence parallelism and chunk count (why the winner wins),
@@ -143,8 +143,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      help=f"share of the usable device memory (the memory less the device's "
                           f"reserve and fragmentation) the plan may fill (default "
                           f"{MEM_FRACTION})")
-    mem.add_argument("--mem-gib", type=cli.finite_positive_float, default=None,
-                     help="usable GiB per device (overrides the machine's memory)")
+    mem.add_argument("--mem-budget", "--mem-gib", dest="mem_gib", metavar="GIB",
+                     type=cli.finite_positive_float, default=None,
+                     help="usable GiB per device, as predict's and explore's --mem-budget "
+                          "(overrides the machine's memory; --mem-gib is the same flag)")
     ap.add_argument("--top", type=cli.positive_int, default=10, help="rows to print")
     add_progress(ap)
     ap.add_argument("--json", nargs="?", default=None, type=cli.report_path("plan"),
@@ -217,8 +219,8 @@ def check_args(args) -> Plan:
         budget = args.mem_gib * GiB
     else:
         if not machine.memory_bytes:
-            raise _arg("--mem-gib", f"machine {machine.name!r} does not say its memory per "
-                                    f"device; give --mem-gib")
+            raise _arg("--mem-budget", f"machine {machine.name!r} does not say its memory "
+                                       f"per device; give --mem-budget")
         budget = usable_memory(machine) * args.mem_fraction
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention
                                        ).replace(**_cli.kernel_fields(args))
