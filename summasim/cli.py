@@ -815,7 +815,8 @@ writable_dir = _as_type(check_writable_dir, "writable_dir")
 
 def choice_list(allowed: Iterable[str], what: str = "name") -> Callable[[str], list]:
     """Factory: an argparse type for comma-separated names, each one of ``allowed``
-    (``what`` names them in the message: ``unknown dtype 'float8'; known: ...``)."""
+    (``what`` names them in the message: ``unknown dtype 'float8'; known: ...``), each
+    once in the first order given (a name given twice runs once)."""
     allowed = tuple(allowed)
 
     def convert(text) -> list:
@@ -827,7 +828,7 @@ def choice_list(allowed: Iterable[str], what: str = "name") -> Callable[[str], l
         if not names:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}s from "
                                              f"{', '.join(allowed)}, got {text!r}")
-        return names
+        return list(dict.fromkeys(names))
 
     convert.__name__ = "choice_list"
     return convert

@@ -436,3 +436,9 @@ def test_bench_all_on_one_rank_names_what_it_skips(tmp_path):
     assert set(skipped) == {"allreduce", "mesh"}, skipped
     assert "allreduce: skipped, it measures nothing at p = 1" in proc.stdout
     assert "ring GB/s" not in proc.stdout
+
+
+def test_a_name_or_size_given_twice_is_timed_once():
+    assert parse_args(["gemm", "--algorithms", "summa_ab,summa_ab,cannon_ab"]).algorithms == \
+        ["summa_ab", "cannon_ab"]
+    assert parse_args(["ring-steps", "--sizes-mib", "0.01,0.5,0.01"]).sizes_mib == [0.01, 0.5]

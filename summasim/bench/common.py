@@ -35,7 +35,8 @@ def quiet_bcast(world, value):
 
 
 def mib_list(text) -> list[float]:
-    """argparse type: comma-separated positive message sizes in MiB."""
+    """argparse type: comma-separated positive message sizes in MiB, each once (in the
+    order first given)."""
     try:
         sizes = [float(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -43,6 +44,7 @@ def mib_list(text) -> list[float]:
             from None
     if not sizes or not all(math.isfinite(x) and x > 0 for x in sizes):
         raise argparse.ArgumentTypeError(f"must be positive numbers, got {text!r}")
+    sizes = list(dict.fromkeys(sizes))
     if len(sizes) > MAX_SIZES:
         raise argparse.ArgumentTypeError(f"at most {MAX_SIZES} sizes, got {len(sizes)}")
     return sizes
