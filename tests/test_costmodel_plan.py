@@ -197,3 +197,13 @@ def test_the_memory_budget_has_one_name_in_plan_predict_and_explore():
     for flag in ("--mem-budget", "--mem-gib"):
         args = build_parser(argparse.ArgumentParser()).parse_args([*base, flag, "12"])
         assert check_args(args).budget == 12 * 2 ** 30
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--chunks", "3"], "--chunks 3: V model chunks per stage need"),
+    (["--sequence-parallel", "on", "--schemes", "optimus"], "sequence parallelism"),
+])
+def test_nothing_exists_names_the_flag_that_emptied_the_search(flags, words):
+    r = _cli("--model", "gpt3-2.7b", "--devices", "8", *flags)
+    assert r.returncode == 2 and "no composition of 8 devices exists" in r.stderr, r.stderr
+    assert words in r.stderr, r.stderr

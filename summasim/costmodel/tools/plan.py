@@ -199,6 +199,10 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
         sps = [sp for sp in sequence_parallel if not sp or (
             sch.name == "megatron" and t > 1
             and sequence_parallel_misfit(sch, sp_cfgs[True]) is None)]
+        if not sps:
+            reasons.setdefault("sp", f"sequence parallelism (--sequence-parallel on) splits "
+                                     f"Megatron's groups of t >= 2; {sch.label} has none")
+            continue
         for pp in _divisors(N):
             if devices % (t * pp):
                 continue
@@ -217,6 +221,11 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
                     continue
                 vs = [v for v in chunks if v == 1 or (pp >= 2 and N % (pp * v) == 0
                                                       and m % pp == 0)]
+                if not vs:
+                    reasons.setdefault("chunks", f"--chunks {'/'.join(map(str, chunks))}: "
+                                                 f"V model chunks per stage need pp >= 2, N = "
+                                                 f"{N} layers divisible by pp V and m a "
+                                                 f"multiple of pp")
                 for sp in sps:
                     c = sp_cfgs[sp]
                     tm = cache.get(("mem", c, sch, b))
