@@ -249,6 +249,8 @@ def test_bench_runs_and_reports(mpiexec, tmp_path):
     assert {r["scheme"] for r in report["transformer"]} == {"megatron", "optimus", "summa25"}
     assert all(r["ratio"] == pytest.approx(r["seconds"] / r["serial_seconds"])
                for r in report["transformer"])
+    shape = report["transformer_shape"]              # which model and batch it timed
+    assert shape["model"].startswith("h=") and shape["batch"] > 0 and not shape["checkpoint"]
     assert "3d        skipped" in proc.stdout
 
 

@@ -103,8 +103,13 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
     shared = NodeShared(world, inputs)
     del inputs
     params, tokens, targets = (shared.value[k] for k in ("params", "tokens", "targets"))
+    variant = "".join([f" ffn={config.ffn_mult}" if config.ffn_mult != 4 else "",
+                       f" mlp={config.mlp}" if config.mlp != "gelu" else "",
+                       f" kv_heads={config.kv_heads}" if config.kv_heads != config.heads
+                       else "", " untied" if not config.tied else ""])
     say(f"transformer: b={b} s={config.seq} h={config.hidden} heads={config.heads} "
-        f"vocab={v} layers={config.layers} {np.dtype(dtype).name}, checkpoint={checkpoint}; "
+        f"vocab={v} layers={config.layers}{variant} {np.dtype(dtype).name}, "
+        f"checkpoint={checkpoint}; "
         f"serial forward+backward on {cores()} cores: {t_serial:.4f} s")
     say(f"{'scheme':<9} {'grid':<9} {'median s':>9} {'best s':>8} {'x serial':>9}  load "
         f"(with the serial run's)")
@@ -158,5 +163,8 @@ def run(bench) -> bool:
     rows = bench_transformer(bench.world, model, batch, dtype, repeats(bench.args),
                              bench.args.checkpoint, bench.say)
     bench.report["transformer"] = rows
+    bench.report["transformer_shape"] = {"model": str(model), "batch": batch,
+                                         "dtype": np.dtype(dtype).name,
+                                         "checkpoint": bool(bench.args.checkpoint)}
     mark_report(bench.report, "transformer", [r["load"] for r in rows])
     return True
