@@ -642,7 +642,8 @@ def read_json_file(path, *, expect: type | None = dict, max_bytes: int = MAX_INP
     Strict: the text must be UTF-8, nest at most ``max_depth`` levels, hold no NaN or
     infinity (JSON has none; an overflowing number such as ``1e999`` or an integer
     beyond a float's range counts as one), no key twice in one object, and (unless
-    ``expect`` is None) be a JSON value of type ``expect`` at the top. :class:`UsageError` starting with the path otherwise.
+    ``expect`` is None) be a JSON value of type ``expect`` at the top.
+    :class:`UsageError` starting with the path otherwise.
     """
     text = os.fspath(path)
     raw = _decode(text, read_user_file(text, max_bytes))
