@@ -301,7 +301,7 @@ def test_bounds_are_stated_in_help():
 
 @pytest.mark.parametrize("argv,flag", [
     (("allreduce", "--repeats", "1001"), "--repeats"),
-    (("allreduce", "--sizes-mib", ",".join(["1"] * 33)), "--sizes-mib"),
+    (("allreduce", "--sizes-mib", ",".join(str(i) for i in range(1, 34))), "--sizes-mib"),
     (("gemm", "--repeats", "0"), "--repeats"),
     (("gemm", "--n", str(2 ** 21)), "--n"),
     (("layer", "--threads", "1", "257"), "--threads"),
