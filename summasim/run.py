@@ -192,19 +192,9 @@ def parse_args(argv=None):
     why = unsupported(args.training, RUN_TECHNIQUES, "run --mesh")
     if why:
         raise UsageError(why)
-    if not args.mesh:
-        named = [f for f, given in (("--zero", args.zero != 0),
-                                    ("--schedule", args.schedule != "1f1b"),
-                                    ("--microbatches", microbatches_given),
-                                    ("--stages", args.stages is not None),
-                                    ("--recompute/--checkpoint", args.training.recompute
-                                     != "none"),
-                                    ("--attention", args.attention != "plain"),
-                                    ("--sequence-parallel", args.sequence_parallel))
-                 if given]
-        if named:
-            raise UsageError(f"{', '.join(named)} set(s) how a --mesh trains; give --mesh "
-                             f"(the default compositions train with their own settings)")
+    why = "" if args.mesh else options.without_mesh(args.training, microbatches_given)
+    if why:
+        raise UsageError(why)
     if any(ALGORITHMS[a].kind != "ring" for a in args.algorithm_list):
         why = uncatchable(args.fault, args.check, args.dtypes)
         if why:
@@ -604,10 +594,7 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch)
     b_text = (f"b={batches[0]} (global)" if len(batches) == 1 else
               f"b={' or '.join(map(str, batches))} (global; a default mesh that cannot cut "
               f"the model's batch runs the next it can)")
-    variant = "".join([f" ffn={c0.ffn_mult}" if c0.ffn_mult != 4 else "",
-                       f" mlp={c0.mlp}" if c0.mlp != "gelu" else "",
-                       f" kv_heads={c0.kv_heads}" if c0.kv_heads != c0.heads else "",
-                       " untied" if not c0.tied else ""])
+    variant = "".join(f" {k}={v}" for k, v in c0.variant().items())
     say(f"\nsharded training: {b_text} s={c0.seq} h={c0.hidden} "
         f"heads={c0.heads} vocab={c0.vocab} layers={c0.layers}{variant}, {mcases[0].steps} "
         f"Adam steps "

@@ -244,6 +244,12 @@ class Model:
             out["tied"] = "false"
         return out
 
+    def variant(self) -> dict:
+        """The keys of :meth:`sizes` that differ from GPT-2's block: ``ffn`` when not 4,
+        and ``mlp``, ``kv_heads`` and ``tied`` where given."""
+        return {k: v for k, v in self.sizes().items()
+                if k in ("mlp", "kv_heads", "tied") or (k == "ffn" and v != 4)}
+
     def __str__(self) -> str:
         if self.name and MODELS.get(self.name) == self:
             return self.name

@@ -103,10 +103,7 @@ def bench_transformer(world, model, batch: int, dtype, repeats: int, checkpoint:
     shared = NodeShared(world, inputs)
     del inputs
     params, tokens, targets = (shared.value[k] for k in ("params", "tokens", "targets"))
-    variant = "".join([f" ffn={config.ffn_mult}" if config.ffn_mult != 4 else "",
-                       f" mlp={config.mlp}" if config.mlp != "gelu" else "",
-                       f" kv_heads={config.kv_heads}" if config.kv_heads != config.heads
-                       else "", " untied" if not config.tied else ""])
+    variant = "".join(f" {k}={v}" for k, v in config.variant().items())
     say(f"transformer: b={b} s={config.seq} h={config.hidden} heads={config.heads} "
         f"vocab={v} layers={config.layers}{variant} {np.dtype(dtype).name}, "
         f"checkpoint={checkpoint}; "

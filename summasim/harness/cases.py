@@ -160,9 +160,7 @@ class TransformerCase:
 def _variant(c: Config) -> dict:
     """The model variant's fields of a case's dict, only where not GPT-2's defaults (older
     records read the same)."""
-    return {**({"mlp": c.mlp} if c.mlp != "gelu" else {}),
-            **({"kv_heads": c.kv_heads} if c.kv_heads != c.heads else {}),
-            **({"tied": False} if not c.tied else {})}
+    return {k: (False if k == "tied" else v) for k, v in c.variant().items() if k != "ffn"}
 
 
 def _ffn(value) -> int | float:
