@@ -123,6 +123,19 @@ def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_he
                          "precision (default float32)")
 
 
+def without_mesh(t: spec.Training, microbatches_given: bool) -> str:
+    """The user error of flags that say how a ``--mesh`` trains, given without one (the
+    default compositions train with their own settings), or "" when there are none."""
+    named = [flag for flag, given in (
+        ("--zero", t.zero != 0), ("--schedule", t.schedule_label != "1f1b"),
+        ("--microbatches", microbatches_given), ("--stages", t.stages is not None),
+        ("--recompute/--checkpoint", t.recompute != "none"),
+        ("--attention", t.attention != "plain"),
+        ("--sequence-parallel", t.sequence_parallel)) if given]
+    return (f"{', '.join(named)} set(s) how a --mesh trains; give --mesh (the default "
+            f"compositions train with their own settings)" if named else "")
+
+
 def training(args, dtype: str | None = None) -> spec.Training:
     """The :class:`summasim.spec.Training` that :func:`add_training`'s flags name
     (``dtype``: the element type, when the command's ``--dtype`` is not it);

@@ -126,6 +126,7 @@ def training_of(args):
 def plan_mesh_bench(args, p: int):
     """``(cases, skips, err)`` of the mesh benchmark (pure)."""
     from ..harness.plan import default_meshes, plan_meshes
+    from ..options import without_mesh
     from ..spec import Model
 
     model = given(args, "model", None) or Model.parse(DEFAULT_MODEL)
@@ -147,15 +148,9 @@ def plan_mesh_bench(args, p: int):
                                attention=t.attention, sequence_parallel=t.sequence_parallel))
                  for m in args.mesh]
     else:
-        named = [flag for flag, differs in (
-            ("--zero", t.zero != 0), ("--schedule", t.schedule_label != "1f1b"),
-            ("--microbatches", t.microbatches != DEFAULT_MICROBATCHES),
-            ("--stages", t.stages is not None), ("--recompute", t.recompute != "none"),
-            ("--attention", t.attention != "plain"),
-            ("--sequence-parallel", t.sequence_parallel)) if differs]
-        if named:
-            return [], [], (f"{', '.join(named)} set(s) how a --mesh trains; give --mesh (the "
-                            f"default compositions train with their own settings)")
+        why = without_mesh(t, t.microbatches != DEFAULT_MICROBATCHES)
+        if why:
+            return [], [], why
         specs = default_meshes(p)
     bucket = given(args, "bucket", None)
     if bucket is not None:
