@@ -274,3 +274,40 @@ def test_documented_launch_would_run(case):
             assert not all(nothing.values()), f"{where}\n{nothing}"
     except UsageError as exc:
         pytest.fail(f"{where}\nuser error: {exc}")
+
+
+# -- the library snippets: every ``from summasim... import ...`` a page shows imports ------
+IMPORT = re.compile(r"^\s*(from\s+summasim[\w.]*\s+import\s+(?:\([^)]*\)|.*)|import\s+summasim[\w.]*)",
+                    re.M)
+
+
+def _imports():
+    """(page, line, statement) of each summasim import in a fenced block."""
+    found = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            lines = list(_fenced_lines(f.read()))
+        block = "\n".join(line for _, line in lines)
+        numbers = [n for n, _ in lines]
+        for m in IMPORT.finditer(block):
+            found.append((page, numbers[block.count("\n", 0, m.start(1))],
+                          " ".join(" ".join(_strip_comment(part) for part in
+                                            m.group(1).split("\n")).split())))
+    return found
+
+
+IMPORTS = _imports()
+
+
+def test_found_the_imports():
+    assert len(IMPORTS) >= 10, IMPORTS
+
+
+@pytest.mark.parametrize("case", IMPORTS, ids=lambda c: f"{c[0]}:{c[1]}")
+def test_documented_import_works(case):
+    """A library snippet's imports name modules and objects that exist."""
+    page, line, statement = case
+    try:
+        exec(compile(statement, f"{page}:{line}", "exec"), {})
+    except ImportError as exc:
+        pytest.fail(f"{page}:{line}: {statement}\n{exc}")
