@@ -1,7 +1,7 @@
 """summasim: an MPI simulation and validation engine for distributed matrix
 multiplication and tensor-parallel transformers.
 
-See DESIGN notes in the README for the module map.
+The floors and each module's job: docs/architecture.md.
 """
 
 __version__ = "0.1.0"

@@ -87,11 +87,14 @@ def test_predict_bad_argument_is_a_clean_exit_from_the_shell():
     assert len([x for x in res.stderr.splitlines() if x.strip()]) == 1
 
 
-def test_predict_into_a_closed_pipe_is_quiet():
-    # `predict ... | head -1`: the reader leaves; no BrokenPipeError traceback
-    proc = subprocess.Popen([sys.executable, "-m", "summasim.costmodel", "predict", "--mesh",
-                             "tp=optimus:4x4", *MODEL], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("argv", [["predict", "--mesh", "tp=optimus:4x4", *MODEL],
+                                  ["presets", "dgx-a100"], ["presets"], ["table1"]],
+                         ids=["predict", "presets-name", "presets", "table1"])
+def test_a_command_into_a_closed_pipe_is_quiet(argv):
+    # `python -m summasim.costmodel ... | head -1`: the reader leaves; no BrokenPipeError
+    # traceback, on every subcommand (presets and table1 print outside the tools' mains)
+    proc = subprocess.Popen([sys.executable, "-m", "summasim.costmodel", *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()                            # nobody reads what it prints
     err = proc.stderr.read()
     proc.stderr.close()

@@ -125,6 +125,12 @@ def _fit_main(args, prog: str) -> int:
 
 
 def main(argv=None) -> int:
+    """The ``summasim.costmodel`` command; a reader that goes away (``... | head``) ends
+    it quietly (:func:`summasim.cli.run_command`)."""
+    return cli.run_command("summasim.costmodel", _main, argv)
+
+
+def _main(argv=None) -> int:
     from .tools import devset, explore_cli, plan_cli
     from .tools import predict as predict_tool
     from .machine import get_machine

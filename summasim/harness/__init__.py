@@ -14,7 +14,7 @@ module              what it holds
 ``data``            rank-local inputs (any block of a global random matrix)
 ``check``           rank-local validation (exact panels, Freivalds) and the
                     collective verdict that cannot lose a NaN
-``inject``          fault injection (nan, inf, perturb, drop) for the self-test
+``inject``          fault injection (nan, inf, perturb, drop, drift) for the self-test
 ``timing``          the one timer (spans after a non-spinning barrier)
 ``memory``          per-rank memory estimate, refusal, largest size that fits
 ``execute``         executors: run_product, run_ring, run_case -> Result

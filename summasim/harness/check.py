@@ -19,7 +19,7 @@ Two methods for a product block ``C[I, J] = sum_l op(A)[I, K_l] op(B)[K_l, J]``:
                error whose row 2-norm is ``F`` times the row threshold escapes one
                probe with probability at most ``sqrt(2/pi) / F`` (the probe sum is
                Gaussian with that standard deviation), all four with at most
-               ``(0.8 / F)^4``: below 4e-9 for F = 100 and below 1e-16 for errors
+               ``(0.8 / F)^4``: 4.1e-9 for F = 100 and below 1e-16 for errors
                10^4 times the threshold. It checks whole rows, so an error is caught
                when it exceeds the row's threshold, which is about ``n_J`` times
                looser than the per-entry one.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .link import (DTYPE_SIZES, Link, SharedCore, _dtype_name, _no_extra, _number, _require,
                    itemsize_of)
 from .presets import (DEFAULT_PRESET, _preset_dir, get_machine, list_presets, load_machine,
-                      load_preset, machine_from_args)
+                      load_preset)
 from .record import (FORMAT, LIBRARIES, Machine, _CONDITION_NUMBERS, _fit_conditions,
                      _gamma_table)
 from .sanity import (MAX_ALPHA, MAX_FIT_ERROR, MAX_FLOPS, MAX_GEMM_SHARING, MAX_LINK_BANDWIDTH,
@@ -30,5 +30,5 @@ __all__ = ["DEFAULT_PRESET", "DTYPE_SIZES", "FORMAT", "GridShape", "GroupPath", 
            "Link", "MAX_ALPHA", "MAX_FIT_ERROR", "MAX_FLOPS", "MAX_GEMM_SHARING",
            "MAX_LINK_BANDWIDTH", "MAX_REDUCE_BANDWIDTH", "MIN_FLOPS", "MIN_LINK_BANDWIDTH",
            "Machine", "Placement", "SharedCore", "Topology", "get_machine", "group_path",
-           "itemsize_of", "list_presets", "load_machine", "load_preset", "machine_from_args",
+           "itemsize_of", "list_presets", "load_machine", "load_preset",
            "sanity_problems"]

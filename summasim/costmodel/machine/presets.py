@@ -271,23 +271,6 @@ def derive(machine: Machine, spec: str) -> Machine:
                          f"{listing}") from None
 
 
-def machine_from_args(machine: str | None, preset: str | None) -> Machine:
-    """The machine of a command's ``--machine FILE`` or ``--preset NAME`` (the caller
-    puts its default preset in ``preset``); a :class:`summasim.cli.UsageError` naming
-    the argument when the file or preset cannot be read."""
-    from ..cli import argument_error
-
-    if machine is not None:
-        try:
-            return get_machine(machine)
-        except (OSError, ValueError) as exc:
-            raise argument_error("--machine", exc) from None
-    try:
-        return get_machine(None, preset)
-    except ValueError as exc:
-        raise argument_error("--preset", exc) from None
-
-
 # --------------------------------------------------------------------------- listing
 def describe(machine: Machine) -> str:
     """One line of what ``machine`` is: devices per node, device and its memory, the

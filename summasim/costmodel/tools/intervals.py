@@ -76,9 +76,9 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
-#: Kinds whose value is a time (seconds, or a fixed multiple): r = log(predicted / published).
+#: Kinds whose value is a time (seconds, or a fixed multiple): r = log(published / predicted).
 TIME_KINDS = ("step_time", "composition_step_time", "layer_time")
-#: Kinds whose value is a rate: r = log(published / predicted).
+#: Kinds whose value is a rate: r = log(predicted / published).
 RATE_KINDS = ("nccl_busbw", "weak_efficiency", "composition_throughput", "composition_tokens",
               "mfu")
 #: End-to-end training kinds: the residuals behind ``devset.step_interval``.
