@@ -37,6 +37,37 @@ def test_predict_answers_for_every_scheme_on_every_gpu_preset(tmp_path, capsys, 
     assert any(a.startswith("nccl_") for algs in doc["algorithms"].values() for a in algs)
 
 
+@pytest.mark.parametrize("machine,mesh,dtype,extra", [
+    ("local-2core-mpich", "tp=megatron:4", "float64", []),          # the shared-core fit
+    ("local-2core-mpich", "tp=megatron:1", "float64", ["--recompute", "full"]),
+    ("dgx-a100", "tp=megatron:1", "bfloat16", ["--recompute", "full"]),  # float32 grads
+    ("frontera-rtx", "tp=megatron:4", "float16", []),               # the dynamic loss scale
+    ("dgx-a100", "tp=megatron:8", "bfloat16", ["--sequence-parallel"]),
+    ("dgx-a100", "tp=optimus:4x4", "bfloat16", ["--recompute", "selective"]),
+    ("h100-dgx-ndr", "tp=summa25:2x2x4", "bfloat16", ["--attention", "flash"]),
+])
+def test_the_grid_alone_is_priced_as_the_composition_of_it_alone(tmp_path, capsys, machine,
+                                                                 mesh, dtype, extra):
+    """``--mesh tp=...`` alone and the same grid as a composition (``--microbatches 1``:
+    dp = pp = m = 1, ZeRO 0) are one step: the same time, parts and memory, whatever
+    the machine (a CPU fit's shared cores, a float16 loss scale, a float32 gradient
+    buffer under mixed precision)."""
+    docs = []
+    for i, more in enumerate(([], ["--microbatches", "1"])):
+        path = tmp_path / f"{i}.json"
+        rc = main(["predict", "--mesh", mesh, *MODEL, "--dtype", dtype, "--machine", machine,
+                   *extra, *more, "--json", str(path)])
+        capsys.readouterr()
+        assert rc == 0
+        docs.append(json.loads(path.read_text()))
+    alone, comp = docs
+    assert alone["seconds"] == pytest.approx(comp["step_seconds"], rel=1e-12)
+    bd = comp["breakdown"]
+    assert alone["gemm_seconds"] == pytest.approx(bd["gemm"], rel=1e-12)
+    assert alone["optimizer_seconds"] == pytest.approx(bd["optimizer"], rel=1e-12)
+    assert alone["memory"]["total"] == pytest.approx(comp["memory"]["total"], rel=1e-12)
+
+
 def test_predict_placement_changes_the_prediction(tmp_path, capsys):
     docs = {}
     for pl in ("row-major", "blocked", "map:" + ",".join(str(x) for x in range(16)[::-1])):

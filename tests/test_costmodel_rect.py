@@ -296,7 +296,12 @@ def test_predict_prices_a_mesh_on_optimus_2x3(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert (doc["grid"], doc["p"], doc["q"], doc["pc"], doc["d"]) == ("Optimus [2,3]", 6, 2, 3, 1)
     cfg = TransformerConfig.from_model(spec.Model.parse(model), 12, dtype="float64")
-    assert doc["seconds"] == step_breakdown_layers(sch, cfg, machine).seconds
+    # the grid alone is the composition of it alone (dp = pp = m = 1), priced as plan does
+    alone = price_composition(cfg, sch, machine=machine, microbatches=1, global_batch=12,
+                              devices=6, state_bytes=StateBytes.for_training("float64", None))
+    assert doc["seconds"] == pytest.approx(alone["step_seconds"], rel=1e-12)
+    assert doc["by_op"] == pytest.approx(
+        {f"{op}/{g}": v for (op, g), v in step_breakdown_layers(sch, cfg, machine).by_op.items()})
     assert doc["memory"]["total"] == memory(sch, cfg).total
     # a composition of two replicas of the rectangle
     path = tmp_path / "mesh.json"

@@ -6,7 +6,9 @@
         --mesh dp=8,pp=8,tp=megatron:8 --zero 1 --microbatches 48 --checkpoint
 
 ``--mesh tp=SCHEME:GRID`` (dp = pp = 1, no ``--microbatches``) prices the tensor scheme
-alone (:func:`~summasim.costmodel.workload.step.step_breakdown`): the step time with its
+alone (:func:`grid_alone`: the step of the composition of the grid alone, with the
+communication by group and kernels of
+:func:`~summasim.costmodel.workload.step.step_breakdown`): the step time with its
 breakdown (GEMM, memory-bound kernels, optimizer, exposed communication), the model
 TFLOP/s per device, the collective algorithms the model assumed per group (NCCL's
 algorithm and protocol on GPU presets), the memory per device and the largest batch
@@ -301,6 +303,30 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                              p2p_overlap=getattr(args, "p2p_overlap", False))
 
 
+def grid_alone(args, machine, sch, cfg, placement) -> StepBreakdown:
+    """The tensor grid of ``args`` alone, one step, as ``plan`` and a composition price
+    it: :func:`step_breakdown_layers` for its parts (communication by group, kernels,
+    placement), with the step's time and parts those of the composition of the grid
+    alone (dp = pp = m = 1, ZeRO 0; :func:`price_fixed_composition`), which adds what
+    the training does beyond the layers (the loss scale's unscaling pass and overflow
+    flag; on a CPU machine, the shared-core model its fit calibrated), and the memory
+    with the training's gradient bytes (:meth:`StateBytes.for_training`: a float32
+    gradient buffer under mixed precision). Under a placement other than rank order, the
+    step moves by what that placement changes in the exposed communication."""
+    sb = step_breakdown_layers(sch, cfg, machine, placement=placement)
+    grad = StateBytes.for_training(cfg.dtype, args.training.grad_reduce).grad
+    bd = price_fixed_composition(args, machine, sch, cfg, 1)["breakdown"]
+    exposed = sum(bd["exposed_comm"].values()) + bd["bubble"]
+    if placement != Placement():
+        exposed += (sb.comm_exposed_seconds
+                    - step_breakdown_layers(sch, cfg, machine).comm_exposed_seconds)
+    mem_bound = bd["memory_bound"] + bd["optimizer"]
+    return dataclasses.replace(
+        sb, memory=memory(sch, cfg, grad), gemm_seconds=bd["gemm"],
+        memory_bound_seconds=mem_bound, optimizer_seconds=bd["optimizer"],
+        comm_exposed_seconds=exposed, seconds=bd["gemm"] + mem_bound + exposed)
+
+
 def _run_lengths(values, most: int = 16) -> str:
     """``8,8,8,8`` as it is; a list of more than ``most`` values as runs, ``1 x 32,
     0 x 1048544`` (so that a million stages print one short line)."""
@@ -327,10 +353,11 @@ def run(args, out=None) -> dict:
     machine, sch, cfg, placement, budget = check_args(args)
     if is_composition(args):
         return _run_composition(args, out, machine, sch, cfg, placement)
-    sb = step_breakdown_layers(sch, cfg, machine, placement=placement)
+    sb = grid_alone(args, machine, sch, cfg, placement)
     mem = sb.memory
     step = batch_step(sch)
-    best_b = largest_batch(sch, cfg, budget) if budget > 0 else None
+    grad = StateBytes.for_training(cfg.dtype, args.training.grad_reduce).grad
+    best_b = largest_batch(sch, cfg, budget, grad_bytes=grad) if budget > 0 else None
     w = out.write
     w(f"machine:   {machine.name} (library {machine.library}"
       f"{', ' + machine.device.name if machine.device else ''})\n")
@@ -355,7 +382,7 @@ def run(args, out=None) -> dict:
     bound = grid_bound(sb)
     w(f"\nbound by  {bound['why']} ({bound['share']:.0%} of the step)\n")
     moves = placement_what_ifs(
-        lambda pl: step_breakdown_layers(sch, cfg, machine, placement=pl).seconds,
+        lambda pl: grid_alone(args, machine, sch, cfg, pl).seconds,
         placement, sch, machine.topology)
     for r in moves:
         r["gain"] = 1.0 - r["step_seconds"] / sb.seconds if sb.seconds else 0.0

@@ -41,8 +41,11 @@ class Memory:
 
 
 # -- memory ---------------------------------------------------------------------------------
-def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
-    """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring)."""
+def memory(scheme: Scheme, cfg: TransformerConfig, grad_bytes: int | None = None) -> Memory:
+    """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring); the
+    gradients take ``grad_bytes`` per parameter (default the dtype's itemsize; a
+    mixed-precision step that accumulates them in float32 holds 4:
+    :meth:`~summasim.costmodel.workload.zero.StateBytes.for_training`)."""
     b, s, h, v, N = cfg.b, cfg.s, cfg.h, cfg.v, cfg.N
     f = cfg.ffn_width                                  # MLP width f h
     r, k = cfg.qkv_mult, cfg.mlp_matrices              # QKV r h wide (3 without GQA); MLP k
@@ -129,7 +132,8 @@ def memory(scheme: Scheme, cfg: TransformerConfig) -> Memory:
     extra = _layer_extra_bytes(scheme, cfg)
     held = {"none": N, "selective": N, "full": 1}[cfg.recompute]
     masks = held * extra["kept"] + (N if cfg.recompute == "none" else 1) * extra["core"]
-    return Memory(params=params, grads=model, optimizer=optimizer,
+    grads = model if grad_bytes is None else model / it * grad_bytes
+    return Memory(params=params, grads=grads, optimizer=optimizer,
                   activations=(acts + grad_bufs) * it + masks, workspace=work * it,
                   embedding=emb_b)
 
@@ -237,7 +241,7 @@ def batch_step(scheme: Scheme) -> int:
 
 
 def largest_batch(scheme: Scheme, cfg: TransformerConfig, budget_bytes: float,
-                  b_max: int = 1 << 40) -> int:
+                  b_max: int = 1 << 40, grad_bytes: int | None = None) -> int:
     """Largest batch b (a multiple of :func:`batch_step`) whose memory per rank fits
     ``budget_bytes``; 0 when even the smallest does not fit. Memory grows with b,
     so this is an exponential then binary search."""
@@ -246,7 +250,7 @@ def largest_batch(scheme: Scheme, cfg: TransformerConfig, budget_bytes: float,
     step = batch_step(scheme)
 
     def fits(mult):
-        return memory(scheme, cfg.replace(b=mult * step)).total <= budget_bytes
+        return memory(scheme, cfg.replace(b=mult * step), grad_bytes).total <= budget_bytes
 
     if not fits(1):
         return 0
