@@ -66,8 +66,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .backends import backend_of, ipc, is_device_array
-from .backends.cupy_backend import launcher_local_ranks
-from .mpiutil import SLEEP_S, WAIT_POLICIES, install_abort_hook, wait_requests
+from .backends.cupy_backend import gpu_comm_setting, launcher_local_ranks
+from .mpiutil import SLEEP_S, WAIT_POLICIES, agreement_enabled, install_abort_hook, wait_requests
 from .ringwait import MODES as RING_MODES
 from .ringwait import ring_wait_setting, waits_of
 from .trace import Trace
@@ -95,13 +95,24 @@ def _env_bytes(name: str) -> int | None:
     return value
 
 
-_BLOCKING_ENV = _env_bytes("SUMMASIM_BLOCKING_BYTES")
+def _env_bytes_at_import(name: str) -> int | None:
+    """:func:`_env_bytes` when this module is imported, where a bad value must not raise
+    (a front-end's ``import`` would end in a traceback before it can say so): None
+    (the default) for a bad value, which :func:`check_environment`, asked by every
+    front-end before any work, then reports as one line."""
+    try:
+        return _env_bytes(name)
+    except ValueError:
+        return None
+
+
+_BLOCKING_ENV = _env_bytes_at_import("SUMMASIM_BLOCKING_BYTES")
 BLOCKING_SENDRECV_BYTES = _UNLIMITED if _BLOCKING_ENV is None else _BLOCKING_ENV
 # ring steps of at least NAP_BYTES, on a node with at least NAP_RANKS_PER_CORE ranks per core,
 # poll with sched_yield NAP_AFTER_POLLS times and then nap between polls (Comm.exchanger): a long
 # wait among many waiters. SUMMASIM_NAP_BYTES sets the size at any density (0: always; a huge
 # value: never).
-_NAP_ENV = _env_bytes("SUMMASIM_NAP_BYTES")
+_NAP_ENV = _env_bytes_at_import("SUMMASIM_NAP_BYTES")
 NAP_BYTES = 256 << 10 if _NAP_ENV is None else _NAP_ENV
 NAP_RANKS_PER_CORE = 4
 NAP_AFTER_POLLS = 32
@@ -110,7 +121,7 @@ NAP_AFTER_POLLS = 32
 # ring on the host, one copy back, instead of a copy each way per ring step
 # (Comm.staged_whole; SUMMASIM_STAGE_WHOLE_BYTES sets it, 0: never).
 # Measured on an H200 shared by 4 ranks (docs/gpu.md).
-_STAGE_WHOLE_ENV = _env_bytes("SUMMASIM_STAGE_WHOLE_BYTES")
+_STAGE_WHOLE_ENV = _env_bytes_at_import("SUMMASIM_STAGE_WHOLE_BYTES")
 STAGE_WHOLE_BYTES = 16 << 20 if _STAGE_WHOLE_ENV is None else _STAGE_WHOLE_ENV
 # Each half of the ring alone pays both whole copies for half the steps, and an all-gather
 # step adds nothing on the device, so the halves cross over sooner. Measured on the same
@@ -173,12 +184,14 @@ def check_environment() -> dict:
     """Raise the ValueError of a bad ``SUMMASIM_*`` setting of this module (the byte
     limits are read when it is imported); return the settings that decide which
     messages a collective sends (the reduce's algorithm, whether a ring runs its wait
-    trials, which steps block, what is staged whole), which every rank must share: a
+    trials, which steps block, what is staged whole, whether the entry points agree on
+    their inputs), which every rank must share: a
     rank that ran the trials alone would wait for the others forever. The front-ends
     ask every rank before any work, so that a setting bad or different on one rank is
     one clear error, not an abort or a hang."""
     default_wait_policy()
-    shared = {"SUMMASIM_REDUCE": default_reduce(), "SUMMASIM_RING_WAIT": ring_wait_setting()}
+    shared = {"SUMMASIM_REDUCE": default_reduce(), "SUMMASIM_RING_WAIT": ring_wait_setting(),
+              "SUMMASIM_AGREE": agreement_enabled(), "SUMMASIM_GPU_COMM": gpu_comm_setting()}
     for name in ("SUMMASIM_BLOCKING_BYTES", "SUMMASIM_NAP_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES"):
         value = _env_bytes(name)
         if name != "SUMMASIM_NAP_BYTES":

@@ -394,7 +394,7 @@ def preflight(args, world) -> str:
 
 
 def main(argv=None) -> int:
-    return mpi_main(lambda: parse_args(argv), preflight, _body, prog=PROG)
+    return mpi_main(lambda: parse_args(argv), preflight, _body, prog=PROG, argv=argv)
 
 
 def _body(args, world) -> int:

@@ -125,6 +125,45 @@ def test_a_valid_setting_that_differs_on_one_rank_is_a_user_error(mpiexec, var, 
     assert took < PROMPT
 
 
+def test_agreement_switched_off_on_one_rank_is_a_user_error(mpiexec):
+    """``SUMMASIM_AGREE`` (read at import) decides whether the entry points run their
+    collective input agreement: off on one rank only, the others waited in it forever.
+    Now it is agreed like the other settings: one line naming it, exit 2."""
+    patch = "import summasim.mpiutil as mu; mu.set_agreement(RANK != 1)"
+    proc, took = launch(mpiexec, 2, ["-c", program(patch, argv=SMALL)], timeout=PROMPT)
+    user_error(proc, "SUMMASIM_AGREE", "differs between ranks", "rank 1")
+    assert took < PROMPT
+
+
+@pytest.mark.parametrize("other", [["--seed", "2"], ["--repeats", "0"],
+                                   ["--dtype", "float32"]])
+def test_ranks_started_with_different_arguments_are_a_user_error(mpiexec, other):
+    """``mpiexec -n 1 prog A : -n 1 prog B``: rank 1 runs other work (another seed: a
+    FAIL verdict for a right product; no timed repeats: a hang; another dtype: an
+    abort). The command lines are agreed before any work: one line, exit 2."""
+    code = "\n".join(["import sys", "from mpi4py import MPI", "import summasim.run as front",
+                       f"argv = {SMALL!r}",
+                       f"argv = argv + ({other!r} if MPI.COMM_WORLD.Get_rank() == 1 else [])",
+                       "sys.exit(front.main(argv))"])
+    proc, took = launch(mpiexec, 2, ["-c", code], timeout=PROMPT)
+    user_error(proc, "started with different arguments", "rank 1", other[0])
+    assert took < PROMPT
+
+
+@pytest.mark.parametrize("var", ["SUMMASIM_BLOCKING_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES",
+                                 "SUMMASIM_GPU_COMM"])
+def test_a_bad_setting_read_at_import_is_one_user_error(mpiexec, var):
+    """The byte limits are read when ``summasim.comm`` is imported, before the front-end
+    can check anything: a bad value there was a ValueError traceback (exit 1, which
+    says a row failed). Now the import takes the default and the check before any work
+    says it: one line, exit 2. ``SUMMASIM_GPU_COMM`` is checked there too."""
+    cmd = ["timeout", "-k", "10", str(PROMPT)] + mpiexec + ["-n", "2", sys.executable, "-m",
+                                                            "summasim.run", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**mpi_env(), var: "abc"}, capture_output=True,
+                          text=True)
+    user_error(proc, var)
+
+
 def test_a_deeply_nested_machine_file_is_a_user_error(mpiexec, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000)

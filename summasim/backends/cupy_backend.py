@@ -52,6 +52,18 @@ def cuda_aware_mpi() -> tuple[bool, str]:
 GPU_COMM_MODES = ("staged", "direct", "ipc")
 
 
+def gpu_comm_setting() -> str:
+    """``SUMMASIM_GPU_COMM`` as the CuPy backend reads it ("" when unset); a ValueError
+    naming the modes when it is none of them. The front-ends ask every rank before any
+    work (:func:`summasim.comm.check_environment`), so a bad or differing value is one
+    line and exit status 2, not an abort when the backend starts."""
+    forced = os.environ.get("SUMMASIM_GPU_COMM", "").strip().lower()
+    if forced and forced not in GPU_COMM_MODES:
+        raise ValueError(f"SUMMASIM_GPU_COMM={forced!r}: expected one of "
+                         f"{', '.join(GPU_COMM_MODES)}")
+    return forced
+
+
 def choose_mode(forced: str, aware: bool, why: str, ranks_on_node: int,
                 world_size: int) -> tuple[str, str]:
     """``(comm_mode, reason)`` of the CuPy backend (pure; the rules of the module doc).

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
         except cli.UsageError as e:
             return cli.print_error(PROG, e)
         return cli.run_command(PROG, layer.run, args)
-    return mpi_main(lambda: parse_args(argv), _preflight, _body, prog=PROG)
+    return mpi_main(lambda: parse_args(argv), _preflight, _body, prog=PROG, argv=argv)
 
 
 if __name__ == "__main__":

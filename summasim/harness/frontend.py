@@ -3,7 +3,8 @@ before any work; everything else aborts the whole job with its traceback; nothin
 waits forever.
 
     def main(argv=None):
-        return mpi_main(lambda: parse(argv), preflight, body, prog="python -m summasim.x")
+        return mpi_main(lambda: parse(argv), preflight, body, prog="python -m summasim.x",
+                        argv=argv)
 
 ``parse()`` runs on every rank (pure: arguments only) and raises
 :class:`summasim.cli.UsageError` (the one user-error exception);
@@ -86,19 +87,29 @@ def _environment() -> tuple[str, dict]:
         return one_line(str(e)), {}
 
 
-def _agreed_error(err: str, world, shared: dict | None = None) -> str:
+def _agreed_error(err: str, world, shared: dict | None = None, command=()) -> str:
     """The first rank's error of every rank's ``err`` ("" when none has one), naming the
-    ranks where only some have it, else a setting of ``shared`` that differs between
-    ranks: every rank then stops, or none does."""
+    ranks where only some have it, else the ranks' ``command`` lines when they differ,
+    else a setting of ``shared`` that differs between ranks: every rank then stops, or
+    none does."""
     from ..mpiutil import ranks_text
 
-    every = world.allgather((err, shared or {}))
-    bad = [r for r, (e, _) in enumerate(every) if e]
+    every = world.allgather((err, shared or {}, list(command)))
+    bad = [r for r, (e, _, _) in enumerate(every) if e]
     if bad:
         first = every[bad[0]][0]
         return first if len(bad) == len(every) else f"{first} (on {ranks_text(bad)})"
+    commands = [tuple(a) for _, _, a in every]
+    if len(set(commands)) > 1:
+        # ranks started with other arguments (``mpiexec -n 1 prog A : -n 1 prog B``)
+        # would run other work and wait for each other forever
+        parts = [f"{' '.join(c) or '(none)'!r} on "
+                 f"{ranks_text([r for r, w in enumerate(commands) if w == c])}"
+                 for c in dict.fromkeys(commands)]
+        return (f"the ranks were started with different arguments ({'; '.join(parts)}); "
+                f"every rank must run the same job, so start them alike")
     for name in every[0][1]:
-        values = [s.get(name) for _, s in every]
+        values = [s.get(name) for _, s, _ in every]
         if len(set(values)) > 1:
             parts = [f"{'unset' if v is None else repr(v)} on "
                      f"{ranks_text([r for r, w in enumerate(values) if w == v])}"
@@ -108,8 +119,9 @@ def _agreed_error(err: str, world, shared: dict | None = None) -> str:
     return ""
 
 
-def mpi_main(parse, preflight, body, prog: str) -> int:
-    """Run a front-end (see the module doc); returns the exit status."""
+def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
+    """Run a front-end (see the module doc); returns the exit status. ``argv`` is the
+    command line ``parse`` reads (None: ``sys.argv[1:]``), which every rank must share."""
     try:
         args, err = parse(), ""
     except UsageError as e:
@@ -123,7 +135,8 @@ def mpi_main(parse, preflight, body, prog: str) -> int:
     end_on_signals(prog, rank)
     with abort_on_error(world):
         env_err, shared = _environment()
-        err = _agreed_error(err or env_err, world, shared)
+        command = sys.argv[1:] if argv is None else [str(a) for a in argv]
+        err = _agreed_error(err or env_err, world, shared, command)
         if not err and preflight is not None:
             doing("in the preflight" if rank == 0 else "waiting for rank 0's preflight")
             err = _preflight_message(preflight, args, world) if rank == 0 else None
