@@ -757,7 +757,11 @@ def report_path(kind: str) -> Callable[[str], ReportPath]:
     one already is stays as it is, so a default or ``const`` keeps its flags)."""
 
     def convert(text) -> ReportPath:
-        return text if isinstance(text, ReportPath) else ReportPath(text, kind)
+        if isinstance(text, ReportPath):
+            return text
+        if not str(text).strip():
+            raise argparse.ArgumentTypeError("needs a file path, got an empty one")
+        return ReportPath(text, kind)
 
     convert.__name__ = "report_path"
     return convert

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -46,6 +47,8 @@ RUN_TECHNIQUES: frozenset = frozenset({"--schedule", "--stages", "--recompute", 
 SELF_TEST_MODEL = DEFAULT_MODEL.replace(layers=1)
 #: ``--mesh``'s micro-batches per replica when ``--microbatches`` is not given.
 MESH_MICROBATCHES = 2
+#: training steps of a mesh row by default, and the most timed repeats of a run
+DEFAULT_STEPS, MAX_REPEATS = 3, 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per run, at least "
                     "(a product or ring call that is short repeats up to 5x within about "
                     "0.5 s); the median span is reported (default 3; 0 validates without "
-                    "timing, for sizes where one call takes minutes)")
+                    f"timing, for sizes where one call takes minutes; at most {MAX_REPEATS})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     ap.add_argument("--threads", type=int, default=None,
                     help="BLAS threads per rank (default 1 when p > 1, else the library's)")
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reduce each gradient bucket over dp with a non-blocking ring while "
                          "the backward runs (docs/sharded-training.md: on this kind of "
                          "machine it does not pay)")
-    options.add_steps(ap, default=3, most=1000)
+    options.add_steps(ap, default=DEFAULT_STEPS, most=1000)
     ap.add_argument("--curves", metavar="PATH", type=cli.report_path("curves"),
                     action=cli.ReportAction, default=None,
                     help="write each mesh's loss at every step beside the serial model's "
@@ -141,12 +144,20 @@ def _names(text: str, valid, what: str) -> list[str]:
 
 
 def parse_args(argv=None):
-    """Parse and check everything that needs no MPI and no files (pure)."""
-    args = build_parser().parse_args(argv)
+    """Parse and check everything that needs no MPI and no files (pure). ``--help`` is
+    printed by the launcher's rank 0 only (every rank parses, before MPI starts)."""
+    import contextlib
+    import io
+
+    quiet = contextlib.redirect_stdout(io.StringIO()) if cli.launcher_rank() else \
+        contextlib.nullcontext()
+    with quiet:
+        args = build_parser().parse_args(argv)
     args.algorithm_list = _names(args.algorithms, ALGORITHMS, "algorithm")
     args.scheme_list = _names(args.schemes, SCHEME_NAMES, "scheme")
-    if args.repeats < 0:
-        raise UsageError("--repeats must be 0 (validate only) or more")
+    if not 0 <= args.repeats <= MAX_REPEATS:
+        raise UsageError(f"--repeats must be 0 (validate only) to {MAX_REPEATS}, got "
+                         f"{args.repeats}")
     if args.sizes and min(args.sizes) < 1:
         raise UsageError("--sizes must be positive")
     if args.ring_size is not None and args.ring_size < 1:
@@ -168,6 +179,20 @@ def parse_args(argv=None):
         raise UsageError("--self-test runs its own small sizes, model and meshes in float64; "
                          "leave out --sizes, --ring-size, --model, --batch, --mesh and "
                          "--dtype")
+    if args.self_test:
+        ignored = [flag for flag, given in (
+            ("--json", args.json is not None), ("--curves", args.curves is not None),
+            ("--steps", args.steps != DEFAULT_STEPS), ("--repeats", args.repeats != 3),
+            ("--check", args.check != "auto"), ("--overlap", args.overlap),
+            ("--bucket", args.bucket is not None)) if given]
+        if ignored:
+            raise UsageError(f"--self-test runs each fault with its own settings, prints "
+                             f"which runs catch it and writes no report; leave out "
+                             f"{', '.join(ignored)}")
+    if args.json is not None and args.curves is not None and \
+            os.path.realpath(args.json) == os.path.realpath(args.curves):
+        raise UsageError(f"--json and --curves name the same file {args.json!r}: the "
+                         f"curves would replace the run report; give them two paths")
     args.model = args.model or DEFAULT_MODEL
     args.batch_given = bool(args.batch)
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch
@@ -228,6 +253,8 @@ def plan_mesh_cases(args, p: int):
     from .harness.plan import default_meshes, plan_meshes
 
     if args.self_test:             # the default compositions on the default model
+        if args.meshes == "none":
+            return [], [], ""
         return plan_meshes(p, default_meshes(p), _config(DEFAULT_MODEL, "float64"),
                            DEFAULT_MODEL.batch, False, fit_batch=True)
     kw = {"steps": args.steps, "overlap": bool(args.overlap)}

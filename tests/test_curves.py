@@ -61,10 +61,24 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
     (["--dtype", "float16", "--meshes", "none"], "runs the training rows only"),
     (["--mesh", "dp=4", "--checkpoint", "--recompute", "selective"], "contradicts"),
     (["--mesh", "dp=4", "--loss-scale", "dynamic"], "needs mixed precision"),
+    # what the self-test would silently drop
+    (["--self-test", "--json", "r.json"], "writes no report; leave out --json"),
+    (["--self-test", "--repeats", "5", "--steps", "4"], "leave out --steps, --repeats"),
+    (["--self-test", "--check", "freivalds"], "leave out --check"),
+    # unbounded work, an empty path, two outputs in one file
+    (["--repeats", str(10 ** 20)], "--repeats must be 0"),
+    (["--json", ""], "needs a file path"),
+    (["--mesh", "dp=4", "--json", "same.json", "--curves", "./same.json"], "the same file"),
 ])
 def test_what_the_job_cannot_run_is_a_user_error(argv, words):
     with pytest.raises(UsageError, match=words):
         _args(*argv)
+
+
+def test_the_self_test_without_meshes_runs_none():
+    args = _args("--self-test", "--meshes", "none")
+    assert run.plan_mesh_cases(args, 4) == ([], [], "")
+    assert run.plan_mesh_cases(_args("--self-test"), 4)[0]        # the default ones
 
 
 def test_a_name_given_twice_runs_once():

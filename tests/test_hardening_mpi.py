@@ -164,6 +164,24 @@ def test_a_bad_setting_read_at_import_is_one_user_error(mpiexec, var):
     user_error(proc, var)
 
 
+def test_the_main_job_into_a_closed_pipe_is_quiet():
+    """``python -m summasim.run ... | head -1``: the reader leaves while rank 0 prints; no
+    BrokenPipeError traceback, a non-zero status (the report was not all read)."""
+    proc = subprocess.Popen([sys.executable, "-m", "summasim.run", *SMALL], cwd=ROOT,
+                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=PROMPT) == 1 and "Traceback" not in err, err
+
+
+def test_help_is_printed_once_under_mpiexec(mpiexec):
+    proc, _ = launch(mpiexec, 3, ["-m", "summasim.run", "--help"], timeout=PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage:") == 1, proc.stdout[:500]
+
+
 def test_a_deeply_nested_machine_file_is_a_user_error(mpiexec, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000)

@@ -26,6 +26,7 @@ with one line (:func:`summasim.mpiutil.end_on_signals`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..cli import UsageError
@@ -148,6 +149,15 @@ def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
         doing("starting the work")
         try:
             return body(args, world)
+        except BrokenPipeError:
+            # the reader of the output went away (``... | head``): not a bug of ours, so no
+            # traceback; stdout goes to devnull so that the final flush cannot raise again,
+            # and a job of several ranks ends (the others would wait for this one)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if world.Get_size() > 1:
+                abort_job(world, f"[rank {rank}/{world.Get_size()}] its output was closed "
+                                 f"(the reader went away), ending the job: it was {doing()}\n")
+            return 1
         except SystemExit as e:
             abort_job(world, f"[rank {rank}/{world.Get_size()}] left the job early (exit "
                              f"status {e.code}) while the other ranks work on, aborting the "
