@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT
 
 VENV = sys.prefix          # the venv these tests run in: installed, so setup is quick
@@ -49,3 +51,18 @@ def test_run_uses_the_launcher_and_flags_it_is_given(tmp_path):
     args = log.read_text().split("\n")[:-1]
     assert args == ["--partition=debug", "--oversubscribe", "--quiet", "-n", "3", "python",
                     "-m", "summasim.run", "--sizes", "8", "8", "8"], args
+
+
+@pytest.mark.parametrize("var,value", [("SUMMASIM_RANKS", "abc"), ("SUMMASIM_RANKS", "0"),
+                                       ("SUMMASIM_RANKS", "2 3"), ("SUMMASIM_RANKS", "-1"),
+                                       ("SUMMASIM_TIMEOUT", "soon"),
+                                       ("SUMMASIM_MPIEXEC", "no-such-launcher")])
+def test_run_refuses_a_bad_setting_in_one_line(var, value):
+    """A rank count the launcher would read as 1 (Hydra's atoi: "abc", "0") ran the job
+    on one rank and passed; a bad timeout or a missing launcher ended in the shell's or
+    timeout's own words. Each is one line naming the variable, exit 2, before set-up."""
+    res = subprocess.run(["scripts/run", "--sizes", "8", "8", "8"], cwd=ROOT, timeout=120,
+                         env=_env(**{var: value}), capture_output=True, text=True)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and var in lines[0], res.stderr
