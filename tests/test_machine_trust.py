@@ -285,6 +285,21 @@ def test_a_saved_file_that_fails_the_checks_is_refitted(env):
     assert Machine.load(env["path"]).intra.beta_small > 0
 
 
+def test_a_file_that_is_no_machine_at_the_fit_path_is_not_replaced(env):
+    """A run report written to results/machine.json (``--json results/machine.json``)
+    is not a machine: the next run fits for itself and leaves the file as it was."""
+    os.makedirs(os.path.dirname(env["path"]))
+    mine = json.dumps({"summasim_report": "run", "rows": []})
+    with open(env["path"], "w") as fh:
+        fh.write(mine)
+    fake = FakeFit(_fitted())
+    got = env["resolve"](fake)
+    assert fake.calls == 1 and got.name == "fit-test"
+    with open(env["path"]) as fh:
+        assert fh.read() == mine
+    assert any("not a machine file" in s and "will not replace it" in s for s in env["said"])
+
+
 def test_a_calibrated_file_that_fails_the_checks_is_not_used(env):
     bad = _broken_link("beta_small", 0.0).replace(name="calibrated")
     os.makedirs(os.path.dirname(env["calibrated"]))

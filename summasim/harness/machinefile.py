@@ -391,12 +391,30 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
         if size < FIT_RANKS:
             say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
             return {"use": load_preset(preset).to_dict()}, _released(lock)
+        if os.path.exists(path) and not _machine_file(path):
+            # someone else's file at the fit's path (a report written there): fit, use,
+            # and leave it alone
+            say(f"cost model: {path} is not a machine file, and a fit will not replace it; "
+                f"fitting a quick one on {FIT_RANKS} ranks for this run only (the other "
+                f"ranks wait)")
+            return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, _released(lock)
         say(f"cost model: no usable machine file; fitting a quick one on {FIT_RANKS} ranks "
             f"first (the other ranks wait)")
         return {"fit": load.snapshot(LOAD_INTERVAL, exclude=pids)}, lock
     except BaseException:
         _released(lock)
         raise
+
+
+def _machine_file(path: str) -> bool:
+    """Whether ``path`` holds a summasim machine (its ``format``), usable or not: only
+    such a file is replaced by a new fit."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and str(doc.get("format", "")).startswith("summasim.machine")
 
 
 def _released(lock):
