@@ -345,3 +345,18 @@ def test_from_a_bad_measured_file_is_one_message_and_exit_2(tmp_path, content, w
     proc = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--from",
                            "--out", str(missing)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--from needs" in proc.stderr and not missing.exists()
+
+
+def test_accuracy_with_no_launcher_is_a_user_error(tmp_path):
+    """``SUMMASIM_MPIEXEC`` naming no program: one line, exit 2, before any work (it was
+    "the machine fit failed" and exit 1, after creating --out)."""
+    import os
+
+    out = tmp_path / "acc"
+    env = {**os.environ, "SUMMASIM_MPIEXEC": "no-such-launcher"}
+    res = subprocess.run([sys.executable, "-m", "summasim.costmodel", "accuracy", "--out",
+                          str(out), "--quick"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "no-such-launcher" in res.stderr and "SUMMASIM_MPIEXEC" in res.stderr
+    assert not out.exists()

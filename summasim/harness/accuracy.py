@@ -171,6 +171,7 @@ def run(args) -> int:
 
     from ..cli import UsageError, check_writable_dir
     from .machinefile import check_machine_spec
+    from .worker import check_launcher
 
     mfile = os.path.join(args.out, "machine-fit.json")
     mpath = os.path.join(args.out, "measured.json")
@@ -182,6 +183,8 @@ def run(args) -> int:
     try:                                # every argument and file, before any work
         check_writable_dir(args.out)
         given = check_machine_spec(args.machine)     # --machine FILE|PRESET, loaded once
+        if not args.reuse:
+            check_launcher()
     except (UsageError, ValueError) as e:
         print(f"python -m summasim.costmodel accuracy: error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,20 @@ def mpiexec() -> list[str]:
     return exe.split() + os.environ.get("SUMMASIM_MPIEXEC_FLAGS", "").split()
 
 
+def check_launcher() -> None:
+    """A :class:`~summasim.cli.UsageError` naming ``SUMMASIM_MPIEXEC`` when the launcher
+    of :func:`mpiexec` cannot be found (checked before any work, so that a missing
+    launcher is the user's one-line error, not a failed job)."""
+    import shutil
+
+    from ..cli import UsageError
+
+    cmd = mpiexec()
+    if not cmd or shutil.which(cmd[0]) is None:
+        raise UsageError(f"no MPI launcher {cmd[0] if cmd else ''!r} (SUMMASIM_MPIEXEC, "
+                         f"default: the mpiexec beside this Python or on PATH)")
+
+
 def worker_env() -> dict:
     """The environment of a launched job: one BLAS thread per rank."""
     return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
