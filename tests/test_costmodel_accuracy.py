@@ -349,7 +349,7 @@ def test_from_a_bad_measured_file_is_one_message_and_exit_2(tmp_path, content, w
 
 def test_accuracy_with_no_launcher_is_a_user_error(tmp_path):
     """``SUMMASIM_MPIEXEC`` naming no program: one line, exit 2, before any work (it was
-    "the machine fit failed" and exit 1, after creating --out)."""
+    "the machine fit failed" and exit 1)."""
     import os
 
     out = tmp_path / "acc"
@@ -359,4 +359,4 @@ def test_accuracy_with_no_launcher_is_a_user_error(tmp_path):
                          timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "no-such-launcher" in res.stderr and "SUMMASIM_MPIEXEC" in res.stderr
-    assert not out.exists()
+    assert not (out / "machine-fit.json").exists()
