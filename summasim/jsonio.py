@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 
-from .cli import REPORT_FIELD, UsageError, one_line
+from .cli import REPORT_FIELD, ReportPath, UsageError, check_writable_path, one_line
 
 
 def _what(x: float) -> str:
@@ -116,8 +116,16 @@ def write_report(path, kind: str, obj, prog: str | None = None) -> bool:
     doc = {REPORT_FIELD: kind, **{k: v for k, v in obj.items() if k != REPORT_FIELD}}
     text = json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n"
     try:
-        write_text_atomic(path, text, make_folder=getattr(path, "default", False))
+        if isinstance(path, ReportPath) and os.path.lexists(path):
+            # checked again now: a file put there since the preflight is not replaced
+            check_writable_path(path)
+        # a link to a report: the report it points to is replaced, the link stays
+        target = os.path.realpath(path) if os.path.islink(path) else path
+        write_text_atomic(target, text, make_folder=getattr(path, "default", False))
         return True
+    except UsageError as exc:
+        why = one_line(str(exc))
+        saved = _fallback(kind, text)
     except OSError as exc:
         why = one_line(exc.strerror or exc)
         saved = _fallback(kind, text)

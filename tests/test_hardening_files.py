@@ -255,6 +255,32 @@ def test_late_write_failure_keeps_the_report(tmp_path, capsys):
     os.unlink(err.split("saved in ")[1].split(" instead")[0])
 
 
+def test_a_file_put_at_the_path_during_the_job_is_not_replaced(tmp_path):
+    """The preflight found no file at --json; one written there while the job ran (not a
+    report) is left alone: the report goes to the temp folder and the error says so."""
+    target = cli.ReportPath(str(tmp_path / "r.json"), "run")
+    cli.check_writable_path(target)
+    (tmp_path / "r.json").write_text("precious\n")
+    with pytest.raises(jsonio.ReportNotSaved, match="not a summasim") as exc:
+        jsonio.write_report(target, "run", {"ok": True})
+    assert (tmp_path / "r.json").read_text() == "precious\n"
+    os.unlink(str(exc.value).split("saved in ")[1].split(" instead")[0])
+    # an earlier report of the same kind is replaced, as at the preflight
+    os.unlink(tmp_path / "r.json")
+    jsonio.write_report(target, "run", {"ok": 1})
+    jsonio.write_report(target, "run", {"ok": 2})
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] == 2
+
+
+def test_a_link_to_a_report_keeps_the_link(tmp_path):
+    real = tmp_path / "real.json"
+    jsonio.write_report(str(real), "run", {"ok": 1})
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    jsonio.write_report(cli.ReportPath(str(link), "run"), "run", {"ok": 2})
+    assert link.is_symlink() and json.loads(real.read_text())["ok"] == 2
+
+
 # -- the commands -------------------------------------------------------------------------
 def test_predict_refuses_special_machine_files(tmp_path):
     deep = tmp_path / "deep.json"
