@@ -221,7 +221,7 @@ MESH_HEADER = ("mesh", "dtype", "zero", "sched", "m", "ckpt", "result", "loss er
 
 
 def _mesh_widths(width: int) -> tuple:
-    return (max(width, len(MESH_HEADER[0])), 7, 4, 13, 2, 4, 6, 8, 8, 7, 9, 8, 8, 23, 22, 9)
+    return (max(width, len(MESH_HEADER[0])), 8, 4, 13, 2, 4, 6, 8, 8, 7, 9, 8, 8, 23, 22, 9)
 
 
 def _mesh_cell(r) -> str:
