@@ -153,6 +153,7 @@ def parse_args(argv=None):
         contextlib.nullcontext()
     with quiet:
         args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else [str(a) for a in argv]
     args.algorithm_list = _names(args.algorithms, ALGORITHMS, "algorithm")
     args.scheme_list = _names(args.schemes, SCHEME_NAMES, "scheme")
     if not 0 <= args.repeats <= MAX_REPEATS:
@@ -569,6 +570,8 @@ def _main(args, world, jb: Job) -> int:
         from .jsonio import write_report
 
         written = write_report(args.json, "run", {
+            "command": [PROG, *(sys.argv[1:] if args.argv is None else args.argv)],
+            "seed": args.seed, "repeats": args.repeats, "check": args.check,
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
             "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
             "fault": str(args.fault) if args.fault else None,
