@@ -74,7 +74,7 @@ def test_main_job_reports_and_writes_json(mpiexec, tmp_path):
     assert report["world_size"] == 4 and report["ok"] is True
     # what reproduces it: the command line, the seed, the repeats
     assert report["command"][0] == "python -m summasim.run" and \
-        report["command"][1:4] == ["--sizes", "96", "64", "80"]
+        report["command"][1:5] == ["--sizes", "96", "64", "80"]
     assert (report["seed"], report["repeats"], report["check"]) == (0, 2, "auto")
     names = {(r["algorithm"], r["dtype"]) for r in report["rows"]}
     assert ("summa_abt", "float32") in names and ("ring_allreduce", "float64") in names
