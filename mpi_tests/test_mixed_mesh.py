@@ -167,6 +167,52 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(zero):
                     f"applied {applied}, unchanged {same}, scales {scales}")
 
 
+@pytest.mark.parametrize("precision,loss_scale,passes", [("float16", "dynamic", True),
+                                                          ("bfloat16", "none", False)])
+def test_a_skipped_step_passes_only_under_a_loss_scale(backend, monkeypatch, precision,
+                                                      loss_scale, passes):
+    """An Inf in the last rank's gradient at step 2: under a dynamic loss scale that is an
+    overflow, the step is skipped and the row passes (its parameters checked unchanged);
+    without a loss scale nothing can overflow, so the skip hides a fault and the row
+    fails, naming the step."""
+    case = (_case("dp=2,pp=2", precision, loss_scale=loss_scale, steps=3) if P == 4
+            else None)
+    skip_unless(case is not None, "the dp=2,pp=2 mesh")
+    init = composed.Trainer.__init__
+
+    def hooked(self, *a, **kw):
+        init(self, *a, **kw)
+        if WORLD.rank == P - 1:
+            self.inject_overflow_at = 1
+
+    monkeypatch.setattr(composed.Trainer, "__init__", hooked)
+    res = run_mesh(case, WORLD, backend, timed=False)
+    r = res.extra["report"]
+    named = any("without a loss scale" in f for f in r.failures)
+    parallel_assert(r.skipped == [2] and res.ok == passes and named == (not passes),
+                    f"skipped {r.skipped}, failures {r.failures}: {mesh_row(res)}")
+
+
+@pytest.mark.parametrize("kind,precision,zero,reduce16", [
+    ("perturb", "bfloat16", 1, False), ("drop", "float16", 0, True),
+    ("drop", "float16", 3, True), ("drift", "bfloat16", 3, False)])
+def test_every_fault_fails_a_mixed_precision_row(backend, kind, precision, zero, reduce16):
+    """The faults under mixed precision: ``perturb`` moved the fp32 gradient by 1e-2,
+    far under the 16-bit bound, and passed; ``drop`` around a 16-bit reduction raised a
+    TypeError (its ``add``); ``drift`` in a ZeRO-3 gather of raw 16-bit bits changed
+    nothing and was counted as applied. Each now fails its row, on every rank. (``drop``
+    runs in float16: one rank's chunk missing 3 of 4 replicas' sums can stay under
+    bfloat16's bound of about 0.4 on this small model.)"""
+    from summasim.harness.inject import Fault
+
+    case = (_case("dp=4", precision, zero=zero,
+                  grad_reduce="bfloat16" if reduce16 else "float32") if P == 4 else None)
+    skip_unless(case is not None, "the dp=4 mesh")
+    res = run_mesh(case, WORLD, backend, timed=False, fault=Fault(kind, P - 1))
+    r = res.extra["report"]
+    parallel_assert(r.fault_applied and not res.ok, f"{kind}@{P - 1}: {mesh_row(res)}")
+
+
 def test_a_loss_scale_left_in_the_gradients_fails_the_row(backend, monkeypatch):
     """Skip the division by S before Adam: the gradients are 1024 times too large and
     the row fails against the serial model."""

@@ -77,7 +77,7 @@ from ..transformer.schemes import get_scheme
 from ..transformer.train import Adam
 from ..validate import adam_step_bound, scaled_error, training_tolerance
 from .check import Check, collective
-from .inject import corrupt_entry, drift_at_gathers, drift_entry, drop_at_rings
+from .inject import PERTURB_HALF, corrupt_entry, drift_at_gathers, drift_entry, drop_at_rings
 from .memory import peak_rss_bytes
 from .result import Result
 from .shared import NodeShared
@@ -299,10 +299,13 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
 
 
 def _corrupt_held(tr, kind: str) -> bool:
-    """``nan``/``inf``/``perturb`` in the first non-empty gradient the rank holds."""
+    """``nan``/``inf``/``perturb`` in the first non-empty gradient the rank holds (under
+    mixed precision ``perturb`` doubles the entry: the fp32 gradient is held to the
+    16-bit bound, far above float32's)."""
+    eps = PERTURB_HALF if tr.precision else None
     for _, _, vals in tr.held_grads():
         if vals.size:
-            corrupt_entry(vals, kind)             # a device array: through the host
+            corrupt_entry(vals, kind, eps)        # a device array: through the host
             return True
     return False
 
@@ -545,14 +548,20 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         # against ``bound``, the parameters as their worst ratio to the elementwise bound
         ratios = [loss_err / bound, grad_err / bound, param_err]
         worst = max(ratios) if not any(math.isnan(e) for e in ratios) else math.nan
-        # mixed precision: a row whose every step was skipped validated no gradient
+        # mixed precision: a row whose every step was skipped validated no gradient; and
+        # a step is skipped for an overflow of the scaled gradients, which only a loss
+        # scale can cause: without one, the Inf or NaN that skipped it is a fault
         checked_ok = len(rep.skipped) < case.steps
+        unscaled_ok = not rep.skipped or (tr.scaler is not None and tr.scaler.kind != "none")
         local_ok = (replicas_ok and traffic_ok and tp_ok and schedule_ok and memory_ok
-                    and checked_ok)
+                    and checked_ok and unscaled_ok)
         failures = [name for name, ok in (("replicas", replicas_ok), ("traffic", traffic_ok),
                                           ("table1", tp_ok), ("schedule", schedule_ok),
                                           ("memory", memory_ok),
-                                          ("every step skipped", checked_ok)) if not ok]
+                                          ("every step skipped", checked_ok),
+                                          (f"step(s) {','.join(map(str, rep.skipped))} "
+                                           f"skipped on a non-finite gradient without a "
+                                           f"loss scale", unscaled_ok)) if not ok]
         chk = Check(worst, 1.0, "serial model")
         chk.ok = chk.ok and local_ok
         chk = collective(world, chk)

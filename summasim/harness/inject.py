@@ -68,6 +68,9 @@ from .check import op_panels, product_block_slices, ring_input
 KINDS = ("nan", "inf", "perturb", "drop", "drift")
 PERTURB = 1e-6               # double precision (float64, complex128)
 PERTURB_SINGLE = 1e-2        # anything coarser (float32, complex64)
+#: a mixed-precision step, held to the 16-bit bound (``validate.mixed_tolerance``: about
+#: 0.04 in float16, 0.3-0.4 in bfloat16): the entry doubles
+PERTURB_HALF = 1.0
 
 
 def perturbation(dtype) -> float:
@@ -135,9 +138,10 @@ def _target(x: np.ndarray) -> tuple:
     return np.unravel_index(idx, x.shape)
 
 
-def corrupt_entry(x, kind: str) -> None:
+def corrupt_entry(x, kind: str, eps: float | None = None) -> None:
     """Apply ``nan``, ``inf`` or ``perturb`` in place to one entry of array ``x`` (a device
-    array is corrupted through a host copy, then written back)."""
+    array is corrupted through a host copy, then written back); ``perturb`` moves it by
+    ``eps`` of itself (default :func:`perturbation` of its dtype)."""
     if x.size == 0:
         return
     if not isinstance(x, np.ndarray):
@@ -145,7 +149,7 @@ def corrupt_entry(x, kind: str) -> None:
 
         be = backend_of(x)
         host = np.array(be.to_numpy(x), copy=True)
-        corrupt_entry(host, kind)
+        corrupt_entry(host, kind, eps)
         x[...] = be.asarray(host)
         return
     at = _target(x)
@@ -154,7 +158,7 @@ def corrupt_entry(x, kind: str) -> None:
     elif kind == "inf":
         x[at] = np.inf
     elif kind in ("perturb", "drift"):     # drift: on an output with no replicas
-        eps = perturbation(x.dtype)
+        eps = perturbation(x.dtype) if eps is None else eps
         x[at] = x[at] * (1.0 + eps) if x[at] != 0 else eps
     else:
         raise ValueError(f"corrupt_entry does not do {kind!r}")
@@ -162,8 +166,9 @@ def corrupt_entry(x, kind: str) -> None:
 
 def drift_entry(x) -> bool:
     """``drift`` in place: the entry of largest magnitude of array ``x`` moves by one
-    unit in the last place (``nextafter`` towards +inf; a device array through a host
-    copy). Returns whether ``x`` had an entry to move."""
+    unit in the last place (``nextafter`` towards +inf; the lowest bit of the raw bits
+    of a 16-bit float held as integers; a device array through a host copy). Returns
+    whether ``x`` had an entry to move."""
     if x.size == 0:
         return False
     if not isinstance(x, np.ndarray):
@@ -175,7 +180,12 @@ def drift_entry(x) -> bool:
         x[...] = be.asarray(host)
         return True
     at = _target(x)
-    x[at] = np.nextafter(x[at], np.inf)
+    if np.issubdtype(x.dtype, np.integer):
+        # the raw bits of a 16-bit float (a mixed-precision gather moves them as
+        # uint16): one unit in the last place is the lowest bit
+        x[at] ^= 1
+    else:
+        x[at] = np.nextafter(x[at], np.inf)
     return True
 
 
@@ -252,19 +262,20 @@ def drop_at_rings(namespace):
     ar, rs = namespace.ring_allreduce_unchecked, namespace.ring_reduce_scatter_unchecked
     start = getattr(namespace, "ring_start", None)
 
-    def allreduce(x, comm, out=None):
+    # ``**kw`` (the 16-bit reductions' ``add``) passes through unchanged
+    def allreduce(x, comm, out=None, **kw):
         if not comm.take_drop():
-            return ar(x, comm, out=out)
+            return ar(x, comm, out=out, **kw)
         mine = x.copy()
-        res = ar(x, comm, out=out)
+        res = ar(x, comm, out=out, **kw)
         res[...] = mine
         return res
 
-    def reduce_scatter(flat, comm, work=None, src=None):
+    def reduce_scatter(flat, comm, work=None, src=None, **kw):
         if not comm.take_drop():
-            return rs(flat, comm, work, src)
+            return rs(flat, comm, work, src, **kw)
         mine = (flat if src is None else src).copy()
-        own = rs(flat, comm, work, src)
+        own = rs(flat, comm, work, src, **kw)
         lo, hi = chunk_bounds(flat.shape[0], comm.size)[own]
         flat[lo:hi] = mine[lo:hi]
         return own

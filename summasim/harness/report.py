@@ -252,6 +252,10 @@ def format_mesh_row(r, width: int) -> str:
                   f"{kib(sum(r.traffic.values()))}/{kib(sum(r.traffic_expected.values()))}",
                   f"{kib(r.memory.get('total', 0))}/{kib(r.memory_formula.get('total', 0))}",
                   str(r.inflight)), _mesh_widths(width)) + busy_mark(r.load)
+    skipped = getattr(r, "skipped", None)
+    if skipped:
+        line += (f"\n    {r.mesh}: step(s) {', '.join(map(str, skipped))} skipped: a rank's "
+                 f"gradients were not finite, and every rank kept its parameters")
     if r.failures or not r.values_ok:
         why = list(r.failures) + ([] if r.values_ok else ["values"])
         line += (f"\n    {r.mesh}: failed checks: {', '.join(why)}"
