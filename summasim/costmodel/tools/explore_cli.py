@@ -264,10 +264,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     help="GiB per rank for the largest-batch table (default: the machine's; "
                          "0: no table)")
     ap.add_argument("--outdir", default="results", help="folder for output files")
-    ap.add_argument("--csv", nargs="?", const="", default=None, metavar="FILE",
+    # the flag alone: an empty ReportPath (OUTDIR's default name), which the path type
+    # passes through; an empty path typed by the user is refused
+    ap.add_argument("--csv", nargs="?", const=cli.ReportPath("", CSV_KIND), default=None,
+                    metavar="FILE",
                     type=cli.report_path(CSV_KIND), action=cli.ReportAction,
                     help="write the tables as CSV (default FILE: OUTDIR/explore.csv)")
-    ap.add_argument("--json", nargs="?", const="", default=None, metavar="FILE",
+    ap.add_argument("--json", nargs="?", const=cli.ReportPath("", "explore"), default=None,
+                    metavar="FILE",
                     type=cli.report_path("explore"), action=cli.ReportAction,
                     help="write the tables as JSON (default FILE: OUTDIR/explore.json)")
     cli.add_force(ap)
