@@ -208,6 +208,11 @@ def parse_args(argv=None):
                              f"or float32: drop it or choose another --dtype")
         args.algorithm_list, args.scheme_list = [], []
     args.dtypes = ["float64", "float32"] if args.dtype == "both" else [args.dtype]
+    if args.model.hidden < 3 and (args.scheme_list or args.mesh or args.meshes == "default"):
+        raise UsageError(f"--model {args.model}: a LayerNorm over {args.model.hidden} "
+                         f"feature(s) outputs the same values whatever its input, so every "
+                         f"gradient before it is zero but for rounding, and no training row "
+                         f"could be checked against the serial model; give hidden >= 3")
     microbatches_given = args.microbatches is not None
     if not microbatches_given:
         args.microbatches = MESH_MICROBATCHES
@@ -633,6 +638,11 @@ def _meshes(mcases, args, world, backend, machine, say, pairs, untouched, watch)
         f"worst parameter's error over its elementwise bound through Adam; traffic is "
         f"the largest per-rank bytes of the step's data/pipeline/ZeRO phases against the "
         f"closed form, state the largest per-rank model state against the ZeRO formula\n")
+    if any(c.precision == "float16" and c.loss_scale == "none" for c in mcases):
+        say("note: float16 without a loss scale: gradients below 6e-5 lose bits and below "
+            "6e-8 vanish (Micikevicius et al. 2018, section 3.2), which the bound, of "
+            "relative rounding, does not cover; such a row can fail for that alone, as the "
+            "training itself would drift (--loss-scale dynamic or static:S avoids it)\n")
     out = []
     width = max(len(" ".join([c.spec] + ([f"stages={c.stages_label}"] if c.stages_label
                                            else []) + list(c.techniques)

@@ -68,6 +68,8 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
     # unbounded work, an empty path, two outputs in one file
     (["--repeats", str(10 ** 20)], "--repeats must be 0"),
     (["--json", ""], "needs a file path"),
+    # a LayerNorm over 2 features: every gradient before it is rounding noise
+    (["--model", "h=2,heads=1,layers=1,seq=4,vocab=8,ffn=2", "--batch", "4"], "hidden >= 3"),
     (["--mesh", "dp=4", "--json", "same.json", "--curves", "./same.json"], "the same file"),
 ])
 def test_what_the_job_cannot_run_is_a_user_error(argv, words):
