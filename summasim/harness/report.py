@@ -126,9 +126,9 @@ TF_HEADER = ("scheme", "grid", "dtype", "loss err", "logits err", "grad err", "b
              "result", "fwd s", "bwd s", "pred s", "pred err", "L0 fwd items", "Table 1",
              "L0 bwd+ckpt", "Table 1")
 TF_WIDTHS = (8, 8, 7, 8, 10, 8, 7, 6, 7, 7, 7, 8, 12, 8, 11, 8)
-MEM_HEADER = ("scheme", "grid", "params", "grads", "Adam", "activ.", "formula params",
-              "grads", "Adam", "activ.", "peak fwd+bwd MiB")
-MEM_WIDTHS = (9, 9, 10, 9, 8, 10, 15, 8, 8, 8, 16)
+MEM_HEADER = ("scheme", "grid", "dtype", "params", "grads", "Adam", "activ.",
+              "formula params", "grads", "Adam", "activ.", "peak fwd+bwd MiB")
+MEM_WIDTHS = (9, 9, 7, 10, 9, 8, 10, 15, 8, 8, 8, 16)
 
 
 def _e1(x: float) -> str:
@@ -154,7 +154,7 @@ def format_transformer(reports) -> str:
         lines += ["", _line(MEM_HEADER, MEM_WIDTHS), "  ".join("-" * w for w in MEM_WIDTHS)]
     for r in mem:
         m, f = r.memory, r.memory_formula
-        lines.append(_line((r.scheme, r.grid, mib(m["params"]), mib(m["grads"]),
+        lines.append(_line((r.scheme, r.grid, r.dtype, mib(m["params"]), mib(m["grads"]),
                             mib(m["optimizer"]), mib(m["activations"]), mib(f["params"]),
                             mib(f["grads"]), mib(f["optimizer"]), mib(f["activations"]),
                             mib(m["peak_fwd_bwd"])), MEM_WIDTHS))
