@@ -142,7 +142,8 @@ def format_transformer(reports) -> str:
         pe = r.prediction_error
         lines.append(_line((r.scheme, r.grid, r.dtype, _e1(r.loss_err), _e1(r.logits_err),
                             _e1(r.grad_err), _e1(r.bound), verdict(r.ok, r.nonfinite),
-                            f"{r.fwd_s:.4f}", f"{r.bwd_s:.4f}",
+                            f"{r.fwd_s:.4f}" if r.fwd_s else "-",
+                            f"{r.bwd_s:.4f}" if r.bwd_s else "-",
                             "-" if r.predicted_s is None else f"{r.predicted_s:.4f}",
                             "-" if pe is None else f"{100 * pe:+.1f}%",
                             str(r.tp_fwd), str(r.table1.get("fwd", "-")),
