@@ -135,7 +135,8 @@ def _nothing_to_measure(name: str, args, p: int) -> str:
         cases, skips = plan_products(p, args.algorithms, (args.n,) * 3, None,
                                      [np.dtype(given(args, "dtype", "float64")).name])
         return "" if cases else (f"no product of --n {args.n} runs on p = {p} ranks "
-                                 f"({_reasons(skips)}); choose an --n that the grids divide")
+                                 f"({_reasons(skips)}); name --algorithms whose grids fit "
+                                 f"p = {p}")
     if name == "transformer":
         if getattr(args, "backend", "numpy") != "numpy":
             return f"it times NumPy only, not --backend {args.backend}"

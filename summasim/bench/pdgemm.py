@@ -130,7 +130,8 @@ def find_library() -> tuple[str, str]:
     given = os.environ.get(ENV, "").strip()
     if given:
         if not os.path.isfile(given):
-            return "", f"{ENV}={given}: no such file"
+            return "", (f"{ENV}={given}: not a file" if os.path.exists(given)
+                        else f"{ENV}={given}: no such file")
         return os.path.abspath(given), ""
     for name in LIBRARY_NAMES:
         found = ctypes.util.find_library(name)
