@@ -300,6 +300,16 @@ def test_a_file_that_is_no_machine_at_the_fit_path_is_not_replaced(env):
     assert any("not a machine file" in s and "will not replace it" in s for s in env["said"])
 
 
+def test_one_rank_with_nothing_saved_takes_the_preset_and_makes_no_files(env, monkeypatch):
+    """A singleton run cannot fit: it uses the preset and leaves no lock file and no
+    results/ folder behind (it made both before)."""
+    monkeypatch.setattr(mf, "FIT_RANKS", 2)
+    fake = FakeFit(error=AssertionError("one rank must not fit"))
+    assert env["resolve"](fake) == load_preset("local-2core-mpich")
+    assert not os.path.exists(os.path.dirname(env["path"]))
+    assert any("one rank cannot fit" in s for s in env["said"])
+
+
 def test_a_calibrated_file_that_fails_the_checks_is_not_used(env):
     bad = _broken_link("beta_small", 0.0).replace(name="calibrated")
     os.makedirs(os.path.dirname(env["calibrated"]))

@@ -349,6 +349,11 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
             if m.fitted_busy:
                 say(_busy_line(m, calibrated))
             return {"use": m.to_dict()}, None
+    if size < FIT_RANKS and not os.path.exists(path):
+        # nothing saved, and one rank cannot fit: the preset, with no lock (and no
+        # results/ folder) made for it
+        say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
+        return {"use": load_preset(preset).to_dict()}, None
     lock = FitLock(path)
     try:
         got = lock.acquire(say)
