@@ -184,16 +184,22 @@ def parse_args(argv=None):
         ignored = [flag for flag, given in (
             ("--json", args.json is not None), ("--curves", args.curves is not None),
             ("--steps", args.steps != DEFAULT_STEPS), ("--repeats", args.repeats != 3),
-            ("--check", args.check != "auto"), ("--overlap", args.overlap),
+            ("--overlap", args.overlap),
             ("--bucket", args.bucket is not None)) if given]
         if ignored:
             raise UsageError(f"--self-test runs each fault with its own settings, prints "
                              f"which runs catch it and writes no report; leave out "
                              f"{', '.join(ignored)}")
-    if args.json is not None and args.curves is not None and \
-            os.path.realpath(args.json) == os.path.realpath(args.curves):
-        raise UsageError(f"--json and --curves name the same file {args.json!r}: the "
-                         f"curves would replace the run report; give them two paths")
+    if args.json is not None and args.curves is not None:
+        from .harness.curves import png_path
+
+        same = [what for what, path in (("curves", args.curves),
+                                        ("curves' plot", png_path(args.curves)))
+                if os.path.realpath(path) == os.path.realpath(args.json)]
+        if same:
+            raise UsageError(f"--json {args.json!r} is also where the {same[0]} would be "
+                             f"written, replacing the run report; give --json and --curves "
+                             f"other paths")
     args.model = args.model or DEFAULT_MODEL
     args.batch_given = bool(args.batch)
     args.batch = args.batch or args.model.batch or DEFAULT_MODEL.batch

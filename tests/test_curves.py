@@ -64,17 +64,22 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
     # what the self-test would silently drop
     (["--self-test", "--json", "r.json"], "writes no report; leave out --json"),
     (["--self-test", "--repeats", "5", "--steps", "4"], "leave out --steps, --repeats"),
-    (["--self-test", "--check", "freivalds"], "leave out --check"),
+    (["--mesh", "dp=4", "--json", "r.png", "--curves", "r"], "curves' plot"),
     # unbounded work, an empty path, two outputs in one file
     (["--repeats", str(10 ** 20)], "--repeats must be 0"),
     (["--json", ""], "needs a file path"),
     # a LayerNorm over 2 features: every gradient before it is rounding noise
     (["--model", "h=2,heads=1,layers=1,seq=4,vocab=8,ffn=2", "--batch", "4"], "hidden >= 3"),
-    (["--mesh", "dp=4", "--json", "same.json", "--curves", "./same.json"], "the same file"),
+    (["--mesh", "dp=4", "--json", "same.json", "--curves", "./same.json"], "where the curves"),
 ])
 def test_what_the_job_cannot_run_is_a_user_error(argv, words):
     with pytest.raises(UsageError, match=words):
         _args(*argv)
+
+
+def test_the_self_test_takes_the_check_method():
+    """``--self-test --check freivalds`` self-tests the randomized check: allowed."""
+    assert _args("--self-test", "--check", "freivalds").check == "freivalds"
 
 
 def test_the_self_test_without_meshes_runs_none():

@@ -230,7 +230,7 @@ def test_transformer_report_format():
     assert cells[:3] == ["optimus", "4x4", "float64"] and cells[7] == "OK"
     assert cells[-4:] == ["26624", "26624", "79872", "79872"]
     mem = lines[6].split()
-    assert mem[:6] == ["optimus", "4x4", "1.000", "1.000", "2.000", "3.000"]
+    assert mem[:7] == ["optimus", "4x4", "float64", "1.000", "1.000", "2.000", "3.000"]
     assert mem[-1] == "5.000"
     r.ok, r.nonfinite, r.grad_err = False, True, math.nan
     assert "FAIL*" in format_transformer([r]).splitlines()[2]

@@ -63,6 +63,44 @@ def add_kernels(ap: argparse.ArgumentParser) -> None:
                     help="rotary position embeddings on q and k (Llama)")
 
 
+def add_states(ap: argparse.ArgumentParser, bucket_default: float | None) -> None:
+    """``--state-bytes P,G,O,M`` and ``--bucket-mb``, as ``plan`` and ``predict`` spell
+    them (``bucket_default`` None: given or not, :data:`BUCKET_BYTES` when not)."""
+    from summasim.costmodel.workload.zero import BUCKET_BYTES
+
+    ap.add_argument("--state-bytes", type=cli.int_list(minimum=0), default=None,
+                    metavar="P,G,O,M",
+                    help="bytes per parameter of params, grads, each Adam moment, master "
+                         "copy (default from --dtype and --grad-reduce)")
+    ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=bucket_default,
+                    help=f"gradient bucket in MiB (default {BUCKET_BYTES / 2**20:g}, PyTorch "
+                         f"DDP's)")
+
+
+def state_bytes(args, dtype, grad_reduce):
+    """The :class:`StateBytes` of ``--state-bytes``, else the training's
+    (:meth:`StateBytes.for_training`); a :class:`summasim.cli.UsageError` naming the flag."""
+    from summasim.costmodel.workload.zero import StateBytes
+
+    if getattr(args, "state_bytes", None) is None:
+        return StateBytes.for_training(dtype, grad_reduce)
+    if len(args.state_bytes) != 4:
+        raise cli.argument_error("--state-bytes", f"give 4 numbers P,G,O,M, got "
+                                                  f"{len(args.state_bytes)}")
+    try:
+        return StateBytes(*args.state_bytes)
+    except ValueError as exc:
+        raise cli.argument_error("--state-bytes", exc) from None
+
+
+def bucket_bytes(args) -> float:
+    """``--bucket-mb`` in bytes (:data:`BUCKET_BYTES` when not given)."""
+    from summasim.costmodel.workload.zero import BUCKET_BYTES
+
+    mb = getattr(args, "bucket_mb", None)
+    return BUCKET_BYTES if mb is None else mb * 2**20
+
+
 def kernel_fields(args) -> dict:
     """:func:`add_kernels`'s fields of a ``TransformerConfig``."""
     return {"kernels": getattr(args, "kernels", "fused"),

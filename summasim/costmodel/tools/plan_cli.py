@@ -44,7 +44,7 @@ import sys
 
 from summasim import cli, options, spec
 from summasim.jsonio import write_report
-from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES, StateBytes
+from summasim.costmodel.workload.zero import BUCKET_BYTES, ZERO_STAGES
 from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig
@@ -90,10 +90,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 f"{', '.join(DEFAULT_DTYPES)} the machine has); 16-bit "
                                 "dtypes train in mixed precision (2+2 bytes, fp32 Adam and "
                                 "master: 16/param)")
-    ap.add_argument("--state-bytes", type=cli.int_list(minimum=0), default=None,
-                    metavar="P,G,O,M",
-                    help="bytes per parameter of params, grads, each Adam moment, master "
-                         "copy (default from --dtype)")
     ap.add_argument("--schemes", type=cli.choice_list(SCHEMES, "scheme"),
                     default=",".join(SCHEMES), help="tensor schemes to search")
     ap.add_argument("--zero", type=cli.choice_list(tuple(map(str, ZERO_STAGES)), "ZeRO stage"),
@@ -133,8 +129,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                          "on the wire)")
     ap.add_argument("--max-microbatches", type=cli.positive_int, default=None,
                     help="largest m to try")
-    ap.add_argument("--bucket-mb", type=cli.finite_positive_float, default=BUCKET_BYTES / 2**20,
-                    help="gradient bucket in MiB (default 25, PyTorch DDP's)")
+    _cli.add_states(ap, BUCKET_BYTES / 2**20)
     _cli.add_engine(ap)
     _cli.add_kernels(ap)
     mem = ap.add_mutually_exclusive_group()
@@ -206,15 +201,7 @@ def check_args(args) -> Plan:
         # selective is none there, and the header and JSON say what is searched
         recomputes = tuple(dict.fromkeys("none" if rc == "selective" else rc
                                          for rc in recomputes))
-    if args.state_bytes is not None:
-        if len(args.state_bytes) != 4:
-            raise _arg("--state-bytes", f"give 4 numbers P,G,O,M, got {len(args.state_bytes)}")
-        try:
-            sb = StateBytes(*args.state_bytes)
-        except ValueError as exc:
-            raise _arg("--state-bytes", exc) from None
-    else:
-        sb = StateBytes.for_training(dtype, training.grad_reduce)
+    sb = _cli.state_bytes(args, dtype, training.grad_reduce)
     if args.mem_gib is not None:
         budget = args.mem_gib * GiB
     else:

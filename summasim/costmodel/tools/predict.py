@@ -155,6 +155,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     help="dropout probability (default 0)")
     _cli.add_engine(ap)
     _cli.add_kernels(ap)
+    _cli.add_states(ap, None)
     ap.add_argument("--placement", default="row-major",
                     help="tensor grid alone: row-major (default), blocked, blocked:AxB, or "
                          "map:SLOT,SLOT,...")
@@ -172,12 +173,14 @@ _arg = cli.argument_error
 
 def is_composition(args) -> bool:
     """Whether ``args`` name a whole composition (dp or pp > 1, --microbatches, a ZeRO
-    stage, a schedule or stages of a pipeline, a loss scale or gradient-reduction type),
-    not the tensor grid alone."""
+    stage, a schedule or stages of a pipeline, a loss scale or gradient-reduction type,
+    the model states' bytes or the gradient bucket), not the tensor grid alone."""
     mesh = args.mesh
     return (mesh.dp > 1 or mesh.pp > 1 or args.microbatches is not None or args.zero != 0
             or str(args.schedule).startswith("interleaved") or args.stages is not None
-            or args.loss_scale is not None or args.grad_reduce is not None)
+            or args.loss_scale is not None or args.grad_reduce is not None
+            or getattr(args, "state_bytes", None) is not None
+            or getattr(args, "bucket_mb", None) is not None)
 
 
 #: The techniques of ``spec.Training.techniques`` that ``predict`` prices: all of them
@@ -288,8 +291,9 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                             zero=None) -> dict:
     """:func:`~summasim.costmodel.workload.composition.price_composition` of the composition of
     ``args`` exactly as :func:`summasim.costmodel.tools.plan.search` prices it (the
-    training's state bytes, :meth:`StateBytes.for_training`; the default bucket; the
-    engine's overlaps, :func:`~._cli.add_engine`)."""
+    training's state bytes, :meth:`StateBytes.for_training`, or ``--state-bytes``; the
+    bucket of ``--bucket-mb``, default PyTorch DDP's; the engine's overlaps,
+    :func:`~._cli.add_engine`)."""
     mesh, tr = args.mesh, args.training
     return price_composition(cfg, sch, machine=machine, dp=mesh.dp, pp=mesh.pp,
                              microbatches=m, global_batch=int(cfg.b),
@@ -297,7 +301,8 @@ def price_fixed_composition(args, machine, sch, cfg, m, *, recompute=None,
                              schedule=tr.schedule, chunks=tr.chunks, stages=tr.stages,
                              recompute=recompute or tr.recompute, devices=mesh.devices,
                              loss_scale=tr.loss_scale or "none",
-                             state_bytes=StateBytes.for_training(cfg.dtype, tr.grad_reduce),
+                             state_bytes=_cli.state_bytes(args, cfg.dtype, tr.grad_reduce),
+                             bucket_bytes=_cli.bucket_bytes(args),
                              zero3_prefetch=getattr(args, "zero3_prefetch", False),
                              grad_overlap=getattr(args, "grad_overlap", True),
                              p2p_overlap=getattr(args, "p2p_overlap", False))
