@@ -95,11 +95,16 @@ def _env_bytes(name: str) -> int | None:
     return value
 
 
+#: the byte limits read from the environment (below)
+BYTE_SETTINGS = ("SUMMASIM_BLOCKING_BYTES", "SUMMASIM_NAP_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES")
+
+
 def _env_bytes_at_import(name: str) -> int | None:
     """:func:`_env_bytes` when this module is imported, where a bad value must not raise
     (a front-end's ``import`` would end in a traceback before it can say so): None
     (the default) for a bad value, which :func:`check_environment`, asked by every
-    front-end before any work, then reports as one line."""
+    front-end before any work, then reports as one line, and which a :class:`Comm`
+    refuses when it is made (library use, the fit and the accuracy workers)."""
     try:
         return _env_bytes(name)
     except ValueError:
@@ -192,7 +197,7 @@ def check_environment() -> dict:
     default_wait_policy()
     shared = {"SUMMASIM_REDUCE": default_reduce(), "SUMMASIM_RING_WAIT": ring_wait_setting(),
               "SUMMASIM_AGREE": agreement_enabled(), "SUMMASIM_GPU_COMM": gpu_comm_setting()}
-    for name in ("SUMMASIM_BLOCKING_BYTES", "SUMMASIM_NAP_BYTES", "SUMMASIM_STAGE_WHOLE_BYTES"):
+    for name in BYTE_SETTINGS:
         value = _env_bytes(name)
         if name != "SUMMASIM_NAP_BYTES":
             shared[name] = value
@@ -349,6 +354,8 @@ class Comm:
     def __init__(self, comm, name: str = "world", trace: Trace | None = None, backend=None,
                  wait: str | None = None, reduce: str | None = None):
         install_abort_hook()  # an uncaught exception on any rank aborts the job (SUMMASIM_ABORT_HOOK=0: off)
+        for var in BYTE_SETTINGS:  # a bad value, taken as the default at import: said here
+            _env_bytes(var)
         if isinstance(comm, Comm):
             name = name if name != "world" else comm.name
             trace = trace if trace is not None else comm.trace

@@ -45,3 +45,18 @@ def test_env_bytes_refuses_what_is_not_a_count(monkeypatch, raw):
     monkeypatch.setenv("SUMMASIM_NAP_BYTES", raw)
     with pytest.raises(ValueError, match="SUMMASIM_NAP_BYTES"):
         C._env_bytes("SUMMASIM_NAP_BYTES")
+
+
+@pytest.mark.parametrize("var", C.BYTE_SETTINGS)
+def test_a_bad_limit_is_taken_as_the_default_at_import_and_refused_by_a_comm(monkeypatch,
+                                                                             var):
+    """Read at import, a bad value cannot raise (a front-end would die in its import,
+    before it can say so in one line); the front-ends check it before any work, and a
+    Comm, made by every other user (the fit, the accuracy workers, library code),
+    refuses it: it is never silently the default."""
+    monkeypatch.setenv(var, "abc")
+    assert C._env_bytes_at_import(var) is None
+    with pytest.raises(ValueError, match=var):
+        C.Comm(MPI.COMM_SELF)
+    monkeypatch.setenv(var, "4096")
+    C.Comm(MPI.COMM_SELF)
