@@ -66,6 +66,9 @@ def test_the_grid_alone_is_priced_as_the_composition_of_it_alone(tmp_path, capsy
     assert alone["gemm_seconds"] == pytest.approx(bd["gemm"], rel=1e-12)
     assert alone["optimizer_seconds"] == pytest.approx(bd["optimizer"], rel=1e-12)
     assert alone["memory"]["total"] == pytest.approx(comp["memory"]["total"], rel=1e-12)
+    # what is exposed is part of all the communication, and the groups add up to it
+    assert alone["comm_exposed_seconds"] <= alone["comm_seconds"] * (1 + 1e-12)
+    assert sum(alone["by_op"].values()) == pytest.approx(alone["comm_seconds"], rel=1e-9)
 
 
 def test_predict_placement_changes_the_prediction(tmp_path, capsys):

@@ -326,10 +326,17 @@ def grid_alone(args, machine, sch, cfg, placement) -> StepBreakdown:
         exposed += (sb.comm_exposed_seconds
                     - step_breakdown_layers(sch, cfg, machine).comm_exposed_seconds)
     mem_bound = bd["memory_bound"] + bd["optimizer"]
+    comm, by_op = sb.comm_seconds, dict(sb.by_op)
+    if exposed > comm > 0:
+        # the composition's communication (a CPU fit's shared cores wait longer than the
+        # layer model's messages alone): the groups keep their shares of it
+        by_op = {k: v * exposed / comm for k, v in by_op.items()}
+        comm = exposed
     return dataclasses.replace(
         sb, memory=memory(sch, cfg, grad), gemm_seconds=bd["gemm"],
         memory_bound_seconds=mem_bound, optimizer_seconds=bd["optimizer"],
-        comm_exposed_seconds=exposed, seconds=bd["gemm"] + mem_bound + exposed)
+        comm_seconds=comm, by_op=by_op, comm_exposed_seconds=exposed,
+        seconds=bd["gemm"] + mem_bound + exposed)
 
 
 def _run_lengths(values, most: int = 16) -> str:
