@@ -62,8 +62,11 @@ def json_safe(obj):
 def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
     so a reader never sees a half-written file (mode as ``open()`` would give). The
-    folder is created when missing only if ``make_folder``."""
+    folder is created when missing only if ``make_folder``. A symbolic link stays a
+    link: the file it points to is replaced."""
     path = os.fspath(path)
+    if os.path.islink(path):
+        path = os.path.realpath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if make_folder:
         os.makedirs(folder, exist_ok=True)
@@ -120,8 +123,7 @@ def write_report(path, kind: str, obj, prog: str | None = None) -> bool:
             # checked again now: a file put there since the preflight is not replaced
             check_writable_path(path)
         # a link to a report: the report it points to is replaced, the link stays
-        target = os.path.realpath(path) if os.path.islink(path) else path
-        write_text_atomic(target, text, make_folder=getattr(path, "default", False))
+        write_text_atomic(path, text, make_folder=getattr(path, "default", False))
         return True
     except UsageError as exc:
         why = one_line(str(exc))

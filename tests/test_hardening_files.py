@@ -279,6 +279,12 @@ def test_a_link_to_a_report_keeps_the_link(tmp_path):
     link.symlink_to(real)
     jsonio.write_report(cli.ReportPath(str(link), "run"), "run", {"ok": 2})
     assert link.is_symlink() and json.loads(real.read_text())["ok"] == 2
+    # every atomic writer (explore's CSV too) writes through a link
+    csv, csv_link = tmp_path / "t.csv", tmp_path / "t-link.csv"
+    csv.write_text("old\n")
+    csv_link.symlink_to(csv)
+    jsonio.write_text_atomic(str(csv_link), "new\n")
+    assert csv_link.is_symlink() and csv.read_text() == "new\n"
 
 
 # -- the commands -------------------------------------------------------------------------

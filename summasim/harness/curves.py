@@ -75,6 +75,7 @@ def write_curves(reports, json_path: str, *, title: str = "", prog: str | None =
     ax.legend(fontsize=7)
     fig.tight_layout()
     png = png_path(json_path)
+    png = os.path.realpath(png) if os.path.islink(png) else png   # a link keeps its link
     tmp = png + ".tmp.png"
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
