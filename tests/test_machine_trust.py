@@ -272,10 +272,13 @@ def test_a_refused_fit_is_tried_once_more_before_the_preset(env):
     assert always.calls == 2
 
 
-def test_a_saved_file_that_fails_the_checks_is_refitted(env):
+@pytest.mark.parametrize("old_format", [False, True])
+def test_a_saved_file_that_fails_the_checks_is_refitted(env, old_format):
     os.makedirs(os.path.dirname(env["path"]))
     bad = _fitted().to_dict()
     bad["intra"]["beta_small"] = 0.0                    # a distorted fit saved long ago
+    if old_format:
+        bad.pop("format")                               # written before the field was
     with open(env["path"], "w") as fh:
         json.dump(bad, fh)
     fake = FakeFit(_fitted())

@@ -56,7 +56,8 @@ def test_run_uses_the_launcher_and_flags_it_is_given(tmp_path):
 @pytest.mark.parametrize("var,value", [("SUMMASIM_RANKS", "abc"), ("SUMMASIM_RANKS", "0"),
                                        ("SUMMASIM_RANKS", "2 3"), ("SUMMASIM_RANKS", "-1"),
                                        ("SUMMASIM_TIMEOUT", "soon"),
-                                       ("SUMMASIM_MPIEXEC", "no-such-launcher")])
+                                       ("SUMMASIM_MPIEXEC", "no-such-launcher"),
+                                       ("SUMMASIM_MPIEXEC", "   ")])
 def test_run_refuses_a_bad_setting_in_one_line(var, value):
     """A rank count the launcher would read as 1 (Hydra's atoi: "abc", "0") ran the job
     on one rank and passed; a bad timeout or a missing launcher ended in the shell's or

@@ -412,14 +412,18 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
 
 
 def _machine_file(path: str) -> bool:
-    """Whether ``path`` holds a summasim machine (its ``format``), usable or not: only
-    such a file is replaced by a new fit."""
+    """Whether ``path`` holds a summasim machine, usable or not (its ``format``, or, in a
+    file from before the format was written, a machine's own fields): only such a file
+    is replaced by a new fit."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and str(doc.get("format", "")).startswith("summasim.machine")
+    if not isinstance(doc, dict):
+        return False
+    return (str(doc.get("format", "")).startswith("summasim.machine")
+            or {"intra", "gamma_gemm", "gamma_reduce"} <= set(doc))
 
 
 def _released(lock):
