@@ -272,3 +272,26 @@ def test_byte_size_is_the_cli_one():
     assert m._threshold("auto") == "auto"
     with pytest.raises(argparse.ArgumentTypeError):
         m._max_bytes("32")
+
+
+@pytest.mark.parametrize("machine", ["dgx-a100", "local-2core-mpich"])
+def test_explore_counts_memory_as_predict_does(tmp_path, capsys, machine):
+    """explore's memory per rank is predict's for the grid alone: in mixed precision the
+    gradients take a float32 buffer (18 bytes a parameter), not 16 bits."""
+    from summasim.costmodel.machine import load_preset
+    from summasim.costmodel.tools import explore
+    from summasim.costmodel.workload.footprint import memory
+    from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
+
+    dtype = "bfloat16" if machine == "dgx-a100" else "float64"
+    cfg = TransformerConfig(b=8, s=256, h=512, n=8, N=2, v=1000, dtype=dtype)
+    sch = Scheme.make("megatron", p=4)
+    mem = explore._price(sch, cfg, load_preset(machine), "mpich").memory
+    plain = memory(sch, cfg)
+    assert mem.grads == plain.grads * (2 if dtype == "bfloat16" else 1)
+    path = tmp_path / "p.json"
+    assert cli_main(["predict", "--model", "h=512,heads=8,layers=2,seq=256,vocab=1000",
+                     "--batch", "8", "--mesh", "tp=megatron:4", "--machine", machine,
+                     "--dtype", dtype, "--json", str(path)]) == 0
+    capsys.readouterr()
+    assert json.loads(path.read_text())["memory"]["total"] == pytest.approx(mem.total)
