@@ -292,6 +292,6 @@ def test_explore_counts_memory_as_predict_does(tmp_path, capsys, machine):
     path = tmp_path / "p.json"
     assert cli_main(["predict", "--model", "h=512,heads=8,layers=2,seq=256,vocab=1000",
                      "--batch", "8", "--mesh", "tp=megatron:4", "--machine", machine,
-                     "--dtype", dtype, "--json", str(path)]) == 0
+                     "--dtype", dtype, "--recompute", cfg.recompute, "--json", str(path)]) == 0
     capsys.readouterr()
     assert json.loads(path.read_text())["memory"]["total"] == pytest.approx(mem.total)
