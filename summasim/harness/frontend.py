@@ -100,23 +100,25 @@ def _agreed_error(err: str, world, shared: dict | None = None, command=()) -> st
     if bad:
         first = every[bad[0]][0]
         return first if len(bad) == len(every) else f"{first} (on {ranks_text(bad)})"
-    commands = [tuple(a) for _, _, a in every]
-    if len(set(commands)) > 1:
-        # ranks started with other arguments (``mpiexec -n 1 prog A : -n 1 prog B``)
-        # would run other work and wait for each other forever
-        parts = [f"{' '.join(c) or '(none)'!r} on "
-                 f"{ranks_text([r for r, w in enumerate(commands) if w == c])}"
-                 for c in dict.fromkeys(commands)]
-        return (f"the ranks were started with different arguments ({'; '.join(parts)}); "
-                f"every rank must run the same job, so start them alike")
+    def which(values, show) -> str | None:
+        """``"A on ranks ...; B on ranks ..."`` when ``values`` differ, else None."""
+        if len(set(values)) == 1:
+            return None
+        return "; ".join(f"{show(v)} on {ranks_text([r for r, w in enumerate(values) if w == v])}"
+                         for v in dict.fromkeys(values))
+
+    # ranks started with other arguments (``mpiexec -n 1 prog A : -n 1 prog B``) would
+    # run other work and wait for each other forever
+    differ = which([tuple(a) for _, _, a in every], lambda c: repr(" ".join(c) or "(none)"))
+    if differ:
+        return (f"the ranks were started with different arguments ({differ}); every rank "
+                f"must run the same job, so start them alike")
     for name in every[0][1]:
-        values = [s.get(name) for _, s, _ in every]
-        if len(set(values)) > 1:
-            parts = [f"{'unset' if v is None else repr(v)} on "
-                     f"{ranks_text([r for r, w in enumerate(values) if w == v])}"
-                     for v in dict.fromkeys(values)]
-            return (f"{name} differs between ranks ({'; '.join(parts)}); every rank must "
-                    f"send the same messages, so set it alike on all of them")
+        differ = which([s.get(name) for _, s, _ in every],
+                       lambda v: "unset" if v is None else repr(v))
+        if differ:
+            return (f"{name} differs between ranks ({differ}); every rank must send the "
+                    f"same messages, so set it alike on all of them")
     return ""
 
 
