@@ -448,3 +448,14 @@ def test_the_drop_hook_is_armed_for_its_block_only():
         assert composed.ring_start is allreduce.ring_start
     finally:
         alone.mpi.Free()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_ring_preflight_counts_what_a_ring_row_holds(dtype):
+    """The ring row held 3.8 vectors of its length per rank with NumPy, 4.9 through the
+    staged-host stand-in (peak RSS above the interpreter's, N = 2e7 on 4 ranks); the
+    preflight counted 2.25, so a ring it let through could run out of memory."""
+    n, it = 20_000_000, np.dtype(dtype).itemsize
+    need = memory.ring_bytes(RingCase(n, dtype), 4)
+    assert need >= 4.9 * n * it
+    assert memory.check_fits(RingCase(n, dtype), 4, available=int(4 * 4.9 * n * it))

@@ -83,9 +83,19 @@ def _product_parts(case, method: str) -> tuple[int, int]:
     return blocks + work, host + check
 
 
+#: vectors of the ring row's length a rank holds at its peak (measured 3.8 with NumPy at
+#: N = 2e7 on 4 ranks, 4.5 through ipc-host, 4.9 through staged-host): its input and the
+#: generator's copy of it, the result, the host copy the check reads (then the timed
+#: calls' ``out``), and a staged or IPC copy of a vector on the stand-in backends
+RING_VECTORS = 5
+
+
 def ring_bytes(case, p: int) -> int:
+    """Bytes a rank holds in the main job's ring row (:func:`run_ring`): RING_VECTORS
+    vectors, the ring's chunk, and the check's float64 chunks."""
     it = 8 if case.dtype == "float64" else 4
-    return 2 * case.n * it + (case.n // max(p, 1) + 1) * it + 4 * (1 << 18) * 8
+    return (RING_VECTORS * case.n * it + (case.n // max(p, 1) + 1) * it
+            + 4 * (1 << 18) * 8)
 
 
 def largest_cube(case, ranks_on_node: int, budget: int, method: str = "exact",
