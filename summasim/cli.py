@@ -114,6 +114,7 @@ __all__ = [
     "finite_float", "finite_positive_float", "finite_nonnegative_float", "float_range",
     "existing_file", "writable_path", "writable_dir",
     "check_existing_file", "check_writable_path", "check_writable_dir", "module_available",
+    "available_memory",
     "read_json_file", "MAX_INPUT_BYTES", "MAX_JSON_DEPTH", "REPORT_FIELD", "report_kind",
     "ReportPath", "report_path", "ReportAction", "ForceAction", "add_force",
 ]
@@ -225,6 +226,19 @@ def _as_int(text) -> int:
     if not math.isfinite(x) or not x.is_integer():
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
     return int(x)
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), in
+    bytes; the free pages where there is no /proc."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def int_between(lo: int, hi: int) -> Callable[[str], int]:

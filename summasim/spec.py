@@ -778,12 +778,20 @@ def parse_stages(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in parts)
 
 
+#: the static loss scales a step can use: 1/S and S times a unit gradient stay normal
+#: float32 numbers with room to spare (a scale of 1e-300 made every gradient NaN, 1e38
+#: overflowed every step)
+LOSS_SCALE_RANGE = (2.0 ** -24, 2.0 ** 64)
+
+
 def parse_loss_scale(text: str) -> str:
-    """``"dynamic"``, ``"none"`` or ``"static:S"`` (S > 0), normalised."""
+    """``"dynamic"``, ``"none"`` or ``"static:S"`` (S in :data:`LOSS_SCALE_RANGE`),
+    normalised."""
     t = str(text).strip().lower()
     if t in ("dynamic", "none"):
         return t
     kind, colon, val = t.partition(":")
+    lo, hi = LOSS_SCALE_RANGE
     try:
         ok = kind == "static" and colon and math.isfinite(float(val)) and float(val) > 0
     except ValueError:
@@ -791,6 +799,9 @@ def parse_loss_scale(text: str) -> str:
     if not ok:
         raise ValueError(f"loss scale must be dynamic, none or static:S with S > 0, "
                          f"got {text!r}")
+    if not lo <= float(val) <= hi:
+        raise ValueError(f"a static loss scale must be between 2^-24 and 2^64, so that 1/S "
+                         f"and S times a gradient stay finite in float32; got {text!r}")
     return f"static:{float(val):g}"
 
 

@@ -318,12 +318,29 @@ TRAIN_CASES = [
     (["--threads", "0"], "--threads"),
     (["--log-every", "0"], "--log-every"),
     (["--seed", "-1"], "--seed"),
+    # bounded work, a degenerate model, a loss scale no step can use, memory
+    (["--steps", str(10 ** 12)], "--steps"),
+    (["--threads", str(10 ** 9)], "--threads"),
+    (["--layers", str(10 ** 8)], "--layers"),
+    (["--hidden", "2", "--heads", "1"], "--hidden"),
+    (["--dtype", "float16", "--loss-scale", "static:1e-300"], "--loss-scale"),
+    (["--dtype", "float16", "--loss-scale", "static:1e38"], "--loss-scale"),
+    (["--batch", str(10 ** 8)], "GiB can be used"),
+    (["--hidden", str(10 ** 6), "--heads", "1"], "does not fit even at --batch 1"),
 ]
 
 
 @pytest.mark.parametrize("args,flag", TRAIN_CASES, ids=[" ".join(a) for a, _ in TRAIN_CASES])
 def test_train_bad_arguments(args, flag):
     assert_user_error(run(*TRAIN, *args), flag)
+
+
+def test_train_with_every_step_skipped_fails():
+    """A loss scale that overflows every float16 step trains nothing: status 1 (it
+    exited 0 after skipping them all)."""
+    res = run("summasim.transformer.train", "--dtype", "float16", "--loss-scale",
+              "static:1e15", "--steps", "3")
+    assert_user_error(res, "every step was skipped", status=1, stdout_empty=False)
 
 
 def test_train_loss_becoming_nonfinite_fails():

@@ -29,15 +29,11 @@ HEADROOM = 0.85      # use at most this share of the memory the OS calls availab
 
 
 def available_bytes() -> int:
-    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping):
+    :func:`summasim.cli.available_memory`."""
+    from ..cli import available_memory
+
+    return available_memory()
 
 
 def peak_rss_bytes() -> int:

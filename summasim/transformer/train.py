@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m summasim.transformer.train``; every argument
     is checked as it is parsed (:mod:`summasim.cli`), the rest by :func:`check_args`."""
     ap = cli.ArgumentParser(prog=PROG, description="Train the serial reference on the copy task.")
-    ap.add_argument("--steps", type=cli.positive_int, default=300, help="optimizer steps")
+    ap.add_argument("--steps", type=cli.int_between(1, MAX_STEPS), default=300,
+                    help=f"optimizer steps (at most {MAX_STEPS})")
     ap.add_argument("--batch", type=cli.positive_int, default=32, help="sequences per step")
     ap.add_argument("--vocab", type=cli.positive_int, default=16, help="vocabulary size")
     ap.add_argument("--seq", type=cli.positive_int, default=16, help="sequence length")
@@ -290,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=cli.positive_int, default=32, help="hidden size")
     ap.add_argument("--heads", type=cli.positive_int, default=2,
                     help="attention heads (must divide --hidden)")
-    ap.add_argument("--layers", type=cli.positive_int, default=2, help="transformer layers")
+    ap.add_argument("--layers", type=cli.int_between(1, 1024), default=2,
+                    help="transformer layers (at most 1024)")
     ap.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
                     default="float32",
                     help="element type; bfloat16 and float16 are mixed precision (16-bit "
@@ -306,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=cli.finite_nonnegative_float, default=0.0,
                     help="weight decay >= 0")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
-    ap.add_argument("--threads", type=cli.positive_int, default=1,
-                    help="BLAS threads (small model: 1)")
+    ap.add_argument("--threads", type=cli.int_between(1, 256), default=1,
+                    help="BLAS threads (small model: 1; at most 256)")
     ap.add_argument("--log-every", type=cli.positive_int, default=25,
                     help="print the loss every this many steps")
     ap.add_argument("--seed", type=cli.nonnegative_int, default=0, help="random seed >= 0")
@@ -323,6 +325,9 @@ def check_args(args) -> model.Config:
     cli.require(args.hidden % args.heads == 0,
                 f"argument --heads: {args.heads} heads do not divide --hidden {args.hidden} "
                 f"(every head has hidden/heads whole columns)")
+    cli.require(args.hidden >= 3, f"argument --hidden: a LayerNorm over {args.hidden} "
+                                  f"feature(s) outputs the same values whatever its input, so "
+                                  f"no gradient reaches the layers before it; give 3 or more")
     mixed = args.dtype in ("bfloat16", "float16")
     cli.require(mixed or args.loss_scale is None,
                 f"argument --loss-scale: needs --dtype bfloat16 or float16, got {args.dtype}")
@@ -333,11 +338,47 @@ def check_args(args) -> model.Config:
         except ValueError as exc:
             raise cli.UsageError(f"argument --loss-scale: {exc}") from None
     try:
-        return model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden,
-                            heads=args.heads, layers=args.layers,
-                            dtype="float32" if mixed else args.dtype)
+        config = model.Config(vocab=args.vocab, seq=args.seq, hidden=args.hidden,
+                              heads=args.heads, layers=args.layers,
+                              dtype="float32" if mixed else args.dtype)
     except ValueError as exc:   # pragma: no cover - the checks above cover Config's
         raise cli.UsageError(str(exc)) from None
+    check_memory(config, args.batch, args.optimizer)
+    return config
+
+
+#: the most optimizer steps one run takes
+MAX_STEPS = 1_000_000
+#: the share of the memory the OS calls available that a run may use
+HEADROOM = 0.85
+
+
+def train_bytes(config: model.Config, batch: int, optimizer: str) -> int:
+    """Bytes a training step of ``config`` on ``batch`` sequences holds: the parameters,
+    their gradients and the optimizer's state (Adam: two moments; SGD: a momentum), and
+    the activations the forward keeps for the backward (:func:`model.activation_items`)
+    twice (their gradients), with the logits' share of the batch."""
+    it = np.dtype(config.dtype).itemsize
+    params = sum(math.prod(s) for s in model.param_shapes(config).values())
+    acts = model.activation_items(config, batch, config.seq).total
+    return it * ((4 if optimizer == "adam" else 3) * params + 2 * acts)
+
+
+def check_memory(config: model.Config, batch: int, optimizer: str) -> None:
+    """A :class:`summasim.cli.UsageError` before any allocation when a step does not fit
+    in :data:`HEADROOM` of the available memory, naming the largest batch that does."""
+    need, budget = train_bytes(config, batch, optimizer), HEADROOM * cli.available_memory()
+    if need <= budget:
+        return
+    lo, hi = 0, batch                     # the largest batch that fits: lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if train_bytes(config, mid, optimizer) <= budget else (lo, mid)
+    fits = lo
+    raise cli.UsageError(f"a training step needs about {need / 2**30:.3g} GiB, but "
+                         f"{budget / 2**30:.3g} GiB can be used ({HEADROOM:.0%} of what is "
+                         f"available); " + (f"--batch {fits} fits" if fits else
+                                            "the model does not fit even at --batch 1"))
 
 
 def main(argv=None) -> list:
@@ -381,6 +422,10 @@ def main(argv=None) -> list:
             print(f"mixed precision ({args.dtype}, loss scale {args.loss_scale}): "
                   f"{s.skipped} of {s.steps} steps skipped on overflow, final scale "
                   f"{s.scale:g}")
+            if s.steps and s.skipped == s.steps:
+                cli.print_error(PROG, f"every step was skipped on overflow: nothing was "
+                                      f"trained (--loss-scale {args.loss_scale})")
+                raise SystemExit(1)
         return losses
     except NonFiniteLoss as exc:
         cli.print_error(PROG, f"training diverged: {exc} (--lr {opt.lr:g}, {args.optimizer}); "
