@@ -120,8 +120,8 @@ def check_bench_fits(what: str, sizes_mib, ranks_on_node: int,
         return ""
     most = bp.largest_fitting_mib(what, budget, ranks_on_node)
     each, where, pool = places(device)
-    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.2f} GiB {each}, "
-            f"{ranks_on_node * per / 2**30:.1f} GiB for {ranks_on_node} ranks {where}, "
+    return (f"{what} at {max(sizes_mib):g} MiB needs about {per / 2**30:.4g} GiB {each}, "
+            f"{ranks_on_node * per / 2**30:.4g} GiB for {ranks_on_node} ranks {where}, "
             f"but {budget / 2**30:.1f} GiB can be used ({HEADROOM:.0%} of "
             f"{avail / 2**30:.1f} GiB {pool}); the largest size that fits is about "
             f"{most:.4g} MiB")
