@@ -114,7 +114,7 @@ __all__ = [
     "finite_float", "finite_positive_float", "finite_nonnegative_float", "float_range",
     "existing_file", "writable_path", "writable_dir",
     "check_existing_file", "check_writable_path", "check_writable_dir", "module_available",
-    "available_memory",
+    "available_memory", "launcher_rank0_output",
     "read_json_file", "MAX_INPUT_BYTES", "MAX_JSON_DEPTH", "REPORT_FIELD", "report_kind",
     "ReportPath", "report_path", "ReportAction", "ForceAction", "add_force",
 ]
@@ -226,6 +226,16 @@ def _as_int(text) -> int:
     if not math.isfinite(x) or not x.is_integer():
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}")
     return int(x)
+
+
+def launcher_rank0_output():
+    """A context in which only the launcher's rank 0 prints (``--help`` parsed on every
+    rank before MPI starts): stdout is swallowed on the other ranks."""
+    import contextlib
+    import io
+
+    return (contextlib.redirect_stdout(io.StringIO()) if launcher_rank()
+            else contextlib.nullcontext())
 
 
 def available_memory() -> int:

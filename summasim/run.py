@@ -146,12 +146,7 @@ def _names(text: str, valid, what: str) -> list[str]:
 def parse_args(argv=None):
     """Parse and check everything that needs no MPI and no files (pure). ``--help`` is
     printed by the launcher's rank 0 only (every rank parses, before MPI starts)."""
-    import contextlib
-    import io
-
-    quiet = contextlib.redirect_stdout(io.StringIO()) if cli.launcher_rank() else \
-        contextlib.nullcontext()
-    with quiet:
+    with cli.launcher_rank0_output():
         args = build_parser().parse_args(argv)
     args.argv = None if argv is None else [str(a) for a in argv]
     args.algorithm_list = _names(args.algorithms, ALGORITHMS, "algorithm")

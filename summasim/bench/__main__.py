@@ -74,15 +74,10 @@ def parse_args(argv=None):
     """Parse and check the arguments (pure, every rank); :class:`~summasim.cli.UsageError`
     on a mistake. No benchmark named (only options, or nothing): ``all``. ``--help`` is
     printed by rank 0 only (the launcher's rank: every rank parses before MPI starts)."""
-    import contextlib
-    import io
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "all")
-    quiet = contextlib.redirect_stdout(io.StringIO()) if cli.launcher_rank() else \
-        contextlib.nullcontext()
-    with quiet:
+    with cli.launcher_rank0_output():
         args = build_parser().parse_args(argv)
     if args.what == "layer":
         layer.check(args)

@@ -334,6 +334,12 @@ def _load_checked(path: str, what: str, say) -> Machine | None:
     return machine
 
 
+def _one_rank(preset: str, say) -> dict:
+    """What a job of fewer than :data:`FIT_RANKS` ranks uses when nothing saved serves."""
+    say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
+    return {"use": load_preset(preset).to_dict()}
+
+
 def _plan_on_root(path, calibrated, size, pids, say, preset):
     """Rank 0: ``({"use": machine dict} or {"fit": before-snapshot}, lock or None)``."""
     if os.path.exists(calibrated):
@@ -352,8 +358,7 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
     if size < FIT_RANKS and not os.path.exists(path):
         # nothing saved, and one rank cannot fit: the preset, with no lock (and no
         # results/ folder) made for it
-        say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
-        return {"use": load_preset(preset).to_dict()}, None
+        return _one_rank(preset, say), None
     lock = FitLock(path)
     try:
         got = lock.acquire(say)
@@ -394,8 +399,7 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
                     f"quiet now: refitting")
                 return {"fit": now}, lock
         if size < FIT_RANKS:
-            say(f"cost model: one rank cannot fit a machine; using the preset {preset}")
-            return {"use": load_preset(preset).to_dict()}, _released(lock)
+            return _one_rank(preset, say), _released(lock)
         if os.path.exists(path) and not _machine_file(path):
             # someone else's file at the fit's path (a report written there): fit, use,
             # and leave it alone

@@ -41,8 +41,8 @@ from summasim.costmodel.workload.bounds import product_bounds
 from summasim.costmodel.workload.predict import predict_algorithm
 from summasim.costmodel.workload.traffic import algorithm_messages, moved_bytes
 from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfig, misfit
-from summasim.costmodel.workload.footprint import batch_step, largest_batch, memory
-from summasim.costmodel.workload.zero import StateBytes
+from summasim.costmodel.workload.footprint import (batch_step, largest_batch, memory,
+                                                   training_grad_bytes)
 from summasim.costmodel.workload.layer import scheme_cost
 from summasim.costmodel.machine.topology import Placement
 
@@ -81,16 +81,10 @@ def gpu_machine(machine) -> bool:
     return machine.device is not None or machine.library == "nccl"
 
 
-def _grad_bytes(cfg) -> int:
-    """Bytes per gradient in training (a float32 buffer under mixed precision), as
-    ``predict`` and ``plan`` count them (:meth:`StateBytes.for_training`)."""
-    return StateBytes.for_training(cfg.dtype).grad
-
-
 def _price(sch, cfg, machine, mode, placement=None) -> _Priced:
     """The whole step on GPU machines (:func:`step_breakdown`), else N layers; the
-    memory with the training's gradient bytes (:func:`_grad_bytes`)."""
-    mem = memory(sch, cfg, _grad_bytes(cfg))
+    memory with the training's gradient bytes (:func:`training_grad_bytes`)."""
+    mem = memory(sch, cfg, training_grad_bytes(cfg))
     if gpu_machine(machine):
         try:
             sb = step_breakdown_layers(sch, cfg, machine, mode=mode, placement=placement)
@@ -374,7 +368,7 @@ def batch_table(cfg: TransformerConfig, p_values, budget: float, schemes=SCHEMES
                       if misfit(sch, cfg.replace(b=batch_step(sch))) is None]
             if not shapes:
                 continue
-            best = max(((largest_batch(s, cfg, budget, grad_bytes=_grad_bytes(cfg)), s)
+            best = max(((largest_batch(s, cfg, budget, grad_bytes=training_grad_bytes(cfg)), s)
                         for s in shapes),
                        key=lambda t: t[0])
             rows.append({"p": p, "scheme": name, "grid": best[1].label, "largest_b": best[0],

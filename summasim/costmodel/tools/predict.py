@@ -34,13 +34,13 @@ import sys
 from summasim import cli, options
 from summasim.spec import unsupported
 from summasim.jsonio import write_report
-from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.tensor import check_composition
 from summasim.costmodel.workload.composition import price_composition
 from summasim.costmodel.machine import DTYPE_SIZES, load_preset
 from summasim.costmodel.workload.scheme import (TransformerConfig, misfit,
                                                 sequence_parallel_misfit)
-from summasim.costmodel.workload.footprint import batch_step, largest_batch, memory
+from summasim.costmodel.workload.footprint import (batch_step, largest_batch, memory,
+                                                   training_grad_bytes)
 from summasim.costmodel.workload.step import StepBreakdown, step_breakdown
 from summasim.costmodel.machine.topology import GridShape, Placement
 
@@ -319,7 +319,6 @@ def grid_alone(args, machine, sch, cfg, placement) -> StepBreakdown:
     gradient buffer under mixed precision). Under a placement other than rank order, the
     step moves by what that placement changes in the exposed communication."""
     sb = step_breakdown_layers(sch, cfg, machine, placement=placement)
-    grad = StateBytes.for_training(cfg.dtype, args.training.grad_reduce).grad
     bd = price_fixed_composition(args, machine, sch, cfg, 1)["breakdown"]
     exposed = sum(bd["exposed_comm"].values()) + bd["bubble"]
     if placement != Placement():
@@ -333,7 +332,7 @@ def grid_alone(args, machine, sch, cfg, placement) -> StepBreakdown:
         by_op = {k: v * exposed / comm for k, v in by_op.items()}
         comm = exposed
     return dataclasses.replace(
-        sb, memory=memory(sch, cfg, grad), gemm_seconds=bd["gemm"],
+        sb, memory=memory(sch, cfg, training_grad_bytes(cfg)), gemm_seconds=bd["gemm"],
         memory_bound_seconds=mem_bound, optimizer_seconds=bd["optimizer"],
         comm_seconds=comm, by_op=by_op, comm_exposed_seconds=exposed,
         seconds=bd["gemm"] + mem_bound + exposed)
@@ -368,8 +367,8 @@ def run(args, out=None) -> dict:
     sb = grid_alone(args, machine, sch, cfg, placement)
     mem = sb.memory
     step = batch_step(sch)
-    grad = StateBytes.for_training(cfg.dtype, args.training.grad_reduce).grad
-    best_b = largest_batch(sch, cfg, budget, grad_bytes=grad) if budget > 0 else None
+    best_b = (largest_batch(sch, cfg, budget, grad_bytes=training_grad_bytes(cfg))
+              if budget > 0 else None)
     w = out.write
     w(f"machine:   {machine.name} (library {machine.library}"
       f"{', ' + machine.device.name if machine.device else ''})\n")

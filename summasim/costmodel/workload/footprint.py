@@ -41,6 +41,15 @@ class Memory:
 
 
 # -- memory ---------------------------------------------------------------------------------
+def training_grad_bytes(cfg: TransformerConfig) -> int:
+    """Bytes per gradient in a training step of ``cfg`` (``grad_bytes`` of :func:`memory`):
+    a float32 buffer under mixed precision, as ``predict`` and ``plan`` count the states
+    (:meth:`~summasim.costmodel.workload.zero.StateBytes.for_training`)."""
+    from .zero import StateBytes
+
+    return StateBytes.for_training(cfg.dtype).grad
+
+
 def memory(scheme: Scheme, cfg: TransformerConfig, grad_bytes: int | None = None) -> Memory:
     """Peak bytes per rank of ``scheme`` on ``cfg`` (see the module docstring); the
     gradients take ``grad_bytes`` per parameter (default the dtype's itemsize; a
