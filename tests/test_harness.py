@@ -87,8 +87,9 @@ def test_check_passes_right_blocks_and_fails_corrupted_ones(name, method):
                 assert chk.nonfinite == (kind != "perturb")
             # a block computed from another seed (wrong data) fails too
             assert not check_product(_rank_output(case, g, seed=1), case, g, 0, method).ok
-            # a block of the wrong shape fails
-            assert not check_product(c[:-1], case, g, 0, method).ok
+            # a block of the wrong shape fails as FAIL, not as a NaN or an Inf (FAIL*)
+            chk = check_product(c[:-1], case, g, 0, method)
+            assert not chk.ok and not chk.nonfinite and chk.method == "shape"
 
 
 def test_nan_in_a_block_whose_neighbours_are_fine_is_caught_by_both_methods():
@@ -111,7 +112,33 @@ def test_ring_check():
     bad[-1] = np.nan                       # outside any one rank's chunk: still caught
     assert not check_ring(bad, case, p, 0).ok
     assert not check_ring(y - ring_input(0, 1, n, np.float64), case, p, 0).ok
-    assert not check_ring(y[:-1], case, p, 0).ok
+    short = check_ring(y[:-1], case, p, 0)
+    assert not short.ok and not short.nonfinite and short.method == "shape"
+
+
+class _Gather:
+    """A stand-in world whose allgather returns the given ranks' verdicts."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def allgather(self, mine):
+        return self.every
+
+
+def test_a_block_of_the_wrong_shape_on_one_rank_fails_the_job_as_fail_not_fail_star():
+    from summasim.harness.check import Check, collective
+    from summasim.harness.report import verdict
+
+    good, shape = Check(1e-17, 1e-14, "exact"), Check(math.inf, 1e-14, "shape")
+    every = [(c.error, c.nonfinite, c.ok) for c in (good, shape, good)]
+    job = collective(_Gather(every), good)
+    assert not job.ok and not job.nonfinite and job.bad_ranks == [1]
+    assert job.error == math.inf and verdict(job.ok, job.nonfinite) == "FAIL"
+    nan = Check(math.nan, 1e-14, "exact")           # a NaN anywhere still wins: FAIL*
+    job = collective(_Gather(every + [(nan.error, nan.nonfinite, nan.ok)]), good)
+    assert job.nonfinite and math.isnan(job.error) and job.bad_ranks == [1, 3]
+    assert verdict(job.ok, job.nonfinite) == "FAIL*"
 
 
 def test_fault_parse_and_corrupt():

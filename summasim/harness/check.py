@@ -46,6 +46,7 @@ METHODS = ("auto", "exact", "freivalds")
 AUTO_EXACT_FLOPS = 4e9
 PROBES = 4
 PANEL = 512          # k-chunk of the panels: keeps the check's memory at about a block
+WRONG_SHAPE = "shape"   # the method of a check that found a result of the wrong shape
 
 
 @dataclass
@@ -61,7 +62,10 @@ class Check:
     false_pass: str = ""
 
     def __post_init__(self):          # one rank's verdict; collective() sets the job's
-        self.nonfinite = bool(self.nonfinite or not math.isfinite(self.error))
+        # a block of the wrong shape has error inf and fails as FAIL, not as FAIL*
+        # (which says a NaN or an Inf appeared in the values)
+        wrong_shape = self.method == WRONG_SHAPE and math.isinf(self.error)
+        self.nonfinite = bool(self.nonfinite or not (math.isfinite(self.error) or wrong_shape))
         self.ok = bool(not self.nonfinite and passes(self.error, self.bound))
 
 
@@ -73,10 +77,10 @@ def collective(world, check: Check) -> Check:
     every = world.allgather(mine)
     bad = [r for r, (_, nf, ok) in enumerate(every) if (nf or not ok)]
     nonfinite = any(nf for _, nf, _ in every)
-    finite = [e for e, nf, _ in every if not nf and math.isfinite(e)]
+    finite = [e for e, nf, _ in every if not nf]        # inf: a block of the wrong shape
     error = math.nan if nonfinite else (max(finite) if finite else 0.0)
-    out = Check(error, check.bound, check.method, nonfinite, false_pass=check.false_pass)
-    out.ok, out.bad_ranks = not bad, bad
+    out = Check(0.0, check.bound, check.method, false_pass=check.false_pass)
+    out.error, out.nonfinite, out.ok, out.bad_ranks = error, nonfinite, not bad, bad
     return out
 
 
@@ -129,7 +133,7 @@ def check_product(c, case, g, seed: int, method: str = "auto", chunk: int | None
     c = np.asarray(c)
     mb, nb = rows.stop - rows.start, cols.stop - cols.start
     if c.shape != (mb, nb):
-        return Check(math.inf, 0.0, "shape", nonfinite=False)
+        return Check(math.inf, tolerance(k, np.dtype(case.dtype)), WRONG_SHAPE)
     how = choose_method(method, mb, nb, k)
     dtype = np.dtype(case.dtype)
     bound = tolerance(k, dtype)
@@ -187,7 +191,7 @@ def check_ring(y, case, p: int, seed: int, chunk: int = 1 << 18) -> Check:
     bound = tolerance(p, dtype)
     y = np.asarray(y).reshape(-1)
     if y.shape[0] != case.n:
-        return Check(math.inf, bound, "shape")
+        return Check(math.inf, bound, WRONG_SHAPE)
     worst = 0.0
     for lo in range(0, case.n, chunk):
         hi = min(case.n, lo + chunk)
