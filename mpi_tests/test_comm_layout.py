@@ -125,3 +125,23 @@ def test_workspaces_are_reused_and_bounded():
         c.workspace(f"y{i}", a)
     ok = ok and c.workspace("x", a) is not w1 and len(c._workspaces) == 8
     parallel_assert(ok, "workspace cache")
+
+
+def test_two_wrappers_of_one_communicator_keep_their_reduces_apart():
+    """Two tree reduces in flight, started through two Comms over the same communicator
+    and waited in the other order, each sum their own buffers: the tags are counted on
+    the communicator, not on each wrapper (a Comm re-wrapping a Comm shares them too)."""
+    raw = WORLD.Dup()
+    try:
+        for second in (lambda a: Comm(raw), lambda a: Comm(a)):
+            a = Comm(raw, reduce="tree")
+            b = second(a)
+            ya, yb = (np.empty(4), np.empty(4)) if a.rank == 0 else (None, None)
+            ra = a.ireduce(np.full(4, 1.0), ya, 0)
+            rb = b.ireduce(np.full(4, 100.0), yb, 0)
+            rb.wait()
+            ra.wait()
+            ok = a.rank != 0 or (np.all(ya == P) and np.all(yb == 100.0 * P))
+            parallel_assert(ok, f"A {ya}, B {yb}: expected {P} and {100 * P}")
+    finally:
+        raw.Free()

@@ -137,6 +137,32 @@ STAGE_WHOLE_BYTES = 16 << 20 if _STAGE_WHOLE_ENV is None else _STAGE_WHOLE_ENV
 STAGE_WHOLE_SHARES = {"allreduce": 1.0, "reduce_scatter": 0.5, "allgather": 0.125}
 _NDARRAY = np.ndarray
 _REDUCE_TAG = 1 << 14  # tags [2^14, 2^15) belong to tree reduces
+_COUNTS_KEYVAL: list = []   # the MPI attribute key of a communicator's _Counts, made once
+
+
+class _Counts:
+    """What every ``Comm`` over one MPI communicator counts alike: the tree reduces
+    started, whose tags tell two reduces in flight apart, even when two wrappers of the
+    same communicator started them (each counting alone, both would take the same tag
+    and the later wait could receive the other's partial sums)."""
+
+    __slots__ = ("reduces",)
+
+    def __init__(self):
+        self.reduces = 0
+
+
+def _counts_of(raw) -> _Counts:
+    """The :class:`_Counts` of the mpi4py communicator ``raw``, kept on it as an MPI
+    attribute (as :func:`summasim.ringwait.waits_of` keeps its ring waits): shared by
+    every Comm over it, gone when it is freed; a duplicate starts afresh."""
+    if not _COUNTS_KEYVAL:
+        _COUNTS_KEYVAL.append(MPI.Comm.Create_keyval())
+    counts = raw.Get_attr(_COUNTS_KEYVAL[0])
+    if counts is None:
+        counts = _Counts()
+        raw.Set_attr(_COUNTS_KEYVAL[0], counts)
+    return counts
 
 
 def _nothing() -> None:
@@ -380,7 +406,7 @@ class Comm:
         if self.reduce_algorithm not in REDUCE_ALGORITHMS:
             raise ValueError(f"reduce algorithm must be one of {', '.join(REDUCE_ALGORITHMS)}, "
                              f"got {self.reduce_algorithm!r}")
-        self._reduces = 0          # tree reduces started: all ranks count alike (their tags)
+        self._counts = _counts_of(comm)   # tree reduces started, over every wrapper of comm
         spin = self.wait_policy == "spin"
         self.blocking_limit = _UNLIMITED if spin else BLOCKING_SENDRECV_BYTES
         crowded = local_ranks() >= NAP_RANKS_PER_CORE * cores()
@@ -599,8 +625,8 @@ class Comm:
                 raise ValueError("reduce: the root needs a recvbuf shaped like sendbuf")
             self._check(recvbuf, "reduce")
         if self.reduce_algorithm == "tree":
-            tag = _REDUCE_TAG + self._reduces % _REDUCE_TAG
-            self._reduces += 1
+            tag = _REDUCE_TAG + self._counts.reduces % _REDUCE_TAG
+            self._counts.reduces += 1
             if self._ipc(sendbuf):
                 return self._ipc_reduce(sendbuf, recvbuf, root, tag)
             return _TreeReduce(self, sendbuf, recvbuf, root, tag)
@@ -790,8 +816,11 @@ class Comm:
         ``trial`` wait by the rule."""
         rule = self._rule_mode(nbytes)
         mode = rule
+        # whether the trials run must not depend on this rank's wait policy (which may
+        # differ between nodes): "spin" lifts the blocking limit on its own rank only,
+        # so the shared SUMMASIM_BLOCKING_BYTES bounds the trials on every rank
         if (self.ring_wait != "rule" and type(like) is _NDARRAY
-                and nbytes < self.blocking_limit
+                and nbytes < min(self.blocking_limit, BLOCKING_SENDRECV_BYTES)
                 and self._backend(like).comm_mode == "host"):
             if self.ring_wait in RING_MODES:
                 mode = self.ring_wait
@@ -817,7 +846,7 @@ class Comm:
         measured its size class, or ``"policy"`` from :attr:`blocking_limit`."""
         if nbytes >= self.blocking_limit:
             return "policy"
-        if self.ring_wait == "rule":
+        if self.ring_wait == "rule" or nbytes >= BLOCKING_SENDRECV_BYTES:
             return self._rule_mode(nbytes)
         if self.ring_wait in RING_MODES:
             return self.ring_wait
