@@ -327,3 +327,46 @@ def test_point_to_point_exchanges_wait_by_the_rule_and_start_no_trials():
                         "a sendrecv ran the trials")
     finally:
         comm.mpi.Free()
+
+
+def test_ranks_with_different_wait_policies_run_the_same_trials(monkeypatch):
+    """The wait policy is a rank's own (it may differ between nodes: "sleep" where the
+    node is oversubscribed), and "spin" lifts the blocking limit on its rank only; with
+    SUMMASIM_BLOCKING_BYTES set, the ring trials must still run on every rank or on
+    none, else the spinning rank's trial steps meet the others' real ones (wrong sums,
+    a hang)."""
+    from summasim import comm as comm_mod
+
+    limit = 256
+    monkeypatch.setattr(comm_mod, "BLOCKING_SENDRECV_BYTES", limit)
+    comm = Comm(WORLD.Dup(), name="ring", wait="spin" if WORLD.Get_rank() == 0 else "sleep")
+    comm.ring_wait = "auto"
+    try:
+        ok = True
+        for n in (10 * P, 1000 * P):                 # steps below and above the limit
+            x = np.arange(n, dtype=np.float64) * (comm.rank + 1)
+            y = algs.ring_allreduce(x, comm)
+            ok &= bool(np.array_equal(y, np.arange(n) * (P * (P + 1) / 2)))
+            ok &= bool(np.array_equal(algs.ring_allreduce(x, comm), y))
+        every = WORLD.allgather(sorted(comm.ring_waits.chosen))
+        parallel_assert(ok and all(e == every[0] for e in every),
+                        f"sums {ok}; size classes settled per rank {every}")
+    finally:
+        comm.mpi.Free()
+
+
+def test_a_larger_work_buffer_on_one_rank_changes_nothing():
+    """``work`` needs room for the largest chunk; more room on one rank only must not
+    change which size class (and so which trials) its ring steps take."""
+    n = 1000
+    need = -(-n // P)
+    raw = WORLD.Dup()
+    try:
+        flat = np.full(n, float(WORLD.Get_rank() + 1))
+        work = np.empty(need * (8 if WORLD.Get_rank() == 0 else 1))
+        own = algs.ring_reduce_scatter(flat, raw, work=work)
+        lo, hi = algs.chunk_bounds(n, P)[own]
+        parallel_assert(np.all(flat[lo:hi] == P * (P + 1) / 2),
+                        f"chunk {own} of the reduce-scatter")
+    finally:
+        raw.Free()

@@ -142,10 +142,12 @@ def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None,
         return (r + 1) % p
     if bounds is None:
         bounds = _bounds(flat.shape[0], p)
+    widest = max(hi - lo for lo, hi in bounds)
     if work is None:
-        widest = max(hi - lo for lo, hi in bounds)
         work = comm.workspace("ring.recv", flat[:widest], 1)[0]
-    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0], ring_trial)
+    # the step's size from the chunks, never from ``work``: a larger ``work`` on one
+    # rank must not change the size class, whose trials every rank runs alike
+    step, finish = comm.ring_exchanger(flat, flat.itemsize * widest, ring_trial)
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or _xp(flat).add)
     finish()
     return (r + 1) % p
@@ -365,8 +367,9 @@ def ring_allreduce_unchecked(x, comm, out=None, add=None):
             flat[...] = src
         return out
     bounds = _bounds(flat.shape[0], p)
-    work = comm.workspace("ring.recv", flat[: bounds[0][1] - bounds[0][0]], 1)[0]
-    step, finish = comm.ring_exchanger(flat, work.itemsize * work.shape[0], ring_trial)
+    widest = bounds[0][1] - bounds[0][0]
+    work = comm.workspace("ring.recv", flat[:widest], 1)[0]
+    step, finish = comm.ring_exchanger(flat, flat.itemsize * widest, ring_trial)
     _reduce_scatter_steps(flat, src, bounds, r, p, work, step, add or xp.add)
     finish()     # the all-gather receives into the chunks the reduce-scatter sent
     _allgather_steps(flat, bounds, r, p, step)
