@@ -62,3 +62,18 @@ def test_the_pool_is_bounded(monkeypatch):
         a[...] = 1.0
     assert all(not np.shares_memory(a, b) for i, a in enumerate(held + others)
                for b in (held + others)[i + 1:])
+
+
+def test_free_is_measured_by_the_count_this_interpreter_gives():
+    """A pooled buffer's owner is free at the count measured at import (the pool's view
+    alone), and held at any count above it: each array the caller keeps adds one."""
+    import sys
+
+    x = _big()
+    a = ar._fresh_result(x, np)
+    (buf,) = ar._result_pool
+    held = sys.getrefcount(buf.base)
+    del a
+    for buf in ar._result_pool:                  # read as _fresh_result reads it
+        free = sys.getrefcount(buf.base)         # (not inside assert: pytest keeps refs)
+    assert free == ar._FREE_REFS < held

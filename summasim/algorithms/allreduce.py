@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -303,6 +304,20 @@ POOL_MAX_BYTES = 512 << 20
 _result_pool: list = []           # [buffer], oldest first
 
 
+def _refs_when_free() -> int:
+    """What ``sys.getrefcount`` says of a pooled buffer's owner that only the pool's
+    view holds, read as :func:`_fresh_result` reads it. Measured, not assumed: whether
+    the call's own argument and a loop's variable count differs between CPython
+    versions, and a count one too low would hand out an array the caller still holds."""
+    pool = [np.empty(2)[:1]]
+    for buf in pool:
+        return sys.getrefcount(buf.base)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_FREE_REFS = _refs_when_free()
+
+
 def _fresh_result(x, xp):
     """The result of an all-reduce called without ``out``.
 
@@ -322,11 +337,10 @@ def _fresh_result(x, xp):
     nbytes = x.size * x.dtype.itemsize
     if xp is not np or nbytes < POOL_MIN_BYTES:
         return xp.empty(x.shape, dtype=x.dtype)
-    import sys
-
     for i, buf in enumerate(_result_pool):
-        # the pool's view and getrefcount's own argument hold the owner: nobody else
-        if buf.dtype == x.dtype and buf.size == x.size and sys.getrefcount(buf.base) <= 2:
+        # as many references as when the pool's view alone holds the owner: nobody else
+        if (buf.dtype == x.dtype and buf.size == x.size
+                and sys.getrefcount(buf.base) <= _FREE_REFS):
             _result_pool.append(_result_pool.pop(i))          # most recently used last
             return buf.reshape(x.shape)
     from ..backends.numpy_backend import empty_huge
