@@ -55,8 +55,51 @@ def _cases():
     return out
 
 
+def _uneven_cases():
+    """Tensor shards of unequal sizes (heads, the MLP and the vocabulary not divisible
+    by t, or a 3D cube whose h leaves some blocks empty): each rank's flat layout,
+    buckets and ZeRO chunks are its own, so the ranks of a tensor group cut (and own)
+    the replicated keys in other places while holding the same values."""
+    out = []
+    if P % 2 == 0 and P >= 4:
+        t = P // 2
+        cfg = Config(vocab=5, seq=2, hidden=2 * (t + 1), heads=t + 1, layers=1, ffn_mult=1.5)
+        for zero in (0, 1, 2, 3):
+            out.append(MeshCase.parse(f"dp=2,pp=1,tp=megatron:{t}", 4, cfg, zero=zero,
+                                      microbatches=1, bucket_bytes=512))
+    if P >= 2:
+        cfg = Config(vocab=5, seq=2, hidden=2 * (P + 1), heads=P + 1, layers=1, ffn_mult=1.5)
+        for bucket in (300, 512):
+            out.append(MeshCase.parse(f"dp=1,pp=1,tp=megatron:{P}", 2, cfg, zero=1,
+                                      microbatches=1, bucket_bytes=bucket))
+    if P == 8:
+        cfg = Config(vocab=4, seq=2, hidden=3, heads=3, layers=1)
+        for zero in (0, 3):
+            out.append(MeshCase.parse("dp=1,pp=1,tp=3d:2x2x2", 4, cfg, zero=zero,
+                                      microbatches=1, bucket_bytes=512))
+    return out
+
+
 CASES = _cases()
 IDS = [f"{c.spec}-z{c.zero}" for c in CASES]
+UNEVEN = _uneven_cases()
+
+
+@pytest.mark.parametrize("case", UNEVEN,
+                         ids=[f"{c.spec}-z{c.zero}-b{c.bucket_bytes}" for c in UNEVEN])
+def test_uneven_shards_pass_the_audit_and_drift_still_fails_it(case):
+    """A right run on uneven shards passes every check, the audit included (it compares
+    each replicated key where every rank of the group holds it, never one rank's
+    segments against another's); one bit of drift on the last rank still fails it."""
+    clean = run_mesh(case, WORLD, timed=False)
+    r = clean.extra["report"]
+    parallel_assert(clean.ok and r.replicas_ok and r.audit_bytes > 0,
+                    f"{case.spec} zero={case.zero}: {r.failures}, audit {r.audit}")
+    res = run_mesh(case, WORLD, timed=False, fault=Fault("drift", P - 1))
+    r = res.extra["report"]
+    parallel_assert(r.fault_applied and not res.ok and r.failures == ["replicas"],
+                    f"{case.spec} zero={case.zero} drift: applied={r.fault_applied} "
+                    f"ok={res.ok} failures={r.failures}")
 
 
 def _expected_groups(case) -> dict:

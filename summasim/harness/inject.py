@@ -24,8 +24,9 @@ drift      one entry of a replicated tensor moves by one unit in the last place
            on that rank only, so its replicas differ by one bit: in a sharded
            training step, the first replicated parameter the rank holds after the
            step (over dp under ZeRO 0-2, else over the tensor group or the tied
-           embedding's pair), or, under ZeRO-3 with nothing else replicated, the
-           first unit it all-gathers in the step (a receive gone wrong). Far below
+           embedding's pair), or, under ZeRO-3 with dp > 1 or with nothing else
+           replicated, the first unit it all-gathers in the step (a receive gone
+           wrong). Far below
            every value check's bound: only the replica audit sees it. A run with no
            replica audit (a product, a ring, a pure tensor-parallel step) has no
            replica to drift: there it changes its entry as ``perturb`` does, so it

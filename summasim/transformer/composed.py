@@ -336,7 +336,15 @@ class ReplicaSet:
     """State that every rank of ``comm`` holds bit for bit alike (:meth:`Trainer.
     replica_sets`): views of the held parameters (``params``) and of Adam's moments
     (``state``) in a fixed order, and ``extra``, the digest of what the step's ZeRO-3
-    gathers delivered (None elsewhere)."""
+    gathers delivered (None elsewhere).
+
+    ``pieces`` (groups whose ranks lay their state out differently: the tensor and the
+    tied-embedding groups) lists the same views by key, ``(kind, key, a, b, view)``
+    with ``kind`` "p", "m" or "v" and ``[a, b)`` in items of the key. Each rank's flat
+    layout, buckets and ZeRO chunks follow its own shard sizes, so ranks that hold the
+    same values may cut them in other places or own other parts of them: the audit
+    compares the parts every rank of the group holds (:func:`common_spans`), key by
+    key, never the order of one rank's segments."""
 
     name: str
     comm: object
@@ -344,19 +352,55 @@ class ReplicaSet:
     state: list = field(default_factory=list)
     extra: bytes | None = None
     extra_nbytes: int = 0            # the bytes ``extra`` digested
+    pieces: list | None = None
 
-    def nbytes(self) -> int:
-        """Bytes hashed for the audit."""
+    def spans(self) -> dict:
+        """``{(kind, key): [(a, b)]}``: what this rank holds of each key (``pieces``)."""
+        out: dict = {}
+        for kind, key, a, b, _ in self.pieces:
+            out.setdefault((kind, key), []).append((a, b))
+        return {k: _merge(v) for k, v in out.items()}
+
+    def nbytes(self, common: dict | None = None) -> int:
+        """Bytes hashed for the audit (with ``pieces``, those inside ``common``)."""
+        if self.pieces is not None:
+            return int(sum(v.itemsize * sum(min(b, d) - max(a, c) for c, d in common.get(
+                (kind, key), ()) if max(a, c) < min(b, d))
+                for kind, key, a, b, v in self.pieces))
         return int(sum(v.nbytes for v in self.params + self.state) + self.extra_nbytes)
 
-    def digest(self) -> int:
-        """blake2b (8 bytes) of the views' bytes, in order, then ``extra``."""
+    def digest(self, common: dict | None = None) -> int:
+        """blake2b (8 bytes) of the views' bytes, in order, then ``extra``; with
+        ``pieces``, of the parts inside ``common`` (:func:`common_spans`), parameters
+        then the first moments then the second, each key in order and in its items'
+        order, however this rank's views cut them."""
         h = hashlib.blake2b(digest_size=8)
+        if self.pieces is not None:
+            order = {key: i for i, key in enumerate(dict.fromkeys(p[1] for p in self.pieces))}
+            for kind, key, a, b, view in sorted(
+                    self.pieces, key=lambda p: ("pmv".index(p[0]), order[p[1]], p[2])):
+                for c, d in _clip(common.get((kind, key), ()), a, b):
+                    h.update(_host_bytes(view[c - a:d - a]))
+            return int.from_bytes(h.digest(), "little")
         for v in self.params + self.state:
             h.update(_host_bytes(v))
         if self.extra is not None:
             h.update(self.extra)
         return int.from_bytes(h.digest(), "little")
+
+
+def common_spans(every: list) -> dict:
+    """``{(kind, key): [(a, b)]}`` held by every rank, from each rank's
+    :meth:`ReplicaSet.spans`: the intersection, key by key."""
+    out = dict(every[0])
+    for spans in every[1:]:
+        out = {k: _intersect(v, spans.get(k, ())) for k, v in out.items()}
+    return {k: v for k, v in out.items() if v}
+
+
+def _intersect(x, y) -> list[tuple[int, int]]:
+    """The parts common to sorted disjoint ranges ``x`` and ``y``."""
+    return [(max(a, c), min(b, d)) for a, b in x for c, d in y if max(a, c) < min(b, d)]
 
 
 def _host_bytes(a) -> memoryview:
@@ -878,6 +922,13 @@ class Trainer:
                                           if role(k) in ("a", "cls.w", "whole")]),
                 ("tensor.row", grid.row, [k for k in self.keys if role(k) in ("b", "whole")])]
 
+    def _held_moments(self) -> list:
+        """``[(start, stop, {"m": ..., "v": ...})]``: Adam's moments this rank holds."""
+        st = self.opt.state
+        if self.zero == 0 and "flat" in st:
+            return [(0, self.n, st["flat"])]
+        return [(lo, hi, st[i]) for i, (lo, hi) in enumerate(self.owned) if i in st]
+
     def _held_views(self, ranges) -> tuple[list, list]:
         """Views of the parameters and of Adam's moments this rank holds inside flat
         ``ranges`` (sorted), in flat order."""
@@ -885,15 +936,25 @@ class Trainer:
         for lo, hi, vals in self.held_params():
             for a, b in _clip(ranges, lo, hi):
                 params.append(vals[a - lo:b - lo])
-        st = self.opt.state
-        if self.zero == 0 and "flat" in st:
-            held = [(0, self.n, st["flat"])]
-        else:
-            held = [(lo, hi, st[i]) for i, (lo, hi) in enumerate(self.owned) if i in st]
-        for lo, hi, moments in held:
+        for lo, hi, moments in self._held_moments():
             for a, b in _clip(ranges, lo, hi):
                 state += [moments["m"][a - lo:b - lo], moments["v"][a - lo:b - lo]]
         return params, state
+
+    def _keyed_set(self, name: str, comm, keys) -> ReplicaSet:
+        """The :class:`ReplicaSet` of ``keys`` over ``comm``, with its ``pieces``: what
+        this rank holds of each key, in the key's own items."""
+        ranges, pieces = self.key_ranges(), []
+        held = [("p", lo, hi, vals) for lo, hi, vals in self.held_params()]
+        for lo, hi, moments in self._held_moments():
+            held += [("m", lo, hi, moments["m"]), ("v", lo, hi, moments["v"])]
+        for k in keys:
+            k0, k1 = ranges[k]
+            for kind, lo, hi, vals in held:
+                for a, b in _clip([(k0, k1)], lo, hi):
+                    pieces.append((kind, k, a - k0, b - k0, vals[a - lo:b - lo]))
+        return ReplicaSet(name, comm, [p[4] for p in pieces if p[0] == "p"],
+                          [p[4] for p in pieces if p[0] != "p"], pieces=pieces)
 
     def replica_sets(self) -> list[ReplicaSet]:
         """Every group over which this rank holds state that must be bit-identical
@@ -907,7 +968,9 @@ class Trainer:
                         order (when :attr:`audit_gathers` was on for the step);
         ``tensor``      the parameters the tensor scheme replicates
                         (:meth:`tensor_replicated`), their held part (ZeRO-3: the owned
-                        chunks, the same ranges on every tensor rank) and its moments;
+                        chunks) and its moments, compared where every rank of the
+                        group holds them (:attr:`ReplicaSet.pieces`: with uneven shards
+                        the ranks' ZeRO chunks cut a replicated key in other places);
         ``tensor.col``, ``tensor.row``  the 3D layer's vectors over the rest of their
                         plane (:meth:`tensor_planes`);
         ``embed``       with pp > 1, ``wte`` on the first and the last stage (the tied
@@ -928,11 +991,9 @@ class Trainer:
         comm, keys = self.tensor_replicated()
         for name, comm, keys in [("tensor", comm, keys)] + self.tensor_planes():
             if comm is not None and comm.size > 1 and keys:
-                ranges = _merge(self.key_ranges()[k] for k in keys)
-                out.append(ReplicaSet(name, comm, *self._held_views(ranges)))
+                out.append(self._keyed_set(name, comm, keys))
         if mesh.embed is not None and self.lm and self.config.tied:   # as _tie()
-            out.append(ReplicaSet("embed", mesh.embed,
-                                  *self._held_views([self.key_ranges()["wte"]])))
+            out.append(self._keyed_set("embed", mesh.embed, ["wte"]))
         return out
 
     def audit(self) -> dict:
@@ -941,13 +1002,18 @@ class Trainer:
         Returns ``{name: {"size": ranks, "agree": bool, "nbytes": bytes hashed}}``;
         a replica that drifted by one bit makes ``agree`` False on every rank of its
         group. Costs one hash of the replicated state and, per group, an all-gather of
-        8 bytes per rank."""
+        8 bytes per rank (and, for a group of :attr:`ReplicaSet.pieces`, one of the
+        spans each rank holds, a few per key)."""
         out = {}
         for rs in self.replica_sets():        # the same groups, in the same order
-            mine = rs.digest()
+            common = None
+            if rs.pieces is not None:          # what every rank of the group holds
+                common = common_spans(allgather_objects(rs.comm.mpi, rs.spans(),
+                                                        rs.comm.wait_policy))
+            mine = rs.digest(common)
             every = allgather_objects(rs.comm.mpi, mine, rs.comm.wait_policy)
             out[rs.name] = {"size": rs.comm.size, "agree": len(set(every)) == 1,
-                            "nbytes": rs.nbytes()}
+                            "nbytes": rs.nbytes(common)}
         return out
 
     # -- ZeRO-3 gathers ----------------------------------------------------------
