@@ -151,6 +151,43 @@ def test_one_rank_dtype(fn):
         parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
 
 
+@pytest.mark.parametrize("fn", ["summa_ab", "cannon_ab", "sd25_ab"])
+@pytest.mark.parametrize("bad", [(5, 7), (5.9, 7, 3), "573", (-5, 7, 3), (5, 7, 3, 1),
+                                 (True, 7, 3), None])
+def test_malformed_sizes_on_one_rank(fn, bad):
+    """``sizes`` that are not three non-negative integers on rank 0 (or missing there
+    alone), right on the others: one clear error on every rank, nothing sent. A
+    malformed ``sizes`` used to raise on rank 0 alone, before the agreement, and leave
+    the others waiting."""
+    skip_unless(P > 1, "a one-rank error needs two ranks")
+    skip_unless(grid_for(fn) is not None, f"p = {P} has no grid for {fn}")
+    q, d = grid_for(fn)
+    m, k, n = 5, 7, 3
+    sizes = bad if RANK == 0 else (m, k, n)
+    with Grid(WORLD, q, d) as g:
+        a, b = layout.split(np.ones((m, k)), g, "2d"), layout.split(np.ones((k, n)), g, "2d")
+        msg = one_rank_error(ValueError, getattr(algs, fn), a, b, g, sizes=sizes)
+        want = ("rank 0 has none" if bad is None
+                else "sizes must be three non-negative integers")
+        parallel_assert(want in msg and fn in msg, f"message: {msg!r}")
+        parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
+
+
+def test_byte_swapped_arrays_are_refused_before_anything_is_sent():
+    """MPI moves items in this machine's byte order only: a '>f8' operand or vector is
+    a TypeError naming the fix on every rank, not a BufferError inside a broadcast."""
+    swapped = np.dtype(np.float64).newbyteorder("S")
+    q, d = grid_shapes(P)[0]
+    with Grid(WORLD, q, d) as g:
+        ones = np.ones((BLK, BLK), swapped)
+        msg = collective_raises(TypeError, algs.summa_ab, ones, ones, g)
+        parallel_assert("byte order" in msg and "newbyteorder" in msg, f"message: {msg!r}")
+        parallel_assert(len(g.trace.events) == 0, "a failed call communicated")
+    for fn in (algs.ring_allreduce, algs.ring_reduce_scatter, algs.ring_allgather):
+        msg = collective_raises(TypeError, fn, np.ones(5, swapped), WORLD)
+        parallel_assert("byte order" in msg, f"{fn.__name__}: {msg!r}")
+
+
 def test_one_rank_ring_length():
     """ring_allreduce of 7 items on rank 0 and 8 elsewhere; the two halves alike."""
     skip_unless(P > 1, "a one-rank error needs two ranks")

@@ -55,6 +55,8 @@ under ``with agreement(False):``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..backends import array_module, backend_of
 from ..comm import Comm
 from ..layout import block_index, block_shape, rank_numbers
@@ -80,10 +82,19 @@ def check_operands(a, b, fn: str):
             raise ValueError(f"{fn}: {name} must be a 2-D block, got shape {tuple(x.shape)}")
         if x.dtype.kind not in _FLOAT_KINDS:
             raise TypeError(f"{fn}: {name} has dtype {x.dtype}; expected a floating dtype")
+        check_native(fn, name, x)
     if a.dtype != b.dtype:
         raise TypeError(f"{fn}: mismatched dtypes a: {a.dtype} and b: {b.dtype}")
     array_module(a, b)  # raises TypeError on mixed host/device operands
     return backend_of(a)
+
+
+def check_native(fn: str, name: str, x) -> None:
+    """Raise ``TypeError`` unless ``x``'s items are in this machine's byte order: MPI
+    moves native items only (mpi4py refuses a '>f8' buffer mid-call)."""
+    if not x.dtype.isnative:
+        raise TypeError(f"{fn}: {name} has dtype {x.dtype.str!r}, not in this machine's "
+                        f"byte order; pass {name}.astype({name}.dtype.newbyteorder('='))")
 
 
 def check_inner(fn: str, what: str, left: int, right: int):
@@ -261,6 +272,18 @@ def block_sizes(fn: str, form: str, grid, layouts, every) -> dict:
     return sizes
 
 
+def global_sizes(fn: str, sizes) -> tuple[int, int, int]:
+    """``sizes`` as ``(m, k, n)``: three integers (Python or NumPy), none negative;
+    ``ValueError`` naming ``fn`` otherwise (a float, a string, a bool, another count)."""
+    vals = tuple(sizes) if isinstance(sizes, (tuple, list)) else None
+    if (vals is None or len(vals) != 3
+            or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+                   or v < 0 for v in vals)):
+        raise ValueError(f"{fn}: sizes must be three non-negative integers (m, k, n), "
+                         f"got {sizes!r}")
+    return tuple(int(v) for v in vals)
+
+
 def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra=None,
                  inner: bool = True):
     """The checked entry of a product whose blocks may be uneven (any sizes, the
@@ -279,12 +302,17 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
     check_grid(grid, fn)           # no grid, no communicator to agree over: raise alone
     g = rank_numbers(grid, grid.world.rank)
     lay_c = layouts[2]
-    given = None
+    given, bad_sizes = None, None
     if sizes is not None:
-        m, k, n = (int(v) for v in sizes)
-        given = {"m": m, "k": k, "n": n}
+        try:
+            m, k, n = global_sizes(fn, sizes)
+            given = {"m": m, "k": k, "n": n}
+        except ValueError as e:    # raised in local(): every rank learns of it
+            bad_sizes = e
 
     def local():
+        if bad_sizes is not None:
+            raise bad_sizes
         be = check_operands(a, b, fn)
         if extra is not None:
             extra()
@@ -305,17 +333,18 @@ def check_blocks(fn: str, form: str, a, b, grid, out, layouts, sizes=None, extra
         return be
 
     be, err = local_error(local)
-    # one collective whether or not sizes were given, so that ranks that differ in it
-    # disagree (on the "sizes" key) instead of waiting in different collectives
+    # one collective of one length whether or not sizes were given, so that ranks that
+    # differ in it disagree (on the "sizes" key) instead of waiting in different ones
     signature = lambda: {"grid [pr, pc, d]": grid.shape, "dtype": dtype_of(a),  # noqa: E731
-                         "sizes (m, k, n)": tuple(given.values()) if given else "found"}
-    if given is not None:
-        if agreement_enabled():
-            gather_agreed(fn, grid, signature, (), err)
-        elif err is not None:
+                         "sizes (m, k, n)": (tuple(given.values()) if given else
+                                             "none" if sizes is None else "invalid")}
+    if sizes is not None and not agreement_enabled():
+        if err is not None:
             raise err
         return be, given
     every = gather_agreed(fn, grid, signature, _two(a) + _two(b) + _two(out), err)
+    if given is not None:
+        return be, given
     found = block_sizes(fn, form, grid, layouts, every)
     # every rank checks every rank's out (those without one too): the same verdict on all
     for r in range(len(every)):

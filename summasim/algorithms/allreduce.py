@@ -44,7 +44,7 @@ from mpi4py import MPI
 from ..backends import array_module
 from ..comm import NAP_AFTER_POLLS, as_comm
 from ..mpiutil import SLEEP_S
-from ._common import agree, check_writable_apart, dtype_of, local_error, shape_of
+from ._common import agree, check_native, check_writable_apart, dtype_of, local_error, shape_of
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -73,6 +73,7 @@ def _xp(x):
 def _flat(x, fn):
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
         raise TypeError(f"{fn}: expected a numeric array, got {dtype_of(x)}")
+    check_native(fn, "flat", x)
     if x.ndim != 1 or not x.flags.c_contiguous:
         raise ValueError(f"{fn}: expected a contiguous 1-D buffer, got shape {tuple(x.shape)}")
     check_writable_apart(fn, x, (), (), what="the buffer (the ring works in place)")
@@ -280,6 +281,7 @@ def _check_allreduce(x, out):
     """The local checks of :func:`ring_allreduce`."""
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
         raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}")
+    check_native("ring_allreduce", "x", x)
     if out is None:
         return
     if out is x:                       # in place: nothing to overlap, only the flag
