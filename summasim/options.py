@@ -81,6 +81,21 @@ stages_type = _typed(spec.parse_stages, "stages")
 loss_scale_type = _typed(spec.parse_loss_scale, "loss scale")
 
 
+class _StoreGiven(argparse._StoreAction):
+    """``store``, and the flag's ``dest`` added to ``namespace.given_flags``: a flag
+    given at its default value was still given (``--zero 0`` without ``--mesh``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given_flags = set(getattr(namespace, "given_flags", ())) | {self.dest}
+
+
+def given_flags(args) -> set:
+    """The ``dest`` of every flag of :func:`add_training` given on the command line
+    (whatever its value)."""
+    return set(getattr(args, "given_flags", ()))
+
+
 def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_help=""):
     """How a mesh trains (a :class:`summasim.spec.Training`; build it with
     :func:`training`): ``--zero``, ``--schedule gpipe|1f1b|interleaved:V``,
@@ -88,9 +103,10 @@ def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_he
     is ``--recompute full``), ``--attention plain|flash``, ``--sequence-parallel``,
     ``--loss-scale`` and ``--grad-reduce`` (mixed precision). ``microbatches_help``
     ends ``--microbatches``'s help (a default the caller applies itself)."""
-    ap.add_argument("--zero", type=int, choices=spec.ZERO_STAGES, default=zero,
+    ap.add_argument("--zero", type=int, action=_StoreGiven, choices=spec.ZERO_STAGES,
+                    default=zero,
                     help=f"ZeRO stage (default {zero})")
-    ap.add_argument("--schedule", type=schedule_type, default=schedule,
+    ap.add_argument("--schedule", type=schedule_type, action=_StoreGiven, default=schedule,
                     metavar="gpipe|1f1b|interleaved:V",
                     help=f"pipeline schedule; interleaved:V runs V model chunks per stage "
                          f"(default {schedule})")
@@ -102,12 +118,13 @@ def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_he
                     help="layers per pipeline stage (per stage and chunk when "
                          "interleaved), in order; 0 makes a stage of the embedding or of "
                          "the head alone (default: an even split)")
-    ap.add_argument("--recompute", choices=spec.RECOMPUTE, default=None,
+    ap.add_argument("--recompute", choices=spec.RECOMPUTE, action=_StoreGiven, default=None,
                     help="activation recompute: none, selective (only the attention core) "
                          "or full (each layer from its input) (default none)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="the same as --recompute full")
-    ap.add_argument("--attention", choices=spec.ATTENTIONS, default="plain",
+    ap.add_argument("--attention", choices=spec.ATTENTIONS, action=_StoreGiven,
+                    default="plain",
                     help="plain (holds the b n s^2 scores) or flash (blockwise, online "
                          "softmax) (default plain)")
     ap.add_argument("--sequence-parallel", action="store_true",
@@ -123,15 +140,18 @@ def add_training(ap, zero=0, schedule="1f1b", microbatches=None, microbatches_he
                          "precision (default float32)")
 
 
-def without_mesh(t: spec.Training, microbatches_given: bool) -> str:
+def without_mesh(t: spec.Training, microbatches_given: bool, given: set = frozenset()) -> str:
     """The user error of flags that say how a ``--mesh`` trains, given without one (the
-    default compositions train with their own settings), or "" when there are none."""
-    named = [flag for flag, given in (
-        ("--zero", t.zero != 0), ("--schedule", t.schedule_label != "1f1b"),
+    default compositions train with their own settings), or "" when there are none.
+    ``given``: the flags given on the command line (:func:`given_flags`), so that one
+    given at its default value (``--zero 0``) is refused too."""
+    named = [flag for flag, on in (
+        ("--zero", t.zero != 0 or "zero" in given),
+        ("--schedule", t.schedule_label != "1f1b" or "schedule" in given),
         ("--microbatches", microbatches_given), ("--stages", t.stages is not None),
-        ("--recompute/--checkpoint", t.recompute != "none"),
-        ("--attention", t.attention != "plain"),
-        ("--sequence-parallel", t.sequence_parallel)) if given]
+        ("--recompute/--checkpoint", t.recompute != "none" or "recompute" in given),
+        ("--attention", t.attention != "plain" or "attention" in given),
+        ("--sequence-parallel", t.sequence_parallel)) if on]
     return (f"{', '.join(named)} set(s) how a --mesh trains; give --mesh (the default "
             f"compositions train with their own settings)" if named else "")
 

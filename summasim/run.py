@@ -224,7 +224,8 @@ def parse_args(argv=None):
     why = unsupported(args.training, RUN_TECHNIQUES, "run --mesh")
     if why:
         raise UsageError(why)
-    why = "" if args.mesh else options.without_mesh(args.training, microbatches_given)
+    why = "" if args.mesh else options.without_mesh(args.training, microbatches_given,
+                                                     options.given_flags(args))
     if why:
         raise UsageError(why)
     if any(ALGORITHMS[a].kind != "ring" for a in args.algorithm_list):

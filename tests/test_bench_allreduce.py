@@ -115,6 +115,10 @@ def test_every_subcommand_speaks_the_shared_spelling():
     # a mesh trains is refused, not dropped
     _, _, err = plan_mesh_bench(parse_args(["mesh", "--zero", "3", "--schedule", "gpipe"]), 4)
     assert "--zero, --schedule set(s) how a --mesh trains" in err
+    # given at their defaults they are still given: refused, not silently the defaults'
+    _, _, err = plan_mesh_bench(parse_args(["mesh", "--zero", "0", "--schedule", "1f1b",
+                                            "--attention", "plain", "--recompute", "none"]), 4)
+    assert "--zero, --schedule, --recompute/--checkpoint, --attention set(s)" in err
     cases, _, err = plan_mesh_bench(parse_args(["mesh"]), 4)
     assert err == "" and cases
     a = parse_args([])                                          # no benchmark: all

@@ -179,7 +179,10 @@ def test_cli_arguments():
                 ["--self-test", "--inject", "nan@1"], ["--algorithms", "none",
                                                        "--schemes", "none", "--meshes", "none"],
                 ["--microbatches", "0"], ["--zero", "4"], ["--schedule", "zb"],
-                ["--bucket", "0"]):
+                ["--bucket", "0"],
+                # how a --mesh trains, without --mesh: refused even at the default value
+                ["--zero", "0"], ["--schedule", "1f1b"], ["--attention", "plain"],
+                ["--recompute", "none"]):
         with pytest.raises(UsageError):
             run.parse_args(bad)
     # the products and schemes off, the default meshes still run

@@ -126,7 +126,7 @@ def training_of(args):
 def plan_mesh_bench(args, p: int):
     """``(cases, skips, err)`` of the mesh benchmark (pure)."""
     from ..harness.plan import default_meshes, plan_meshes
-    from ..options import without_mesh
+    from ..options import given_flags, without_mesh
     from ..spec import Model
 
     model = given(args, "model", None) or Model.parse(DEFAULT_MODEL)
@@ -148,7 +148,7 @@ def plan_mesh_bench(args, p: int):
                                attention=t.attention, sequence_parallel=t.sequence_parallel))
                  for m in args.mesh]
     else:
-        why = without_mesh(t, t.microbatches != DEFAULT_MICROBATCHES)
+        why = without_mesh(t, t.microbatches != DEFAULT_MICROBATCHES, given_flags(args))
         if why:
             return [], [], why
         specs = default_meshes(p)
