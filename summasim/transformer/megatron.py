@@ -185,14 +185,14 @@ rank r and ``mlp.proj``'s row block r consumes them; the gate's input gradient i
 to fc's before the one ``f`` all-reduce (reduce-scatter with sequence parallelism), as
 both read the same replicated input. No collective is added.
 
-Grouped-query attention (``kv_heads < heads``): rank r holds query heads ``[r n/p,
-(r+1) n/p)`` and key/value heads ``[r kv/p, (r+1) kv/p)`` (both divisible by p:
-:func:`check`) and runs the core with ``n/p`` and ``kv/p`` heads. The grouping is kept:
-serially query head i reads kv head ``i // g``, ``g = n / kv``; on rank r local query
-head j (global ``i = r n/p + j``) reads local kv head ``j // g`` (the local group size is
-``(n/p) / (kv/p) = g``), which is global ``r kv/p + j // g = (r n/p + j) // g = i // g``
-because ``r n/p = g r kv/p`` is a multiple of g. Splitting kv heads by any other divisor
-(e.g. the query heads' count per rank) would pair query heads with another group's keys.
+Grouped-query attention (``kv_heads < heads``): the kv groups (a key/value head and the
+``g = n / kv`` query heads that read it) are cut by the balanced partition
+(:func:`head_range`; at least one group per rank, :func:`check`): rank r holds kv heads
+``[lo_r, hi_r)`` and query heads ``[g lo_r, g hi_r)`` and runs the core with those. The
+grouping is kept: serially query head i reads kv head ``i // g``; on rank r local query
+head j (global ``i = g lo_r + j``) reads local kv head ``j // g``, which is global
+``lo_r + j // g = (g lo_r + j) // g = i // g``. Cutting the query heads by any other
+partition (e.g. their own balanced one) would pair query heads with another group's keys.
 The traffic is unchanged (QKV's input gradient is still ``b s h``).
 
 Untied head (``tied=False``): see the vocabulary parallelism above; its traffic is the
