@@ -58,8 +58,25 @@ def test_a_change_that_does_not_fit_is_marked_and_ranked_last():
 def test_a_tensor_grid_alone_names_its_bound():
     res, text = _run("--model", "gpt3-175b", "--machine", "dgx-a100", "--mesh",
                      "tp=optimus:4x4", "--batch", "16", "--dtype", "bfloat16")
-    assert res["bound"]["term"] in ("gemm", "memory_bound", "comm")
+    assert res["bound"]["term"] in ("gemm", "memory_bound", "optimizer", "comm")
     assert 0 < res["bound"]["share"] <= 1 and "bound by" in text
+
+
+@pytest.mark.parametrize("seq,want", [(576, "gemm"), (256, "optimizer")])
+def test_a_grid_alone_is_bound_by_the_largest_part_it_prints(seq, want):
+    """The optimizer's update is a part of its own in predict's lines; the bound is the
+    largest of those lines, never the memory-bound kernels and the optimizer summed."""
+    res, text = _run("--model", f"gpt3-2.7b,seq={seq}", "--batch", "1", "--mesh",
+                     "tp=megatron:1")
+    parts = {}
+    for line in text.splitlines():
+        for name, term in (("GEMM", "gemm"), ("memory-bound", "memory_bound"),
+                           ("optimizer", "optimizer"), ("exposed comm", "comm")):
+            if line.startswith(f"  {name} ") and " ms " in line:
+                parts[term] = float(line.split()[-3])
+    assert set(parts) == {"gemm", "memory_bound", "optimizer", "comm"}
+    assert res["bound"]["term"] == max(parts, key=parts.get) == want, (parts, res["bound"])
+    assert abs(res["bound"]["seconds"] * 1e3 - parts[want]) < 0.01
 
 
 def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
@@ -121,3 +138,16 @@ def test_a_tensor_grid_alone_prices_its_other_placements(tmp_path, capsys):
     assert main(["predict", "--machine", "dgx-a100", "--model", "gpt3-6.7b", "--batch", "64",
                  "--mesh", "tp=megatron:8", "--json", str(path)]) == 0
     assert json.loads(path.read_text())["placements"] == []
+
+
+def test_the_next_generation_of_a_variant_keeps_the_variant():
+    """dgx-a100:nics=1's next generation is h100-dgx-ndr:nics=1 (one change: the GPU
+    generation), not the H100 preset with its 8 NICs."""
+    mesh = ["--model", "gpt3-6.7b", "--batch", "16", "--mesh", "dp=2,tp=megatron:8"]
+    res, _ = _run(*mesh, "--machine", "dgx-a100:nics=1")
+    nxt = next(r for r in res["what_ifs"] if r["change"].startswith("the next GPU"))
+    alone, _ = _run(*mesh, "--machine", "h100-dgx-ndr:nics=1")
+    plain, _ = _run(*mesh, "--machine", "h100-dgx-ndr")
+    assert "h100-dgx-ndr:nics=1" in nxt["change"]
+    assert nxt["step_seconds"] == pytest.approx(alone["step_seconds"], rel=1e-12)
+    assert alone["step_seconds"] > 1.5 * plain["step_seconds"]      # the NICs mattered

@@ -104,10 +104,13 @@ def what_bounds(res: dict, machine) -> dict:
 def grid_bound(sb) -> dict:
     """:func:`what_bounds` of a tensor grid's step alone (a
     :class:`~summasim.costmodel.workload.step.StepBreakdown`): the GEMMs, the
-    memory-bound kernels, or the exposed communication, named by its largest
-    collective and group."""
+    memory-bound kernels, the optimizer's update (which ``memory_bound_seconds``
+    includes; predict prints it apart) or the exposed communication, named by its
+    largest collective and group: the largest of the parts predict prints."""
+    opt = sb.optimizer_seconds
     terms = [("gemm", sb.gemm_seconds),
-             ("memory_bound", sb.memory_bound_seconds),
+             ("memory_bound", sb.memory_bound_seconds - opt),
+             ("optimizer", opt),
              ("comm", sb.comm_exposed_seconds)]
     term, secs = max(terms, key=lambda kv: kv[1])
     share = secs / sb.seconds if sb.seconds else 0.0
@@ -117,8 +120,8 @@ def grid_bound(sb) -> dict:
     elif term == "comm":
         why = "exposed communication"
     else:
-        why = ("the GEMM rate" if term == "gemm" else "the memory bandwidth of the "
-               "memory-bound kernels")
+        why = {"gemm": "the GEMM rate", "optimizer": "the optimizer's update, memory-bound",
+               "memory_bound": "the memory bandwidth of the memory-bound kernels"}[term]
     return {"term": term, "seconds": secs, "share": share, "why": why}
 
 
@@ -144,9 +147,21 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
         more = Topology(**{**topo.to_dict(), "nics_per_node": 2 * topo.nics_per_node})
         changes.append((f"2x NICs per node ({2 * topo.nics_per_node})",
                         {"machine": machine.replace(topology=more)}))
-    nxt = NEXT_GENERATION.get(machine.name.split(":", 1)[0])     # a variant: its base
+    base, _, variant = machine.name.partition(":")
+    nxt = NEXT_GENERATION.get(base)
     if nxt and load_preset is not None:
-        changes.append((f"the next GPU generation ({nxt})", {"machine": load_preset(nxt)}))
+        # a variant's changes carry over (dgx-a100:nics=1 -> h100-dgx-ndr:nics=1), so
+        # that the generation is the one change; one that does not apply leaves it out
+        if variant:
+            from summasim.costmodel.machine.presets import derive
+
+            try:
+                changes.append((f"the next GPU generation ({nxt}:{variant})",
+                                {"machine": derive(load_preset(nxt), variant)}))
+            except ValueError:
+                pass
+        else:
+            changes.append((f"the next GPU generation ({nxt})", {"machine": load_preset(nxt)}))
     m = comp["microbatches"]
     if m % 2 == 0:
         changes.append((f"micro-batch x2 ({2 * comp['micro_batch']} sequences, m = "
