@@ -295,3 +295,17 @@ def test_explore_counts_memory_as_predict_does(tmp_path, capsys, machine):
                      "--dtype", dtype, "--recompute", cfg.recompute, "--json", str(path)]) == 0
     capsys.readouterr()
     assert json.loads(path.read_text())["memory"]["total"] == pytest.approx(mem.total)
+
+
+def test_predict_and_plan_refuse_a_zero_memory_budget(capsys):
+    """A budget of 0 GiB is a user error in predict as in plan (predict said "fits" for
+    a composition and nothing for a tensor grid alone)."""
+    for argv in (["predict", "--model", "gpt3-2.7b", "--batch", "8", "--mesh",
+                  "tp=megatron:8", "--mem-budget", "0"],
+                 ["predict", "--model", "gpt3-2.7b", "--batch", "8", "--mesh",
+                  "tp=megatron:8", "--microbatches", "1", "--mem-budget", "0"],
+                 ["plan", "--model", "gpt3-2.7b", "--devices", "8", "--mem-budget", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--mem-budget" in err and "Traceback" not in err, argv

@@ -207,6 +207,10 @@ def test_variant_values_and_units():
     assert load_machine("dgx-a100:memory=40GiB").memory_bytes == 40 * GiB
     assert load_machine("dgx-a100:memory=80GB").memory_bytes == 80 * GiB   # NVIDIA's 80 GB
     assert load_machine("dgx-a100:memory=2048MiB").memory_bytes == 2048 * (1 << 20)
+    for tib in ("1TiB", "1TB", "1T", "1.0 TiB"):
+        assert load_machine(f"dgx-a100:memory={tib}").memory_bytes == 1 << 40, tib
+    leaf = load_machine("dgx-a100:nodes_per_leaf=4,oversub=2").topology
+    assert (leaf.nodes_per_leaf, leaf.oversubscription) == (4, 2.0)
     with pytest.raises(ValueError, match="reserve_bytes"):  # below the CUDA context's reserve
         load_machine("dgx-a100:memory=512MiB")
     assert load_machine("dgx-a100:nic_gbps=400").topology.nic_bandwidth == 50e9
@@ -250,6 +254,15 @@ def test_variant_round_trips_through_json(tmp_path):
     ("local-2core-mpich:nics=2", "nics"),         # no topology: does not apply
     ("local-2core-mpich:gpus=2", "gpus"),
     ("frontera-rtx:gpus=3", "gpus"),              # 3 GPUs do not split over 2 sockets
+    ("dgx-a100:memory=80Gb", "memory"),           # gigabits, not bytes
+    ("dgx-a100:memory=1Tb", "memory"),
+    ("dgx-a100:memory=99999999999999999999G", "memory"),   # beyond any device
+    ("dgx-a100:nics=99999999999", "nics"),
+    ("dgx-a100:gpus=1048577", "gpus"),
+    ("dgx-a100:nic_gbps=1e-300", "nic_gbps"),     # 1e301 ms steps, not a machine
+    ("dgx-a100:nic_gbps=1e290", "nic_gbps"),
+    ("dgx-a100:nodes_per_leaf=1,oversub=1e308", "oversub"),
+    ("dgx-a100:oversub=4", "oversub"),            # no leaf domains: it would change nothing
 ])
 def test_bad_variant_names_the_key_and_the_valid_ones(text, key):
     with pytest.raises(ValueError) as err:
@@ -262,6 +275,8 @@ def test_bad_variant_names_the_key_and_the_valid_ones(text, key):
 def test_empty_variant_and_unknown_base_are_refused():
     with pytest.raises(ValueError, match="nothing after ':'"):
         load_machine("dgx-a100:")
+    with pytest.raises(ValueError, match="one variant per machine"):   # not the last wins
+        load_machine("dgx-a100:nics=4:nics=2")
     with pytest.raises(ValueError, match="neither a machine file nor a preset"):
         load_machine("no-such-machine:memory=40GiB")
 

@@ -33,9 +33,9 @@ ALIASES = {"dgx-a100-80gb": "dgx-a100"}
 #: collectives, including the leaf domains and oversubscription of the fabric above the
 #: NICs: see :mod:`summasim.costmodel.machine.topology`).
 VARIANT_KEYS = {
-    "memory": "device memory per rank, a byte size with a unit (40GiB, 80GB, 512MiB; "
-              "k, M, G are powers of 1024 as in every summasim byte size, and NVIDIA's "
-              "'80 GB' is 80 GiB): Machine.memory_bytes",
+    "memory": "device memory per rank, a byte size with a unit (40GiB, 80GB, 512MiB, "
+              "1TiB; k, M, G, T are powers of 1024 as in every summasim byte size, and "
+              "NVIDIA's '80 GB' is 80 GiB; Gb, in bits, is refused): Machine.memory_bytes",
     "gpus": "devices (ranks) per node: topology.devices_per_node, node_size and cores",
     "nics": "cluster NICs per node: topology.nics_per_node",
     "nic_gbps": "line rate of one NIC, Gb/s per direction (200 = HDR, 400 = NDR): "
@@ -43,11 +43,19 @@ VARIANT_KEYS = {
     "nodes_per_leaf": "nodes per leaf domain of the fabric (a rail-optimized scalable unit, "
                       "32 on a DGX SuperPOD; or one leaf switch's nodes), a whole number "
                       ">= 1: topology.nodes_per_leaf",
-    "oversub": "a leaf's downlink : uplink ratio, a number >= 1 (2 for 2:1): "
+    "oversub": "a leaf's downlink : uplink ratio, a number >= 1 (2 for 2:1), on a fabric "
+               "with leaf domains (nodes_per_leaf, the preset's or given with it): "
                "topology.oversubscription",
 }
 #: A variant spec to show in help text and docs.
 VARIANT_EXAMPLE = "dgx-a100:memory=40GiB,nics=4"
+#: What a variant may set, beyond which a value is a typo, not a machine: device memory
+#: (1 PiB per device), counts (devices or NICs per node, nodes per leaf switch), a
+#: NIC's line rate in Gb/s (1 Mb/s to 1 Pb/s) and the fabric's oversubscription.
+MEMORY_MOST = 1 << 50
+COUNT_MOST = 1 << 20
+GBPS_RANGE = (1e-3, 1e6)
+OVERSUB_MOST = 1024.0
 
 
 def _preset_dir():
@@ -100,6 +108,10 @@ def load_machine(text: "str | Machine") -> Machine:
     base, sep, spec = text.rpartition(":")
     if sep and base and ("=" in spec or not spec or base in list_presets()
                          or base in ALIASES or os.path.exists(base)):
+        if not os.path.exists(base) and "=" in base.rpartition(":")[2]:
+            raise ValueError(f"machine {text!r}: one variant per machine; give every "
+                             f"key=value after one ':', comma-separated (e.g. "
+                             f"{VARIANT_EXAMPLE})")
         return derive(load_machine(base), spec)          # NAME:key=value,...
     if os.sep in text or text.endswith(".json"):
         return Machine.load(text)
@@ -128,18 +140,27 @@ def _memory_bytes(text: str) -> float:
     of device memory is a typo for 40GiB, not a machine)."""
     from ...cli import byte_size
 
-    if not re.search(r"[kKmMgG]", text):
-        raise ValueError("needs a unit, e.g. 40GiB or 80GB")
-    try:
-        return float(byte_size(text))
-    except Exception as exc:                # argparse.ArgumentTypeError: not a byte size
-        raise ValueError(str(exc)) from None
+    if re.search(r"[kKmMgGtT]b\s*$", text):
+        raise ValueError("is in bits (b); device memory is in bytes: write GB or GiB")
+    if re.fullmatch(r"\s*\d+(\.\d+)?\s*[tT](i?B)?\s*", text):
+        val = float(re.sub(r"[^\d.]", "", text)) * (1 << 40)   # TiB: beyond byte_size's G
+    elif not re.search(r"[kKmMgG]", text):
+        raise ValueError("needs a unit, e.g. 40GiB, 80GB or 1TiB")
+    else:
+        try:
+            val = float(byte_size(text))
+        except Exception as exc:                # argparse.ArgumentTypeError: not a byte size
+            raise ValueError(str(exc)) from None
+    if not 1 <= val <= MEMORY_MOST:
+        raise ValueError(f"must be at least 1 byte and at most {MEMORY_MOST >> 40} TiB per "
+                         f"device")
+    return val
 
 
 def _count(text: str) -> int:
-    """``gpus=``, ``nics=``, ``nodes_per_leaf=``: an integer >= 1."""
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise ValueError("must be a whole number >= 1")
+    """``gpus=``, ``nics=``, ``nodes_per_leaf=``: an integer in [1, :data:`COUNT_MOST`]."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or not 1 <= int(text) <= COUNT_MOST:
+        raise ValueError(f"must be a whole number from 1 to {COUNT_MOST}")
     return int(text)
 
 
@@ -151,8 +172,9 @@ def _gbps(text: str) -> float:
         val = float(text)
     except ValueError:
         raise ValueError("must be a number of Gb/s, e.g. 200") from None
-    if not math.isfinite(val) or val <= 0:
-        raise ValueError("must be a number of Gb/s > 0, e.g. 200")
+    if not (math.isfinite(val) and GBPS_RANGE[0] <= val <= GBPS_RANGE[1]):
+        raise ValueError(f"must be a number of Gb/s from {GBPS_RANGE[0]:g} to "
+                         f"{GBPS_RANGE[1]:g}, e.g. 200")
     return val
 
 
@@ -164,8 +186,9 @@ def _ratio(text: str) -> float:
         val = float(text)
     except ValueError:
         raise ValueError("must be a number >= 1, e.g. 2 for 2:1") from None
-    if not math.isfinite(val) or val < 1:
-        raise ValueError("must be a number >= 1 (downlink : uplink), e.g. 2 for 2:1")
+    if not (math.isfinite(val) and 1 <= val <= OVERSUB_MOST):
+        raise ValueError(f"must be a number from 1 to {OVERSUB_MOST:g} (downlink : uplink), "
+                         f"e.g. 2 for 2:1")
     return val
 
 
@@ -260,6 +283,11 @@ def derive(machine: Machine, spec: str) -> Machine:
         except ValueError as exc:
             raise ValueError(f"machine variant {whole!r}: key {key!r}: {value!r} {exc}; "
                              f"{listing}") from None
+    if ("oversub" in pairs and "nodes_per_leaf" not in pairs
+            and not machine.topology.nodes_per_leaf):
+        raise ValueError(f"machine variant {whole!r}: key 'oversub' needs leaf domains, and "
+                         f"{machine.name!r} has none (one non-blocking fabric): give "
+                         f"nodes_per_leaf too; {listing}")
     notes["variant"] = {"of": machine.name, "set": dict(pairs)}
     try:
         if machine.topology is not None:

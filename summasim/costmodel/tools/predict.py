@@ -159,8 +159,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     ap.add_argument("--placement", default="row-major",
                     help="tensor grid alone: row-major (default), blocked, blocked:AxB, or "
                          "map:SLOT,SLOT,...")
-    ap.add_argument("--mem-budget", type=cli.finite_nonnegative_float, default=None,
-                    help="GiB per device for the largest batch (default: the machine's)")
+    ap.add_argument("--mem-budget", type=cli.finite_positive_float, default=None,
+                    help="usable GiB per device, for whether it fits and the largest batch "
+                         "(default: the machine's), as plan's")
     ap.add_argument("--json", default=None, metavar="PATH", type=cli.report_path("predict"),
                     action=cli.ReportAction, help="write the result as JSON (its folder "
                                                   "must exist)")
