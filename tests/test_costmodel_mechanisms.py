@@ -238,9 +238,48 @@ def test_usable_memory_is_the_memory_less_reserve_less_fragmentation(name):
     assert usable_memory(m) < 0.9 * m.memory_bytes
 
 
-def test_usable_memory_without_a_device_is_the_memory():
+def test_usable_memory_without_a_device_is_the_node_s_memory_over_its_ranks():
+    """A CPU node's fit records its memory per core; the ranks of a job on that node
+    share it (8 ranks on a 2-core, 24 GiB node get 3 GiB each, not 12)."""
     m = load_preset("local-2core-mpich")
-    assert usable_memory(m) == m.memory_bytes
+    assert m.node_size is None and m.cores == 2
+    assert usable_memory(m) == m.memory_bytes                  # one rank per core
+    node = 2 * m.memory_bytes
+    for ranks in (1, 2, 3, 8, 16):
+        assert usable_memory(m, ranks) == pytest.approx(node / ranks)
+    cluster = m.replace(node_size=4)                        # at most 4 ranks per node
+    assert usable_memory(cluster, 64) == pytest.approx(node / 4)
+    assert usable_memory(load_preset("dgx-a100"), 64) == usable_memory(load_preset("dgx-a100"))
+
+
+def test_predict_plan_and_explore_share_a_cpu_node_s_memory_among_its_ranks():
+    import io
+    import sys
+
+    from summasim.costmodel.tools import predict
+
+    model = ["--model", "h=2048,heads=16,layers=24,seq=1024,vocab=51200", "--dtype",
+             "float64", "--machine", "local-2core-mpich"]
+    args = predict.build_parser().parse_args(model + ["--batch", "2", "--mesh",
+                                                      "tp=megatron:8"])
+    out = io.StringIO()
+    predict.run(args, out=out)
+    # 10.1 GiB per rank, 81 GiB in all on a 23.5 GiB node: it does not fit
+    assert "does NOT fit in 2.94 GiB per device" in out.getvalue(), out.getvalue()
+    from summasim.costmodel.__main__ import main as cli_main
+    from summasim.costmodel.tools import plan_cli
+
+    out = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, out
+    try:
+        assert cli_main(["explore", *model, "--batch", "8", "--p", "1,8", "--no-iso",
+                         "--schemes", "megatron"]) == 0
+    finally:
+        sys.stdout = sys_stdout
+    assert "23.5 GiB at p = 1 to 2.94 GiB at p = 8" in out.getvalue(), out.getvalue()
+    args = plan_cli.build_parser().parse_args(model + ["--devices", "8", "--batch", "8"])
+    assert plan_cli.check_args(args).budget == pytest.approx(
+        2 * load_preset("local-2core-mpich").memory_bytes / 8)
 
 
 @pytest.mark.parametrize("bad, says", [

@@ -212,14 +212,25 @@ class Device:
         return nested_from_dict(cls, d, "device", ("name", "memory_bandwidth", "vector_flops"))
 
 
-def usable_memory(machine) -> float:
+def usable_memory(machine, ranks: int | None = None) -> float:
     """Bytes per device that a training step's tensors may take: the machine's
     ``memory_bytes`` less the device's ``reserve_bytes``, of which the allocator's
-    ``fragmentation`` is lost: ``(memory - reserve) (1 - fragmentation)``. The whole
-    ``memory_bytes`` on machines without a device; 0 when the memory is not given."""
+    ``fragmentation`` is lost: ``(memory - reserve) (1 - fragmentation)``. 0 when the
+    memory is not given.
+
+    On a machine without a device (a CPU node, whose fit records the node's memory over
+    its ``cores``) the ranks on a node share its memory: with ``ranks`` ranks in the job
+    (on one node when ``node_size`` is None, else at most ``node_size`` per node), a
+    rank's share is the node's memory over the ranks on it, ``memory_bytes cores /
+    (ranks on a node)``; without ``ranks``, one rank per core (``memory_bytes``)."""
     total = float(getattr(machine, "memory_bytes", 0) or 0)
     dev = getattr(machine, "device", None)
     if dev is None or total <= 0:
+        cores = int(getattr(machine, "cores", 0) or 0)
+        if ranks and total > 0 and cores > 0:
+            size = getattr(machine, "node_size", None)
+            on_node = int(ranks) if size is None else min(int(ranks), int(size))
+            return total * cores / max(1, on_node)
         return total
     return max(0.0, total - dev.reserve_bytes) * (1.0 - dev.fragmentation)
 

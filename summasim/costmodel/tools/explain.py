@@ -190,7 +190,8 @@ def what_ifs(price: Callable[..., dict], res: dict, machine, cfg,
             continue
         secs = new["step_seconds"]
         mem = new["memory"]["total"]
-        limit = budget if budget is not None else usable_memory(change.get("machine", machine))
+        limit = budget if budget is not None else usable_memory(
+            change.get("machine", machine), comp["devices"])
         fits = not limit or mem <= limit
         out.append({"change": label, "step_seconds": secs,
                     "gain": 1.0 - secs / step if step else 0.0, "fits": fits,

@@ -135,7 +135,7 @@ def why_not(p, name, cfg, **kw) -> str:
 
 
 def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
-                  mode: str = "mpich", weak: bool = False, budget: float = 0.0,
+                  mode: str = "mpich", weak: bool = False, budget=0.0,
                   skipped: list | None = None, weak_rule: str = "batch",
                   placement: Placement | None = None, tick=None) -> list[dict]:
     """Rows ``{p, scheme, grid, b, h, n, step_s, speedup, efficiency, comm_frac, mem_gib,
@@ -171,7 +171,8 @@ def scaling_table(cfg: TransformerConfig, machine, p_values, schemes=SCHEMES, *,
                          "b": c_p.b, "h": c_p.h, "n": c_p.n, "step_s": t, "speedup": W / t,
                          "efficiency": W / (p * t),
                          "comm_frac": best.comm_fraction, "mem_gib": mem / GiB,
-                         "fits": (mem <= budget) if budget > 0 else None,
+                         "fits": (mem <= budget_at(budget, p)) if budget_at(budget, p) > 0
+                         else None,
                          "algorithms": best.algorithms})
         if tick is not None:
             tick()
@@ -356,21 +357,30 @@ def iso_table(machine, p_values, E: float, cfg: TransformerConfig,
     return rows, curves
 
 
-def batch_table(cfg: TransformerConfig, p_values, budget: float, schemes=SCHEMES) -> list[dict]:
+def budget_at(budget, p: int) -> float:
+    """Bytes per rank at ``p`` ranks: ``budget`` itself, or ``budget(p)`` when it is a
+    function of the ranks (a CPU node's memory shared by the ranks on it,
+    :func:`~summasim.costmodel.compute.roofline.usable_memory`)."""
+    return float(budget(p) if callable(budget) else budget)
+
+
+def batch_table(cfg: TransformerConfig, p_values, budget, schemes=SCHEMES) -> list[dict]:
     """Rows ``{p, scheme, grid, largest_b, budget_gib}``: per scheme and p, the grid
-    (among those dividing the model apart from the batch) that fits the largest batch."""
+    (among those dividing the model apart from the batch) that fits the largest batch
+    under ``budget`` bytes per rank (a number, or a function of p: :func:`budget_at`)."""
     rows = []
-    if budget <= 0:
+    if not any(budget_at(budget, p) > 0 for p in p_values):
         return rows
     for p in p_values:
+        mine = budget_at(budget, p)
         for name in schemes:
             shapes = [sch for sch in scheme_grids(p, name)
                       if misfit(sch, cfg.replace(b=batch_step(sch))) is None]
             if not shapes:
                 continue
-            best = max(((largest_batch(s, cfg, budget, grad_bytes=training_grad_bytes(cfg)), s)
+            best = max(((largest_batch(s, cfg, mine, grad_bytes=training_grad_bytes(cfg)), s)
                         for s in shapes),
                        key=lambda t: t[0])
             rows.append({"p": p, "scheme": name, "grid": best[1].label, "largest_b": best[0],
-                         "budget_gib": budget / GiB})
+                         "budget_gib": mine / GiB})
     return rows

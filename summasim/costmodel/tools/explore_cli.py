@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import functools
 import math
 import os
 import sys
@@ -299,7 +300,8 @@ class Plan(NamedTuple):
     machine: Machine
     schemes: tuple
     cfg: TransformerConfig
-    budget: float          # bytes per rank (0: no largest-batch table)
+    budget: object         # bytes per rank (0: no largest-batch table), or a function
+    #                        of p (a CPU node's memory shared by its ranks: budget_at)
     p_values: list
     placement: Placement
     csv: str | None        # output paths (None: not asked for)
@@ -353,7 +355,12 @@ def check_args(args) -> Plan:
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, recompute=recompute,
                                        attention=args.attention,
                                        sequence_parallel=args.sequence_parallel)
-    budget = (args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine))
+    if args.mem_budget is not None:
+        budget = args.mem_budget * GiB
+    elif machine.device is None and usable_memory(machine):
+        budget = functools.partial(usable_memory, machine)    # a node's memory, shared
+    else:
+        budget = usable_memory(machine)
     if getattr(args, "p", None):
         ps = sorted(set(args.p))
         if ps[-1] > MAX_P:
@@ -486,7 +493,11 @@ def run(args, out=None) -> dict:
                                                  "slope_this_machine", "reference",
                                                  "reference_slope"]))
     if tables["largest_batch"]:
-        w(f"\nlargest batch under {budget / GiB:.3g} GiB per rank\n")
+        gib = sorted({r["budget_gib"] for r in tables["largest_batch"]})
+        under = (f"{gib[0]:.3g} GiB" if len(gib) == 1 else
+                 f"the node's memory over the ranks on it ({gib[-1]:.3g} GiB at "
+                 f"p = {min(ps)} to {gib[0]:.3g} GiB at p = {max(ps)})")
+        w(f"\nlargest batch under {under} per rank\n")
         w(format_table(tables["largest_batch"], ["p", "scheme", "grid", "largest_b"]))
     algs = sorted({r["algorithms"] for r in tables["strong"] if r["algorithms"]})
     if algs:

@@ -208,7 +208,7 @@ def check_args(args) -> Plan:
         if not machine.memory_bytes:
             raise _arg("--mem-budget", f"machine {machine.name!r} does not say its memory "
                                        f"per device; give --mem-budget")
-        budget = usable_memory(machine) * args.mem_fraction
+        budget = usable_memory(machine, args.devices) * args.mem_fraction
     cfg = TransformerConfig.from_model(model, batch, dtype=dtype, attention=args.attention
                                        ).replace(**_cli.kernel_fields(args))
     if args.dropout:

@@ -284,7 +284,8 @@ def check_args(args):
                                 machine.topology.devices_per_node)
     except ValueError as exc:
         raise _arg("--placement", exc) from None
-    budget = args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine)
+    budget = (args.mem_budget * GiB if args.mem_budget is not None
+              else usable_memory(machine, sch.p))
     return machine, sch, cfg, placement, budget
 
 
@@ -453,7 +454,8 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
             val = val.get("total")
         if val is not None:
             w(f"  {key:<20s} {val / GiB:10.3f} GiB\n")
-    budget = args.mem_budget * GiB if args.mem_budget is not None else usable_memory(machine)
+    budget = (args.mem_budget * GiB if args.mem_budget is not None
+              else usable_memory(machine, c["devices"]))
     fits = not budget or mem["total"] <= budget
     if budget:
         w(f"  {'fits' if fits else 'does NOT fit'} in {budget / GiB:.3g} GiB per device"
