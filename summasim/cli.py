@@ -873,6 +873,17 @@ def module_available(name: str) -> bool:
         return False
 
 
+def sig3(x: float) -> str:
+    """``x`` to three significant digits, without an exponent from 0.001 to 99,999
+    (``104.7`` -> ``105``, ``0.0123`` -> ``0.0123``): a rate that is small on one machine
+    and large on another reads on both."""
+    if x == 0 or not math.isfinite(x) or not 1e-3 <= abs(x) < 1e5:
+        return f"{x:.3g}"
+    r = float(f"{x:.3g}")                     # rounded first: 99.96 is 100, not 100.0
+    digits = max(0, 2 - math.floor(math.log10(abs(r))))
+    return f"{r:.{digits}f}"
+
+
 def number_ranges(values) -> str:
     """Sorted integers as runs: ``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
     runs, start = [], None

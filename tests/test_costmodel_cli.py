@@ -309,3 +309,11 @@ def test_predict_and_plan_refuse_a_zero_memory_budget(capsys):
             cli_main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and "--mem-budget" in err and "Traceback" not in err, argv
+
+
+def test_rates_print_three_significant_digits_on_any_machine():
+    """A CPU rank's 0.0123 model TFLOP/s printed as "0.0"; a GPU's 104.7 as "105"."""
+    from summasim.cli import sig3
+
+    assert [sig3(x) for x in (104.7, 0.0123, 320.2, 99.96, 1.0, 0.0, 2.5e-5)] == \
+        ["105", "0.0123", "320", "100", "1.00", "0", "2.5e-05"]

@@ -102,10 +102,21 @@ def test_predict_and_plan_carry_the_dev_set_interval_and_the_ties():
     assert 1.0 < ratio < 2.0 and f"within {ratio:.2f}x" in text
     # the ties are exactly the ranks within the ratio of the best
     rows = [{"step_seconds": t} for t in (2.0, 2.0 * ratio * 0.999, 2.0 * ratio * 1.001, 9.0)]
-    got = plan_cli._uncertainty(types.SimpleNamespace(rows=rows))
+    from summasim.costmodel.machine import load_preset
+
+    got = plan_cli._uncertainty(types.SimpleNamespace(rows=rows), load_preset("dgx-a100"))
     assert got["ties"] == [1, 2] and got["tie_ratio"] == ratio
     assert got["interval_seconds"] == list(intervals.step_interval(2.0))
     json.dumps(got)
+    # the dev set is GPU clusters: no interval for a CPU node, in predict and plan alike
+    cpu = load_preset("local-2core-mpich")
+    assert plan_cli._uncertainty(types.SimpleNamespace(rows=rows), cpu)["interval_seconds"] \
+        is None
+    res, text = _run("--model", "tiny", "--batch", "8", "--mesh", "tp=megatron:4",
+                     "--machine", "local-2core-mpich")
+    assert res["interval_seconds"] is None and "80% interval       none" in text
+    with pytest.raises(ValueError, match="priced a step of inf"):
+        intervals.machine_interval(load_preset("dgx-a100"), float("inf"))
     from summasim.cli import number_ranges
 
     assert number_ranges([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"

@@ -52,7 +52,7 @@ from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfi
 from ..compute.roofline import usable_memory
 from . import _cli
 from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
-from .devset import step_interval, tie_ratio
+from .devset import machine_interval, tie_ratio
 from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
 
 #: The bounds of a search: its cost grows with the divisors of each (the tensor grids
@@ -369,14 +369,18 @@ def run(args, out=None) -> int:
       f"{'with' if best['sequence_parallel'] else 'no'} sequence parallelism, "
       f"attention {best['attention']}: "
       f"{best['step_seconds']:.3g} s per step, bubble {100 * best['bubble_fraction']:.1f}%, "
-      f"{best['tflops_per_device']:.0f} model TFLOP/s per device, "
+      f"{cli.sig3(best['tflops_per_device'])} model TFLOP/s per device, "
       f"{best['memory_gib']:.1f} GiB per device\n")
-    lo, hi = step_interval(best["step_seconds"])
+    iv = machine_interval(machine, best["step_seconds"])
     ratio = tie_ratio()
     ties = [i for i, r in enumerate(res.rows, 1)
             if r["step_seconds"] <= best["step_seconds"] * ratio]
-    w(f"  80% interval {lo:.3g}-{hi:.3g} s (from the dev set's published runs; its "
-      f"coverage is checked leaving each publication out: docs/devset.md)\n")
+    if iv is None:
+        w("  80% interval: none (the dev set's published runs are GPU clusters; "
+          "`costmodel accuracy` measures this machine's error)\n")
+    else:
+        w(f"  80% interval {iv[0]:.3g}-{iv[1]:.3g} s (from the dev set's published runs; "
+          f"its coverage is checked leaving each publication out: docs/devset.md)\n")
     w(f"  {len(ties)} composition(s) within {ratio:.2f}x of the best cannot be told apart "
       f"from it (the dev set's scatter between runs of one cluster, 80%): ranks "
       f"{cli.number_ranges(ties)}\n")
@@ -454,17 +458,19 @@ def _report(plan: Plan, res: SearchResult, top: list, nothing: str | None) -> di
                                     "grad_reduce": plan.training.grad_reduce
                                     if plan.training else None},
             "searched": res.counts, "search_seconds": res.seconds, "nothing_fits": nothing,
-            **_uncertainty(res), "top": full, "ranked": res.rows}
+            **_uncertainty(res, plan.machine), "top": full, "ranked": res.rows}
 
 
-def _uncertainty(res: SearchResult) -> dict:
-    """The best step's 80% interval and the ranks within the tie ratio of it (empty
-    when nothing fits)."""
+def _uncertainty(res: SearchResult, machine) -> dict:
+    """The best step's 80% interval (None where the dev set does not speak for the
+    machine: :func:`~.devset.machine_interval`) and the ranks within the tie ratio of it
+    (empty when nothing fits)."""
     if not res.rows:
         return {}
     best = res.rows[0]["step_seconds"]
     ratio = tie_ratio()
-    return {"interval_seconds": list(step_interval(best)), "tie_ratio": ratio,
+    iv = machine_interval(machine, best)
+    return {"interval_seconds": iv and list(iv), "tie_ratio": ratio,
             "ties": [i for i, r in enumerate(res.rows, 1)
                      if r["step_seconds"] <= best * ratio]}
 

@@ -46,7 +46,7 @@ from summasim.costmodel.machine.topology import GridShape, Placement
 
 from ..compute.roofline import usable_memory
 from . import _cli, parse_grid, scheme_of  # noqa: F401  (parse_grid: predict's name too)
-from .devset import step_interval
+from .devset import machine_interval
 from .explain import grid_bound, placement_what_ifs, what_bounds, what_ifs
 from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 
@@ -377,9 +377,9 @@ def run(args, out=None) -> dict:
     w(f"scheme:    {sch.label}, placement {placement.describe()}\n")
     w(f"model:     {_model_line(cfg)}\n")
     w(f"training:  {technique_line(args.training)}\n\n")
-    w(f"step time            {_s(sb.seconds)}   ({sb.tflops_per_device:.1f} model TFLOP/s per "
+    w(f"step time            {_s(sb.seconds)}   ({cli.sig3(sb.tflops_per_device)} model TFLOP/s per "
       f"device, {sb.model_flops / 1e15:.3g} PFLOP per step)\n")
-    iv = step_interval(sb.seconds)
+    iv = _interval(machine, sb.seconds)
     w(_interval_line(iv))
     for label, val in (("  GEMM", sb.gemm_seconds),
                        ("  memory-bound", sb.memory_bound_seconds - sb.optimizer_seconds),
@@ -410,7 +410,7 @@ def run(args, out=None) -> dict:
         fits = "fits" if mem.total <= budget else "does NOT fit"
         w(f"\n{fits} in {budget / GiB:.3g} GiB per device; largest batch that fits: "
           f"{best_b} (a multiple of {step})\n")
-    result = {**sb.to_dict(), "bound": bound, "interval_seconds": list(iv),
+    result = {**sb.to_dict(), "bound": bound, "interval_seconds": iv and list(iv),
               "placements": moves,
               "budget_bytes": budget,
               "fits": mem.total <= budget,
@@ -435,10 +435,10 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     w(f"model:     {args.model}: {_model_line(cfg)}\n")
     w(f"training:  {technique_line(args.training)}\n\n")
     step = res["step_seconds"]
-    w(f"step time            {_s(step)}   ({res['flops_per_device'] / 1e12:.1f} model TFLOP/s "
+    w(f"step time            {_s(step)}   ({cli.sig3(res['flops_per_device'] / 1e12)} model TFLOP/s "
       f"per device, bubble {100 * res['bubble_fraction']:.1f}% of the pipeline, "
       f"{100 * res['bubble_over_ideal']:.1f}% of its ideal time)\n")
-    iv = step_interval(step)
+    iv = _interval(machine, step)
     w(_interval_line(iv))
     parts = [("  GEMM", bd["gemm"]), ("  memory-bound", bd["memory_bound"])]
     parts += [("  comm contention" if k == "contention" else f"  exposed {k} comm", v)
@@ -482,7 +482,7 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
                                         f"GiB)")
             w(f"  {r['change']:<44s} {_s(r['step_seconds'])}  {-r['gain']:+7.1%}{fit}\n")
     res = {**res, "training": training_dict(args.training), "bound": bound,
-           "what_ifs": ifs, "interval_seconds": list(iv), "budget_bytes": budget,
+           "what_ifs": ifs, "interval_seconds": iv and list(iv), "budget_bytes": budget,
            "fits": fits}
     if args.json is not None:
         write_report(args.json, "predict", res)
@@ -490,7 +490,19 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     return res
 
 
+def _interval(machine, seconds: float):
+    """The step's 80% interval (None on a machine the dev set does not speak for);
+    a step the machine prices as infinite is a user error naming the machine."""
+    try:
+        return machine_interval(machine, seconds)
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
+
+
 def _interval_line(iv) -> str:
+    if iv is None:
+        return ("  80% interval       none: the dev set's published runs are GPU clusters; "
+                "`costmodel accuracy` measures this machine's error (docs/costmodel.md)\n")
     return (f"  80% interval       {_s(iv[0])} to {_s(iv[1]).strip()}   (from the dev "
             f"set's published runs; its coverage is checked leaving each publication out: "
             f"docs/devset.md)\n")
