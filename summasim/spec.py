@@ -720,7 +720,9 @@ class Mesh:
         for part in str(text).split(","):
             key, eq, val = part.strip().partition("=")
             key = key.strip().lower()
-            if not eq or key not in ("dp", "pp", "tp") or key in fields:
+            if key in fields:
+                raise ValueError(f"mesh {text!r}: {key} given twice")
+            if not eq or key not in ("dp", "pp", "tp"):
                 raise ValueError(f"mesh {text!r}: expected dp=D,pp=P,tp=SCHEME:GRID, "
                                  f"got {part.strip()!r}")
             fields[key] = val.strip()

@@ -100,7 +100,7 @@ def test_parse_mesh(text, want):
     ("tp=", "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"),
     ("tp=cannon:", "megatron:T, optimus:PRxPC, summa25:PRxPCxD or 3d:QxQxQ"),
     ("dp=0,tp=megatron:2", "dp must be a positive integer"),
-    ("dp=2,dp=2,tp=megatron:2", "expected dp=D"),
+    ("dp=2,dp=2,tp=megatron:2", "dp given twice"),
     ("tp=3d:2x2x3", "must be a cube"),
     ("tp=3d:2x3x2", "must be a cube"),
     ("tp=optimus:4", "optimus:PRxPC"),
@@ -242,6 +242,8 @@ def test_the_3d_scheme_is_a_cube_that_cuts_the_batch_into_q_squared_blocks():
     g = TensorGrid.parse("3d:3x3x3")
     assert (g.p, g.q, g.d, str(g), g.grid_label) == (27, 3, 3, "3d:3x3x3", "3x3x3")
     assert str(Mesh.parse("dp=2,tp=3d:2x2x2")) == "dp=2,pp=1,tp=3d:2x2x2"
+    with pytest.raises(ValueError, match="dp given twice"):
+        Mesh.parse("dp=1,dp=1")
     with pytest.raises(ValueError, match="cube"):
         TensorGrid.parse("3d:2x2x3")
     with pytest.raises(ValueError, match="cube"):

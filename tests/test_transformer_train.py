@@ -174,3 +174,14 @@ def test_cli_prints_losses(capsys):
     assert len(losses) == 6
     assert "ln(vocab) = 2.773" in out
     assert "step     3  loss" in out and "step     6  loss" in out
+
+
+def test_cli_refuses_momentum_with_adam(capsys):
+    """--momentum is SGD's: with Adam it would be dropped silently and the run exit 0."""
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--optimizer", "adam", "--momentum", "0.5", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--momentum" in err and "Traceback" not in err
+    losses = train.main(["--optimizer", "sgd", "--momentum", "0.5", "--steps", "2",
+                         "--layers", "1"])
+    assert len(losses) == 2

@@ -303,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     ap.add_argument("--lr", type=cli.finite_positive_float, default=None,
                     help="learning rate > 0; default 3e-3 (adam), 0.3 (sgd)")
-    ap.add_argument("--momentum", type=cli.float_range(0, 1, hi_open=True), default=0.9,
-                    help="SGD momentum, 0 <= momentum < 1")
+    ap.add_argument("--momentum", type=cli.float_range(0, 1, hi_open=True), default=None,
+                    help="SGD momentum, 0 <= momentum < 1 (default 0.9; --optimizer sgd "
+                         "only)")
     ap.add_argument("--weight-decay", type=cli.finite_nonnegative_float, default=0.0,
                     help="weight decay >= 0")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
@@ -320,6 +321,9 @@ def check_args(args) -> model.Config:
     """What no single argument tells: the period fits the sequence and the heads
     divide the hidden size. Returns the model's Config; raises
     :class:`summasim.cli.UsageError` naming the argument."""
+    cli.require(args.momentum is None or args.optimizer == "sgd",
+                f"argument --momentum: momentum is SGD's; --optimizer {args.optimizer} has "
+                f"none (Adam's moments are fixed at betas 0.9, 0.999)")
     cli.require(args.period <= args.seq, f"argument --period: must be at most --seq "
                                          f"{args.seq}, got {args.period}")
     cli.require(args.hidden % args.heads == 0,
@@ -394,7 +398,8 @@ def main(argv=None) -> list:
     if args.optimizer == "adam":
         opt = Adam(lr=args.lr or 3e-3, weight_decay=args.weight_decay)
     else:
-        opt = SGD(lr=args.lr or 0.3, momentum=args.momentum, weight_decay=args.weight_decay)
+        opt = SGD(lr=args.lr or 0.3, momentum=0.9 if args.momentum is None else args.momentum,
+                  weight_decay=args.weight_decay)
     rng = np.random.default_rng(args.seed + 1)
     floor = copy_task_floor(args.seq, args.vocab, args.period)
     print(f"copy task: vocab {args.vocab}, seq {args.seq}, period {args.period}; "
