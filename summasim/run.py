@@ -171,7 +171,7 @@ def parse_args(argv=None):
     if args.self_test and args.inject:
         raise UsageError("--self-test injects every fault itself; leave out --inject")
     if args.self_test and (args.model or args.batch or args.mesh or args.sizes
-                           or args.ring_size or args.dtype in ("float32", "both")):
+                           or args.ring_size or args.dtype != "float64"):
         raise UsageError("--self-test runs its own small sizes, model and meshes in float64; "
                          "leave out --sizes, --ring-size, --model, --batch, --mesh and "
                          "--dtype")
