@@ -317,3 +317,14 @@ def test_rates_print_three_significant_digits_on_any_machine():
 
     assert [sig3(x) for x in (104.7, 0.0123, 320.2, 99.96, 1.0, 0.0, 2.5e-5)] == \
         ["105", "0.0123", "320", "100", "1.00", "0", "2.5e-05"]
+
+
+def test_explore_says_when_its_step_is_the_layers_alone(capsys):
+    """On a CPU machine explore's step_s is the N layers (not predict's whole step); the
+    table says so there and only there."""
+    small = ["--model", "h=512,heads=8,layers=2,seq=64,vocab=100", "--batch", "8",
+             "--p", "1,2", "--no-iso", "--schemes", "megatron"]
+    for machine, said in (("local-2core-mpich", True), ("dgx-a100", False)):
+        assert cli_main(["explore", *small, "--machine", machine]) == 0
+        out = capsys.readouterr().out
+        assert ("`costmodel predict` prices the step" in out) == said, machine

@@ -461,6 +461,10 @@ def run(args, out=None) -> dict:
         w(f"placement: {plan.placement.describe()} (a placement that does not fit a grid "
           f"falls back to row-major)\n")
     w("\nstrong scaling (fixed problem; efficiency = W / (p Tp), W = time on one rank)\n")
+    if not gpu_machine(machine):
+        w("step_s: the N layers' forward and backward (the layer model), without the "
+          "embedding, head, optimizer and shared-core waits of a whole step: "
+          "`costmodel predict` prices the step\n")
     cols = ["p", "scheme", "grid", "step_s", "speedup", "efficiency", "comm_frac", "mem_gib",
             "fits", "best"]
     w(format_table(tables["strong"], cols))
