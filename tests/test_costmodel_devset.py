@@ -76,6 +76,14 @@ def test_held_out_sources_appear_nowhere():
     text = _devset_text().lower()
     found = [h for h in HELD_OUT if h.lower() in text]
     assert not found, f"held-out publications named in devset.json: {found}"
+    # Narayanan et al. 2021's Table 2 (PTD-P vs ZeRO-3) is held out: no point of that
+    # paper may take anything from it (its Table 1 compositions' micro-batches come from
+    # the authors' Table 1 script instead)
+    assert "ptd-p" not in text
+    for p in devset.load_points():
+        if p.get("source_key") == "narayanan2021":
+            said = " ".join(str(p.get(k, "")) for k in ("note", "source", "needs"))
+            assert "Table 2" not in said and "ZeRO-3" not in said, p["id"]
 
 
 def test_every_point_has_its_fields():
