@@ -31,6 +31,10 @@ def test_bfloat16_rounding_is_ml_dtypes_round_to_nearest_even():
     np.testing.assert_array_equal(round_bfloat16_bits(x, np), want)
     # ties go to even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7
     assert Precision.of("bfloat16").round(np.float32([1.0 + 2.0 ** -8]))[0] == 1.0
+    # every NaN stays a NaN, whatever its payload (rounding it would carry into Inf or 0)
+    nans = np.array([0x7F800001, 0xFFFFFFFF, 0x7FFFFFFF, 0x7FC00000, 0xFF80FFFF],
+                    np.uint32).view(np.float32)
+    assert np.isnan(round_bfloat16_bits(nans, np)).all()
 
 
 def test_float16_rounding_and_overflow():

@@ -97,11 +97,12 @@ def round_bfloat16_bits(x, xp):
     round to nearest, ties to even; a carry out of the significand bumps the exponent,
     so values past bfloat16's largest finite become Inf. NaN is returned unchanged."""
     f = xp.array(x, dtype=np.float32, copy=True)
+    nan = xp.isnan(f)            # before rounding: a NaN's payload may carry into Inf or 0
     bits = f.view(np.uint32)
     lsb = (bits >> np.uint32(16)) & np.uint32(1)
     bits += np.uint32(0x7FFF) + lsb
     bits &= np.uint32(0xFFFF0000)
-    return xp.where(xp.isnan(f), xp.asarray(x, dtype=np.float32), f)
+    return xp.where(nan, xp.asarray(x, dtype=np.float32), f)
 
 
 def has_overflow(arrays) -> bool:

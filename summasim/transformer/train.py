@@ -97,10 +97,10 @@ def _float_products_keep(dtype) -> bool:
 class Adam:
     """Adam with bias correction (Kingma & Ba 2015) and decoupled weight decay (AdamW).
 
-    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
-    ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``, then
-    ``p -= lr * weight_decay * p`` for keys where ``decay(key, p)`` is true
-    (default: matrices only, GPT-2 style: no decay on biases and LayerNorm).
+    First ``p -= lr * weight_decay * p`` for keys where ``decay(key, p)`` is true
+    (default: matrices only, GPT-2 style: no decay on biases and LayerNorm), as
+    PyTorch's AdamW does; then ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
+    ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``.
     State per key: ``{"step": t, "m": array, "v": array}``.
     """
 
