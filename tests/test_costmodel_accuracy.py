@@ -360,3 +360,23 @@ def test_accuracy_with_no_launcher_is_a_user_error(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "no-such-launcher" in res.stderr and "SUMMASIM_MPIEXEC" in res.stderr
     assert not (out / "machine-fit.json").exists()
+
+
+def test_from_refuses_runs_that_failed_validation_and_a_gpu_machine(tmp_path):
+    """A held-out run recorded as failed (``ok: false``) measures nothing: ``--from``
+    refuses it as the live run does, instead of scoring it. A GPU preset cannot price
+    this machine's CPU runs (it scored 94% and wrote a "calibrated" NCCL machine where
+    summasim.run looks for its default)."""
+    out = tmp_path / "acc"
+    out.mkdir()
+    run = _transformer_result()
+    run.update(ok=False, label="optimus 2x2")
+    (out / "measured.json").write_text(json.dumps({"calibrate": [], "heldout": [run]}))
+    argv = [sys.executable, "-m", "summasim.costmodel", "accuracy", "--from", "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "failed their validation" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run(argv + ["--machine", "dgx-a100"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "nccl machine" in proc.stderr, proc.stderr
+    assert not (out / "machine-calibrated.json").exists()

@@ -159,6 +159,13 @@ def _read_measured(path: str) -> dict:
             out[part] = [MeasuredRun.from_dict(r) for r in runs]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {part}: {e}") from None
+        failed = [r.extra.get("label", f"#{i}") for i, r in enumerate(out[part])
+                  if r.extra.get("ok", True) is not True]
+        if failed:           # the live run stops there too (worker.launch)
+            raise ValueError(f"{path}: {part}: run(s) {', '.join(map(str, failed))} failed "
+                             f"their validation; a wrong run's time measures nothing")
+    if not out.get("heldout"):
+        raise ValueError(f"{path}: no held-out runs: nothing to measure the model on")
     return out
 
 
@@ -183,6 +190,12 @@ def run(args) -> int:
     try:                                # every argument and file, before any work
         check_writable_dir(args.out)
         given = check_machine_spec(args.machine)     # --machine FILE|PRESET, loaded once
+        if given is not None and (given.library != "mpich" or given.device is not None):
+            raise UsageError(f"--machine {args.machine}: accuracy prices MPI runs on this "
+                             f"machine's CPUs, and {given.name} is a {given.library} "
+                             f"machine{' of ' + given.device.name if given.device else ''}; "
+                             f"give this machine's fit (costmodel fit) or leave --machine "
+                             f"out")
         if not args.reuse:
             check_launcher()
     except (UsageError, ValueError) as e:
@@ -232,7 +245,11 @@ def run(args) -> int:
                         return 1
         write_json_atomic(mpath, {part: [r.to_dict() for r in runs]
                                   for part, runs in measured.items()})
-    rep, calibrated = analyse(measured, machine, args.statistic)
+    try:
+        rep, calibrated = analyse(measured, machine, args.statistic)
+    except ValueError as e:          # measurements that price to nothing (empty spans...)
+        print(f"python -m summasim.costmodel accuracy: error: {mpath}: {e}", file=sys.stderr)
+        return 2
     calibrated.replace(notes={**calibrated.notes, "accuracy": {
         k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(
         os.path.join(args.out, "machine-calibrated.json"))
