@@ -255,6 +255,7 @@ FIT_CASES = [
     (["--groups", "0,2"], "--groups"),
     (["--groups", "a"], "--groups"),
     (["--gemm-sizes", "-1"], "--gemm-sizes"),
+    (["--gemm-sizes", "64,100000"], "--gemm-sizes"),     # 240 GB of blocks per rank
     (["--dtypes", "float8"], "--dtypes"),
     (["--threshold", "abc"], "--threshold"),
     (["--name", ""], "--name"),
@@ -265,6 +266,14 @@ FIT_CASES = [
 def test_fit_bad_arguments(args, flag):
     """Checked before MPI is imported (so no rank waits and no MPI job starts)."""
     assert_user_error(run(*FIT, *args, timeout=60), flag)
+
+
+def test_fit_gemm_sizes_in_any_order_are_sorted_once():
+    """The fitted GEMM table needs increasing sizes: "128,64,64" is read as 64, 128 at
+    parse time (it failed after the whole benchmark, on every rank)."""
+    from summasim.costmodel.__main__ import _gemm_sizes
+
+    assert _gemm_sizes("128,64,64") == [64, 128]
 
 
 def test_fit_bad_output_path(files):

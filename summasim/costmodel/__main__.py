@@ -33,6 +33,21 @@ def _max_bytes(text: str) -> int:
     return val
 
 
+#: The largest fit GEMM: three 16384^2 float64 blocks are 6 GiB per rank.
+FIT_GEMM_MOST = 16384
+
+
+def _gemm_sizes(text: str) -> list:
+    """argparse type of ``fit --gemm-sizes``: block sizes from 1 to :data:`FIT_GEMM_MOST`,
+    sorted and without repeats (the fitted table needs them increasing)."""
+    sizes = sorted(set(cli.int_list(minimum=1)(text)))
+    if sizes[-1] > FIT_GEMM_MOST:
+        raise argparse.ArgumentTypeError(f"at most {FIT_GEMM_MOST} (three blocks of "
+                                         f"{FIT_GEMM_MOST}^2 float64 are 6 GiB per rank), "
+                                         f"got {sizes[-1]}")
+    return sizes
+
+
 def _threshold(text: str):
     """argparse type of ``fit --threshold``: ``"auto"`` or a byte size."""
     if text.strip().lower() == "auto":
@@ -175,8 +190,8 @@ def _main(argv=None) -> int:
                     help="largest message, at least 64 B (default 64MiB, quick 4MiB)")
     fp.add_argument("--groups", type=cli.int_list(minimum=2), default=None,
                     help="collective group sizes >= 2, e.g. 2,4 (default: powers of two)")
-    fp.add_argument("--gemm-sizes", type=cli.int_list(minimum=1), default=None,
-                    help="GEMM block sizes n")
+    fp.add_argument("--gemm-sizes", type=_gemm_sizes, default=None,
+                    help=f"GEMM block sizes n, 1 to {FIT_GEMM_MOST} (any order)")
     fp.add_argument("--dtypes", type=cli.choice_list(FIT_DTYPES, "dtype"),
                     default="float64,float32", help="GEMM dtypes, comma-separated, from "
                                                     + ", ".join(FIT_DTYPES))
