@@ -117,6 +117,11 @@ def test_bad_values_rejected():
     d["cores"] = 0
     with pytest.raises(ValueError, match="'cores'"):
         Machine.from_dict(d)
+    for notes in (5, [1, 2], "hello", [["a", 1]]):    # a TypeError traceback, or accepted
+        d = _machine().to_dict()
+        d["notes"] = notes
+        with pytest.raises(ValueError, match="'notes' must be an object"):
+            Machine.from_dict(d)
 
 
 def test_bad_json_file(tmp_path):

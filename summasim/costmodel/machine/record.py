@@ -92,6 +92,16 @@ def _gamma_table(table: Mapping, path: str = "gamma_gemm") -> dict:
 _CONDITION_NUMBERS = ("foreign_cpu_before", "foreign_cpu_after", "loadavg", "limit")
 
 
+def _notes(notes) -> dict:
+    """Validate ``notes`` (None or an object of free text); return it as a dict."""
+    if notes is None:
+        return {}
+    if not isinstance(notes, Mapping):
+        raise ValueError(f"machine field 'notes' must be an object or null, got "
+                         f"{type(notes).__name__}")
+    return dict(notes)
+
+
 def _fit_conditions(fc):
     """Validate ``fit_conditions`` (None or an object whose ``busy`` is a bool and
     whose load figures are numbers >= 0); return it as a plain dict, or None."""
@@ -435,7 +445,7 @@ class Machine:
                    shared_core=shared_core,
                    node_size=node_size,
                    memory_bytes=memory, shared_comm=d.get("shared_comm", True),
-                   notes=dict(d.get("notes") or {}),
+                   notes=_notes(d.get("notes")),
                    fit_conditions=_fit_conditions(d.get("fit_conditions")),
                    library=d.get("library", "mpich"),
                    topology=(None if d.get("topology") is None
