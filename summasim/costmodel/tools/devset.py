@@ -399,8 +399,8 @@ def _summary_lines(rows, level):
              f"leave-one-source-out: MAPE {_pct(s['loso_mape'])}, worst {_pct(s['loso_worst'])} "
              f"(the same as in-sample: nothing is fitted; LOSO changes only the intervals)",
              f"coverage of the LOSO {level:.0%} intervals: {_pct(s['coverage'])} of "
-             f"{s['intervals']} points with an interval; step family (step times and "
-             f"throughputs) {_pct(s['coverage_step'])}",
+             f"{s['intervals']} points with an interval; training points (all but the "
+             f"NCCL-tests ones) {_pct(s['coverage_step'])}",
              "priced by GPU: " + ", ".join(f"{k} {v}" for k, v in s["by_gpu"].items()),
              "priced by framework: " + ", ".join(f"{k} {v}" for k, v in s["by_framework"].items()),
              "priced by kind: " + ", ".join(f"{k} {v}" for k, v in s["by_kind"].items()),
