@@ -69,7 +69,7 @@ from .backends import backend_of, ipc, is_device_array
 from .backends.cupy_backend import gpu_comm_setting, launcher_local_ranks
 from .mpiutil import SLEEP_S, WAIT_POLICIES, agreement_enabled, install_abort_hook, wait_requests
 from .ringwait import MODES as RING_MODES
-from .ringwait import ring_wait_setting, waits_of
+from .ringwait import kept_on, ring_wait_setting, waits_of
 from .trace import Trace
 
 REDUCE_ALGORITHMS = ("tree", "mpi")
@@ -154,15 +154,8 @@ class _Counts:
 
 def _counts_of(raw) -> _Counts:
     """The :class:`_Counts` of the mpi4py communicator ``raw``, kept on it as an MPI
-    attribute (as :func:`summasim.ringwait.waits_of` keeps its ring waits): shared by
-    every Comm over it, gone when it is freed; a duplicate starts afresh."""
-    if not _COUNTS_KEYVAL:
-        _COUNTS_KEYVAL.append(MPI.Comm.Create_keyval())
-    counts = raw.Get_attr(_COUNTS_KEYVAL[0])
-    if counts is None:
-        counts = _Counts()
-        raw.Set_attr(_COUNTS_KEYVAL[0], counts)
-    return counts
+    attribute (:func:`summasim.ringwait.kept_on`)."""
+    return kept_on(raw, _COUNTS_KEYVAL, _Counts)
 
 
 def _nothing() -> None:

@@ -116,20 +116,26 @@ def choose(slowest: np.ndarray, prior: str) -> tuple[str, dict]:
 _KEYVAL: list = []     # the MPI attribute key of a communicator's RingWaits, made once
 
 
-def waits_of(raw) -> "RingWaits":
-    """The :class:`RingWaits` of the mpi4py communicator ``raw``, kept on it as an MPI
-    attribute: every summasim ``Comm`` over the same communicator (a ring called with a
-    plain communicator wraps it anew each call) shares one, and it goes when the
+def kept_on(raw, keyval: list, make):
+    """The object kept on the mpi4py communicator ``raw`` under the MPI attribute key in
+    ``keyval`` (a one-item list, the key made on first use), ``make()`` the first time:
+    every summasim ``Comm`` over the same communicator shares it, and it goes when the
     communicator is freed. A duplicate starts with none."""
     from mpi4py import MPI
 
-    if not _KEYVAL:
-        _KEYVAL.append(MPI.Comm.Create_keyval())
-    waits = raw.Get_attr(_KEYVAL[0])
-    if waits is None:
-        waits = RingWaits()
-        raw.Set_attr(_KEYVAL[0], waits)
-    return waits
+    if not keyval:
+        keyval.append(MPI.Comm.Create_keyval())
+    kept = raw.Get_attr(keyval[0])
+    if kept is None:
+        kept = make()
+        raw.Set_attr(keyval[0], kept)
+    return kept
+
+
+def waits_of(raw) -> "RingWaits":
+    """The :class:`RingWaits` of the mpi4py communicator ``raw`` (:func:`kept_on`: a ring
+    called with a plain communicator wraps it anew each call, and still shares them)."""
+    return kept_on(raw, _KEYVAL, RingWaits)
 
 
 class RingWaits:
