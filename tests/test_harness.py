@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from summasim.algorithms.table import ALGORITHMS, PRODUCTS
 from summasim.harness import memory
-from summasim.harness.cases import MatmulCase, RingCase, case_from_dict, transformer_case
+from summasim.harness.cases import (MatmulCase, MeshCase, RingCase, case_from_dict,
+                                   transformer_case)
 from summasim.harness.check import check_product, check_ring, op_panels, \
     product_block_slices, ring_input
 from summasim.harness.data import STREAM_A, STREAM_B, uniform_block, uniform_segment
@@ -486,3 +487,23 @@ def test_the_ring_preflight_counts_what_a_ring_row_holds(dtype):
     need = memory.ring_bytes(RingCase(n, dtype), 4)
     assert need >= 4.9 * n * it
     assert memory.check_fits(RingCase(n, dtype), 4, available=int(4 * 4.9 * n * it))
+
+
+def test_sequence_parallel_zero_2_3_with_uneven_shards_is_refused():
+    """Its gradients are summed over the tensor group in each rank's owned ZeRO chunks,
+    which uneven shards cut in other places on each tensor rank (the parameters came out
+    wrong, an honest FAIL): refused before any work; even shards, ZeRO 0-1 or dp = 1 run."""
+    from summasim.transformer.model import Config
+
+    odd = Config(vocab=5, seq=2, hidden=6, heads=3, layers=1, ffn_mult=1.5)
+    even = Config(vocab=5, seq=2, hidden=8, heads=2, layers=1, ffn_mult=1.5)
+    for zero in (2, 3):
+        case = MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, zero=zero,
+                              microbatches=1, sequence_parallel=True)
+        assert "even tensor shards" in case.misfit(4)
+        assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, even, zero=zero, microbatches=1,
+                              sequence_parallel=True).misfit(4) == ""
+        assert MeshCase.parse("dp=1,pp=1,tp=megatron:2", 4, odd, zero=zero, microbatches=1,
+                              sequence_parallel=True).misfit(2) == ""
+    assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, zero=1, microbatches=1,
+                          sequence_parallel=True).misfit(4) == ""

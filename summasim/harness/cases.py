@@ -23,6 +23,7 @@ from ..algorithms.table import get_algorithm
 from ..spec import (ATTENTIONS, MIXED_DTYPES as MIXED, RECOMPUTE, SCHEDULE_KINDS,
                     ZERO_STAGES, Mesh, stage_layers)
 from ..transformer.model import Config
+from ..transformer.megatron import local_param_shapes
 from ..transformer.schemes import get_scheme
 
 DTYPES = ("float64", "float32")
@@ -352,6 +353,12 @@ class MeshCase:
             elif self.config.seq % self.t:
                 bad.append(f"sequence parallelism needs seq = {self.config.seq} divisible "
                            f"by the tensor group t = {self.t}")
+            elif self.zero >= 2 and self.dp > 1 and not _even_megatron(self.config, self.t):
+                # its gradients are summed over the tensor group in each rank's owned ZeRO
+                # chunks, which uneven shards cut in other places on each tensor rank
+                bad.append(f"sequence parallelism under ZeRO {self.zero} with dp > 1 needs "
+                           f"even tensor shards (the kv heads and the MLP width divisible by "
+                           f"t = {self.t}), or ZeRO 0-1")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
@@ -459,3 +466,9 @@ def case_from_dict(data: dict):
                               stages=(None if data.get("stages") is None
                                       else tuple(int(x) for x in data["stages"])))
     raise ValueError(f"unknown case kind {kind!r}")
+
+
+def _even_megatron(config: Config, t: int) -> bool:
+    """Whether every rank of a Megatron group of ``t`` holds the same local shapes."""
+    first = local_param_shapes(config, t, 0)
+    return all(local_param_shapes(config, t, r) == first for r in range(1, t))

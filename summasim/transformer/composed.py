@@ -502,8 +502,10 @@ class Trainer:
         Megatron's sequence parallelism (1D tensor grids): the pieces hand on (b, s/t, h)
         and the sequence-parallel parameters' gradients are summed over the tensor group
         once per step (phase ``sp.grads``): ZeRO 0-1 the whole of them, ZeRO 2-3 the parts
-        of them in the owned chunks (the same flat ranges on every rank of the tensor
-        group), after the per-micro-batch reduce-scatters over dp (both sums are linear).
+        of them in the owned chunks, after the per-micro-batch reduce-scatters over dp
+        (both sums are linear). Those chunks are the same flat ranges on every rank of the
+        tensor group only with even shards (or dp = 1): ``MeshCase.misfit`` refuses the
+        rest.
     bucket_bytes : int
         Target size of a gradient bucket (ZeRO 0-2).
     overlap : bool
