@@ -507,3 +507,18 @@ def test_sequence_parallel_zero_2_3_with_uneven_shards_is_refused():
                               sequence_parallel=True).misfit(2) == ""
     assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, zero=1, microbatches=1,
                           sequence_parallel=True).misfit(4) == ""
+
+
+def test_three_or_more_replicas_of_uneven_megatron_shards_are_refused():
+    """With uneven shards a replicated parameter lies in another chunk of the dp ring on
+    each tensor rank; over 3 or more replicas its sum is rounded in another order there
+    and the tensor replicas drift (the audit failed a right run at dp = 3). Refused before
+    any work; dp = 2 (a + b = b + a) and even shards run."""
+    from summasim.transformer.model import Config
+
+    odd = Config(vocab=11, seq=4, hidden=10, heads=5, layers=2, ffn_mult=1.5)
+    even = Config(vocab=11, seq=4, hidden=8, heads=4, layers=2, ffn_mult=1.5)
+    assert "replicas drift" in MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, odd,
+                                              microbatches=1).misfit(6)
+    assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, microbatches=1).misfit(4) == ""
+    assert MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, even, microbatches=1).misfit(6) == ""

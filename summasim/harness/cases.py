@@ -359,6 +359,16 @@ class MeshCase:
                 bad.append(f"sequence parallelism under ZeRO {self.zero} with dp > 1 needs "
                            f"even tensor shards (the kv heads and the MLP width divisible by "
                            f"t = {self.t}), or ZeRO 0-1")
+        if (self.grid_kind == "1d" and self.dp >= 3 and self.t > 1
+                and not _even_megatron(self.config, self.t)):
+            # each tensor rank's flat layout follows its own shards, so a replicated
+            # parameter (a LayerNorm, a row-parallel bias) lies in another chunk of the
+            # data-parallel ring on each tensor rank and its sum over 3 or more replicas
+            # is rounded in another order: the tensor replicas would drift apart
+            bad.append(f"dp = {self.dp} >= 3 with uneven Megatron shards (the kv heads or "
+                       f"the MLP width not divisible by t = {self.t}): the replicated "
+                       f"parameters' data-parallel sums would round differently on each "
+                       f"tensor rank and the replicas drift; use even shards or dp <= 2")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
