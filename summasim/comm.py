@@ -805,8 +805,9 @@ class Comm:
         the first call of a class runs the trials before its own steps, untraced: each
         is one ring of the class on scratch buffers, ``run(step, finish)`` with the pair
         of a mode, where ``run = trial(like, nbytes, size, rank)``. Device and staged
-        arrays, steps of :attr:`blocking_limit` bytes or more, and a call without
-        ``trial`` wait by the rule."""
+        arrays, steps of :attr:`blocking_limit` or ``SUMMASIM_BLOCKING_BYTES`` bytes or
+        more (the lesser: a "spin" rank's own limit is unbounded, and every rank must
+        take the same path), and a call without ``trial`` wait by the rule."""
         rule = self._rule_mode(nbytes)
         mode = rule
         # whether the trials run must not depend on this rank's wait policy (which may

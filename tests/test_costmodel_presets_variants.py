@@ -207,7 +207,8 @@ def test_variant_values_and_units():
     assert load_machine("dgx-a100:memory=40GiB").memory_bytes == 40 * GiB
     assert load_machine("dgx-a100:memory=80GB").memory_bytes == 80 * GiB   # NVIDIA's 80 GB
     assert load_machine("dgx-a100:memory=2048MiB").memory_bytes == 2048 * (1 << 20)
-    for tib in ("1TiB", "1TB", "1T", "1.0 TiB"):
+    assert load_machine("dgx-a100:memory=80gb").memory_bytes == 80 * GiB  # bytes, as byte_size
+    for tib in ("1TiB", "1TB", "1T", "1.0 TiB", "1tib"):
         assert load_machine(f"dgx-a100:memory={tib}").memory_bytes == 1 << 40, tib
     leaf = load_machine("dgx-a100:nodes_per_leaf=4,oversub=2").topology
     assert (leaf.nodes_per_leaf, leaf.oversubscription) == (4, 2.0)

@@ -522,3 +522,16 @@ def test_three_or_more_replicas_of_uneven_megatron_shards_are_refused():
                                               microbatches=1).misfit(6)
     assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, microbatches=1).misfit(4) == ""
     assert MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, even, microbatches=1).misfit(6) == ""
+
+
+def test_global_sizes_are_three_non_negative_integers():
+    """The library's ``sizes=``: Python or NumPy integers (a 1-D integer array too);
+    floats, strings, bools and other counts are one ValueError naming the function."""
+    from summasim.algorithms._common import global_sizes
+
+    assert global_sizes("f", (5, 7, 3)) == global_sizes("f", np.array([5, 7, 3])) == (5, 7, 3)
+    assert global_sizes("f", [np.int64(5), 0, 3]) == (5, 0, 3)
+    for bad in ((5, 7), (5.9, 7, 3), "573", (-5, 7, 3), (True, 7, 3), np.array([5.0, 7, 3]),
+                (5, 7, 3, 1), None):
+        with pytest.raises(ValueError, match="f: sizes must be three non-negative"):
+            global_sizes("f", bad)

@@ -275,6 +275,8 @@ def block_sizes(fn: str, form: str, grid, layouts, every) -> dict:
 def global_sizes(fn: str, sizes) -> tuple[int, int, int]:
     """``sizes`` as ``(m, k, n)``: three integers (Python or NumPy), none negative;
     ``ValueError`` naming ``fn`` otherwise (a float, a string, a bool, another count)."""
+    if isinstance(sizes, np.ndarray) and sizes.ndim == 1 and sizes.dtype.kind in "iu":
+        sizes = sizes.tolist()                          # np.array([m, k, n])
     vals = tuple(sizes) if isinstance(sizes, (tuple, list)) else None
     if (vals is None or len(vals) != 3
             or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI

@@ -313,8 +313,9 @@ def _corrupt_held(tr, kind: str) -> bool:
 def _drift_target(tr):
     """The first non-empty view of a parameter this rank holds in a replica group of
     more than one rank (:meth:`~summasim.transformer.composed.Trainer.replica_sets`),
-    or None: under ZeRO-3 with nothing replicated over the tensor group or the tied
-    pair, ``drift`` goes into a gathered unit instead."""
+    or None. Under ZeRO-3 with dp > 1, or with nothing replicated over the tensor group
+    or the tied pair, ``drift`` goes into a gathered unit instead (the tensor group
+    compares only what all its ranks own)."""
     for rs in tr.replica_sets():
         for view in rs.params:
             if view.size:

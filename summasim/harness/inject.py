@@ -26,11 +26,11 @@ drift      one entry of a replicated tensor moves by one unit in the last place
            step (over dp under ZeRO 0-2, else over the tensor group or the tied
            embedding's pair), or, under ZeRO-3 with dp > 1 or with nothing else
            replicated, the first unit it all-gathers in the step (a receive gone
-           wrong). Far below
-           every value check's bound: only the replica audit sees it. A run with no
-           replica audit (a product, a ring, a pure tensor-parallel step) has no
-           replica to drift: there it changes its entry as ``perturb`` does, so it
-           still fails the row and never passes unseen
+           wrong). Far below every value check's bound: only the replica audit
+           sees it. A run with no replica audit (a product, a ring, a pure
+           tensor-parallel step) has no replica to drift: there it changes its
+           entry as ``perturb`` does, so it still fails the row and never passes
+           unseen
 =========  ====================================================================
 
 Which checks can catch which fault: :func:`uncatchable` says why a product check

@@ -140,9 +140,9 @@ def _memory_bytes(text: str) -> float:
     of device memory is a typo for 40GiB, not a machine)."""
     from ...cli import byte_size
 
-    if re.search(r"[kKmMgGtT]b\s*$", text):
+    if re.search(r"[KMGT]b\s*$", text):       # Gb, as in "200 Gb/s": bits
         raise ValueError("is in bits (b); device memory is in bytes: write GB or GiB")
-    if re.fullmatch(r"\s*\d+(\.\d+)?\s*[tT](i?B)?\s*", text):
+    if re.fullmatch(r"\s*\d+(\.\d+)?\s*[tT](i?[bB])?\s*", text):
         val = float(re.sub(r"[^\d.]", "", text)) * (1 << 40)   # TiB: beyond byte_size's G
     elif not re.search(r"[kKmMgG]", text):
         raise ValueError("needs a unit, e.g. 40GiB, 80GB or 1TiB")

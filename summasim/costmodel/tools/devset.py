@@ -484,10 +484,13 @@ def step_interval(seconds: float, level: float = 0.8) -> tuple[float, float]:
 def machine_interval(machine, seconds: float, level: float = 0.8):
     """:func:`step_interval` where the dev set speaks for ``machine``: its runs are GPU
     clusters, so a machine without a device (a CPU node, whose own error
-    ``costmodel accuracy`` measures) gets None. ``ValueError`` when ``seconds`` is not a
-    finite positive time (a machine whose numbers price an infinite step)."""
+    ``costmodel accuracy`` measures) gets None. A :class:`summasim.cli.UsageError`
+    (one line, exit 2) when ``seconds`` is not a finite positive time (a machine whose
+    numbers price an infinite step)."""
     if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{machine.name}: the model priced a step of {seconds!r} s; "
+        from summasim.cli import UsageError
+
+        raise UsageError(f"{machine.name}: the model priced a step of {seconds!r} s; "
                          f"check the machine's numbers")
     if getattr(machine, "device", None) is None:
         return None

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import functools
+import io
 import math
 import os
 import sys

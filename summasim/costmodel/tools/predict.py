@@ -377,9 +377,9 @@ def run(args, out=None) -> dict:
     w(f"scheme:    {sch.label}, placement {placement.describe()}\n")
     w(f"model:     {_model_line(cfg)}\n")
     w(f"training:  {technique_line(args.training)}\n\n")
-    w(f"step time            {_s(sb.seconds)}   ({cli.sig3(sb.tflops_per_device)} model TFLOP/s per "
-      f"device, {sb.model_flops / 1e15:.3g} PFLOP per step)\n")
-    iv = _interval(machine, sb.seconds)
+    w(f"step time            {_s(sb.seconds)}   ({cli.sig3(sb.tflops_per_device)} model "
+      f"TFLOP/s per device, {sb.model_flops / 1e15:.3g} PFLOP per step)\n")
+    iv = machine_interval(machine, sb.seconds)
     w(_interval_line(iv))
     for label, val in (("  GEMM", sb.gemm_seconds),
                        ("  memory-bound", sb.memory_bound_seconds - sb.optimizer_seconds),
@@ -435,10 +435,10 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
     w(f"model:     {args.model}: {_model_line(cfg)}\n")
     w(f"training:  {technique_line(args.training)}\n\n")
     step = res["step_seconds"]
-    w(f"step time            {_s(step)}   ({cli.sig3(res['flops_per_device'] / 1e12)} model TFLOP/s "
-      f"per device, bubble {100 * res['bubble_fraction']:.1f}% of the pipeline, "
+    w(f"step time            {_s(step)}   ({cli.sig3(res['flops_per_device'] / 1e12)} model "
+      f"TFLOP/s per device, bubble {100 * res['bubble_fraction']:.1f}% of the pipeline, "
       f"{100 * res['bubble_over_ideal']:.1f}% of its ideal time)\n")
-    iv = _interval(machine, step)
+    iv = machine_interval(machine, step)
     w(_interval_line(iv))
     parts = [("  GEMM", bd["gemm"]), ("  memory-bound", bd["memory_bound"])]
     parts += [("  comm contention" if k == "contention" else f"  exposed {k} comm", v)
@@ -488,15 +488,6 @@ def _run_composition(args, out, machine, sch, cfg, m) -> dict:
         write_report(args.json, "predict", res)
         w(f"wrote {args.json}\n")
     return res
-
-
-def _interval(machine, seconds: float):
-    """The step's 80% interval (None on a machine the dev set does not speak for);
-    a step the machine prices as infinite is a user error naming the machine."""
-    try:
-        return machine_interval(machine, seconds)
-    except ValueError as exc:
-        raise cli.UsageError(str(exc)) from None
 
 
 def _interval_line(iv) -> str:
