@@ -249,7 +249,7 @@ def run(args) -> int:
         rep, calibrated = analyse(measured, machine, args.statistic)
     except ValueError as e:          # measurements that price to nothing (empty spans...)
         print(f"python -m summasim.costmodel accuracy: error: {mpath}: {e}", file=sys.stderr)
-        return 2
+        return 2 if args.reuse else 1    # a file given with --from, or this run's own
     calibrated.replace(notes={**calibrated.notes, "accuracy": {
         k: rep[k]["summary"] for k in ("calibrate", "heldout")}}).save(
         os.path.join(args.out, "machine-calibrated.json"))
