@@ -522,6 +522,13 @@ def test_three_or_more_replicas_of_uneven_megatron_shards_are_refused():
                                               microbatches=1).misfit(6)
     assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, microbatches=1).misfit(4) == ""
     assert MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, even, microbatches=1).misfit(6) == ""
+    # the 3D cube replicates its vectors over ranks that hold other weight blocks too
+    cube_odd = Config(vocab=4, seq=2, hidden=3, heads=3, layers=1)
+    cube_even = Config(vocab=4, seq=2, hidden=8, heads=4, layers=1)
+    assert "replicas drift" in MeshCase.parse("dp=3,pp=1,tp=3d:2x2x2", 12, cube_odd,
+                                              microbatches=1).misfit(24)
+    assert MeshCase.parse("dp=3,pp=1,tp=3d:2x2x2", 12, cube_even,
+                          microbatches=1).misfit(24) == ""
 
 
 def test_global_sizes_are_three_non_negative_integers():

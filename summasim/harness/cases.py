@@ -359,16 +359,16 @@ class MeshCase:
                 bad.append(f"sequence parallelism under ZeRO {self.zero} with dp > 1 needs "
                            f"even tensor shards (the kv heads and the MLP width divisible by "
                            f"t = {self.t}), or ZeRO 0-1")
-        if (self.grid_kind == "1d" and self.dp >= 3 and self.t > 1
-                and not _even_megatron(self.config, self.t)):
+        if self.dp >= 3 and not _even_shards(self):
             # each tensor rank's flat layout follows its own shards, so a replicated
-            # parameter (a LayerNorm, a row-parallel bias) lies in another chunk of the
-            # data-parallel ring on each tensor rank and its sum over 3 or more replicas
-            # is rounded in another order: the tensor replicas would drift apart
-            bad.append(f"dp = {self.dp} >= 3 with uneven Megatron shards (the kv heads or "
-                       f"the MLP width not divisible by t = {self.t}): the replicated "
-                       f"parameters' data-parallel sums would round differently on each "
-                       f"tensor rank and the replicas drift; use even shards or dp <= 2")
+            # parameter (a LayerNorm, a bias) lies in another chunk of the data-parallel
+            # ring on each tensor rank and its sum over 3 or more replicas is rounded in
+            # another order: the tensor replicas would drift apart
+            bad.append(f"dp = {self.dp} >= 3 with uneven {self.mesh.tp.label} shards (the "
+                       f"heads, the MLP width or the hidden size not divisible by the "
+                       f"grid): the replicated parameters' data-parallel sums would round "
+                       f"differently on each tensor rank and the replicas drift; use even "
+                       f"shards or dp <= 2")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
@@ -482,3 +482,20 @@ def _even_megatron(config: Config, t: int) -> bool:
     """Whether every rank of a Megatron group of ``t`` holds the same local shapes."""
     first = local_param_shapes(config, t, 0)
     return all(local_param_shapes(config, t, r) == first for r in range(1, t))
+
+
+def _even_shards(case) -> bool:
+    """Whether every rank of ``case``'s tensor grid lays its parameters out alike, where
+    the scheme replicates some over ranks that hold other blocks (Megatron's group, the
+    3D cube); Optimus stores nothing twice and SUMMA2.5's depth copies hold one block."""
+    if case.grid_kind == "1d":
+        return _even_megatron(case.config, case.t)
+    if case.grid_kind == "3d":
+        from ..transformer.tp3d import _shape_of
+        from ..transformer.model import param_shapes
+
+        q, shapes = case.q, param_shapes(case.config).items()
+        looks = {tuple(_shape_of(n, s, case.config, q, k, i, j) for n, s in shapes)
+                 for i in range(q) for j in range(q) for k in range(q)}
+        return len(looks) == 1
+    return True
