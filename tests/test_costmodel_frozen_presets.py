@@ -25,6 +25,13 @@ all-reduce ran after the backward (Megatron-LM's 2019 code; Korthikanti et al.'s
 run) now say ``grad_overlap: false``. Such a point must reproduce its frozen values
 exactly when priced with the overlap back on (:func:`_with_overlap`), and without it its
 exposed data-parallel time can only grow (:func:`test_grad_overlap_points_moved_only_by_it`).
+
+A third is a dev-set change too: Narayanan et al. 2021's Table 1 points take their
+micro-batches and interleaving from the authors' Table 1 script
+(``examples/sc21/run_table_1.sh`` in NVIDIA/Megatron-LM) instead of a micro-batch of 1,
+which had come from that paper's held-out Table 2. Such a point must reproduce its
+frozen values exactly when priced with its frozen micro-batches and plain 1F1B
+(:func:`_with_frozen_schedule`).
 """
 
 from __future__ import annotations
@@ -141,6 +148,43 @@ def _with_overlap(case: dict, machine):
     return maker._plain(devset.price_point_composition(point, maker._dev_machine(point, machine)))
 
 
+def _script_point(case: dict):
+    """The dev-set point of a frozen case whose composition now comes from the authors'
+    Table 1 script (else None)."""
+    if case["kind"] != "devset":
+        return None
+    from summasim.costmodel.tools import devset
+
+    point = next(p for p in devset.load_points() if p["id"] == case["id"])
+    return point if "run_table_1.sh" in point.get("note", "") else None
+
+
+def _with_frozen_schedule(case: dict, machine):
+    """A Table 1 case priced as frozen: its point with the frozen micro-batch count and
+    the plain 1F1B schedule."""
+    from summasim.costmodel.tools import devset
+
+    point = _script_point(case)
+    comp = {k: v for k, v in point["composition"].items() if k != "chunks"}
+    comp.update(microbatches=case["want"]["composition"]["microbatches"], schedule="1f1b")
+    point = {**point, "composition": comp}
+    return maker._plain(devset.price_point_composition(point, maker._dev_machine(point, machine)))
+
+
+def test_the_table_1_points_are_the_script_s_compositions():
+    """Every frozen Narayanan Table 1 point now names the script, and its micro-batch
+    count changed where the script's micro-batch is not 1 (the 1T run's is)."""
+    moved = 0
+    for case in FROZEN["cases"]:
+        point = _script_point(case)
+        if point is None:
+            continue
+        frozen = case["want"]["composition"]["microbatches"]
+        moved += point["composition"]["microbatches"] != frozen
+        assert point["composition"]["global_batch"] == case["want"]["composition"]["global_batch"]
+    assert moved == 3                         # 18.4B, 39.1B and 145.6B (the 1T is m = 512)
+
+
 @pytest.mark.parametrize("preset", maker.PRESETS)
 def test_grad_overlap_points_moved_only_by_it(preset):
     machine = maker.machine_of(FROZEN["machines"], preset)
@@ -168,6 +212,8 @@ def test_preset_predictions_unchanged(preset):
         args = {k: v for k, v in case.items() if k != "want"}
         if _no_overlap_point(case) is not None:       # checked by the test above
             got = _frozen_part(_with_overlap(case, machine), want)
+        elif _script_point(case) is not None:         # priced with its frozen schedule
+            got = _frozen_part(_with_frozen_schedule(case, machine), want)
         else:
             got = _frozen_part(maker.evaluate(args, machine), want)
         if json.dumps(got, sort_keys=True) != json.dumps(want, sort_keys=True):

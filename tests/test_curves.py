@@ -50,7 +50,7 @@ def test_the_plot_beside_the_curves_is_not_replaced_without_force(tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--dtype", "bfloat16", "--algorithms", "summa_ab"], "runs the training rows only"),
     (["--dtype", "float16", "--schemes", "megatron"], "runs the training rows only"),
-    (["--dtype", "bfloat16", "--self-test"], "runs the training rows only"),
+    (["--dtype", "bfloat16", "--self-test"], "--self-test runs its own"),  # leave out --dtype
     (["--recompute", "selective"], "give --mesh"),
     (["--sequence-parallel"], "give --mesh"),
     (["--microbatches", "3"], "--microbatches set"),     # the default meshes choose their own
