@@ -542,3 +542,24 @@ def test_global_sizes_are_three_non_negative_integers():
                 (5, 7, 3, 1), None):
         with pytest.raises(ValueError, match="f: sizes must be three non-negative"):
             global_sizes("f", bad)
+
+
+def test_even_megatron_shards_are_the_layout_s():
+    """The pure test of even Megatron shards agrees with the layout's local shapes."""
+    import itertools
+
+    from summasim.harness.cases import _even_megatron
+    from summasim.transformer.megatron import local_param_shapes
+    from summasim.transformer.model import Config
+
+    for h, n, kv, f, t in itertools.product([12, 24], [2, 3, 6], [None, 1, 3], [1.5, 4],
+                                            [2, 3, 4]):
+        if kv is not None and n % kv:
+            continue
+        c = Config(vocab=11, seq=4, hidden=h, heads=n, layers=1, ffn_mult=f,
+                   **({} if kv is None else {"kv_heads": kv}))
+        if c.kv_heads < t:
+            continue
+        first = local_param_shapes(c, t, 0)
+        layout = all(local_param_shapes(c, t, r) == first for r in range(1, t))
+        assert _even_megatron(c, t) == layout, (h, n, kv, f, t)

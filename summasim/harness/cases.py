@@ -23,7 +23,6 @@ from ..algorithms.table import get_algorithm
 from ..spec import (ATTENTIONS, MIXED_DTYPES as MIXED, RECOMPUTE, SCHEDULE_KINDS,
                     ZERO_STAGES, Mesh, stage_layers)
 from ..transformer.model import Config
-from ..transformer.megatron import local_param_shapes
 from ..transformer.schemes import get_scheme
 
 DTYPES = ("float64", "float32")
@@ -479,9 +478,11 @@ def case_from_dict(data: dict):
 
 
 def _even_megatron(config: Config, t: int) -> bool:
-    """Whether every rank of a Megatron group of ``t`` holds the same local shapes."""
-    first = local_param_shapes(config, t, 0)
-    return all(local_param_shapes(config, t, r) == first for r in range(1, t))
+    """Whether every rank of a Megatron group of ``t`` holds the same local shapes
+    (``megatron.local_param_shapes``): the balanced partitions of the kv heads and of the
+    MLP width are even (the vocabulary is padded to a multiple of t). Pure arithmetic,
+    so that planning loads no MPI."""
+    return config.kv_heads % t == 0 and config.ffn % t == 0
 
 
 def _even_shards(case) -> bool:
@@ -490,9 +491,9 @@ def _even_shards(case) -> bool:
     3D cube); Optimus stores nothing twice and SUMMA2.5's depth copies hold one block."""
     if case.grid_kind == "1d":
         return _even_megatron(case.config, case.t)
-    if case.grid_kind == "3d":
-        from ..transformer.tp3d import _shape_of
+    if case.grid_kind == "3d":           # only a 3D mesh with dp >= 3 loads the module
         from ..transformer.model import param_shapes
+        from ..transformer.tp3d import _shape_of
 
         q, shapes = case.q, param_shapes(case.config).items()
         looks = {tuple(_shape_of(n, s, case.config, q, k, i, j) for n, s in shapes)
