@@ -57,9 +57,12 @@ def _cases():
 
 def _uneven_cases():
     """Tensor shards of unequal sizes (heads, the MLP and the vocabulary not divisible
-    by t, or a 3D cube whose h leaves some blocks empty): each rank's flat layout,
-    buckets and ZeRO chunks are its own, so the ranks of a tensor group cut (and own)
-    the replicated keys in other places while holding the same values."""
+    by t, or a 3D cube whose h leaves some blocks empty): every rank of a tensor group
+    pads each key to the group's largest shard (``Trainer._slots``), so that the
+    replicated keys keep one offset, bucket and ZeRO chunk on all of them. Without the
+    pads, dp = 3 rounded a replicated key's sum in another order on each tensor rank
+    (the audit failed), and sequence parallelism under ZeRO 2-3 summed parts of other
+    keys over the tensor group (the parameters came out wrong)."""
     out = []
     if P % 2 == 0 and P >= 4:
         t = P // 2
@@ -67,6 +70,18 @@ def _uneven_cases():
         for zero in (0, 1, 2, 3):
             out.append(MeshCase.parse(f"dp=2,pp=1,tp=megatron:{t}", 4, cfg, zero=zero,
                                       microbatches=1, bucket_bytes=512))
+        for zero in (2, 3):
+            for bucket in (64, 25 << 20):
+                out.append(MeshCase.parse(f"dp=2,pp=1,tp=megatron:{t}", 4, cfg, zero=zero,
+                                          microbatches=1, bucket_bytes=bucket,
+                                          sequence_parallel=True))
+    if P == 9:                    # three replicas of 4 heads (and their MLP) over t = 3
+        cfg = Config(vocab=7, seq=3, hidden=8, heads=4, layers=2, ffn_mult=1.25)
+        for zero in (0, 1, 2, 3):
+            out.append(MeshCase.parse("dp=3,pp=1,tp=megatron:3", 6, cfg, zero=zero,
+                                      microbatches=2, bucket_bytes=512))
+        out.append(MeshCase.parse("dp=3,pp=1,tp=megatron:3", 3, cfg, zero=2,
+                                  microbatches=1, sequence_parallel=True))
     if P >= 2:
         cfg = Config(vocab=5, seq=2, hidden=2 * (P + 1), heads=P + 1, layers=1, ffn_mult=1.5)
         for bucket in (300, 512):
@@ -85,8 +100,40 @@ IDS = [f"{c.spec}-z{c.zero}" for c in CASES]
 UNEVEN = _uneven_cases()
 
 
-@pytest.mark.parametrize("case", UNEVEN,
-                         ids=[f"{c.spec}-z{c.zero}-b{c.bucket_bytes}" for c in UNEVEN])
+def _uneven_id(c) -> str:
+    return f"{c.spec}-z{c.zero}-b{c.bucket_bytes}" + ("-sp" if c.sequence_parallel else "")
+
+
+@pytest.mark.parametrize("case", UNEVEN, ids=[_uneven_id(c) for c in UNEVEN])
+def test_every_tensor_rank_lays_its_stage_out_alike(case):
+    """Offsets, buckets and owned ZeRO chunks are the same on every rank of a tensor
+    group, however unevenly the scheme cuts its shards, and each key's pad (what its
+    slot holds past the rank's shard) is still zeros after a step: parameters,
+    gradients and Adam's moments."""
+    spec = get_scheme(case.scheme)
+    params, tokens, targets = mesh_inputs(case.config, case.batch, 0)
+    with Mesh(WORLD, case.dp, case.pp, spec.grid_kind, q=case.q, d=case.d,
+              t=case.t) as mesh:
+        tr = Trainer(params, case.config, mesh, spec, zero=case.zero,
+                     microbatches=case.microbatches, bucket_bytes=case.bucket_bytes,
+                     sequence_parallel=case.sequence_parallel)
+        tr.step(tokens, targets)
+        layout = (tr.n, tuple(tr.offsets.items()), tuple(tr.buckets), tuple(tr.owned))
+        every = mesh.tensor.world.mpi.allgather(layout)
+        shapes = mesh.tensor.world.mpi.allgather(tuple(tr.shapes.values()))
+        pads = [(tr.key_ranges()[k][1], tr.offsets[k] + tr.slots[k]) for k in tr.keys]
+        held = tr.held_params() + tr.held_grads() + [
+            (lo, hi, st[name]) for lo, hi, st in tr._held_moments() for name in "mv"]
+        padded = sum(mesh.tensor.world.mpi.allgather(sum(b - a for a, b in pads)))
+        stray = sum(int(np.count_nonzero(vals[max(a, lo) - lo:min(b, hi) - lo]))
+                    for lo, hi, vals in held for a, b in pads if max(a, lo) < min(b, hi))
+    parallel_assert(all(x == every[0] for x in every) and len(set(shapes)) > 1
+                    and padded > 0 and stray == 0,
+                    f"{_uneven_id(case)}: layouts alike {all(x == every[0] for x in every)}, "
+                    f"{len(set(shapes))} shard shapes, {stray} non-zero pad items")
+
+
+@pytest.mark.parametrize("case", UNEVEN, ids=[_uneven_id(c) for c in UNEVEN])
 def test_uneven_shards_pass_the_audit_and_drift_still_fails_it(case):
     """A right run on uneven shards passes every check, the audit included (it compares
     each replicated key where every rank of the group holds it, never one rank's

@@ -489,48 +489,6 @@ def test_the_ring_preflight_counts_what_a_ring_row_holds(dtype):
     assert memory.check_fits(RingCase(n, dtype), 4, available=int(4 * 4.9 * n * it))
 
 
-def test_sequence_parallel_zero_2_3_with_uneven_shards_is_refused():
-    """Its gradients are summed over the tensor group in each rank's owned ZeRO chunks,
-    which uneven shards cut in other places on each tensor rank (the parameters came out
-    wrong, an honest FAIL): refused before any work; even shards, ZeRO 0-1 or dp = 1 run."""
-    from summasim.transformer.model import Config
-
-    odd = Config(vocab=5, seq=2, hidden=6, heads=3, layers=1, ffn_mult=1.5)
-    even = Config(vocab=5, seq=2, hidden=8, heads=2, layers=1, ffn_mult=1.5)
-    for zero in (2, 3):
-        case = MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, zero=zero,
-                              microbatches=1, sequence_parallel=True)
-        assert "even tensor shards" in case.misfit(4)
-        assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, even, zero=zero, microbatches=1,
-                              sequence_parallel=True).misfit(4) == ""
-        assert MeshCase.parse("dp=1,pp=1,tp=megatron:2", 4, odd, zero=zero, microbatches=1,
-                              sequence_parallel=True).misfit(2) == ""
-    assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, zero=1, microbatches=1,
-                          sequence_parallel=True).misfit(4) == ""
-
-
-def test_three_or_more_replicas_of_uneven_megatron_shards_are_refused():
-    """With uneven shards a replicated parameter lies in another chunk of the dp ring on
-    each tensor rank; over 3 or more replicas its sum is rounded in another order there
-    and the tensor replicas drift (the audit failed a right run at dp = 3). Refused before
-    any work; dp = 2 (a + b = b + a) and even shards run."""
-    from summasim.transformer.model import Config
-
-    odd = Config(vocab=11, seq=4, hidden=10, heads=5, layers=2, ffn_mult=1.5)
-    even = Config(vocab=11, seq=4, hidden=8, heads=4, layers=2, ffn_mult=1.5)
-    assert "replicas drift" in MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, odd,
-                                              microbatches=1).misfit(6)
-    assert MeshCase.parse("dp=2,pp=1,tp=megatron:2", 4, odd, microbatches=1).misfit(4) == ""
-    assert MeshCase.parse("dp=3,pp=1,tp=megatron:2", 6, even, microbatches=1).misfit(6) == ""
-    # the 3D cube replicates its vectors over ranks that hold other weight blocks too
-    cube_odd = Config(vocab=4, seq=2, hidden=3, heads=3, layers=1)
-    cube_even = Config(vocab=4, seq=2, hidden=8, heads=4, layers=1)
-    assert "replicas drift" in MeshCase.parse("dp=3,pp=1,tp=3d:2x2x2", 12, cube_odd,
-                                              microbatches=1).misfit(24)
-    assert MeshCase.parse("dp=3,pp=1,tp=3d:2x2x2", 12, cube_even,
-                          microbatches=1).misfit(24) == ""
-
-
 def test_global_sizes_are_three_non_negative_integers():
     """The library's ``sizes=``: Python or NumPy integers (a 1-D integer array too);
     floats, strings, bools and other counts are one ValueError naming the function."""
@@ -542,24 +500,3 @@ def test_global_sizes_are_three_non_negative_integers():
                 (5, 7, 3, 1), None):
         with pytest.raises(ValueError, match="f: sizes must be three non-negative"):
             global_sizes("f", bad)
-
-
-def test_even_megatron_shards_are_the_layout_s():
-    """The pure test of even Megatron shards agrees with the layout's local shapes."""
-    import itertools
-
-    from summasim.harness.cases import _even_megatron
-    from summasim.transformer.megatron import local_param_shapes
-    from summasim.transformer.model import Config
-
-    for h, n, kv, f, t in itertools.product([12, 24], [2, 3, 6], [None, 1, 3], [1.5, 4],
-                                            [2, 3, 4]):
-        if kv is not None and n % kv:
-            continue
-        c = Config(vocab=11, seq=4, hidden=h, heads=n, layers=1, ffn_mult=f,
-                   **({} if kv is None else {"kv_heads": kv}))
-        if c.kv_heads < t:
-            continue
-        first = local_param_shapes(c, t, 0)
-        layout = all(local_param_shapes(c, t, r) == first for r in range(1, t))
-        assert _even_megatron(c, t) == layout, (h, n, kv, f, t)

@@ -352,22 +352,6 @@ class MeshCase:
             elif self.config.seq % self.t:
                 bad.append(f"sequence parallelism needs seq = {self.config.seq} divisible "
                            f"by the tensor group t = {self.t}")
-            elif self.zero >= 2 and self.dp > 1 and not _even_megatron(self.config, self.t):
-                # its gradients are summed over the tensor group in each rank's owned ZeRO
-                # chunks, which uneven shards cut in other places on each tensor rank
-                bad.append(f"sequence parallelism under ZeRO {self.zero} with dp > 1 needs "
-                           f"even tensor shards (the kv heads and the MLP width divisible by "
-                           f"t = {self.t}), or ZeRO 0-1")
-        if self.dp >= 3 and not _even_shards(self):
-            # each tensor rank's flat layout follows its own shards, so a replicated
-            # parameter (a LayerNorm, a bias) lies in another chunk of the data-parallel
-            # ring on each tensor rank and its sum over 3 or more replicas is rounded in
-            # another order: the tensor replicas would drift apart
-            bad.append(f"dp = {self.dp} >= 3 with uneven {self.mesh.tp.label} shards (the "
-                       f"heads, the MLP width or the hidden size not divisible by the "
-                       f"grid): the replicated parameters' data-parallel sums would round "
-                       f"differently on each tensor rank and the replicas drift; use even "
-                       f"shards or dp <= 2")
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
@@ -475,28 +459,3 @@ def case_from_dict(data: dict):
                               stages=(None if data.get("stages") is None
                                       else tuple(int(x) for x in data["stages"])))
     raise ValueError(f"unknown case kind {kind!r}")
-
-
-def _even_megatron(config: Config, t: int) -> bool:
-    """Whether every rank of a Megatron group of ``t`` holds the same local shapes
-    (``megatron.local_param_shapes``): the balanced partitions of the kv heads and of the
-    MLP width are even (the vocabulary is padded to a multiple of t). Pure arithmetic,
-    so that planning loads no MPI."""
-    return config.kv_heads % t == 0 and config.ffn % t == 0
-
-
-def _even_shards(case) -> bool:
-    """Whether every rank of ``case``'s tensor grid lays its parameters out alike, where
-    the scheme replicates some over ranks that hold other blocks (Megatron's group, the
-    3D cube); Optimus stores nothing twice and SUMMA2.5's depth copies hold one block."""
-    if case.grid_kind == "1d":
-        return _even_megatron(case.config, case.t)
-    if case.grid_kind == "3d":           # only a 3D mesh with dp >= 3 loads the module
-        from ..transformer.model import param_shapes
-        from ..transformer.tp3d import _shape_of
-
-        q, shapes = case.q, param_shapes(case.config).items()
-        looks = {tuple(_shape_of(n, s, case.config, q, k, i, j) for n, s in shapes)
-                 for i in range(q) for j in range(q) for k in range(q)}
-        return len(looks) == 1
-    return True

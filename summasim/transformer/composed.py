@@ -715,15 +715,16 @@ class Trainer:
         assert sorted(order) == sorted(keys), (order, keys)   # one stage layout, two views
         self.keys = order
         self.shapes = {k: tuple(local[k].shape) for k in order}
+        self.slots = self._slots(order)
         self.offsets, off = {}, 0
         for k in order:
             self.offsets[k] = off
-            off += math.prod(self.shapes[k])
+            off += self.slots[k]
         self.n = off
         self.units = {}
         for name, ks in units:
             start = self.offsets[ks[0]]
-            stop = self.offsets[ks[-1]] + math.prod(self.shapes[ks[-1]])
+            stop = self.offsets[ks[-1]] + self.slots[ks[-1]]
             self.units[name] = Unit(name, ks, start, stop)
         self.buckets = self._buckets()
         dp, a = self.mesh.dp, self.mesh.a
@@ -753,6 +754,24 @@ class Trainer:
                     self.bucket_piece[i] = max(self.bucket_piece[i],
                                                pieces.index(writer[u.name]))
 
+    def _slots(self, keys: list) -> dict:
+        """``{key: items}`` each key takes in the flat layout: the most any rank of the
+        tensor grid holds of it (one untraced all-gather of the local sizes). Every rank
+        of the grid then lays its stage out alike, however the scheme cuts its shards
+        (heads, the MLP width or the hidden size not divisible by the grid): a key
+        replicated over the grid sits at one offset, in one bucket and one ZeRO chunk on
+        each of them, so that its data-parallel sum adds in one order everywhere (over 3
+        or more replicas the order rounds) and sequence parallelism sums its owned parts
+        over the tensor group item for item. A smaller shard is followed by zeros that no
+        piece reads or writes: their gradients are 0 and Adam keeps them 0 (as Megatron-LM
+        pads the vocabulary to a multiple of the tensor group)."""
+        sizes = tuple(math.prod(self.shapes[k]) for k in keys)
+        world = self.grid.world
+        if world.size > 1:
+            every = allgather_objects(world.mpi, sizes, world.wait_policy)
+            sizes = tuple(max(col) for col in zip(*every))
+        return dict(zip(keys, sizes))
+
     def _bucket_of(self, offset: int) -> int:
         """Index (in ``self.buckets``) of the bucket holding flat item ``offset``."""
         j = bisect.bisect_right(self._bucket_lo, (offset, len(self.buckets))) - 1
@@ -773,7 +792,7 @@ class Trainer:
                 cur = None
             for k in reversed(u.keys):
                 lo = self.offsets[k]
-                hi = lo + math.prod(self.shapes[k])
+                hi = lo + self.slots[k]
                 cur = (lo, hi) if cur is None else (lo, cur[1])
                 if (cur[1] - cur[0]) * item >= self.bucket_bytes:
                     out.append(cur)
@@ -795,8 +814,9 @@ class Trainer:
         if out is None:
             out = self.xp.empty(self.n, dtype=self.config.dtype)
         for k in self.keys:
-            o = self.offsets[k]
-            out[o:o + math.prod(self.shapes[k])] = self.xp.asarray(arrays[k]).reshape(-1)
+            o, n = self.offsets[k], math.prod(self.shapes[k])
+            out[o:o + n] = self.xp.asarray(arrays[k]).reshape(-1)
+            out[o + n:o + self.slots[k]] = 0                  # the pad (:meth:`_slots`)
         return out
 
     def key_ranges(self) -> dict:
