@@ -171,3 +171,13 @@ def test_group_path_memo_returns_what_the_computation_does():
         T._group_path(_nvswitch(), GridShape.of(q=8), "col", 8, Placement("blocked",
                                                                            tile=(2, 4)), True)
     assert group_path(*cases[0], concurrent=False) == T._group_path(*cases[0], False)
+
+
+def test_several_nodes_without_nics_are_refused_when_the_machine_loads():
+    """A machine of several nodes whose topology lacks NICs would load and then fail the
+    first time a group spans nodes; it is refused as it loads, naming the field. One
+    node (or an unstated count) needs none."""
+    with pytest.raises(ValueError, match="2 nodes need nics_per_node > 0"):
+        Topology(**{**_nvswitch(nics=0).to_dict(), "nodes": 2})
+    assert Topology(**{**_nvswitch(nics=0).to_dict(), "nodes": 1}).nodes == 1
+    assert Topology(**{**_nvswitch(nics=2).to_dict(), "nodes": 2}).nics_per_node == 2

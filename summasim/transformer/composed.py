@@ -338,13 +338,13 @@ class ReplicaSet:
     (``state``) in a fixed order, and ``extra``, the digest of what the step's ZeRO-3
     gathers delivered (None elsewhere).
 
-    ``pieces`` (groups whose ranks lay their state out differently: the tensor and the
-    tied-embedding groups) lists the same views by key, ``(kind, key, a, b, view)``
-    with ``kind`` "p", "m" or "v" and ``[a, b)`` in items of the key. Each rank's flat
-    layout, buckets and ZeRO chunks follow its own shard sizes, so ranks that hold the
-    same values may cut them in other places or own other parts of them: the audit
-    compares the parts every rank of the group holds (:func:`common_spans`), key by
-    key, never the order of one rank's segments."""
+    ``pieces`` (the tensor and the tied-embedding groups) lists the same views by key,
+    ``(kind, key, a, b, view)`` with ``kind`` "p", "m" or "v" and ``[a, b)`` in items
+    of the key. The ranks of a tensor group lay their stage out alike
+    (:meth:`Trainer._slots`), but the embedding group joins two stages whose layouts,
+    buckets and ZeRO chunks differ: the audit compares the parts every rank of the
+    group holds (:func:`common_spans`), key by key, never the order of one rank's
+    segments."""
 
     name: str
     comm: object
@@ -990,9 +990,8 @@ class Trainer:
                         order (when :attr:`audit_gathers` was on for the step);
         ``tensor``      the parameters the tensor scheme replicates
                         (:meth:`tensor_replicated`), their held part (ZeRO-3: the owned
-                        chunks) and its moments, compared where every rank of the
-                        group holds them (:attr:`ReplicaSet.pieces`: with uneven shards
-                        the ranks' ZeRO chunks cut a replicated key in other places);
+                        chunks) and its moments, compared key by key where every
+                        rank of the group holds them (:attr:`ReplicaSet.pieces`);
         ``tensor.col``, ``tensor.row``  the 3D layer's vectors over the rest of their
                         plane (:meth:`tensor_planes`);
         ``embed``       with pp > 1, ``wte`` on the first and the last stage (the tied

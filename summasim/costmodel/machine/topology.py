@@ -237,6 +237,9 @@ class Topology:
                              "socket_bandwidth > 0 (flows between sockets cross it)")
         if self.nics_per_node and self.nic_bandwidth <= 0:
             raise ValueError("topology: nics_per_node > 0 needs nic_bandwidth > 0")
+        if self.nodes is not None and self.nodes > 1 and not self.nics_per_node:
+            raise ValueError(f"topology: {self.nodes} nodes need nics_per_node > 0 (and "
+                             f"nic_bandwidth): a group that spans nodes crosses their NICs")
         if not isinstance(self.ll128, bool):
             raise ValueError("machine field 'topology.ll128' must be true or false")
         self._check_fabric()
