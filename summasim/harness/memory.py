@@ -3,12 +3,15 @@ what would (pure, except for reading /proc).
 
 The estimate of a product run counts, per rank: the A, B and C blocks; the
 algorithm's workspaces (two receive buffers per broadcast operand, two partial
-products and the tree-reduce scratch for the reducing forms, the depth ring's
-receive chunk); the host copy of C the check reads; and the check itself (the
-float64 reference and scale blocks and one k-panel of each operand for ``exact``,
-the panels and probe products for ``freivalds``). Peak RSS measured at 4096^3 on 4
-ranks: 318 MiB, of which about 60 MiB is the interpreter and MPI before any
-allocation; the estimate is 288 MiB (``--check freivalds``, what ``auto`` picks there).
+products and the tree-reduce scratch for the reducing forms; the 3D product's
+gathered operands and partial product; SD 2.5D's depth copies; a depth ring's
+receive chunk and the trial rings of its first call); the host copy of C the check
+reads; and the check itself (the float64 reference, scale and panel product for
+``exact``, the panels and probe products for ``freivalds``). Peak RSS measured at
+4096^3 on 4 ranks: 318 MiB, of which about 60 MiB is the interpreter and MPI before
+any allocation; the estimate is 304 MiB (``--check freivalds``, what ``auto`` picks
+there). ``mpi_tests/test_harness.py`` holds the estimate to the traced peak of the
+deep products' arrays.
 """
 
 from __future__ import annotations
@@ -67,16 +70,45 @@ def _product_parts(case, method: str) -> tuple[int, int]:
     nc = mb * nb
     blocks = (na + nb_ + nc) * it
     side = max(q, case.cols)                            # the larger group of a layer
-    work = (2 * na + 2 * nb_) * it if side > 1 else 0
-    if spec.op != "ab" and side > 1:
-        work += (2 + max(1, math.ceil(math.log2(side)))) * nc * it
-    if d > 1 and spec.op == "atb":
-        work += nc * it // d + 1
+    if spec.layout_c == "3d-c":
+        work = _mm3d_work(case, na, nb_, nc) * it
+    else:
+        work = (2 * na + 2 * nb_) * it if side > 1 else 0
+        if spec.op != "ab" and side > 1:
+            work += (2 + max(1, math.ceil(math.log2(side)))) * nc * it
+        if d > 1 and (spec.op == "atb" or case.algorithm == "sd25_ab"):
+            chunk = -(-nc // d)            # the depth ring all-reduce of C: its chunk
+            work += (chunk + _ring_trial(chunk, d)) * it
+        if case.algorithm == "sd25_ab" and d > 1:
+            work += (na + nb_) * it        # layers above 0: the depth copies of A and B
     host = nc * 8                                       # float64 copy of C for the check
     width = panel_width(case)
-    panels = 2 * (mb * width + width * nb) * 8          # float64 panels and their abs
-    check = (2 * nc * 8 if method == "exact" else 4 * mb * 8 * 4) + panels
+    # float64 panels and their abs, and the generator's panels they are converted from
+    panels = 3 * (mb * width + width * nb) * 8
+    # exact: the reference, its scale and the product of a panel pair before it is added
+    check = (3 * nc * 8 if method == "exact" else 4 * mb * 8 * 4) + panels
     return blocks + work, host + check
+
+
+def _mm3d_work(case, na: int, nb: int, nc: int) -> int:
+    """Items of the 3D product's workspaces (:func:`summasim.algorithms.deep._mm3d`):
+    the row and column all-gathers of A's and B's pieces (q pieces each, padded to the
+    largest; with uneven pieces also the padded send and the unpadded copy), the
+    partial product ``C[M_i, N_j]`` (q of C's pieces), the depth ring's receive chunk
+    (one piece) and its first call's trials."""
+    q = case.q
+    if q == 1:
+        return 0
+    uneven = any(x % (q * q) for x in (case.m, case.k, case.n))
+    gathers = q * (na + nb) * (2 if uneven else 1) + ((na + nb) if uneven else 0)
+    return gathers + (q + 1) * nc + _ring_trial(nc, q)
+
+
+def _ring_trial(chunk: int, p: int) -> int:
+    """Items of the scratch a ring's first call of a size class may hold while it
+    measures how to wait (:func:`summasim.algorithms.allreduce.ring_trial`: a ring of
+    p chunks and a receive chunk, freed before the ring's own steps)."""
+    return (p + 1) * chunk if p > 1 else 0
 
 
 #: vectors of the ring row's length a rank holds at its peak (measured 3.8 with NumPy at
