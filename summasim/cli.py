@@ -432,6 +432,21 @@ def _probe_dir(folder: str, make: bool = True) -> None:
         raise UsageError(f"{folder}: cannot write there ({_os_reason(exc)})") from None
 
 
+def check_distinct_outputs(outputs) -> None:
+    """Refuse two outputs of one command at one file: ``outputs`` is ``[(flag, path)]``
+    (None paths skipped); a :class:`UsageError` names both flags, since the second
+    write would replace the first's file."""
+    seen: dict = {}
+    for flag, path in outputs:
+        if path is None:
+            continue
+        real = os.path.realpath(os.fspath(path))
+        if real in seen:
+            raise UsageError(f"{seen[real]} and {flag} both write {os.fspath(path)}: the "
+                             f"second would replace the first; give them other paths")
+        seen[real] = flag
+
+
 def check_writable_dir(path) -> str:
     """``path`` if it is (or can be made) a folder that accepts new files, else raise
     :class:`UsageError`. Creates the folder (that is what an output folder is for)."""

@@ -195,6 +195,16 @@ def add_machine(ap, default: str | None = None, help_more: str = ""):
                          + (f" (default {default})" if default else "") + help_more)
 
 
+def check_machine_used(args) -> None:
+    """``--machine`` with ``--no-predict``: the machine would price nothing and a bad
+    file would pass unread; a :class:`~summasim.cli.UsageError`."""
+    if getattr(args, "no_predict", False) and getattr(args, "machine", None) is not None:
+        from .cli import UsageError
+
+        raise UsageError("--machine prices the runs and --no-predict prices none; leave "
+                         "one of them out")
+
+
 def add_dtype(ap, choices=("float64", "float32"), default: str | None = "float64",
               help_more=""):
     """``--dtype``: the element type (``default=None``: the command picks one and

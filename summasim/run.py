@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "0.5 s); the median span is reported (default 3; 0 validates without "
                     f"timing, for sizes where one call takes minutes; at most {MAX_REPEATS})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="BLAS threads per rank (default 1 when p > 1, else the library's)")
+    ap.add_argument("--threads", type=cli.int_between(1, 256), default=None,
+                    help="BLAS threads per rank (default 1 when p > 1, else the library's; "
+                    "at most 256)")
     ap.add_argument("--json", metavar="PATH", type=cli.report_path("run"),
                     action=cli.ReportAction, help="also write the report as JSON to PATH "
                     "(atomically), e.g. results/run.json; its folder must exist")
@@ -158,8 +159,6 @@ def parse_args(argv=None):
         raise UsageError("--sizes must be positive")
     if args.ring_size is not None and args.ring_size < 1:
         raise UsageError("--ring-size must be positive")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("--threads must be at least 1")
     if args.seed < 0:
         raise UsageError("--seed must be non-negative")
     args.fault = None
@@ -168,6 +167,7 @@ def parse_args(argv=None):
             args.fault = Fault.parse(args.inject)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    options.check_machine_used(args)
     if args.self_test and args.inject:
         raise UsageError("--self-test injects every fault itself; leave out --inject")
     if args.self_test and (args.model or args.batch or args.mesh or args.sizes

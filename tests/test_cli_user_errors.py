@@ -497,3 +497,60 @@ def test_table1_says_why_optimus_has_no_column_at_a_p_that_is_not_a_square(capsy
     out = capsys.readouterr().out
     assert "megatron  forward communication" in out
     assert "p = 8 is not a square" in out and "needs p = d*q*q" not in out
+
+
+def test_two_outputs_at_one_path_are_refused_before_any_work(tmp_path):
+    """``plan --json X --plot X`` wrote the plot over the plan's JSON (exit 0), and
+    ``explore --csv X --json X`` did all its work before refusing the second file:
+    both are one line and exit 2 up front, and nothing is written."""
+    same = tmp_path / "out.png"
+    res = run("summasim.costmodel", "plan", "--model", "tiny", "--devices", "4", "--machine",
+              "dgx-a100", "--batch", "8", "--json", same, "--plot", same)
+    assert_user_error(res, "--json and --plot both write")
+    same = tmp_path / "out.csv"
+    res = run(*EXPLORE, "--csv", same, "--json", same)
+    assert_user_error(res, "--csv and --json both write")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("field,value,says", [
+    (("device", "memory_bandwidth"), 1e-300, "memory_bandwidth"),
+    (("device", "vector_flops", "bfloat16"), 1e-300, "vector_flops"),
+    (("topology", "intra_bandwidth"), 1e-300, "intra_bandwidth"),
+    (("gamma_elementwise",), 1e300, "gamma_elementwise"), (("cores",), 1e300, "cores"),
+    (("intra", "beta_large"), 1e300, "large-message regime")])
+def test_a_machine_file_out_of_physical_bounds_is_refused(tmp_path, field, value, says):
+    """One number a thousand orders of magnitude off priced a step of "inf ms" and
+    exited 0: a machine file is held to the physical bounds as it loads."""
+    import json
+
+    data = json.loads(run("summasim.costmodel", "presets", "dgx-a100").stdout)
+    node = data
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = value
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    res = run("summasim.costmodel", "predict", "--model", "tiny", "--mesh",
+              "dp=2,pp=2,tp=optimus:2x2", "--microbatches", "2", "--batch", "8",
+              "--machine", path)
+    assert_user_error(res, "--machine", says)
+
+
+def test_the_accuracy_worker_checks_its_files_before_any_work(tmp_path):
+    """``costmodel accuracy-worker SPEC OUT`` (internal, but on the command line):
+    a missing spec or one without cases was a traceback and MPI_Abort, an empty list
+    of cases exited 0 having checked nothing, and OUT replaced any file."""
+    import json
+
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cases": [{"kind": "ring", "n": 8}]}))
+    worker = ("summasim.costmodel", "accuracy-worker")
+    assert_user_error(run(*worker, tmp_path / "missing.json", tmp_path / "o.json"),
+                      "missing.json")
+    (tmp_path / "empty.json").write_text(json.dumps({"cases": []}))
+    assert_user_error(run(*worker, tmp_path / "empty.json", tmp_path / "o.json"), "cases")
+    assert_user_error(run(*worker, spec, precious), "not a worker's results")
+    assert precious.read_text() == "keep me"

@@ -181,3 +181,16 @@ def test_several_nodes_without_nics_are_refused_when_the_machine_loads():
         Topology(**{**_nvswitch(nics=0).to_dict(), "nodes": 2})
     assert Topology(**{**_nvswitch(nics=0).to_dict(), "nodes": 1}).nodes == 1
     assert Topology(**{**_nvswitch(nics=2).to_dict(), "nodes": 2}).nics_per_node == 2
+
+
+def test_a_group_across_nodes_without_nics_is_a_user_error():
+    """A machine file whose nodes have no NICs (nics_per_node 0, or left out) can price
+    groups inside a node; a group that spans nodes is a user error naming the field and
+    the most devices that can be placed (it was a ValueError traceback from predict,
+    plan and explore)."""
+    from summasim.cli import UsageError
+
+    topo = _nvswitch(nics=0)
+    assert group_path(topo, GridShape.of(8), "world", 8).nodes == 1
+    with pytest.raises(UsageError, match=r"nics_per_node = 0.*16 devices spans 2 nodes of 8"):
+        group_path(topo, GridShape.of(16), "world", 16)

@@ -216,8 +216,9 @@ def test_memory_estimate_grows_with_the_share_and_refuses_with_what_fits():
     big = MatmulCase("summa_ab", 4, 1, 8192, 8192, 8192)
     # a rank's share of 8192^3 on 16 ranks is that of 4096^3 on 4
     assert memory.product_bytes(big) == pytest.approx(memory.product_bytes(small), rel=0.3)
-    # the whole 4096^3 inputs are 3 * 128 MiB; a rank needs far less than that
-    assert memory.product_bytes(small) < 3 * 4096**2 * 8
+    # the whole 8192^3 operands are 3 * 512 MiB; a rank of 16 needs far less than that
+    # (its blocks, workspaces and the exact check's float64 blocks of C: ~0.3 of it)
+    assert memory.product_bytes(big) < 0.5 * 3 * 8192**2 * 8
     assert memory.check_fits(small, 4, available=64 * 2**30) == ""
     msg = memory.check_fits(MatmulCase("summa_ab", 4, 1, 100000, 100000, 100000), 16,
                             available=24 * 2**30)
@@ -437,6 +438,9 @@ def test_mesh_comparison_keeps_a_non_finite_serial_value():
         def key_ranges(self):
             return {"a": (0, 4), "b": (4, 10)}
 
+        def pad_ranges(self):
+            return {}
+
     ser = np.arange(1.0, 11.0)
     held = [(0, 10, ser.copy())]
     assert _compare(Layout(), held, ser, _max_abs({"a": ser[:4], "b": ser[4:]})) == (0.0, "a")
@@ -500,3 +504,65 @@ def test_global_sizes_are_three_non_negative_integers():
                 (5, 7, 3, 1), None):
         with pytest.raises(ValueError, match="f: sizes must be three non-negative"):
             global_sizes("f", bad)
+
+
+def test_a_job_timeout_under_a_second_still_limits_the_job():
+    """``accuracy --timeout 0.5`` became ``timeout 0``, which GNU timeout reads as no
+    limit at all: the bound rounds up to whole seconds, at least 1."""
+    from summasim.harness.worker import timeout_prefix
+
+    assert timeout_prefix(0.5) == ["timeout", "-k", "10", "1"]
+    assert timeout_prefix(1e-9)[-1] == "1"
+    assert timeout_prefix(90.2)[-1] == "91" and timeout_prefix(600)[-1] == "600"
+
+
+class _PaddedTrainer:
+    """A stand-in for a Trainer's flat layout: key ``a`` holds items [0, 3) of a slot of
+    5 (items 3 and 4 are its pad), key ``b`` items [5, 9)."""
+
+    precision = None
+
+    def __init__(self, grads):
+        self.grads = grads
+
+    def key_ranges(self):
+        return {"a": (0, 3), "b": (5, 9)}
+
+    def pad_ranges(self):
+        return {"a": (3, 5)}
+
+    def held_grads(self):
+        # owned chunks: one of a's pad alone (a ZeRO chunk can be all pad), then b
+        return [(3, 5, self.grads[:2]), (5, 9, self.grads[2:])]
+
+
+def test_a_nonzero_pad_fails_the_comparison_and_faults_land_in_a_shard():
+    """The zeros after a smaller shard (one layout per tensor group) must stay zero: a
+    value there is an infinite error naming the key; and a fault goes into a shard's
+    items, never a pad, where no check would see it (a chunk that began with a pad took
+    the fault there, and --self-test missed perturb at 8 ranks)."""
+    from summasim.harness.composed import _corrupt_held, _worst
+
+    grads = np.array([0.0, 0.0, 1.0, -3.0, 2.0, 0.5])
+    tr = _PaddedTrainer(grads)
+    err = lambda key, vals, s, e: 0.0                                  # noqa: E731
+    assert _worst(tr, [(3, 9, grads)], err) == (0.0, "b")
+    dirty = grads.copy()
+    dirty[1] = 1e-300
+    assert _worst(tr, [(3, 9, dirty)], err) == (math.inf, "the pad after a")
+    assert _corrupt_held(tr, "nan")
+    assert not np.isnan(grads[:2]).any() and np.isnan(grads[2:]).sum() == 1
+
+
+def test_a_mesh_misfit_names_the_micro_batch_only_when_it_is_the_cause():
+    """A model the grid cannot cut is said as it is; a batch the grid cannot cut is the
+    micro-batch, with the --batch it comes from (it read "batch = 1" for --batch 2, and
+    "(micro-batch of 1 sequences)" followed reasons that had nothing to do with it)."""
+    from summasim.transformer.model import Config
+
+    c = Config(vocab=7, seq=3, hidden=10, heads=5, layers=1)
+    why = MeshCase.parse("dp=2,pp=1,tp=optimus:2x2", 2, c, microbatches=1).misfit(8)
+    assert why == "micro-batch = 1 is not divisible by 2 (--batch 2 over dp * microbatches = 2)"
+    c = Config(vocab=7, seq=3, hidden=12, heads=3, layers=1)
+    why = MeshCase.parse("dp=1,pp=1,tp=megatron:4", 2, c, microbatches=1).misfit(4)
+    assert why == "heads = 3 is smaller than 4 (one per rank)"

@@ -275,6 +275,19 @@ def test_self_test_catches_every_fault(mpiexec):
     assert "self-test passed" in proc.stdout
 
 
+def test_self_test_catches_every_fault_on_the_meshes_of_8_ranks(mpiexec):
+    """--self-test's meshes at p = 8 (SUMMA2.5 [2,2,2] under ZeRO 3, dp x pp x
+    Megatron): perturb was missed there when a ZeRO chunk of the last rank began with
+    a pad of the flat layout and took the fault."""
+    proc, _ = launch(mpiexec, 8, ["-m", "summasim.run", "--self-test", "--algorithms",
+                                  "none", "--schemes", "none"], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if " float64 " in ln]
+    assert len(rows) >= 2 and all("MISSED" not in ln and ln.split()[-6] == "OK"
+                                  for ln in rows), proc.stdout
+    assert "self-test passed" in proc.stdout
+
+
 @pytest.mark.parametrize("fault", ["nan@3", "inf@2", "perturb@1", "drop@3"])
 def test_injected_fault_fails_the_job(mpiexec, tmp_path, fault):
     path = tmp_path / "run.json"

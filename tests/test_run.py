@@ -181,6 +181,8 @@ def test_cli_arguments():
                                                        "--schemes", "none", "--meshes", "none"],
                 ["--microbatches", "0"], ["--zero", "4"], ["--schedule", "zb"],
                 ["--bucket", "0"],
+                # BLAS threads: 2**64 + 1 overflowed in threadpoolctl on every rank
+                ["--threads", "0"], ["--threads", "257"], ["--threads", str(2 ** 64 + 1)],
                 # how a --mesh trains, without --mesh: refused even at the default value
                 ["--zero", "0"], ["--schedule", "1f1b"], ["--attention", "plain"],
                 ["--recompute", "none"]):
@@ -272,3 +274,14 @@ def test_preflight_checks_the_gpu_with_a_device_backend(monkeypatch):
     assert "sharing one GPU" in msg and "the largest cube that fits is" in msg, msg
     small = ["--sizes", "1024", "1024", "1024", "--algorithms", "summa_ab", "--schemes", "none"]
     assert run.preflight(run.parse_args(small + ["--backend", "cupy"]), _World(4)) == ""
+
+
+def test_a_machine_that_would_price_nothing_is_refused():
+    """``--machine`` with ``--no-predict`` was ignored, a missing file included (exit
+    0): one user error, in the main job and the benchmarks."""
+    from summasim.bench.__main__ import parse_args as bench_args
+
+    for parse, argv in ((run.parse_args, []), (bench_args, ["mesh"])):
+        with pytest.raises(UsageError, match="--machine prices the runs"):
+            parse([*argv, "--no-predict", "--machine", "/nonexistent.json"])
+        assert parse([*argv, "--no-predict"]).machine is None

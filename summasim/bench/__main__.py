@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import cli
+from .. import cli, options
 from ..harness.frontend import Parser, check_outputs, mpi_main
 from . import allreduce, gemm, layer, mesh, ring_steps, transformer
 from .common import (Run, add_backend, add_json, add_predict, add_repeats, given,
@@ -79,6 +79,7 @@ def parse_args(argv=None):
         argv.insert(0, "all")
     with cli.launcher_rank0_output():
         args = build_parser().parse_args(argv)
+    options.check_machine_used(args)
     if args.what == "layer":
         layer.check(args)
     if args.what == "mesh":

@@ -26,7 +26,7 @@ from summasim.costmodel.workload.measured import MeasuredRun
 from ..jsonio import write_json_atomic
 from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet
-from .worker import launch, mpiexec, worker_env
+from .worker import launch, mpiexec, timeout_prefix, worker_env
 
 
 # --------------------------------------------------------------------------- the plan
@@ -116,7 +116,7 @@ def _environ(**values):
 
 def _fit_machine(path: str, timeout: float, say) -> None:
     env = worker_env()
-    cmd = ["timeout", "-k", "10", str(int(timeout))] + mpiexec() + [
+    cmd = timeout_prefix(timeout) + mpiexec() + [
         "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit", "--out", path]
     say(f"$ {' '.join(cmd[4:])}")
     if subprocess.run(cmd, env=env).returncode != 0:

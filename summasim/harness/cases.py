@@ -356,9 +356,14 @@ class MeshCase:
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
         else:
-            why = self.mesh.tp.misfit(self.config, self.micro_batch)
-            if why:
-                bad.append(f"{why} (micro-batch of {self.micro_batch} sequences)")
+            model_only = self.mesh.tp.misfit(self.config)
+            why = model_only or self.mesh.tp.misfit(self.config, self.micro_batch)
+            if model_only:
+                bad.append(model_only)
+            elif why:              # the micro-batch: batch / (dp * microbatches)
+                bad.append(why.replace("batch = ", "micro-batch = ", 1) + (
+                    f" (--batch {self.batch} over dp * microbatches = "
+                    f"{self.dp * self.microbatches})"))
         return "; ".join(bad)
 
     def grid_label(self, p: int | None = None) -> str:

@@ -196,12 +196,19 @@ def _host(x) -> np.ndarray:
 
 def _worst(trainer, held, err_of) -> tuple[float, str]:
     """Worst ``err_of(key, values, start, stop)`` over every key's part of what ``held``
-    covers (NaN, at once, when a held value or an error is not finite), and that key."""
+    covers (NaN, at once, when a held value or an error is not finite), and that key;
+    infinite when a pad after a shard (:meth:`~summasim.transformer.composed.Trainer.
+    pad_ranges`) is not zero, as it must stay."""
     worst, where = 0.0, ""
+    pads = trainer.pad_ranges()
     for lo, hi, vals in held:
         vals = _host(vals)
         if not np.isfinite(vals).all():
             return math.nan, "non-finite"
+        for key, (a, b) in pads.items():
+            s, e = max(lo, a), min(hi, b)
+            if s < e and np.any(vals[s - lo:e - lo]):
+                return math.inf, f"the pad after {key}"
         for key, (a, b) in trainer.key_ranges().items():
             s, e = max(lo, a), min(hi, b)
             if s >= e:
@@ -299,14 +306,16 @@ def nominal_group_traffic(tr, batch: int, seq: int) -> dict:
 
 
 def _corrupt_held(tr, kind: str) -> bool:
-    """``nan``/``inf``/``perturb`` in the first non-empty gradient the rank holds (under
+    """``nan``/``inf``/``perturb`` in the first gradient items the rank holds (under
     mixed precision ``perturb`` doubles the entry: the fp32 gradient is held to the
     16-bit bound, far above float32's)."""
     eps = PERTURB_HALF if tr.precision else None
-    for _, _, vals in tr.held_grads():
-        if vals.size:
-            corrupt_entry(vals, kind, eps)        # a device array: through the host
-            return True
+    keys = sorted(tr.key_ranges().values())
+    for lo, hi, vals in tr.held_grads():
+        for a, b in keys:                         # a shard's items, never its pad
+            if max(a, lo) < min(b, hi):
+                corrupt_entry(vals[max(a, lo) - lo:min(b, hi) - lo], kind, eps)
+                return True                       # a device array: through the host
     return False
 
 

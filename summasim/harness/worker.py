@@ -14,6 +14,7 @@ interpreter, else the one on PATH; e.g. ``srun``) with ``$SUMMASIM_MPIEXEC_FLAGS
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,6 +49,12 @@ def check_launcher() -> None:
                          f"default: the mpiexec beside this Python or on PATH)")
 
 
+def timeout_prefix(seconds: float) -> list[str]:
+    """``timeout -k 10 S`` for a job of at most ``seconds``: S whole seconds, rounded
+    up and at least 1 (GNU timeout takes 0 as no limit at all)."""
+    return ["timeout", "-k", "10", str(max(1, math.ceil(seconds)))]
+
+
 def worker_env() -> dict:
     """The environment of a launched job: one BLAS thread per rank."""
     return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -64,7 +71,7 @@ def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: floa
     with open(spec, "w", encoding="utf-8") as fh:
         json.dump({"repeats": repeats, "seed": seed, "check": check,
                    "cases": [c.to_dict() for c in cases]}, fh)
-    cmd = ["timeout", "-k", "10", str(int(timeout))] + mpiexec() + [
+    cmd = timeout_prefix(timeout) + mpiexec() + [
         "-n", str(p), sys.executable, "-m", "summasim.harness.worker", spec, out]
     say(f"$ {' '.join(cmd[4:])}")
     proc = subprocess.run(cmd, env=worker_env())
@@ -79,9 +86,39 @@ def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: floa
     return [MeasuredRun.from_dict(dict(r, p=data["p"])) for r in data["results"]]
 
 
+def check_worker_files(spec_path: str, out_path: str) -> dict:
+    """The spec (a JSON object whose ``cases`` is a non-empty list), read safely, and an
+    output path that is free or holds an earlier worker's results; a
+    :class:`summasim.cli.UsageError` otherwise (the same on every rank: each reads the
+    same files, before any work)."""
+    from ..cli import UsageError, read_json_file
+
+    spec = read_json_file(spec_path)
+    if not isinstance(spec.get("cases"), list) or not spec["cases"]:
+        raise UsageError(f"{spec_path}: a worker spec lists its cases (a non-empty list "
+                         f"under \"cases\"); nothing to run")
+    if os.path.lexists(out_path):
+        try:
+            old = read_json_file(out_path)
+        except (UsageError, OSError):
+            old = None
+        if not (isinstance(old, dict) and {"p", "results"} <= old.keys()):
+            raise UsageError(f"{out_path} exists and is not a worker's results; give a new "
+                             f"path")
+    return spec
+
+
 def worker_main(spec_path: str, out_path: str) -> int:
-    """Run the cases of a spec file under MPI; rank 0 writes the results (atomically)."""
+    """Run the cases of a spec file under MPI; rank 0 writes the results (atomically).
+    A bad spec or output path is one line and exit 2 (:func:`check_worker_files`)."""
     from mpi4py import MPI
+
+    from ..cli import UsageError, print_error
+
+    try:
+        spec = check_worker_files(spec_path, out_path)
+    except UsageError as exc:
+        return print_error("python -m summasim.costmodel accuracy-worker", exc)
 
     from ..backends import get_backend
     from ..comm import cores, default_wait_policy
@@ -92,8 +129,6 @@ def worker_main(spec_path: str, out_path: str) -> int:
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     with abort_on_error(world):
-        with open(spec_path, encoding="utf-8") as fh:
-            spec = json.load(fh)
         # one BLAS thread per rank, at p = 1 too: the machine's GEMM rates are per rank
         # (fitted at p = 2, one thread each), and the serial calibration steps are
         # compared with them (with all cores a GEMM-bound step could beat them)

@@ -755,9 +755,10 @@ class Trainer:
                                                pieces.index(writer[u.name]))
 
     def _slots(self, keys: list) -> dict:
-        """``{key: items}`` each key takes in the flat layout: the most any rank of the
-        tensor grid holds of it (one untraced all-gather of the local sizes). Every rank
-        of the grid then lays its stage out alike, however the scheme cuts its shards
+        """``{key: items}`` each key takes in the flat layout: under Megatron and the 3D
+        layer, the most any rank of the tensor grid holds of it (one untraced all-gather
+        of the local sizes); elsewhere the rank's own. Every rank of a Megatron group or
+        a 3D cube then lays its stage out alike, however the scheme cuts its shards
         (heads, the MLP width or the hidden size not divisible by the grid): a key
         replicated over the grid sits at one offset, in one bucket and one ZeRO chunk on
         each of them, so that its data-parallel sum adds in one order everywhere (over 3
@@ -767,7 +768,10 @@ class Trainer:
         pads the vocabulary to a multiple of the tensor group)."""
         sizes = tuple(math.prod(self.shapes[k]) for k in keys)
         world = self.grid.world
-        if world.size > 1:
+        # only Megatron's group and the 3D cube replicate a parameter over ranks that
+        # hold other shards; Optimus and SUMMA2.5 keep their row vectors on one row
+        # (the others would hold whole slots of zeros) and their depth copies alike
+        if world.size > 1 and self.spec.grid_kind in ("1d", "3d"):
             every = allgather_objects(world.mpi, sizes, world.wait_policy)
             sizes = tuple(max(col) for col in zip(*every))
         return dict(zip(keys, sizes))
@@ -822,6 +826,16 @@ class Trainer:
     def key_ranges(self) -> dict:
         """``{key: (start, stop)}`` in the flat layout."""
         return {k: (o, o + math.prod(self.shapes[k])) for k, o in self.offsets.items()}
+
+    def pad_ranges(self) -> dict:
+        """``{key: (start, stop)}`` of the zeros after each key's shard in its slot
+        (:meth:`_slots`), for the keys that have any."""
+        out = {}
+        for k, o in self.offsets.items():
+            lo, hi = o + math.prod(self.shapes[k]), o + self.slots[k]
+            if hi > lo:
+                out[k] = (lo, hi)
+        return out
 
     def load_state(self, params: dict, m: dict | None = None, v: dict | None = None,
                    step: int = 0) -> None:

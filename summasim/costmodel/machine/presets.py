@@ -104,7 +104,7 @@ def load_machine(text: "str | Machine") -> Machine:
         return text
     text = str(text)
     if os.path.exists(text):
-        return Machine.load(text)
+        return _load_file(text)
     base, sep, spec = text.rpartition(":")
     if sep and base and ("=" in spec or not spec or base in list_presets()
                          or base in ALIASES or os.path.exists(base)):
@@ -114,12 +114,28 @@ def load_machine(text: "str | Machine") -> Machine:
                              f"{VARIANT_EXAMPLE})")
         return derive(load_machine(base), spec)          # NAME:key=value,...
     if os.sep in text or text.endswith(".json"):
-        return Machine.load(text)
+        return _load_file(text)
     names = list_presets()
     if text not in names and text not in ALIASES:
         raise ValueError(f"{text!r} is neither a machine file nor a preset; known presets: "
                          f"{', '.join(names)}")
     return load_preset(text)
+
+
+def _load_file(path: str) -> Machine:
+    """A machine file, held to the physical bounds
+    (:func:`~summasim.costmodel.machine.sanity.physical_problems`): a
+    :class:`summasim.cli.UsageError` naming the file and the first number out of them."""
+    from summasim.cli import UsageError
+
+    from .sanity import physical_problems
+
+    machine = Machine.load(path)
+    bad = physical_problems(machine)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UsageError(f"machine file {path}: {bad[0]}{more}")
+    return machine
 
 
 # --------------------------------------------------------------------------- variants

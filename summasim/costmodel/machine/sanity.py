@@ -72,6 +72,90 @@ def _link_problems(link: Link, tag: str) -> list[str]:
     return out
 
 
+#: Most compute units a machine can have per node.
+MAX_CORES = 1 << 20
+
+
+def physical_problems(machine) -> list[str]:
+    """What is physically impossible in ``machine``'s own numbers (a Machine): the
+    bounds below on the links, GEMM, reductions and the other terms, and on the
+    device and topology where given; what :func:`sanity_problems` checks but the fit's
+    notes. Every ``--machine FILE`` is held to it as it loads
+    (:func:`~summasim.costmodel.machine.presets.load_machine`): a number a thousand
+    orders of magnitude off priced steps of "inf ms" and exited 0."""
+    m = machine
+    out = []
+    if _bad(m.cores) or m.cores < 1 or m.cores > MAX_CORES:
+        out.append(f"cores = {m.cores!r} (must be an integer from 1 to {MAX_CORES})")
+    out += _link_problems(m.intra, "intra-node link")
+    if m.inter is not None:
+        out += _link_problems(m.inter, "inter-node link")
+    for dt, pts in m.gamma_gemm.items():
+        for n, g in pts:
+            if _bad(g) or g <= 0:
+                out.append(f"GEMM {dt} n={n:g}: gamma = {g!r} s/flop (must be finite, > 0)")
+            elif not MIN_FLOPS <= 1.0 / g <= MAX_FLOPS:
+                out.append(f"GEMM {dt} n={n:g}: {1 / g / 1e9:.4g} GFLOP/s per compute unit "
+                           f"is outside [{MIN_FLOPS / 1e9:g}, {MAX_FLOPS / 1e9:g}] GFLOP/s")
+    for name in ("gamma_reduce", "gamma_reduce_mpi"):
+        g = getattr(m, name)
+        if _bad(g) or g < 0:
+            out.append(f"{name} = {g!r} s/B (must be finite and >= 0)")
+        elif g > 0 and 1.0 / g > MAX_REDUCE_BANDWIDTH:
+            out.append(f"{name}: {1 / g / 1e9:.4g} GB/s of reduction is above "
+                       f"{MAX_REDUCE_BANDWIDTH / 1e9:g} GB/s")
+        elif g > 0 and 1.0 / g < MIN_LINK_BANDWIDTH:
+            out.append(f"{name}: {1 / g / 1e6:.3g} MB/s of reduction is below "
+                       f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s")
+    for name in ("call_seconds", "gamma_elementwise", "layer_seconds", "memory_bytes"):
+        v = getattr(m, name)
+        if _bad(v) or v < 0:
+            out.append(f"{name} = {v!r} (must be finite and >= 0)")
+    if not _bad(m.gamma_elementwise) and m.gamma_elementwise > 1.0 / MIN_LINK_BANDWIDTH:
+        out.append(f"gamma_elementwise = {m.gamma_elementwise:.3g} s/B: below "
+                   f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s of memory traffic")
+    for name in ("call_seconds", "layer_seconds"):
+        v = getattr(m, name)
+        if not _bad(v) and v > MAX_ALPHA:
+            out.append(f"{name} = {v:.3g} s is above {MAX_ALPHA:g} s")
+    if m.shared_core is not None:
+        for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
+            v = getattr(m.shared_core, name)
+            if v is None and name in SharedCore._OPTIONAL:
+                continue
+            if _bad(v) or v < 0:
+                out.append(f"shared_core.{name} = {v!r} (must be finite and >= 0)")
+        wf = m.shared_core.work_factor
+        if not _bad(wf) and wf <= 0:
+            out.append("shared_core.work_factor = 0: oversubscribed work would be free")
+    out += _device_problems(m)
+    return out
+
+
+def _device_problems(m) -> list[str]:
+    """The device's and the topology's rates within the bounds above."""
+    out = []
+    dev = getattr(m, "device", None)
+    if dev is not None:
+        bw = dev.memory_bandwidth
+        if not MIN_LINK_BANDWIDTH <= bw <= MAX_REDUCE_BANDWIDTH:
+            out.append(f"device.memory_bandwidth = {bw:.3g} B/s is outside "
+                       f"[{MIN_LINK_BANDWIDTH:g}, {MAX_REDUCE_BANDWIDTH:g}]")
+        for dt, f in (dev.vector_flops or {}).items():
+            if not MIN_FLOPS <= f <= MAX_FLOPS:
+                out.append(f"device.vector_flops.{dt} = {f:.3g} flop/s is outside "
+                           f"[{MIN_FLOPS:g}, {MAX_FLOPS:g}]")
+    topo = getattr(m, "topology", None)
+    if topo is not None:
+        for name in ("intra_bandwidth", "socket_bandwidth", "nic_bandwidth",
+                     "host_bandwidth"):
+            v = getattr(topo, name)
+            if v and not MIN_LINK_BANDWIDTH <= v <= MAX_LINK_BANDWIDTH:
+                out.append(f"topology.{name} = {v:.3g} B/s is outside "
+                           f"[{MIN_LINK_BANDWIDTH:g}, {MAX_LINK_BANDWIDTH:g}]")
+    return out
+
+
 def sanity_problems(machine) -> list[str]:
     """What is physically impossible or suspicious in a measured machine.
 
@@ -107,40 +191,7 @@ def sanity_problems(machine) -> list[str]:
         except ValueError as exc:
             return [f"not a valid machine: {exc}"]
     m = machine
-    out = []
-    if _bad(m.cores) or m.cores < 1:
-        out.append(f"cores = {m.cores!r} (must be a positive integer)")
-    out += _link_problems(m.intra, "intra-node link")
-    if m.inter is not None:
-        out += _link_problems(m.inter, "inter-node link")
-    for dt, pts in m.gamma_gemm.items():
-        for n, g in pts:
-            if _bad(g) or g <= 0:
-                out.append(f"GEMM {dt} n={n:g}: gamma = {g!r} s/flop (must be finite, > 0)")
-            elif not MIN_FLOPS <= 1.0 / g <= MAX_FLOPS:
-                out.append(f"GEMM {dt} n={n:g}: {1 / g / 1e9:.4g} GFLOP/s per compute unit "
-                           f"is outside [{MIN_FLOPS / 1e9:g}, {MAX_FLOPS / 1e9:g}] GFLOP/s")
-    for name in ("gamma_reduce", "gamma_reduce_mpi"):
-        g = getattr(m, name)
-        if _bad(g) or g < 0:
-            out.append(f"{name} = {g!r} s/B (must be finite and >= 0)")
-        elif g > 0 and 1.0 / g > MAX_REDUCE_BANDWIDTH:
-            out.append(f"{name}: {1 / g / 1e9:.4g} GB/s of reduction is above "
-                       f"{MAX_REDUCE_BANDWIDTH / 1e9:g} GB/s")
-    for name in ("call_seconds", "gamma_elementwise", "layer_seconds", "memory_bytes"):
-        v = getattr(m, name)
-        if _bad(v) or v < 0:
-            out.append(f"{name} = {v!r} (must be finite and >= 0)")
-    if m.shared_core is not None:
-        for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
-            v = getattr(m.shared_core, name)
-            if v is None and name in SharedCore._OPTIONAL:
-                continue
-            if _bad(v) or v < 0:
-                out.append(f"shared_core.{name} = {v!r} (must be finite and >= 0)")
-        wf = m.shared_core.work_factor
-        if not _bad(wf) and wf <= 0:
-            out.append("shared_core.work_factor = 0: oversubscribed work would be free")
+    out = physical_problems(m)
     fitted = (m.notes or {}).get("fit")
     if isinstance(fitted, Mapping):
         for regime in ("small", "large", "huge"):

@@ -575,7 +575,13 @@ def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
                         bw, neck, share = lim, "socket", float(flows)
         if span:
             if topo.nics_per_node <= 0:
-                raise ValueError("topology: a group spans nodes but the nodes have no NICs")
+                from ...cli import UsageError     # the machine file's mistake: exit 2
+
+                raise UsageError(f"the machine's topology has no NICs (topology."
+                                 f"nics_per_node = 0), but a group of {size_g} devices "
+                                 f"spans {len(bn)} nodes of {dpn}: give the nodes' NICs "
+                                 f"(nics_per_node, nic_bandwidth) or use at most {dpn} "
+                                 f"devices")
             for lim, why, flows in (_nic_bound(topo, bn, nic_users),
                                     _spine_bound(topo, bn, leaving)):
                 if lim < bw:

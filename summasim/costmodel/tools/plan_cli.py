@@ -218,6 +218,7 @@ def check_args(args) -> Plan:
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise cli.UsageError(f"argument --plot: {args.plot}: the plan is drawn as a PNG; "
                              f"give a path ending in .png")
+    cli.check_distinct_outputs([("--json", args.json), ("--plot", args.plot)])
     out = {flag: _cli.writable(flag, value)
            for flag, value in (("--json", args.json), ("--plot", args.plot)) if value is not None}
     plot = out.get("--plot")
