@@ -340,7 +340,7 @@ class ReplicaSet:
 
     ``pieces`` (the tensor and the tied-embedding groups) lists the same views by key,
     ``(kind, key, a, b, view)`` with ``kind`` "p", "m" or "v" and ``[a, b)`` in items
-    of the key. The ranks of a tensor group lay their stage out alike
+    of the key. The ranks of a Megatron or 3D group lay their stage out alike
     (:meth:`Trainer._slots`), but the embedding group joins two stages whose layouts,
     buckets and ZeRO chunks differ: the audit compares the parts every rank of the
     group holds (:func:`common_spans`), key by key, never the order of one rank's
