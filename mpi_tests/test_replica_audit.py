@@ -5,6 +5,7 @@ every value check still passes (the ``drift`` fault)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -70,6 +71,7 @@ def _uneven_cases():
         for zero in (0, 1, 2, 3):
             out.append(MeshCase.parse(f"dp=2,pp=1,tp=megatron:{t}", 4, cfg, zero=zero,
                                       microbatches=1, bucket_bytes=512))
+        cfg = dataclasses.replace(cfg, seq=t)          # sequence parallelism: t | seq
         for zero in (2, 3):
             for bucket in (64, 25 << 20):
                 out.append(MeshCase.parse(f"dp=2,pp=1,tp=megatron:{t}", 4, cfg, zero=zero,
