@@ -404,12 +404,15 @@ def preflight(args, world) -> str:
     if err:
         return err
     if not args.no_predict:
-        from .harness.machinefile import check_machine_spec
+        from .harness.machinefile import check_machine_spec, machine_misfit
 
         try:   # loaded once, here; the body hands rank 0's copy to the other ranks
             args.machine_loaded = check_machine_spec(args.machine)
         except ValueError as e:
             return str(e)                      # it names --machine and the file
+        err = machine_misfit(args.machine_loaded, p)
+        if err:
+            return err
     why = unavailable(args.backend)
     if why:
         return why

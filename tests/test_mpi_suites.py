@@ -345,7 +345,14 @@ def test_a_run_that_checks_nothing_is_an_error(mpiexec):
 def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
+    from summasim.costmodel.machine import load_preset
+
+    nonic = load_preset("pcie-a100-4gpu").to_dict()     # 2 devices a node and no NICs:
+    nonic["topology"].update(devices_per_node=2, nics_per_node=0, nic_bandwidth=0)
+    nonic["node_size"] = 2
+    (tmp_path / "nonic.json").write_text(json.dumps(nonic))   # 4 ranks span 2 nodes
     for args, needles in (
+            (["--machine", str(tmp_path / "nonic.json")], ["no NICs", "the job has 4"]),
             (["--json", str(blocker / "run.json")], ["--json"]),
             (["--machine", str(tmp_path / "missing.json")], ["--machine"]),
             (["--inject", "nan@9"], ["rank 9 does not exist"]),

@@ -462,8 +462,8 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
             elif drift and tr.zero == 3 and (tr.mesh.dp > 1 or _drift_target(tr) is None):
                 # drift, ZeRO-3: the first unit the rank all-gathers in the step moves by
                 # one bit. Between steps nothing is replicated over dp, and the tensor
-                # group compares only what all its ranks own (uneven shards cut their
-                # ZeRO chunks apart), while every gather is compared whole over dp
+                # group compares only what all its ranks own, while every gather is
+                # compared whole over dp
                 with drift_at_gathers(composed) as hook:
                     loss = tr.step(tokens, targets)
                 applied = hook.applied

@@ -5,8 +5,11 @@ on every rank:
 
 1. ``spec`` (``--machine FILE|PRESET``): that file or preset. A spec that is neither
    raises ValueError before any communication (:func:`check_machine_spec` does the same
-   check at parse time). A file that fails :func:`~summasim.costmodel.machine.sanity_problems`
-   is still used (it was asked for), with the problems printed.
+   check at parse time). A file out of the physical bounds
+   (:func:`~summasim.costmodel.machine.sanity.physical_problems`) is refused as it loads;
+   one that fails only the fit's own checks
+   (:func:`~summasim.costmodel.machine.sanity_problems`) is still used (it was asked
+   for), with the problems printed.
 2. ``results/accuracy/machine-calibrated.json`` (the accuracy benchmark's calibration),
    when it passes the sanity checks.
 3. ``results/machine.json`` (an earlier quick fit), when it passes the sanity checks.
@@ -105,6 +108,19 @@ def check_machine_spec(spec) -> Machine | None:
         text = str(exc)                          # the reader's message starts with the path
         raise ValueError(f"--machine {text}" if text.startswith(spec)
                          else f"--machine {spec!r}: {text}") from None
+
+
+def machine_misfit(machine: Machine | None, devices: int) -> str:
+    """Why ``machine`` cannot price a job of ``devices`` ranks ("" when it can): a
+    topology whose nodes have no NICs holds one node's devices at most. A preflight
+    says it before any work (the pricing raises it only after)."""
+    topo = getattr(machine, "topology", None)
+    if topo is None or topo.nics_per_node > 0 or devices <= topo.devices_per_node:
+        return ""
+    return (f"--machine {machine.name}: its nodes have no NICs (topology.nics_per_node = "
+            f"0), so it prices at most one node of {topo.devices_per_node} devices; the "
+            f"job has {devices}: give the NICs (nics_per_node, nic_bandwidth) or "
+            f"--no-predict")
 
 
 def _busy_line(machine: Machine, path: str) -> str:

@@ -504,8 +504,7 @@ class Trainer:
         once per step (phase ``sp.grads``): ZeRO 0-1 the whole of them, ZeRO 2-3 the parts
         of them in the owned chunks, after the per-micro-batch reduce-scatters over dp
         (both sums are linear). Those chunks are the same flat ranges on every rank of the
-        tensor group only with even shards (or dp = 1): ``MeshCase.misfit`` refuses the
-        rest.
+        tensor group, however unevenly it cuts its shards (:meth:`_slots`).
     bucket_bytes : int
         Target size of a gradient bucket (ZeRO 0-2).
     overlap : bool

@@ -123,15 +123,15 @@ def load_machine(text: "str | Machine") -> Machine:
 
 
 def _load_file(path: str) -> Machine:
-    """A machine file, held to the physical bounds
+    """A machine file, held to the physical bounds three orders of magnitude wide
     (:func:`~summasim.costmodel.machine.sanity.physical_problems`): a
     :class:`summasim.cli.UsageError` naming the file and the first number out of them."""
     from summasim.cli import UsageError
 
-    from .sanity import physical_problems
+    from .sanity import LOAD_SLACK, physical_problems
 
     machine = Machine.load(path)
-    bad = physical_problems(machine)
+    bad = physical_problems(machine, LOAD_SLACK)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UsageError(f"machine file {path}: {bad[0]}{more}")

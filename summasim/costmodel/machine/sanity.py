@@ -37,8 +37,11 @@ def _bad(value) -> bool:
         or not math.isfinite(value)
 
 
-def _link_problems(link: Link, tag: str) -> list[str]:
-    """What is impossible in one link's reachable regimes."""
+def _link_problems(link: Link, tag: str, slack: float = 1.0) -> list[str]:
+    """What is impossible in one link's reachable regimes (the bounds ``slack`` times
+    wider)."""
+    top, floor, longest = MAX_LINK_BANDWIDTH * slack, MIN_LINK_BANDWIDTH / slack, \
+        MAX_ALPHA * slack
     out = []
     regimes = []
     if link.eager_threshold > 0:
@@ -51,17 +54,17 @@ def _link_problems(link: Link, tag: str) -> list[str]:
         if _bad(alpha) or alpha <= 0:
             out.append(f"{where}: latency alpha = {alpha!r} s (must be finite and > 0: "
                        f"no message is free)")
-        elif alpha > MAX_ALPHA:
-            out.append(f"{where}: latency alpha = {alpha:.3g} s is above {MAX_ALPHA:g} s")
+        elif alpha > longest:
+            out.append(f"{where}: latency alpha = {alpha:.3g} s is above {longest:g} s")
         if _bad(beta) or beta <= 0:
             out.append(f"{where}: beta = {beta!r} s/B, an infinite bandwidth (must be "
                        f"finite and > 0)")
-        elif 1.0 / beta > MAX_LINK_BANDWIDTH:
+        elif 1.0 / beta > top:
             out.append(f"{where}: bandwidth {1 / beta / 1e9:.3g} GB/s is above the "
-                       f"ceiling of {MAX_LINK_BANDWIDTH / 1e9:g} GB/s")
-        elif 1.0 / beta < MIN_LINK_BANDWIDTH:
+                       f"ceiling of {top / 1e9:g} GB/s")
+        elif 1.0 / beta < floor:
             out.append(f"{where}: bandwidth {1 / beta / 1e6:.3g} MB/s is below "
-                       f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s")
+                       f"{floor / 1e6:g} MB/s")
     sizes = {1, max(1, link.eager_threshold - 1), link.eager_threshold, 1 << 26}
     if link.huge_threshold is not None:
         sizes |= {link.huge_threshold - 1, link.huge_threshold}
@@ -74,50 +77,55 @@ def _link_problems(link: Link, tag: str) -> list[str]:
 
 #: Most compute units a machine can have per node.
 MAX_CORES = 1 << 20
+#: How much wider than the bounds above a machine file may go as it loads
+#: (:func:`physical_problems`): three orders of magnitude, for hardware beyond today's
+#: (the fits are held to the bounds themselves).
+LOAD_SLACK = 1000.0
 
 
-def physical_problems(machine) -> list[str]:
+def physical_problems(machine, slack: float = 1.0) -> list[str]:
     """What is physically impossible in ``machine``'s own numbers (a Machine): the
-    bounds below on the links, GEMM, reductions and the other terms, and on the
-    device and topology where given; what :func:`sanity_problems` checks but the fit's
-    notes. Every ``--machine FILE`` is held to it as it loads
-    (:func:`~summasim.costmodel.machine.presets.load_machine`): a number a thousand
-    orders of magnitude off priced steps of "inf ms" and exited 0."""
+    bounds above on the links, GEMM, reductions and the other terms, and on the device
+    and topology where given, each ``slack`` times wider (ceilings times it, floors
+    over it); what :func:`sanity_problems` checks but the fit's notes. Every
+    ``--machine FILE`` is held to them with :data:`LOAD_SLACK` as it loads
+    (:func:`~summasim.costmodel.machine.presets.load_machine`): a number hundreds of
+    orders of magnitude off priced steps of "inf ms" and exited 0, while a file for
+    hardware beyond today's must still load."""
     m = machine
     out = []
+    flops = (MIN_FLOPS / slack, MAX_FLOPS * slack)
+    link = (MIN_LINK_BANDWIDTH / slack, MAX_LINK_BANDWIDTH * slack)
+    memory = (MIN_LINK_BANDWIDTH / slack, MAX_REDUCE_BANDWIDTH * slack)
     if _bad(m.cores) or m.cores < 1 or m.cores > MAX_CORES:
         out.append(f"cores = {m.cores!r} (must be an integer from 1 to {MAX_CORES})")
-    out += _link_problems(m.intra, "intra-node link")
+    out += _link_problems(m.intra, "intra-node link", slack)
     if m.inter is not None:
-        out += _link_problems(m.inter, "inter-node link")
+        out += _link_problems(m.inter, "inter-node link", slack)
     for dt, pts in m.gamma_gemm.items():
         for n, g in pts:
             if _bad(g) or g <= 0:
                 out.append(f"GEMM {dt} n={n:g}: gamma = {g!r} s/flop (must be finite, > 0)")
-            elif not MIN_FLOPS <= 1.0 / g <= MAX_FLOPS:
+            elif not flops[0] <= 1.0 / g <= flops[1]:
                 out.append(f"GEMM {dt} n={n:g}: {1 / g / 1e9:.4g} GFLOP/s per compute unit "
-                           f"is outside [{MIN_FLOPS / 1e9:g}, {MAX_FLOPS / 1e9:g}] GFLOP/s")
+                           f"is outside [{flops[0] / 1e9:g}, {flops[1] / 1e9:g}] GFLOP/s")
     for name in ("gamma_reduce", "gamma_reduce_mpi"):
         g = getattr(m, name)
         if _bad(g) or g < 0:
             out.append(f"{name} = {g!r} s/B (must be finite and >= 0)")
-        elif g > 0 and 1.0 / g > MAX_REDUCE_BANDWIDTH:
-            out.append(f"{name}: {1 / g / 1e9:.4g} GB/s of reduction is above "
-                       f"{MAX_REDUCE_BANDWIDTH / 1e9:g} GB/s")
-        elif g > 0 and 1.0 / g < MIN_LINK_BANDWIDTH:
-            out.append(f"{name}: {1 / g / 1e6:.3g} MB/s of reduction is below "
-                       f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s")
+        elif g > 0 and not memory[0] <= 1.0 / g <= memory[1]:
+            out.append(f"{name}: {1 / g / 1e9:.4g} GB/s of reduction is outside "
+                       f"[{memory[0] / 1e9:g}, {memory[1] / 1e9:g}] GB/s")
     for name in ("call_seconds", "gamma_elementwise", "layer_seconds", "memory_bytes"):
         v = getattr(m, name)
         if _bad(v) or v < 0:
             out.append(f"{name} = {v!r} (must be finite and >= 0)")
-    if not _bad(m.gamma_elementwise) and m.gamma_elementwise > 1.0 / MIN_LINK_BANDWIDTH:
-        out.append(f"gamma_elementwise = {m.gamma_elementwise:.3g} s/B: below "
-                   f"{MIN_LINK_BANDWIDTH / 1e6:g} MB/s of memory traffic")
-    for name in ("call_seconds", "layer_seconds"):
+    # per-call and per-layer seconds, and seconds per elementwise item: none as long
+    # as a message's latency bound
+    for name in ("call_seconds", "layer_seconds", "gamma_elementwise"):
         v = getattr(m, name)
-        if not _bad(v) and v > MAX_ALPHA:
-            out.append(f"{name} = {v:.3g} s is above {MAX_ALPHA:g} s")
+        if not _bad(v) and v > MAX_ALPHA * slack:
+            out.append(f"{name} = {v:.3g} s is above {MAX_ALPHA * slack:g} s")
     if m.shared_core is not None:
         for name in SharedCore._FIELDS + SharedCore._OPTIONAL:
             v = getattr(m.shared_core, name)
@@ -128,31 +136,31 @@ def physical_problems(machine) -> list[str]:
         wf = m.shared_core.work_factor
         if not _bad(wf) and wf <= 0:
             out.append("shared_core.work_factor = 0: oversubscribed work would be free")
-    out += _device_problems(m)
+    out += _device_problems(m, flops, link, memory)
     return out
 
 
-def _device_problems(m) -> list[str]:
-    """The device's and the topology's rates within the bounds above."""
+def _device_problems(m, flops, link, memory) -> list[str]:
+    """The device's and the topology's rates within the ``(floor, ceiling)`` bounds."""
     out = []
     dev = getattr(m, "device", None)
     if dev is not None:
         bw = dev.memory_bandwidth
-        if not MIN_LINK_BANDWIDTH <= bw <= MAX_REDUCE_BANDWIDTH:
+        if not memory[0] <= bw <= memory[1]:
             out.append(f"device.memory_bandwidth = {bw:.3g} B/s is outside "
-                       f"[{MIN_LINK_BANDWIDTH:g}, {MAX_REDUCE_BANDWIDTH:g}]")
+                       f"[{memory[0]:g}, {memory[1]:g}]")
         for dt, f in (dev.vector_flops or {}).items():
-            if not MIN_FLOPS <= f <= MAX_FLOPS:
+            if not flops[0] <= f <= flops[1]:
                 out.append(f"device.vector_flops.{dt} = {f:.3g} flop/s is outside "
-                           f"[{MIN_FLOPS:g}, {MAX_FLOPS:g}]")
+                           f"[{flops[0]:g}, {flops[1]:g}]")
     topo = getattr(m, "topology", None)
     if topo is not None:
         for name in ("intra_bandwidth", "socket_bandwidth", "nic_bandwidth",
                      "host_bandwidth"):
             v = getattr(topo, name)
-            if v and not MIN_LINK_BANDWIDTH <= v <= MAX_LINK_BANDWIDTH:
+            if v and not link[0] <= v <= link[1]:
                 out.append(f"topology.{name} = {v:.3g} B/s is outside "
-                           f"[{MIN_LINK_BANDWIDTH:g}, {MAX_LINK_BANDWIDTH:g}]")
+                           f"[{link[0]:g}, {link[1]:g}]")
     return out
 
 

@@ -577,11 +577,11 @@ def _group_path(topology, grid, kind, size, placement, concurrent) -> GroupPath:
             if topo.nics_per_node <= 0:
                 from ...cli import UsageError     # the machine file's mistake: exit 2
 
-                raise UsageError(f"the machine's topology has no NICs (topology."
+                raise UsageError(f"the machine's nodes have no NICs (topology."
                                  f"nics_per_node = 0), but a group of {size_g} devices "
-                                 f"spans {len(bn)} nodes of {dpn}: give the nodes' NICs "
-                                 f"(nics_per_node, nic_bandwidth) or use at most {dpn} "
-                                 f"devices")
+                                 f"spans {len(bn)} nodes of {dpn} devices each: give the "
+                                 f"nodes' NICs (nics_per_node, nic_bandwidth), or price "
+                                 f"a job on one node")
             for lim, why, flows in (_nic_bound(topo, bn, nic_users),
                                     _spine_bound(topo, bn, leaving)):
                 if lim < bw:
