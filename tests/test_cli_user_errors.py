@@ -554,3 +554,13 @@ def test_the_accuracy_worker_checks_its_files_before_any_work(tmp_path):
     assert_user_error(run(*worker, tmp_path / "empty.json", tmp_path / "o.json"), "cases")
     assert_user_error(run(*worker, spec, precious), "not a worker's results")
     assert precious.read_text() == "keep me"
+
+
+def test_a_diverging_run_names_what_made_it_diverge():
+    """``--weight-decay 1e30`` diverges (exit 1), and the message names the decay with
+    the learning rate (it told the user to lower --lr alone)."""
+    res = run(*TRAIN, "--weight-decay", "1e30")
+    assert res.returncode == 1, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert "training diverged" in line and "--weight-decay 1e+30" in line \
+        and "a smaller --lr or --weight-decay" in line, line

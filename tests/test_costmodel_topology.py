@@ -60,6 +60,10 @@ def test_blocked_that_cannot_tile_is_an_error_and_explicit_maps_work():
     with pytest.raises(ValueError, match="unknown placement"):
         Placement.parse("diagonal")
     assert Placement.parse("blocked:1x4").slots_for(GridShape.of(q=4), 4) == list(range(16))
+    # a tile of no ranks was taken, and explore fell back to row-major without a word
+    for empty in ("blocked:0x0", "blocked:0x4", "blocked:-1x2"):
+        with pytest.raises(ValueError, match="at least 1x1"):
+            Placement.parse(empty)
 
 
 def test_group_inside_a_node_gets_the_device_link():

@@ -433,8 +433,10 @@ def main(argv=None) -> list:
                 raise SystemExit(1)
         return losses
     except NonFiniteLoss as exc:
-        cli.print_error(PROG, f"training diverged: {exc} (--lr {opt.lr:g}, {args.optimizer}); "
-                              f"try a smaller --lr")
+        decay = f", --weight-decay {args.weight_decay:g}" if args.weight_decay else ""
+        hint = "a smaller --lr or --weight-decay" if args.weight_decay else "a smaller --lr"
+        cli.print_error(PROG, f"training diverged: {exc} (--lr {opt.lr:g}{decay}, "
+                              f"{args.optimizer}); try {hint}")
         raise SystemExit(1) from None
 
 

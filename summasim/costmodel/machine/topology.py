@@ -409,6 +409,9 @@ class Placement:
             except ValueError:
                 raise ValueError(f"placement {text!r}: blocked:AxB takes a tile such as "
                                  f"blocked:2x2") from None
+            if min(a, b) < 1:
+                raise ValueError(f"placement {text!r}: a tile is at least 1x1 ranks, "
+                                 f"e.g. blocked:2x2")
             return cls("blocked", tile=(a, b))
         return cls(text)
 
