@@ -516,3 +516,19 @@ def test_only_the_mpi_librarys_segments_are_released_never_the_users():
         os.unlink(path)
         user.close()
         user.unlink()
+
+
+def test_a_worker_spec_missing_on_one_rank_is_one_error_on_every_rank(mpiexec, tmp_path):
+    """``accuracy-worker``'s files are checked on every rank and agreed before any work:
+    a spec that rank 2 cannot read (a node-local path) is one message and exit 2, with
+    no rank running cases the others never join."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cases": [{"kind": "ring", "n": 8}]}))
+    code = "\n".join([
+        "import sys", "from mpi4py import MPI",
+        "from summasim.harness.worker import worker_main",
+        f"spec = {str(spec)!r} if MPI.COMM_WORLD.Get_rank() != 2 else {str(tmp_path / 'gone.json')!r}",
+        f"sys.exit(worker_main(spec, {str(tmp_path / 'out.json')!r}))"])
+    proc, seconds = launch(mpiexec, 4, ["-c", code], timeout=PROMPT)
+    user_error(proc, "gone.json: no such file")
+    assert seconds < PROMPT and not (tmp_path / "out.json").exists()

@@ -86,18 +86,17 @@ def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: floa
     return [MeasuredRun.from_dict(dict(r, p=data["p"])) for r in data["results"]]
 
 
-def check_worker_files(spec_path: str, out_path: str) -> dict:
-    """The spec (a JSON object whose ``cases`` is a non-empty list), read safely, and an
-    output path that is free or holds an earlier worker's results; a
-    :class:`summasim.cli.UsageError` otherwise (the same on every rank: each reads the
-    same files, before any work)."""
+def check_worker_files(spec_path: str, out_path: str | None) -> dict:
+    """The spec (a JSON object whose ``cases`` is a non-empty list), read safely, and
+    (unless ``out_path`` is None) an output path that is free or holds an earlier
+    worker's results; a :class:`summasim.cli.UsageError` otherwise."""
     from ..cli import UsageError, read_json_file
 
     spec = read_json_file(spec_path)
     if not isinstance(spec.get("cases"), list) or not spec["cases"]:
         raise UsageError(f"{spec_path}: a worker spec lists its cases (a non-empty list "
                          f"under \"cases\"); nothing to run")
-    if os.path.lexists(out_path):
+    if out_path is not None and os.path.lexists(out_path):
         try:
             old = read_json_file(out_path)
         except (UsageError, OSError):
@@ -110,15 +109,22 @@ def check_worker_files(spec_path: str, out_path: str) -> dict:
 
 def worker_main(spec_path: str, out_path: str) -> int:
     """Run the cases of a spec file under MPI; rank 0 writes the results (atomically).
-    A bad spec or output path is one line and exit 2 (:func:`check_worker_files`)."""
+    A bad spec on any rank, or a bad output path on rank 0 (the one that writes it), is
+    one line and exit 2 on every rank before any work (:func:`check_worker_files`,
+    agreed by one all-gather of the ranks' messages)."""
     from mpi4py import MPI
 
     from ..cli import UsageError, print_error
 
     try:
-        spec = check_worker_files(spec_path, out_path)
+        spec = check_worker_files(spec_path,
+                                  out_path if MPI.COMM_WORLD.Get_rank() == 0 else None)
+        mine = ""
     except UsageError as exc:
-        return print_error("python -m summasim.costmodel accuracy-worker", exc)
+        spec, mine = None, str(exc)
+    why = next((e for e in MPI.COMM_WORLD.allgather(mine) if e), "")
+    if why:
+        return print_error("python -m summasim.costmodel accuracy-worker", why)
 
     from ..backends import get_backend
     from ..comm import cores, default_wait_policy
