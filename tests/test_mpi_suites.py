@@ -371,6 +371,9 @@ def test_user_errors_are_one_message_before_any_work(mpiexec, tmp_path):
         assert time.perf_counter() - t0 < 60
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.bench", "gemm", "--n", "0"], 60)
     _user_error(proc, "--n")
+    proc, _ = launch(mpiexec, 4, ["-m", "summasim.bench", "mesh", "--mesh", "dp=4",
+                                  "--machine", str(tmp_path / "nonic.json")], 60)
+    _user_error(proc, "no NICs", "the job has 4")
     huge = ["--model", "h=16384,heads=8,layers=1,seq=4096,vocab=64,ffn=2",   # ~1 TiB a rank
             "--batch", "64"]
     proc, _ = launch(mpiexec, 2, ["-m", "summasim.run", "--algorithms", "none"] + huge, 60)

@@ -94,11 +94,7 @@ def _preflight(args, world) -> str:
 
     machine = None if getattr(args, "no_predict", True) else args.machine
     backend = getattr(args, "backend", "numpy")
-    err = check_outputs(args.json, machine) or unavailable(backend)
-    if not err and machine:
-        from ..harness.machinefile import check_machine_spec, machine_misfit
-
-        err = machine_misfit(check_machine_spec(machine), world.Get_size())
+    err = check_outputs(args.json, machine, world.Get_size()) or unavailable(backend)
     if err:
         return err
     gpu = device_share(backend, local_ranks())     # (free bytes, ranks per GPU) or None

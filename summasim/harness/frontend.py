@@ -40,11 +40,13 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def check_outputs(json_path: str | None, machine: str | None) -> str:
+def check_outputs(json_path: str | None, machine: str | None, devices: int = 1) -> str:
     """The preflight every front-end shares (rank 0): the ``--json`` path can be
-    written and the ``--machine`` file or preset loads. An error message, or ""."""
+    written, and the ``--machine`` file or preset loads and can price a job of
+    ``devices`` ranks (:func:`~summasim.harness.machinefile.machine_misfit`). An error
+    message, or ""."""
     from ..cli import check_writable_path
-    from .machinefile import check_machine_spec
+    from .machinefile import check_machine_spec, machine_misfit
 
     if json_path:
         try:
@@ -53,7 +55,7 @@ def check_outputs(json_path: str | None, machine: str | None) -> str:
             return f"--json: {e}"
     if machine:
         try:
-            check_machine_spec(machine)
+            return machine_misfit(check_machine_spec(machine), devices)
         except ValueError as e:
             return str(e)                      # it names --machine and the file
     return ""
