@@ -126,7 +126,9 @@ def sd25_ab(a, b, grid, out=None, *, sizes=None):
     """
     be, found = check_blocks("sd25_ab", "ab", a, b, grid, out, ("2d", "2d", "2d"), sizes,
                              extra=_square("sd25_ab", grid))
-    return _sd25_ab(contiguous(a), contiguous(b), grid, be, out, partition(found["k"], grid.q))
+    if grid.depth.rank == 0:        # the layers above receive layer 0's blocks
+        a, b = contiguous(a), contiguous(b)
+    return _sd25_ab(a, b, grid, be, out, partition(found["k"], grid.q))
 
 
 def _flat(ws, slot, shape):

@@ -58,10 +58,12 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
     grid = Grid(world, case.q, case.d, backend=backend, pc=case.cols)
     try:
         g = grid_numbers(grid)
-        a = backend.asarray(uniform_block(seed, STREAM_A, sa,
-                                          *block_slices(sa, spec.layout_a, g), dtype))
-        b = backend.asarray(uniform_block(seed, STREAM_B, sb,
-                                          *block_slices(sb, spec.layout_b, g), dtype))
+        # SD 2.5D reads A and B on layer 0 only and broadcasts them over the depth:
+        # the layers above hold placeholders of the blocks' shapes and no memory
+        unread = case.algorithm == "sd25_ab" and grid.depth.rank > 0
+        a, b = (_operand(backend, seed, stream, shape, layout, g, dtype, unread)
+                for stream, shape, layout in ((STREAM_A, sa, spec.layout_a),
+                                              (STREAM_B, sb, spec.layout_b)))
         fn = spec.fn
         # the traced, validated call finds the global sizes from the blocks (an
         # all-gather of their shapes, untraced); the timed calls are told them
@@ -89,6 +91,17 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
     rss = int(reduce_max(world, [peak_rss_bytes()])[0])
     return Result(case, p, chk, timing, nbytes, msgs, rss, summaries, coords_all,
                   str(fault) if fault else "", fault_applied=applied)
+
+
+def _operand(backend, seed, stream, shape, layout, g, dtype, unread: bool):
+    """This rank's block of one operand; when the product does not read it
+    (``unread``), a read-only placeholder of the block's shape that holds no memory."""
+    rows, cols = block_slices(shape, layout, g)
+    if unread:
+        xp = backend.xp
+        return xp.broadcast_to(xp.zeros((), dtype=dtype),
+                               (rows.stop - rows.start, cols.stop - cols.start))
+    return backend.asarray(uniform_block(seed, stream, shape, rows, cols, dtype))
 
 
 def _applied(world, fault, mine_ok: bool) -> bool:

@@ -79,8 +79,6 @@ def _product_parts(case, method: str) -> tuple[int, int]:
         if d > 1 and (spec.op == "atb" or case.algorithm == "sd25_ab"):
             chunk = -(-nc // d)            # the depth ring all-reduce of C: its chunk
             work += (chunk + _ring_trial(chunk, d)) * it
-        if case.algorithm == "sd25_ab" and d > 1:
-            work += (na + nb_) * it        # layers above 0: the depth copies of A and B
     host = nc * 8                                       # float64 copy of C for the check
     width = panel_width(case)
     # float64 panels and their abs, and the generator's panels they are converted from
