@@ -58,7 +58,7 @@ _AGREE = os.environ.get("SUMMASIM_AGREE", "1").strip().lower() not in _OFF
 _ABORT_GRACE_S = 1.0     # seconds between printing the last words and MPI_Abort
 
 
-_DOING = ["starting"]    # what this rank is doing, for the last words (see doing())
+_DOING = ["starting", time.monotonic()]   # what this rank is doing, and since when
 
 
 def doing(what: str | None = None) -> str:
@@ -66,8 +66,38 @@ def doing(what: str | None = None) -> str:
     "it was", e.g. "in the preflight" or "running summa_ab 2x2 float64"); return the
     current description."""
     if what is not None:
-        _DOING[0] = str(what)
+        _DOING[:] = [str(what), time.monotonic()]
     return _DOING[0]
+
+
+@contextlib.contextmanager
+def heartbeat(every: float = 30.0, stream=None):
+    """While the block runs, write ``summasim: still <doing()> (N s)`` to ``stream``
+    (stderr by default) each time one :func:`doing` has lasted another ``every``
+    seconds, so that a long row (one product of minutes) shows it is alive and where.
+
+    A daemon thread that only reads ``doing()`` and prints: it makes no MPI call.
+    Use it on one rank (the one that prints the report)."""
+    stop = threading.Event()
+    out = stream if stream is not None else sys.stderr
+
+    def beat():
+        said = None, 0                      # (the doing() spoken of, times said)
+        while not stop.wait(min(every / 4, 5.0)):
+            what, since = _DOING
+            age = time.monotonic() - since
+            told = said[1] if said[0] == (what, since) else 0
+            if age >= every * (told + 1):
+                print(f"summasim: still {what} ({age:.0f} s)", file=out, flush=True)
+                said = (what, since), told + 1
+
+    thread = threading.Thread(target=beat, name="summasim-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextlib.contextmanager

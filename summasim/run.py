@@ -19,6 +19,7 @@ algorithm, scheme and default composition that fits and shows each one caught. A
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -38,6 +39,9 @@ from .harness.plan import DEFAULT_RING, DEFAULT_SIZES, SELF_TEST_RING, SELF_TEST
 from .spec import MIXED_DTYPES, MODELS, SCHEME_NAMES, unsupported
 
 PROG = "python -m summasim.run"
+#: seconds of one phase of a row (the traced call, the check, a timed call) before rank 0
+#: says on stderr that it is still at it, and again each time as long
+HEARTBEAT_S = 30.0
 
 #: The transformer and mesh sections' model: every scheme shards it at p = 16.
 DEFAULT_MODEL = MODELS["tiny"]
@@ -436,11 +440,16 @@ def main(argv=None) -> int:
 
 
 def _body(args, world) -> int:
+    from .mpiutil import heartbeat
+
     jb = job(args, world.Get_size())
-    if args.self_test:
-        return _self_test(args, world, jb.cases, list(jb.tcases) + jb.mcases,
-                          jb.skips + jb.tskips + jb.mskips)
-    return _main(args, world, jb)
+    # a row can take minutes (one product at 17280^3): rank 0 says on stderr, every
+    # HEARTBEAT_S seconds of one phase, what it is still doing
+    with heartbeat(HEARTBEAT_S) if world.Get_rank() == 0 else contextlib.nullcontext():
+        if args.self_test:
+            return _self_test(args, world, jb.cases, list(jb.tcases) + jb.mcases,
+                              jb.skips + jb.tskips + jb.mskips)
+        return _main(args, world, jb)
 
 
 def _banner(args, world, backend, say):

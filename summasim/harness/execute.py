@@ -18,7 +18,7 @@ from ..comm import Comm
 from summasim.costmodel.tools.accuracy import event_summary
 from ..grid import Grid
 from ..layout import block_slices, grid_numbers
-from ..mpiutil import agreement
+from ..mpiutil import agreement, doing
 from .check import check_product, check_ring, collective, ring_input
 from .data import STREAM_A, STREAM_B, uniform_block
 from .inject import Fault, corrupt_entry, drop_panel, drop_summand, perturb_product
@@ -28,19 +28,31 @@ from .timing import reduce_max, time_calls
 from .transformer import run_transformer
 
 
-def _time(call, backend, trace, world, repeats: int, timed: bool) -> dict:
+def _phases():
+    """A function that sets :func:`~summasim.mpiutil.doing` to what the caller was
+    doing, followed by the phase it names (the heartbeat and the last words say it)."""
+    base = doing()
+    return lambda what: doing(f"{base}: {what}")
+
+
+def _time(call, backend, trace, world, repeats: int, timed: bool, phase) -> dict:
     """Time ``call`` with the trace off and without the input agreement (the checked,
     traced call before it agreed on these very inputs); ``{}`` when not ``timed``."""
     if not timed:
         return {}
     trace.enabled = False
+    calls = [0]
 
     def run():
         call()
         backend.synchronize()
 
+    def count():
+        calls[0] += 1
+        phase(f"timed call {calls[0]}")
+
     with agreement(False):
-        return time_calls(run, world, repeats)
+        return time_calls(run, world, repeats, before=count)
 
 
 def _traffic(world, events) -> tuple[int, int, list | None]:
@@ -56,7 +68,9 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
     dtype = np.dtype(case.dtype)
     sa, sb = spec.stored_shapes(case.m, case.k, case.n)
     grid = Grid(world, case.q, case.d, backend=backend, pc=case.cols)
+    phase = _phases()
     try:
+        phase("making this rank's blocks")
         g = grid_numbers(grid)
         # SD 2.5D reads A and B on layer 0 only and broadcasts them over the depth:
         # the layers above hold placeholders of the blocks' shapes and no memory
@@ -65,6 +79,7 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
                 for stream, shape, layout in ((STREAM_A, sa, spec.layout_a),
                                               (STREAM_B, sb, spec.layout_b)))
         fn = spec.fn
+        phase("the traced call")
         # the traced, validated call finds the global sizes from the blocks (an
         # all-gather of their shapes, untraced); the timed calls are told them
         c = fn(a, b, grid)
@@ -80,10 +95,11 @@ def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
             _corrupt_product(host, case, g, seed, fault)
         applied = _applied(world, fault, not mine or (host.size > 0 and (
             fault.kind != "drop" or case.k > 0)))
+        phase("the check")
         chk = collective(world, check_product(host, case, g, seed, method))
         del host
         timing = _time(lambda: fn(a, b, grid, out=c), backend, grid.trace, world, repeats,
-                       timed)
+                       timed, phase)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather(coords, root=0)
     finally:
@@ -126,7 +142,9 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
     rank, p = world.Get_rank(), world.Get_size()
     dtype = np.dtype(case.dtype)
     comm = Comm(world.Dup(), name="world", backend=backend)
+    phase = _phases()
     try:
+        phase("the traced call")
         x = backend.empty_huge((case.n,), dtype)     # page backing as in the bench
         x[...] = backend.asarray(ring_input(seed, rank, case.n, dtype))
         y = ring_allreduce(x, comm)
@@ -139,11 +157,12 @@ def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
             else:
                 corrupt_entry(host, fault.kind)
         applied = _applied(world, fault, host.size > 0)
+        phase("the check")
         chk = collective(world, check_ring(host, case, p, seed))
         del host
         out = backend.empty_huge(x.shape, x.dtype) if timed else None
         timing = _time(lambda: ring_allreduce(x, comm, out=out), backend, comm.trace, world,
-                       repeats, timed)
+                       repeats, timed, phase)
         nbytes, msgs, summaries = _traffic(world, events)
         coords_all = world.gather([rank], root=0)
     finally:
