@@ -446,3 +446,12 @@ def test_a_name_or_size_given_twice_is_timed_once():
     assert parse_args(["gemm", "--algorithms", "summa_ab,summa_ab,cannon_ab"]).algorithms == \
         ["summa_ab", "cannon_ab"]
     assert parse_args(["ring-steps", "--sizes-mib", "0.01,0.5,0.01"]).sizes_mib == [0.01, 0.5]
+
+
+def test_a_rows_size_is_what_was_sent_in_eight_characters():
+    """``--sizes-mib 1e-30`` sends one item: the row says 8 B, not the size asked for."""
+    from summasim.bench.allreduce import _mib
+
+    assert _mib(8) == "7.63e-06"              # one float64 item
+    assert _mib(2**20) == "1" and _mib(64 * 2**10) == "0.0625" and _mib(2**30) == "1024"
+    assert all(len(_mib(n)) <= 8 for n in (1, 8, 3 * 2**7, 13107 * 8, 2**40, 2**50))

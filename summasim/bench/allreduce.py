@@ -434,6 +434,12 @@ def allreduce_repeats(seconds_per_repeat: float, least: int | None = None,
     return fit - (fit - least) % step
 
 
+def _mib(nbytes: int) -> str:
+    """A message's size in MiB as the tables label it: what was sent, in 8 characters."""
+    text = f"{nbytes / 2**20:.4g}"
+    return text if len(text) <= 8 else f"{nbytes / 2**20:.2e}"
+
+
 def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=None,
                     backend=None, huge: bool = True, memory=None,
                     halves: bool = True) -> list[dict]:
@@ -576,7 +582,7 @@ def bench_allreduce(world, sizes_mib, dtype, repeats: int | None, say, machine=N
                              ring_size_class(chunk_bytes)) if comm.ring_wait == "auto"
                              else None),
                          "halves": _halves_row(t, bounds, halves_ok) if halves else None})
-            say(f"{mib:>8g} {1e3 * ti:>9.3f} {1e3 * tp:>9.3f} "
+            say(f"{_mib(nbytes):>8} {1e3 * ti:>9.3f} {1e3 * tp:>9.3f} "
                 f"{vp['median']:>8.2f}x {_interval(vp):>13} {vp['verdict'] or '-':>6} "
                 f"{1e3 * tr:>9.3f} {1e3 * tm:>9.3f} "
                 f"{vm['median']:>7.2f}x {_interval(vm):>13} {vm['verdict'] or '-':>6} "
@@ -652,7 +658,7 @@ def _say_halves(rows, p: int, say) -> None:
         h = r["halves"]
         for half, label in HALF_LABELS.items():
             v = h[half]["vs_mpi_paired"]
-            say(f"{label:<15} {r['mib']:>8g} {1e3 * h[half]['ring_seconds']:>9.3f} "
+            say(f"{label:<15} {_mib(r['bytes']):>8} {1e3 * h[half]['ring_seconds']:>9.3f} "
                 f"{1e3 * h[half]['mpi_seconds']:>9.3f} {v['median']:>7.2f}x "
                 f"{_interval(v):>13} {v['verdict'] or '-':>6}  {h[half]['mpi_call']:<21} "
                 f"{'OK' if h['ok'] else 'FAIL':<5} {mark(r['load'])}")
