@@ -14,7 +14,7 @@ from summasim.grid import Mesh as GridMesh
 from summasim.harness.cases import MeshCase
 from summasim.harness.composed import mesh_inputs
 from summasim.spec import Mesh
-from summasim.transformer import composed
+from summasim.transformer import composed, schedules
 from summasim.transformer.model import Config
 from summasim.transformer.schemes import get_scheme
 
@@ -74,7 +74,7 @@ def test_interleaved_and_uneven_stages_match_the_serial_model(backend, name):
     parallel_assert(r.schedule == case.schedule_label and r.chunks == case.chunks
                     and r.stages == case.stages_label, mesh_row(res))
     # V chunks: the busiest stage holds more than the 1F1B min(pp, m) chunks in flight
-    want = max(composed.peak_inflight(case.schedule, case.microbatches, case.pp, s,
+    want = max(schedules.peak_inflight(case.schedule, case.microbatches, case.pp, s,
                                       case.chunks) for s in range(case.pp))
     parallel_assert(r.inflight == want, mesh_row(res))
     if case.pp > 1:

@@ -680,7 +680,6 @@ def grids(p: int, scheme: str, model: Model | None = None,
 # ---------------------------------------------------------------------------------------
 # Meshes
 
-SCHEDULES = ("gpipe", "1f1b")      # the schedules without chunks
 ZERO_STAGES = (0, 1, 2, 3)
 
 

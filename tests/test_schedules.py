@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from summasim.transformer.composed import (MPI_TAG_FLOOR, check_schedule, hand_off_tag,
-                                           peak_inflight, schedule)
+from summasim.transformer.composed import MPI_TAG_FLOOR
+from summasim.transformer.schedules import check_schedule, hand_off_tag, peak_inflight, schedule
 
 F_TIME, B_TIME = 1, 2                       # a chunk's forward and backward, unit times
 

@@ -36,7 +36,7 @@ What a row checks (every rank, then one collective verdict)
   stage sends ``m`` times its Table 1 payload per micro-batch (nothing on a stage of
   no layer);
 * **schedule**: the most micro-batch chunks in flight on a stage is
-  :func:`~summasim.transformer.composed.peak_inflight`: ``m`` (GPipe), ``min(pp - s,
+  :func:`~summasim.transformer.schedules.peak_inflight`: ``m`` (GPipe), ``min(pp - s,
   m)`` (1F1B) or ``min(2 (pp - s - 1) + (V - 1) pp + 1, m V)`` (interleaved, V chunks);
 * **memory**: the model state the rank keeps (parameters, gradients, Adam moments)
   against :func:`summasim.costmodel.workload.zero.model_state_bytes` for its ZeRO stage with
@@ -70,7 +70,7 @@ from ..comm import Comm
 from summasim.costmodel.tools.accuracy import event_summary
 from ..grid import Mesh
 from ..mpiutil import LONG_WAIT_NAP_S, agreement, quiet_barrier
-from ..transformer import composed, model
+from ..transformer import composed, model, schedules
 from ..transformer.composed import Trainer
 from ..transformer.optimus import column_cut
 from ..transformer.schemes import get_scheme
@@ -538,7 +538,7 @@ def run_mesh(case, world, backend=None, *, repeats: int = 3, seed: int = 0,
         if case.sequence_parallel:   # each all-reduced item: a ring's 2 (t-1)/t sends
             table1 = 2 * table1 * (case.t - 1) // case.t
         tp_ok = tp_items == (case.microbatches * table1 if tr.layers else 0)
-        schedule_ok = tr.max_inflight == composed.peak_inflight(
+        schedule_ok = tr.max_inflight == schedules.peak_inflight(
             case.schedule, case.microbatches, mesh.pp, mesh.s, case.chunks)
         mem = tr.state_bytes()
         # the buckets are the pieces ZeRO partitions: the formula counts the largest

@@ -19,7 +19,7 @@ Pipeline (``pp`` stages, ``V`` model chunks each)
     gradients back, point to point over ``mesh.pp_comm`` (phases ``pp.fwd``,
     ``pp.bwd``; non-blocking sends, blocking receives, tag ``2 (j V + c) + 0|1`` for
     micro-batch j arriving at chunk c, forward|backward) in the order of
-    :func:`schedule` ("gpipe": every forward, then every backward; "1f1b": ``pp - s -
+    :func:`~summasim.transformer.schedules.schedule` ("gpipe": every forward, then every backward; "1f1b": ``pp - s -
     1`` warm-up forwards, then one forward and one backward in turn, then the remaining
     backwards; "interleaved": Megatron-LM's interleaved 1F1B over the ``m V``
     micro-batch chunks). Every micro-batch's loss is divided by the token count of the
@@ -104,26 +104,24 @@ import dataclasses
 import hashlib
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..algorithms.allreduce import (NONBLOCKING_TAG, _bounds, ring_allgather_unchecked,
                                     ring_allreduce_unchecked, ring_reduce_scatter_unchecked,
                                     ring_start)
-from ..backends import array_module, backend_of, to_backend
+from ..backends import array_module, to_backend
 from ..mpiutil import agree, allgather_objects, fields_of, fingerprint, local_error
-from ..spec import SCHEDULE_KINDS, stage_layers
+from ..spec import stage_layers
 from . import model
 from . import ops
 from .ops import block_keys
 from .optimus import column_cut
+from .replicas import ReplicaSet, Unit, _clip, _host_bytes, _merge, common_spans
+from .schedules import check_schedule, hand_off_tag, schedule
 from .precision import LossScaler, Precision, bits_adder, has_overflow, pack_bits, unpack_bits
 from .train import Adam
 
-#: Pipeline schedules (:data:`summasim.spec.SCHEDULE_KINDS`); "interleaved" runs V >= 2
-#: model chunks per stage.
-SCHEDULES = SCHEDULE_KINDS
 ZERO_STAGES = (0, 1, 2, 3)
 #: PyTorch DDP's default bucket (``bucket_cap_mb=25``, Li et al. 2020).
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -140,111 +138,6 @@ OVERLAP_QUEUE = 8
 # --------------------------------------------------------------------------- #
 # pure helpers                                                                #
 # --------------------------------------------------------------------------- #
-def check_schedule(kind: str, microbatches: int, pp: int, chunks: int = 1) -> None:
-    """``ValueError`` naming the numbers unless ``kind`` can run ``microbatches``
-    micro-batches over ``pp`` stages of ``chunks`` model chunks each: gpipe and 1f1b
-    take one chunk; interleaved takes ``V >= 2``, ``pp >= 2`` stages (with one stage
-    there is nothing to interleave; Megatron-LM runs no pipeline then) and ``m`` a
-    multiple of ``pp`` (its micro-batches go in groups of pp per chunk, as Megatron-LM
-    requires)."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    if (kind == "interleaved") != (chunks > 1):
-        raise ValueError(f"interleaved takes V >= 2 model chunks per stage, gpipe and "
-                         f"1f1b one; got {kind} with {chunks}")
-    if microbatches < 1 or pp < 1:
-        raise ValueError(f"schedule needs m >= 1 micro-batches and pp >= 1 stages; got "
-                         f"m={microbatches}, pp={pp}")
-    if kind == "interleaved" and microbatches % pp:
-        raise ValueError(f"interleaved:{chunks} needs micro-batches m a multiple of pp = "
-                         f"{pp} (they go in groups of pp per chunk); got m = {microbatches}")
-
-
-def schedule(kind: str, microbatches: int, pp: int, stage: int,
-             chunks: int = 1) -> list[tuple[str, int, int]]:
-    """The order in which ``stage`` runs ``("F", j, c)`` forwards and ``("B", j, c)``
-    backwards of micro-batch ``j = 0..m-1`` on its model chunk ``c = 0..V-1`` (virtual
-    stage ``c pp + stage``; ``c = 0`` unless interleaved).
-
-    "gpipe"
-        all forwards, then all backwards in reverse (Huang et al. 2019); ``m`` in flight.
-    "1f1b"
-        ``min(pp - stage - 1, m)`` warm-up forwards, then forward j and backward ``j -
-        warmup`` in turn, then the remaining backwards (Narayanan et al. 2021), so at
-        most ``min(pp - stage, m)`` micro-batches are in flight.
-    "interleaved"
-        Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, section 2.2.2, Figure 4;
-        ``forward_backward_pipelining_with_interleaving``) over the ``m V`` micro-batch
-        chunks, which needs m a multiple of pp. Chunk-step ``k`` (forward) is
-        micro-batch ``j = (k // (pp V)) pp + k % pp`` of chunk ``c = (k % (pp V)) //
-        pp``: micro-batches in groups of pp, each group through chunk 0, then chunk 1,
-        ...; backward step ``k`` is the same ``j`` of chunk ``V - 1 - c``. The stage
-        runs ``w = min(2 (pp - stage - 1) + (V - 1) pp, m V)`` warm-up forwards, then
-        forward ``w + k`` and backward ``k`` in turn, then the remaining backwards.
-
-    Peak micro-batch chunks in flight: :func:`peak_inflight`. With a forward of one
-    chunk taking t and its backward 2t, the idle time of every stage (the bubble) is
-    ``3 (pp - 1) t`` against an ideal ``3 m V t``: ``(pp - 1) / m`` of it for 1F1B
-    and ``(pp - 1) / (V m)`` interleaved (Narayanan et al. 2021, section 2.2.2; checked
-    by simulation in ``tests/test_schedules.py``), at V times the point-to-point
-    hand-offs.
-    """
-    m, V = microbatches, chunks
-    check_schedule(kind, m, pp, V)
-    if not 0 <= stage < pp:
-        raise ValueError(f"schedule needs 0 <= stage < pp; got stage={stage}, pp={pp}")
-    if kind == "gpipe":
-        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))]
-    if kind == "1f1b":
-        warm = min(pp - stage - 1, m)
-        order = [("F", j, 0) for j in range(warm)]
-        for j in range(warm, m):
-            order += [("F", j, 0), ("B", j - warm, 0)]
-        order += [("B", j, 0) for j in range(m - warm, m)]
-        return order
-    total, group = m * V, pp * V
-
-    def chunk_step(k: int, op: str) -> tuple[str, int, int]:
-        j = (k // group) * pp + k % pp                 # micro-batches in groups of pp
-        c = (k % group) // pp                          # each group through every chunk
-        return op, j, (c if op == "F" else V - 1 - c)
-
-    warm = min(2 * (pp - stage - 1) + (V - 1) * pp, total)
-    order = [chunk_step(k, "F") for k in range(warm)]
-    for k in range(total - warm):                      # steady 1F1B
-        order += [chunk_step(warm + k, "F"), chunk_step(k, "B")]
-    order += [chunk_step(k, "B") for k in range(total - warm, total)]
-    return order
-
-
-def peak_inflight(kind: str, microbatches: int, pp: int, stage: int,
-                  chunks: int = 1) -> int:
-    """The most micro-batch chunks whose forward has run and backward has not on
-    ``stage`` under :func:`schedule` (each holds its activations): ``m`` (GPipe),
-    ``min(pp - stage, m)`` (1F1B) and ``min(2 (pp - stage - 1) + (V - 1) pp + 1, m V)``
-    interleaved: the warm-up forwards plus the steady state's one forward ahead of its
-    backward. On stage 0 that is ``(V + 1) pp - 1`` chunks of ``L / (pp V)`` layers,
-    the activations of ``pp (1 + (pp - 1) / (pp V))`` stages' worth of micro-batches,
-    Korthikanti et al.'s (2022) factor for the interleaved schedule."""
-    m, V = microbatches, chunks
-    check_schedule(kind, m, pp, V)
-    if kind == "gpipe":
-        return m
-    if kind == "1f1b":
-        return min(pp - stage, m)
-    return min(2 * (pp - stage - 1) + (V - 1) * pp + 1, m * V)
-
-
-def hand_off_tag(j: int, chunk: int, chunks: int, backward: bool) -> int:
-    """The point-to-point tag of micro-batch ``j``'s activation (``backward``: its
-    gradient) arriving at model chunk ``chunk`` of the receiving stage: ``2 (j V + c)``
-    (+1 backward). Between two stages there is one message per (micro-batch, receiving
-    chunk, direction), so the tags keep every micro-batch and chunk apart."""
-    return 2 * (j * chunks + chunk) + (1 if backward else 0)
-
-
 def ring_send_items(n: int, p: int, rank: int, half: str) -> int:
     """Items rank ``rank`` sends in one ring ``half`` ("rs", "ag" or "ar" = both) of a
     length-n buffer over p ranks (the closed form of :mod:`summasim.algorithms.allreduce`:
@@ -319,111 +212,6 @@ def _map_arrays(obj, on_array, on_ref=None):
             return type(obj)(*new)
         return type(obj)(new)
     return obj
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A run of parameters fetched together (ZeRO-3) and never split by a bucket edge."""
-
-    name: str
-    keys: tuple
-    start: int
-    stop: int
-
-
-@dataclass
-class ReplicaSet:
-    """State that every rank of ``comm`` holds bit for bit alike (:meth:`Trainer.
-    replica_sets`): views of the held parameters (``params``) and of Adam's moments
-    (``state``) in a fixed order, and ``extra``, the digest of what the step's ZeRO-3
-    gathers delivered (None elsewhere).
-
-    ``pieces`` (the tensor and the tied-embedding groups) lists the same views by key,
-    ``(kind, key, a, b, view)`` with ``kind`` "p", "m" or "v" and ``[a, b)`` in items
-    of the key. The ranks of a Megatron or 3D group lay their stage out alike
-    (:meth:`Trainer._slots`), but the embedding group joins two stages whose layouts,
-    buckets and ZeRO chunks differ: the audit compares the parts every rank of the
-    group holds (:func:`common_spans`), key by key, never the order of one rank's
-    segments."""
-
-    name: str
-    comm: object
-    params: list = field(default_factory=list)
-    state: list = field(default_factory=list)
-    extra: bytes | None = None
-    extra_nbytes: int = 0            # the bytes ``extra`` digested
-    pieces: list | None = None
-
-    def spans(self) -> dict:
-        """``{(kind, key): [(a, b)]}``: what this rank holds of each key (``pieces``)."""
-        out: dict = {}
-        for kind, key, a, b, _ in self.pieces:
-            out.setdefault((kind, key), []).append((a, b))
-        return {k: _merge(v) for k, v in out.items()}
-
-    def nbytes(self, common: dict | None = None) -> int:
-        """Bytes hashed for the audit (with ``pieces``, those inside ``common``)."""
-        if self.pieces is not None:
-            return int(sum(v.itemsize * sum(min(b, d) - max(a, c) for c, d in common.get(
-                (kind, key), ()) if max(a, c) < min(b, d))
-                for kind, key, a, b, v in self.pieces))
-        return int(sum(v.nbytes for v in self.params + self.state) + self.extra_nbytes)
-
-    def digest(self, common: dict | None = None) -> int:
-        """blake2b (8 bytes) of the views' bytes, in order, then ``extra``; with
-        ``pieces``, of the parts inside ``common`` (:func:`common_spans`), parameters
-        then the first moments then the second, each key in order and in its items'
-        order, however this rank's views cut them."""
-        h = hashlib.blake2b(digest_size=8)
-        if self.pieces is not None:
-            order = {key: i for i, key in enumerate(dict.fromkeys(p[1] for p in self.pieces))}
-            for kind, key, a, b, view in sorted(
-                    self.pieces, key=lambda p: ("pmv".index(p[0]), order[p[1]], p[2])):
-                for c, d in _clip(common.get((kind, key), ()), a, b):
-                    h.update(_host_bytes(view[c - a:d - a]))
-            return int.from_bytes(h.digest(), "little")
-        for v in self.params + self.state:
-            h.update(_host_bytes(v))
-        if self.extra is not None:
-            h.update(self.extra)
-        return int.from_bytes(h.digest(), "little")
-
-
-def common_spans(every: list) -> dict:
-    """``{(kind, key): [(a, b)]}`` held by every rank, from each rank's
-    :meth:`ReplicaSet.spans`: the intersection, key by key."""
-    out = dict(every[0])
-    for spans in every[1:]:
-        out = {k: _intersect(v, spans.get(k, ())) for k, v in out.items()}
-    return {k: v for k, v in out.items() if v}
-
-
-def _intersect(x, y) -> list[tuple[int, int]]:
-    """The parts common to sorted disjoint ranges ``x`` and ``y``."""
-    return [(max(a, c), min(b, d)) for a, b in x for c, d in y if max(a, c) < min(b, d)]
-
-
-def _host_bytes(a) -> memoryview:
-    """The bytes of array ``a`` (a device array through a host copy)."""
-    if type(a) is not np.ndarray:
-        a = backend_of(a).to_numpy(a)
-    return memoryview(np.ascontiguousarray(a)).cast("B")
-
-
-def _clip(ranges, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The parts of sorted flat ``ranges`` inside ``[lo, hi)``."""
-    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]
-
-
-def _merge(ranges) -> list[tuple[int, int]]:
-    """Sorted ``ranges`` with touching ones joined."""
-    out: list = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
 
 
 # --------------------------------------------------------------------------- #

@@ -9,7 +9,7 @@ import numbers
 from functools import lru_cache
 from typing import Sequence
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+from ...spec import SCHEDULE_KINDS
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -19,8 +19,8 @@ def _check_int(name, val, minimum=1):
 
 
 def _check_schedule(schedule, chunks: int = 1):
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if schedule not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULE_KINDS)}")
     _check_int("chunks", chunks)
     if (schedule == "interleaved") != (chunks > 1):
         raise ValueError(f"the interleaved schedule takes V >= 2 model chunks per stage "
