@@ -1,17 +1,14 @@
 """Pipeline schedules: the order in which a stage runs the forwards and backwards of its
 micro-batches (GPipe, 1F1B and Megatron-LM's interleaved 1F1B), the micro-batches it
 holds at once, and the tags of the hand-offs between stages. Pure functions, used by
-:class:`summasim.transformer.composed.Trainer`, the harness's checks and the cost
-model's tests of the bubble.
+:class:`summasim.transformer.composed.Trainer` and the harness's checks
+(``tests/test_schedules.py`` simulates their bubbles).
 
 References
 ----------
-Huang et al. (2019), "GPipe", arXiv:1811.06965. Narayanan et al. (2021), "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21 (1F1B
-and its interleaved form, section 2.2; Megatron-LM's
-``forward_backward_pipelining_with_interleaving``). Korthikanti et al. (2022),
-"Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198
-(the activations an interleaved stage holds).
+GPipe (Huang et al. 2019); 1F1B and Megatron-LM's interleaved 1F1B (Narayanan et al.
+2021, section 2.2); the activations an interleaved stage holds (Korthikanti et al.
+2022). Full citations: :mod:`summasim.transformer.composed`.
 """
 
 from __future__ import annotations
