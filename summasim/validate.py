@@ -49,7 +49,10 @@ def unit_roundoff(dtype) -> float:
 
 
 def tolerance(k: int, dtype) -> float:
-    """Derived bound on the scaled error of a length-``k`` contraction in ``dtype``."""
+    """Derived bound on the scaled error of a length-``k`` contraction in ``dtype``.
+
+    It covers relative rounding of normal numbers, not underflow: float32 operands near
+    1e-21, whose products are subnormal, can exceed it in a correct product."""
     return LAMBDA * math.sqrt(max(int(k), 1)) * (unit_roundoff(dtype) + unit_roundoff(np.float64))
 
 
@@ -142,10 +145,18 @@ def training_tolerance(config, batch: int, dtype, grad_reduce=None,
 #     tol_mixed = sqrt(D) (lambda sqrt(K) (u_32 + u_64) + (2 lambda + 1) u_16)
 #
 # For bfloat16 (u_16 = 2^-8) and the tiny model (L = 2, D = 26) that is 0.34; for
-# float16 (2^-11) 0.045. It is a bound on the rounding of a correct computation: a
-# missing reduction, an unscaled gradient or an unapplied skip is off by far more.
+# float16 (2^-11) 0.045. It is a bound on the rounding of a correct computation, and it
+# catches what moves a tensor by more than that: a NaN, a missing or doubled reduction
+# where its share of the sum is large, a dropped micro-batch where m is small. A fault
+# that moves a gradient by less (one of four micro-batches lost, a gradient scaled by
+# 0.75 under bfloat16) passes it: the float64 and float32 runs of the same mesh, which
+# share every code path but the 16-bit casts, are held to bounds of about 1e-12 and 1e-4
+# and catch those. The bound grows as sqrt(D): at bfloat16 it passes 1 from about 19
+# layers, where a step that computed no gradient at all (scaled error 1) would pass, and
+# :func:`vacuous_training_check` refuses such a run.
 #
-# Gradients reduced in 16 bits (``--grad-reduce bfloat16|float16``) are summed in that
+# Gradients reduced in 16 bits (``--grad-reduce bfloat16``; the library also takes
+# float16) are summed in that
 # type over the n partial sums of the step (m micro-batches on each of dp replicas), every
 # add rounded: one more sum of n terms, lambda sqrt(n) u_r of its scale, and the rounding
 # of the partials to 16 bits, u_r. That adds linearly to the chain's bound:
@@ -171,6 +182,33 @@ def mixed_tolerance(config, batch: int, dtype, grad_reduce=None, partials: int =
             raise ValueError(f"partials must be a positive integer, got {partials!r}")
         tol += (LAMBDA * math.sqrt(partials) + 1.0) * HALF_UNIT_ROUNDOFF[reduce_name]
     return tol
+
+
+def vacuous_training_check(config, batch: int, dtype, grad_reduce=None,
+                           partials: int = 1) -> str:
+    """Why a training step of ``config`` in ``dtype`` could not be checked ("" when it
+    can): its bound (:func:`training_tolerance`) is 1 or more, so a tensor that is all
+    zeros (scaled error exactly 1) would pass. Names the most layers that can be checked
+    in ``dtype`` with the rest of ``config``."""
+    import dataclasses
+
+    tol = training_tolerance(config, batch, dtype, grad_reduce, partials)
+    if tol < 1.0:
+        return ""
+    name = str(getattr(dtype, "__name__", dtype))
+    most = 0
+    for layers in range(int(config.layers) - 1, 0, -1):
+        if training_tolerance(dataclasses.replace(config, layers=layers), batch, dtype,
+                              grad_reduce, partials) < 1.0:
+            most = layers
+            break
+    fix = (f"validate at most {most} layers in {name}" if most else
+           f"no depth of this model can be checked in {name}")
+    return (f"{name} training of {config.layers} layers has a derived bound of {tol:.2f} on "
+            f"the scaled error of its loss and gradients (validate.mixed_tolerance, which "
+            f"grows as the square root of the layers): a step that computed no gradient at "
+            f"all (scaled error 1) would pass, so nothing would be checked; {fix}, or run "
+            f"it in float32 or float64")
 
 
 # Adam, through which a gradient's error reaches the parameters. For one entry with the

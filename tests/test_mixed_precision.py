@@ -174,3 +174,40 @@ def test_the_update_reads_the_unscaled_gradient():
     bound = validate.training_tolerance(c64, tokens.shape[0], "bfloat16") + fp32
     print(f"SGD step from the unscaled mixed gradient: worst err {worst:.2e}, bound {bound:.2e}")
     assert worst <= bound
+
+
+def test_a_bound_of_one_or_more_is_refused_as_a_check_that_could_not_fail():
+    """A zero gradient has scaled error 1: with a bound of 1 or more it would pass. The
+    bfloat16 bound grows as sqrt(12 L + 2) and passes 1 between 18 and 24 layers."""
+    deep = model.Config.of(Model.parse("h=32,heads=4,layers=24,seq=8,vocab=32"), np.float64)
+    assert validate.training_tolerance(deep, 8, "bfloat16") >= 1.0
+    why = validate.vacuous_training_check(deep, 8, "bfloat16")
+    assert "could pass" not in why and "would pass" in why and "at most 18 layers" in why
+    at_18 = dataclasses.replace(deep, layers=18)
+    assert validate.training_tolerance(at_18, 8, "bfloat16") < 1.0
+    assert validate.vacuous_training_check(at_18, 8, "bfloat16") == ""
+    for dtype in ("float16", "float32", "float64"):     # their bounds stay far below 1
+        assert validate.vacuous_training_check(deep, 8, dtype) == ""
+    # the harness's mesh refuses it, naming the cause, on every front-end that takes it
+    from summasim.harness.cases import MeshCase
+
+    fp32 = lambda c: dataclasses.replace(c, dtype=np.float32)  # noqa: E731 - master weights
+    assert "would pass" in MeshCase.parse("dp=4", 8, fp32(deep),
+                                          precision="bfloat16").misfit(4)
+    assert MeshCase.parse("dp=4", 8, fp32(at_18), precision="bfloat16").misfit(4) == ""
+
+
+def test_run_refuses_a_mixed_mesh_it_could_not_check():
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpi_env
+
+    res = subprocess.run(
+        [sys.executable, "-m", "summasim.run", "--algorithms", "none", "--schemes", "none",
+         "--mesh", "dp=1", "--model", "h=32,heads=4,layers=24,seq=8,vocab=32", "--batch", "2",
+         "--dtype", "bfloat16", "--no-predict"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=mpi_env())
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "would pass" in lines[0] and "at most 18 layers" in lines[0], lines[0]

@@ -24,6 +24,7 @@ from ..spec import (ATTENTIONS, MIXED_DTYPES as MIXED, RECOMPUTE, SCHEDULE_KINDS
                     ZERO_STAGES, Mesh, stage_layers)
 from ..transformer.model import Config
 from ..transformer.schemes import get_scheme
+from ..validate import vacuous_training_check
 
 DTYPES = ("float64", "float32")
 
@@ -352,6 +353,10 @@ class MeshCase:
             elif self.config.seq % self.t:
                 bad.append(f"sequence parallelism needs seq = {self.config.seq} divisible "
                            f"by the tensor group t = {self.t}")
+        vacuous = vacuous_training_check(self.config, self.batch, self.dtype,
+                                         self.grad_reduce, self.microbatches * self.dp)
+        if vacuous:
+            bad.append(vacuous)
         if self.batch % (self.dp * self.microbatches):
             bad.append(f"batch = {self.batch} is not divisible by dp * microbatches = "
                        f"{self.dp * self.microbatches}")
