@@ -10,6 +10,7 @@ summaries are gathered on rank 0 only, for the cost model).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -28,11 +29,18 @@ from .timing import reduce_max, time_calls
 from .transformer import run_transformer
 
 
+@contextlib.contextmanager
 def _phases():
-    """A function that sets :func:`~summasim.mpiutil.doing` to what the caller was
-    doing, followed by the phase it names (the heartbeat and the last words say it)."""
+    """``with _phases() as phase``: ``phase(what)`` sets :func:`~summasim.mpiutil.doing`
+    to what the caller was doing, followed by the phase (the heartbeat and the last
+    words say it); on leaving, ``doing()`` is the caller's again, so that the next run
+    of a caller that does not set it (the self-test, bench gemm, the accuracy worker)
+    does not pile one phase on another."""
     base = doing()
-    return lambda what: doing(f"{base}: {what}")
+    try:
+        yield lambda what: doing(f"{base}: {what}")
+    finally:
+        doing(base)
 
 
 def _time(call, backend, trace, world, repeats: int, timed: bool, phase) -> dict:
@@ -63,12 +71,16 @@ def _traffic(world, events) -> tuple[int, int, list | None]:
 def run_product(case, world, backend, *, repeats: int = 3, seed: int = 0,
                 method: str = "auto", fault: Fault | None = None, timed: bool = True) -> Result:
     """Validate (and time) one distributed product (collective over ``world``)."""
+    with _phases() as phase:
+        return _run_product(case, world, backend, phase, repeats, seed, method, fault, timed)
+
+
+def _run_product(case, world, backend, phase, repeats, seed, method, fault, timed) -> Result:
     spec = case.spec
     rank, p = world.Get_rank(), world.Get_size()
     dtype = np.dtype(case.dtype)
     sa, sb = spec.stored_shapes(case.m, case.k, case.n)
     grid = Grid(world, case.q, case.d, backend=backend, pc=case.cols)
-    phase = _phases()
     try:
         phase("making this rank's blocks")
         g = grid_numbers(grid)
@@ -137,12 +149,16 @@ def _corrupt_product(host, case, g, seed, fault):
 def run_ring(case, world, backend, *, repeats: int = 3, seed: int = 0,
              fault: Fault | None = None, timed: bool = True, method: str = "exact") -> Result:
     """Validate (and time) ``ring_allreduce`` over all of ``world`` (collective)."""
+    with _phases() as phase:
+        return _run_ring(case, world, backend, phase, repeats, seed, fault, timed)
+
+
+def _run_ring(case, world, backend, phase, repeats, seed, fault, timed) -> Result:
     from ..algorithms import ring_allreduce
 
     rank, p = world.Get_rank(), world.Get_size()
     dtype = np.dtype(case.dtype)
     comm = Comm(world.Dup(), name="world", backend=backend)
-    phase = _phases()
     try:
         phase("the traced call")
         x = backend.empty_huge((case.n,), dtype)     # page backing as in the bench
