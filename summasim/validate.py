@@ -145,7 +145,7 @@ def training_tolerance(config, batch: int, dtype, grad_reduce=None,
 #     tol_mixed = sqrt(D) (lambda sqrt(K) (u_32 + u_64) + (2 lambda + 1) u_16)
 #
 # For bfloat16 (u_16 = 2^-8) and the tiny model (L = 2, D = 26) that is 0.34; for
-# float16 (2^-11) 0.045. It is a bound on the rounding of a correct computation, and it
+# float16 (2^-11) 0.042. It is a bound on the rounding of a correct computation, and it
 # catches what moves a tensor by more than that: a NaN, a missing or doubled reduction
 # where its share of the sum is large, a dropped micro-batch where m is small. A fault
 # that moves a gradient by less (one of four micro-batches lost, a gradient scaled by
@@ -196,6 +196,15 @@ def vacuous_training_check(config, batch: int, dtype, grad_reduce=None,
     if tol < 1.0:
         return ""
     name = str(getattr(dtype, "__name__", dtype))
+    reduce_name = str(getattr(grad_reduce, "__name__", grad_reduce))
+    if reduce_name in HALF_UNIT_ROUNDOFF and training_tolerance(config, batch, dtype) < 1.0:
+        return (f"{name} training with gradients summed in {reduce_name} over {partials} "
+                f"partial sums (micro-batches x data-parallel replicas) has a derived bound "
+                f"of {tol:.2f} on the scaled error of its gradients (validate.mixed_tolerance: "
+                f"the {reduce_name} sum adds ({LAMBDA:g} sqrt(n) + 1) u for n partial sums): a step "
+                f"that computed no gradient at all (scaled error 1) would pass, so nothing "
+                f"would be checked; reduce in float32 (--grad-reduce float32) or over fewer "
+                f"micro-batches x replicas")
     most = 0
     for layers in range(int(config.layers) - 1, 0, -1):
         if training_tolerance(dataclasses.replace(config, layers=layers), batch, dtype,

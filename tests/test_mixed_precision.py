@@ -188,6 +188,12 @@ def test_a_bound_of_one_or_more_is_refused_as_a_check_that_could_not_fail():
     assert validate.vacuous_training_check(at_18, 8, "bfloat16") == ""
     for dtype in ("float16", "float32", "float64"):     # their bounds stay far below 1
         assert validate.vacuous_training_check(deep, 8, dtype) == ""
+    # at 2 layers the bound is 0.34, and a bfloat16 sum of 640 partial sums takes it past
+    # 1: the sum is named as the cause, not the layers
+    two = dataclasses.replace(deep, layers=2)
+    assert validate.vacuous_training_check(two, 640, "bfloat16", "float32", 640) == ""
+    why = validate.vacuous_training_check(two, 640, "bfloat16", "bfloat16", 640)
+    assert "--grad-reduce float32" in why and "640 partial sums" in why and "layers" not in why
     # the harness's mesh refuses it, naming the cause, on every front-end that takes it
     from summasim.harness.cases import MeshCase
 
