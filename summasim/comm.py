@@ -188,12 +188,50 @@ def local_ranks() -> int:
     return launcher_local_ranks() or MPI.COMM_WORLD.Get_size()
 
 
-def cores() -> int:
-    """Cores this process may run on."""
+def _affinity() -> set:
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def cores() -> int:
+    """Cores this process may run on (its affinity mask): what its own threads can use."""
+    return len(_affinity())
+
+
+_NODE: list = []     # [ranks on this node, CPUs they cover], once learn_node_cores has run
+
+
+def node_cores_of(comm) -> tuple[int, int]:
+    """Collective over ``comm``: ``(ranks of comm on this node, CPUs their affinity masks
+    cover together)``. A launcher that binds each rank to its own core (Open MPI's
+    default when the ranks fit, ``srun --cpu-bind``) leaves every rank a mask of one
+    core; the node's ranks share cores only when there are more of them than the union
+    of their masks."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        masks = node.allgather(sorted(_affinity()))
+    finally:
+        node.Free()
+    return len(masks), len(set().union(*map(set, masks)))
+
+
+def learn_node_cores(comm=None) -> None:
+    """Collective over ``comm`` (the world by default): remember :func:`node_cores_of`
+    for :func:`node_cores` and :func:`default_wait_policy`. The front-ends call it once,
+    before any work."""
+    _NODE[:] = node_cores_of(comm if comm is not None else MPI.COMM_WORLD)
+
+
+def node_cores() -> int:
+    """The CPUs this node's ranks may run on together (:func:`learn_node_cores`); before
+    it has run, this process's own (:func:`cores`)."""
+    return _NODE[1] if _NODE else cores()
+
+
+def _node_ranks() -> int:
+    return _NODE[0] if _NODE else local_ranks()
 
 
 def default_reduce() -> str:
@@ -224,13 +262,14 @@ def check_environment() -> dict:
 
 
 def default_wait_policy() -> str:
-    """``SUMMASIM_WAIT`` if set, else "sleep" when oversubscribed, else "spin"."""
+    """``SUMMASIM_WAIT`` if set, else "sleep" when oversubscribed (more ranks on the node
+    than the CPUs they may run on together, :func:`node_cores`), else "spin"."""
     env = os.environ.get("SUMMASIM_WAIT", "").strip().lower()
     if env:
         if env not in WAIT_POLICIES:
             raise ValueError(f"SUMMASIM_WAIT={env!r}: expected 'spin', 'sleep' or 'yield'")
         return env
-    return "sleep" if local_ranks() > cores() else "spin"
+    return "sleep" if _node_ranks() > node_cores() else "spin"
 
 
 class _Staging:
@@ -402,7 +441,7 @@ class Comm:
         self._counts = _counts_of(comm)   # tree reduces started, over every wrapper of comm
         spin = self.wait_policy == "spin"
         self.blocking_limit = _UNLIMITED if spin else BLOCKING_SENDRECV_BYTES
-        crowded = local_ranks() >= NAP_RANKS_PER_CORE * cores()
+        crowded = _node_ranks() >= NAP_RANKS_PER_CORE * node_cores()
         self.nap_limit = (NAP_BYTES if not spin and (crowded or _NAP_ENV is not None)
                           else _UNLIMITED)
         self._scratch_free: list = []

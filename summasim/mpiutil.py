@@ -100,6 +100,14 @@ def heartbeat(every: float = 30.0, stream=None):
         thread.join()
 
 
+def mpi_library() -> str:
+    """The MPI library's name and version in one line: the first line of
+    ``MPI.Get_library_version()``, its whitespace collapsed and without the NUL that Open
+    MPI's ends in (it would reach the report and the fitted machine's file)."""
+    text = MPI.Get_library_version().replace("\0", " ").strip()
+    return " ".join(text.splitlines()[0].split()) if text else "unknown MPI"
+
+
 @contextlib.contextmanager
 def activity(what: str):
     """``with activity("summa_ab 2x2 float64"): ...``: :func:`doing` for the block."""

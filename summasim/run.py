@@ -453,14 +453,13 @@ def _body(args, world) -> int:
 
 
 def _banner(args, world, backend, say):
-    from mpi4py import MPI
-
     from .comm import default_wait_policy
+    from .mpiutil import mpi_library
 
     why = getattr(backend, "comm_mode_reason", "")
     say(f"summasim.run: p = {world.Get_size()} ranks, backend {backend.name} (MPI path: "
         f"{backend.comm_mode}{': ' + why if why else ''}), wait policy "
-        f"{default_wait_policy()}, {' '.join(MPI.Get_library_version().splitlines()[0].split())}")
+        f"{default_wait_policy()}, {mpi_library()}")
 
 
 def _predict(res, machine):

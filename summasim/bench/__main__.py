@@ -153,7 +153,7 @@ def _nothing_to_measure(name: str, args, p: int) -> str:
 
 def _body(args, world) -> int:
     from ..backends import get_backend
-    from ..comm import cores, default_wait_policy
+    from ..comm import default_wait_policy, node_cores
     from ..jsonio import write_report
     from ..mpiutil import limit_blas_threads
 
@@ -161,12 +161,12 @@ def _body(args, world) -> int:
     _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
     backend = get_backend(getattr(args, "backend", "numpy"))
     dtype = given(args, "dtype", "float64")
-    report = {"p": p, "cores": cores(), "dtype": dtype,
+    report = {"p": p, "cores": node_cores(), "dtype": dtype,
               "wait_policy": default_wait_policy(), "backend": backend.name,
               "comm_mode": backend.comm_mode}
     bench = Run(args, world, backend, report)
     say = bench.say
-    say(f"summasim.bench: p = {p} ranks on {cores()} cores, wait policy "
+    say(f"summasim.bench: p = {p} ranks on {node_cores()} cores, wait policy "
         f"{default_wait_policy()}, {dtype}, backend {backend.name} (MPI path: "
         f"{backend.comm_mode})")
     runs = ALL if args.what == "all" else (args.what,)

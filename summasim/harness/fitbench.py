@@ -66,7 +66,8 @@ from ..costmodel.machine.regression import (MiB, FitRejected, fit_regimes,
                                             gamma_reduce_from_collectives,
                                             library_eager_threshold, log_sizes,
                                             median_rel_err, split_huge)
-from ..mpiutil import quiet_barrier
+from ..comm import node_cores_of
+from ..mpiutil import mpi_library, quiet_barrier
 from . import load as _load
 from .timing import time_calls
 
@@ -271,13 +272,6 @@ def node_cache_bytes(root: str = "/sys/devices/system/cpu", cpus=None) -> float 
     return float(sum(found[max(found)].values()))
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        return os.cpu_count() or 1
-
-
 def _phys_mem() -> float:
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -388,7 +382,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     from threadpoolctl import threadpool_limits
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    cores = _cores()
+    cores = node_cores_of(comm)[1]       # the CPUs the fit's ranks cover together
     if size > cores:
         say(f"WARNING: {size} ranks on {cores} cores: waiting ranks spin and share the cores; "
             f"the measured numbers include time-sharing")
@@ -408,7 +402,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     bench = _Bench(comm, 0.0005 if quick else 0.002, reps, say)
     t_start = time.time()
 
-    detail(f"{size} ranks, {cores} cores, {MPI.Get_library_version().splitlines()[0].strip()}")
+    detail(f"{size} ranks, {cores} cores, {mpi_library()}")
     detail(f"ping-pong between ranks 0 and 1, {len(sizes)} sizes {sizes[0]} B .. {sizes[-1]} B")
     pp = []
     for _ in range(3):          # warm up: the first exchanges set up MPICH's shared queues
@@ -501,7 +495,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     machine = Machine(
         name=name or f"fit-{host}",
         source=(f"summasim.costmodel fit on {host}, {date}, {size} ranks, "
-                f"{MPI.Get_library_version().splitlines()[0].strip()}"),
+                f"{mpi_library()}"),
         cores=cores, intra=rf.link(), gamma_gemm=gamma_gemm, gamma_reduce=gr,
         memory_bytes=_phys_mem() / max(cores, 1), shared_comm=True,
         memory_bandwidth=bandwidth, cache_bytes=cache,

@@ -151,6 +151,9 @@ def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
                 print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
             return 2
         doing("starting the work")
+        from ..comm import learn_node_cores
+
+        learn_node_cores(world)      # whether the node's ranks share cores (its wait policy)
         try:
             return body(args, world)
         except BrokenPipeError:

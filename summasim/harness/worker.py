@@ -27,12 +27,27 @@ from ..jsonio import write_json_atomic
 
 
 def mpiexec() -> list[str]:
-    """The launcher command (see the module doc)."""
-    exe = os.environ.get("SUMMASIM_MPIEXEC")
+    """The launcher command (see the module doc): ``$SUMMASIM_MPIEXEC`` and
+    ``$SUMMASIM_MPIEXEC_FLAGS`` split as a shell splits them (``shlex``), the one way the
+    tests, ``costmodel accuracy`` and ``scripts/run`` all use. A
+    :class:`~summasim.cli.UsageError` when their quotes do not close."""
+    import shlex
+
+    from ..cli import UsageError
+
+    exe = os.environ.get("SUMMASIM_MPIEXEC", "")
+    if exe and not exe.strip():
+        raise UsageError("SUMMASIM_MPIEXEC is blank: name a launcher, or unset it for the "
+                         "mpiexec beside this Python")
     if not exe:
         beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        exe = beside if os.path.exists(beside) else "mpiexec"
-    return exe.split() + os.environ.get("SUMMASIM_MPIEXEC_FLAGS", "").split()
+        exe = shlex.quote(beside) if os.path.exists(beside) else "mpiexec"
+    try:
+        return shlex.split(exe) + shlex.split(os.environ.get("SUMMASIM_MPIEXEC_FLAGS", ""))
+    except ValueError as exc:
+        raise UsageError(f"SUMMASIM_MPIEXEC={os.environ.get('SUMMASIM_MPIEXEC', '')!r} "
+                         f"SUMMASIM_MPIEXEC_FLAGS="
+                         f"{os.environ.get('SUMMASIM_MPIEXEC_FLAGS', '')!r}: {exc}") from None
 
 
 def check_launcher() -> None:
@@ -127,7 +142,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
         return print_error("python -m summasim.costmodel accuracy-worker", why)
 
     from ..backends import get_backend
-    from ..comm import cores, default_wait_policy
+    from ..comm import default_wait_policy, learn_node_cores, node_cores
     from ..mpiutil import abort_on_error, limit_blas_threads
     from .cases import case_from_dict
     from .execute import run_case
@@ -135,6 +150,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
     with abort_on_error(world):
+        learn_node_cores(world)
         # one BLAS thread per rank, at p = 1 too: the machine's GEMM rates are per rank
         # (fitted at p = 2, one thread each), and the serial calibration steps are
         # compared with them (with all cores a GEMM-bound step could beat them)
@@ -158,7 +174,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
                       f"{'OK  ' if res.ok else 'FAIL'} median {res.seconds * 1e3:9.2f} ms"
                       f"  min {min(spans) * 1e3:9.2f} ms", flush=True)
         if rank == 0:
-            write_json_atomic(out_path, {"p": p, "cores": cores(),
+            write_json_atomic(out_path, {"p": p, "cores": node_cores(),
                                          "wait_policy": default_wait_policy(),
                                          "repeats": repeats, "seconds": time.time() - t_start,
                                          "results": results})
@@ -166,6 +182,16 @@ def worker_main(spec_path: str, out_path: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--launcher"]:      # scripts/run: the launcher, a word a line
+        from ..cli import UsageError
+
+        try:
+            check_launcher()
+        except UsageError as exc:
+            print(f"summasim: {exc}", file=sys.stderr)
+            sys.exit(2)
+        print("\n".join(mpiexec()))
+        sys.exit(0)
     if len(sys.argv) != 3:
         print("usage: python -m summasim.harness.worker SPEC OUT", file=sys.stderr)
         sys.exit(2)
