@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import mpiexec_command
 from summasim.harness import load
 from summasim.harness import machinefile as mf
 from summasim.harness import fitbench as fitmod
@@ -206,7 +207,7 @@ def test_bench_allreduce_prints_one_statistic_inside_its_own_interval(tmp_path):
     interval printed beside it; each row and the report carry the load."""
     out = tmp_path / "ar.json"
     proc = subprocess.run(
-        ["timeout", "150", "mpiexec", "-n", "2", sys.executable, "-m", "summasim.bench",
+        ["timeout", "150", *mpiexec_command(), "-n", "2", sys.executable, "-m", "summasim.bench",
          "allreduce", "--sizes-mib", "0.0625,0.25", "--repeats", "9", "--no-predict",
          "--json", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
@@ -332,7 +333,7 @@ def test_two_fits_racing_the_second_waits_then_refuses_on_every_rank(tmp_path):
     """)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        proc = subprocess.run(["timeout", "90", "mpiexec", "-n", "2", sys.executable, "-c",
+        proc = subprocess.run(["timeout", "90", *mpiexec_command(), "-n", "2", sys.executable, "-c",
                                script], capture_output=True, text=True, timeout=120,
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     finally:
@@ -381,3 +382,21 @@ def test_a_failed_mesh_check_names_the_worst_value_only_when_values_failed():
     r.values_ok = False
     line = format_mesh_row(r, 24).split("\n")[1]
     assert "failed checks: table1, values (worst value: step 3 param h0.ln1.b)" in line, line
+
+
+def test_a_chain_that_ends_in_the_interval_counts_only_its_cpu_inside_it(monkeypatch):
+    """shell -> timeout -> mpiexec -> python, all but the shell ending inside the
+    interval: the shell's reaped-children time grows by the whole chain's life (python's
+    150 ticks before the interval and 20 in it), and only the 20 are load. The python's
+    parent ended too, so its life was counted whole: 1.7 cores for 0.2."""
+    from summasim.harness import load as ld
+
+    before = {10: (1, 0, 0), 11: (10, 1, 0), 12: (11, 2, 0), 13: (12, 150, 0)}
+    after = {10: (1, 0, 1 + 2 + 170)}                 # timeout, mpiexec, python: reaped
+    snaps = iter([before, after])
+    clock = iter([0.0, 0.0, 1.0, 1.0])
+    monkeypatch.setattr(ld, "_proc_cpu_ticks", lambda: next(snaps))
+    monkeypatch.setattr(ld.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(ld.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ld.os, "sysconf", lambda name: 100)
+    assert ld.foreign_cpu(1.0) == pytest.approx(0.2)

@@ -108,8 +108,16 @@ def foreign_cpu(interval: float = 1.0, exclude: Iterable[int] = ()) -> float:
         else:          # started inside the interval: all of its CPU is in it
             used += t + c
     for pid, (ppid, t, c) in a.items():
-        if pid not in b and pid not in mine and ppid in b:
-            used -= t + c   # ended and reaped: its parent's children time has its whole life
+        if pid in b or pid in mine:
+            continue
+        # ended in the interval: its whole life reached the children time of its nearest
+        # living ancestor (through parents that ended too: timeout -> mpiexec -> python),
+        # which counts from the interval's start: take back what it had used before
+        up = ppid
+        while up in a and up not in b:
+            up = a[up][0]
+        if up in b and up not in mine:
+            used -= t + c
     return max(0.0, used / hz / elapsed)
 
 
