@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import sys
 
 import pytest
 
@@ -18,19 +15,56 @@ def mpiexec_command() -> list[str]:
     Extra flags (e.g. ``--oversubscribe`` for Open MPI) come from
     $SUMMASIM_MPIEXEC_FLAGS.
     """
-    exe = os.environ.get("SUMMASIM_MPIEXEC")
-    if not exe:
-        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        exe = beside if os.path.exists(beside) else shutil.which("mpiexec")
-    if not exe:
-        pytest.fail("no mpiexec found: install the mpich wheel (pip install mpich) or set "
-                    "SUMMASIM_MPIEXEC")
-    return shlex.split(exe) + shlex.split(os.environ.get("SUMMASIM_MPIEXEC_FLAGS", ""))
+    from summasim.cli import UsageError
+    from summasim.harness.worker import check_launcher, mpiexec
+
+    try:
+        check_launcher()
+    except UsageError as exc:
+        pytest.fail(f"{exc}: install the mpich wheel (pip install mpich) or set "
+                    f"SUMMASIM_MPIEXEC")
+    return mpiexec()
 
 
 @pytest.fixture(scope="session")
 def mpiexec():
     return mpiexec_command()
+
+
+_OPEN_MPI: list = []
+
+
+def launcher_is_open_mpi() -> bool:
+    """Whether the suite's launcher is Open MPI's (``mpiexec --version`` names OpenRTE or
+    Open MPI). Open MPI forwards a Ctrl-C to the ranks as SIGTERM, sends SIGTERM to the
+    other ranks when one dies of a signal, and reports a failed job in a framed message
+    of its own (:func:`launcher_free`)."""
+    if not _OPEN_MPI:
+        import subprocess
+
+        try:
+            text = subprocess.run([*mpiexec_command(), "--version"], capture_output=True,
+                                  text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+        _OPEN_MPI.append("OpenRTE" in text or "Open MPI" in text or "Open-MPI" in text)
+    return _OPEN_MPI[0]
+
+
+def launcher_free(text: str) -> list[str]:
+    """The non-empty lines of a job's stderr without its launcher's own report. Open MPI
+    frames each of its messages ("Primary job terminated normally, but 1 process
+    returned a non-zero exit code", "mpiexec detected that one or more processes exited
+    with non-zero status") between lines of dashes; MPICH's Hydra adds none to a job
+    that exits 2."""
+    out, inside = [], False
+    for line in text.splitlines():
+        bare = line.strip()
+        if len(bare) >= 20 and set(bare) == {"-"}:
+            inside = not inside
+        elif bare and not inside:
+            out.append(line)
+    return out
 
 
 def mpi_env() -> dict:
@@ -40,6 +74,29 @@ def mpi_env() -> dict:
     env.setdefault("MKL_NUM_THREADS", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+#: How far a frozen prediction may move in its last bits: Python 3.12's built-in ``sum``
+#: of floats is compensated (``sum([0.1] * 10)`` is 1.0, 0.9999999999999999 on 3.11), so
+#: the same arithmetic ends a few ulps apart across versions; any change of a mechanism
+#: moves a prediction by far more.
+FROZEN_REL = 1e-12
+
+
+def frozen_same(got, want) -> bool:
+    """``got`` equals the frozen ``want``: floats within :data:`FROZEN_REL` of each other,
+    everything else (ints, strings, None, the nesting of lists, tuples and dicts)
+    exactly."""
+    if isinstance(want, float) or isinstance(got, float):
+        if not isinstance(got, (int, float)) or not isinstance(want, (int, float)) or \
+                isinstance(got, bool) or isinstance(want, bool):
+            return got == want
+        return got == want or abs(got - want) <= FROZEN_REL * max(abs(got), abs(want))
+    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)):
+        return len(got) == len(want) and all(map(frozen_same, got, want))
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(frozen_same(got[k], want[k]) for k in want)
+    return got == want
 
 
 def synthetic_machine(**kw):
