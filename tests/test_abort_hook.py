@@ -3,16 +3,13 @@ that rank's traceback, instead of leaving the others waiting in a collective."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
 
-import pytest
 
-from conftest import ROOT, mpi_env
+from conftest import ROOT, mpi_env, mpiexec_command
 
 TIMEOUT = 60        # the job must end well within this
 
@@ -30,20 +27,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def find_mpiexec() -> str | None:
-    """mpiexec beside this Python (the venv's), else on PATH."""
-    return (shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-            or shutil.which("mpiexec"))
+def find_mpiexec() -> list[str]:
+    """The suite's launcher and its flags (``conftest.mpiexec_command``)."""
+    return mpiexec_command()
 
 
 def run_script(tmp_path, n: int, env_extra: dict | None = None):
     mpiexec = find_mpiexec()
-    if mpiexec is None:
-        pytest.skip("no mpiexec beside the Python or on PATH (pip install mpich)")
     script = tmp_path / "fail_on_rank_1.py"
     script.write_text(SCRIPT)
     env = {**mpi_env(), **(env_extra or {})}
-    cmd = ["timeout", "-k", "5", str(TIMEOUT), mpiexec, "-n", str(n), sys.executable, str(script)]
+    cmd = ["timeout", "-k", "5", str(TIMEOUT), *mpiexec, "-n", str(n), sys.executable, str(script)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     return proc, time.perf_counter() - t0
@@ -72,13 +66,11 @@ def test_install_is_idempotent_and_skips_a_single_rank(monkeypatch):
 
 def test_opt_out_leaves_the_hook_alone(tmp_path):
     """With SUMMASIM_ABORT_HOOK=0 nothing is installed (the script says so)."""
-    if find_mpiexec() is None:
-        pytest.skip("no mpiexec beside the Python or on PATH (pip install mpich)")
     script = tmp_path / "opt_out.py"
     script.write_text("import sys\nfrom summasim.mpiutil import install_abort_hook\n"
                       "sys.stdout.write(f'installed {install_abort_hook()}\\n')\n")
     env = {**mpi_env(), "SUMMASIM_ABORT_HOOK": "0"}
-    proc = subprocess.run(["timeout", "-k", "5", str(TIMEOUT), find_mpiexec(), "-n", "2",
+    proc = subprocess.run(["timeout", "-k", "5", str(TIMEOUT), *find_mpiexec(), "-n", "2",
                            sys.executable, str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,7 +8,6 @@ work), and exit with status 2. Also the checks of :mod:`summasim.cli` in-process
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -292,11 +291,10 @@ def test_fit_on_one_rank_is_a_user_error(tmp_path):
 def test_fit_bad_argument_under_mpiexec_prints_once():
     """Under a launcher every rank checks, rank 0 alone speaks (its rank from the
     environment; MPI is never initialised)."""
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or \
-        shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec")
-    res = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit",
+    from conftest import mpiexec_command
+
+    res = subprocess.run([*mpiexec_command(), "-n", "2", sys.executable, "-m",
+                          "summasim.costmodel", "fit",
                           "--max-bytes", "0"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=ENV)
     lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -40,11 +39,9 @@ def run(module, *args, timeout=120, mpi: int | None = None):
     """``python -m module args`` (under ``mpiexec -n mpi`` when given) in a new process."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
     if mpi:
-        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or \
-            shutil.which("mpiexec")
-        if mpiexec is None:
-            pytest.skip("no mpiexec")
-        cmd = [mpiexec, "-n", str(mpi)] + cmd
+        from conftest import mpiexec_command
+
+        cmd = [*mpiexec_command(), "-n", str(mpi)] + cmd
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=ENV)
 

@@ -328,13 +328,6 @@ def test_fit_out_refused_before_mpi(tmp_path):
     assert readme.read_text() == "# hello\n"
 
 
-def _mpiexec():
-    import shutil
-
-    return shutil.which("mpiexec")
-
-
-@pytest.mark.skipif(_mpiexec() is None, reason="needs mpiexec")
 @pytest.mark.parametrize("case", ["deep", "fifo", "zero", "readme", "nodir"])
 def test_main_job_user_errors_under_mpi(tmp_path, case):
     """`mpiexec -n 2 python -m summasim.run`: each bad file is one line and exit 2 on
@@ -352,7 +345,9 @@ def test_main_job_user_errors_under_mpi(tmp_path, case):
                     "nodir": (["--json", tmp_path / "nodir" / "r.json"], ["does not exist"]),
                     }[case]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = ["timeout", "100", _mpiexec(), "-n", "2", sys.executable, "-m", "summasim.run",
+    from conftest import mpiexec_command
+
+    cmd = ["timeout", "100", *mpiexec_command(), "-n", "2", sys.executable, "-m", "summasim.run",
            "--sizes", "8", "8", "8", "--schemes", "none", "--meshes", "none", *map(str, extra)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     report = f"rc={res.returncode}\n{res.stdout}\n{res.stderr}"

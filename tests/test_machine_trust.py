@@ -545,15 +545,14 @@ sys.exit(1)
 
 
 def _run_two_ranks(tmp_path, name: str, text: str, limit: int):
-    """``text`` as a script under ``mpiexec -n 2`` (the one beside this Python) and a
-    ``limit``-second timeout; skips where there is no such mpiexec."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        pytest.skip("no mpiexec beside the interpreter")
+    """``text`` as a script under the suite's launcher (``conftest.mpiexec_command``)
+    with 2 ranks and a ``limit``-second timeout."""
+    from conftest import mpiexec_command
+
     script = tmp_path / name
     script.write_text(text)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    return subprocess.run(["timeout", "-k", "5", str(limit), mpiexec, "-n", "2",
+    return subprocess.run(["timeout", "-k", "5", str(limit), *mpiexec_command(), "-n", "2",
                            sys.executable, str(script)], capture_output=True, text=True,
                           timeout=limit + 30, env=env)
 

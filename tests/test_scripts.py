@@ -53,11 +53,39 @@ def test_run_uses_the_launcher_and_flags_it_is_given(tmp_path):
                     "-m", "summasim.run", "--sizes", "8", "8", "8"], args
 
 
+def test_run_splits_the_launcher_as_the_tests_and_accuracy_do(tmp_path):
+    """Shell quoting in the flags keeps a value with a comma or a space whole, as
+    ``shlex`` does for the tests and ``costmodel accuracy`` (``harness.worker.mpiexec``);
+    ``read -a`` split it at the quotes."""
+    fake = tmp_path / "a launcher"
+    log = tmp_path / "args"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\n')
+    fake.chmod(0o755)
+    env = _env(SUMMASIM_MPIEXEC=f"'{fake}'", SUMMASIM_MPIEXEC_FLAGS='--mca btl "self,vader"',
+               SUMMASIM_RANKS="2")
+    res = subprocess.run(["scripts/run", "--sizes", "8", "8", "8"], cwd=ROOT, timeout=120,
+                         env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    args = log.read_text().split("\n")[:-1]
+    assert args[:5] == ["--mca", "btl", "self,vader", "-n", "2"], args
+    from summasim.harness import worker
+
+    old = {k: os.environ.get(k) for k in ("SUMMASIM_MPIEXEC", "SUMMASIM_MPIEXEC_FLAGS")}
+    os.environ.update(SUMMASIM_MPIEXEC=env["SUMMASIM_MPIEXEC"],
+                      SUMMASIM_MPIEXEC_FLAGS=env["SUMMASIM_MPIEXEC_FLAGS"])
+    try:
+        assert worker.mpiexec() == [str(fake), "--mca", "btl", "self,vader"]
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 @pytest.mark.parametrize("var,value", [("SUMMASIM_RANKS", "abc"), ("SUMMASIM_RANKS", "0"),
                                        ("SUMMASIM_RANKS", "2 3"), ("SUMMASIM_RANKS", "-1"),
                                        ("SUMMASIM_TIMEOUT", "soon"),
                                        ("SUMMASIM_MPIEXEC", "no-such-launcher"),
-                                       ("SUMMASIM_MPIEXEC", "   ")])
+                                       ("SUMMASIM_MPIEXEC", "   "),
+                                       ("SUMMASIM_MPIEXEC_FLAGS", '--mca "btl')])
 def test_run_refuses_a_bad_setting_in_one_line(var, value):
     """A rank count the launcher would read as 1 (Hydra's atoi: "abc", "0") ran the job
     on one rank and passed; a bad timeout or a missing launcher ended in the shell's or
@@ -67,3 +95,30 @@ def test_run_refuses_a_bad_setting_in_one_line(var, value):
     assert res.returncode == 2, (res.returncode, res.stderr)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and var in lines[0], res.stderr
+
+
+def test_setup_refuses_a_python_older_than_3_11_before_building(tmp_path):
+    """One line naming SUMMASIM_PYTHON and 3.11, exit 2, before pip runs (pip's own
+    refusal came after a minute of installing, exit 1)."""
+    fake = tmp_path / "python3.10"
+    fake.write_text('#!/bin/sh\ncase "$*" in *print*) echo 3.10.13 ;; *) exit 1 ;; esac\n')
+    fake.chmod(0o755)
+    res = subprocess.run(["bash", "-c", "source scripts/setup.sh"], cwd=ROOT, timeout=60,
+                         env={**_env(), "SUMMASIM_VENV": str(tmp_path / "venv"),
+                              "SUMMASIM_PYTHON": str(fake)},
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert "Python 3.10.13" in last and "3.11" in last and "SUMMASIM_PYTHON" in last, last
+    assert not (tmp_path / "venv" / "bin").exists()
+
+
+def test_a_relative_venv_is_taken_from_where_it_was_asked_for(tmp_path):
+    """``SUMMASIM_VENV=v`` from another folder: the venv and the PATH both point at
+    ``<that folder>/v`` (setup.sh changes to the repository, where ``v`` is nothing)."""
+    os.symlink(VENV, tmp_path / "v")
+    res = subprocess.run(["bash", "-c", f"source {ROOT}/scripts/setup.sh && command -v python"],
+                         cwd=tmp_path, timeout=120,
+                         env={**_env(), "SUMMASIM_VENV": "v"}, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(tmp_path / "v" / "bin" / "python"), res.stdout
