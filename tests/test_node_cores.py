@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent("""
     from mpi4py import MPI
     from summasim import comm as c
     rank = MPI.COMM_WORLD.Get_rank()
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = [int(c) for c in sys.argv[3].split(",")]   # the test's CPUs: a binding launcher
+                                                     # has already cut each rank's own mask
     # "own": each rank on a core of its own, as a binding launcher leaves it;
     # "shared": both ranks on one core
     os.sched_setaffinity(0, {cpus[rank % len(cpus)] if sys.argv[1] == "own" else cpus[0]})
@@ -39,7 +40,9 @@ def test_ranks_bound_to_cores_of_their_own_are_not_oversubscribed(tmp_path, how,
     script.write_text(SCRIPT)
     env = {k: v for k, v in mpi_env().items() if k != "SUMMASIM_WAIT"}
     proc = subprocess.run(["timeout", "-k", "5", "120", *mpiexec_command(), "-n", "2",
-                           sys.executable, str(script), how, str(tmp_path)], capture_output=True,
+                           sys.executable, str(script), how, str(tmp_path),
+                           ",".join(map(str, sorted(os.sched_getaffinity(0))))],
+                          capture_output=True,
                           text=True, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [(tmp_path / f"rank{r}").read_text().split() for r in (0, 1)]

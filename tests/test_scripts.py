@@ -17,9 +17,20 @@ from conftest import ROOT
 VENV = sys.prefix          # the venv these tests run in: installed, so setup is quick
 
 
+def _mpi_kind() -> str:
+    """The MPI this venv was set up for (its set-up stamp ends in "-wheel" or
+    "-system"): the scripts these tests run must ask for the same, or set-up would make
+    the suite's own venv anew for the other one."""
+    try:
+        with open(os.path.join(VENV, ".summasim-installed")) as fh:
+            return fh.read().strip().rsplit("-", 1)[1]
+    except (OSError, IndexError):
+        return "wheel"
+
+
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUMMASIM_")}
-    return {**env, "SUMMASIM_VENV": VENV, **extra}
+    return {**env, "SUMMASIM_VENV": VENV, "SUMMASIM_MPI": _mpi_kind(), **extra}
 
 
 def test_a_second_setup_waits_for_the_first_and_says_so():
