@@ -79,7 +79,9 @@ def test_bench_allreduce_times_and_checks_the_halves(mpiexec, tmp_path, p):
         words = line.split()
         assert words[0] == {"reduce_scatter": "reduce-scatter",
                             "allgather": "all-gather"}[half]
-        assert float(words[1]) == row["mib"] and "OK" in words and "FAIL" not in words
+        # the size sent (8193 items: 0.06251 MiB), as the main table labels it
+        assert words[1] == B._mib(row["bytes"]) and "OK" in words and "FAIL" not in words
+        assert row["bytes"] == 8 * max(1, int(row["mib"] * 2**20) // 8)
         assert words[-1] in ("quiet", "?") or words[-2] == "BUSY", words    # the load
         # the printed ratio is the JSON's paired median, inside the interval beside it
         (shown, low, high), = re.findall(r"(\S+)x\s+\[(\S+),(\S+)\]", line)
@@ -89,8 +91,8 @@ def test_bench_allreduce_times_and_checks_the_halves(mpiexec, tmp_path, p):
         assert words[words.index(f"[{low},{high}]") + 1] == v["verdict"]
     assert f"halves at p = {p}, against MPI over {len(rows)} sizes" in proc.stdout
     # the first table's lines are still the only ones that start with a size
-    first = [ln for ln in proc.stdout.splitlines()
-             if ln.split() and ln.split()[0] in sizes.split(",")]
+    labels = [B._mib(row["bytes"]) for row in rows]        # the sizes sent
+    first = [ln for ln in proc.stdout.splitlines() if ln.split() and ln.split()[0] in labels]
     assert len(first) == len(rows)
 
 
