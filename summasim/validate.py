@@ -28,6 +28,7 @@ is a dot product of length p with ones.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -190,8 +191,6 @@ def vacuous_training_check(config, batch: int, dtype, grad_reduce=None,
     can): its bound (:func:`training_tolerance`) is 1 or more, so a tensor that is all
     zeros (scaled error exactly 1) would pass. Names the most layers that can be checked
     in ``dtype`` with the rest of ``config``."""
-    import dataclasses
-
     tol = training_tolerance(config, batch, dtype, grad_reduce, partials)
     if tol < 1.0:
         return ""

@@ -381,16 +381,7 @@ def _parent(pid) -> int:
 
 def _children(pid):
     """Every descendant process id of ``pid`` (from /proc)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
+    kids = [int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == pid]
     return kids + [g for k in kids for g in _children(k)]
 
 
