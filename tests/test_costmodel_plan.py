@@ -14,7 +14,7 @@ import pytest
 from summasim.costmodel import list_presets, load_preset
 from summasim.costmodel.workload.zero import StateBytes
 from summasim.costmodel.workload.composition import price_composition
-from summasim.costmodel.tools.plan import MODELS, search
+from summasim.costmodel.tools.plan import MODELS, ranked, search
 from summasim.costmodel.tools.plan_cli import main
 from summasim.costmodel.workload.scheme import Scheme, TransformerConfig
 
@@ -63,6 +63,29 @@ def test_ranked_compositions_fit_and_are_sorted():
             state_bytes=StateBytes.for_dtype("bfloat16"))
         assert again["step_seconds"] == pytest.approx(r["step_seconds"], rel=1e-12)
         assert again["memory"]["total"] <= budget
+
+
+def test_steps_that_differ_in_their_last_bits_tie_in_the_search_order():
+    rows = [{"id": "a", "step_seconds": 1.0000000000000002},  # 1 ulp above b: a tie
+            {"id": "b", "step_seconds": 1.0},
+            {"id": "c", "step_seconds": 0.5},
+            {"id": "d", "step_seconds": 1.00000000001},       # the 11th digit: after
+            {"id": "e", "step_seconds": 0.9999999999999999}]  # 1 ulp below b: a tie
+    assert [r["id"] for r in ranked(rows)] == ["c", "a", "b", "e", "d"]
+    # in a real search, ZeRO 1 and 2 of one composition where neither's traffic shows
+    # price the same step and keep the search's order (ZeRO ascending), whatever the
+    # last bits of the float sums
+    machine = load_preset(PRESET)
+    cfg = TransformerConfig(b=64, s=512, h=1024, n=16, N=8, v=2048, dtype="bfloat16")
+    res = search(cfg, 64, 64, machine, budget=4 * GiB)
+    where = {}
+    for i, r in enumerate(res.rows):
+        key = tuple((k, r[k]) for k in ("grid", "dp", "pp", "microbatches", "chunks",
+                                        "recompute", "sequence_parallel"))
+        where.setdefault(key, {})[r["zero"]] = (i, float(f"{r['step_seconds']:.12g}"))
+    ties = [z for z in where.values() if 1 in z and 2 in z and z[1][1] == z[2][1]]
+    assert ties, "no composition whose ZeRO 1 and 2 steps tie: the check saw nothing"
+    assert all(z[1][0] < z[2][0] for z in ties)
 
 
 def test_memoized_paths_leave_the_ranking_unchanged():

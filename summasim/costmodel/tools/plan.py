@@ -263,12 +263,15 @@ def search(cfg: TransformerConfig, devices: int, global_batch: int, machine: Mac
                                     loss_scale=loss_scale, cache=cache,
                                     grad_overlap=grad_overlap, p2p_overlap=p2p_overlap)
                                 rows.append(_row(res))
-    # by the step time to 12 significant digits, then in the order of the search: two
-    # compositions that differ only in what the step does not price (ZeRO 1 and 2 where
-    # neither's traffic shows) tie in every Python, whose float sums differ in the last
-    # bits (3.12's sum() is compensated)
-    rows.sort(key=lambda r: float(f"{r['step_seconds']:.12g}"))
-    return SearchResult(rows, counts, smallest, time.perf_counter() - t0, reasons)
+    return SearchResult(ranked(rows), counts, smallest, time.perf_counter() - t0, reasons)
+
+
+def ranked(rows: list[dict]) -> list[dict]:
+    """``rows`` by their step time to 12 significant digits, ties in their given order
+    (the search's). Two compositions that differ only in what the step does not price
+    (ZeRO 1 and 2 where neither's traffic shows) tie in every Python, whose float sums
+    differ in the last bits (3.12's ``sum()`` is compensated)."""
+    return sorted(rows, key=lambda r: float(f"{r['step_seconds']:.12g}"))
 
 
 def nothing_exists(plan: Plan, res: SearchResult) -> str:
