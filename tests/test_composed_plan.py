@@ -141,7 +141,7 @@ def test_plan_meshes_refuses_an_explicit_misfit():
     cases, skips, err = plan_meshes(8, [("dp=2,pp=2,tp=megatron:4", {})], CFG, 8,
                                     explicit=False)
     assert err == "" and not cases and len(skips) == 1
-    assert np.all([s.reason for s in skips])
+    assert all(s.reason for s in skips)
 
 
 def test_the_default_batch_is_raised_to_whole_sequences_per_rank_where_a_grid_needs_it():

@@ -186,7 +186,7 @@ def drift_entry(x) -> bool:
         # uint16): one unit in the last place is the lowest bit
         x[at] ^= 1
     else:
-        x[at] = np.nextafter(x[at], np.inf)
+        x[at] = np.nextafter(x[at], x.dtype.type(np.inf))   # in x.dtype on any NumPy
     return True
 
 
