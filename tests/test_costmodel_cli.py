@@ -85,13 +85,23 @@ def test_explore_plots(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_explore_without_matplotlib(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("sub", ["explore", "plan"])
+def test_a_plot_without_matplotlib_is_a_user_error_before_any_work(sub, tmp_path, capsys,
+                                                                    monkeypatch):
+    """--plot asks for a plot: without matplotlib that is one line and exit 2 before any
+    pricing (not the tables and exit 0), and the rest of the command still works."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
-    rc = cli_main(["explore", *SMALL, "--no-iso", "--outdir", str(tmp_path), "--plot"])
-    assert rc == 0
-    assert PLOT_HINT in capsys.readouterr().out
+    args = ([*SMALL, "--no-iso", "--outdir", str(tmp_path), "--plot"] if sub == "explore" else
+            ["--model", "h=1024,layers=8,heads=16,seq=512,vocab=2048", "--devices", "8",
+             "--batch", "16", "--plot", str(tmp_path / "plan.png")])
+    rc = cli_main([sub, *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "--plot" in err and PLOT_HINT in err
     assert "pip install summasim[plot]" in PLOT_HINT
-    assert not list(tmp_path.glob("*.png"))
+    assert not list(tmp_path.iterdir())
+    no_plot = [a for a in args if a not in ("--plot", str(tmp_path / "plan.png"))]
+    assert cli_main([sub, *no_plot]) == 0
 
 
 def test_presets_and_table1(capsys):

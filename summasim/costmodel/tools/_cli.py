@@ -16,6 +16,13 @@ from summasim.costmodel.machine import list_presets, load_machine
 DEFAULT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 PLOT_HINT = "plots need matplotlib: pip install summasim[plot]"
 
+
+def need_matplotlib(flag: str = "--plot") -> None:
+    """A user error before any work when ``flag`` asks for a plot that cannot be drawn:
+    the rest of the run would succeed without what was asked for."""
+    if not cli.module_available("matplotlib"):
+        raise cli.UsageError(f"argument {flag}: {PLOT_HINT} (or drop {flag})")
+
 _arg = cli.argument_error
 
 

@@ -30,7 +30,7 @@ SUMMA2.5: every [q, q, d] with q, d >= 2, d > q included, else the smallest dept
 its most square pr x pc both ways).
 
 ``--csv`` / ``--json`` write every table (atomically); ``--plot`` writes PNGs
-(scaling curves, isoefficiency) with matplotlib, or says how to install it.
+(scaling curves, isoefficiency) with matplotlib; without it, ``--plot`` is a user error.
 Files go under ``--outdir`` (default ./results). A sweep to p = 65536 on a GPU machine
 takes about a minute (each p prices whole steps; a progress bar shows on a terminal,
 or with ``--progress``); p stops at 2^16.
@@ -69,7 +69,7 @@ from summasim.jsonio import write_report, write_text_atomic
 
 from ..compute.roofline import usable_memory
 from . import _cli, scheme_grids
-from ._cli import PLOT_HINT, fmt, model_batch, pick_dtype, resolve_machine
+from ._cli import fmt, model_batch, pick_dtype, resolve_machine
 from .predict import (DEFAULT_PRESET, MAX_SIZE, add_progress, check_sizes, progress_bar,
                       size_help)
 from .explore import (CROSSOVER_ALGS, GiB, ISO_REFERENCES, WEAK_RULES, batch_table,
@@ -306,7 +306,7 @@ class Plan(NamedTuple):
     placement: Placement
     csv: str | None        # output paths (None: not asked for)
     json: str | None
-    plot_dir: str | None   # None: no plots (or matplotlib missing: a hint instead)
+    plot_dir: str | None   # None: no plots
 
 
 _arg = cli.argument_error
@@ -396,7 +396,8 @@ def check_args(args) -> Plan:
         else:
             json_path = path
     outputs = [("--csv", csv_path), ("--json", json_path)]
-    if args.plot and cli.module_available("matplotlib"):
+    if args.plot:
+        _cli.need_matplotlib()
         plot_dir = _cli.writable("--outdir", args.outdir, cli.check_writable_dir)
         for name in PLOTS:      # a file there that is not a PNG is not replaced
             _cli.writable("--outdir", cli.ReportPath(os.path.join(plot_dir, name), "png",
@@ -520,13 +521,8 @@ def run(args, out=None) -> dict:
                                                  "config": cfg.__dict__, "mode": args.mode,
                                                  "tables": tables, "not_priced": skipped}))
         written.append(plan.json)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            w(f"\n{PLOT_HINT}\n")
-        else:
-            written += make_plots(plan.plot_dir or args.outdir, tables, curves, title)
+    if plan.plot_dir is not None:
+        written += make_plots(plan.plot_dir, tables, curves, title)
     for path in written:
         w(f"wrote {path}\n")
     return tables

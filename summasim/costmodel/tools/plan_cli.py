@@ -51,7 +51,7 @@ from summasim.costmodel.workload.scheme import SCHEMES, Scheme, TransformerConfi
 
 from ..compute.roofline import usable_memory
 from . import _cli
-from ._cli import DEFAULT_DTYPES, PLOT_HINT, model_batch, pick_dtype, resolve_machine
+from ._cli import DEFAULT_DTYPES, model_batch, pick_dtype, resolve_machine
 from .devset import machine_interval, tie_ratio
 from .predict import DEFAULT_PRESET, add_progress, check_sizes, progress_bar
 
@@ -215,6 +215,8 @@ def check_args(args) -> Plan:
         cfg = cfg.replace(dropout=args.dropout)
     zeros = tuple(sorted({int(z) for z in args.zero}))
     sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
+    if args.plot is not None:
+        _cli.need_matplotlib()
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise cli.UsageError(f"argument --plot: {args.plot}: the plan is drawn as a PNG; "
                              f"give a path ending in .png")
@@ -401,12 +403,9 @@ def run(args, out=None) -> int:
         write_report(plan.json, "plan", _report(plan, res, top, None))
         w(f"wrote {plan.json}\n")
     if plan.plot:
-        if not cli.module_available("matplotlib"):
-            w(f"{PLOT_HINT}\n")
-        else:
-            title = (f"{plan.model} on {plan.devices} x {machine.name}, batch "
-                     f"{plan.global_batch}, {cfg.dtype}")
-            w(f"wrote {make_plot(plan.plot, res.rows, plan.top, plan.budget / GiB, title)}\n")
+        title = (f"{plan.model} on {plan.devices} x {machine.name}, batch "
+                 f"{plan.global_batch}, {cfg.dtype}")
+        w(f"wrote {make_plot(plan.plot, res.rows, plan.top, plan.budget / GiB, title)}\n")
     return 0
 
 
