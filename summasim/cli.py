@@ -98,6 +98,7 @@ and what would be accepted, on one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -177,22 +178,99 @@ def print_error(prog: str, message) -> int:
     return 2
 
 
+class _GuardedStdout:
+    """``sys.stdout`` while a command runs (:func:`guarded_stdout`): what the work prints
+    cannot end the work. A reader that went away (``... | head -1``) sends the rest to
+    devnull, so the reports the user asked for are still written and the exit status is
+    the work's; text the stream cannot encode (a path in UTF-8 under
+    ``PYTHONIOENCODING=ascii``) is written with backslash escapes."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()        # the buffered rest, now into devnull
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+        except UnicodeEncodeError:
+            enc = getattr(self._stream, "encoding", None) or "ascii"
+            try:
+                return self._stream.write(text.encode(enc, "backslashreplace").decode(enc))
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded_stdout():
+    """Run the block with ``sys.stdout`` guarded (:class:`_GuardedStdout`); a closed
+    stdout (``>&-``, ``sys.stdout`` None) is devnull meanwhile. Put back on exit."""
+    before = sys.stdout
+    null = open(os.devnull, "w", encoding="utf-8") if before is None else None
+    sys.stdout = _GuardedStdout(null if before is None else before)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        sys.stdout = before
+        if null is not None:
+            null.close()
+
+
+#: The words an on/off ``SUMMASIM_*`` switch takes (any case), and what they mean.
+SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(name: str, default: bool, strict: bool = True) -> bool:
+    """The on/off environment variable ``name`` (:data:`SWITCH_WORDS`; unset or blank:
+    ``default``). Another value raises ``ValueError`` naming it, or, not ``strict`` (a
+    module reading it at import, whose front-end checks it strictly before any work), is
+    taken as ``default``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in SWITCH_WORDS:
+        return SWITCH_WORDS[raw]
+    if strict:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no "
+                         f"or on/off")
+    return default
+
+
 def run_command(prog: str, run: Callable, args) -> int:
-    """``run(args)`` with a :class:`UsageError` turned into one line and status 2.
+    """``run(args)`` with a :class:`UsageError` turned into one line and status 2, and
+    stdout guarded (:func:`guarded_stdout`): a reader that goes away or a path stdout
+    cannot encode does not end the work before its reports are written.
 
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
     """
-    try:
-        status = run(args)
-        sys.stdout.flush()
-    except UsageError as exc:
-        return print_error(prog, exc)
-    except BrokenPipeError:
-        # the reader went away (``... | head``): not an error of ours, and no traceback;
-        # stdout goes to devnull so that the interpreter's final flush cannot raise again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    with guarded_stdout():
+        try:
+            status = run(args)
+        except UsageError as exc:
+            return print_error(prog, exc)
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
@@ -587,6 +665,8 @@ def check_writable_path(path, kind: str | None = None, force: bool | None = None
                     else f"not a summasim {kind} report")
             raise UsageError(f"{text}: exists and is {what}; not replacing it (give another "
                              f"path, or --force to replace it)")
+    if os.path.islink(text):    # the file it points to is replaced, in that file's folder
+        folder = os.path.dirname(os.path.realpath(text))
     _probe_dir(folder, make=False)
     if not os.access(text, os.W_OK):
         raise UsageError(f"{text}: exists and is not writable")

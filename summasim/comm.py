@@ -66,6 +66,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backends import backend_of, ipc, is_device_array
+from .cli import env_switch
 from .backends.cupy_backend import gpu_comm_setting, launcher_local_ranks
 from .mpiutil import SLEEP_S, WAIT_POLICIES, agreement_enabled, install_abort_hook, wait_requests
 from .ringwait import MODES as RING_MODES
@@ -252,6 +253,9 @@ def check_environment() -> dict:
     ask every rank before any work, so that a setting bad or different on one rank is
     one clear error, not an abort or a hang."""
     default_wait_policy()
+    for name, default in (("SUMMASIM_AGREE", True), ("SUMMASIM_ABORT_HOOK", True),
+                          ("SUMMASIM_FUSED", False)):
+        env_switch(name, default)           # read leniently at import; a bad value said here
     shared = {"SUMMASIM_REDUCE": default_reduce(), "SUMMASIM_RING_WAIT": ring_wait_setting(),
               "SUMMASIM_AGREE": agreement_enabled(), "SUMMASIM_GPU_COMM": gpu_comm_setting()}
     for name in BYTE_SETTINGS:
@@ -411,7 +415,8 @@ class Comm:
 
     def __init__(self, comm, name: str = "world", trace: Trace | None = None, backend=None,
                  wait: str | None = None, reduce: str | None = None):
-        install_abort_hook()  # an uncaught exception on any rank aborts the job (SUMMASIM_ABORT_HOOK=0: off)
+        install_abort_hook()  # an uncaught exception on any rank aborts the job
+        #                       (SUMMASIM_ABORT_HOOK=0: off)
         for var in BYTE_SETTINGS:  # a bad value, taken as the default at import: said here
             _env_bytes(var)
         if isinstance(comm, Comm):
@@ -424,6 +429,10 @@ class Comm:
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"expected an mpi4py communicator or a summasim Comm, got "
                             f"{type(comm).__name__}")
+        if comm.Is_inter():     # true on every rank of it: each raises, nothing is sent
+            raise TypeError("expected an intracommunicator, got an intercommunicator (its "
+                            "ranks address the remote group): merge it first "
+                            "(comm.Merge()) or use one of its groups")
         self.mpi = comm
         self.name = name
         self.trace = trace if trace is not None else Trace()
@@ -523,7 +532,7 @@ class Comm:
         (docs/gpu.md). A device-to-device ("ipc") step costs a stream wait and two small
         messages whatever its size: 1.1 ms a step with 4 ranks time-slicing one H200,
         0.22 ms under MPS, so below the same limit the host copy wins there too."""
-        if self.backend is None and type(arr) is _NDARRAY:       # the host ring's fast path
+        if self.backend is None and isinstance(arr, _NDARRAY):   # the host ring's fast path
             return False
         return (arr.nbytes < self.stage_whole_limit * STAGE_WHOLE_SHARES[op]
                 and self._backend(arr).comm_mode in ("staged", "ipc"))
@@ -588,7 +597,7 @@ class Comm:
     # -- device-to-device (comm_mode "ipc") -----------------------------------
     def _ipc(self, arr) -> bool:
         """Whether ``arr`` travels through the IPC outboxes (:mod:`summasim.backends.ipc`)."""
-        if type(arr) is _NDARRAY and self.backend is None:      # the host fast path
+        if isinstance(arr, _NDARRAY) and self.backend is None:      # the host fast path
             return False
         return self._backend(arr).comm_mode == "ipc"
 
@@ -636,6 +645,14 @@ class Comm:
         cleanup: list = []
         if self.rank == root:
             view = self._outgoing(buf, cleanup)
+            if isinstance(view, _NDARRAY) and not view.flags.writeable:
+                # MPI may write the root's own buffer (MPICH's scatter-allgather broadcast
+                # receives the root's pieces back into it): read-only memory, a file
+                # mapped read-only, would fault, so the root sends from a copy
+                tmp = self._scratch(view.view(_NDARRAY))
+                tmp[...] = view
+                cleanup.append(lambda: self._release_scratch(tmp))
+                view = tmp
         else:
             view = self._incoming(buf, cleanup)
         return self._start("bcast", root, buf.nbytes,
@@ -768,7 +785,8 @@ class Comm:
     def _blocks(self, arr, nbytes: int) -> bool:
         """Whether a sendrecv of ``nbytes`` on ``arr`` (a host or device array) takes
         the exchanger's path."""
-        return nbytes < self.blocking_limit and (type(arr) is _NDARRAY or is_device_array(arr))
+        return nbytes < self.blocking_limit and (isinstance(arr, _NDARRAY)
+                                                 or is_device_array(arr))
 
     def exchanger(self, like, nbytes: int, tag: int = 0):
         """``(step, finish)`` for a loop of ring steps of at most ``nbytes`` on arrays
@@ -852,7 +870,7 @@ class Comm:
         # whether the trials run must not depend on this rank's wait policy (which may
         # differ between nodes): "spin" lifts the blocking limit on its own rank only,
         # so the shared SUMMASIM_BLOCKING_BYTES bounds the trials on every rank
-        if (self.ring_wait != "rule" and type(like) is _NDARRAY
+        if (self.ring_wait != "rule" and isinstance(like, _NDARRAY)
                 and nbytes < min(self.blocking_limit, BLOCKING_SENDRECV_BYTES)
                 and self._backend(like).comm_mode == "host"):
             if self.ring_wait in RING_MODES:

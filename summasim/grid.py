@@ -39,6 +39,9 @@ def _raw(comm):
     if isinstance(comm, Comm):
         return comm.mpi
     if isinstance(comm, MPI.Comm):
+        if comm.Is_inter():     # true on every rank of it: each raises, nothing is sent
+            raise TypeError("a grid needs an intracommunicator, got an intercommunicator: "
+                            "merge it first (comm.Merge())")
         return comm
     raise TypeError(f"expected an mpi4py communicator or a summasim Comm, got "
                     f"{type(comm).__name__}")
@@ -121,8 +124,13 @@ class Grid(_Groups):
                  wait: str | None = None, *, pc: int | None = None):
         from .comm import Comm
 
+        from .mpiutil import agree, local_error
+
         raw = _raw(comm)
-        check_grid_size(raw.Get_size(), q, d, pc)
+        # every rank must ask for the same grid: a rank that asks for another shape of the
+        # same size would build other groups and wait in them for ever
+        _, err = local_error(check_grid_size, raw.Get_size(), q, d, pc)
+        agree("Grid", raw, lambda: {"grid [pr, pc, d]": (q, q if pc is None else pc, d)}, err)
         self.pr, self.d = int(q), int(d)
         self.pc = self.pr if pc is None else int(pc)
         self.q = self.pr if self.pr == self.pc else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 
@@ -61,9 +62,11 @@ def json_safe(obj):
 
 def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
-    so a reader never sees a half-written file (mode as ``open()`` would give). The
-    folder is created when missing only if ``make_folder``. A symbolic link stays a
-    link: the file it points to is replaced."""
+    so a reader never sees a half-written file. A file replaced keeps its permission
+    bits (a private report stays private); a new one gets ``open()``'s. The folder is
+    created when missing only if ``make_folder``. A symbolic link stays a link: the file
+    it points to is replaced. (A hard link to the old file keeps the old contents: the
+    rename gives the path a new file.)"""
     path = os.fspath(path)
     if os.path.islink(path):
         path = os.path.realpath(path)
@@ -74,9 +77,13 @@ def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except OSError:                     # a new file: what open() would give it
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

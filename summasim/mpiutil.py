@@ -48,8 +48,9 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-_OFF = ("0", "false", "no", "off")
-_AGREE = os.environ.get("SUMMASIM_AGREE", "1").strip().lower() not in _OFF
+from .cli import env_switch
+
+_AGREE = env_switch("SUMMASIM_AGREE", True, strict=False)   # strictly: check_environment
 
 
 # --------------------------------------------------------------------------- #
@@ -248,7 +249,7 @@ def abort_on_error(comm=None):
 
 def abort_hook_wanted() -> bool:
     """False when ``SUMMASIM_ABORT_HOOK`` is 0/false/no/off (the opt-out)."""
-    return os.environ.get("SUMMASIM_ABORT_HOOK", "1").strip().lower() not in _OFF
+    return env_switch("SUMMASIM_ABORT_HOOK", True, strict=False)
 
 
 def install_abort_hook() -> bool:
@@ -595,6 +596,16 @@ def _disagreement(fn: str, raw, signature: dict, error, policy: str) -> None:
 # --------------------------------------------------------------------------- #
 # threads                                                                     #
 # --------------------------------------------------------------------------- #
+def blas_threads() -> tuple[int, list[str]]:
+    """This process's BLAS threads now (the most of any BLAS loaded; 0 when none is) and
+    the BLAS libraries (threadpoolctl's ``internal_api``: "openblas", "mkl", ...)."""
+    from threadpoolctl import threadpool_info
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return (max((int(i["num_threads"]) for i in blas), default=0),
+            sorted({str(i.get("internal_api")) for i in blas}))
+
+
 def limit_blas_threads(n: int | None = None):
     """Limit BLAS/OpenMP threads of this process (default: 1 under MPI with p > 1).
 

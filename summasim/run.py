@@ -454,12 +454,16 @@ def _body(args, world) -> int:
 
 def _banner(args, world, backend, say):
     from .comm import default_wait_policy
-    from .mpiutil import mpi_library
+    from .mpiutil import blas_threads, mpi_library
 
     why = getattr(backend, "comm_mode_reason", "")
+    threads, libs = blas_threads()
+    # the thread count sets the GEMM rate: an inherited OPENBLAS_NUM_THREADS at p = 1
+    # changes both the time and the prediction's error, so it is said
     say(f"summasim.run: p = {world.Get_size()} ranks, backend {backend.name} (MPI path: "
         f"{backend.comm_mode}{': ' + why if why else ''}), wait policy "
-        f"{default_wait_policy()}, {mpi_library()}")
+        f"{default_wait_policy()}, BLAS ({'/'.join(libs) or 'none'}) {threads} "
+        f"thread{'s' if threads != 1 else ''} per rank, {mpi_library()}")
 
 
 def _predict(res, machine):
@@ -586,12 +590,14 @@ def _main(args, world, jb: Job) -> int:
     if args.json and rank == 0:
         from .comm import default_wait_policy
         from .jsonio import write_report
+        from .mpiutil import blas_threads
 
         written = write_report(args.json, "run", {
             "command": [PROG, *(sys.argv[1:] if args.argv is None else args.argv)],
             "seed": args.seed, "repeats": args.repeats, "check": args.check,
             "world_size": p, "backend": backend.name, "comm_mode": backend.comm_mode,
-            "wait_policy": default_wait_policy(), "ok": ok, "elapsed_s": elapsed,
+            "wait_policy": default_wait_policy(), "blas_threads": blas_threads()[0],
+            "ok": ok, "elapsed_s": elapsed,
             "fault": str(args.fault) if args.fault else None,
             "fault_not_applied": untouched, "fault_missed": missed,
             "machine": machine.name if machine else None, "prediction": summary,

@@ -81,7 +81,8 @@ def check_operands(a, b, fn: str):
         if x.ndim != 2:
             raise ValueError(f"{fn}: {name} must be a 2-D block, got shape {tuple(x.shape)}")
         if x.dtype.kind not in _FLOAT_KINDS:
-            raise TypeError(f"{fn}: {name} has dtype {x.dtype}; expected a floating dtype")
+            raise TypeError(f"{fn}: {name} has dtype {x.dtype}; expected a floating dtype"
+                            f"{no_blas(x.dtype)}")
         check_native(fn, name, x)
     if a.dtype != b.dtype:
         raise TypeError(f"{fn}: mismatched dtypes a: {a.dtype} and b: {b.dtype}")
@@ -145,6 +146,16 @@ def check_out(fn: str, out, shape: tuple, like, inputs: tuple = (), names: tuple
         raise ValueError(f"{fn}: out must be C-contiguous")
     array_module(out, like)  # raises TypeError on mixed host/device arrays
     check_writable_apart(fn, out, inputs, names)
+
+
+def no_blas(dtype) -> str:
+    """What to do with an ``ml_dtypes`` 16-bit float (kind "V" to NumPy, no BLAS and no
+    MPI type), as the tail of a dtype error; "" for any other dtype."""
+    if getattr(dtype, "kind", "") == "V" and str(dtype) in ("bfloat16", "float8_e4m3fn",
+                                                            "float8_e5m2"):
+        return (f" ({dtype} from ml_dtypes has no BLAS or MPI type: hold the blocks as "
+                f"float32, as the mixed-precision training does between its 16-bit casts)")
+    return ""
 
 
 def contiguous(x):

@@ -44,7 +44,8 @@ from mpi4py import MPI
 from ..backends import array_module
 from ..comm import NAP_AFTER_POLLS, as_comm
 from ..mpiutil import SLEEP_S
-from ._common import agree, check_native, check_writable_apart, dtype_of, local_error, shape_of
+from ._common import (agree, check_native, check_writable_apart, dtype_of, local_error, no_blas,
+                      shape_of)
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -67,12 +68,20 @@ def _bounds(n: int, p: int) -> tuple[tuple[int, int], ...]:
 
 def _xp(x):
     """NumPy for host arrays without a lookup (the ring's hot path), else the backend's."""
-    return np if type(x) is np.ndarray else array_module(x)
+    return np if isinstance(x, np.ndarray) else array_module(x)
+
+
+def _plain(a):
+    """A host ndarray subclass (``np.memmap``, ``np.matrix``) as a plain ndarray view of
+    the same memory; anything else as it is. The ring runs on plain arrays: a matrix
+    reshapes to 2-D, and every rank must take the same path whatever its caller passed."""
+    return a.view(np.ndarray) if isinstance(a, np.ndarray) and type(a) is not np.ndarray else a
 
 
 def _flat(x, fn):
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"{fn}: expected a numeric array, got {dtype_of(x)}")
+        raise TypeError(f"{fn}: expected a numeric array, got {dtype_of(x)}"
+                        f"{no_blas(getattr(x, 'dtype', None))}")
     check_native(fn, "flat", x)
     if x.ndim != 1 or not x.flags.c_contiguous:
         raise ValueError(f"{fn}: expected a contiguous 1-D buffer, got shape {tuple(x.shape)}")
@@ -111,7 +120,7 @@ def ring_reduce_scatter(flat, comm, work=None) -> int:
     not (or any local check fails) makes every rank raise, before anything is sent.
     """
     comm = _agree_flat("ring_reduce_scatter", flat, comm, work)
-    return ring_reduce_scatter_unchecked(flat, comm, work)
+    return ring_reduce_scatter_unchecked(_plain(flat), comm, _plain(work))
 
 
 def ring_reduce_scatter_unchecked(flat, comm, work=None, src=None, add=None,
@@ -216,7 +225,8 @@ def ring_allgather(flat, comm):
     afterwards every chunk on every rank holds its owner's data. Returns ``flat``.
     Checked and agreed like :func:`ring_reduce_scatter`."""
     comm = _agree_flat("ring_allgather", flat, comm)
-    return ring_allgather_unchecked(flat, comm)
+    ring_allgather_unchecked(_plain(flat), comm)
+    return flat
 
 
 def ring_allgather_unchecked(flat, comm):
@@ -271,16 +281,21 @@ def ring_allreduce(x, comm, out=None):
     _, err = local_error(_check_allreduce, x, out)
     agree("ring_allreduce", comm, lambda: {"dtype": dtype_of(x), "shape of x": shape_of(x)},
           err)
+    given, same = out, out is x
+    x = _plain(x)
+    out = x if same else _plain(out)
     if out is not None and not out.flags.c_contiguous:   # e.g. in place on a transposed x
         out[...] = ring_allreduce_unchecked(x, comm)
-        return out
-    return ring_allreduce_unchecked(x, comm, out)
+        return given
+    res = ring_allreduce_unchecked(x, comm, out)
+    return res if given is None else given
 
 
 def _check_allreduce(x, out):
     """The local checks of :func:`ring_allreduce`."""
     if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
-        raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}")
+        raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}"
+                        f"{no_blas(getattr(x, 'dtype', None))}")
     check_native("ring_allreduce", "x", x)
     if out is None:
         return
@@ -368,8 +383,14 @@ def ring_allreduce_unchecked(x, comm, out=None, add=None):
     :func:`ring_reduce_scatter_unchecked`."""
     comm = as_comm(comm, name="ring")
     xp = _xp(x)
+    given, same = out, out is x
+    x = _plain(x)
+    out = x if same else _plain(out)
     if out is None:
         out = _fresh_result(x, xp)
+    elif out is not given:       # a subclass: the sum lands in its memory, returned as given
+        ring_allreduce_unchecked(x, comm, out, add)
+        return given
     flat = out.reshape(-1)
     src = flat if out is x else xp.ascontiguousarray(x).reshape(-1)
     p, r = comm.size, comm.rank
@@ -574,7 +595,8 @@ def ring_start(flat, comm, half: str = "ar", work=None, tag: int = NONBLOCKING_T
     phase = comm.trace.current_phase if phase is None else phase
     p = comm.size
     be = comm.backend
-    host = type(flat) is np.ndarray and (be is None or getattr(be, "on_device", False)
+    flat, work = _plain(flat), _plain(work)
+    host = isinstance(flat, np.ndarray) and (be is None or getattr(be, "on_device", False)
                                          or be.comm_mode == "host")
     if p == 1 or not host:          # traced in the current phase, like any blocking ring
         if half == "rs":

@@ -113,6 +113,10 @@ def _fit_main(args, prog: str) -> int:
     elif args.groups and max(args.groups) > size:
         problem = (f"argument --groups: group size {max(args.groups)} is larger than the "
                    f"{size} ranks of this run")
+    else:
+        from summasim.harness.frontend import environment_error
+
+        problem = environment_error(comm) or None
     if problem:   # the same on every rank: each exits, rank 0 says why
         if comm.Get_rank() == 0:
             cli.print_error(prog, problem)

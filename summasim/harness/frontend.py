@@ -29,7 +29,7 @@ import argparse
 import os
 import sys
 
-from ..cli import UsageError
+from ..cli import UsageError, guarded_stdout
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,6 +88,14 @@ def _environment() -> tuple[str, dict]:
         return "", check_environment()
     except ValueError as e:
         return one_line(str(e)), {}
+
+
+def environment_error(world) -> str:
+    """Collective over ``world``: the one-line error of a ``SUMMASIM_*`` setting that is
+    bad on any rank or differs between ranks ("" when none), the same on every rank (for
+    a front-end that is not :func:`mpi_main`'s, such as ``costmodel fit``)."""
+    err, shared = _environment()
+    return _agreed_error(err, world, shared)
 
 
 def _agreed_error(err: str, world, shared: dict | None = None, command=()) -> str:
@@ -155,7 +163,8 @@ def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
 
         learn_node_cores(world)      # whether the node's ranks share cores (its wait policy)
         try:
-            return body(args, world)
+            with guarded_stdout():   # a reader gone or a path stdout cannot encode: go on
+                return body(args, world)
         except BrokenPipeError:
             # the reader of the output went away (``... | head``): not a bug of ours, so no
             # traceback; stdout goes to devnull so that the final flush cannot raise again,

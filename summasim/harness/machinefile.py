@@ -56,9 +56,11 @@ import json
 import math
 import os
 import re
+import stat
 
 from ..costmodel.machine import (Machine, list_presets, load_machine, load_preset,
                                  sanity_problems)
+from ..jsonio import ReportNotSaved
 from . import load
 
 DEFAULT_MACHINE_FILE = os.path.join("results", "machine.json")
@@ -436,6 +438,8 @@ def _machine_file(path: str) -> bool:
     file from before the format was written, a machine's own fields): only such a file
     is replaced by a new fit."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):   # a FIFO would block the open
+            return False
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError):
@@ -469,10 +473,14 @@ def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save)
             "used: " + "; ".join(problems) + f". Using the preset {preset} instead")
         return load_preset(preset).to_dict()
     if can_save:
-        machine.save(path)
-        say(f"cost model: saved the fit to {path}"
-            + (" marked busy" if conditions["busy"] else "")
-            + " (every measured point is in its notes)")
+        try:
+            machine.save(path)
+        except ReportNotSaved as exc:   # the fit is good: used for this run, said, not lost
+            say(f"cost model: the fit is used for this run but {exc}")
+        else:
+            say(f"cost model: saved the fit to {path}"
+                + (" marked busy" if conditions["busy"] else "")
+                + " (every measured point is in its notes)")
     if conditions["busy"]:
         say(_busy_line(machine, path))
     return machine.to_dict()

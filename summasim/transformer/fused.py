@@ -23,13 +23,14 @@ on disk by CuPy.
 from __future__ import annotations
 
 import math
-import os
+
+from ..cli import env_switch
 
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715
 #: exp(-2z) is clamped at exp(80), so it never overflows in float32 (max ~exp(88))
 GELU_EXP_CLAMP = 80.0
-ENABLED = os.environ.get("SUMMASIM_FUSED", "0").strip() == "1"
+ENABLED = env_switch("SUMMASIM_FUSED", False, strict=False)     # strictly: check_environment
 
 _kernels: dict = {}
 _masks: dict = {}

@@ -961,11 +961,11 @@ def _embed_forward(params: dict, tok, config: Config, grid):
     tr = grid.trace
     q, col = grid.pr, grid.col
     bl, t = tok.shape
-    wte = params["wte"]                                                    # (v/q, h/q)
-    vq, hq = wte.shape
+    wte = xp.ascontiguousarray(params["wte"])     # (v/q, h/q), broadcast as it is: MPI
+    vq, hq = wte.shape                            # needs C order (a copy if it is not)
     x = xp.zeros((bl, t, hq), dtype=wte.dtype)                             # (bl, t, h/q)
     caches = []
-    bufs = (xp.empty_like(wte), xp.empty_like(wte)) if q > 1 else ()      # 2 x (v/q, h/q)
+    bufs = tuple(xp.empty((vq, hq), wte.dtype) for _ in range(2 if q > 1 else 0))
 
     def post(l):
         # step l: block wte[V_l, H_j] travels down column j from row l

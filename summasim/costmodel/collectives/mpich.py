@@ -94,7 +94,8 @@ CVAR rules (values printed by ``mpivars``):
 * reduce_scatter: recursive halving if ``B < 524288`` (commutative ops), else pairwise.
 
 :class:`Thresholds` holds these; ``Thresholds.from_env()`` reads ``MPIR_CVAR_*``
-overrides from the environment, as MPICH would. Not modelled: the hierarchical
+overrides from the environment, as MPICH would, for a caller that passes it (the
+front-ends price the defaults). Not modelled: the hierarchical
 ("smp") variants MPICH picks for communicators spanning several nodes with
 several ranks each, and the POSIX shared-memory release-gather algorithms the ch4
 device may use for *blocking* Bcast/Reduce/Allreduce inside a node; a fitted
