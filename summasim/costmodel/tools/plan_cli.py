@@ -215,8 +215,6 @@ def check_args(args) -> Plan:
         cfg = cfg.replace(dropout=args.dropout)
     zeros = tuple(sorted({int(z) for z in args.zero}))
     sps = {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]
-    if args.plot is not None:
-        _cli.need_matplotlib()
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise cli.UsageError(f"argument --plot: {args.plot}: the plan is drawn as a PNG; "
                              f"give a path ending in .png")
@@ -224,6 +222,8 @@ def check_args(args) -> Plan:
     out = {flag: _cli.writable(flag, value)
            for flag, value in (("--json", args.json), ("--plot", args.plot)) if value is not None}
     plot = out.get("--plot")
+    if plot is not None:
+        _cli.need_matplotlib()      # after the paths: their errors do not depend on it
     return Plan(machine, cfg, model, args.devices, batch, tuple(args.schemes), zeros,
                 recomputes, args.schedule, budget, sb, args.bucket_mb * 2**20,
                 args.max_microbatches or 0, args.zero3_prefetch, args.top, out.get("--json"),
