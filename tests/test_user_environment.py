@@ -158,3 +158,26 @@ def test_the_run_says_how_many_blas_threads_it_used(tmp_path):
         word = "thread" if threads == 1 else "threads"
         assert f") {threads} {word} per rank" in res.stdout.splitlines()[0]
         assert json.loads((tmp_path / "r.json").read_text())["blas_threads"] == threads
+
+
+def test_a_refused_fit_is_said_once_and_ends_without_an_abort(tmp_path):
+    """run_fit raises FitRejected on every rank alike (noisy points on a busy machine):
+    rank 0 says why, in one line, and every rank exits 1; no rank aborts the job."""
+    script = tmp_path / "refused.py"
+    script.write_text(
+        "import sys\n"
+        "import summasim.harness.fitbench as fb\n"
+        "from summasim.costmodel.machine.regression import FitRejected\n"
+        "def refuse(*a, **k):\n"
+        "    raise FitRejected(['intra small: misses its own points by 69%'])\n"
+        "fb.run_fit = refuse\n"
+        "from summasim.costmodel.__main__ import main\n"
+        f"sys.exit(main(['fit', '--quick', '--out', {str(tmp_path / 'm.json')!r}]))\n")
+    res = subprocess.run([*mpiexec_command(), "-n", "2", sys.executable, str(script)],
+                         cwd=tmp_path, timeout=300, env=mpi_env(), capture_output=True,
+                         text=True)
+    said = [ln for ln in res.stderr.splitlines() if "misses its own points" in ln]
+    assert res.returncode == 1, res.stderr
+    assert len(said) == 1 and "refused" in said[0], res.stderr
+    assert "Abort" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "m.json").exists()

@@ -101,6 +101,7 @@ def _fit_main(args, prog: str) -> int:
 
     from ..mpiutil import abort_job, end_on_signals
     from summasim.harness.fitbench import run_fit
+    from summasim.costmodel.machine.regression import FitRejected
     from summasim.harness.load import FitBusy
 
     comm = MPI.COMM_WORLD
@@ -133,6 +134,10 @@ def _fit_main(args, prog: str) -> int:
         if comm.Get_rank() == 0:
             cli.print_error(prog, str(exc))
         return 2
+    except FitRejected as exc:  # every rank alike: the fit failed, said once, no abort
+        if comm.Get_rank() == 0:
+            sys.stderr.write(f"{prog}: {exc}\n")
+        return 1
     except Exception as exc:  # one rank failing must not leave the others waiting
         abort_job(comm, f"[fit] rank {comm.Get_rank()}: {type(exc).__name__}: {exc}\n")
         return 1
