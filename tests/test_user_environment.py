@@ -181,3 +181,15 @@ def test_a_refused_fit_is_said_once_and_ends_without_an_abort(tmp_path):
     assert len(said) == 1 and "refused" in said[0], res.stderr
     assert "Abort" not in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+def test_a_file_named_results_is_named_as_the_reason_no_fit_is_saved(tmp_path):
+    (tmp_path / "results").write_text("not a folder\n")
+    res = subprocess.run([*mpiexec_command(), "-n", "2", sys.executable, "-m",
+                          "summasim.run", "--sizes", "32", "32", "32", "--algorithms",
+                          "summa_ab", "--schemes", "none", "--meshes", "none", "--repeats",
+                          "1"], cwd=tmp_path, timeout=600, env=mpi_env(),
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "cannot lock results/machine.json.lock (results is not a folder)" in res.stdout
+    assert (tmp_path / "results").read_text() == "not a folder\n"

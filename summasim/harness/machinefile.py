@@ -381,8 +381,10 @@ def _plan_on_root(path, calibrated, size, pids, say, preset):
     try:
         got = lock.acquire(say)
     except OSError as exc:
-        say(f"cost model: cannot lock {lock.lock_path} ({exc.strerror}); a fit will not be "
-            f"saved")
+        folder = os.path.dirname(lock.lock_path) or "."
+        why = (f"{folder} is not a folder" if os.path.exists(folder)
+               and not os.path.isdir(folder) else exc.strerror)
+        say(f"cost model: cannot lock {lock.lock_path} ({why}); a fit will not be saved")
         lock, got = None, True
     if not got:
         say(f"cost model: waited {LOCK_WAIT:.0f} s for another job's fit; using the preset "
