@@ -99,7 +99,8 @@ def test_memmap_and_matrix_results_on_some_ranks_only():
                         f"matrix out: {np.asarray(out)[0, :3]}")
         mine = m.copy() if RANK == 0 else np.asarray(m).copy()
         got = algs.ring_allreduce(mine, WORLD, out=mine)
-        parallel_assert(bool((np.asarray(got) == want_m).all()), "matrix in place on rank 0")
+        parallel_assert(got is mine and bool((np.asarray(got) == want_m).all()),
+                        "matrix in place on rank 0")
     finally:
         _cleanup(path)
 

@@ -210,6 +210,10 @@ class _GuardedStdout:
                 self._gone()
         return len(text)
 
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
     def flush(self):
         try:
             self._stream.flush()
@@ -266,11 +270,18 @@ def run_command(prog: str, run: Callable, args) -> int:
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
     """
-    with guarded_stdout():
-        try:
-            status = run(args)
-        except UsageError as exc:
-            return print_error(prog, exc)
+    try:
+        with guarded_stdout():
+            try:
+                status = run(args)
+            except UsageError as exc:
+                return print_error(prog, exc)
+    except BrokenPipeError:
+        # a pipe closed under a stream the guard does not cover (stderr in ``2>&1 |
+        # head``): no traceback, and stdout to devnull for the interpreter's last flush
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 

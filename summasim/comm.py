@@ -66,8 +66,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .backends import backend_of, ipc, is_device_array
-from .cli import env_switch
 from .backends.cupy_backend import gpu_comm_setting, launcher_local_ranks
+from .cli import env_switch
 from .mpiutil import SLEEP_S, WAIT_POLICIES, agreement_enabled, install_abort_hook, wait_requests
 from .ringwait import MODES as RING_MODES
 from .ringwait import kept_on, ring_wait_setting, waits_of
@@ -415,8 +415,8 @@ class Comm:
 
     def __init__(self, comm, name: str = "world", trace: Trace | None = None, backend=None,
                  wait: str | None = None, reduce: str | None = None):
-        install_abort_hook()  # an uncaught exception on any rank aborts the job
-        #                       (SUMMASIM_ABORT_HOOK=0: off)
+        # an uncaught exception on any rank aborts the job (SUMMASIM_ABORT_HOOK=0: off)
+        install_abort_hook()
         for var in BYTE_SETTINGS:  # a bad value, taken as the default at import: said here
             _env_bytes(var)
         if isinstance(comm, Comm):
@@ -1049,7 +1049,9 @@ class Comm:
         one trace record (``blocking=True``, which the cost model prices as its own kind
         of wait). Everything else goes through :meth:`isendrecv` and the wait policy.
         """
-        if self._blocks(sendbuf, sendbuf.nbytes) and type(recvbuf) is type(sendbuf):
+        same_kind = (isinstance(recvbuf, _NDARRAY) == isinstance(sendbuf, _NDARRAY)
+                     and (isinstance(sendbuf, _NDARRAY) or type(recvbuf) is type(sendbuf)))
+        if self._blocks(sendbuf, sendbuf.nbytes) and same_kind:   # (a memmap is a host array)
             if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
                 raise ValueError("sendrecv: MPI buffers must be C-contiguous arrays")
             step, finish = self.exchanger(sendbuf, sendbuf.nbytes, tag)

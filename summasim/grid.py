@@ -112,7 +112,10 @@ class Grid(_Groups):
     Raises
     ------
     ValueError
-        On every rank, before any communication, when the size does not fit.
+        On every rank alike, before any group is built, when the size does not fit or
+        the ranks ask for different shapes (one small agreement, :func:`summasim.mpiutil.agree`).
+    TypeError
+        On every rank, before any communication, for an intercommunicator.
 
     Notes
     -----

@@ -100,6 +100,12 @@ def test_a_plot_without_matplotlib_is_a_user_error_before_any_work(sub, tmp_path
     assert err.count("\n") == 1 and "--plot" in err and PLOT_HINT in err
     assert "pip install summasim[plot]" in PLOT_HINT
     assert not list(tmp_path.iterdir())
+    if sub == "explore":      # an --outdir to be made is not made for a refused command
+        fresh = tmp_path / "fresh"
+        assert cli_main(["explore", *SMALL, "--no-iso", "--outdir", str(fresh),
+                         "--plot"]) == 2
+        assert not fresh.exists()
+        capsys.readouterr()
     no_plot = [a for a in args if a not in ("--plot", str(tmp_path / "plan.png"))]
     assert cli_main([sub, *no_plot]) == 0
 

@@ -68,7 +68,7 @@ def test_a_report_behind_a_link_is_checked_where_it_is_written(tmp_path, monkeyp
     monkeypatch.setattr(cli, "_probe_dir", lambda folder, make=True: (probed.append(folder),
                                                                        real(folder, make)))
     assert cli.check_writable_path(str(link), "run") == str(link)
-    assert probed == [str(there)]
+    assert probed == [os.path.realpath(there)]
 
 
 def test_a_replaced_report_keeps_its_permissions(tmp_path):
@@ -151,7 +151,8 @@ def test_the_run_says_how_many_blas_threads_it_used(tmp_path):
     args = ["-m", "summasim.run", "--sizes", "32", "32", "32", "--algorithms", "summa_ab",
             "--schemes", "none", "--meshes", "none", "--repeats", "1", "--machine",
             "local-2core-mpich", "--json", str(tmp_path / "r.json")]
-    for threads in (1, 2):
+    # OpenBLAS never runs more threads than the CPUs it may use
+    for threads in sorted({1, min(2, len(os.sched_getaffinity(0)))}):
         res = _py(args, tmp_path, env={"OPENBLAS_NUM_THREADS": str(threads),
                                        "OMP_NUM_THREADS": str(threads)})
         assert res.returncode == 0, res.stderr

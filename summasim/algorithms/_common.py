@@ -80,7 +80,7 @@ def check_operands(a, b, fn: str):
             raise TypeError(f"{fn}: {name} must be an array, got {type(x).__name__}")
         if x.ndim != 2:
             raise ValueError(f"{fn}: {name} must be a 2-D block, got shape {tuple(x.shape)}")
-        if x.dtype.kind not in _FLOAT_KINDS:
+        if x.dtype.kind not in _FLOAT_KINDS or no_blas(x.dtype):
             raise TypeError(f"{fn}: {name} has dtype {x.dtype}; expected a floating dtype"
                             f"{no_blas(x.dtype)}")
         check_native(fn, name, x)
@@ -149,10 +149,10 @@ def check_out(fn: str, out, shape: tuple, like, inputs: tuple = (), names: tuple
 
 
 def no_blas(dtype) -> str:
-    """What to do with an ``ml_dtypes`` 16-bit float (kind "V" to NumPy, no BLAS and no
-    MPI type), as the tail of a dtype error; "" for any other dtype."""
-    if getattr(dtype, "kind", "") == "V" and str(dtype) in ("bfloat16", "float8_e4m3fn",
-                                                            "float8_e5m2"):
+    """What to do with an ``ml_dtypes`` type (bfloat16, the float8 and int4 kinds: no BLAS
+    and no MPI type, whatever kind NumPy gives it), as the tail of a dtype error; "" for
+    any other dtype."""
+    if str(getattr(getattr(dtype, "type", None), "__module__", "")).startswith("ml_dtypes"):
         return (f" ({dtype} from ml_dtypes has no BLAS or MPI type: hold the blocks as "
                 f"float32, as the mixed-precision training does between its 16-bit casts)")
     return ""

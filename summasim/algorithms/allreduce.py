@@ -79,7 +79,7 @@ def _plain(a):
 
 
 def _flat(x, fn):
-    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
+    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu" or no_blas(x.dtype):
         raise TypeError(f"{fn}: expected a numeric array, got {dtype_of(x)}"
                         f"{no_blas(getattr(x, 'dtype', None))}")
     check_native(fn, "flat", x)
@@ -265,7 +265,8 @@ def ring_allreduce(x, comm, out=None):
     Returns
     -------
     array
-        The element-wise sum, shaped like ``x``.
+        The element-wise sum, shaped like ``x``: ``out`` itself when given (an
+        ``np.memmap`` or ``np.matrix`` included), else a new plain array.
 
     Raises
     ------
@@ -293,7 +294,7 @@ def ring_allreduce(x, comm, out=None):
 
 def _check_allreduce(x, out):
     """The local checks of :func:`ring_allreduce`."""
-    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu":
+    if not hasattr(x, "dtype") or x.dtype.kind not in "fciu" or no_blas(x.dtype):
         raise TypeError(f"ring_allreduce: expected a numeric array, got {dtype_of(x)}"
                         f"{no_blas(getattr(x, 'dtype', None))}")
     check_native("ring_allreduce", "x", x)

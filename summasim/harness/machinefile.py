@@ -125,12 +125,15 @@ def machine_misfit(machine: Machine | None, devices: int) -> str:
             f"--no-predict")
 
 
-def _busy_line(machine: Machine, path: str) -> str:
+def _busy_line(machine: Machine, path: str | None) -> str:
+    """The warning of a fit made while the machine was busy: of the file at ``path``, or
+    (None) of this run's fit, which was not saved."""
     fc = machine.fit_conditions or {}
     seen = max(fc.get("foreign_cpu_before") or 0.0, fc.get("foreign_cpu_after") or 0.0)
-    return (f"cost model: WARNING: {path} was fitted while the machine was busy (other "
+    what = path if path is not None else "this run's fit (not saved)"
+    return (f"cost model: WARNING: {what} was fitted while the machine was busy (other "
             f"processes used {seen:.2f} cores at {fc.get('time', '?')}); its times include "
-            f"their load. {REFIT_HINT.format(path=path)}")
+            f"their load." + (f" {REFIT_HINT.format(path=path)}" if path is not None else ""))
 
 
 def _composed_line(machine: Machine) -> str:
@@ -474,17 +477,19 @@ def _finish_on_root(fitted, rejected, before, path, pids, say, preset, can_save)
         say("cost model: the composed machine fails the sanity checks, not saved and not "
             "used: " + "; ".join(problems) + f". Using the preset {preset} instead")
         return load_preset(preset).to_dict()
+    saved = can_save
     if can_save:
         try:
             machine.save(path)
         except ReportNotSaved as exc:   # the fit is good: used for this run, said, not lost
+            saved = False
             say(f"cost model: the fit is used for this run but {exc}")
         else:
             say(f"cost model: saved the fit to {path}"
                 + (" marked busy" if conditions["busy"] else "")
                 + " (every measured point is in its notes)")
     if conditions["busy"]:
-        say(_busy_line(machine, path))
+        say(_busy_line(machine, path if saved else None))
     return machine.to_dict()
 
 

@@ -397,6 +397,9 @@ def check_args(args) -> Plan:
             json_path = path
     outputs = [("--csv", csv_path), ("--json", json_path)]
     if args.plot:
+        if not cli.module_available("matplotlib") and not (
+                os.path.exists(args.outdir) and not os.path.isdir(args.outdir)):
+            _cli.need_matplotlib()  # before the folder is made; a file there is said first
         plot_dir = _cli.writable("--outdir", args.outdir, cli.check_writable_dir)
         for name in PLOTS:      # a file there that is not a PNG is not replaced
             _cli.writable("--outdir", cli.ReportPath(os.path.join(plot_dir, name), "png",
