@@ -181,14 +181,17 @@ def print_error(prog: str, message) -> int:
 class _GuardedStdout:
     """``sys.stdout`` while a command runs (:func:`guarded_stdout`): what the work prints
     cannot end the work. A reader that went away (``... | head -1``) sends the rest to
-    devnull, so the reports the user asked for are still written and the exit status is
-    the work's; text the stream cannot encode (a path in UTF-8 under
-    ``PYTHONIOENCODING=ascii``) is written with backslash escapes."""
+    devnull and sets :attr:`lost`, so the reports the user asked for are still written
+    (the command then exits 1: what it printed was not all read); text the stream cannot
+    encode (a path in UTF-8 under ``PYTHONIOENCODING=ascii``) is written with backslash
+    escapes."""
 
     def __init__(self, stream):
         self._stream = stream
+        self.lost = False
 
     def _gone(self) -> None:
+        self.lost = True
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(null, self._stream.fileno())
@@ -226,13 +229,14 @@ class _GuardedStdout:
 
 @contextlib.contextmanager
 def guarded_stdout():
-    """Run the block with ``sys.stdout`` guarded (:class:`_GuardedStdout`); a closed
-    stdout (``>&-``, ``sys.stdout`` None) is devnull meanwhile. Put back on exit."""
+    """Run the block with ``sys.stdout`` guarded (:class:`_GuardedStdout`, given to
+    ``as``); a closed stdout (``>&-``, ``sys.stdout`` None) is devnull meanwhile. Put
+    back on exit."""
     before = sys.stdout
     null = open(os.devnull, "w", encoding="utf-8") if before is None else None
-    sys.stdout = _GuardedStdout(null if before is None else before)
+    guard = sys.stdout = _GuardedStdout(null if before is None else before)
     try:
-        yield
+        yield guard
     finally:
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
@@ -265,17 +269,20 @@ def env_switch(name: str, default: bool, strict: bool = True) -> bool:
 def run_command(prog: str, run: Callable, args) -> int:
     """``run(args)`` with a :class:`UsageError` turned into one line and status 2, and
     stdout guarded (:func:`guarded_stdout`): a reader that goes away or a path stdout
-    cannot encode does not end the work before its reports are written.
+    cannot encode does not end the work before its reports are written. A command whose
+    output was not all read (``... | head -1``) exits 1, quietly.
 
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
     """
     try:
-        with guarded_stdout():
+        with guarded_stdout() as guard:
             try:
                 status = run(args)
             except UsageError as exc:
                 return print_error(prog, exc)
+        if guard.lost:
+            return 1
     except BrokenPipeError:
         # a pipe closed under a stream the guard does not cover (stderr in ``2>&1 |
         # head``): no traceback, and stdout to devnull for the interpreter's last flush

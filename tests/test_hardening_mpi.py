@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -165,15 +166,20 @@ def test_a_bad_setting_read_at_import_is_one_user_error(mpiexec, var):
 
 
 def test_the_main_job_into_a_closed_pipe_is_quiet():
-    """``python -m summasim.run ... | head -1``: the reader leaves while rank 0 prints; no
-    BrokenPipeError traceback, a non-zero status (the report was not all read)."""
-    proc = subprocess.Popen([sys.executable, "-m", "summasim.run", *SMALL], cwd=ROOT,
-                            env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    proc.stdout.close()
-    err = proc.stderr.read()
-    proc.stderr.close()
-    assert proc.wait(timeout=PROMPT) == 1 and "Traceback" not in err, err
+    """``python -m summasim.run ... --json R | head -1``: the reader leaves while rank 0
+    prints; no BrokenPipeError traceback, the work goes on and writes the report it was
+    asked for, and a non-zero status (what it printed was not all read)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "r.json")
+        proc = subprocess.Popen([sys.executable, "-m", "summasim.run", *SMALL, "--json",
+                                 report], cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(timeout=PROMPT) == 1 and "Traceback" not in err, err
+        with open(report) as fh:
+            assert json.load(fh)["ok"] is True
 
 
 def test_help_is_printed_once_under_mpiexec(mpiexec):

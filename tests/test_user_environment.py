@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpi_env, mpiexec_command
+from conftest import mpi_env, mpiexec_command
 from summasim import cli
 from summasim.jsonio import write_text_atomic
 
@@ -100,8 +100,8 @@ def test_stdout_closed_or_read_by_head_still_writes_the_report(tmp_path):
     first = proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=300) == 0, err
-    assert first.startswith("machine:") and "Traceback" not in err
+    assert proc.wait(timeout=300) == 1, err       # quietly: the output was not all read
+    assert first.startswith("machine:") and "Traceback" not in err and not err.strip()
     assert json.loads(report.read_text())["summasim_report"] == "plan"
 
 

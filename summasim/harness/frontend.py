@@ -163,8 +163,9 @@ def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
 
         learn_node_cores(world)      # whether the node's ranks share cores (its wait policy)
         try:
-            with guarded_stdout():   # a reader gone or a path stdout cannot encode: go on
-                return body(args, world)
+            with guarded_stdout() as guard:   # a reader gone, or a path stdout cannot
+                status = body(args, world)     # encode: the work goes on to its reports
+            return 1 if guard.lost else status   # and what was printed was not all read
         except BrokenPipeError:
             # the reader of the output went away (``... | head``): not a bug of ours, so no
             # traceback; stdout goes to devnull so that the final flush cannot raise again,
