@@ -62,8 +62,12 @@ def test_a_run_names_the_phase_it_is_still_in(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     beats = [line for line in proc.stderr.splitlines()
              if line.startswith("summasim: still running")]
-    assert beats and all(b.startswith("summasim: still running summa_ab 1x1 900x900x900 "
-                                      "float64: ") for b in beats), proc.stderr
+    row = "summasim: still running summa_ab 1x1 900x900x900 float64"
+    # every beat names the row; one between two phases (the row's own words, while the
+    # run works on after a phase ends) names no phase, and on a loaded machine there may
+    # be several of those, but at least one beat lands in a phase and names it
+    assert beats and all(b.startswith(row) for b in beats), proc.stderr
+    assert any(b.startswith(row + ": ") for b in beats), proc.stderr
 
 
 def test_a_product_and_a_ring_say_each_phase_in_order_and_give_the_callers_words_back(
