@@ -266,6 +266,16 @@ def env_switch(name: str, default: bool, strict: bool = True) -> bool:
     return default
 
 
+def check_working_folder() -> None:
+    """Raise :class:`UsageError` when the current folder no longer exists (deleted while
+    the shell was in it): every relative path, ``results/`` included, would fail later."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UsageError("the current folder no longer exists (it was deleted while the "
+                         "shell was in it): cd to a folder that exists") from None
+
+
 def run_command(prog: str, run: Callable, args) -> int:
     """``run(args)`` with a :class:`UsageError` turned into one line and status 2, and
     stdout guarded (:func:`guarded_stdout`): a reader that goes away or a path stdout
@@ -278,6 +288,7 @@ def run_command(prog: str, run: Callable, args) -> int:
     try:
         with guarded_stdout() as guard:
             try:
+                check_working_folder()
                 status = run(args)
             except UsageError as exc:
                 return print_error(prog, exc)

@@ -194,3 +194,18 @@ def test_a_file_named_results_is_named_as_the_reason_no_fit_is_saved(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "cannot lock results/machine.json.lock (results is not a folder)" in res.stdout
     assert (tmp_path / "results").read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("front", [["summasim.costmodel", "presets"],
+                                   ["summasim.run", "--sizes", "16", "16", "16"]])
+def test_a_deleted_working_folder_is_one_user_error(front, tmp_path):
+    res = subprocess.run(["bash", "-c", 'mkdir gone && cd gone && rmdir ../gone && exec "$@"',
+                          "-", sys.executable, "-m", *front], cwd=tmp_path,
+                         # absolute entries only: Python cannot start with a relative one
+                         # (an empty one is the current folder) once that folder is gone
+                         env={**mpi_env(), "PYTHONPATH": os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__)))},
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "the current folder no longer exists" in lines[0] and res.stdout == ""

@@ -29,7 +29,7 @@ import argparse
 import os
 import sys
 
-from ..cli import UsageError, guarded_stdout
+from ..cli import UsageError, check_working_folder, guarded_stdout
 
 
 class Parser(argparse.ArgumentParser):
@@ -136,6 +136,7 @@ def mpi_main(parse, preflight, body, prog: str, argv=None) -> int:
     """Run a front-end (see the module doc); returns the exit status. ``argv`` is the
     command line ``parse`` reads (None: ``sys.argv[1:]``), which every rank must share."""
     try:
+        check_working_folder()
         args, err = parse(), ""
     except UsageError as e:
         args, err = None, str(e)
