@@ -397,15 +397,13 @@ def check_args(args) -> Plan:
             json_path = path
     outputs = [("--csv", csv_path), ("--json", json_path)]
     if args.plot:
-        if not cli.module_available("matplotlib") and not (
-                os.path.exists(args.outdir) and not os.path.isdir(args.outdir)):
-            _cli.need_matplotlib()  # before the folder is made; a file there is said first
+        if not (os.path.exists(args.outdir) and not os.path.isdir(args.outdir)):
+            _cli.need_matplotlib()  # before the folder is made (a file in its place: below)
         plot_dir = _cli.writable("--outdir", args.outdir, cli.check_writable_dir)
         for name in PLOTS:      # a file there that is not a PNG is not replaced
             _cli.writable("--outdir", cli.ReportPath(os.path.join(plot_dir, name), "png",
                                                      force=getattr(args, "force", False)))
             outputs.append((f"the plot {name}", os.path.join(plot_dir, name)))
-        _cli.need_matplotlib()      # after the paths: their errors do not depend on it
     cli.check_distinct_outputs(outputs)
     return Plan(machine, schemes, cfg, budget, ps, placement, csv_path, json_path, plot_dir)
 
