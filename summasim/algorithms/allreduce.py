@@ -282,14 +282,10 @@ def ring_allreduce(x, comm, out=None):
     _, err = local_error(_check_allreduce, x, out)
     agree("ring_allreduce", comm, lambda: {"dtype": dtype_of(x), "shape of x": shape_of(x)},
           err)
-    given, same = out, out is x
-    x = _plain(x)
-    out = x if same else _plain(out)
     if out is not None and not out.flags.c_contiguous:   # e.g. in place on a transposed x
         out[...] = ring_allreduce_unchecked(x, comm)
-        return given
-    res = ring_allreduce_unchecked(x, comm, out)
-    return res if given is None else given
+        return out
+    return ring_allreduce_unchecked(x, comm, out)       # (subclasses: as plain views there)
 
 
 def _check_allreduce(x, out):
