@@ -135,6 +135,8 @@ class UsageError(ValueError):
     front-ends through :func:`summasim.harness.frontend.mpi_main`).
     """
 
+    exit_status = 2
+
 
 def argument_error(flag: str, message) -> UsageError:
     """The :class:`UsageError` of one argument: ``argument <flag>: <message>``."""
@@ -170,12 +172,13 @@ def one_line(message: str) -> str:
 
 def print_error(prog: str, message) -> int:
     """Write ``<prog>: error: <message>`` as one line to stderr (rank 0 only, by
-    :func:`launcher_rank`); return 2, the exit status of a user error, so a
-    ``main()`` can ``return cli.print_error(parser.prog, exc)``."""
+    :func:`launcher_rank`); return the exit status, so a ``main()`` can
+    ``return cli.print_error(parser.prog, exc)``: 2, a user error's, unless ``message`` is
+    an error with an ``exit_status`` of its own (a report the work could not write: 1)."""
     if launcher_rank() == 0:
         sys.stderr.write(f"{prog}: error: {one_line(message)}\n")
         sys.stderr.flush()
-    return 2
+    return getattr(message, "exit_status", 2)
 
 
 class _GuardedStdout:

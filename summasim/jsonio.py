@@ -98,7 +98,12 @@ def write_json_atomic(path, obj) -> None:
 
 
 class ReportNotSaved(UsageError):
-    """A report that could not be written where asked; the message says where it went."""
+    """A report that could not be written where asked; the message says where it went.
+
+    Found after the work, so not a mistake in the arguments: a front-end prints it as one
+    line, as a user error, but exits 1, as the MPI front-ends do when their report fails."""
+
+    exit_status = 1
 
 
 def _fallback(kind: str, text: str) -> str | None:
@@ -117,8 +122,8 @@ def write_report(path, kind: str, obj, prog: str | None = None) -> bool:
     JSON with ``"summasim_report": kind`` first. True when written.
 
     A failing write (``OSError``) loses nothing: the report is saved to a new file in
-    the temp folder instead, and then, with ``prog`` None, :class:`ReportNotSaved` (a
-    user error: one line, exit 2) says where; with ``prog`` given (an MPI front-end,
+    the temp folder instead, and then, with ``prog`` None, :class:`ReportNotSaved` (one
+    line, exit 1) says where; with ``prog`` given (an MPI front-end,
     where rank 0 writes and must not raise), ``<prog>: error: ...`` goes to stderr and
     the result is False (the caller exits non-zero). The folder is created only for a
     command's own default path (a :class:`summasim.cli.ReportPath` with ``default``).

@@ -255,6 +255,25 @@ def test_late_write_failure_keeps_the_report(tmp_path, capsys):
     os.unlink(err.split("saved in ")[1].split(" instead")[0])
 
 
+@pytest.mark.parametrize("cmd", [("devset",), ("plan", "--model", "tiny", "--devices", "4"),
+                                 ("predict", "--model", "tiny", "--mesh", "dp=4")])
+def test_a_late_write_failure_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys, cmd):
+    """A report the serial front-ends cannot write after the work (the disk filled, the
+    folder went away) is found after the preflight, so it is not a user error: one line
+    saying where the report went, exit 1, as the MPI front-ends (never a traceback)."""
+    from summasim.costmodel.__main__ import main
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jsonio, "write_text_atomic", full)
+    status = main([*cmd, "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert err.count("\n") == 1 and "No space left" in err and "saved in " in err, err
+    os.unlink(err.split("saved in ")[1].split(" instead")[0])
+
+
 def test_a_file_put_at_the_path_during_the_job_is_not_replaced(tmp_path):
     """The preflight found no file at --json; one written there while the job ran (not a
     report) is left alone: the report goes to the temp folder and the error says so."""

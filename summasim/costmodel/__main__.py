@@ -235,31 +235,7 @@ def _main(argv=None) -> int:
     if args.cmd == "plan":
         return cli.run_command(plp.prog, plan_cli.run, args)
     if args.cmd == "devset":
-        try:
-            if args.json is not None:
-                cli.check_writable_path(args.json)
-        except cli.UsageError as exc:
-            return cli.print_error(dsp.prog, f"argument --json: {exc}")
-        if args.explain:
-            points = {p["id"]: p for p in devset.load_points()}
-            unknown = [i for i in args.explain if i not in points]
-            if unknown:
-                return cli.print_error(dsp.prog, f"argument --explain: unknown point(s) "
-                                                 f"{', '.join(unknown)}")
-            try:
-                print("\n\n".join(devset.explain_point(points[i]) for i in args.explain))
-            except ValueError as exc:
-                return cli.print_error(dsp.prog, f"argument --explain: {exc}")
-            return 0
-        rows = devset.evaluate_all()
-        print(devset.markdown_table(rows) if args.markdown else devset.format_table(rows),
-              end="\n" if not args.markdown else "")
-        if args.json is not None:
-            from ..jsonio import write_report
-
-            write_report(args.json, "devset", {"points": rows, "summary": devset.summary(rows)})
-            print(f"wrote {args.json}")
-        return 0
+        return cli.run_command(dsp.prog, _devset_run, args)
     if args.cmd == "explore":
         return cli.run_command(ep.prog, explore_cli.run, args)
     if args.cmd == "fit":
@@ -281,6 +257,36 @@ def _main(argv=None) -> int:
             print(presets_listing())
         return 0
     return _table1_main(args, tp.prog)
+
+
+def _devset_run(args) -> int:
+    """``costmodel devset``: the table, ``--explain`` or the ``--json`` report."""
+    from .tools import devset
+
+    if args.json is not None:
+        try:
+            cli.check_writable_path(args.json)
+        except cli.UsageError as exc:
+            raise cli.argument_error("--json", exc) from None
+    if args.explain:
+        points = {p["id"]: p for p in devset.load_points()}
+        unknown = [i for i in args.explain if i not in points]
+        if unknown:
+            raise cli.argument_error("--explain", f"unknown point(s) {', '.join(unknown)}")
+        try:
+            print("\n\n".join(devset.explain_point(points[i]) for i in args.explain))
+        except ValueError as exc:
+            raise cli.argument_error("--explain", exc) from None
+        return 0
+    rows = devset.evaluate_all()
+    print(devset.markdown_table(rows) if args.markdown else devset.format_table(rows),
+          end="\n" if not args.markdown else "")
+    if args.json is not None:
+        from ..jsonio import write_report
+
+        write_report(args.json, "devset", {"points": rows, "summary": devset.summary(rows)})
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _table1_main(args, prog: str) -> int:
