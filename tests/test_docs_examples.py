@@ -43,7 +43,7 @@ TIMEOUT_S = 180
 
 # A documented example that is too slow for this file would be listed here, by
 # "page:line", with the reason; none is today (the slowest, plan at 3,072 devices,
-# takes about 7 s on the 2-core VM).
+# takes 18-31 s on the 2-core VM).
 SLOW: dict[str, str] = {}
 
 REMOVED = [r"--tf-config", r"--tf-shape", r"--mesh-shape", r"--tf-dtype", r"--preset\b(?!s)",
@@ -190,6 +190,19 @@ def test_no_removed_spelling(page):
     hits = [f"{page}:{n}: {pat}: {line.strip()}" for n, line in enumerate(lines, 1)
             for pat in REMOVED if re.search(pat, line)]
     assert not hits, "removed spellings:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_commands_are_in_fences(page):
+    """A command in an indented block would escape every check above: the pages show
+    commands in ``` fences only."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        text = f.read()
+    fenced = {n for n, _ in _fenced_lines(text)}
+    hits = [f"{page}:{n}: {line.strip()}" for n, line in enumerate(text.split("\n"), 1)
+            if n not in fenced and re.match(r"(?: {4}|\t)\s*(?:\S+=\S+\s+)*"
+                                            r"(?:python3?|mpirun|mpiexec|\./scripts/)", line)]
+    assert not hits, "commands outside a fence:\n" + "\n".join(hits)
 
 
 # -- the MPI commands: every documented launch would run at its rank count ----------------
