@@ -248,9 +248,9 @@ def test_one_replica_one_stage_is_todays_prediction(sch, kw):
     assert price_composition(SMALL, sch, machine=LOCAL, optimizer=False, **kw)[
         "step_seconds"] == pytest.approx(ref.seconds, rel=1e-12)
     # a GPU preset (NCCL, roofline, optimizer priced by step_cost): the whole step
-    cfg = SMALL.replace(dtype="bfloat16")
-    r = price_composition(cfg, sch, machine=GPU, **kw)
-    assert r["step_seconds"] == pytest.approx(step_cost(sc, cfg, GPU).seconds, rel=1e-9)
+    for cfg in (SMALL.replace(dtype="bfloat16"), SMALL.replace(dtype="bfloat16", v=0)):
+        r = price_composition(cfg, sch, machine=GPU, **kw)     # v = 0: the layers alone
+        assert r["step_seconds"] == pytest.approx(step_cost(sc, cfg, GPU).seconds, rel=1e-9)
 
 
 # -- refusals --------------------------------------------------------------------------------

@@ -460,7 +460,11 @@ def stage_tail(c: _Setup, st: Stage, end: float, t_pipe: float) -> dict:
         ends = tm.wte + tm.wpe + tm.lnf + tm.head
         mine = (tm.wte + tm.wpe if st.stage == 0 else 0.0) + (
             tm.lnf + head if st.stage == pp - 1 else 0.0)
-        opt = (st.layers * tp.opt_layer + (tp.opt_ends * mine / ends if ends else 0.0)) / shard
+        # without a vocabulary (v = 0) the ends are the final LayerNorm alone, whose
+        # parameters the memory leaves out but whose Adam launches step_cost prices: the
+        # last stage's
+        last = tp.opt_ends if st.stage == pp - 1 else 0.0
+        opt = (st.layers * tp.opt_layer + (tp.opt_ends * mine / ends if ends else last)) / shard
     else:                                         # Adam streams its bytes once
         opt = (P / shard * (2 * sb.param + sb.grad + 4 * sb.optim + 2 * sb.master)
                / _memory_bandwidth(c.machine) * c.slow)
