@@ -73,6 +73,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .._checks import finite_size
 from ..machine.topology import GroupPath
 
 ALGORITHMS = ("ring", "tree")
@@ -250,6 +251,7 @@ def nccl_time(op: str, nbytes: float, path: GroupPath, *, ll128: bool = True,
     """
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+    nbytes = finite_size(f"{op}: nbytes", nbytes)
     if path.size <= 1:
         return NcclCost(0.0, "none", "none")
     if op == "barrier":

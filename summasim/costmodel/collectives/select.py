@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from .._checks import finite_size, whole
 from ..machine import Machine
 from .mpich import ALGORITHMS, MODES, OPS, REDUCE_IMPLS, is_pof2, pof2_floor
 
@@ -153,8 +154,8 @@ def collective_time(op: str, nbytes: float, p: int, machine: Machine, *,
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if nbytes < 0 or p < 1:
-        raise ValueError(f"{op}: need nbytes >= 0 and p >= 1, got nbytes={nbytes}, p={p}")
+    nbytes = finite_size(f"{op}: nbytes", nbytes)
+    p = whole(f"{op}: p (the group size)", p)
     if p == 1:
         return CollectiveCost(0.0, "none")
     if algorithm is None:

@@ -152,6 +152,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .._checks import finite_size
 from ..machine import Machine
 from .mesh import MeshGroup, _Coll, _memory_bandwidth, model_flops
 from .pipeline import _check_schedule, overlap_exposed
@@ -244,6 +245,7 @@ def _setup(cfg, scheme, machine, t, q, d, dp, pp, microbatches, global_batch, ze
     sch = make_scheme(scheme, t=t, q=q, d=d, pc=pc)
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of 0, 1, 2, 3, got {zero!r}")
+    bucket_bytes = finite_size("bucket_bytes", bucket_bytes, positive=True)
     _check_schedule(schedule, chunks)
     recompute = _recompute_of(cfg, checkpoint, recompute)
     loss_scale = parse_loss_scale(loss_scale)           # a ValueError naming the forms

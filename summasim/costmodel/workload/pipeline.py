@@ -9,6 +9,7 @@ import numbers
 from functools import lru_cache
 from typing import Sequence
 
+from .._checks import finite_size, whole
 from ...spec import SCHEDULE_KINDS
 
 
@@ -135,6 +136,9 @@ def pipeline_time(forward: Sequence[float], backward: Sequence[float], m: int,
     _check_schedule(schedule, chunks)
     if len(forward) != len(backward) or not forward:
         raise ValueError("forward and backward need one entry per stage")
+    m = whole("m (micro-batches)", m)
+    forward = [finite_size(f"forward[{i}] (seconds)", f) for i, f in enumerate(forward)]
+    backward = [finite_size(f"backward[{i}] (seconds)", b) for i, b in enumerate(backward)]
     per = [f + b for f, b in zip(forward, backward)]
     crit = max(range(len(per)), key=per.__getitem__)
     if schedule == "interleaved":

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from .._checks import finite_size, whole
 from . import traffic as _traffic
 from ..compute.gemm import gemms_seconds as _compute_seconds
 from ..collectives import Thresholds
@@ -300,6 +301,14 @@ def predict_algorithm(name: str, m: int | None = None, k: int | None = None,
     -------
     Prediction
     """
+    for nm, v in (("m", m), ("k", k), ("n", n), ("count", count)):
+        if v is not None:
+            finite_size(f"{name}: {nm}", v)
+    q, d = whole(f"{name}: q", q), whole(f"{name}: d", d)
+    if pc is not None:
+        pc = whole(f"{name}: pc", pc)
+    if name in _traffic.RING_NAMES:
+        p = whole(f"{name}: p (the ring's ranks)", p)
     itemsize = itemsize_of(dtype)
     # a ring's data: its vector, a receive chunk and, for ring_allreduce called as by
     # default (out=None), the output its adds write (4 streams per added byte); the
