@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import resource
@@ -82,6 +83,64 @@ def _gemm_routine(dtype):
         return None
 
 
+# a GEMM of at least this many flops (about a millisecond and more) is called without the
+# GIL (:func:`_gil_free_gemm`); below it, SciPy's wrapper, whose call costs ~1 us to the
+# ~6 us of a ctypes call
+GIL_FREE_FLOPS = 1 << 26
+_SCALARS = {np.dtype(np.float64): (ctypes.c_double, "dgemm"),
+            np.dtype(np.float32): (ctypes.c_float, "sgemm"),
+            np.dtype(np.complex128): (ctypes.c_double * 2, "zgemm"),
+            np.dtype(np.complex64): (ctypes.c_float * 2, "cgemm")}
+
+
+@functools.lru_cache(maxsize=None)
+def _gil_free_gemm(dtype):
+    """SciPy's own BLAS ``?gemm`` for ``dtype`` as a ctypes function (``None`` where it
+    cannot be had), with ``alpha = 1`` and ``beta`` 0 or 1 ready as ctypes scalars.
+
+    SciPy's ``scipy.linalg.blas`` wrappers hold the GIL for the whole call, so a long
+    GEMM froze every other thread of the rank: the heartbeat and the watcher that ends a
+    rank on SIGINT or SIGTERM (:func:`summasim.mpiutil.end_on_signals`). ctypes releases
+    the GIL around a foreign call. The function is the one ``scipy.linalg.cython_blas``
+    exports (its ``__pyx_capi__`` capsule): the same library, the same thread limits."""
+    if dtype not in _SCALARS:
+        return None
+    scalar, name = _SCALARS[dtype]
+    try:
+        from scipy.linalg import cython_blas
+
+        capsule = cython_blas.__pyx_capi__[name]
+        api = ctypes.pythonapi
+        api.PyCapsule_GetName.restype = ctypes.c_char_p
+        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        pointer = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+    except (ImportError, AttributeError, KeyError, ValueError, TypeError):
+        return None
+    if not pointer:
+        return None
+    vp = ctypes.c_void_p
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *([vp] * 11))(pointer)
+    one = scalar(1.0) if scalar in (ctypes.c_double, ctypes.c_float) else scalar(1.0, 0.0)
+    zero = scalar(0.0) if scalar in (ctypes.c_double, ctypes.c_float) else scalar(0.0, 0.0)
+    return fn, one, zero
+
+
+def _call_gil_free(fn, one, zero, a, b, c, trans_a: bool, trans_b: bool,
+                   accumulate: bool) -> None:
+    """``c = op(a) op(b) (+ c)`` through ``fn`` (:func:`_gil_free_gemm`), all three
+    C-contiguous: column-major ``C^T = op(b)^T op(a)^T``, as the SciPy call below."""
+    k = a.shape[0] if trans_a else a.shape[1]
+    dim = ctypes.c_int
+    ref = ctypes.byref
+    m_, n_, k_ = dim(c.shape[1]), dim(c.shape[0]), dim(k)
+    lda, ldb, ldc = dim(b.shape[1]), dim(a.shape[1]), dim(c.shape[1])
+    fn(b"T" if trans_b else b"N", b"T" if trans_a else b"N", ref(m_), ref(n_), ref(k_),
+       ref(one), b.ctypes.data, ref(lda), a.ctypes.data, ref(ldb),
+       ref(one if accumulate else zero), c.ctypes.data, ref(ldc))
+
+
 class NumpyBackend:
     """Host arrays; MPI receives them as they are (``comm_mode == "host"``)."""
 
@@ -133,6 +192,8 @@ class NumpyBackend:
         ``?gemm`` on the transposed (Fortran-ordered) views, so no temporary is
         allocated: C^T = op(b)^T op(a)^T.
         """
+        if not c.flags.writeable:      # SciPy's wrapper would write a copy and drop it
+            raise ValueError("gemm: the output array c is read-only")
         routine = _gemm_routine(c.dtype)
         if (routine is None or not c.flags.c_contiguous or a.dtype != c.dtype
                 or b.dtype != c.dtype or not a.flags.c_contiguous or not b.flags.c_contiguous
@@ -144,6 +205,14 @@ class NumpyBackend:
             else:
                 np.matmul(opa, opb, out=c)
             return c
+        (ma, ka), (kb, nb) = a.shape[::-1] if trans_a else a.shape, \
+            b.shape[::-1] if trans_b else b.shape
+        if 2 * c.size * ka >= GIL_FREE_FLOPS and ka == kb and c.shape == (ma, nb):
+            # (raw BLAS checks nothing: a mismatch goes on to SciPy's call, which raises)
+            free = _gil_free_gemm(c.dtype)
+            if free is not None:
+                _call_gil_free(*free, a, b, c, trans_a, trans_b, accumulate)
+                return c
         # Row-major C = op(a) op(b) is column-major C^T = op(b)^T op(a)^T. The
         # Fortran view of a C-contiguous x is x.T, so op(x)^T is x.T (trans=0)
         # when op is the identity and x (trans=1 on x.T) when op is a transpose.
