@@ -104,6 +104,7 @@ import json
 import math
 import re
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -283,7 +284,8 @@ def run_command(prog: str, run: Callable, args) -> int:
     """``run(args)`` with a :class:`UsageError` turned into one line and status 2, and
     stdout guarded (:func:`guarded_stdout`): a reader that goes away or a path stdout
     cannot encode does not end the work before its reports are written. A command whose
-    output was not all read (``... | head -1``) exits 1, quietly.
+    output was not all read (``... | head -1``) exits 1, quietly; a Ctrl-C is one line,
+    exit 130.
 
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
@@ -303,6 +305,11 @@ def run_command(prog: str, run: Callable, args) -> int:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:     # Ctrl-C: one line, as the MPI front-ends say it
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"{prog}: interrupted (SIGINT)\n")
+            sys.stderr.flush()
+        return 128 + signal.SIGINT
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 

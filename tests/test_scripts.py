@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -133,3 +134,63 @@ def test_a_relative_venv_is_taken_from_where_it_was_asked_for(tmp_path):
                          env={**_env(), "SUMMASIM_VENV": "v"}, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(tmp_path / "v" / "bin" / "python"), res.stdout
+
+
+LONG_RUN = ["scripts/run", "--sizes", "1024", "1024", "1024", "--schemes", "none",
+            "--meshes", "none", "--no-predict", "--repeats", "400"]
+
+
+def _job_gone(proc, seconds: float = 20.0) -> bool:
+    """No process of the run's session is left (the watchdog included)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)],
+                              capture_output=True, text=True).stdout.split()
+        if not left:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_run_limit_ends_the_job_once_and_says_why():
+    """SUMMASIM_TIMEOUT: the watchdog sends SIGTERM once; each rank says its line, and
+    the watchdog leaves with the job (it holds stderr, so a caller reading to the end of
+    stderr would otherwise wait on it)."""
+    proc = subprocess.Popen(LONG_RUN, cwd=ROOT, start_new_session=True, text=True,
+                            env=_env(SUMMASIM_RANKS="2", SUMMASIM_TIMEOUT="6"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, out[-2000:]
+    assert "scripts/run: the run has taken 6 s (SUMMASIM_TIMEOUT); ending it" in err, err
+    assert "terminated (SIGTERM) on rank" in err, err
+    assert took < 6 + 8 + 5, f"{took:.1f} s"          # not the 10 s of the SIGKILL grace
+    assert _job_gone(proc)
+
+
+def test_run_ctrl_c_reaches_the_launcher_once():
+    """A terminal's Ctrl-C (SIGINT to the whole group): rank 0's one line, and no forced
+    abort of MPICH's launcher (its assertion messages), which a second SIGINT relayed by
+    `timeout` caused."""
+    proc = subprocess.Popen(LONG_RUN, cwd=ROOT, start_new_session=True, text=True,
+                            env=_env(SUMMASIM_RANKS="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line, deadline = "", time.monotonic() + 90
+        while "summa_ab " not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()          # a row has run: the ranks are working
+            if not line:
+                break
+        assert "summa_ab " in line, "the run did not start"
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    both = out + err
+    assert "interrupted (SIGINT) on rank" in err, both[-3000:]
+    assert "assert (!closed) failed" not in both, both[-3000:]
+    assert "Press Ctrl-C again" not in both or "Ctrl-C caught" not in both, both[-3000:]
+    assert _job_gone(proc)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from .. import options
@@ -26,7 +27,7 @@ from summasim.costmodel.workload.measured import MeasuredRun
 from ..jsonio import write_json_atomic
 from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet
-from .worker import launch, mpiexec, timeout_prefix, worker_env
+from .worker import JobInterrupted, launch, mpiexec, run_job, timeout_prefix, worker_env
 
 
 # --------------------------------------------------------------------------- the plan
@@ -119,7 +120,7 @@ def _fit_machine(path: str, timeout: float, say) -> None:
     cmd = timeout_prefix(timeout) + mpiexec() + [
         "-n", "2", sys.executable, "-m", "summasim.costmodel", "fit", "--out", path]
     say(f"$ {' '.join(cmd[4:])}")
-    if subprocess.run(cmd, env=env).returncode != 0:
+    if run_job(cmd, env=env) != 0:
         raise RuntimeError("the machine fit failed")
 
 
@@ -170,7 +171,30 @@ def _read_measured(path: str) -> dict:
 
 
 def run(args) -> int:
-    """The accuracy benchmark (see the module doc)."""
+    """The accuracy benchmark (see the module doc). SIGINT or SIGTERM while a job runs
+    ends that job, every process of it (:func:`~summasim.harness.worker.run_job`), and
+    the benchmark, with one line; its temporary folder goes too."""
+    def terminated(signum, _frame):
+        raise JobInterrupted(signum)     # between jobs: said as during one
+
+    old = signal.signal(signal.SIGTERM, terminated) if (
+        threading.current_thread() is threading.main_thread()) else None
+    try:
+        return _run(args)
+    except JobInterrupted as e:
+        print(f"python -m summasim.costmodel accuracy: interrupted ({e}); no MPI job of it "
+              f"is left running", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except KeyboardInterrupt:         # between jobs: nothing of them is left running
+        print("python -m summasim.costmodel accuracy: interrupted (SIGINT)",
+              file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _run(args) -> int:
     from ..costmodel.machine import Machine
 
     def say(msg):

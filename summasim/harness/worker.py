@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -70,6 +72,85 @@ def timeout_prefix(seconds: float) -> list[str]:
     return ["timeout", "-k", "10", str(max(1, math.ceil(seconds)))]
 
 
+class JobInterrupted(Exception):
+    """This process got SIGINT or SIGTERM while a launched job ran; :func:`run_job` has
+    ended the job (every process of it) before raising. ``signum`` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Stop(BaseException):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+# seconds the job's processes get to end on SIGTERM before they are killed
+JOB_GRACE_S = 10.0
+
+
+def _end_job(proc: subprocess.Popen) -> None:
+    """End a job started by :func:`run_job` and every process of it. ``timeout`` goes
+    first, by SIGKILL: on a signal it would relay it to its group, and a second SIGINT or
+    SIGTERM makes MPICH's launcher abort by force (its assertion messages, and the ranks
+    killed before they free their shared memory). Then the rest of the group (the
+    launcher, its proxies, the ranks) gets one SIGTERM: each rank says one line
+    (:func:`summasim.mpiutil.end_on_signals`) and ends; what is left after
+    :data:`JOB_GRACE_S` is killed."""
+    group = proc.pid                      # its own session: the group's id is its pid
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + JOB_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_job(cmd: list[str], env: dict | None = None) -> int:
+    """Run a launched job (``timeout ... mpiexec ...``) to its end; its exit status.
+
+    The job gets a session of its own, so a Ctrl-C at the terminal reaches this process
+    only, and SIGINT or SIGTERM here ends the whole job (:func:`_end_job`) and raises
+    :class:`JobInterrupted`: no launcher or rank is left running, unbounded, after its
+    caller is gone (``subprocess.run`` would kill ``timeout`` alone and orphan the rest)."""
+    main = threading.current_thread() is threading.main_thread()
+    old = {}
+    if main:
+        def stop(signum, _frame):
+            raise _Stop(signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, stop)
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        return proc.wait()
+    except _Stop as stop_:
+        if proc is not None:
+            for sig in old:                   # a second Ctrl-C must not cut the cleanup
+                signal.signal(sig, signal.SIG_IGN)
+            _end_job(proc)
+        raise JobInterrupted(stop_.signum) from None
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def worker_env() -> dict:
     """The environment of a launched job: one BLAS thread per rank."""
     return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -89,10 +170,10 @@ def launch(p: int, cases: Sequence, repeats: int, workdir: str, *, timeout: floa
     cmd = timeout_prefix(timeout) + mpiexec() + [
         "-n", str(p), sys.executable, "-m", "summasim.harness.worker", spec, out]
     say(f"$ {' '.join(cmd[4:])}")
-    proc = subprocess.run(cmd, env=worker_env())
-    if proc.returncode != 0:
-        raise RuntimeError(f"the worker at p={p} failed (exit {proc.returncode}"
-                           f"{', timed out' if proc.returncode in (124, 137) else ''})")
+    status = run_job(cmd, env=worker_env())
+    if status != 0:
+        raise RuntimeError(f"the worker at p={p} failed (exit {status}"
+                           f"{', timed out' if status in (124, 137) else ''})")
     with open(out, encoding="utf-8") as fh:
         data = json.load(fh)
     bad = [r["label"] for r in data["results"] if not r.get("ok", False)]

@@ -1,0 +1,133 @@
+"""Ctrl-C and SIGTERM on the serial front-ends and on what they launch: one line, the
+signal's exit status, and nothing left running or lying about (no launcher, rank or
+temporary folder outlives the command that started it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
+
+
+def _start(args, **kw):
+    """``python ARGS`` in a session of its own (a terminal's Ctrl-C reaches its group)."""
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=kw.pop("env", None) or _env(), cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def _alive(marker: str) -> list[str]:
+    """Pids of processes whose command line holds ``marker``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and int(pid) != os.getpid():
+            out.append(pid)
+    return out
+
+
+def _wait_gone(marker: str, seconds: float = 15.0) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while _alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(marker)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_run_job_ends_the_whole_job(sig):
+    """The launched job (``timeout`` and everything under it, in a session of its own)
+    ends with its caller: ``subprocess.run`` killed ``timeout`` alone and left the rest
+    running, unbounded."""
+    marker = f"sleep 61.{int(sig)}7"
+    script = textwrap.dedent("""
+        import os, sys
+        from summasim.harness.worker import JobInterrupted, run_job
+        mark = os.environ["MARK"]               # (not on this process's command line)
+        print("started", flush=True)
+        try:
+            run_job(["timeout", "-k", "10", "60", "bash", "-c", f"{mark} & {mark}; wait"])
+        except JobInterrupted as e:
+            print("interrupted", e.signum, flush=True)
+            sys.exit(3)
+    """)
+    proc = _start(["-c", script], env=dict(_env(), MARK=marker))
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 20
+        while len(_alive(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)      # timeout, bash and the two sleeps
+        assert len(_alive(marker)) >= 4, "the job did not start"
+        os.killpg(proc.pid, sig)                  # a terminal's Ctrl-C: the caller's group
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 3, (out, err)
+        assert f"interrupted {int(sig)}" in out and "Traceback" not in err, (out, err)
+        assert not _wait_gone(marker), "the job's processes outlived its caller"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_serial_front_end_says_ctrl_c_in_one_line():
+    proc = _start(["-m", "summasim.costmodel", "plan", "--model", "gpt3-175b", "--machine",
+                   "dgx-a100", "--devices", "3072", "--no-progress"])
+    time.sleep(2.5)                                 # inside the search (it takes 5 s and more)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err == "python -m summasim.costmodel plan: interrupted (SIGINT)\n", err
+
+
+@pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_accuracy_interrupted_leaves_nothing_behind(tmp_path, sig, group):
+    """Ctrl-C at a terminal (the whole group) or SIGTERM from a scheduler (the command
+    alone) while ``costmodel accuracy`` runs an MPI job: one line, 128 + the signal, no
+    worker left running, no temporary folder left in --out."""
+    out = tmp_path / "acc"
+    proc = _start(["-m", "summasim.costmodel", "accuracy", "--quick", "--machine",
+                   "local-2core-mpich", "--out", str(out), "--timeout", "120",
+                   "--repeats", "50"])
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "summasim.harness.worker" not in seen and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "summasim.harness.worker" in seen, seen
+        marker = str(out)                           # the workers' spec path holds it
+        deadline = time.monotonic() + 60
+        while not _alive(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(marker), "no process of the job was seen"
+        time.sleep(0.5)
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + int(sig), (proc.returncode, err)
+        assert "Traceback" not in err, err
+        # (a job's end, or the moment between two jobs)
+        assert f"accuracy: interrupted ({sig.name})" in err and err.count("\n") == 1, err
+        assert not _wait_gone(marker), "a launcher or rank outlived costmodel accuracy"
+        assert not [n for n in os.listdir(out) if n.startswith("tmp")], os.listdir(out)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
