@@ -18,7 +18,7 @@ from _util import WORLD, collective_raises, grid_shapes, parallel_assert, rel_er
 from summasim import algorithms as algs
 from summasim import layout
 from summasim.algorithms.allreduce import chunk_bounds
-from summasim.grid import Grid, Grid1D
+from summasim.grid import Grid, Grid1D, Mesh
 from summasim.transformer import model, optimus
 
 P = WORLD.Get_size()
@@ -166,6 +166,43 @@ def test_ranks_that_ask_for_different_grids_all_raise():
     parallel_assert("ranks disagree on the grid [pr, pc, d]" in msg, f"message: {msg!r}")
     with Grid(WORLD, 1, pc=P) as g:                     # and agreeing ranks still build it
         parallel_assert(g.p == P and g.j == RANK, f"grid {g}")
+
+
+def test_ranks_that_ask_for_different_meshes_all_raise():
+    """A training mesh too: another split of the same size on the last rank (dp x 1D
+    against 1D alone; before, it hung or passed with mismatched groups), or another kind
+    of tensor grid."""
+    skip_unless(P > 1, "one rank has one mesh")
+    last = RANK == P - 1
+    for make in (lambda: Mesh(WORLD, 1, 1, "1d", t=P) if last else Mesh(WORLD, P, 1, "1d"),
+                 lambda: Mesh(WORLD, 1, 1, "2d", q=1, pc=P) if last
+                 else Mesh(WORLD, 1, 1, "1d", t=P)):
+        msg = collective_raises(ValueError, make)
+        parallel_assert("Mesh: ranks disagree on the mesh" in msg, f"message: {msg!r}")
+    # arguments that the kind ignores are not a difference
+    mesh = Mesh(WORLD, 1, 1, "1d", t=P, q=7 if last else 1)
+    parallel_assert(mesh.T == P and mesh.dp == 1, f"mesh {mesh.dp} x {mesh.pp} x {mesh.T}")
+    mesh.free()
+
+
+def test_verdict_and_trace_totals_take_any_communicator():
+    """``harness.check.collective`` and ``Trace.allgather_totals`` take an mpi4py
+    communicator, a summasim ``Comm`` or a grid, as every public function does."""
+    from summasim.comm import Comm
+    from summasim.harness.check import Check, collective
+
+    with Grid1D(WORLD) as g:
+        g.comm.allreduce(np.ones(3))                           # one traced event
+        mine = Check(0.0, 1.0, "exact")
+        mine.error, mine.ok = float(RANK), RANK != P - 1      # the last rank fails
+        comm = Comm(WORLD)
+        for who in (WORLD, comm, g):
+            verdict = collective(who, mine)
+            parallel_assert(verdict.bad_ranks == [P - 1] and verdict.error == P - 1,
+                            f"{type(who).__name__}: {verdict.bad_ranks} {verdict.error}")
+            totals = g.trace.allgather_totals(who)
+            parallel_assert(len(totals) == P and totals[RANK]["count"] == len(g.trace.events),
+                            f"{type(who).__name__}: {totals}")
 
 
 def test_bfloat16_blocks_say_what_to_do():

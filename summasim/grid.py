@@ -258,15 +258,27 @@ class Mesh(_Groups):
                  wait: str | None = None, pc: int = 0):
         from .comm import Comm
 
+        from .mpiutil import agree, local_error
+
         raw = _raw(comm)
-        self.dp, self.pp = positive_int("dp", dp), positive_int("pp", pp)
-        self.kind = kind
-        self.T = tensor_size(kind, q, d, t, pc)
         size = raw.Get_size()
-        if size != self.dp * self.pp * self.T:
-            raise ValueError(f"a mesh dp={self.dp} x pp={self.pp} x tensor={self.T} needs "
-                             f"{self.dp * self.pp * self.T} processes, but the communicator "
-                             f"has {size}")
+
+        def check():
+            n_dp, n_pp = positive_int("dp", dp), positive_int("pp", pp)
+            n_t = tensor_size(kind, q, d, t, pc)
+            if size != n_dp * n_pp * n_t:
+                raise ValueError(f"a mesh dp={n_dp} x pp={n_pp} x tensor={n_t} needs "
+                                 f"{n_dp * n_pp * n_t} processes, but the communicator has "
+                                 f"{size}")
+            return n_dp, n_pp, n_t
+
+        # every rank must ask for the same mesh: one that asks for another of the same size
+        # would build other groups, and wait in them for ever or pass on wrong ones
+        shape, err = local_error(check)
+        agree("Mesh", raw, lambda: {"mesh (dp, pp, tensor grid)": (dp, pp, str(kind)) + (
+            (t,) if kind == "1d" else (q, d, pc or q))}, err)
+        self.dp, self.pp, self.T = shape
+        self.kind = kind
         self.p = size
         self.trace = trace if trace is not None else Trace()
         self.backend = backend

@@ -141,10 +141,11 @@ class Trace:
         return sum(e.nbytes for e in self.events)
 
     def allgather_totals(self, comm) -> list[dict]:
-        """Every rank's ``{"nbytes", "count", "by_op"}`` (a collective over ``comm``).
-
-        ``comm`` is a raw mpi4py communicator so the exchange is not itself traced.
-        """
+        """Every rank's ``{"nbytes", "count", "by_op"}`` (a collective over ``comm``: an
+        mpi4py communicator, a summasim ``Comm`` or a grid, whose raw communicator
+        carries the exchange, so that it is not itself traced)."""
         mine = {"nbytes": self.nbytes, "count": len(self.events),
                 "by_op": {k: tuple(v) for k, v in self.by_op().items()}}
-        return comm.allgather(mine)
+        raw = (getattr(comm, "mpi", None) or getattr(getattr(comm, "world", None), "mpi", None)
+               or comm)
+        return raw.allgather(mine)

@@ -72,9 +72,12 @@ class Check:
 def collective(world, check: Check) -> Check:
     """The job's verdict on every rank: OK only if every rank's check is OK and finite.
     The error is the largest finite error, or NaN when any rank saw a non-finite value
-    (``bad_ranks`` names the ranks that failed)."""
+    (``bad_ranks`` names the ranks that failed). ``world``: an mpi4py communicator, a
+    summasim ``Comm`` or a grid."""
+    from ..mpiutil import raw_mpi
+
     mine = (float(check.error), bool(check.nonfinite), bool(check.ok))
-    every = world.allgather(mine)
+    every = raw_mpi(world).allgather(mine)
     bad = [r for r, (_, nf, ok) in enumerate(every) if (nf or not ok)]
     nonfinite = any(nf for _, nf, _ in every)
     finite = [e for e, nf, _ in every if not nf]        # inf: a block of the wrong shape
