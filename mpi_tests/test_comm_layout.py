@@ -72,6 +72,25 @@ def test_split_join_round_trip(q, d, name, empty):
                         f"{name} on [{q},{q},{d}], shape {tuple(shape)}")
 
 
+@pytest.mark.parametrize("q,d", grid_shapes(P))
+def test_cube_layouts_need_a_cube(q, d):
+    """The 3D product's layouts on any other grid: one clear error on every rank (they
+    cut a block that a join could not put back, and differently on different ranks)."""
+    from _util import collective_raises
+
+    M = np.arange(12.0 * 12).reshape(12, 12)
+    with Grid(WORLD, q, d) as g:
+        for name in ("3d-a", "3d-b", "3d-c", "3d-bt", "3d-at"):
+            if q == d:                               # a cube: the round trip holds
+                back = layout.join(layout.split(M, g, name), g, name)
+                parallel_assert(np.array_equal(back, M), f"{name} on the {q}-cube")
+            else:
+                msg = collective_raises(ValueError, layout.split, M, g, name)
+                parallel_assert("needs a q x q x q cube" in msg, msg)
+                msg = collective_raises(ValueError, layout.join, M, g, name)
+                parallel_assert("needs a q x q x q cube" in msg, msg)
+
+
 @pytest.mark.parametrize("name", ["row", "col", "replicated"])
 def test_grid1d_layouts(name):
     with Grid1D(WORLD) as g:

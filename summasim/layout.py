@@ -228,17 +228,22 @@ def _check_layout_for(grid, name: str) -> None:
     _check_name(name)
     if name in GRID_LAYOUTS and not hasattr(grid, "pr"):
         raise ValueError(f"layout {name!r} needs a Grid, not a {type(grid).__name__}")
+    if name in _CUBE_LAYOUTS and not (grid.pr == grid.pc == grid.d):
+        raise ValueError(f"layout {name!r} needs a q x q x q cube grid (Grid(comm, q, q)), "
+                         f"not [{grid.pr}, {grid.pc}, {grid.d}]")
 
 
 def split(M, grid, name: str):
     """This rank's block (a C-contiguous copy) of the global array ``M``.
 
-    Every rank passes the same global ``M``; no communication happens.
+    Every rank passes the same global ``M``; no communication happens. Any sizes: a
+    dimension that does not divide is cut by the balanced partition (the module doc).
 
     Raises
     ------
     ValueError
-        When a dimension does not divide (message names it, its size and the divisor).
+        For an unknown layout, a grid layout on a ``Grid1D``, or a cube layout
+        (``"3d-*"``) on a grid that is not a q x q x q cube.
     """
     _check_layout_for(grid, name)
     xp = array_module(M)
