@@ -367,3 +367,32 @@ def test_bench_layer_with_torch_times_the_blas_of_both(capsys):
     assert g["numpy_gflops"] > 0 and g["torch_gflops"] > 0
     assert g["numpy_blas"] != "unknown" and g["torch_blas"] != "unknown"
     assert "the MLP's GEMM 16x32x128" in out and timing["max_rel_diff_vs_torch"] < 1e-5
+
+
+def test_a_spec_model_is_refused_with_what_to_do():
+    """The runtime takes a ``model.Config``; a ``spec.Model`` (the description every floor
+    shares) got an AttributeError from deep inside. Now: a TypeError naming Config.of."""
+    from types import SimpleNamespace
+
+    from summasim import spec
+    from summasim.transformer import megatron, optimus, tp3d
+
+    m = spec.Model.parse("tiny")
+    calls = [lambda: model.init_params(m),
+             lambda: model.forward({}, np.zeros((1, 4), np.int64), None, m),
+             lambda: megatron.check(m, one),
+             lambda: optimus.check(m, SimpleNamespace(pr=1, pc=1, d=1, row=0, col=0,
+                                                      depth=0, layer=0)),
+             lambda: tp3d.check(m, SimpleNamespace(q=1, d=1, row=0, col=0, depth=0))]
+    from mpi4py import MPI
+
+    from summasim.grid import Grid1D
+
+    with Grid1D(MPI.COMM_SELF) as one:
+        for call in calls:
+            with pytest.raises(TypeError, match=r"got Model \(Config.of\(model, dtype\)"):
+                call()
+    with pytest.raises(TypeError, match="got dict$"):
+        model.init_params({"hidden": 8})
+    assert len(model.init_params(model.Config.of(m))) == len(model.param_shapes(
+        model.Config.of(m)))

@@ -347,9 +347,7 @@ def check(config: Config, grid, *, seq: Optional[int] = None,
     :meth:`summasim.spec.TensorGrid.divisors` for a 1D grid, phrased for the runtime.)
     """
     _check_grid(grid)
-    if not isinstance(config, Config):
-        raise TypeError(f"config must be a summasim.transformer.model.Config, got "
-                        f"{type(config).__name__}")
+    model.need_config(config)
     p = grid.p
     heads = "heads" if config.kv_heads == config.heads else "kv_heads"
     why = {heads: "every rank holds at least one whole head" + (

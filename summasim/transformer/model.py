@@ -96,8 +96,20 @@ class Config(Model):
         return self.ffn_width
 
 
+def need_config(config) -> None:
+    """``TypeError`` unless ``config`` is a :class:`Config` (a :class:`summasim.spec.Model`
+    describes the model for every floor; the runtime's ``Config.of(model, dtype)`` adds
+    what the arrays need)."""
+    if not isinstance(config, Config):
+        hint = (" (Config.of(model, dtype) makes one from a spec.Model)"
+                if isinstance(config, Model) else "")
+        raise TypeError(f"config must be a summasim.transformer.model.Config, got "
+                        f"{type(config).__name__}{hint}")
+
+
 def param_shapes(config: Config) -> dict:
     """Ordered ``{name: shape}`` of every parameter, serial shapes."""
+    need_config(config)
     h, f, w = config.hidden, config.ffn, config.qkv_width
     shapes = {"wte": (config.vocab, h), "wpe": (config.seq, h)}
     layer = {"ln1.g": (h,), "ln1.b": (h,), "attn.qkv.w": (h, w), "attn.qkv.b": (w,),
@@ -124,6 +136,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
     float64 and then cast, so a float32 model holds the rounded float64 parameters of
     the same seed.
     """
+    need_config(config)
     rng = np.random.default_rng(seed)
     proj_std = INIT_STD / math.sqrt(2 * config.layers)
     params = {}

@@ -255,8 +255,7 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     dimension, its size and the divisor or the least) before anything is sent.
     ``TypeError`` for a non-Grid.
     """
-    if not isinstance(config, Config):
-        raise TypeError(f"optimus: config must be a model.Config, got {type(config).__name__}")
+    model.need_config(config)
     _check_grid(grid, ("pr", "pc", "d", "row", "col", "depth", "layer"))   # pure: no world
     pr, pc, d = grid.pr, grid.pc, grid.d
     rows_sym, sym = ("d*q", "q") if pr == pc else ("d*pr", "pc")

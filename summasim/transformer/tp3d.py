@@ -155,8 +155,7 @@ def check(config: Config, grid, batch: Optional[int] = None) -> None:
     hidden size, MLP width (the balanced partition over q), vocabulary (padded to a
     multiple of q) and size of a weight's depth pieces. Pure, so every rank raises
     alike."""
-    if not isinstance(config, Config):
-        raise TypeError(f"tp3d: config must be a model.Config, got {type(config).__name__}")
+    model.need_config(config)
     _check_grid(grid, ("q", "d", "row", "col", "depth"))
     q = grid.q
     check_sizes(config, batch, q * q, "q^2", q, "q", f"tp3d on a {q}x{q}x{q} cube", "block")
