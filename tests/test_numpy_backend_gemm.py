@@ -1,6 +1,7 @@
-"""The NumPy backend's in-place GEMM: SciPy's BLAS, called without the GIL when the
-GEMM is long (so the heartbeat and the signal watcher run meanwhile), with the same
-results, bit for bit, as SciPy's own wrapper, and the same refusals."""
+"""The NumPy backend's in-place GEMM: SciPy's BLAS, called without the GIL when the GEMM
+is long (so the heartbeat and the signal watcher run meanwhile), with the same results,
+bit for bit, as SciPy's own wrapper, and the same refusals. And what ``get_backend``
+says of a missing CuPy."""
 
 from __future__ import annotations
 
@@ -88,3 +89,18 @@ def test_a_long_gemm_lets_other_threads_run():
     during = sum(t0 < t < t1 for t in ticks)
     assert t1 - t0 > 0.05, f"the GEMM took {t1 - t0:.3f} s: too short to tell"
     assert during >= 3, f"{during} ticks during a {t1 - t0:.2f} s GEMM"
+
+
+def test_get_backend_cupy_without_cupy_says_what_is_missing(monkeypatch):
+    """A library caller asking for the CuPy backend where CuPy is missing gets what the
+    front-ends say (a RuntimeError naming the extra), not a bare ModuleNotFoundError."""
+    import sys
+
+    from summasim import backends
+
+    monkeypatch.setitem(sys.modules, "cupy", None)            # import cupy raises
+    monkeypatch.setattr(backends, "_cache", {})
+    with pytest.raises(RuntimeError, match=r"get_backend: cupy needs CuPy \(pip install "
+                                           r"'summasim\[cupy\]'\)"):
+        backends.get_backend("cupy")
+    assert backends.get_backend("numpy").name == "numpy"

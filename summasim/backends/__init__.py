@@ -44,7 +44,8 @@ def get_backend(name: str = "numpy"):
     """Return the backend called ``name`` (one of :data:`NAMES`).
 
     The instance is created once per process and reused, so its pinned buffers and
-    its memory statistics persist across calls.
+    its memory statistics persist across calls. ``"cupy"`` where CuPy or a GPU is
+    missing: a ``RuntimeError`` saying which (:func:`unavailable`).
     """
     if not isinstance(name, str) or name not in _NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(_NAMES)}")
@@ -56,6 +57,9 @@ def get_backend(name: str = "numpy"):
         elif name == "ipc-host":
             _cache[name] = IpcHostBackend()
         else:
+            why = unavailable(name)
+            if why:                 # the library caller's error: what is missing, and how
+                raise RuntimeError(f"get_backend: {why.replace('--backend cupy', 'cupy')}")
             from .cupy_backend import CupyBackend  # imports cupy: only on request
 
             _cache[name] = CupyBackend()
