@@ -2,8 +2,8 @@
 
 Every call through :class:`summasim.comm.Comm` appends one :class:`Event`:
 
-``op``          "bcast", "reduce", "allreduce", "allgather", "sendrecv", "send", "recv"
-                or "barrier"
+``op``          "bcast", "reduce", "allreduce", "allgather", "reduce_scatter", "sendrecv",
+                "send", "recv" or "barrier"
 ``group``       name of the communicator: "row", "col", "depth", "layer", "world", ...
 ``group_size``  number of ranks in that communicator
 ``root``        root rank inside the group (the peer for send and recv; -1 when none)
