@@ -280,6 +280,17 @@ def check_working_folder() -> None:
                          "shell was in it): cd to a folder that exists") from None
 
 
+def quiet_interrupts() -> None:
+    """A Ctrl-C that lands before a front-end's own handler is up (while NumPy, SciPy and
+    mpi4py load: a second and more per rank on a loaded node) ends the process by the
+    signal itself: no traceback (one per rank before, and a segmentation fault when it
+    landed inside MPI's start-up). A front-end's ``__main__`` calls it before its other
+    imports; :func:`summasim.mpiutil.end_on_signals` (MPI front-ends) and
+    :func:`run_command` (serial ones) take over once the work starts."""
+    with contextlib.suppress(ValueError):          # not the main thread: nothing to do
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_command(prog: str, run: Callable, args) -> int:
     """``run(args)`` with a :class:`UsageError` turned into one line and status 2, and
     stdout guarded (:func:`guarded_stdout`): a reader that goes away or a path stdout
@@ -290,6 +301,8 @@ def run_command(prog: str, run: Callable, args) -> int:
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
     """
+    with contextlib.suppress(ValueError):          # Ctrl-C: a KeyboardInterrupt, said below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with guarded_stdout() as guard:
             try:

@@ -18,6 +18,11 @@ algorithm, scheme and default composition that fits and shows each one caught. A
 
 from __future__ import annotations
 
+from . import cli
+
+if __name__ == "__main__":        # a Ctrl-C while the modules below load: no traceback
+    cli.quiet_interrupts()
+
 import argparse
 import contextlib
 import dataclasses
@@ -27,7 +32,7 @@ import time
 
 import numpy as np
 
-from . import cli, options
+from . import options
 from .algorithms.table import ALGORITHMS
 from .backends import NAMES as BACKENDS
 from .cli import UsageError

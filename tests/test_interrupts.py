@@ -131,3 +131,25 @@ def test_accuracy_interrupted_leaves_nothing_behind(tmp_path, sig, group):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("delay", [0.15, 0.3])
+def test_ctrl_c_while_the_ranks_start_is_no_traceback_storm(delay):
+    """A Ctrl-C in the first second of a job (the ranks still importing NumPy, SciPy
+    and mpi4py) gave one KeyboardInterrupt traceback per rank, and a segmentation fault
+    when it landed inside MPI's start-up. Now each rank ends by the signal itself."""
+    proc = subprocess.Popen(
+        ["mpiexec", "-n", "4", sys.executable, "-m", "summasim.run", "--sizes", "256", "256",
+         "256", "--schemes", "none", "--meshes", "none", "--no-predict"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=_env(), cwd=ROOT)
+    try:
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out[-2000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "Segmentation fault" not in out, out[-3000:]

@@ -9,10 +9,15 @@ atomically). A user error is one line from rank 0 and exit status 2, before any 
 
 from __future__ import annotations
 
+from .. import cli
+
+if __name__ == "__main__":        # a Ctrl-C while the modules below load: no traceback
+    cli.quiet_interrupts()
+
 import argparse
 import sys
 
-from .. import cli, options
+from .. import options
 from ..harness.frontend import Parser, check_outputs, mpi_main
 from . import allreduce, gemm, layer, mesh, ring_steps, transformer
 from .common import (Run, add_backend, add_json, add_predict, add_repeats, given,

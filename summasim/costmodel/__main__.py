@@ -12,11 +12,15 @@ MPI, and only rank 0 speaks.
 
 from __future__ import annotations
 
+from .. import cli
+
+if __name__ == "__main__":        # a Ctrl-C while the modules below load: no traceback
+    cli.quiet_interrupts()
+
 import argparse
 import json
 import sys
 
-from .. import cli
 
 #: The fit's smallest ``--max-bytes``: its collective benchmarks start at 64 B.
 FIT_MIN_BYTES = 64

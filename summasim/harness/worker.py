@@ -13,6 +13,11 @@ interpreter, else the one on PATH; e.g. ``srun``) with ``$SUMMASIM_MPIEXEC_FLAGS
 
 from __future__ import annotations
 
+from .. import cli
+
+if __name__ == "__main__":        # a Ctrl-C while the modules below load: no traceback
+    cli.quiet_interrupts()
+
 import json
 import math
 import os
