@@ -60,6 +60,22 @@ def json_safe(obj):
     return obj
 
 
+#: the temp files of writes in progress (:func:`discard_unfinished`)
+_WRITING: set = set()
+
+
+def discard_unfinished() -> None:
+    """Unlink the temp files of atomic writes still in progress: for a process about to
+    end at once (``os._exit`` on a signal, :func:`summasim.mpiutil.end_on_signals`), whose
+    ``finally`` blocks will not run. The target files are untouched: a write that had
+    got as far as its rename is whole, one that had not never happened."""
+    for tmp in list(_WRITING):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``,
     so a reader never sees a half-written file. A file replaced keeps its permission
@@ -74,6 +90,7 @@ def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
     if make_folder:
         os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    _WRITING.add(tmp)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
@@ -89,6 +106,8 @@ def write_text_atomic(path, text: str, make_folder: bool = True) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _WRITING.discard(tmp)
 
 
 def write_json_atomic(path, obj) -> None:

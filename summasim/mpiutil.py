@@ -49,6 +49,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .cli import env_switch
+from .jsonio import discard_unfinished
 
 _AGREE = env_switch("SUMMASIM_AGREE", True, strict=False)   # strictly: check_environment
 
@@ -217,6 +218,7 @@ def end_on_signals(prog: str, rank: int) -> bool:
                              f"the job ends\n")
             sys.stderr.flush()
         release_shared_memory()
+        discard_unfinished()             # a report half-way to its rename: no temp file
         os._exit(128 + int(sig))
 
     threading.Thread(target=watch, name="summasim-signals", daemon=True).start()

@@ -409,3 +409,25 @@ def test_csv_and_plots_replace_only_their_own_kind_of_file(tmp_path):
         res = _run(*plan, "--plot", png)
         assert res.returncode == 0, res.stderr
         assert png.read_bytes().startswith(cli.FILE_SIGNATURES["png"])
+
+
+def test_a_write_cut_short_by_a_signal_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A rank that ends at once on SIGINT or SIGTERM (``os._exit``: no ``finally``) while
+    it writes a report first unlinks the temp files of writes in progress; the report
+    keeps its old contents."""
+    target = tmp_path / "r.json"
+    target.write_text("old\n")
+    seen = []
+
+    def cut(tmp, path):                  # the signal lands between the write and the rename
+        seen.append(os.path.exists(tmp))
+        jsonio.discard_unfinished()      # what mpiutil.end_on_signals does before _exit
+        seen.append(os.path.exists(tmp))
+        raise SystemExit(143)
+
+    monkeypatch.setattr(jsonio.os, "replace", cut)
+    with pytest.raises(SystemExit):
+        jsonio.write_text_atomic(str(target), "new\n")
+    assert seen == [True, False]
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["r.json"]
+    assert not jsonio._WRITING
