@@ -153,3 +153,27 @@ def test_ctrl_c_while_the_ranks_start_is_no_traceback_storm(delay):
     assert proc.returncode != 0, out[-2000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert "Segmentation fault" not in out, out[-3000:]
+
+
+def test_an_interrupted_benchmark_says_what_it_was_running():
+    """The line of an interrupted ``summasim.bench`` names the benchmark (it said
+    "starting the work", whatever ran)."""
+    proc = subprocess.Popen(
+        ["mpiexec", "-n", "2", sys.executable, "-m", "summasim.bench", "gemm", "--n", "2048",
+         "--repeats", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env=_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while "summa" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()         # a row printed: the benchmark is running
+            if not line:
+                break
+        assert "summa" in line or "cannon" in line, "the benchmark did not start"
+        os.kill(proc.pid, signal.SIGINT)          # the launcher forwards it to the ranks
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "python -m summasim.bench: interrupted (SIGINT) on rank 0; it was running bench " \
+           "gemm" in err, err[-2000:]

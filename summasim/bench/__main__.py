@@ -160,7 +160,7 @@ def _body(args, world) -> int:
     from ..backends import get_backend
     from ..comm import default_wait_policy, node_cores
     from ..jsonio import write_report
-    from ..mpiutil import limit_blas_threads
+    from ..mpiutil import doing, limit_blas_threads
 
     p = world.Get_size()
     _limits = limit_blas_threads(1 if p > 1 else None)  # noqa: F841
@@ -189,8 +189,10 @@ def _body(args, world) -> int:
             say(f"{name}: skipped, it measures nothing at p = {p}: {why}")
             report.setdefault("skipped", {})[name] = why
             continue
+        doing(f"running bench {name}")       # what an interrupt's line says it was doing
         ok = BENCHMARKS[name].run(bench) and ok
     if args.json and bench.rank == 0:
+        doing("writing the report")
         ok = write_report(args.json, "bench", report, prog=PROG) and ok
     if not ok:
         say("a benchmarked result failed its check")

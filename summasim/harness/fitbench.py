@@ -381,6 +381,15 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
+    from ..mpiutil import doing
+
+    told = detail
+
+    def detail(msg):                     # each phase is what an interrupt's line names
+        if not msg.startswith(" "):
+            doing(f"fitting the machine: {msg.split(',')[0].split(' (')[0]}")
+        told(msg)
+
     rank, size = comm.Get_rank(), comm.Get_size()
     cores = node_cores_of(comm)[1]       # the CPUs the fit's ranks cover together
     if size > cores:
@@ -429,6 +438,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     for g in group_sizes:
         if not 2 <= g <= size:
             continue
+        doing(f"fitting the machine: collectives of {g} ranks")
         color = rank // g if rank < (size // g) * g else MPI.UNDEFINED
         sub = comm.Split(color, rank)
         for op in ("bcast", "reduce", "allreduce"):
@@ -447,6 +457,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     gamma_gemm = {}
     with threadpool_limits(limits=1):
         for dt in dtypes:
+            doing(f"fitting the machine: {dt} GEMM")
             pts = []
             for n in gemm_sizes:
                 comm.Barrier()
@@ -469,6 +480,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
         gr = float(np.median(comm.allgather(gr)))
         detail(f"  reduction a += b: {gr * 1e9:.3f} ns/B ({1 / gr / 1e9:.2f} GB/s)")
     laps.append(watch and watch.lap())
+    doing("fitting the machine: memory bandwidth")
     bandwidth, cache = node_memory(comm, detail)
     laps.append(watch and watch.lap())
 
