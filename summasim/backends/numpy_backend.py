@@ -87,6 +87,7 @@ def _gemm_routine(dtype):
 # GIL (:func:`_gil_free_gemm`); below it, SciPy's wrapper, whose call costs ~1 us to the
 # ~6 us of a ctypes call
 GIL_FREE_FLOPS = 1 << 26
+_INT32 = 1 << 31
 _SCALARS = {np.dtype(np.float64): (ctypes.c_double, "dgemm"),
             np.dtype(np.float32): (ctypes.c_float, "sgemm"),
             np.dtype(np.complex128): (ctypes.c_double * 2, "zgemm"),
@@ -207,8 +208,10 @@ class NumpyBackend:
             return c
         (ma, ka), (kb, nb) = a.shape[::-1] if trans_a else a.shape, \
             b.shape[::-1] if trans_b else b.shape
-        if 2 * c.size * ka >= GIL_FREE_FLOPS and ka == kb and c.shape == (ma, nb):
-            # (raw BLAS checks nothing: a mismatch goes on to SciPy's call, which raises)
+        if (2 * c.size * ka >= GIL_FREE_FLOPS and ka == kb and c.shape == (ma, nb)
+                and max(ma, ka, nb) < _INT32):
+            # (raw BLAS checks nothing: a mismatch goes on to SciPy's call, which raises;
+            # cython_blas takes 32-bit dimensions)
             free = _gil_free_gemm(c.dtype)
             if free is not None:
                 _call_gil_free(*free, a, b, c, trans_a, trans_b, accumulate)
