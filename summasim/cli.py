@@ -288,7 +288,8 @@ def quiet_interrupts() -> None:
     imports; :func:`summasim.mpiutil.end_on_signals` (MPI front-ends) and
     :func:`run_command` (serial ones) take over once the work starts."""
     with contextlib.suppress(ValueError):          # not the main thread: nothing to do
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:   # (cmd & in a script)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_command(prog: str, run: Callable, args) -> int:
@@ -301,8 +302,22 @@ def run_command(prog: str, run: Callable, args) -> int:
     ``run`` returns an exit status (an int) or anything else for success (0); the
     ``main()`` of a front-end is ``return cli.run_command(ap.prog, run, ap.parse_args(argv))``.
     """
+    old = None
     with contextlib.suppress(ValueError):          # Ctrl-C: a KeyboardInterrupt, said below
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        old = signal.getsignal(signal.SIGINT)
+        if old is signal.SIG_DFL:                  # (set so by quiet_interrupts; ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # stays ignored)
+        else:
+            old = None
+    try:
+        return _run_guarded(prog, run, args)
+    finally:
+        if old is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, old)
+
+
+def _run_guarded(prog: str, run: Callable, args) -> int:
     try:
         with guarded_stdout() as guard:
             try:

@@ -249,8 +249,9 @@ class Mesh(_Groups):
     Raises
     ------
     ValueError
-        On every rank, before any communication, when ``dp * pp * T`` is not the
-        communicator's size or a dimension is not a positive integer.
+        On every rank alike, before any group is built, when ``dp * pp * T`` is not the
+        communicator's size, a dimension is not a positive integer, or the ranks ask for
+        different meshes (one small agreement, :func:`summasim.mpiutil.agree`).
     """
 
     def __init__(self, comm, dp: int, pp: int, kind: str, q: int = 1, d: int = 1,

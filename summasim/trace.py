@@ -146,6 +146,12 @@ class Trace:
         carries the exchange, so that it is not itself traced)."""
         mine = {"nbytes": self.nbytes, "count": len(self.events),
                 "by_op": {k: tuple(v) for k, v in self.by_op().items()}}
-        raw = (getattr(comm, "mpi", None) or getattr(getattr(comm, "world", None), "mpi", None)
-               or comm)
-        return raw.allgather(mine)
+        return untraced(comm).allgather(mine)
+
+
+def untraced(comm):
+    """What carries an exchange that is not itself traced: the raw mpi4py communicator of
+    a summasim ``Comm`` (``.mpi``) or of a grid (``.world.mpi``), else ``comm`` itself (an
+    mpi4py communicator, or anything with the methods the caller uses)."""
+    return (getattr(comm, "mpi", None) or getattr(getattr(comm, "world", None), "mpi", None)
+            or comm)

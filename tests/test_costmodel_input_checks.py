@@ -25,7 +25,8 @@ CFG = TransformerConfig(b=8, s=64, h=64, n=4, N=2, v=64)
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("value", [NAN, INF, -INF, -1, -1e-9, "8", None, True])
+@pytest.mark.parametrize("value", [NAN, INF, -INF, -1, -1e-9, "8", None, True, 10 ** 400,
+                                   -(10 ** 400)])
 def test_finite_size_refuses(value):
     with pytest.raises(ValueError, match="nbytes must be a finite number >= 0"):
         finite_size("nbytes", value)
@@ -36,6 +37,11 @@ def test_finite_size_and_whole_take_what_they_should():
     with pytest.raises(ValueError, match="> 0"):
         finite_size("x", 0, positive=True)
     assert whole("p", 4) == 4 and whole("p", 4.0) == 4 and type(whole("p", 4.0)) is int
+    import numpy as np                                   # NumPy scalars and 0-d arrays
+    assert finite_size("x", np.array(10.0)) == 10.0 and finite_size("x", np.float32(2)) == 2
+    assert whole("p", np.array(4)) == 4 and whole("p", np.int64(4)) == 4
+    assert collective_time("bcast", np.array(1024.0), np.int64(4), LOCAL) == \
+        collective_time("bcast", 1024, 4, LOCAL)
     for bad in (2.5, 0, NAN, INF, True, "4", None):
         with pytest.raises(ValueError, match="p must be a whole number >= 1"):
             whole("p", bad)

@@ -116,7 +116,10 @@ def _gil_free_gemm(dtype):
         api.PyCapsule_GetName.argtypes = [ctypes.py_object]
         api.PyCapsule_GetPointer.restype = ctypes.c_void_p
         api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        pointer = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+        signature = api.PyCapsule_GetName(capsule)
+        if b"int *" not in signature:     # 32-bit dimensions, as _call_gil_free passes
+            return None
+        pointer = api.PyCapsule_GetPointer(capsule, signature)
     except (ImportError, AttributeError, KeyError, ValueError, TypeError):
         return None
     if not pointer:
@@ -198,7 +201,9 @@ class NumpyBackend:
         routine = _gemm_routine(c.dtype)
         if (routine is None or not c.flags.c_contiguous or a.dtype != c.dtype
                 or b.dtype != c.dtype or not a.flags.c_contiguous or not b.flags.c_contiguous
+                or not (a.flags.aligned and b.flags.aligned and c.flags.aligned)
                 or c.size == 0 or a.size == 0 or b.size == 0):
+            # (a misaligned c: SciPy's wrapper would write an aligned copy and drop it)
             opa = a.T if trans_a else a
             opb = b.T if trans_b else b
             if accumulate:

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 from .. import options
@@ -27,7 +26,8 @@ from summasim.costmodel.workload.measured import MeasuredRun
 from ..jsonio import write_json_atomic
 from .cases import MatmulCase, MeshCase, RingCase, transformer_case
 from .load import wait_for_quiet
-from .worker import JobInterrupted, launch, mpiexec, run_job, timeout_prefix, worker_env
+from .worker import (JobInterrupted, catch_signals, launch, mpiexec, restore_signals,
+                     run_job, timeout_prefix, worker_env)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -174,24 +174,21 @@ def run(args) -> int:
     """The accuracy benchmark (see the module doc). SIGINT or SIGTERM while a job runs
     ends that job, every process of it (:func:`~summasim.harness.worker.run_job`), and
     the benchmark, with one line; its temporary folder goes too."""
-    def terminated(signum, _frame):
+    def terminated(signum):
         raise JobInterrupted(signum)     # between jobs: said as during one
 
-    old = signal.signal(signal.SIGTERM, terminated) if (
-        threading.current_thread() is threading.main_thread()) else None
+    old = catch_signals((signal.SIGTERM, signal.SIGHUP), terminated)
     try:
         return _run(args)
-    except JobInterrupted as e:
-        print(f"python -m summasim.costmodel accuracy: interrupted ({e}); no MPI job of it "
-              f"is left running", file=sys.stderr, flush=True)
-        return 128 + e.signum
-    except KeyboardInterrupt:         # between jobs: nothing of them is left running
-        print("python -m summasim.costmodel accuracy: interrupted (SIGINT)",
-              file=sys.stderr, flush=True)
-        return 130
+    except (JobInterrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        with contextlib.suppress(OSError, ValueError):      # a terminal gone: no stderr
+            print(f"python -m summasim.costmodel accuracy: interrupted "
+                  f"({signal.Signals(signum).name}); no MPI job of it is left running",
+                  file=sys.stderr, flush=True)
+        return 128 + int(signum)
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        restore_signals(old)
 
 
 def _run(args) -> int:

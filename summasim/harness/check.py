@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..layout import block_slices
+from ..trace import untraced
 from ..validate import LAMBDA, passes, scaled_error, tolerance, unit_roundoff
 from .data import STREAM_A, STREAM_B, STREAM_RING, uniform_block, uniform_segment
 
@@ -74,10 +75,8 @@ def collective(world, check: Check) -> Check:
     The error is the largest finite error, or NaN when any rank saw a non-finite value
     (``bad_ranks`` names the ranks that failed). ``world``: an mpi4py communicator, a
     summasim ``Comm`` or a grid."""
-    from ..mpiutil import raw_mpi
-
     mine = (float(check.error), bool(check.nonfinite), bool(check.ok))
-    every = raw_mpi(world).allgather(mine)
+    every = untraced(world).allgather(mine)
     bad = [r for r, (_, nf, ok) in enumerate(every) if (nf or not ok)]
     nonfinite = any(nf for _, nf, _ in every)
     finite = [e for e, nf, _ in every if not nf]        # inf: a block of the wrong shape

@@ -126,34 +126,67 @@ def _end_job(proc: subprocess.Popen) -> None:
         pass
 
 
+#: what ends a launched job with its caller: Ctrl-C, a scheduler's SIGTERM, a terminal
+#: that closes (the job has a session of its own, so the hangup reaches the caller only)
+JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def catch_signals(signals, on_signal) -> dict:
+    """Install a one-shot handler for each of ``signals`` that is not ignored (a signal
+    the caller's parent ignored, as for ``cmd &`` in a script, stays ignored): the first
+    signal calls ``on_signal(signum)`` (which may raise); any later one is dropped, so
+    that it cannot cut the clean-up short. Returns the old handlers, for
+    :func:`restore_signals`. Main thread only (elsewhere: nothing, ``{}``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    fired = []
+
+    def handler(signum, _frame):
+        if not fired:
+            fired.append(signum)
+            on_signal(signum)
+
+    old = {}
+    for sig in signals:
+        previous = signal.getsignal(sig)
+        if previous is not signal.SIG_IGN:
+            old[sig] = previous
+            signal.signal(sig, handler)
+    return old
+
+
+def restore_signals(old: dict) -> None:
+    for sig, previous in old.items():     # None: a handler set from C, not restorable
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
 def run_job(cmd: list[str], env: dict | None = None) -> int:
     """Run a launched job (``timeout ... mpiexec ...``) to its end; its exit status.
 
     The job gets a session of its own, so a Ctrl-C at the terminal reaches this process
-    only, and SIGINT or SIGTERM here ends the whole job (:func:`_end_job`) and raises
-    :class:`JobInterrupted`: no launcher or rank is left running, unbounded, after its
-    caller is gone (``subprocess.run`` would kill ``timeout`` alone and orphan the rest)."""
-    main = threading.current_thread() is threading.main_thread()
-    old = {}
-    if main:
-        def stop(signum, _frame):
+    only, and SIGINT, SIGTERM or SIGHUP here ends the whole job (:func:`_end_job`) and
+    raises :class:`JobInterrupted`: no launcher or rank is left running, unbounded, after
+    its caller is gone (``subprocess.run`` would kill ``timeout`` alone and orphan the
+    rest). A signal that lands while the job is being started ends it once it exists."""
+    state = {"proc": None, "sig": None}
+
+    def on_signal(signum):
+        state["sig"] = signum
+        if state["proc"] is not None:
             raise _Stop(signum)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, stop)
-    proc = None
+    old = catch_signals(JOB_SIGNALS, on_signal)
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        return proc.wait()
-    except _Stop as stop_:
-        if proc is not None:
-            for sig in old:                   # a second Ctrl-C must not cut the cleanup
-                signal.signal(sig, signal.SIG_IGN)
-            _end_job(proc)
-        raise JobInterrupted(stop_.signum) from None
+        try:
+            state["proc"] = subprocess.Popen(cmd, env=env, start_new_session=True)
+            if state["sig"] is not None:          # it came while Popen ran
+                raise _Stop(state["sig"])
+            return state["proc"].wait()
+        except _Stop as stop_:
+            _end_job(state["proc"])
+            raise JobInterrupted(stop_.signum) from None
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        restore_signals(old)
 
 
 def worker_env() -> dict:
@@ -216,7 +249,11 @@ def worker_main(spec_path: str, out_path: str) -> int:
     from mpi4py import MPI
 
     from ..cli import UsageError, print_error
+    from ..mpiutil import end_on_signals
 
+    # an interrupted job (costmodel accuracy ends it with SIGTERM): one line from rank 0,
+    # and the node's shared memory freed, not a launcher's report of killed ranks
+    end_on_signals("python -m summasim.costmodel accuracy-worker", MPI.COMM_WORLD.Get_rank())
     try:
         spec = check_worker_files(spec_path,
                                   out_path if MPI.COMM_WORLD.Get_rank() == 0 else None)
@@ -229,7 +266,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
 
     from ..backends import get_backend
     from ..comm import default_wait_policy, learn_node_cores, node_cores
-    from ..mpiutil import abort_on_error, limit_blas_threads
+    from ..mpiutil import abort_on_error, doing, limit_blas_threads
     from .cases import case_from_dict
     from .execute import run_case
 
@@ -247,6 +284,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
         t_start = time.time()
         for data in spec["cases"]:
             case = case_from_dict(data)
+            doing(f"running {case.label(p)}")
             kw = {"method": spec.get("check", "auto")} if case.kind != "transformer" else \
                 {"with_memory": False}
             res = run_case(case, world, backend, repeats=repeats, seed=seed, **kw)

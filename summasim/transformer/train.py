@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 import time
 from typing import Callable, Optional
 
@@ -441,4 +442,8 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:            # Ctrl-C: one line, as every front-end says it
+        sys.stderr.write(f"{PROG}: interrupted (SIGINT)\n")
+        sys.exit(130)
