@@ -50,6 +50,7 @@ from mpi4py import MPI
 
 from .cli import env_switch
 from .jsonio import discard_unfinished
+from .trace import untraced
 
 _AGREE = env_switch("SUMMASIM_AGREE", True, strict=False)   # strictly: check_environment
 
@@ -360,13 +361,11 @@ def local_error(check, *args, **kwargs):
 
 def raw_mpi(comm):
     """The raw mpi4py communicator of a summasim Comm (``.mpi``), a grid (its
-    ``world``) or an mpi4py communicator itself."""
-    if isinstance(comm, MPI.Comm):
-        return comm
-    if isinstance(getattr(comm, "mpi", None), MPI.Comm):
-        return comm.mpi
-    if isinstance(getattr(getattr(comm, "world", None), "mpi", None), MPI.Comm):
-        return comm.world.mpi
+    ``world``) or an mpi4py communicator itself (:func:`summasim.trace.untraced`, which
+    takes anything else as it is; here anything else is a TypeError)."""
+    raw = untraced(comm)
+    if isinstance(raw, MPI.Comm):
+        return raw
     raise TypeError(f"expected a communicator or a grid, got {type(comm).__name__}")
 
 

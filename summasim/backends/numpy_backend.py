@@ -111,23 +111,23 @@ def _gil_free_gemm(dtype):
         from scipy.linalg import cython_blas
 
         capsule = cython_blas.__pyx_capi__[name]
-        api = ctypes.pythonapi
-        api.PyCapsule_GetName.restype = ctypes.c_char_p
-        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        signature = api.PyCapsule_GetName(capsule)
+        # prototypes of their own: ctypes.pythonapi's functions are shared process-wide
+        get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+            ("PyCapsule_GetName", ctypes.pythonapi))
+        get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+            ("PyCapsule_GetPointer", ctypes.pythonapi))
+        signature = get_name(capsule)
         if b"int *" not in signature:     # 32-bit dimensions, as _call_gil_free passes
             return None
-        pointer = api.PyCapsule_GetPointer(capsule, signature)
+        pointer = get_pointer(capsule, signature)
     except (ImportError, AttributeError, KeyError, ValueError, TypeError):
         return None
     if not pointer:
         return None
     vp = ctypes.c_void_p
     fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, *([vp] * 11))(pointer)
-    one = scalar(1.0) if scalar in (ctypes.c_double, ctypes.c_float) else scalar(1.0, 0.0)
-    zero = scalar(0.0) if scalar in (ctypes.c_double, ctypes.c_float) else scalar(0.0, 0.0)
+    one, zero = ((scalar(1.0, 0.0), scalar(0.0, 0.0)) if dtype.kind == "c"   # (re, im)
+                 else (scalar(1.0), scalar(0.0)))
     return fn, one, zero
 
 

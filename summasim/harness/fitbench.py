@@ -381,14 +381,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
-    from ..mpiutil import doing
-
-    told = detail
-
-    def detail(msg):                     # each phase is what an interrupt's line names
-        if not msg.startswith(" "):
-            doing(f"fitting the machine: {msg.split(',')[0].split(' (')[0]}")
-        told(msg)
+    from ..mpiutil import doing      # each phase: what an interrupt's line names
 
     rank, size = comm.Get_rank(), comm.Get_size()
     cores = node_cores_of(comm)[1]       # the CPUs the fit's ranks cover together
@@ -412,6 +405,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
     t_start = time.time()
 
     detail(f"{size} ranks, {cores} cores, {mpi_library()}")
+    doing("fitting the machine: ping-pong")
     detail(f"ping-pong between ranks 0 and 1, {len(sizes)} sizes {sizes[0]} B .. {sizes[-1]} B")
     pp = []
     for _ in range(3):          # warm up: the first exchanges set up MPICH's shared queues
@@ -421,6 +415,7 @@ def _run_fit_locked(comm, quick, max_bytes, group_sizes, gemm_sizes, dtypes, thr
         pp.append(t)
         detail(f"  ping-pong {s:>10d} B  {t * 1e6:10.2f} us  {s / t / 1e9 if t else 0:7.2f} GB/s")
     laps.append(watch and watch.lap())
+    doing("fitting the machine: ring sendrecv")
     detail("ring sendrecv (every rank to its right neighbour)")
     ring = []
     ring_sizes = sizes[::2] if not quick else sizes

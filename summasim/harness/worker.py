@@ -78,8 +78,9 @@ def timeout_prefix(seconds: float) -> list[str]:
 
 
 class JobInterrupted(Exception):
-    """This process got SIGINT or SIGTERM while a launched job ran; :func:`run_job` has
-    ended the job (every process of it) before raising. ``signum`` is the signal."""
+    """This process got one of :data:`JOB_SIGNALS` while a launched job ran;
+    :func:`run_job` has ended the job (every process of it) before raising. ``signum``
+    is the signal."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

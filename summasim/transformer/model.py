@@ -136,11 +136,11 @@ def init_params(config: Config, seed: int = 0) -> dict:
     float64 and then cast, so a float32 model holds the rounded float64 parameters of
     the same seed.
     """
-    need_config(config)
+    shapes = param_shapes(config)              # (checks that config is a Config)
     rng = np.random.default_rng(seed)
     proj_std = INIT_STD / math.sqrt(2 * config.layers)
     params = {}
-    for name, shape in param_shapes(config).items():
+    for name, shape in shapes.items():
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith((".ln1.g", ".ln2.g")) or name == "lnf.g":
             val = np.ones(shape)
